@@ -1,0 +1,141 @@
+"""What differs between VLM families, behind one small interface.
+
+Everything that can be read from the model itself is: the template prefix and image markup come from
+the checkpoint's own chat template, the rotary layout from its own modeling module (Qwen rotates
+halves of the head; GLM interleaves pairs and rotates only `partial_rotary_factor` of each head), the
+end-of-turn tokens from its generation config. What remains per family is which classes to load.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from schemas.config import ModelFamily
+
+_SENTINEL = "\u2063QVPIC_USER_CONTENT\u2063"
+
+
+@dataclass(frozen=True)
+class FamilyClasses:
+    family: ModelFamily
+    model_cls: str  # transformers class names, resolved lazily
+    image_processor_cls: str
+
+
+FAMILIES: dict[str, FamilyClasses] = {
+    "qwen2_5_vl": FamilyClasses(ModelFamily.QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessorPil"),
+    "qwen2_vl": FamilyClasses(ModelFamily.QWEN2_VL, "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessorPil"),
+    "glm4v": FamilyClasses(ModelFamily.GLM4V, "Glm4vForConditionalGeneration", "Glm4vImageProcessorPil"),
+}
+
+
+def family_classes(model_type: str) -> FamilyClasses:
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}") from None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The chat template cut where user content starts and ends.
+
+    A templated prompt is `prefix` + user content + `turn_suffix`; an image item of user content is
+    `image_before` + N image tokens + `image_after`.
+    """
+
+    prefix: str
+    turn_suffix: str
+    image_before: str
+    image_after: str
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, image_token: str) -> "ChatTemplate":
+        def render(content: list[dict]) -> str:
+            messages = [{"role": "user", "content": content}]
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+        text_only = render([{"type": "text", "text": _SENTINEL}])
+        with_image = render([{"type": "image"}, {"type": "text", "text": _SENTINEL}])
+        if text_only.count(_SENTINEL) != 1:
+            raise ValueError("the chat template does not place user text exactly once")
+        prefix, turn_suffix = text_only.split(_SENTINEL)
+        if not with_image.startswith(prefix) or not with_image.endswith(_SENTINEL + turn_suffix):
+            raise ValueError("the chat template renders images somewhere other than inside the user turn")
+        markup = with_image[len(prefix) : with_image.index(_SENTINEL)]
+        if markup.count(image_token) != 1:
+            raise ValueError(f"image markup {markup!r} does not hold the image token {image_token!r} once")
+        image_before, image_after = markup.split(image_token)
+        return cls(prefix, turn_suffix, image_before, image_after)
+
+
+class Adapter:
+    """Family-specific pieces of one loaded model, derived from the model itself."""
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.family = family_classes(model.config.model_type).family
+        self.modeling = sys.modules[type(model).__module__]  # the model's own rotary code
+        self.image_token_id: int = model.config.image_token_id
+        self.merge_size: int = model.config.vision_config.spatial_merge_size
+        self.template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(self.image_token_id))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @cached_property
+    def prefix_ids(self) -> list[int]:
+        return self.encode(self.template.prefix)
+
+    @cached_property
+    def turn_suffix_ids(self) -> list[int]:
+        return self.encode(self.template.turn_suffix)
+
+    @cached_property
+    def _image_markup_ids(self) -> tuple[list[int], list[int]]:
+        return self.encode(self.template.image_before), self.encode(self.template.image_after)
+
+    def image_ids(self, grid_thw: torch.Tensor) -> list[int]:
+        """Token ids of one page with patch grid (t, h, w): its markup around t·h·w/merge² image tokens."""
+        before, after = self._image_markup_ids
+        num_image_tokens = int(grid_thw.prod()) // self.merge_size**2
+        return before + [self.image_token_id] * num_image_tokens + after
+
+    @cached_property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        eos = self.model.generation_config.eos_token_id
+        return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def rope_index(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """3-D M-RoPE positions `(3, 1, L)` of a sequence starting at position 0 (the model's own code)."""
+        mm_token_type_ids = (input_ids == self.image_token_id).int()
+        positions, _ = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=image_grid_thw
+        )
+        return positions
+
+    @property
+    def rotary_emb(self) -> torch.nn.Module:
+        return self.model.model.language_model.rotary_emb
+
+    def rotate_keys(self, keys: torch.Tensor, delta_per_token: torch.Tensor) -> torch.Tensor:
+        """Shift cached keys by a per-token position delta with the model's own rotary layout.
+
+        keys: `[lead, ..., tokens, head_dim]` (at least 3-D), already rotated to their compile-time positions p.
+        Rotations compose (R(p+Δ) = R(Δ)·R(p)), and an equal shift on t/h/w makes M-RoPE a 1-D
+        rotation, so applying the model's rotary at position Δ moves every key to p+Δ. Angles and the
+        product are computed in float32 and cast back once.
+        """
+        dtype = keys.dtype
+        keys32 = keys.float()
+        positions = delta_per_token.view(1, 1, -1).expand(3, 1, -1)  # (3, batch=1, tokens)
+        cos, sin = self.rotary_emb(keys32, positions)  # [1, tokens, rotary_dim]
+        # unsqueeze_dim=0 turns cos/sin [tokens, rotary_dim] into [1, tokens, rotary_dim], which
+        # broadcasts over any leading dims of keys; the query slot gets an empty tensor.
+        _, rotated = self.modeling.apply_rotary_pos_emb(keys32[:0], keys32, cos[0], sin[0], unsqueeze_dim=0)
+        return rotated.to(dtype)

@@ -1,0 +1,86 @@
+"""Compiled chunk KV and its assembly into one request's cache.
+
+A chunk's KV is position-independent once we know where it was compiled: assembling a request places
+chunk i at start position s_i (s_{i+1} = s_i + span_i) and rotates its keys by Δ_i = s_i − compile_start.
+Values carry no position and are never touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from schemas.config import ChunkKind
+
+
+@dataclass
+class ChunkKV:
+    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]; keys rotated to compile-time positions
+    position_span: int  # how far the next position advances after the chunk (≠ tokens for images)
+    compile_start: int  # position of the chunk's first token when it was compiled
+    kind: ChunkKind
+    grid_thw: list[tuple[int, int, int]] = field(default_factory=list)  # one patch grid per page
+
+    def __post_init__(self) -> None:
+        if self.kv.dim() != 5 or self.kv.shape[1] != 2:
+            raise ValueError(f"ChunkKV.kv must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(self.kv.shape)}")
+        if self.position_span <= 0 or self.compile_start < 0:
+            raise ValueError(f"invalid span {self.position_span} / compile start {self.compile_start}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass
+class AssembledContext:
+    """One request's context KV, ready for the query prefill."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [1, kv_heads, tokens, head_dim]
+    next_position: int  # where the query starts
+    chunk_starts: list[int]  # s_i of every chunk, in request order
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layers[0][0].shape[2]
+
+
+def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
+    """s_1 = prefix span, s_{i+1} = s_i + span_i."""
+    starts, position = [], prefix_span
+    for chunk in chunks:
+        starts.append(position)
+        position += chunk.position_span
+    return starts
+
+
+def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotate_keys) -> AssembledContext:
+    """Concatenate `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order.
+
+    `rotate_keys(keys [layers, kv_heads, tokens, head_dim], delta_per_token [tokens])` is the model's
+    own rotary shift (see Adapter.rotate_keys). All chunks are rotated in one call.
+    """
+    prefix_span = prefix.position_span if prefix is not None else 0
+    if prefix is not None and prefix.compile_start != 0:
+        raise ValueError("the serving prefix must be compiled at position 0")
+    starts = chunk_starts(prefix_span, chunks)
+    parts = ([prefix.kv] if prefix is not None else []) + [c.kv for c in chunks]
+    if not parts:
+        raise ValueError("nothing to assemble: no prefix and no chunks")
+    kv = torch.cat(parts, dim=3)  # [layers, 2, kv_heads, total_tokens, head_dim]
+    if chunks:
+        deltas = torch.cat([
+            torch.full((c.num_tokens,), s - c.compile_start, dtype=torch.long) for c, s in zip(chunks, starts)
+        ])
+        chunk_from = prefix.num_tokens if prefix is not None else 0
+        if bool(deltas.any()):
+            kv[:, 0, :, chunk_from:] = rotate_keys(kv[:, 0, :, chunk_from:], deltas.to(kv.device))
+    next_position = starts[-1] + chunks[-1].position_span if chunks else prefix_span
+    layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])]
+    return AssembledContext(layers=layers, next_position=next_position, chunk_starts=starts)

@@ -1,0 +1,223 @@
+"""The VLM runtime shared by compile (offline) and serve (online): load, compile, prefill, decode.
+
+Positions are always passed explicitly as 3-D M-RoPE `position_ids` `(3, 1, L)`; the models' stateful
+`rope_deltas` is never relied on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import transformers
+from PIL import Image
+from transformers import AutoConfig, AutoTokenizer, DynamicCache
+
+from pipeline.runtime.adapters import Adapter, family_classes
+from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
+from pipeline.runtime.tiny import BUILTIN, ensure_model
+from schemas.config import ChunkKind, DType, ModelSpec
+
+TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"invalid sampling parameters {self}")
+
+
+@dataclass
+class Prefill:
+    """State right after a prefill: the last position's logits and the cache to decode on."""
+
+    logits: torch.Tensor  # [1, new_tokens, vocab] of the prefilled tokens
+    cache: DynamicCache
+    next_position: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_path(spec: ModelSpec) -> Path:
+    """A built-in name becomes its materialised local checkpoint; anything else must be a directory."""
+    if spec.path in BUILTIN:
+        return ensure_model(spec.path)
+    path = Path(spec.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {path} is not a local checkpoint directory (no config.json)")
+    return path
+
+
+class VLM:
+    """One loaded VLM with the template prefix and rotary layout derived from the checkpoint."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.path = resolve_path(spec)
+        self.device = resolve_device(spec.device)
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        config = AutoConfig.from_pretrained(self.path, **load)
+        classes = family_classes(config.model_type)
+        self.family = classes.family
+        model_cls = getattr(transformers, classes.model_cls)
+        self.model = model_cls.from_pretrained(
+            self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
+        ).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
+        self.image_processor = getattr(transformers, classes.image_processor_cls).from_pretrained(
+            self.path, size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}, **load
+        )
+        self.adapter = Adapter(self.model, self.tokenizer)
+        self._prefix: ChunkKV | None = None
+
+    # ---- compile (offline) -------------------------------------------------------------------
+    def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Pixel values, `[pages, 3]` grids and the token ids of the pages in order."""
+        processed = self.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
+        grids = processed["image_grid_thw"]
+        ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
+        return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
+
+    @torch.inference_mode()
+    def compile_images(
+        self, pages: Sequence[Image.Image], with_template: bool = True, position_offset: int = 0
+    ) -> ChunkKV:
+        """KV of one chunk's page images, compiled under the template prefix (then stripped) or alone.
+
+        `position_offset` shifts the whole compile sequence (prefix included) to start there.
+        """
+        pixel_values, grids, chunk_ids = self.image_inputs(pages)
+        return self._compile(chunk_ids, ChunkKind.IMAGE, with_template, pixel_values, grids, position_offset)
+
+    @torch.inference_mode()
+    def compile_text(self, text: str, with_template: bool = True, position_offset: int = 0) -> ChunkKV:
+        ids = self.adapter.encode(text)
+        if not ids:
+            raise ValueError("cannot compile an empty text chunk")
+        return self._compile(ids, ChunkKind.TEXT, with_template, position_offset=position_offset)
+
+    def _compile(self, chunk_ids, kind, with_template, pixel_values=None, grids=None, position_offset=0) -> ChunkKV:
+        prefix_ids = self.adapter.prefix_ids if with_template else []
+        num_prefix = len(prefix_ids)
+        input_ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
+        positions = self.positions(input_ids, grids, position_offset)
+        out = self.model(
+            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
+            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int(),
+            position_ids=positions, use_cache=True,
+        )
+        kv = stack_cache(out.cache)[:, :, :, num_prefix:]  # strip the prefix's entries
+        # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
+        compile_start = int(positions[0, 0, num_prefix])
+        span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
+        grid_list = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
+        return ChunkKV(kv.clone(), span, compile_start, kind, grid_list)
+
+    def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
+        """`(3, 1, L)` positions of a sequence whose first token sits at `start`."""
+        if grids is None:
+            pos = torch.arange(start, start + input_ids.shape[1], device=self.device)
+            return pos.view(1, 1, -1).expand(3, 1, -1)
+        return self.adapter.rope_index(input_ids, grids) + start
+
+    @property
+    def prefix(self) -> ChunkKV:
+        """The serving template prefix's KV at positions 0..P-1, computed once."""
+        if self._prefix is None:
+            with torch.inference_mode():
+                self._prefix = self._compile(self.adapter.prefix_ids, ChunkKind.TEXT, with_template=False)
+        return self._prefix
+
+    # ---- online ------------------------------------------------------------------------------
+    def assemble(self, chunks: Sequence[ChunkKV]) -> AssembledContext:
+        """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored."""
+        moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
+        return assemble(self.prefix, moved, self.adapter.rotate_keys)
+
+    @torch.inference_mode()
+    def prefill_query(self, context: AssembledContext, query: str) -> Prefill:
+        """Prefill only the query turn on top of an assembled context."""
+        cache = DynamicCache(ddp_cache_data=[(k.to(self.dtype), v.to(self.dtype)) for k, v in context.layers])
+        ids = self.adapter.encode(query) + self.adapter.turn_suffix_ids
+        return self._forward(torch.tensor([ids], device=self.device), cache, context.next_position)
+
+    @torch.inference_mode()
+    def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str) -> Prefill:
+        """Baseline: one full prefill of `[prefix][pieces…][query turn]`; a piece is text or page images."""
+        ids, pixel_list, grid_list = list(self.adapter.prefix_ids), [], []
+        for piece in pieces:
+            if isinstance(piece, str):
+                ids += self.adapter.encode(piece)
+            else:
+                pixel_values, grids, page_ids = self.image_inputs(piece)
+                ids += page_ids
+                pixel_list.append(pixel_values)
+                grid_list.append(grids)
+        ids += self.adapter.encode(query) + self.adapter.turn_suffix_ids
+        input_ids = torch.tensor([ids], device=self.device)
+        pixel_values = torch.cat(pixel_list) if pixel_list else None
+        grids = torch.cat(grid_list) if grid_list else None
+        return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids)
+
+    @torch.inference_mode()
+    def _forward(self, input_ids, cache, start, pixel_values=None, grids=None) -> Prefill:
+        positions = self.positions(input_ids, grids, start)
+        mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
+            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int() if grids is not None else None,
+            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+        )
+        return Prefill(out.logits, out.cache, int(positions.max()) + 1)
+
+    @torch.inference_mode()
+    def decode(self, state: Prefill, sampling: Sampling) -> Iterator[int]:
+        """Yield generated token ids until end-of-turn or `max_new_tokens` (the end token is not yielded)."""
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        logits, cache, position = state.logits[:, -1], state.cache, state.next_position
+        for _ in range(sampling.max_new_tokens):
+            token = select_token(logits, sampling, generator)
+            if token in self.adapter.end_of_turn_ids:
+                return
+            yield token
+            step = self._forward(torch.tensor([[token]], device=self.device), cache, position)
+            logits, position = step.logits[:, -1], step.next_position
+
+    def generate(self, state: Prefill, sampling: Sampling) -> list[int]:
+        return list(self.decode(state, sampling))
+
+
+def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else temperature + nucleus (top-p) sampling. logits: [1, vocab]."""
+    if sampling.temperature == 0:
+        return int(logits.argmax(-1))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)[0]
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def stack_cache(cache: DynamicCache) -> torch.Tensor:
+    """A model cache as one tensor `[layers, 2, kv_heads, tokens, head_dim]` (batch 1)."""
+    return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+
+
+def _to(chunk: ChunkKV, device: torch.device) -> ChunkKV:
+    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw)

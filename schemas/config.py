@@ -1,0 +1,143 @@
+"""Typed configuration shared by the offline and online paths.
+
+Everything here is validated at construction (pydantic, frozen, unknown fields rejected) so a bad
+config fails where it is written, not deep inside a Ray worker.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelFamily(str, Enum):
+    """VLM families the runtime (and the vision-token estimator) knows."""
+
+    QWEN2_5_VL = "qwen2_5_vl"
+    QWEN2_VL = "qwen2_vl"
+    GLM4V = "glm4v"
+    LLAVA_ONEVISION = "llava_onevision"  # vision-token estimates only
+
+
+class DType(str, Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class ChunkKind(str, Enum):
+    IMAGE = "image"
+    TEXT = "text"
+
+
+class Variant(str, Enum):
+    """What one stored KV entry of a chunk is."""
+
+    TEMPLATE = "template"  # page image compiled under the chat-template prefix (qvpic)
+    PLAIN = "plain"  # page image compiled with no prefix at position 0 (plain image PIC baseline)
+    TEXT = "text"  # chunk source text compiled under the template prefix (text PIC baseline)
+
+
+class Mode(str, Enum):
+    """How the engine builds the context of a request; every mode is served side by side."""
+
+    FULL_TEXT = "full_text"  # prefill every chunk's text online
+    FULL_IMAGE = "full_image"  # encode every page online and prefill everything
+    TEXT_PIC = "text_pic"  # link cached text KV
+    IMAGE_PIC = "image_pic"  # link cached prefix-free low-tier image KV
+    UNIFORM_HIGH = "uniform_high"  # link cached templated high-tier image KV for every chunk
+    QVPIC = "qvpic"  # templated image KV, relevance-routed dual resolution
+
+
+class Alignment(str, Enum):
+    LEFT = "left"
+
+
+class TierSpec(Frozen):
+    """A named rendering resolution."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    dpi: int = Field(ge=18, le=600)
+
+
+DEFAULT_TIERS: tuple[TierSpec, ...] = (TierSpec(name="low", dpi=72), TierSpec(name="high", dpi=120))
+
+
+class RenderSpec(Frozen):
+    """Page layout of rendered chunks. Defaults follow Glyph's public rendering configuration."""
+
+    page_width_pt: float = Field(595.0, gt=0)  # A4
+    page_height_pt: float = Field(842.0, gt=0)
+    margin_pt: float = Field(10.0, ge=0)
+    font_size_pt: float = Field(9.0, gt=0)
+    line_height_pt: float = Field(10.0, gt=0)
+    alignment: Alignment = Alignment.LEFT
+    # Tried in order per character; names are resolved against the system font directories.
+    font_names: tuple[str, ...] = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "NotoSansCJK-Regular.ttc")
+    tab_size_spaces: int = Field(4, ge=1, le=16)
+    crop: bool = True  # crop the unused right margin and the empty tail of the last page
+    max_pages_per_chunk: int = Field(8, ge=1)
+    max_chars_per_chunk: int = Field(20_000, ge=1)
+    tiers: tuple[TierSpec, ...] = DEFAULT_TIERS
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_tiers(cls, tiers: tuple[TierSpec, ...]) -> tuple[TierSpec, ...]:
+        if not tiers:
+            raise ValueError("at least one tier is required")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        return tiers
+
+    @model_validator(mode="after")
+    def _fits_page(self) -> "RenderSpec":
+        if 2 * self.margin_pt + self.line_height_pt > self.page_height_pt:
+            raise ValueError("margins and one line do not fit on the page")
+        if 2 * self.margin_pt >= self.page_width_pt:
+            raise ValueError("margins leave no width on the page")
+        return self
+
+    def tier(self, name: str) -> TierSpec:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"unknown tier {name!r}; configured: {[t.name for t in self.tiers]}")
+
+    @property
+    def lowest_tier(self) -> TierSpec:
+        return min(self.tiers, key=lambda t: t.dpi)
+
+    @property
+    def highest_tier(self) -> TierSpec:
+        return max(self.tiers, key=lambda t: t.dpi)
+
+
+class ModelSpec(Frozen):
+    """Which VLM to load and how.
+
+    `path` is a local checkpoint directory, or one of the built-in offline names
+    (`tiny-qwen`, `tiny-glm`, `bench-qwen`, `bench-glm`) that the tiny factory materialises on disk
+    first so that every model goes through the same `from_pretrained` path.
+    """
+
+    path: str = "tiny-qwen"
+    revision: str = "local"
+    dtype: DType = DType.FLOAT32
+    device: str = "auto"  # "auto" = cuda when present, else cpu
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    max_pixels: int = Field(1_605_632, gt=0)  # >= 1,389,000 so a 120-DPI A4 page is not downscaled
+    min_pixels: int = Field(3136, gt=0)
+
+
+class RouterSpec(Frozen):
+    """Defaults of the relevance router; both can be overridden per request."""
+
+    tau: float = Field(0.5, ge=0.0, le=1.0)  # cumulative relevance share that is promoted
+    max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks

@@ -1,0 +1,28 @@
+"""Shared fixtures: quiet libraries, offline everything, one loaded tiny model per family."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+FAMILY_MODELS = ["tiny-qwen", "tiny-glm"]
+
+
+@pytest.fixture(scope="session", params=FAMILY_MODELS)
+def vlm(request):
+    """A float32 tiny VLM of each family, loaded through the real from_pretrained path."""
+    from pipeline.runtime.model import VLM
+    from schemas.config import ModelSpec
+
+    return VLM(ModelSpec(path=request.param, device="cpu"))
