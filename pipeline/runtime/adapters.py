@@ -24,12 +24,14 @@ class FamilyClasses:
     family: ModelFamily
     model_cls: str  # transformers class names, resolved lazily
     image_processor_cls: str
+    rotate_fn: str  # the modeling module's rotation of key pairs: halves (Qwen) or interleaved pairs (GLM)
 
 
 FAMILIES: dict[str, FamilyClasses] = {
-    "qwen2_5_vl": FamilyClasses(ModelFamily.QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessorPil"),
-    "qwen2_vl": FamilyClasses(ModelFamily.QWEN2_VL, "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessorPil"),
-    "glm4v": FamilyClasses(ModelFamily.GLM4V, "Glm4vForConditionalGeneration", "Glm4vImageProcessorPil"),
+    "qwen2_5_vl": FamilyClasses(ModelFamily.QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessorPil",
+                                 "rotate_half"),
+    "qwen2_vl": FamilyClasses(ModelFamily.QWEN2_VL, "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessorPil", "rotate_half"),
+    "glm4v": FamilyClasses(ModelFamily.GLM4V, "Glm4vForConditionalGeneration", "Glm4vImageProcessorPil", "rotate_half_llm"),
 }
 
 
@@ -79,8 +81,11 @@ class Adapter:
     def __init__(self, model, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
-        self.family = family_classes(model.config.model_type).family
-        self.modeling = sys.modules[type(model).__module__]  # the model's own rotary code
+        classes = family_classes(model.config.model_type)
+        self.family = classes.family
+        # The model's own rotary code: frequencies and M-RoPE sections from its rotary module, the pair
+        # layout from its modeling module.
+        self._rotate_pairs = getattr(sys.modules[type(model).__module__], classes.rotate_fn)
         self.image_token_id: int = model.config.image_token_id
         self.merge_size: int = model.config.vision_config.spatial_merge_size
         self.template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(self.image_token_id))
@@ -123,19 +128,27 @@ class Adapter:
     def rotary_emb(self) -> torch.nn.Module:
         return self.model.model.language_model.rotary_emb
 
-    def rotate_keys(self, keys: torch.Tensor, delta_per_token: torch.Tensor) -> torch.Tensor:
-        """Shift cached keys by a per-token position delta with the model's own rotary layout.
+    def rotate_keys_(self, keys: torch.Tensor, delta_per_token: torch.Tensor) -> None:
+        """Shift cached keys in place by a per-token position delta, with the model's rotary layout.
 
-        keys: `[lead, ..., tokens, head_dim]` (at least 3-D), already rotated to their compile-time positions p.
+        keys: `[..., tokens, head_dim]`, already rotated to their compile-time positions p.
         Rotations compose (R(p+Δ) = R(Δ)·R(p)), and an equal shift on t/h/w makes M-RoPE a 1-D
-        rotation, so applying the model's rotary at position Δ moves every key to p+Δ. Angles and the
-        product are computed in float32 and cast back once.
+        rotation, so rotating by the model's angles at position Δ moves every key to p+Δ. Only the
+        first `rotary_dim` channels rotate (GLM: half the head). Arithmetic is float32, cast back once;
+        in place because this runs on every request over every cached token.
         """
-        dtype = keys.dtype
-        keys32 = keys.float()
         positions = delta_per_token.view(1, 1, -1).expand(3, 1, -1)  # (3, batch=1, tokens)
-        cos, sin = self.rotary_emb(keys32, positions)  # [1, tokens, rotary_dim]
-        # unsqueeze_dim=0 turns cos/sin [tokens, rotary_dim] into [1, tokens, rotary_dim], which
-        # broadcasts over any leading dims of keys; the query slot gets an empty tensor.
-        _, rotated = self.modeling.apply_rotary_pos_emb(keys32[:0], keys32, cos[0], sin[0], unsqueeze_dim=0)
-        return rotated.to(dtype)
+        probe = torch.empty(0, device=keys.device, dtype=torch.float32)
+        cos, sin = self.rotary_emb(probe, positions)  # [1, tokens, rotary_dim] in (t, h, w)-section layout
+        rotary = keys[..., : cos.shape[-1]]
+        work = rotary.float()  # the same tensor when keys are float32
+        rotated_pairs = self._rotate_pairs(work)
+        work.mul_(cos[0]).addcmul_(rotated_pairs, sin[0])
+        if work is not rotary:
+            rotary.copy_(work)
+
+    def rotate_keys(self, keys: torch.Tensor, delta_per_token: torch.Tensor) -> torch.Tensor:
+        """Out-of-place `rotate_keys_`."""
+        out = keys.clone()
+        self.rotate_keys_(out, delta_per_token)
+        return out

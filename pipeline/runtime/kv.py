@@ -60,11 +60,12 @@ def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
     return starts
 
 
-def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotate_keys) -> AssembledContext:
+def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotate_keys_) -> AssembledContext:
     """Concatenate `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order.
 
-    `rotate_keys(keys [layers, kv_heads, tokens, head_dim], delta_per_token [tokens])` is the model's
-    own rotary shift (see Adapter.rotate_keys). All chunks are rotated in one call.
+    `rotate_keys_(keys [layers, kv_heads, tokens, head_dim], delta_per_token [tokens])` is the model's
+    own rotary shift, in place (see Adapter.rotate_keys_). All chunks are rotated in one call on the
+    freshly concatenated tensor, so the stored chunk KV is never modified.
     """
     prefix_span = prefix.position_span if prefix is not None else 0
     if prefix is not None and prefix.compile_start != 0:
@@ -80,7 +81,7 @@ def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotate_keys) -> 
         ])
         chunk_from = prefix.num_tokens if prefix is not None else 0
         if bool(deltas.any()):
-            kv[:, 0, :, chunk_from:] = rotate_keys(kv[:, 0, :, chunk_from:], deltas.to(kv.device))
+            rotate_keys_(kv[:, 0, :, chunk_from:], deltas.to(kv.device))
     next_position = starts[-1] + chunks[-1].position_span if chunks else prefix_span
     layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])]
     return AssembledContext(layers=layers, next_position=next_position, chunk_starts=starts)
