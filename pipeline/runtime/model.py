@@ -6,6 +6,7 @@ Positions are always passed explicitly as 3-D M-RoPE `position_ids` `(3, 1, L)`;
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -15,10 +16,10 @@ import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from pipeline.runtime.adapters import Adapter, family_classes
+from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
-from schemas.config import ChunkKind, DType, ModelSpec
+from schemas.config import ChunkKind, DType, ModelFamily, ModelSpec
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
@@ -58,6 +59,29 @@ def resolve_path(spec: ModelSpec) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model path {path} is not a local checkpoint directory (no config.json)")
     return path
+
+
+def model_identity(spec: ModelSpec) -> tuple[str, str, ModelFamily, str]:
+    """(model id, revision, family, template prefix) that fingerprint a store, without loading weights.
+
+    Built-ins are named; a local checkpoint is identified by its directory name and, unless the spec
+    pins a revision, a hash of its config and weight-file sizes (stable across machines and mounts).
+    """
+    path = resolve_path(spec)
+    load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    config = AutoConfig.from_pretrained(path, **load)
+    tokenizer = AutoTokenizer.from_pretrained(path, **load)
+    template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
+    if spec.path in BUILTIN:
+        model_id, revision = spec.path, path.name.rsplit("-", 1)[-1]
+    else:
+        model_id, revision = path.name, spec.revision
+        if revision == "local":
+            digest = hashlib.sha256((path / "config.json").read_bytes())
+            for weights in sorted(path.glob("*.safetensors")):
+                digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+            revision = digest.hexdigest()[:16]
+    return model_id, revision, family_classes(config.model_type).family, template.prefix
 
 
 class VLM:

@@ -1,0 +1,107 @@
+"""`qvpic ingest` / `python -m jobs.ingest`: build or extend a KV store from a corpus (Ray Data)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pydantic import ValidationError
+
+from jobs.cluster import init_ray
+from pipeline.ingest import IngestConfig, ingest
+from pipeline.summary import IngestSummary
+from schemas.config import DType, ModelSpec, RenderSpec, TierSpec, Variant
+from schemas.store import StoreSpec
+
+
+def parse_tiers(values: list[str]) -> tuple[TierSpec, ...]:
+    """`low=72 high=120` → tiers."""
+    tiers = []
+    for value in values:
+        name, sep, dpi = value.partition("=")
+        if not sep or not dpi.isdigit():
+            raise argparse.ArgumentTypeError(f"tier {value!r} must look like NAME=DPI, e.g. low=72")
+        tiers.append(TierSpec(name=name, dpi=int(dpi)))
+    return tuple(tiers)
+
+
+def model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-qwen", help="local checkpoint dir or built-in tiny-qwen|tiny-glm|bench-qwen|bench-glm")
+    parser.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--revision", default="local")
+
+
+def render_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiers", nargs="+", default=["low=72", "high=120"], help="NAME=DPI …")
+    parser.add_argument("--font-size-pt", type=float, default=RenderSpec().font_size_pt)
+    parser.add_argument("--line-height-pt", type=float, default=RenderSpec().line_height_pt)
+
+
+def render_spec(args: argparse.Namespace) -> RenderSpec:
+    return RenderSpec(tiers=parse_tiers(args.tiers), font_size_pt=args.font_size_pt, line_height_pt=args.line_height_pt)
+
+
+def print_summary(summary: IngestSummary, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary.to_dict(), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ingest {summary.job_id}", show_header=False)
+    for label, value in [
+        ("inputs", summary.inputs), ("indexed", summary.indexed), ("deduplicated", summary.deduplicated),
+        ("quarantined", f"{summary.num_quarantined} {summary.quarantined or ''}"),
+        ("chunks (distinct texts)", f"{summary.num_chunks} ({summary.num_chunk_texts})"),
+        ("chunks compiled", summary.num_chunks_compiled), ("wall time", f"{summary.wall_s:.1f} s"),
+        ("chunks/s", f"{summary.chunks_per_s:.2f}"), ("accounted", "yes" if summary.balanced else "NO"),
+    ]:
+        table.add_row(label, str(value))
+    groups = Table(title="compiled entries")
+    for column in ("entry", "entries", "pages", "vision tokens", "KV bytes"):
+        groups.add_column(column)
+    for name, g in summary.per_entry_group.items():
+        groups.add_row(name, str(g["entries"]), str(g["pages"]), str(g["vision_tokens"]), f"{g['nbytes']:,}")
+    console = Console()
+    console.print(table)
+    console.print(groups)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qvpic ingest", description=__doc__)
+    parser.add_argument("--corpus", required=True, help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages")
+    parser.add_argument("--store", required=True, help="local directory or s3://bucket/prefix")
+    parser.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, …)")
+    model_args(parser)
+    render_args(parser)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--variants", nargs="+", type=Variant, default=list(Variant), choices=list(Variant))
+    parser.add_argument("--compile-workers", type=int, default=1)
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args(argv)
+    try:
+        cfg = IngestConfig(
+            corpus=args.corpus, store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
+            model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
+            render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
+            compile_workers=args.compile_workers, gpus_per_worker=args.gpus_per_worker, embedder_dir=args.embedder_dir,
+        )
+    except (ValueError, ValidationError) as e:
+        print(f"qvpic ingest: {e}", file=sys.stderr)
+        return 2
+    init_ray(quiet=args.json)
+    try:
+        summary = ingest(cfg)
+    except (ValueError, FileNotFoundError) as e:  # could not run at all: bad corpus root, mismatched store
+        print(f"qvpic ingest: {e}", file=sys.stderr)
+        return 1
+    print_summary(summary, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

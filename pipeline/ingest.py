@@ -1,0 +1,218 @@
+"""The ingestion graph on Ray Data: read → chunk → dedup → render → embed → compile → write → publish.
+
+Small per-document facts (ids, content hashes) are gathered on the driver for the global checks
+(duplicate ids, duplicate texts, what the store already holds); texts, pages and KV stay in Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import ray
+import ray.data
+from ray.data import ActorPoolStrategy
+
+from pipeline.chunker import Chunker
+from pipeline.compile import ENTRIES, ERROR, IMAGE_PATH, CompilePlan, CompileStage, RenderStage
+from pipeline.duplicates import DocRef, cross_file_rejections
+from pipeline.embed import Embedder
+from pipeline.readers import discover, read_file
+from pipeline.runtime.model import model_identity, resolve_path
+from pipeline.store import Store
+from pipeline.summary import IngestSummary
+from schemas.config import ModelSpec, RenderSpec, Variant
+from schemas.corpus import Document, ReaderSpec, Rejection, chunk_key
+from schemas.store import CacheKey, Manifest, StoredModel, StoreSpec
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    corpus: str
+    store: StoreSpec
+    model: ModelSpec = ModelSpec()
+    render: RenderSpec = RenderSpec()
+    chunk_tokens: int = 512
+    variants: tuple[Variant, ...] = (Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT)
+    compile_workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    embedder_dir: str | None = None
+    reader: ReaderSpec = ReaderSpec()
+    job_id: str = field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 16:
+            raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
+        if self.compile_workers < 1 or self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
+            raise ValueError("compile_workers >= 1, gpus_per_worker >= 0 and cpus_per_worker > 0 are required")
+        if Variant.TEMPLATE not in self.variants:
+            raise ValueError("the template variant (what qvpic serves) must be compiled")
+
+
+class ReadStage:
+    """One corpus file → its documents and rejections, as flat rows."""
+
+    def __init__(self, reader: ReaderSpec):
+        self.reader = reader
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        for record in read_file(row["path"], row["root"], self.reader):
+            if isinstance(record, Document):
+                ref = DocRef.of(record)
+                out.append({"kind": "doc", **record.to_row(), "text_key": ref.text_key,
+                            "image_phash": ref.image_phash or "", "reason": "", "detail": ""})
+            else:
+                out.append({"kind": "rejection", "doc_id": record.doc_id or "", "text": "", "source": record.source,
+                            "metadata_json": "{}", "text_key": "", "image_phash": "",
+                            "reason": record.reason.value, "detail": record.detail})
+        return out
+
+
+class ChunkStage:
+    """One document → its chunks, bounded by the VLM tokenizer's token count."""
+
+    def __init__(self, model: ModelSpec, chunk_tokens: int):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(model), local_files_only=True)
+        self.chunker = Chunker(lambda text: len(tokenizer(text, add_special_tokens=False).input_ids), chunk_tokens)
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        doc = Document.from_row(row)
+        # A page image is one chunk whatever its length: its pixels are what gets compiled.
+        pieces = self.chunker.chunk(doc)
+        if doc.image_path and pieces:
+            pieces = [pieces[0].build(doc.doc_id, 0, doc.text, sum(p.num_text_tokens for p in pieces))]
+        return [{**c.model_dump(), "source": doc.source, IMAGE_PATH: doc.image_path or ""} for c in pieces]
+
+
+def open_store(cfg: IngestConfig, embedding_dim: int, embedder_name: str) -> tuple[Store, Manifest]:
+    """Open (or start) the store; refuse one compiled for another model or page layout."""
+    model_id, revision, family, template_prefix = model_identity(cfg.model)
+    store = Store.open(cfg.store, create=True)
+    manifest = store.read_manifest()
+    now = datetime.now(timezone.utc)
+    if manifest is None:
+        manifest = Manifest.create(
+            StoredModel(id=model_id, revision=revision, dtype=cfg.model.dtype, family=family), template_prefix,
+            render=cfg.render, variants=cfg.variants, embedder=embedder_name, embedding_dim=embedding_dim,
+            created_at=now, updated_at=now, job_ids=(cfg.job_id,),
+        )
+    else:
+        manifest.check_model(model_id, revision, cfg.model.dtype, template_prefix)
+        if manifest.render != cfg.render:
+            raise ValueError("the store was rendered with another page layout or tiers: run `qvpic recompile`")
+        if manifest.embedder != embedder_name:
+            raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder_name}")
+        variants = tuple(dict.fromkeys(manifest.variants + cfg.variants))
+        manifest = manifest.model_copy(update={"variants": variants, "updated_at": now,
+                                               "job_ids": manifest.job_ids + (cfg.job_id,)})
+    store.write_manifest(manifest)
+    return store, manifest
+
+
+def required_keys(manifest: Manifest, chunk_key_: str, variants: tuple[Variant, ...]) -> list[CacheKey]:
+    """Every KV entry one chunk needs under `manifest`."""
+    keys = []
+    for variant in variants:
+        tiers = {Variant.TEXT: [None], Variant.PLAIN: [manifest.render.lowest_tier.name]}.get(
+            variant, [t.name for t in manifest.tiers])
+        keys += [CacheKey(chunk_key_, t, variant, manifest.entry_fingerprint(variant, t)) for t in tiers]
+    return keys
+
+
+def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, cfg: IngestConfig) -> list[dict]:
+    """Render and compile every distinct chunk text that lacks an entry; returns per-chunk results."""
+    keys = chunks.select_columns(["chunk_id", "chunk_key"]).take_all()
+    first_id: dict[str, str] = {}
+    for row in sorted(keys, key=lambda r: r["chunk_id"]):
+        first_id.setdefault(row["chunk_key"], row["chunk_id"])
+    needed = {k: required_keys(manifest, k, manifest.variants) for k in first_id}
+    present = store.has_entries({key for ks in needed.values() for key in ks})
+    todo_ids = {first_id[k] for k, ks in needed.items() if not set(ks) <= present}
+    if not todo_ids:
+        return []
+    plan = CompilePlan(cfg.model, cfg.store, manifest.to_json(), manifest.variants)
+    todo = chunks.filter(lambda row: row["chunk_id"] in todo_ids)
+    rendered = todo.map(RenderStage, fn_constructor_kwargs={"render": manifest.render},
+                        compute=ActorPoolStrategy(min_size=1, max_size=max(1, cfg.compile_workers)), num_cpus=0.5)
+    compiled = rendered.map_batches(
+        CompileStage, fn_constructor_kwargs={"plan": plan}, batch_size=4, batch_format="numpy",
+        compute=ActorPoolStrategy(size=cfg.compile_workers), num_gpus=cfg.gpus_per_worker,
+        num_cpus=cfg.cpus_per_worker, max_restarts=2, max_task_retries=2,
+    )
+    return compiled.take_all()
+
+
+def ingest(cfg: IngestConfig) -> IngestSummary:
+    started = time.perf_counter()
+    embedder_probe = Embedder(cfg.embedder_dir)
+    store, manifest = open_store(cfg, embedder_probe.dim, embedder_probe.model_name)
+    del embedder_probe
+
+    # read
+    files, refused = discover(cfg.corpus)
+    records = ray.data.from_items([f.model_dump(mode="json") for f in files], override_num_blocks=max(1, min(len(files), 64)))
+    records = records.flat_map(ReadStage, fn_constructor_kwargs={"reader": cfg.reader},
+                               compute=ActorPoolStrategy(min_size=1, max_size=4), num_cpus=0.25).materialize()
+    rejected = [Rejection(source=r["source"], doc_id=r["doc_id"] or None, reason=r["reason"], detail=r["detail"])
+                for r in records.filter(lambda r: r["kind"] == "rejection").take_all()] + list(refused)
+    docs = records.filter(lambda r: r["kind"] == "doc")
+    refs = [DocRef(source=r["source"], doc_id=r["doc_id"], text_key=r["text_key"], image_phash=r["image_phash"] or None)
+            for r in docs.select_columns(["source", "doc_id", "text_key", "image_phash"]).take_all()]
+    cross = cross_file_rejections(refs, cfg.reader)
+    rejected += cross
+    dropped = {r.source for r in cross}
+    seen_texts: dict[str, str] = {}
+    duplicate_docs = set()
+    for ref in sorted(refs, key=lambda r: r.source):
+        if ref.source not in dropped and seen_texts.setdefault(ref.text_key, ref.source) != ref.source:
+            duplicate_docs.add(ref.doc_id)
+
+    # chunk
+    chunks = docs.filter(lambda r: r["source"] not in dropped).flat_map(
+        ChunkStage, fn_constructor_kwargs={"model": cfg.model, "chunk_tokens": cfg.chunk_tokens},
+        compute=ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.25).materialize()
+
+    # dedup → render → compile → write (shards, then their index rows)
+    results = compile_missing(chunks, store, manifest, cfg)
+    failed = {r["chunk_key"]: r[ERROR] for r in results if r[ERROR]}
+
+    # embed → publish chunk rows of every document whose chunks all compiled
+    failed_docs: dict[str, str] = {}
+    embedded = chunks.map_batches(Embedder, fn_constructor_kwargs={"model_dir": cfg.embedder_dir}, batch_size=64,
+                                  compute=ActorPoolStrategy(size=1), num_cpus=0.5)
+    pending: list[dict] = []
+    for batch in embedded.iter_rows():
+        if batch["chunk_key"] in failed:
+            failed_docs.setdefault(batch["doc_id"], failed[batch["chunk_key"]])
+        pending.append(batch)
+    stored = store.chunks().select(["chunk_id", "chunk_key", "source"]).to_pylist()
+    unchanged = {(r["chunk_id"], r["chunk_key"], r["source"]) for r in stored}  # a rerun publishes nothing new
+    rows = [{k: r[k] for k in ("chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens", "source")}
+            | {"embedding": [float(x) for x in r["embedding"]]} for r in pending
+            if r["doc_id"] not in failed_docs and (r["chunk_id"], r["chunk_key"], r["source"]) not in unchanged]
+    for start in range(0, len(rows), 4096):
+        store.publish_chunks(rows[start:start + 4096])
+    sources = {r["doc_id"]: r["source"] for r in pending}
+    for doc_id, error in failed_docs.items():
+        reason, _, detail = error.partition(": ")
+        rejected.append(Rejection(source=sources[doc_id], doc_id=doc_id, reason=reason, detail=detail))
+    store.quarantine([r.model_dump(mode="json") for r in rejected], cfg.job_id)
+
+    reader_rejections = len(rejected) - len(cross) - len(failed_docs)
+    deduplicated = len(duplicate_docs - set(failed_docs))
+    return IngestSummary(
+        job_id=cfg.job_id, inputs=len(refs) + reader_rejections,
+        indexed=len(refs) - len(cross) - len(failed_docs) - deduplicated, deduplicated=deduplicated,
+        quarantined=dict(Counter(r.reason.value for r in rejected)), num_chunks=len(pending),
+        num_chunk_texts=len({r["chunk_key"] for r in pending}), num_chunks_compiled=len(results) - len(failed),
+        entries=[e for r in results for e in json.loads(r[ENTRIES])], wall_s=time.perf_counter() - started,
+    )

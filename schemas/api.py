@@ -1,0 +1,339 @@
+"""Wire contracts of the online API: native `/v1/answer`, the OpenAI-compatible chat surface, errors.
+
+Every request model rejects unknown fields and bounds every list and string, so a request is either
+well-formed or a 422 before any work starts. No field names a filesystem path or URI: ids are opaque
+keys looked up in the store the server was started on.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from schemas.config import Mode, Variant
+
+MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
+MAX_QUERY_CHARS = 8_000
+MAX_NEW_TOKENS = 4_096
+MAX_SEED = 2**63 - 1
+
+# Printable, bounded, no control characters: ids are looked up, never opened.
+StoreId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Query = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUERY_CHARS)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # the model ended its turn
+    LENGTH = "length"  # max_new_tokens reached
+
+
+# ---- errors: each maps to one HTTP status ----------------------------------------------------------
+class ApiError(ValueError):
+    """A request the server understood but cannot serve; `status_code` is the HTTP answer."""
+
+    status_code = 400
+
+
+class UnknownIdsError(ApiError):
+    """Chunk or document ids that are not in the store (the message names them)."""
+
+    status_code = 404
+
+
+class UnknownModelError(ApiError):
+    status_code = 404
+
+
+class TooLargeError(ApiError):
+    """Too many chunks, or more tokens than the model's context holds (the message gives the limit)."""
+
+    status_code = 413
+
+
+class UnservableError(ApiError):
+    """The store lacks the KV entries a mode needs (not compiled, or every stored copy is corrupt)."""
+
+    status_code = 503
+
+
+class ErrorBody(Strict):
+    detail: str
+
+
+# ---- chunk selection -------------------------------------------------------------------------------
+class Selection(Strict):
+    """Which chunks form the context: an ordered id list, whole documents, or retrieval."""
+
+    chunk_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
+    doc_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
+    top_k: int | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
+
+    def num_given(self) -> int:
+        return sum(v is not None for v in (self.chunk_ids, self.doc_ids, self.top_k))
+
+
+class Routing(Strict):
+    mode: Mode = Mode.QVPIC
+    tau: float | None = Field(None, ge=0.0, le=1.0, description="cumulative relevance share promoted (server default when null)")
+    max_high_res: int | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
+
+
+class AnswerRequest(Selection, Routing):
+    query: Query
+    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> "AnswerRequest":
+        if self.num_given() != 1:
+            raise ValueError("give exactly one of chunk_ids, doc_ids or top_k")
+        return self
+
+
+# ---- answer reports --------------------------------------------------------------------------------
+class ChunkReport(Strict):
+    chunk_id: str
+    doc_id: str
+    relevance: float  # cosine(query, chunk text) in [-1, 1]
+    tier: str | None  # tier of the pages in context; null for text
+    variant: Variant | None  # stored KV variant linked; null for the online (full_*) modes
+    num_tokens: int
+    vision_tokens: int
+    position_span: int
+
+
+class FallbackReport(Strict):
+    chunk_id: str
+    requested_tier: str
+    served_tier: str
+    reason: str
+
+
+class TokenUsage(Strict):
+    context_tokens: int  # template prefix + every chunk
+    context_vision_tokens: int
+    context_text_tokens: int  # prefix, image markup and text chunks
+    cached_tokens: int  # context tokens whose KV came from the store instead of a forward pass
+    query_tokens: int  # the query turn, prefilled online
+    completion_tokens: int
+
+
+class Timings(Strict):
+    route_ms: float
+    load_ms: float
+    render_ms: float  # full_image only: rendering pages online
+    reanchor_ms: float  # assembling and re-rotating cached KV
+    prefill_ms: float  # the generator's time to first token: query prefill (or full prefill)
+    decode_ms: float
+    total_ms: float  # wall time seen by the ingress
+
+
+class CacheReport(Strict):
+    hits: int
+    misses: int
+    nbytes_from_store: int
+
+
+class AnswerReport(Strict):
+    mode: Mode
+    finish_reason: FinishReason
+    chunks: list[ChunkReport]
+    usage: TokenUsage
+    timings: Timings
+    cache: CacheReport
+    fallbacks: list[FallbackReport]
+
+    def with_total_ms(self, total_ms: float) -> "AnswerReport":
+        return self.model_copy(update={"timings": self.timings.model_copy(update={"total_ms": total_ms})})
+
+
+class AnswerResponse(AnswerReport):
+    id: str
+    answer: str
+
+
+class StreamEventType(str, Enum):
+    DELTA = "delta"
+    DONE = "done"
+    ERROR = "error"
+
+
+class StreamDelta(Strict):
+    """One SSE `data:` event of a streamed `/v1/answer`: new answer text."""
+
+    type: Literal[StreamEventType.DELTA] = StreamEventType.DELTA
+    text: str
+
+
+class StreamDone(Strict):
+    type: Literal[StreamEventType.DONE] = StreamEventType.DONE
+    response: AnswerResponse
+
+
+class StreamError(Strict):
+    type: Literal[StreamEventType.ERROR] = StreamEventType.ERROR
+    status_code: int
+    detail: str
+
+
+# ---- OpenAI-compatible chat ------------------------------------------------------------------------
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, StringConstraints(max_length=MAX_QUERY_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class QvpicOptions(Selection, Routing):
+    """Extension field `qvpic` of a chat request; with no selection the last user message retrieves."""
+
+    @model_validator(mode="after")
+    def _at_most_one_selection(self) -> "QvpicOptions":
+        if self.num_given() > 1:
+            raise ValueError("give at most one of chunk_ids, doc_ids or top_k")
+        return self
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(Strict):
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=64)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
+
+    @model_validator(mode="after")
+    def _single_user_turn(self) -> "ChatCompletionRequest":
+        # The store's KV was compiled under the model's own template prefix (its default system
+        # prompt), so a custom system prompt or earlier turns would change what the cache means.
+        if len(self.messages) != 1 or self.messages[0].role != "user" or not self.messages[0].text().strip():
+            raise ValueError("messages must be exactly one non-empty user message (context chunks go in `qvpic`)")
+        if len(self.messages[0].text()) > MAX_QUERY_CHARS:
+            raise ValueError(f"the user message is longer than {MAX_QUERY_CHARS} characters")
+        return self
+
+    @property
+    def query(self) -> str:
+        return self.messages[0].text()
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 256
+
+
+class PromptTokensDetails(Strict):
+    cached_tokens: int
+
+
+class ChatUsage(Strict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(Strict):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Strict):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(Strict):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    qvpic: AnswerReport  # extension: routing, timings and cache figures of this answer
+
+
+class ChunkDelta(Strict):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Strict):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Strict):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: ChatUsage | None = None
+    qvpic: AnswerReport | None = None
+
+
+class ModelCard(Strict):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(Strict):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- service info ----------------------------------------------------------------------------------
+class Health(Strict):
+    status: Literal["ok"] = "ok"
+
+
+class CacheStats(Strict):
+    entries: int
+    nbytes: int
+    max_nbytes: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+class StoreInfo(Strict):
+    fingerprint: str
+    model_id: str
+    tiers: dict[str, int]  # tier name -> DPI
+    variants: list[Variant]
+    embedder: str
+    num_chunks: int
+    num_documents: int
+    num_entries: int
+    modes: list[Mode]
+    cache: CacheStats

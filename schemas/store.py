@@ -1,0 +1,333 @@
+"""Contracts of the KV store: Arrow schemas and row rules of its tables, the manifest, fingerprints,
+cache keys, and the small result types the store returns.
+
+Fingerprints are sha256 over canonical JSON (sorted keys, no whitespace) so they are identical in
+every process and on every machine; Python's `hash()` is salted per process and never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
+from typing import Any, Iterable, Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from schemas.config import ChunkKind, DType, Frozen, ModelFamily, RenderSpec, TierSpec, Variant
+
+SCHEMA_VERSION = 1
+HEX64 = re.compile(r"[0-9a-f]{64}")
+TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")  # TierSpec.name's pattern
+SHARD_PATH = re.compile(r"shards/[0-9a-f]{2}/[0-9a-f]{64}\.safetensors")  # named by sha256 of its bytes
+_TIMESTAMP = pa.timestamp("us", tz="UTC")
+_PAGES = pa.list_(pa.list_(pa.int32()))  # one [t, h, w] or [w, h] per page
+
+CHUNKS_SCHEMA = pa.schema([
+    pa.field("chunk_id", pa.string(), nullable=False),
+    pa.field("doc_id", pa.string(), nullable=False),
+    pa.field("order", pa.int32(), nullable=False),  # position of the chunk within its document
+    pa.field("chunk_key", pa.string(), nullable=False),  # sha256 hex of the normalised text
+    pa.field("text", pa.string(), nullable=False),
+    pa.field("num_text_tokens", pa.int32(), nullable=False),
+    pa.field("embedding", pa.list_(pa.float32()), nullable=False),
+    pa.field("source", pa.string(), nullable=False),
+])
+
+INDEX_SCHEMA = pa.schema([
+    pa.field("chunk_key", pa.string(), nullable=False),
+    pa.field("tier", pa.string(), nullable=True),  # null for the text variant
+    pa.field("variant", pa.string(), nullable=False),  # Variant value
+    pa.field("fingerprint", pa.string(), nullable=False),  # entry fingerprint
+    pa.field("kind", pa.string(), nullable=False),  # ChunkKind value
+    pa.field("num_tokens", pa.int32(), nullable=False),
+    pa.field("position_span", pa.int32(), nullable=False),  # how far positions advance past the chunk
+    pa.field("compile_start", pa.int32(), nullable=False),  # first position the KV was compiled at
+    pa.field("grid_thw", _PAGES, nullable=False),  # empty for text
+    pa.field("image_sizes_px", _PAGES, nullable=False),  # empty for text
+    pa.field("vision_tokens", pa.int32(), nullable=False),
+    pa.field("dtype", pa.string(), nullable=False),  # DType value
+    pa.field("shard_path", pa.string(), nullable=False),  # relative to the store root
+    pa.field("tensor_key", pa.string(), nullable=False),
+    pa.field("nbytes", pa.int64(), nullable=False),
+    pa.field("checksum", pa.string(), nullable=False),  # sha256 hex of the tensor's raw bytes
+    pa.field("created_at", _TIMESTAMP, nullable=False),
+])
+
+QUARANTINE_SCHEMA = pa.schema([
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("doc_id", pa.string(), nullable=True),  # null when the input failed before it had one
+    pa.field("reason", pa.string(), nullable=False),
+    pa.field("detail", pa.string(), nullable=False),
+    pa.field("job_id", pa.string(), nullable=False),
+    pa.field("rejected_at", _TIMESTAMP, nullable=False),
+])
+
+
+class RowsError(ValueError):
+    """Rows do not match a store table's schema."""
+
+
+def conform(rows: Iterable[Mapping[str, Any]] | pa.Table, schema: pa.Schema, what: str) -> pa.Table:
+    """Rows (dicts or a Table) as a Table of exactly `schema`; missing, extra or null-in-required
+    columns raise `RowsError` instead of becoming silent nulls."""
+    if isinstance(rows, pa.Table):
+        missing = set(schema.names) - set(rows.column_names)
+        extra = set(rows.column_names) - set(schema.names)
+        if missing or extra:
+            raise RowsError(f"{what} columns: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    try:
+        if isinstance(rows, pa.Table):
+            table = rows.select(schema.names).cast(schema)
+        else:
+            table = pa.Table.from_pylist(_checked_dicts(rows, schema, what), schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as e:
+        raise RowsError(f"{what} rows do not fit {schema.names}: {e}") from e
+    for field in schema:
+        if not field.nullable and table.column(field.name).null_count:
+            raise RowsError(f"{what} column {field.name!r} must not contain nulls")
+    return table
+
+
+def _checked_dicts(rows: Iterable[Mapping[str, Any]], schema: pa.Schema, what: str) -> list[Mapping[str, Any]]:
+    rows = list(rows)
+    names = set(schema.names)
+    for i, row in enumerate(rows):
+        if set(row) != names:
+            raise RowsError(
+                f"{what} row {i}: missing {sorted(names - set(row))}, unexpected {sorted(set(row) - names)}"
+            )
+    return rows
+
+
+def _require(ok: pa.Scalar, message: str) -> None:
+    if not ok.as_py():
+        raise RowsError(message)
+
+
+def _all_match(column: pa.ChunkedArray, pattern: re.Pattern[str]) -> pa.Scalar:
+    return pc.all(pc.match_substring_regex(column, f"^{pattern.pattern}$"))
+
+
+def _all_in(column: pa.ChunkedArray, enum: type[Enum]) -> pa.Scalar:
+    return pc.all(pc.is_in(column, value_set=pa.array([e.value for e in enum], pa.string())))
+
+
+def check_index_rows(table: pa.Table) -> None:
+    """Row rules of INDEX_SCHEMA beyond types; raises `RowsError` naming the first broken rule."""
+    for column in ("chunk_key", "fingerprint", "checksum"):
+        _require(_all_match(table[column], HEX64), f"index {column} must be sha256 hex")
+    _require(_all_in(table["variant"], Variant), "index variant must be a Variant value")
+    _require(_all_in(table["kind"], ChunkKind), "index kind must be a ChunkKind value")
+    _require(_all_in(table["dtype"], DType), "index dtype must be a DType value")
+    is_text = pc.equal(table["variant"], Variant.TEXT.value)
+    _require(pc.all(pc.equal(is_text, pc.is_null(table["tier"]))), "tier must be null exactly for the text variant")
+    _require(_all_match(pc.drop_null(table["tier"]), TIER_NAME), "index tier is not a tier name")
+    _require(_all_match(table["shard_path"], SHARD_PATH), "index shard_path must come from write_shard")
+
+
+def check_chunk_rows(table: pa.Table, embedding_dim: int | None) -> None:
+    """Row rules of CHUNKS_SCHEMA beyond types (embedding width checked when the store declares one)."""
+    _require(_all_match(table["chunk_key"], HEX64), "chunk_key must be sha256 hex")
+    if embedding_dim is not None:
+        dims = pc.list_value_length(table["embedding"])
+        _require(pc.all(pc.equal(dims, embedding_dim)), f"embeddings must have {embedding_dim} dims")
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """Where one tensor written to a shard lives; `index_fields()` goes into its index row."""
+
+    tensor_key: str
+    shard_path: str  # relative to the store root
+    nbytes: int
+    checksum: str  # sha256 hex of the tensor's raw bytes
+    dtype: DType
+
+    def index_fields(self) -> dict[str, Any]:
+        return {"shard_path": self.shard_path, "tensor_key": self.tensor_key, "nbytes": self.nbytes,
+                "checksum": self.checksum, "dtype": self.dtype.value}
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    tier: str | None
+    variant: Variant
+    num_entries: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    num_chunks: int  # chunk occurrences
+    num_chunk_keys: int  # distinct chunk texts
+    num_documents: int
+    num_entries: int  # KV entries after dedupe
+    num_quarantined: int
+    groups: tuple[GroupStats, ...]  # per (tier, variant), sorted
+
+
+def _canonical_sha256(payload: Mapping[str, Any]) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def model_fingerprint(model_id: str, revision: str, dtype: DType, template_prefix: str) -> str:
+    """What every KV entry of a store depends on: the weights, their dtype and the chat-template prefix."""
+    return _canonical_sha256({
+        "kind": "qvpic.model", "model_id": model_id, "revision": revision,
+        "dtype": DType(dtype).value, "template_prefix": template_prefix,
+    })
+
+
+def entry_fingerprint(model_fp: str, variant: Variant, render: RenderSpec | None, tier: TierSpec | None) -> str:
+    """Fingerprint of one KV entry. Image variants depend on the page layout and the tier's DPI (not on
+    which other tiers exist, nor on the tier's name); the text variant ignores renderer and tier."""
+    variant = Variant(variant)
+    payload: dict[str, Any] = {"kind": "qvpic.entry", "model": model_fp, "variant": variant.value}
+    if variant is not Variant.TEXT:
+        if render is None or tier is None:
+            raise ValueError(f"variant {variant.value!r} needs a RenderSpec and a TierSpec to fingerprint")
+        payload["render"] = render.model_dump(mode="json", exclude={"tiers"})
+        payload["dpi"] = tier.dpi
+    return _canonical_sha256(payload)
+
+
+class CacheKeyError(ValueError):
+    """A string or field is not a valid cache key."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """Identity of one stored KV entry: which chunk text, at which tier, as which variant, for which
+    model/render fingerprint. `tier` is None exactly for the text variant."""
+
+    chunk_key: str
+    tier: str | None
+    variant: Variant
+    fingerprint: str
+
+    PREFIX = "kv1"
+    NO_TIER = "-"  # cannot be a tier name (those start with a letter)
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_key", "fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not HEX64.fullmatch(value):
+                raise CacheKeyError(f"{name} must be 64 lowercase hex digits, got {value!r:.80}")
+        if not isinstance(self.variant, Variant):
+            raise CacheKeyError(f"variant must be a Variant, got {self.variant!r:.80}")
+        if self.variant is Variant.TEXT:
+            if self.tier is not None:
+                raise CacheKeyError(f"the text variant has no tier, got {self.tier!r:.80}")
+        elif not isinstance(self.tier, str) or not TIER_NAME.fullmatch(self.tier):
+            raise CacheKeyError(f"variant {self.variant.value!r} needs a tier name, got {self.tier!r:.80}")
+
+    def to_str(self) -> str:
+        return "/".join((self.PREFIX, self.chunk_key, self.tier or self.NO_TIER, self.variant.value, self.fingerprint))
+
+    @classmethod
+    def parse(cls, text: str) -> "CacheKey":
+        if not isinstance(text, str) or len(text) > 256:
+            raise CacheKeyError(f"not a cache key string: {text!r:.80}")
+        parts = text.split("/")
+        if len(parts) != 5 or parts[0] != cls.PREFIX:
+            raise CacheKeyError(f"cache key must be '{cls.PREFIX}/chunk/tier/variant/fingerprint', got {text!r:.80}")
+        _, chunk_key, tier, variant, fingerprint = parts
+        try:
+            variant_value = Variant(variant)
+        except ValueError:
+            raise CacheKeyError(f"unknown variant {variant!r:.40} in cache key") from None
+        return cls(chunk_key, None if tier == cls.NO_TIER else tier, variant_value, fingerprint)
+
+
+class ManifestError(ValueError):
+    """A manifest is unreadable, inconsistent or of an unsupported schema version."""
+
+
+class StoredModel(Frozen):
+    """The model a store was compiled for."""
+
+    id: str = Field(min_length=1)
+    revision: str = Field(min_length=1)
+    dtype: DType
+    family: ModelFamily
+
+
+class Manifest(Frozen):
+    """Store-level facts every reader checks before trusting an entry."""
+
+    schema_version: int = SCHEMA_VERSION
+    fingerprint: str  # model_fingerprint of `model` + `template_prefix`
+    model: StoredModel
+    template_prefix: str
+    render: RenderSpec  # its `tiers` are the store's tiers
+    variants: tuple[Variant, ...] = Field(min_length=1)
+    embedder: str = Field(min_length=1)
+    embedding_dim: int = Field(gt=0)
+    created_at: datetime
+    updated_at: datetime
+    job_ids: tuple[str, ...] = ()
+
+    @field_validator("schema_version")
+    @classmethod
+    def _supported(cls, version: int) -> int:
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"store schema version {version} is not supported (this build reads {SCHEMA_VERSION})")
+        return version
+
+    @model_validator(mode="after")
+    def _fingerprint_matches(self) -> "Manifest":
+        expected = model_fingerprint(self.model.id, self.model.revision, self.model.dtype, self.template_prefix)
+        if self.fingerprint != expected:
+            raise ValueError(f"manifest fingerprint {self.fingerprint!r} does not match its model and template prefix")
+        return self
+
+    @classmethod
+    def create(cls, model: StoredModel, template_prefix: str, **fields: Any) -> "Manifest":
+        """A manifest whose fingerprint is computed from `model` and `template_prefix`."""
+        fp = model_fingerprint(model.id, model.revision, model.dtype, template_prefix)
+        return cls(fingerprint=fp, model=model, template_prefix=template_prefix, **fields)
+
+    @property
+    def tiers(self) -> tuple[TierSpec, ...]:
+        return self.render.tiers
+
+    def entry_fingerprint(self, variant: Variant, tier_name: str | None) -> str:
+        tier = None if Variant(variant) is Variant.TEXT else self.render.tier(tier_name or "")
+        return entry_fingerprint(self.fingerprint, variant, self.render, tier)
+
+    def check_model(self, model_id: str, revision: str, dtype: DType, template_prefix: str) -> None:
+        """Raise `ManifestError` unless the store was compiled for exactly this model and template."""
+        fp = model_fingerprint(model_id, revision, dtype, template_prefix)
+        if fp != self.fingerprint:
+            raise ManifestError(
+                f"store was compiled for {self.model.id}@{self.model.revision} ({self.model.dtype.value}), "
+                f"fingerprint {self.fingerprint[:12]}; refusing to serve {model_id}@{revision} "
+                f"({DType(dtype).value}), fingerprint {fp[:12]}"
+            )
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ManifestError(f"invalid manifest: {e}") from e
+
+
+class StoreSpec(Frozen):
+    """Where a store lives. `endpoint_url` (e.g. `http://127.0.0.1:9000`) points S3 URIs at an
+    S3-compatible server; when unset, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL are used if present.
+    Credentials always come from the environment (AWS_ACCESS_KEY_ID, ...), never from config."""
+
+    uri: str = Field(min_length=1)
+    endpoint_url: str | None = Field(None, pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+/?$")
+    region: str | None = None

@@ -1,0 +1,169 @@
+"""The Serve application: ingress (FastAPI) → router → cache loader → generator, and its builder.
+
+Each request reads as route → load → generate (see serve/backend.py for how the roles are reached).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field, model_validator
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from pipeline.runtime.model import Sampling
+from pipeline.store import Store
+from schemas.api import (
+    AnswerRequest, AnswerResponse, ApiError, CacheStats, ErrorBody, Health, StoreInfo, StreamDelta, StreamDone,
+    StreamError,
+)
+from schemas.config import Frozen, Mode, ModelSpec, RouterSpec
+from schemas.store import StoreSpec
+from serve.backend import ApiSettings, Backend, HandleBackend, api_error, sse
+from serve.generator import Answer, Generator
+from serve.loader import CacheLoader
+from serve.openai_api import openai_routes
+from serve.router import BatchingRouter, PromptTemplate
+
+
+class DeploymentArgs(Frozen):
+    """Replicas and resources of one deployment. CPU deployments take a fraction of a CPU so the whole
+    graph fits a 2-core box (Serve's default of 1 CPU per replica would not)."""
+
+    num_replicas: int | None = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None  # Serve AutoscalingConfig fields
+    num_cpus: float = Field(0.1, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> "DeploymentArgs":
+        if self.autoscaling_config is not None and self.num_replicas not in (None, 1):
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        scale = ({"autoscaling_config": self.autoscaling_config} if self.autoscaling_config is not None
+                 else {"num_replicas": self.num_replicas or 1})
+        return {**scale, "max_ongoing_requests": self.max_ongoing_requests,
+                "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+
+
+class AppArgs(Frozen):
+    """Typed arguments of `build_app`: what `qvpic serve` flags and serve/config.yaml `args` fill in."""
+
+    store: StoreSpec
+    model: ModelSpec = ModelSpec()
+    router: RouterSpec = RouterSpec()
+    cache_max_nbytes: int = Field(2 << 30, ge=0)  # host-memory LRU per loader replica
+    max_chunks: int = Field(64, ge=1)  # per request, after doc_ids expand (413 beyond)
+    max_context_tokens: int | None = Field(None, ge=1)  # default: the model's max_position_embeddings
+    default_top_k: int = Field(8, ge=1)  # chat requests that name no chunks retrieve this many
+    served_model_name: str = Field("qvpic", min_length=1, max_length=256)
+    embedder_dir: str | None = None  # default: the packaged all-MiniLM-L6-v2
+    ingress_deployment: DeploymentArgs = DeploymentArgs()
+    router_deployment: DeploymentArgs = DeploymentArgs()
+    loader_deployment: DeploymentArgs = DeploymentArgs()
+    generator_deployment: DeploymentArgs = DeploymentArgs(max_ongoing_requests=8)
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "AppArgs":
+        if self.default_top_k > self.max_chunks:
+            raise ValueError(f"default_top_k {self.default_top_k} exceeds max_chunks {self.max_chunks}")
+        return self
+
+
+def make_api(backend: Backend, settings: ApiSettings) -> FastAPI:
+    app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.",
+                  responses={404: {"model": ErrorBody}, 413: {"model": ErrorBody}, 503: {"model": ErrorBody}})
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+        status, detail = api_error(error)
+        return JSONResponse(status_code=status, content={"detail": detail})
+
+    @app.get("/healthz")
+    async def healthz() -> Health:
+        return Health()
+
+    @app.get("/v1/store")
+    async def store_info() -> StoreInfo:
+        return settings.store.model_copy(update={"cache": await backend.cache_stats()})
+
+    @app.post("/v1/answer", response_model=AnswerResponse,
+              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}})
+    async def answer(request: AnswerRequest):
+        started = time.perf_counter()
+        answer_id = f"ans-{uuid.uuid4().hex}"
+        sampling = Sampling(request.max_new_tokens, request.temperature, request.top_p, request.seed)
+        plan = await backend.route(request)
+        loaded = await backend.load(plan)
+        if not request.stream:
+            return respond(answer_id, await backend.generate(plan, loaded, sampling), started)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in backend.stream(plan, loaded, sampling):
+                    if isinstance(event, str):
+                        yield sse(StreamDelta(text=event))
+                    else:
+                        yield sse(StreamDone(response=respond(answer_id, event, started)))
+            except Exception as error:  # after the 200 is sent, errors travel as an event
+                status, detail = api_error(error)
+                yield sse(StreamError(status_code=status, detail=detail))
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.include_router(openai_routes(backend, settings))
+    return app
+
+
+def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
+    report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
+    return AnswerResponse(id=answer_id, answer=answer.text, **report.model_dump())
+
+
+def api_settings(args: AppArgs, cache: CacheStats) -> ApiSettings:
+    store = Store.open(args.store)
+    manifest, stats = store.load_manifest_or_raise(), store.stats()
+    info = StoreInfo(fingerprint=manifest.fingerprint, model_id=manifest.model.id,
+                     tiers={t.name: t.dpi for t in manifest.tiers}, variants=list(manifest.variants),
+                     embedder=manifest.embedder, num_chunks=stats.num_chunks, num_documents=stats.num_documents,
+                     num_entries=stats.num_entries, modes=list(Mode), cache=cache)
+    return ApiSettings(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
+                       created=int(manifest.created_at.timestamp()))
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle, args: AppArgs):
+        self.backend = HandleBackend(router, loader, generator)
+        self.settings = api_settings(args, CacheStats(entries=0, nbytes=0, max_nbytes=args.cache_max_nbytes,
+                                                      hits=0, misses=0, evictions=0))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_api(self.backend, self.settings)
+
+
+def check_store(args: AppArgs) -> None:
+    """Fail fast, before any replica starts, when the store was compiled for another model."""
+    manifest = Store.open(args.store).load_manifest_or_raise()
+    PromptTemplate.load(args.model).check_store(manifest, args.model)
+
+
+def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
+    """Serve application builder (`import_path: serve.app:build_app`, YAML `args` validated into AppArgs)."""
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    check_store(args)
+    router = serve.deployment(BatchingRouter, name="Router").options(**args.router_deployment.options()).bind(
+        args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir)
+    loader = serve.deployment(CacheLoader, name="CacheLoader").options(**args.loader_deployment.options()).bind(
+        args.store, args.cache_max_nbytes)
+    generator = serve.deployment(Generator, name="Generator").options(**args.generator_deployment.options()).bind(
+        args.store, args.model)
+    ingress = serve.deployment(Ingress, name="Ingress").options(**args.ingress_deployment.options())
+    return ingress.bind(router, loader, generator, args)

@@ -1,0 +1,199 @@
+"""Cache loader: a plan's KV entries from a byte-bounded host-memory LRU, misses read through the store.
+
+KV leaves this deployment as numpy (bf16 as a uint16 view): Ray moves numpy buffers zero-copy, while a
+bf16 torch tensor crossing as-is is ~10x slower. Checksums are verified by the store on every read
+from it; what sits in the LRU was verified when it was read. When a high-tier entry's shard is missing
+or corrupt, the chunk is served from its low tier and the fallback is reported; an entry with nothing
+to fall back to makes the request unservable (503), never a silent gap in the context.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.store import ShardCorruptError, Store
+from schemas.api import CacheReport, CacheStats, FallbackReport, UnservableError
+from schemas.config import ChunkKind, DType
+from schemas.store import StoreSpec
+from serve.router import Entry, Plan
+
+_WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
+         torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
+_TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
+# Arrays arriving through Ray's object store (and LRU-shared ones) are read-only; assembly only reads
+# them, so torch's warning about wrapping them is noise. A process-wide filter: catch_warnings is not thread-safe.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
+def to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, DType]:
+    dtype, carrier = _WIRE[tensor.dtype]
+    array = tensor.contiguous().view(carrier).numpy()
+    array.flags.writeable = False  # shared by every request that hits it
+    return array, dtype
+
+
+def from_wire(array: np.ndarray, dtype: DType) -> torch.Tensor:
+    """A tensor over `array`'s memory, no copy."""
+    return torch.from_numpy(array).view(_TORCH[dtype])
+
+
+class ByteLRU:
+    """Least-recently-used map of arrays whose summed `nbytes` never exceeds `max_nbytes`.
+
+    An array larger than the whole cap is returned to its caller but not kept. Not thread-safe on its
+    own; `CacheLoader` serialises access.
+    """
+
+    def __init__(self, max_nbytes: int):
+        if max_nbytes < 0:
+            raise ValueError(f"max_nbytes must be >= 0, got {max_nbytes}")
+        self.max_nbytes = max_nbytes
+        self.nbytes = 0
+        self.hits = self.misses = self.evictions = 0
+        self._items: OrderedDict[str, tuple[np.ndarray, DType]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def get(self, key: str) -> tuple[np.ndarray, DType] | None:
+        item = self._items.get(key)
+        if item is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return item
+
+    def put(self, key: str, array: np.ndarray, dtype: DType) -> None:
+        if key in self._items:
+            self.nbytes -= self._items.pop(key)[0].nbytes
+        if array.nbytes > self.max_nbytes:
+            return
+        while self.nbytes + array.nbytes > self.max_nbytes:
+            _, (evicted, _) = self._items.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+            self.evictions += 1
+        self._items[key] = (array, dtype)
+        self.nbytes += array.nbytes
+
+    def stats(self) -> CacheStats:
+        return CacheStats(entries=len(self._items), nbytes=self.nbytes, max_nbytes=self.max_nbytes,
+                          hits=self.hits, misses=self.misses, evictions=self.evictions)
+
+
+@dataclass(frozen=True)
+class LoadedKV:
+    """One chunk's KV as it travels to the generator, with what is needed to place it."""
+
+    array: np.ndarray  # [layers, 2, kv_heads, tokens, head_dim]
+    dtype: DType
+    entry: Entry  # the entry actually served (the fallback's when one was used)
+
+    @property
+    def compile_start(self) -> int:
+        return self.entry.row["compile_start"]
+
+    @property
+    def kind(self) -> ChunkKind:
+        return ChunkKind(self.entry.row["kind"])
+
+    @property
+    def grid_thw(self) -> list[tuple[int, int, int]]:
+        return [tuple(g) for g in self.entry.row["grid_thw"]]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    kvs: tuple[LoadedKV | None, ...]  # aligned with plan.chunks; None where the mode links no KV
+    fallbacks: tuple[FallbackReport, ...]
+    cache: CacheReport
+    load_ms: float
+
+
+class CacheLoader:
+    def __init__(self, store: StoreSpec | str, max_nbytes: int):
+        self.store = Store.open(store)
+        self.lru = ByteLRU(max_nbytes)
+        self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
+
+    def load(self, plan: Plan) -> LoadResult:
+        started = time.perf_counter()
+        entries = [c.entry for c in plan.chunks]
+        report = CacheReport(hits=0, misses=0, nbytes_from_store=0)
+        found, failed = self._fetch([e for e in entries if e is not None], report)
+        fallbacks, unservable = [], []
+        retry = [c.fallback for c in plan.chunks if c.entry is not None and c.entry.key in failed and c.fallback]
+        found_low, _ = self._fetch(retry, report)
+        found.update(found_low)
+        kvs: list[LoadedKV | None] = []
+        for chunk in plan.chunks:
+            if chunk.entry is None:
+                kvs.append(None)
+                continue
+            served = chunk.entry
+            if served.key in failed:
+                if chunk.fallback is None or chunk.fallback.key not in found:
+                    unservable.append(f"{chunk.chunk_id}: {failed[served.key]}")
+                    continue
+                fallbacks.append(FallbackReport(chunk_id=chunk.chunk_id, requested_tier=served.tier or "-",
+                                                served_tier=chunk.fallback.tier or "-", reason=failed[served.key]))
+                served = chunk.fallback
+            array, dtype = found[served.key]
+            kvs.append(LoadedKV(array, dtype, served))
+        if unservable:
+            raise UnservableError(f"KV entries unreadable and no fallback: {unservable[:5]}")
+        return LoadResult(tuple(kvs), tuple(plan.fallbacks) + tuple(fallbacks), report, (time.perf_counter() - started) * 1e3)
+
+    def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType]], dict[str, str]]:
+        """Arrays by entry key (LRU first, then one batched store read), and why each failed key failed."""
+        found: dict[str, tuple[np.ndarray, DType]] = {}
+        missing: dict[str, Entry] = {}
+        with self._lock:
+            for entry in entries:
+                if entry.key in found or entry.key in missing:
+                    continue
+                item = self.lru.get(entry.key)
+                if item is None:
+                    missing[entry.key] = entry
+                else:
+                    found[entry.key] = item
+        report.hits += len(found)
+        report.misses += len(missing)
+        failed: dict[str, str] = {}
+        tensors = self._read(list(missing.values()), failed)
+        with self._lock:
+            for key, tensor in tensors.items():
+                array, dtype = to_wire(tensor)
+                self.lru.put(key, array, dtype)
+                found[key] = (array, dtype)
+                report.nbytes_from_store += array.nbytes
+        return found, failed
+
+    def _read(self, entries: list[Entry], failed: dict[str, str]) -> dict[str, torch.Tensor]:
+        """One batched read; when it hits a bad shard, each entry is retried alone to isolate it."""
+        if len(entries) > 1:
+            try:
+                return dict(zip((e.key for e in entries), self.store.load_many([e.row for e in entries])))
+            except ShardCorruptError:
+                pass
+        out = {}
+        for entry in entries:
+            try:
+                out[entry.key] = self.store.load_kv(entry.row)
+            except ShardCorruptError as e:
+                failed[entry.key] = str(e)
+        return out
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return self.lru.stats()

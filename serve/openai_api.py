@@ -1,0 +1,103 @@
+"""OpenAI-compatible surface: `/v1/chat/completions` (plain and streamed) and `/v1/models`.
+
+The chunk selection rides in the extension field `qvpic` (the official client sends it with
+`extra_body={"qvpic": {...}}`); without one, the user message retrieves the server's default top-k.
+`usage.prompt_tokens` counts the whole context (template prefix, every chunk, the query turn) and
+`prompt_tokens_details.cached_tokens` the part whose KV came from the store rather than a forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from pipeline.runtime.model import Sampling
+from schemas.api import (
+    AnswerReport, AnswerRequest, AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
+    ChatCompletionRequest, ChatUsage, ChunkChoice, ChunkDelta, ModelCard, ModelList, PromptTokensDetails,
+    UnknownModelError,
+)
+from serve.backend import ApiSettings, Backend, api_error, sse
+
+
+def chat_usage(report: AnswerReport) -> ChatUsage:
+    prompt_tokens = report.usage.context_tokens + report.usage.query_tokens
+    return ChatUsage(prompt_tokens=prompt_tokens, completion_tokens=report.usage.completion_tokens,
+                     total_tokens=prompt_tokens + report.usage.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=report.usage.cached_tokens))
+
+
+def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
+    options = request.qvpic
+    selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True) or {"top_k": default_top_k}
+    try:
+        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, max_high_res=options.max_high_res,
+                             max_new_tokens=request.max_new_tokens, temperature=request.temperature,
+                             top_p=request.top_p, seed=request.seed, stream=request.stream, **selection)
+    except ValidationError as error:  # the chat request's own limits should already exclude this
+        raise RequestValidationError(error.errors()) from error
+
+
+def chunk_event(chunk: ChatCompletionChunk) -> str:
+    """A stream chunk as OpenAI sends it: deltas carry only the fields they set."""
+    data = chunk.model_dump(mode="json")
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
+
+
+def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
+    routes = APIRouter(tags=["openai"])
+
+    @routes.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, created=settings.created, owned_by="qvpic")])
+
+    @routes.post("/v1/chat/completions", response_model=ChatCompletion,
+                 responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}})
+    async def chat_completions(request: ChatCompletionRequest):
+        if request.model != settings.served_model_name:
+            raise UnknownModelError(f"model {request.model!r} is not served here; available: {[settings.served_model_name]}")
+        started, created = time.perf_counter(), int(time.time())
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        native = answer_request(request, settings.default_top_k)
+        sampling = Sampling(native.max_new_tokens, native.temperature, native.top_p, native.seed)
+        plan = await backend.route(native)
+        loaded = await backend.load(plan)
+        if not request.stream:
+            answer = await backend.generate(plan, loaded, sampling)
+            report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
+            return ChatCompletion(
+                id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
+                choices=[ChatChoice(message=AssistantMessage(content=answer.text), finish_reason=report.finish_reason)])
+
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+        def chunk(**fields) -> str:
+            return chunk_event(ChatCompletionChunk(id=completion_id, created=created, model=request.model, **fields))
+
+        async def events() -> AsyncIterator[str]:
+            yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+            try:
+                async for event in backend.stream(plan, loaded, sampling):
+                    if isinstance(event, str):
+                        yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
+                        continue
+                    report = event.report.with_total_ms((time.perf_counter() - started) * 1e3)
+                    yield chunk(choices=[ChunkChoice(delta=ChunkDelta(), finish_reason=report.finish_reason)], qvpic=report)
+                    if include_usage:
+                        yield chunk(choices=[], usage=chat_usage(report))
+            except Exception as error:  # after the 200 is sent, errors travel as an event the client raises
+                status, detail = api_error(error)
+                yield sse({"error": {"message": detail, "type": "server_error", "code": status}})
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return routes

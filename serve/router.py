@@ -1,0 +1,267 @@
+"""Relevance router: which chunks, in which order, at which tier and variant — decided before any KV moves.
+
+`allocate` is the pure policy. `Router` resolves a request's chunk selection against a snapshot of the
+store's chunk table and index (taken at start-up: a recompiled store is served after a redeploy),
+embeds the query (`BatchingRouter`, the deployed one, batches concurrent queries with `@serve.batch`), scores chunks by cosine and
+prices every choice from index columns in O(1) per chunk. Top-k retrieval is one numpy mat-vec over
+the `[chunks, dim]` embedding matrix: exact, and well under a millisecond for the ~10^5 chunks a
+store of this design holds per replica; a vector index only pays off far beyond that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from ray import serve
+from transformers import AutoConfig, AutoTokenizer
+
+from pipeline.embed import Embedder
+from pipeline.runtime.adapters import ChatTemplate
+from pipeline.runtime.model import resolve_path
+from pipeline.store import Store
+from schemas.api import AnswerRequest, FallbackReport, TooLargeError, UnknownIdsError, UnservableError
+from schemas.config import Mode, ModelSpec, RouterSpec, TierSpec, Variant
+from schemas.store import CacheKey, Manifest, ManifestError, StoreSpec
+
+LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
+                  Mode.IMAGE_PIC: Variant.PLAIN, Mode.TEXT_PIC: Variant.TEXT}
+ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)  # FULL_IMAGE renders the routed tiers: the exact reference of QVPIC
+
+
+def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
+             promotion_costs: Sequence[int], budget_tokens: int | None) -> list[bool]:
+    """Which chunks to promote to the high tier; aligned with the input order, which never changes.
+
+    Chunks are ranked by relevance (ties: earlier chunk first). A chunk is a candidate while the
+    relevance share of the chunks ranked above it is below `tau` (negative cosines count as 0, so
+    irrelevant chunks are never candidates). Candidates are promoted in rank order while fewer than
+    `max_high_res` are promoted; one whose extra tokens exceed the remaining budget stays low and the
+    walk goes on to smaller ones.
+    """
+    if len(relevance) != len(promotion_costs):
+        raise ValueError(f"{len(relevance)} relevances but {len(promotion_costs)} promotion costs")
+    weights = np.clip(np.asarray(relevance, dtype=np.float64), 0.0, None)
+    total = float(weights.sum())
+    promoted = [False] * len(weights)
+    if total <= 0.0:
+        return promoted
+    remaining = budget_tokens
+    share_above, num_promoted = 0.0, 0
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        if weights[i] <= 0.0 or share_above >= tau or num_promoted >= max_high_res:
+            break
+        share_above += weights[i] / total
+        if remaining is not None and promotion_costs[i] > remaining:
+            continue
+        promoted[i] = True
+        num_promoted += 1
+        if remaining is not None:
+            remaining -= promotion_costs[i]
+    return promoted
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored KV entry: what the loader fetches and the generator places."""
+
+    key: str  # CacheKey string
+    tier: str | None
+    variant: Variant
+    num_tokens: int
+    vision_tokens: int
+    position_span: int
+    row: dict  # the index row (shard_path, tensor_key, nbytes, checksum, compile_start, kind, grid_thw, dtype)
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    chunk_id: str
+    doc_id: str
+    relevance: float
+    tier: str | None  # tier of the pages in context; None for text
+    num_tokens: int
+    vision_tokens: int
+    position_span: int
+    entry: Entry | None  # KV to link; None in the online (full_*) modes
+    fallback: Entry | None = None  # low-tier entry the loader uses when `entry`'s shard is unreadable
+    text: str | None = None  # source text, carried only for the full_* modes
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Mode
+    query: str
+    chunks: tuple[PlannedChunk, ...]
+    prefix_tokens: int
+    query_tokens: int
+    fallbacks: tuple[FallbackReport, ...]
+    route_ms: float
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """What the router needs of the model without loading its weights: token counts and limits."""
+
+    tokenizer: object
+    template: ChatTemplate
+    max_positions: int
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> "PromptTemplate":
+        path = resolve_path(spec)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
+        text_config = getattr(config, "text_config", config)
+        return cls(tokenizer, template, int(text_config.max_position_embeddings))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def check_store(self, manifest: Manifest, spec: ModelSpec) -> None:
+        """Raise `ManifestError` unless the store was compiled for this model and template."""
+        manifest.check_model(spec.path, spec.revision, spec.dtype, self.template.prefix)
+
+
+class Router:
+    def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
+                 max_context_tokens: int | None = None, embedder_dir: str | None = None):
+        self.store = Store.open(store)
+        self.manifest = self.store.load_manifest_or_raise()
+        self.prompt = PromptTemplate.load(model)
+        self.prompt.check_store(self.manifest, model)
+        self.embedder = Embedder(embedder_dir)
+        if self.embedder.model_name != self.manifest.embedder:
+            raise ManifestError(f"store was embedded with {self.manifest.embedder!r}, "
+                                f"the router loaded {self.embedder.model_name!r}")
+        self.defaults, self.max_chunks = defaults, max_chunks
+        self.max_context_tokens = min(max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
+        self.prefix_tokens = self.prompt.count(self.manifest.template_prefix)
+        self.low: TierSpec = self.manifest.render.lowest_tier
+        self.high: TierSpec = self.manifest.render.highest_tier
+
+        chunks = self.store.chunks()
+        self.chunk_rows = chunks.select(["chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens"]).to_pylist()
+        self.row_of_chunk = {r["chunk_id"]: i for i, r in enumerate(self.chunk_rows)}
+        self.rows_of_doc: dict[str, list[int]] = {}
+        for i in sorted(range(len(self.chunk_rows)), key=lambda i: self.chunk_rows[i]["order"]):
+            self.rows_of_doc.setdefault(self.chunk_rows[i]["doc_id"], []).append(i)
+        # [chunks, dim] float32, rows L2-normalised at ingest: cosine = dot product
+        self.embeddings = np.asarray(chunks["embedding"].to_pylist(), dtype=np.float32).reshape(len(self.chunk_rows), -1)
+        self.entries = self._current_entries()
+
+    def _current_entries(self) -> dict[tuple[str, str | None, Variant], Entry]:
+        """Index rows compiled under the current fingerprints, keyed by (chunk_key, tier, variant)."""
+        entries = {}
+        for row in self.store.index().to_pylist():
+            variant = Variant(row["variant"])
+            tier = row["tier"]
+            if variant is not Variant.TEXT and tier not in {t.name for t in self.manifest.tiers}:
+                continue
+            if row["fingerprint"] != self.manifest.entry_fingerprint(variant, tier):
+                continue  # stale: compiled for another model, template or renderer
+            key = CacheKey(row["chunk_key"], tier, variant, row["fingerprint"]).to_str()
+            entries[(row["chunk_key"], tier, variant)] = Entry(
+                key, tier, variant, row["num_tokens"], row["vision_tokens"], row["position_span"], row)
+        return entries
+
+    async def embed_query(self, query: str) -> np.ndarray:
+        return (await asyncio.to_thread(self.embedder.embed, [query]))[0]  # [dim], off the event loop
+
+    async def plan(self, request: AnswerRequest) -> Plan:
+        started = time.perf_counter()
+        query_vector = await self.embed_query(request.query)
+        rows = self._select(request, query_vector)
+        if len(rows) > self.max_chunks:
+            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.max_chunks} per request")
+        relevance = [float(v) for v in self.embeddings[rows] @ query_vector] if rows else []
+        query_tokens = self.prompt.count(request.query) + self.prompt.count(self.prompt.template.turn_suffix)
+        fixed_tokens = self.prefix_tokens + query_tokens + request.max_new_tokens
+        chunks, fallbacks = self._place(request, rows, relevance, self.max_context_tokens - fixed_tokens)
+        needed = fixed_tokens + sum(c.num_tokens for c in chunks)
+        if needed > self.max_context_tokens:
+            raise TooLargeError(
+                f"request needs {needed} tokens (prefix {self.prefix_tokens} + chunks {needed - fixed_tokens} + "
+                f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); the context holds {self.max_context_tokens}")
+        route_ms = (time.perf_counter() - started) * 1e3
+        return Plan(request.mode, request.query, tuple(chunks), self.prefix_tokens, query_tokens, tuple(fallbacks), route_ms)
+
+    def _select(self, request: AnswerRequest, query_vector: np.ndarray) -> list[int]:
+        if request.chunk_ids is not None:
+            missing = [c for c in request.chunk_ids if c not in self.row_of_chunk]
+            if missing:
+                raise UnknownIdsError(f"unknown chunk_ids: {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+            return [self.row_of_chunk[c] for c in request.chunk_ids]
+        if request.doc_ids is not None:
+            missing = [d for d in request.doc_ids if d not in self.rows_of_doc]
+            if missing:
+                raise UnknownIdsError(f"unknown doc_ids: {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+            return [i for d in request.doc_ids for i in self.rows_of_doc[d]]
+        scores = self.embeddings @ query_vector  # [chunks]
+        ranked = np.lexsort((np.arange(len(scores)), -scores))  # best first, ties by store order
+        return [int(i) for i in ranked[: request.top_k]]
+
+    def _place(self, request: AnswerRequest, rows: list[int], relevance: list[float],
+               budget_tokens: int) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+        mode = request.mode
+        chunk_rows = [self.chunk_rows[i] for i in rows]
+        if mode is Mode.FULL_TEXT:
+            planned = []
+            for row, rel in zip(chunk_rows, relevance):
+                text_entry = self.entries.get((row["chunk_key"], None, Variant.TEXT))
+                num_tokens = text_entry.num_tokens if text_entry else row["num_text_tokens"]
+                planned.append(PlannedChunk(row["chunk_id"], row["doc_id"], rel, None, num_tokens, 0, num_tokens,
+                                            None, text=row["text"]))
+            return planned, []
+        variant = LINKED_VARIANT.get(mode, Variant.TEMPLATE)
+        if variant is Variant.TEXT:
+            wanted = [None] * len(rows)
+        elif mode is Mode.IMAGE_PIC:
+            wanted = [self.low.name] * len(rows)
+        elif mode is Mode.UNIFORM_HIGH:
+            wanted = [self.high.name] * len(rows)
+        else:  # routed: price every promotion from the index, then allocate
+            lows = self._require(chunk_rows, self.low.name, variant, mode)
+            highs = [self.entries.get((r["chunk_key"], self.high.name, variant)) for r in chunk_rows]
+            costs = [h.num_tokens - lo.num_tokens if h else 0 for lo, h in zip(lows, highs)]
+            budget = budget_tokens - sum(lo.num_tokens for lo in lows)
+            tau = self.defaults.tau if request.tau is None else request.tau
+            max_high_res = self.defaults.max_high_res if request.max_high_res is None else request.max_high_res
+            promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0))
+            wanted = [self.high.name if p else self.low.name for p in promoted]
+        planned, fallbacks = [], []
+        for row, rel, tier in zip(chunk_rows, relevance, wanted):
+            entry = self.entries.get((row["chunk_key"], tier, variant))
+            low = self.entries.get((row["chunk_key"], self.low.name, variant)) if tier == self.high.name else None
+            if entry is None and low is not None:
+                fallbacks.append(FallbackReport(chunk_id=row["chunk_id"], requested_tier=tier, served_tier=low.tier,
+                                                reason=f"{variant.value} entry of tier {tier!r} is not compiled"))
+                entry, low = low, None
+            if entry is None:
+                self._require([row], tier, variant, mode)
+            online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
+            planned.append(PlannedChunk(row["chunk_id"], row["doc_id"], rel, entry.tier, entry.num_tokens,
+                                        entry.vision_tokens, entry.position_span, None if online else entry,
+                                        None if online else low, row["text"] if online else None))
+        return planned, fallbacks
+
+    def _require(self, chunk_rows: list[dict], tier: str | None, variant: Variant, mode: Mode) -> list[Entry]:
+        found = [self.entries.get((r["chunk_key"], tier, variant)) for r in chunk_rows]
+        missing = [r["chunk_id"] for r, e in zip(chunk_rows, found) if e is None]
+        if missing:
+            raise UnservableError(f"mode {mode.value!r} needs {variant.value} entries of tier {tier!r}, not compiled "
+                                  f"for chunks {missing[:10]}; run `qvpic recompile` on the store")
+        return found
+
+
+class BatchingRouter(Router):
+    """The deployed router: queries arriving together are embedded in one call (`@serve.batch` needs a
+    Serve replica, so the plain `Router` embeds one at a time)."""
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def embed_query(self, queries: list[str]) -> list[np.ndarray]:
+        return list(await asyncio.to_thread(self.embedder.embed, queries))  # [n, dim] -> n x [dim]

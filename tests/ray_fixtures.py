@@ -1,0 +1,41 @@
+"""One local Ray for the whole test session (import the fixture into a test module to use it).
+
+`address="local"` always starts a fresh cluster owned by this process, never attaching to someone
+else's; the object store is small (tests move KiBs) and 4 logical CPUs on a 2-core box keep actor
+pools and Serve replicas from starving Ray's own tasks. Shutdown stops only this cluster.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+
+OBJECT_STORE_NBYTES = 300 * 2**20
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=OBJECT_STORE_NBYTES,
+                 log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def free_port() -> int:
+    """A free TCP port in [20000, 30000) (Ray's worker ports live in 10002-19999); a random start keeps
+    concurrent test sessions apart."""
+    first = random.randrange(20000, 30000)
+    for offset in range(10000):
+        port = 20000 + (first - 20000 + offset) % 10000
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 30000)")

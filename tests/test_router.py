@@ -1,0 +1,171 @@
+"""Relevance routing: the allocation policy's properties, and plans over a tiny compiled store."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnservableError
+from schemas.config import Mode, Variant
+from serve.router import Plan, Router, allocate
+from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
+
+
+def ranked_shares(relevance: list[float]) -> tuple[list[int], dict[int, float]]:
+    """Rank order (ties: earlier first) and each chunk's relevance share of the chunks ranked above it."""
+    weights = np.clip(np.asarray(relevance, dtype=np.float64), 0.0, None)
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    above, share = {}, 0.0
+    for i in order:
+        above[i] = share
+        share += weights[i] / weights.sum() if weights.sum() > 0 else 0.0
+    return order, above
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_allocation_respects_tau_budget_and_b_and_is_maximal(data):
+    n = data.draw(st.integers(0, 12))
+    relevance = data.draw(st.lists(st.floats(-1, 1, allow_nan=False), min_size=n, max_size=n))
+    costs = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+    tau = data.draw(st.floats(0, 1))
+    max_high_res = data.draw(st.integers(0, 12))
+    budget = data.draw(st.one_of(st.none(), st.integers(0, 400)))
+
+    promoted = allocate(relevance, tau, max_high_res, costs, budget)
+
+    assert len(promoted) == n  # aligned with the request order: one version per chunk
+    assert sum(promoted) <= max_high_res
+    if budget is not None:
+        assert sum(c for c, p in zip(costs, promoted) if p) <= budget
+    order, above = ranked_shares(relevance)
+    spent = taken = 0
+    for i in order:
+        candidate = relevance[i] > 0 and above[i] < tau
+        if promoted[i]:
+            assert candidate
+            spent, taken = spent + costs[i], taken + 1
+        elif candidate and taken < max_high_res:  # left low only because it did not fit the budget
+            assert budget is not None and costs[i] > budget - spent
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-1, 1, allow_nan=False), min_size=1, max_size=10, unique=True), st.randoms())
+def test_allocation_follows_chunks_not_positions(relevance, rng):
+    """Reordering the request permutes the decision the same way: ranking decides tier, never order."""
+    costs = [int(abs(r) * 50) for r in relevance]
+    perm = list(range(len(relevance)))
+    rng.shuffle(perm)
+    base = allocate(relevance, 0.7, 3, costs, 60)
+    shuffled = allocate([relevance[i] for i in perm], 0.7, 3, [costs[i] for i in perm], 60)
+    assert shuffled == [base[i] for i in perm]
+
+
+def test_allocation_examples():
+    assert allocate([0.1, 0.9, 0.3], 0.5, 4, [1, 1, 1], None) == [False, True, False]
+    assert allocate([0.1, 0.9, 0.3], 0.8, 4, [1, 1, 1], None) == [False, True, True]
+    assert allocate([0.1, 0.9, 0.3], 0.0, 4, [1, 1, 1], None) == [False, False, False]
+    assert allocate([0.1, 0.9, -0.3, 0.0], 1.0, 9, [1] * 4, None) == [True, True, False, False]
+    assert allocate([0.5, 0.5, 0.5], 1.0, 1, [1, 1, 1], None) == [True, False, False]  # ties: earlier first
+    assert allocate([0.9, 0.8], 1.0, 2, [100, 10], 50) == [False, True]  # too big is skipped, the walk goes on
+    assert allocate([], 0.5, 4, [], None) == []
+    with pytest.raises(ValueError, match="promotion costs"):
+        allocate([0.1], 0.5, 1, [], None)
+
+
+def plan(router: Router, **fields) -> Plan:
+    return asyncio.run(router.plan(AnswerRequest(query="When does part XK-4471-B ship?", **fields)))
+
+
+def test_plan_keeps_request_order_and_one_version_per_chunk(roles):
+    router = roles.router
+    ids = ["manual#00001", "invoices#00000", "recipes#00000", "invoices#00001"]
+    forward, backward = plan(router, chunk_ids=ids, tau=1.0, max_high_res=2), plan(router, chunk_ids=ids[::-1], tau=1.0, max_high_res=2)
+    assert [c.chunk_id for c in forward.chunks] == ids
+    assert [c.chunk_id for c in backward.chunks] == ids[::-1]
+    tiers = {c.chunk_id: c.tier for c in forward.chunks}
+    assert tiers == {c.chunk_id: c.tier for c in backward.chunks}  # order never changes the routing
+    assert sum(t == "high" for t in tiers.values()) == 2
+    best_two = sorted(forward.chunks, key=lambda c: -c.relevance)[:2]
+    assert {c.chunk_id for c in best_two} == {cid for cid, t in tiers.items() if t == "high"}
+    for chunk in forward.chunks:
+        assert chunk.entry.tier == chunk.tier and chunk.entry.variant is Variant.TEMPLATE
+        row = chunk.entry.row
+        assert (chunk.num_tokens, chunk.position_span, chunk.vision_tokens) == (
+            row["num_tokens"], row["position_span"], row["vision_tokens"])
+
+
+def test_selection_by_docs_and_by_retrieval(roles):
+    router = roles.router
+    by_docs = plan(router, doc_ids=["manual", "invoices"])
+    assert [c.chunk_id for c in by_docs.chunks] == ["manual#00000", "manual#00001", "invoices#00000", "invoices#00001"]
+    retrieved = plan(router, top_k=3)
+    everything = plan(router, doc_ids=["invoices", "manual"]).chunks + plan(router, doc_ids=["recipes"]).chunks
+    expected = sorted(everything, key=lambda c: -c.relevance)[:3]
+    assert [c.chunk_id for c in retrieved.chunks] == [c.chunk_id for c in expected]
+    assert retrieved.chunks[0].chunk_id.startswith("invoices")  # the query is about an invoice
+
+
+@pytest.mark.parametrize("mode, variant, tiers", [
+    (Mode.UNIFORM_HIGH, Variant.TEMPLATE, {"high"}), (Mode.IMAGE_PIC, Variant.PLAIN, {"low"}),
+    (Mode.TEXT_PIC, Variant.TEXT, {None}), (Mode.QVPIC, Variant.TEMPLATE, {"low", "high"}),
+])
+def test_linked_modes_pick_their_variant_and_tiers(roles, mode, variant, tiers):
+    planned = plan(roles.router, doc_ids=["invoices", "manual"], mode=mode, tau=0.6, max_high_res=2)
+    assert {c.entry.variant for c in planned.chunks} == {variant}
+    assert {c.tier for c in planned.chunks} == tiers
+    assert all(c.text is None for c in planned.chunks)
+
+
+def test_online_modes_carry_text_and_full_image_uses_the_routed_tiers(roles):
+    routed = plan(roles.router, doc_ids=["invoices", "manual"], tau=0.6, max_high_res=2)
+    full_image = plan(roles.router, doc_ids=["invoices", "manual"], mode=Mode.FULL_IMAGE, tau=0.6, max_high_res=2)
+    assert [c.tier for c in full_image.chunks] == [c.tier for c in routed.chunks]
+    assert all(c.entry is None and c.text for c in full_image.chunks)
+    full_text = plan(roles.router, doc_ids=["invoices"], mode=Mode.FULL_TEXT)
+    text_pic = plan(roles.router, doc_ids=["invoices"], mode=Mode.TEXT_PIC)
+    assert [c.num_tokens for c in full_text.chunks] == [c.num_tokens for c in text_pic.chunks]
+
+
+def test_token_budget_limits_promotion_and_context(roles):
+    router = roles.router
+    low = plan(router, doc_ids=["invoices", "manual"], tau=0.0)
+    high = plan(router, doc_ids=["invoices", "manual"], mode=Mode.UNIFORM_HIGH)
+    fixed = low.prefix_tokens + low.query_tokens
+    costs = sorted(h.num_tokens - lo.num_tokens for h, lo in zip(high.chunks, low.chunks))
+    room = costs[0] + costs[1] - 1  # fits the cheapest promotion but never the two cheapest together
+    max_new_tokens = MAX_CONTEXT_TOKENS - fixed - sum(c.num_tokens for c in low.chunks) - room
+    squeezed = plan(router, doc_ids=["invoices", "manual"], tau=1.0, max_high_res=4, max_new_tokens=max_new_tokens)
+    assert sum(c.tier == "high" for c in squeezed.chunks) == 1
+    assert fixed + max_new_tokens + sum(c.num_tokens for c in squeezed.chunks) <= MAX_CONTEXT_TOKENS
+    with pytest.raises(TooLargeError, match=f"context holds {MAX_CONTEXT_TOKENS}"):
+        plan(router, doc_ids=["invoices", "manual"], tau=0.0, max_new_tokens=max_new_tokens + room + 1)
+    with pytest.raises(TooLargeError, match=f"at most {MAX_CHUNKS}"):
+        plan(router, top_k=MAX_CHUNKS + 1)
+
+
+def test_unknown_ids_are_named(roles):
+    with pytest.raises(UnknownIdsError, match=r"unknown chunk_ids: \['nope#1', 'nope#2'\]"):
+        plan(roles.router, chunk_ids=["invoices#00000", "nope#1", "nope#2"])
+    with pytest.raises(UnknownIdsError, match=r"unknown doc_ids: \['ghost'\]"):
+        plan(roles.router, doc_ids=["ghost"])
+
+
+def test_missing_entries_fall_back_or_refuse(roles):
+    router = roles.router
+    saved = router.entries
+    key = router.chunk_rows[router.row_of_chunk["invoices#00000"]]["chunk_key"]
+    try:
+        router.entries = {k: v for k, v in saved.items() if not (k[0] == key and k[1] == "high")}
+        planned = plan(router, chunk_ids=["invoices#00000"], mode=Mode.UNIFORM_HIGH)
+        assert planned.chunks[0].tier == "low"
+        assert [(f.chunk_id, f.requested_tier, f.served_tier) for f in planned.fallbacks] == [("invoices#00000", "high", "low")]
+        router.entries = {k: v for k, v in saved.items() if not (k[0] == key and k[2] is Variant.TEXT)}
+        with pytest.raises(UnservableError, match="invoices#00000"):
+            plan(router, chunk_ids=["invoices#00000"], mode=Mode.TEXT_PIC)
+    finally:
+        router.entries = saved
