@@ -9,7 +9,7 @@ import sys
 from pydantic import ValidationError
 
 from jobs.cluster import init_ray
-from pipeline.ingest import IngestConfig, ingest
+from pipeline.ingest import CompileResources, IngestConfig, ingest
 from pipeline.summary import IngestSummary
 from schemas.config import DType, ModelSpec, RenderSpec, TierSpec, Variant
 from schemas.store import StoreSpec
@@ -40,7 +40,10 @@ def render_args(parser: argparse.ArgumentParser) -> None:
 
 
 def render_spec(args: argparse.Namespace) -> RenderSpec:
-    return RenderSpec(tiers=parse_tiers(args.tiers), font_size_pt=args.font_size_pt, line_height_pt=args.line_height_pt)
+    """The page layout the arguments name; unset ones keep RenderSpec's defaults."""
+    fields = {"tiers": parse_tiers(args.tiers) if args.tiers else None, "font_size_pt": args.font_size_pt,
+              "line_height_pt": args.line_height_pt}
+    return RenderSpec(**{k: v for k, v in fields.items() if v is not None})
 
 
 def print_summary(summary: IngestSummary, as_json: bool) -> None:
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             corpus=args.corpus, store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
             model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
-            compile_workers=args.compile_workers, gpus_per_worker=args.gpus_per_worker, embedder_dir=args.embedder_dir,
+            resources=CompileResources(args.compile_workers, args.gpus_per_worker), embedder_dir=args.embedder_dir,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)

@@ -98,18 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # StoreError, ManifestError: a clear message, not a traceback
         print(f"qvpic serve: {error}", file=sys.stderr)
         return 2
+    stop = threading.Event()  # set by SIGINT/SIGTERM, also while starting up
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None)
     serve.start(http_options={"host": ns.host, "port": ns.port})
     serve.run(application, name=APP_NAME, route_prefix="/")
     print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs)", flush=True)
     if ns.detach:
         return 0
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
         pass
-    serve.delete(APP_NAME)
+    serve.delete(APP_NAME)  # then the local Ray, if this process started it, ends with the process
     return 0
 
 

@@ -24,6 +24,7 @@ from schemas.store import Manifest, StoreSpec
 
 IMAGE_PATH = "image_path"  # chunk column: the original page image of an OCR'd document, or ""
 ERROR = "error"  # "" when the stage succeeded; else "<RejectReason value>: <detail>"
+SLOTS = "slots_json"  # the entries to build for a chunk: [[tier or null, variant], ...]
 ENTRIES = "entries_json"  # per entry written: tier, variant, nbytes, vision_tokens, pages
 
 
@@ -45,7 +46,7 @@ def scale_page(image: Image.Image, render: RenderSpec, tier: TierSpec) -> Image.
 
 
 class RenderStage:
-    """Row → row with one `pages_<tier>` column (PNG bytes per page) for every tier."""
+    """Row → row with one `pages_<tier>` column (PNG bytes per page; empty for tiers no slot needs)."""
 
     def __init__(self, render: RenderSpec):
         self.render_spec = render
@@ -55,8 +56,11 @@ class RenderStage:
         out = dict(row)
         out[ERROR] = ""
         out["missing_glyphs"] = 0
+        needed = {tier for tier, _ in json.loads(row[SLOTS]) if tier is not None}
+        for tier in self.render_spec.tiers:
+            out[pages_column(tier.name)] = []
         try:
-            for tier in self.render_spec.tiers:
+            for tier in (t for t in self.render_spec.tiers if t.name in needed):
                 if row.get(IMAGE_PATH):
                     with Image.open(row[IMAGE_PATH]) as image:
                         pages = [scale_page(image, self.render_spec, tier)]
@@ -67,19 +71,16 @@ class RenderStage:
                 out[pages_column(tier.name)] = [encode_png(p) for p in pages]
         except (ValueError, OSError) as e:  # RenderError is a ValueError; a vanished image an OSError
             out[ERROR] = f"{RejectReason.RENDER_FAILED.value}: {e}"
-            for tier in self.render_spec.tiers:
-                out[pages_column(tier.name)] = []
         return out
 
 
 @dataclass(frozen=True)
 class CompilePlan:
-    """What the compile stage builds for every chunk; travels to each actor."""
+    """What the compile stage needs to build and fingerprint entries; travels to each actor."""
 
     model: ModelSpec
     store: StoreSpec
     manifest_json: str  # the manifest the entries are fingerprinted against
-    variants: tuple[Variant, ...]
 
 
 class CompileStage:
@@ -92,27 +93,25 @@ class CompileStage:
         self.store = Store.open(plan.store)
 
     def entries(self, row: dict[str, Any]) -> list[tuple[str | None, Variant, Any, list[list[int]]]]:
-        """(tier, variant, ChunkKV, page sizes) for every entry this chunk needs."""
+        """(tier, variant, ChunkKV, page sizes) for every slot the row asks for."""
         out = []
-        render = self.manifest.render
-        for variant in self.plan.variants:
+        for tier, variant_value in json.loads(row[SLOTS]):
+            variant = Variant(variant_value)
             if variant is Variant.TEXT:
                 out.append((None, variant, self.vlm.compile_text(row["text"]), []))
                 continue
-            # The plain baseline exists at the lowest tier only; templated entries at every tier.
-            tiers = render.tiers if variant is Variant.TEMPLATE else (render.lowest_tier,)
-            for tier in tiers:
-                pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier.name)]]
-                kv = self.vlm.compile_images(pages, with_template=variant is Variant.TEMPLATE)
-                out.append((tier.name, variant, kv, [[p.width, p.height] for p in pages]))
+            pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier)]]
+            kv = self.vlm.compile_images(pages, with_template=variant is Variant.TEMPLATE)
+            out.append((tier, variant, kv, [[p.width, p.height] for p in pages]))
         return out
 
     def compile_row(self, row: dict[str, Any]) -> dict[str, Any]:
         entries = self.entries(row)
-        tensors = {f"{tier or 'text'}.{variant.value}": kv.kv for tier, variant, kv, _ in entries}
-        shard = {e.tensor_key: e for e in self.store.write_shard(tensors)}
         rows = []
-        for (tier, variant, kv, sizes), key in zip(entries, tensors):
+        for tier, variant, kv, sizes in entries:
+            # One shard per entry: a remote load fetches exactly the tier it serves, and a recompile
+            # that replaces image entries leaves their old shards unreferenced, hence collectable.
+            shard, = self.store.write_shard({f"{tier or 'text'}.{variant.value}": kv.kv})
             merge2 = self.vlm.adapter.merge_size**2
             rows.append({
                 "chunk_key": row["chunk_key"], "tier": tier, "variant": variant.value,
@@ -120,7 +119,7 @@ class CompileStage:
                 "num_tokens": kv.num_tokens, "position_span": kv.position_span, "compile_start": kv.compile_start,
                 "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes,
                 "vision_tokens": sum(t * h * w // merge2 for t, h, w in kv.grid_thw),
-                **shard[key].index_fields(),
+                **shard.index_fields(),
             })
         self.store.publish_index(rows)  # after the shard exists
         stats = [{"tier": r["tier"], "variant": r["variant"], "nbytes": r["nbytes"],

@@ -19,7 +19,7 @@ import ray.data
 from ray.data import ActorPoolStrategy
 
 from pipeline.chunker import Chunker
-from pipeline.compile import ENTRIES, ERROR, IMAGE_PATH, CompilePlan, CompileStage, RenderStage
+from pipeline.compile import ENTRIES, ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage
 from pipeline.duplicates import DocRef, cross_file_rejections
 from pipeline.embed import Embedder
 from pipeline.readers import discover, read_file
@@ -32,6 +32,19 @@ from schemas.store import CacheKey, Manifest, StoredModel, StoreSpec
 
 
 @dataclass(frozen=True)
+class CompileResources:
+    """The compile actor pool: one VLM per actor; GPUs per actor 0 = CPU."""
+
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
+            raise ValueError("workers >= 1, gpus_per_worker >= 0 and cpus_per_worker > 0 are required")
+
+
+@dataclass(frozen=True)
 class IngestConfig:
     corpus: str
     store: StoreSpec
@@ -39,9 +52,7 @@ class IngestConfig:
     render: RenderSpec = RenderSpec()
     chunk_tokens: int = 512
     variants: tuple[Variant, ...] = (Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT)
-    compile_workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
+    resources: CompileResources = CompileResources()
     embedder_dir: str | None = None
     reader: ReaderSpec = ReaderSpec()
     job_id: str = field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
@@ -49,8 +60,6 @@ class IngestConfig:
     def __post_init__(self) -> None:
         if self.chunk_tokens < 16:
             raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
-        if self.compile_workers < 1 or self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
-            raise ValueError("compile_workers >= 1, gpus_per_worker >= 0 and cpus_per_worker > 0 are required")
         if Variant.TEMPLATE not in self.variants:
             raise ValueError("the template variant (what qvpic serves) must be compiled")
 
@@ -118,17 +127,23 @@ def open_store(cfg: IngestConfig, embedding_dim: int, embedder_name: str) -> tup
     return store, manifest
 
 
-def required_keys(manifest: Manifest, chunk_key_: str, variants: tuple[Variant, ...]) -> list[CacheKey]:
-    """Every KV entry one chunk needs under `manifest`."""
-    keys = []
+def entry_slots(manifest: Manifest, variants: tuple[Variant, ...]) -> list[tuple[str | None, Variant]]:
+    """(tier, variant) of every KV entry a chunk needs: templated at every tier, plain at the lowest, text once."""
+    slots: list[tuple[str | None, Variant]] = []
     for variant in variants:
         tiers = {Variant.TEXT: [None], Variant.PLAIN: [manifest.render.lowest_tier.name]}.get(
             variant, [t.name for t in manifest.tiers])
-        keys += [CacheKey(chunk_key_, t, variant, manifest.entry_fingerprint(variant, t)) for t in tiers]
-    return keys
+        slots += [(tier, variant) for tier in tiers]
+    return slots
 
 
-def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, cfg: IngestConfig) -> list[dict]:
+def required_keys(manifest: Manifest, chunk_key_: str, variants: tuple[Variant, ...]) -> list[CacheKey]:
+    return [CacheKey(chunk_key_, tier, variant, manifest.entry_fingerprint(variant, tier))
+            for tier, variant in entry_slots(manifest, variants)]
+
+
+def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, model: ModelSpec,
+                    resources: CompileResources) -> list[dict]:
     """Render and compile every distinct chunk text that lacks an entry; returns per-chunk results."""
     keys = chunks.select_columns(["chunk_id", "chunk_key"]).take_all()
     first_id: dict[str, str] = {}
@@ -136,17 +151,20 @@ def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, 
         first_id.setdefault(row["chunk_key"], row["chunk_id"])
     needed = {k: required_keys(manifest, k, manifest.variants) for k in first_id}
     present = store.has_entries({key for ks in needed.values() for key in ks})
-    todo_ids = {first_id[k] for k, ks in needed.items() if not set(ks) <= present}
-    if not todo_ids:
+    # Only the missing slots are compiled: a renderer change leaves text entries alone, a crash
+    # resumes where it stopped.
+    missing = {first_id[k]: json.dumps([[key.tier, key.variant.value] for key in ks if key not in present])
+               for k, ks in needed.items() if not set(ks) <= present}
+    if not missing:
         return []
-    plan = CompilePlan(cfg.model, cfg.store, manifest.to_json(), manifest.variants)
-    todo = chunks.filter(lambda row: row["chunk_id"] in todo_ids)
+    plan = CompilePlan(model, store.spec, manifest.to_json())
+    todo = chunks.filter(lambda row: row["chunk_id"] in missing).map(lambda row: {**row, SLOTS: missing[row["chunk_id"]]})
     rendered = todo.map(RenderStage, fn_constructor_kwargs={"render": manifest.render},
-                        compute=ActorPoolStrategy(min_size=1, max_size=max(1, cfg.compile_workers)), num_cpus=0.5)
+                        compute=ActorPoolStrategy(min_size=1, max_size=resources.workers), num_cpus=0.5)
     compiled = rendered.map_batches(
         CompileStage, fn_constructor_kwargs={"plan": plan}, batch_size=4, batch_format="numpy",
-        compute=ActorPoolStrategy(size=cfg.compile_workers), num_gpus=cfg.gpus_per_worker,
-        num_cpus=cfg.cpus_per_worker, max_restarts=2, max_task_retries=2,
+        compute=ActorPoolStrategy(size=resources.workers), num_gpus=resources.gpus_per_worker,
+        num_cpus=resources.cpus_per_worker, max_restarts=2, max_task_retries=2,
     )
     return compiled.take_all()
 
@@ -182,7 +200,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
         compute=ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.25).materialize()
 
     # dedup → render → compile → write (shards, then their index rows)
-    results = compile_missing(chunks, store, manifest, cfg)
+    results = compile_missing(chunks, store, manifest, cfg.model, cfg.resources)
     failed = {r["chunk_key"]: r[ERROR] for r in results if r[ERROR]}
 
     # embed → publish chunk rows of every document whose chunks all compiled
@@ -197,6 +215,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
     stored = store.chunks().select(["chunk_id", "chunk_key", "source"]).to_pylist()
     unchanged = {(r["chunk_id"], r["chunk_key"], r["source"]) for r in stored}  # a rerun publishes nothing new
     rows = [{k: r[k] for k in ("chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens", "source")}
+            | {IMAGE_PATH: r[IMAGE_PATH] or None}
             | {"embedding": [float(x) for x in r["embedding"]]} for r in pending
             if r["doc_id"] not in failed_docs and (r["chunk_id"], r["chunk_key"], r["source"]) not in unchanged]
     for start in range(0, len(rows), 4096):

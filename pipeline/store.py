@@ -99,6 +99,7 @@ class Store:
 
     def __init__(self, fs: pafs.FileSystem, root: str, uri: str) -> None:
         self.fs, self.root, self.uri = fs, root, uri
+        self.spec = StoreSpec(uri=uri)
         self._is_local = isinstance(fs, pafs.LocalFileSystem)
         self._part_tables: dict[str, dict[str, pa.Table]] = defaultdict(dict)  # dir -> part name -> table
         self._merged: dict[str, tuple[tuple[str, ...], pa.Table]] = {}
@@ -108,6 +109,7 @@ class Store:
     def open(cls, uri: str | StoreSpec, filesystem: pafs.FileSystem | None = None, create: bool = False) -> "Store":
         spec = uri if isinstance(uri, StoreSpec) else StoreSpec(uri=str(uri))
         store = cls(*_filesystem(spec, filesystem), spec.uri)
+        store.spec = spec  # how workers elsewhere in the cluster reopen the same store
         if store._is_local and create:
             os.makedirs(store.root, exist_ok=True)
         elif not store._is_local:
@@ -383,13 +385,20 @@ class Store:
                 removed += 1
         return removed
 
-    def compact(self) -> None:
-        """Rewrite each table as one deduped part. New parts land before old ones are deleted, so
-        concurrent readers see duplicates (which they dedupe) but never missing rows."""
-        for directory, schema, dedupe in (("index", INDEX_SCHEMA, self.index), ("chunks", CHUNKS_SCHEMA, self.chunks),
+    def compact(self, keep_fingerprints: set[str] | None = None) -> None:
+        """Rewrite each table as one deduped part; with `keep_fingerprints`, index rows of any other
+        fingerprint (stale after a recompile) are dropped. New parts land before old ones are
+        deleted, so concurrent readers see duplicates (which they dedupe) but never missing rows."""
+        def index() -> pa.Table:
+            table = self.index()
+            if keep_fingerprints is None:
+                return table
+            return table.filter(pc.is_in(table["fingerprint"], value_set=pa.array(sorted(keep_fingerprints))))
+
+        for directory, schema, dedupe in (("index", INDEX_SCHEMA, index), ("chunks", CHUNKS_SCHEMA, self.chunks),
                                           ("quarantine", QUARANTINE_SCHEMA, self.quarantined)):
             names, _ = self._parts(directory, schema)
-            if len(names) > 1:
+            if len(names) > 1 or (directory == "index" and keep_fingerprints is not None and names):
                 self._write_part(directory, dedupe())
                 for name in names:
                     self.fs.delete_file(name)

@@ -66,6 +66,19 @@ class ErrorBody(Strict):
     detail: str
 
 
+class OpenAIError(Strict):
+    message: str
+    type: str  # "invalid_request_error" (4xx) or "server_error" (5xx), as OpenAI names them
+    param: str | None = None
+    code: int | None = None  # the HTTP status
+
+
+class OpenAIErrorBody(Strict):
+    """Errors of the OpenAI-compatible routes, in OpenAI's shape (its client reads `error.message`)."""
+
+    error: OpenAIError
+
+
 # ---- chunk selection -------------------------------------------------------------------------------
 class Selection(Strict):
     """Which chunks form the context: an ordered id list, whole documents, or retrieval."""
@@ -80,7 +93,8 @@ class Selection(Strict):
 
 class Routing(Strict):
     mode: Mode = Mode.QVPIC
-    tau: float | None = Field(None, ge=0.0, le=1.0, description="cumulative relevance share promoted (server default when null)")
+    tau: float | None = Field(None, ge=0.0, le=1.0,
+                              description="cumulative relevance share promoted (server default when null)")
     max_high_res: int | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
 
 
@@ -93,7 +107,7 @@ class AnswerRequest(Selection, Routing):
     stream: bool = False
 
     @model_validator(mode="after")
-    def _one_selection(self) -> "AnswerRequest":
+    def _one_selection(self) -> AnswerRequest:
         if self.num_given() != 1:
             raise ValueError("give exactly one of chunk_ids, doc_ids or top_k")
         return self
@@ -152,7 +166,7 @@ class AnswerReport(Strict):
     cache: CacheReport
     fallbacks: list[FallbackReport]
 
-    def with_total_ms(self, total_ms: float) -> "AnswerReport":
+    def with_total_ms(self, total_ms: float) -> AnswerReport:
         return self.model_copy(update={"timings": self.timings.model_copy(update={"total_ms": total_ms})})
 
 
@@ -193,7 +207,7 @@ class TextPart(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, StringConstraints(max_length=MAX_QUERY_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
+    content: Query | Annotated[list[TextPart], Field(min_length=1, max_length=64)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -203,7 +217,7 @@ class QvpicOptions(Selection, Routing):
     """Extension field `qvpic` of a chat request; with no selection the last user message retrieves."""
 
     @model_validator(mode="after")
-    def _at_most_one_selection(self) -> "QvpicOptions":
+    def _at_most_one_selection(self) -> QvpicOptions:
         if self.num_given() > 1:
             raise ValueError("give at most one of chunk_ids, doc_ids or top_k")
         return self
@@ -227,7 +241,7 @@ class ChatCompletionRequest(Strict):
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 
     @model_validator(mode="after")
-    def _single_user_turn(self) -> "ChatCompletionRequest":
+    def _single_user_turn(self) -> ChatCompletionRequest:
         # The store's KV was compiled under the model's own template prefix (its default system
         # prompt), so a custom system prompt or earlier turns would change what the cache means.
         if len(self.messages) != 1 or self.messages[0].role != "user" or not self.messages[0].text().strip():
@@ -335,5 +349,10 @@ class StoreInfo(Strict):
     num_chunks: int
     num_documents: int
     num_entries: int
-    modes: list[Mode]
+    modes: list[Mode]  # the modes the store's variants can serve
+
+
+class StoreStatus(StoreInfo):
+    """`GET /v1/store`: what the store holds and how the loader's cache is doing right now."""
+
     cache: CacheStats

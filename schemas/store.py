@@ -37,6 +37,7 @@ CHUNKS_SCHEMA = pa.schema([
     pa.field("num_text_tokens", pa.int32(), nullable=False),
     pa.field("embedding", pa.list_(pa.float32()), nullable=False),
     pa.field("source", pa.string(), nullable=False),
+    pa.field("image_path", pa.string(), nullable=True),  # the original page image of an OCR'd document
 ])
 
 INDEX_SCHEMA = pa.schema([

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 from ray import serve
@@ -18,16 +21,25 @@ from ray.serve.handle import DeploymentHandle
 from pipeline.runtime.model import Sampling
 from pipeline.store import Store
 from schemas.api import (
-    AnswerRequest, AnswerResponse, ApiError, CacheStats, ErrorBody, Health, StoreInfo, StreamDelta, StreamDone,
+    AnswerRequest,
+    AnswerResponse,
+    ApiError,
+    ErrorBody,
+    Health,
+    StoreInfo,
+    StoreStatus,
+    StreamDelta,
+    StreamDone,
     StreamError,
 )
-from schemas.config import Frozen, Mode, ModelSpec, RouterSpec
+from schemas.config import Frozen, ModelSpec, RouterSpec
 from schemas.store import StoreSpec
+from serve import openai_api
 from serve.backend import ApiSettings, Backend, HandleBackend, api_error, sse
 from serve.generator import Answer, Generator
 from serve.loader import CacheLoader
-from serve.openai_api import openai_routes
-from serve.router import BatchingRouter, PromptTemplate
+from serve.openai_api import openai_error, openai_routes
+from serve.router import BatchingRouter, check_store, servable_modes
 
 
 class DeploymentArgs(Frozen):
@@ -41,7 +53,7 @@ class DeploymentArgs(Frozen):
     max_ongoing_requests: int = Field(16, ge=1)
 
     @model_validator(mode="after")
-    def _replicas_or_autoscaling(self) -> "DeploymentArgs":
+    def _replicas_or_autoscaling(self) -> DeploymentArgs:
         if self.autoscaling_config is not None and self.num_replicas not in (None, 1):
             raise ValueError("set either num_replicas or autoscaling_config, not both")
         return self
@@ -71,31 +83,39 @@ class AppArgs(Frozen):
     generator_deployment: DeploymentArgs = DeploymentArgs(max_ongoing_requests=8)
 
     @model_validator(mode="after")
-    def _top_k_fits(self) -> "AppArgs":
+    def _top_k_fits(self) -> AppArgs:
         if self.default_top_k > self.max_chunks:
             raise ValueError(f"default_top_k {self.default_top_k} exceeds max_chunks {self.max_chunks}")
         return self
 
 
 def make_api(backend: Backend, settings: ApiSettings) -> FastAPI:
-    app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.",
-                  responses={404: {"model": ErrorBody}, 413: {"model": ErrorBody}, 503: {"model": ErrorBody}})
+    app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.")
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
         status, detail = api_error(error)
+        if request.url.path.startswith(openai_api.PATH_PREFIX):
+            return openai_error(status, detail)
         return JSONResponse(status_code=status, content={"detail": detail})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        if request.url.path.startswith(openai_api.PATH_PREFIX):
+            return openai_error(422, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()))
+        return await request_validation_exception_handler(request, error)  # FastAPI's own 422 body
 
     @app.get("/healthz")
     async def healthz() -> Health:
         return Health()
 
     @app.get("/v1/store")
-    async def store_info() -> StoreInfo:
-        return settings.store.model_copy(update={"cache": await backend.cache_stats()})
+    async def store_status() -> StoreStatus:
+        return StoreStatus(**settings.store.model_dump(), cache=await backend.cache_stats())
 
     @app.post("/v1/answer", response_model=AnswerResponse,
-              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}})
+              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
+                         **{status: {"model": ErrorBody} for status in (404, 413, 503)}})
     async def answer(request: AnswerRequest):
         started = time.perf_counter()
         answer_id = f"ans-{uuid.uuid4().hex}"
@@ -112,7 +132,7 @@ def make_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                         yield sse(StreamDelta(text=event))
                     else:
                         yield sse(StreamDone(response=respond(answer_id, event, started)))
-            except Exception as error:  # after the 200 is sent, errors travel as an event
+            except Exception as error:  # noqa: BLE001  after the 200 is sent, any error travels as an event
                 status, detail = api_error(error)
                 yield sse(StreamError(status_code=status, detail=detail))
 
@@ -127,43 +147,43 @@ def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
     return AnswerResponse(id=answer_id, answer=answer.text, **report.model_dump())
 
 
-def api_settings(args: AppArgs, cache: CacheStats) -> ApiSettings:
+def api_settings(args: AppArgs) -> ApiSettings:
     store = Store.open(args.store)
     manifest, stats = store.load_manifest_or_raise(), store.stats()
     info = StoreInfo(fingerprint=manifest.fingerprint, model_id=manifest.model.id,
                      tiers={t.name: t.dpi for t in manifest.tiers}, variants=list(manifest.variants),
                      embedder=manifest.embedder, num_chunks=stats.num_chunks, num_documents=stats.num_documents,
-                     num_entries=stats.num_entries, modes=list(Mode), cache=cache)
+                     num_entries=stats.num_entries, modes=servable_modes(manifest.variants))
     return ApiSettings(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
                        created=int(manifest.created_at.timestamp()))
 
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle, args: AppArgs):
+    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle,
+                 args: AppArgs):
         self.backend = HandleBackend(router, loader, generator)
-        self.settings = api_settings(args, CacheStats(entries=0, nbytes=0, max_nbytes=args.cache_max_nbytes,
-                                                      hits=0, misses=0, evictions=0))
+        self.settings = api_settings(args)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_api(self.backend, self.settings)
 
 
-def check_store(args: AppArgs) -> None:
+def preflight(args: AppArgs) -> None:
     """Fail fast, before any replica starts, when the store was compiled for another model."""
-    manifest = Store.open(args.store).load_manifest_or_raise()
-    PromptTemplate.load(args.model).check_store(manifest, args.model)
+    check_store(Store.open(args.store).load_manifest_or_raise(), args.model)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
-    """Serve application builder (`import_path: serve.app:build_app`, YAML `args` validated into AppArgs)."""
+    """Serve application builder (`import_path: serve.app:build_app`). Serve passes YAML `args` as a
+    dict (it only converts them itself for a non-string annotation), so they are validated here."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    check_store(args)
-    router = serve.deployment(BatchingRouter, name="Router").options(**args.router_deployment.options()).bind(
+    preflight(args)
+    def deployment(cls: type, name: str, resources: DeploymentArgs):
+        return serve.deployment(cls, name=name).options(**resources.options())
+
+    router = deployment(BatchingRouter, "Router", args.router_deployment).bind(
         args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir)
-    loader = serve.deployment(CacheLoader, name="CacheLoader").options(**args.loader_deployment.options()).bind(
-        args.store, args.cache_max_nbytes)
-    generator = serve.deployment(Generator, name="Generator").options(**args.generator_deployment.options()).bind(
-        args.store, args.model)
-    ingress = serve.deployment(Ingress, name="Ingress").options(**args.ingress_deployment.options())
-    return ingress.bind(router, loader, generator, args)
+    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(args.store, args.cache_max_nbytes)
+    generator = deployment(Generator, "Generator", args.generator_deployment).bind(args.store, args.model)
+    return deployment(Ingress, "Ingress", args.ingress_deployment).bind(router, loader, generator, args)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from ray.exceptions import RayTaskError
@@ -25,7 +26,7 @@ from serve.router import Plan, Router
 class ApiSettings(BaseModel):
     served_model_name: str
     default_top_k: int
-    store: StoreInfo  # its `cache` is refreshed on every GET /v1/store
+    store: StoreInfo
     created: int  # unix seconds: when the store was created
 
 
@@ -58,7 +59,8 @@ class HandleBackend:
 
 
 class InProcessBackend:
-    """The same three roles as plain objects; blocking work runs on worker threads."""
+    """The same three roles as plain objects; blocking work runs on worker threads. Like a handle's
+    response, the load is a task the generate/stream step awaits, so its errors surface there too."""
 
     def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
         self.router, self.loader, self.generator = router, loader, generator
@@ -66,14 +68,14 @@ class InProcessBackend:
     async def route(self, request: AnswerRequest) -> Plan:
         return await self.router.plan(request)
 
-    async def load(self, plan: Plan) -> Any:
-        return await asyncio.to_thread(self.loader.load, plan)
+    async def load(self, plan: Plan) -> asyncio.Task:
+        return asyncio.create_task(asyncio.to_thread(self.loader.load, plan))
 
-    async def generate(self, plan: Plan, loaded: Any, sampling: Sampling) -> Answer:
-        return await asyncio.to_thread(self.generator.generate, plan, loaded, sampling)
+    async def generate(self, plan: Plan, loaded: asyncio.Task, sampling: Sampling) -> Answer:
+        return await asyncio.to_thread(self.generator.generate, plan, await loaded, sampling)
 
-    async def stream(self, plan: Plan, loaded: Any, sampling: Sampling) -> AsyncIterator[str | Answer]:
-        events = self.generator.stream(plan, loaded, sampling)
+    async def stream(self, plan: Plan, loaded: asyncio.Task, sampling: Sampling) -> AsyncIterator[str | Answer]:
+        events = self.generator.stream(plan, await loaded, sampling)
         while (event := await asyncio.to_thread(next, events, None)) is not None:
             yield event
 

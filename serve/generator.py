@@ -2,9 +2,10 @@
 
 Linked modes (qvpic, uniform_high, image_pic, text_pic) place the loaded KV after the serving prefix
 (computed once, at start-up), re-anchor it, and prefill only the query. The online modes prefill
-everything: full_text the chunks' source text, full_image their pages rendered with the store's
-RenderSpec at the tier the router chose — the same tiers qvpic links, so full_image is qvpic's exact,
-uncached reference and the gap between the two is the cost (or error) of caching alone.
+everything: full_text the chunks' source text, full_image their pages — rendered with the store's
+RenderSpec (or, for a scanned page, its own image scaled) at the tier the router chose. Those are
+the pages and tiers qvpic links, so full_image is qvpic's exact, uncached reference and the gap
+between the two is the cost (or error) of caching alone.
 
 Forward passes are serialised with a lock per step, so concurrent streams interleave token by token
 on the one model instead of racing for its memory.
@@ -14,18 +15,28 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
+from PIL import Image
+
+from pipeline.compile import scale_page
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, Prefill, Sampling
 from pipeline.store import Store
-from schemas.api import AnswerReport, ChunkReport, FinishReason, Timings, TokenUsage
+from schemas.api import (
+    AnswerReport,
+    ChunkReport,
+    FinishReason,
+    Timings,
+    TokenUsage,
+    UnservableError,
+)
 from schemas.config import Mode, ModelSpec
 from schemas.store import StoreSpec
 from serve.loader import LoadResult, from_wire
-from serve.router import Plan
+from serve.router import Plan, PlannedChunk, check_store
 
 ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
 _INCOMPLETE = "\ufffd"  # a byte-level tokenizer's partial UTF-8 character: wait for the next token
@@ -51,8 +62,8 @@ class _Clock:
 class Generator:
     def __init__(self, store: StoreSpec | str, model: ModelSpec):
         manifest = Store.open(store).load_manifest_or_raise()
+        check_store(manifest, model)
         self.vlm = VLM(model)
-        manifest.check_model(model.path, model.revision, model.dtype, self.vlm.adapter.template.prefix)
         self.render_spec = manifest.render
         self.renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
@@ -93,7 +104,7 @@ class Generator:
             pieces = [c.text for c in plan.chunks]
         elif plan.mode is Mode.FULL_IMAGE:
             started = time.perf_counter()
-            pieces = [self.renderer.render(c.text, self.render_spec.tier(c.tier)).pages for c in plan.chunks]
+            pieces = [self.pages(c) for c in plan.chunks]
             clock.render_ms = clock.since(started)
         else:
             chunks = [ChunkKV(from_wire(kv.array, kv.dtype), kv.entry.position_span, kv.compile_start, kv.kind,
@@ -111,6 +122,18 @@ class Generator:
             state = self.vlm.prefill_full(pieces, plan.query)
             clock.prefill_ms = clock.since(started)
         return state, state.logits.shape[1] - query_tokens
+
+    def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
+        """A chunk's pages at its tier, made the way ingest made the ones it compiled."""
+        tier = self.render_spec.tier(chunk.tier)
+        if chunk.image_path is None:
+            return self.renderer.render(chunk.text, tier).pages
+        try:
+            with Image.open(chunk.image_path) as image:
+                return [scale_page(image, self.render_spec, tier)]
+        except OSError as error:
+            message = f"page image of chunk {chunk.chunk_id} is not readable on this replica: {error}"
+            raise UnservableError(message) from error
 
     def query_tokens(self, query: str) -> int:
         return len(self.vlm.adapter.encode(query)) + len(self.vlm.adapter.turn_suffix_ids)

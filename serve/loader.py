@@ -28,7 +28,7 @@ _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FL
          torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
 _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 # Arrays arriving through Ray's object store (and LRU-shared ones) are read-only; assembly only reads
-# them, so torch's warning about wrapping them is noise. A process-wide filter: catch_warnings is not thread-safe.
+# them, so torch's warning about wrapping them is noise. Process-wide: catch_warnings is not thread-safe.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
@@ -59,11 +59,9 @@ class ByteLRU:
         self.hits = self.misses = self.evictions = 0
         self._items: OrderedDict[str, tuple[np.ndarray, DType]] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
+    def keys(self) -> list[str]:
+        """Cached keys, least recently used first (the next to be evicted)."""
+        return list(self._items)
 
     def get(self, key: str) -> tuple[np.ndarray, DType] | None:
         item = self._items.get(key)
@@ -152,9 +150,11 @@ class CacheLoader:
             kvs.append(LoadedKV(array, dtype, served))
         if unservable:
             raise UnservableError(f"KV entries unreadable and no fallback: {unservable[:5]}")
-        return LoadResult(tuple(kvs), tuple(plan.fallbacks) + tuple(fallbacks), report, (time.perf_counter() - started) * 1e3)
+        load_ms = (time.perf_counter() - started) * 1e3
+        return LoadResult(tuple(kvs), tuple(plan.fallbacks) + tuple(fallbacks), report, load_ms)
 
-    def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType]], dict[str, str]]:
+    def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType]],
+                                                                         dict[str, str]]:
         """Arrays by entry key (LRU first, then one batched store read), and why each failed key failed."""
         found: dict[str, tuple[np.ndarray, DType]] = {}
         missing: dict[str, Entry] = {}

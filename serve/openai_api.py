@@ -10,20 +10,44 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from pipeline.runtime.model import Sampling
 from schemas.api import (
-    AnswerReport, AnswerRequest, AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
-    ChatCompletionRequest, ChatUsage, ChunkChoice, ChunkDelta, ModelCard, ModelList, PromptTokensDetails,
+    AnswerReport,
+    AnswerRequest,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatUsage,
+    ChunkChoice,
+    ChunkDelta,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    OpenAIErrorBody,
+    PromptTokensDetails,
     UnknownModelError,
 )
 from serve.backend import ApiSettings, Backend, api_error, sse
+
+PATH_PREFIX = "/v1/chat/"
+
+
+def openai_error_body(status: int, message: str) -> OpenAIErrorBody:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return OpenAIErrorBody(error=OpenAIError(message=message, type=kind, code=status))
+
+
+def openai_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content=openai_error_body(status, message).model_dump())
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -35,11 +59,12 @@ def chat_usage(report: AnswerReport) -> ChatUsage:
 
 def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
     options = request.qvpic
-    selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True) or {"top_k": default_top_k}
+    selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True)
     try:
-        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, max_high_res=options.max_high_res,
-                             max_new_tokens=request.max_new_tokens, temperature=request.temperature,
-                             top_p=request.top_p, seed=request.seed, stream=request.stream, **selection)
+        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau,
+                             max_high_res=options.max_high_res, max_new_tokens=request.max_new_tokens,
+                             temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                             stream=request.stream, **(selection or {"top_k": default_top_k}))
     except ValidationError as error:  # the chat request's own limits should already exclude this
         raise RequestValidationError(error.errors()) from error
 
@@ -59,11 +84,13 @@ def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.served_model_name, created=settings.created, owned_by="qvpic")])
 
-    @routes.post("/v1/chat/completions", response_model=ChatCompletion,
-                 responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}})
+    @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
+        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
+        **{status: {"model": OpenAIErrorBody} for status in (404, 413, 422, 503)}})
     async def chat_completions(request: ChatCompletionRequest):
         if request.model != settings.served_model_name:
-            raise UnknownModelError(f"model {request.model!r} is not served here; available: {[settings.served_model_name]}")
+            available = [settings.served_model_name]
+            raise UnknownModelError(f"model {request.model!r} is not served here; available: {available}")
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         native = answer_request(request, settings.default_top_k)
@@ -90,12 +117,12 @@ def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
                         yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
                         continue
                     report = event.report.with_total_ms((time.perf_counter() - started) * 1e3)
-                    yield chunk(choices=[ChunkChoice(delta=ChunkDelta(), finish_reason=report.finish_reason)], qvpic=report)
+                    finish = ChunkChoice(delta=ChunkDelta(), finish_reason=report.finish_reason)
+                    yield chunk(choices=[finish], qvpic=report)
                     if include_usage:
                         yield chunk(choices=[], usage=chat_usage(report))
-            except Exception as error:  # after the 200 is sent, errors travel as an event the client raises
-                status, detail = api_error(error)
-                yield sse({"error": {"message": detail, "type": "server_error", "code": status}})
+            except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
+                yield sse(openai_error_body(*api_error(error)))
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -2,18 +2,18 @@
 
 `allocate` is the pure policy. `Router` resolves a request's chunk selection against a snapshot of the
 store's chunk table and index (taken at start-up: a recompiled store is served after a redeploy),
-embeds the query (`BatchingRouter`, the deployed one, batches concurrent queries with `@serve.batch`), scores chunks by cosine and
-prices every choice from index columns in O(1) per chunk. Top-k retrieval is one numpy mat-vec over
-the `[chunks, dim]` embedding matrix: exact, and well under a millisecond for the ~10^5 chunks a
-store of this design holds per replica; a vector index only pays off far beyond that.
+embeds the query (the deployed `BatchingRouter` batches concurrent queries with `@serve.batch`),
+scores chunks by cosine and prices every choice from index columns in O(1) per chunk. Top-k
+retrieval is one numpy mat-vec over the `[chunks, dim]` embedding matrix plus a partial sort: exact,
+and ~3 ms for 10^5 chunks (384-d float32, 150 MB); an approximate vector index pays off far beyond.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from ray import serve
@@ -21,15 +21,26 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.embed import Embedder
 from pipeline.runtime.adapters import ChatTemplate
-from pipeline.runtime.model import resolve_path
+from pipeline.runtime.model import model_identity, resolve_path
 from pipeline.store import Store
-from schemas.api import AnswerRequest, FallbackReport, TooLargeError, UnknownIdsError, UnservableError
+from schemas.api import (
+    AnswerRequest,
+    FallbackReport,
+    TooLargeError,
+    UnknownIdsError,
+    UnservableError,
+)
 from schemas.config import Mode, ModelSpec, RouterSpec, TierSpec, Variant
 from schemas.store import CacheKey, Manifest, ManifestError, StoreSpec
 
 LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
                   Mode.IMAGE_PIC: Variant.PLAIN, Mode.TEXT_PIC: Variant.TEXT}
-ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)  # FULL_IMAGE renders the routed tiers: the exact reference of QVPIC
+
+
+def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
+    """Modes a store compiled with `variants` can serve (full_image prices pages from TEMPLATE entries)."""
+    needs = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}
+    return [m for m in Mode if m not in needs or needs[m] in variants]
 
 
 def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
@@ -89,6 +100,7 @@ class PlannedChunk:
     entry: Entry | None  # KV to link; None in the online (full_*) modes
     fallback: Entry | None = None  # low-tier entry the loader uses when `entry`'s shard is unreadable
     text: str | None = None  # source text, carried only for the full_* modes
+    image_path: str | None = None  # full_image of a scanned page: its original image, as ingest compiled it
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,7 @@ class PromptTemplate:
     max_positions: int
 
     @classmethod
-    def load(cls, spec: ModelSpec) -> "PromptTemplate":
+    def load(cls, spec: ModelSpec) -> PromptTemplate:
         path = resolve_path(spec)
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
@@ -122,9 +134,19 @@ class PromptTemplate:
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def check_store(self, manifest: Manifest, spec: ModelSpec) -> None:
-        """Raise `ManifestError` unless the store was compiled for this model and template."""
-        manifest.check_model(spec.path, spec.revision, spec.dtype, self.template.prefix)
+
+def check_store(manifest: Manifest, spec: ModelSpec) -> None:
+    """Raise `ManifestError` unless the store was compiled for this model, dtype and template (the
+    identity ingest fingerprints with), read from the checkpoint without loading its weights."""
+    model_id, revision, _, template_prefix = model_identity(spec)
+    manifest.check_model(model_id, revision, spec.dtype, template_prefix)
+
+
+def require_known(field: str, ids: Sequence[str], known: dict) -> None:
+    missing = [i for i in ids if i not in known]
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise UnknownIdsError(f"unknown {field}: {missing[:10]}{more}")
 
 
 class Router:
@@ -132,8 +154,8 @@ class Router:
                  max_context_tokens: int | None = None, embedder_dir: str | None = None):
         self.store = Store.open(store)
         self.manifest = self.store.load_manifest_or_raise()
+        check_store(self.manifest, model)
         self.prompt = PromptTemplate.load(model)
-        self.prompt.check_store(self.manifest, model)
         self.embedder = Embedder(embedder_dir)
         if self.embedder.model_name != self.manifest.embedder:
             raise ManifestError(f"store was embedded with {self.manifest.embedder!r}, "
@@ -145,25 +167,27 @@ class Router:
         self.high: TierSpec = self.manifest.render.highest_tier
 
         chunks = self.store.chunks()
-        self.chunk_rows = chunks.select(["chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens"]).to_pylist()
+        columns = ["chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens", "image_path"]
+        self.chunk_rows = chunks.select(columns).to_pylist()
         self.row_of_chunk = {r["chunk_id"]: i for i, r in enumerate(self.chunk_rows)}
         self.rows_of_doc: dict[str, list[int]] = {}
         for i in sorted(range(len(self.chunk_rows)), key=lambda i: self.chunk_rows[i]["order"]):
             self.rows_of_doc.setdefault(self.chunk_rows[i]["doc_id"], []).append(i)
         # [chunks, dim] float32, rows L2-normalised at ingest: cosine = dot product
-        self.embeddings = np.asarray(chunks["embedding"].to_pylist(), dtype=np.float32).reshape(len(self.chunk_rows), -1)
+        embeddings = chunks["embedding"].to_pylist()
+        self.embeddings = np.asarray(embeddings, dtype=np.float32).reshape(len(self.chunk_rows), -1)
         self.entries = self._current_entries()
 
     def _current_entries(self) -> dict[tuple[str, str | None, Variant], Entry]:
         """Index rows compiled under the current fingerprints, keyed by (chunk_key, tier, variant)."""
+        current = {(t.name, v): self.manifest.entry_fingerprint(v, t.name) for t in self.manifest.tiers for v in Variant
+                   if v is not Variant.TEXT}
+        current[(None, Variant.TEXT)] = self.manifest.entry_fingerprint(Variant.TEXT, None)
         entries = {}
         for row in self.store.index().to_pylist():
-            variant = Variant(row["variant"])
-            tier = row["tier"]
-            if variant is not Variant.TEXT and tier not in {t.name for t in self.manifest.tiers}:
-                continue
-            if row["fingerprint"] != self.manifest.entry_fingerprint(variant, tier):
-                continue  # stale: compiled for another model, template or renderer
+            tier, variant = row["tier"], Variant(row["variant"])
+            if current.get((tier, variant)) != row["fingerprint"]:
+                continue  # stale (another model, template or renderer) or a tier no longer configured
             key = CacheKey(row["chunk_key"], tier, variant, row["fingerprint"]).to_str()
             entries[(row["chunk_key"], tier, variant)] = Entry(
                 key, tier, variant, row["num_tokens"], row["vision_tokens"], row["position_span"], row)
@@ -186,24 +210,27 @@ class Router:
         if needed > self.max_context_tokens:
             raise TooLargeError(
                 f"request needs {needed} tokens (prefix {self.prefix_tokens} + chunks {needed - fixed_tokens} + "
-                f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); the context holds {self.max_context_tokens}")
+                f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
+                f"the context holds {self.max_context_tokens}")
         route_ms = (time.perf_counter() - started) * 1e3
-        return Plan(request.mode, request.query, tuple(chunks), self.prefix_tokens, query_tokens, tuple(fallbacks), route_ms)
+        return Plan(request.mode, request.query, tuple(chunks), self.prefix_tokens, query_tokens, tuple(fallbacks),
+                    route_ms)
 
     def _select(self, request: AnswerRequest, query_vector: np.ndarray) -> list[int]:
         if request.chunk_ids is not None:
-            missing = [c for c in request.chunk_ids if c not in self.row_of_chunk]
-            if missing:
-                raise UnknownIdsError(f"unknown chunk_ids: {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+            require_known("chunk_ids", request.chunk_ids, self.row_of_chunk)
             return [self.row_of_chunk[c] for c in request.chunk_ids]
         if request.doc_ids is not None:
-            missing = [d for d in request.doc_ids if d not in self.rows_of_doc]
-            if missing:
-                raise UnknownIdsError(f"unknown doc_ids: {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+            require_known("doc_ids", request.doc_ids, self.rows_of_doc)
             return [i for d in request.doc_ids for i in self.rows_of_doc[d]]
         scores = self.embeddings @ query_vector  # [chunks]
-        ranked = np.lexsort((np.arange(len(scores)), -scores))  # best first, ties by store order
-        return [int(i) for i in ranked[: request.top_k]]
+        k = min(request.top_k, len(scores))
+        if k == 0:
+            return []
+        kth_best = np.partition(scores, len(scores) - k)[len(scores) - k]
+        candidates = np.flatnonzero(scores >= kth_best)  # O(chunks); ascending store order
+        ranked = candidates[np.argsort(-scores[candidates], kind="stable")]  # best first, ties by store order
+        return [int(i) for i in ranked[:k]]
 
     def _place(self, request: AnswerRequest, rows: list[int], relevance: list[float],
                budget_tokens: int) -> tuple[list[PlannedChunk], list[FallbackReport]]:
@@ -246,7 +273,8 @@ class Router:
             online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
             planned.append(PlannedChunk(row["chunk_id"], row["doc_id"], rel, entry.tier, entry.num_tokens,
                                         entry.vision_tokens, entry.position_span, None if online else entry,
-                                        None if online else low, row["text"] if online else None))
+                                        None if online else low, row["text"] if online else None,
+                                        (row["image_path"] or None) if online else None))
         return planned, fallbacks
 
     def _require(self, chunk_rows: list[dict], tier: str | None, variant: Variant, mode: Mode) -> list[Entry]:

@@ -10,6 +10,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from tests.fixtures_s3 import S3_ENV  # noqa: E402
+
+# Dummy S3 credentials before any Ray worker starts, so workers of the session-wide Ray inherit them.
+for _key, _value in S3_ENV.items():
+    os.environ.setdefault(_key, _value)
+
 import pytest  # noqa: E402
 import transformers  # noqa: E402
 

@@ -2,7 +2,9 @@
 
 `address="local"` always starts a fresh cluster owned by this process, never attaching to someone
 else's; the object store is small (tests move KiBs) and 4 logical CPUs on a 2-core box keep actor
-pools and Serve replicas from starving Ray's own tasks. Shutdown stops only this cluster.
+pools and Serve replicas from starving Ray's own tasks. One logical GPU lets `num_gpus=1` actors
+schedule on a CPU-only box (torch then runs them on the CPU), so CI exercises the GPU placement
+path. Shutdown stops only this cluster.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=OBJECT_STORE_NBYTES,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False,
+                 object_store_memory=OBJECT_STORE_NBYTES, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -6,6 +6,8 @@ which is what every serving mode needs.
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 
 from pipeline.embed import Embedder
 from pipeline.render import Renderer
-from pipeline.runtime.model import VLM
+from pipeline.runtime.model import VLM, model_identity
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, RouterSpec, Variant
 from schemas.corpus import Chunk
@@ -37,10 +39,9 @@ def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, l
     render = render or RenderSpec()
     store = Store.open(str(root), create=True)
     now = datetime.now(timezone.utc)
-    spec = vlm.spec
+    model_id, revision, family, template_prefix = model_identity(vlm.spec)
     manifest = Manifest.create(
-        StoredModel(id=spec.path, revision=spec.revision, dtype=spec.dtype, family=vlm.family),
-        vlm.adapter.template.prefix, render=render, variants=(Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT),
+        StoredModel(id=model_id, revision=revision, dtype=vlm.spec.dtype, family=family), template_prefix, render=render, variants=(Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT),
         embedder=embedder.model_name, embedding_dim=embedder.dim, created_at=now, updated_at=now, job_ids=("tests",),
     )
     store.write_manifest(manifest)
@@ -72,7 +73,7 @@ def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, l
             ))
     store.publish_index(index_rows)
     embeddings = embedder.embed([c.text for c in chunks])
-    store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}")
+    store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}", image_path=None)
                           for chunk, vector in zip(chunks, embeddings)])
     return store
 
@@ -93,6 +94,16 @@ def serving_store(tmp_path_factory) -> ServingStore:
     root = tmp_path_factory.mktemp("serving-store")
     build_store(root, vlm, embedder)
     return ServingStore(str(root), model, vlm, embedder)
+
+
+def corrupt_entry(store_root: Path, row: dict) -> None:
+    """Flip one byte inside the tensor an index row points at (safetensors: u64 header size, JSON header, data)."""
+    path = Path(store_root) / row["shard_path"]
+    data = bytearray(path.read_bytes())
+    header_nbytes = struct.unpack("<Q", data[:8])[0]
+    begin, _ = json.loads(data[8:8 + header_nbytes])[row["tensor_key"]]["data_offsets"]
+    data[8 + header_nbytes + begin] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 MAX_CHUNKS = 4  # below the store's 5 chunks, so a request can exceed it

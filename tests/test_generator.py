@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import shutil
-import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from schemas.config import DType, Mode
 from serve.generator import Answer
 from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
 from serve.router import Plan
-from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
+from tests.store_factory import corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
 
 QUERY = "When does part XK-4471-B ship?"
 
@@ -56,7 +53,7 @@ def test_lru_never_exceeds_its_cap_and_evicts_least_recent(seed):
             if hit is not None:
                 model[key] = model.pop(key)
         assert lru.nbytes == sum(model.values()) <= cap
-        assert [k for k in model] == [k for k in lru._items]
+        assert lru.keys() == list(model)
     stats = lru.stats()
     assert stats.nbytes <= stats.max_nbytes and stats.entries == len(model)
 
@@ -70,16 +67,6 @@ def test_wire_round_trip_keeps_bits():
 
 
 # ---- loader ---------------------------------------------------------------------------------------
-def flip_tensor_byte(store_root: Path, row: dict) -> None:
-    """Corrupt one byte inside the tensor `row` points at (safetensors: u64 header size, JSON header, data)."""
-    path = store_root / row["shard_path"]
-    data = bytearray(path.read_bytes())
-    header_nbytes = struct.unpack("<Q", data[:8])[0]
-    begin, _ = json.loads(data[8:8 + header_nbytes])[row["tensor_key"]]["data_offsets"]
-    data[8 + header_nbytes + begin] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def test_loader_counts_hits_and_misses(roles, serving_store):
     loader = CacheLoader(serving_store.uri, 1 << 20)
     planned = plan(roles, doc_ids=["invoices", "manual"], mode=Mode.TEXT_PIC)
@@ -94,7 +81,7 @@ def test_corrupt_high_tier_falls_back_to_low_and_says_so(roles, serving_store, t
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.UNIFORM_HIGH)
-    flip_tensor_byte(root, planned.chunks[0].entry.row)
+    corrupt_entry(root, planned.chunks[0].entry.row)
     result = CacheLoader(str(root), 1 << 20).load(planned)
     served = [kv.entry.tier for kv in result.kvs]
     assert served == ["low", "high"]
@@ -105,7 +92,7 @@ def test_corrupt_high_tier_falls_back_to_low_and_says_so(roles, serving_store, t
     assert [c.tier for c in reply.report.chunks] == ["low", "high"] and reply.report.fallbacks == [fallback]
 
     low_only = plan(roles, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC)
-    flip_tensor_byte(root, low_only.chunks[0].entry.row)
+    corrupt_entry(root, low_only.chunks[0].entry.row)
     with pytest.raises(UnservableError, match="manual#00001"):
         CacheLoader(str(root), 1 << 20).load(low_only)
 
@@ -128,7 +115,7 @@ def test_every_mode_answers_with_honest_accounting(roles, mode):
 @pytest.mark.parametrize("tau, tier", [(0.0, "low"), (1.0, "high")])
 def test_linked_answers_equal_online_answers_for_one_chunk(roles, tau, tier):
     """A single linked chunk is exact (float32): qvpic == full_image at the same tier, text_pic == full_text."""
-    fields = dict(chunk_ids=["invoices#00000"], tau=tau, max_new_tokens=16)
+    fields = {"chunk_ids": ["invoices#00000"], "tau": tau, "max_new_tokens": 16}
     linked, online = answer(roles, mode=Mode.QVPIC, **fields), answer(roles, mode=Mode.FULL_IMAGE, **fields)
     assert [c.tier for c in linked.report.chunks] == [c.tier for c in online.report.chunks] == [tier]
     assert linked.text == online.text and linked.report.usage == online.report.usage.model_copy(

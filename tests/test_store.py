@@ -237,7 +237,7 @@ def test_rerun_dedupes_keeping_the_newest(store: Store) -> None:
     (row,) = store.lookup(chunk_keys=[sha("chunk 0")], tiers=["low"]).to_pylist()
     assert row["checksum"] == newer["checksum"] and torch.equal(store.load_kv(row), kv(9))
     chunk = dict(chunk_id="c0", doc_id="d", order=0, chunk_key=sha("x"), text="x", num_text_tokens=1,
-                 embedding=[0.0] * 4, source="f.txt")
+                 embedding=[0.0] * 4, source="f.txt", image_path=None)
     store.publish_chunks([chunk])
     store.publish_chunks([{**chunk, "text": "x "}])
     assert store.chunks().to_pylist() == [{**chunk, "text": "x "}]
@@ -273,7 +273,7 @@ def test_lookup_filters_and_keeps_requested_order(store: Store) -> None:
 def test_chunks_for_keeps_requested_order(store: Store) -> None:
     store.write_manifest(make_manifest())
     rows = [dict(chunk_id=f"{doc}-{i}", doc_id=doc, order=i, chunk_key=sha(f"{doc}{i}"), text=f"{doc}{i}",
-                 num_text_tokens=2, embedding=[float(i)] * 4, source=f"{doc}.txt") for doc in "ab" for i in (2, 0, 1)]
+                 num_text_tokens=2, embedding=[float(i)] * 4, source=f"{doc}.txt", image_path=None) for doc in "ab" for i in (2, 0, 1)]
     store.publish_chunks(rows[:3])
     store.publish_chunks(rows[3:])
     assert store.chunks_for(chunk_ids=["b-1", "a-2", "b-1"]).column("chunk_id").to_pylist() == ["b-1", "a-2", "b-1"]
@@ -317,7 +317,7 @@ def test_quarantine_stats_and_compact(store: Store) -> None:
     store.publish_index([index_row(store, kv(i), f"c{i}", tier) for i in range(3) for tier in ("low", None)])
     store.publish_index([index_row(store, kv(0), "c0", "low")])
     store.publish_chunks([dict(chunk_id="x", doc_id="d", order=0, chunk_key=sha("c0"), text="c0", num_text_tokens=1,
-                               embedding=[0.0] * 4, source="s")])
+                               embedding=[0.0] * 4, source="s", image_path=None)])
     assert store.quarantine([{"source": "bad.pdf", "doc_id": None, "reason": "unreadable", "detail": "not utf-8"}],
                             job_id="job-7") == 1
     assert store.quarantined(job_id="job-7").column("source").to_pylist() == ["bad.pdf"]

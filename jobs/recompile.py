@@ -1,0 +1,60 @@
+"""`qvpic recompile` / `python -m jobs.recompile`: rebuild exactly the stale or missing KV entries.
+
+Run it after changing the model, its dtype or chat template, the page layout or the tiers; schedule
+it (see docs/SCHEDULING.md) to pick up new checkpoints. Serving keeps using the old entries until the
+new manifest is published at the very end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from jobs.cluster import init_ray
+from jobs.ingest import model_args, render_args, render_spec
+from pipeline.ingest import CompileResources
+from pipeline.recompile import RecompileConfig, recompile
+from schemas.config import ModelSpec, Variant
+from schemas.store import StoreSpec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qvpic recompile", description=__doc__)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--s3-endpoint", default=None)
+    model_args(parser)
+    parser.set_defaults(model=None)
+    render_args(parser)
+    parser.set_defaults(tiers=None, font_size_pt=None, line_height_pt=None)  # unset: keep the store's layout
+    parser.add_argument("--variants", nargs="+", type=Variant, default=None, choices=list(Variant))
+    parser.add_argument("--compile-workers", type=int, default=1)
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    parser.add_argument("--orphan-grace-s", type=float, default=3600.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        cfg = RecompileConfig(
+            store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
+            model=None if args.model is None else ModelSpec(path=args.model, dtype=args.dtype, device=args.device,
+                                                            revision=args.revision),
+            render=None if args.tiers is args.font_size_pt is args.line_height_pt is None else render_spec(args),
+            variants=None if args.variants is None else tuple(args.variants),
+            resources=CompileResources(args.compile_workers, args.gpus_per_worker), orphan_grace_s=args.orphan_grace_s,
+        )
+    except ValueError as e:
+        print(f"qvpic recompile: {e}", file=sys.stderr)
+        return 2
+    init_ray(quiet=args.json)
+    try:
+        summary = recompile(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qvpic recompile: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(summary), indent=2, default=str))
+    return 0 if not summary.failures else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The whole system on a local Ray: a corpus ingested by the real pipeline, then served —
+HTTP → ingress → router → loader → generator — to the native API and the official OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from pipeline.ingest import IngestConfig, ingest
+from pipeline.render import resolve_font
+from schemas.config import Mode, ModelSpec
+from schemas.store import StoreSpec
+from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
+from tests.store_factory import DOCUMENTS
+
+pytestmark = pytest.mark.e2e
+QUERY = "When does part XK-4471-B ship?"
+SCAN_CHUNK = "scan.png#00000"  # a page-image document: compiled from its own pixels, not rendered text
+MAX_CHUNKS = 4
+MAX_CONTEXT_TOKENS = 1024
+MODEL = ModelSpec(path="tiny-qwen", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def store_uri(ray_session, tmp_path_factory) -> str:
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    corpus = tmp_path_factory.mktemp("corpus")
+    lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)}) for doc_id, texts in DOCUMENTS.items()]
+    (corpus / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    page = Image.new("RGB", (900, 260), "white")
+    font = ImageFont.truetype(str(resolve_font("DejaVuSans.ttf")), 40)
+    ImageDraw.Draw(page).text((20, 40), "Glacier order 5521 ships Friday.", fill="black", font=font)
+    page.save(corpus / "scan.png")
+    uri = str(tmp_path_factory.mktemp("store"))
+    # 50 tokens per chunk: each DOCUMENTS paragraph becomes one chunk, as in the unit-test store
+    summary = ingest(IngestConfig(corpus=str(corpus), store=StoreSpec(uri=uri), model=MODEL, chunk_tokens=50))
+    assert summary.num_chunks == 6 and not summary.quarantined
+    return uri
+
+
+@pytest.fixture(scope="module")
+def base_url(store_uri):
+    from ray import serve
+
+    from serve.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    args = {"store": {"uri": store_uri}, "model": MODEL.model_dump(mode="json"),
+            "max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS, "default_top_k": 2,
+            "generator_deployment": {"num_gpus": 1}}  # placed on the (logical) GPU; the model stays on MODEL.device
+    serve.run(build_app(args), name="qvpic", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        yield http
+
+
+def ask(client, **fields) -> dict:
+    response = client.post("/v1/answer", json={"query": QUERY, "max_new_tokens": 8, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_every_mode_answers(client):
+    for mode in Mode:
+        reply = ask(client, doc_ids=["invoices", "manual"], mode=mode.value, tau=0.6, max_high_res=2)
+        assert reply["mode"] == mode.value and reply["usage"]["completion_tokens"] > 0
+        assert [c["chunk_id"] for c in reply["chunks"]] == ["invoices#00000", "invoices#00001", "manual#00000", "manual#00001"]
+
+
+@pytest.mark.parametrize("chunk_id", ["invoices#00000", SCAN_CHUNK])
+@pytest.mark.parametrize("tau", [0.0, 1.0])
+def test_qvpic_is_token_identical_to_full_image_through_the_stack(client, tau, chunk_id):
+    linked = ask(client, chunk_ids=[chunk_id], mode="qvpic", tau=tau, max_new_tokens=16)
+    online = ask(client, chunk_ids=[chunk_id], mode="full_image", tau=tau, max_new_tokens=16)
+    assert linked["chunks"][0]["tier"] == online["chunks"][0]["tier"] == ("high" if tau else "low")
+    assert linked["answer"] == online["answer"] and linked["usage"]["completion_tokens"] > 0
+    assert linked["usage"]["context_tokens"] == online["usage"]["context_tokens"]
+
+
+def test_streaming_arrives_incrementally(client):
+    body = {"query": QUERY, "chunk_ids": ["invoices#00000"], "max_new_tokens": 12}
+    plain = ask(client, **body)
+    events = []
+    with client.stream("POST", "/v1/answer", json={**body, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+    *deltas, done = events
+    assert len(deltas) > 1 and done["type"] == "done"
+    assert "".join(d["text"] for d in deltas) == done["response"]["answer"] == plain["answer"]
+
+
+def test_openai_client(base_url, client):
+    native = ask(client, chunk_ids=["invoices#00000"], max_new_tokens=8)
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in api.models.list()] == ["qvpic"]
+    messages = [{"role": "user", "content": QUERY}]
+    extra = {"qvpic": {"chunk_ids": ["invoices#00000"]}}
+    completion = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+    assert completion.choices[0].message.content == native["answer"]
+    assert completion.usage.prompt_tokens == native["usage"]["context_tokens"] + native["usage"]["query_tokens"]
+    assert completion.usage.prompt_tokens_details.cached_tokens == native["usage"]["context_tokens"]
+    stream = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0, extra_body=extra,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == native["answer"]
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        api.chat.completions.create(model="gpt-4", messages=messages)
+    with pytest.raises(openai.UnprocessableEntityError):
+        api.chat.completions.create(model="qvpic", messages=[{"role": "system", "content": "x"}, *messages])
+
+
+def test_bad_requests_get_their_codes(client):
+    cases = [
+        ({"query": QUERY, "chunk_ids": ["nope"]}, 404, "unknown chunk_ids: ['nope']"),
+        ({"query": QUERY, "top_k": MAX_CHUNKS + 1}, 413, f"at most {MAX_CHUNKS}"),
+        ({"query": QUERY, "top_k": 2, "max_new_tokens": 4000}, 413, f"the context holds {MAX_CONTEXT_TOKENS}"),
+        ({"query": QUERY, "top_k": 2, "path": "/etc/passwd"}, 422, "Extra inputs"),
+        ({"query": QUERY}, 422, "exactly one of"),
+    ]
+    for body, status, fragment in cases:
+        response = client.post("/v1/answer", json=body)
+        assert response.status_code == status and fragment in response.text, (body, response.text)
+    response = client.post("/v1/answer", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 422
+
+
+def test_concurrent_requests_all_succeed(base_url):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            return await asyncio.gather(*[
+                http.post("/v1/answer", json={"query": f"question {i} about invoices", "top_k": 2, "max_new_tokens": 4})
+                for i in range(8)])
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+    store = httpx.get(f"{base_url}/v1/store").json()
+    assert store["num_chunks"] == 6 and store["cache"]["hits"] > 0
