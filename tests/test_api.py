@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from jobs import run_server
 from schemas.api import AnswerRequest, CacheStats
@@ -151,6 +153,8 @@ def test_store_compiled_for_another_model_is_refused(serving_store):
 
 
 def test_server_flags_override_the_serve_config():
+    config = yaml.safe_load((REPO / "serve" / "config.yaml").read_text())
+    assert ServeDeploySchema.model_validate(config).applications[0].import_path == "serve.app:build_app"
     ns = run_server.parser().parse_args(["--config", str(REPO / "serve" / "config.yaml"), "--store", "/data/store",
                                          "--tau", "0.25", "--generator-gpus", "0"])
     args = run_server.app_args(ns)

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.runtime.model import Sampling
+from pipeline.runtime.model import VLM, Sampling
 from schemas.api import AnswerRequest, FinishReason, UnservableError
-from schemas.config import DType, Mode
-from serve.generator import Answer
+from schemas.config import DType, Mode, ModelSpec, RouterSpec
+from serve.generator import Answer, Generator
 from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
-from serve.router import Plan
-from tests.store_factory import corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
+from serve.router import Plan, Router
+from tests.store_factory import Roles, build_store, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
 
 QUERY = "When does part XK-4471-B ship?"
+DOCUMENT = "Invoice 4471: part XK-4471-B ships on 12 March. The total is $1,093.40."
 
 
 def plan(roles, **fields) -> Plan:
@@ -137,3 +138,14 @@ def test_seeded_sampling_is_reproducible(roles):
     first = answer(roles, chunk_ids=["recipes#00000"], sampling=sampling, max_new_tokens=12)
     second = answer(roles, chunk_ids=["recipes#00000"], sampling=sampling, max_new_tokens=12)
     assert first.text == second.text
+
+
+def test_glm_linked_answers_equal_online_answers(serving_store, tmp_path):
+    """The other rotary layout (GLM interleaves pairs, rotates part of each head) through the same path."""
+    model = ModelSpec(path="tiny-glm", device="cpu")
+    build_store(tmp_path, VLM(model), serving_store.embedder, {"invoices": [DOCUMENT]})
+    uri = str(tmp_path)
+    glm = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 20), Generator(uri, model))
+    for linked, online in ((Mode.QVPIC, Mode.FULL_IMAGE), (Mode.TEXT_PIC, Mode.FULL_TEXT)):
+        fields = {"chunk_ids": ["invoices#00000"], "tau": 1.0, "max_new_tokens": 16}
+        assert answer(glm, mode=linked, **fields).text == answer(glm, mode=online, **fields).text
