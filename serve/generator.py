@@ -121,7 +121,7 @@ class Generator:
             started = time.perf_counter()
             state = self.vlm.prefill_full(pieces, plan.query)
             clock.prefill_ms = clock.since(started)
-        return state, state.logits.shape[1] - query_tokens
+        return state, state.cache.get_seq_length() - query_tokens
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""

@@ -54,7 +54,7 @@ def test_reanchored_keys_match_keys_compiled_there(vlm, seed):
 def test_single_chunk_prefill_equals_full_forward(vlm):
     rng = random.Random(7)
     pages = [page(rng, 140, 98)]
-    full = vlm.prefill_full([pages], QUERY)
+    full = vlm.prefill_full([pages], QUERY, all_logits=True)
 
     # (a) prefix kept: one forward over [prefix][chunk], the query prefilled on that very cache
     pixel_values, grids, chunk_ids = vlm.image_inputs(pages)
@@ -65,12 +65,12 @@ def test_single_chunk_prefill_equals_full_forward(vlm):
                         mm_token_type_ids=(ids == vlm.adapter.image_token_id).int(), position_ids=positions,
                         use_cache=True)
     query_ids = torch.tensor([vlm.adapter.encode(QUERY) + vlm.adapter.turn_suffix_ids])
-    kept = vlm._forward(query_ids, out.cache, int(positions.max()) + 1)
+    kept = vlm._forward(query_ids, out.cache, int(positions.max()) + 1, logits_to_keep=0)
     assert float((kept.logits[0] - full.logits[0, -query_ids.shape[1]:]).abs().max()) <= 1e-5
 
     # (b) the serving path: prefix stripped at compile, serving prefix computed once, chunk linked
     chunk = vlm.compile_images(pages)
-    linked = vlm.prefill_query(vlm.assemble([chunk]), QUERY)
+    linked = vlm.prefill_query(vlm.assemble([chunk]), QUERY, all_logits=True)
     assert float((linked.logits[0] - full.logits[0, -query_ids.shape[1]:]).abs().max()) <= 1e-5
     assert linked.next_position == full.next_position
 
@@ -147,7 +147,7 @@ def reference_query_logits(vlm, pieces, with_template: bool, query: str) -> torc
 def linked_query_logits(vlm, pieces, with_template: bool, query: str) -> torch.Tensor:
     chunks: list[ChunkKV] = [vlm.compile_images(p, with_template) if not isinstance(p, str)
                              else vlm.compile_text(p, with_template) for p in pieces]
-    return vlm.prefill_query(vlm.assemble(chunks), query).logits[0]
+    return vlm.prefill_query(vlm.assemble(chunks), query, all_logits=True).logits[0]
 
 
 def test_three_mixed_chunks_match_masked_reference(vlm):

@@ -172,14 +172,15 @@ class VLM:
         return assemble(self.prefix, moved, self.adapter.rotate_keys_)
 
     @torch.inference_mode()
-    def prefill_query(self, context: AssembledContext, query: str) -> Prefill:
-        """Prefill only the query turn on top of an assembled context."""
+    def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
+        """Prefill only the query turn on top of an assembled context (logits of its last token, or all)."""
         cache = DynamicCache(ddp_cache_data=[(k.to(self.dtype), v.to(self.dtype)) for k, v in context.layers])
         ids = self.adapter.encode(query) + self.adapter.turn_suffix_ids
-        return self._forward(torch.tensor([ids], device=self.device), cache, context.next_position)
+        return self._forward(torch.tensor([ids], device=self.device), cache, context.next_position,
+                             logits_to_keep=0 if all_logits else 1)
 
     @torch.inference_mode()
-    def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str) -> Prefill:
+    def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str, all_logits: bool = False) -> Prefill:
         """Baseline: one full prefill of `[prefix][pieces…][query turn]`; a piece is text or page images."""
         ids, pixel_list, grid_list = list(self.adapter.prefix_ids), [], []
         for piece in pieces:
@@ -194,16 +195,18 @@ class VLM:
         input_ids = torch.tensor([ids], device=self.device)
         pixel_values = torch.cat(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None
-        return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids)
+        return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids, logits_to_keep=0 if all_logits else 1)
 
     @torch.inference_mode()
-    def _forward(self, input_ids, cache, start, pixel_values=None, grids=None) -> Prefill:
+    def _forward(self, input_ids, cache, start, pixel_values=None, grids=None, logits_to_keep: int = 1) -> Prefill:
+        """One forward at explicit positions from `start`; logits of the last `logits_to_keep` tokens (0 = all),
+        since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
             mm_token_type_ids=(input_ids == self.adapter.image_token_id).int() if grids is not None else None,
-            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
         )
         return Prefill(out.logits, out.cache, int(positions.max()) + 1)
 
@@ -214,11 +217,13 @@ class VLM:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         logits, cache, position = state.logits[:, -1], state.cache, state.next_position
-        for _ in range(sampling.max_new_tokens):
+        for step_index in range(sampling.max_new_tokens):
             token = select_token(logits, sampling, generator)
             if token in self.adapter.end_of_turn_ids:
                 return
             yield token
+            if step_index + 1 == sampling.max_new_tokens:
+                return  # no forward for a token nobody will read
             step = self._forward(torch.tensor([[token]], device=self.device), cache, position)
             logits, position = step.logits[:, -1], step.next_position
 
