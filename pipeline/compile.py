@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 from PIL import Image
@@ -26,6 +26,11 @@ IMAGE_PATH = "image_path"  # chunk column: the original page image of an OCR'd d
 ERROR = "error"  # "" when the stage succeeded; else "<RejectReason value>: <detail>"
 SLOTS = "slots_json"  # the entries to build for a chunk: [[tier or null, variant], ...]
 ENTRIES = "entries_json"  # per entry written: tier, variant, nbytes, vision_tokens, pages
+
+
+def slots_json(slots: Iterable[tuple[str | None, Variant]]) -> str:
+    """The SLOTS value naming which (tier, variant) entries to build."""
+    return json.dumps([[tier, variant.value] for tier, variant in slots])
 
 
 def pages_column(tier: str) -> str:
@@ -86,10 +91,10 @@ class CompilePlan:
 class CompileStage:
     """Batch of rendered chunks → KV entries written to the store; returns one summary row per chunk."""
 
-    def __init__(self, plan: CompilePlan):
+    def __init__(self, plan: CompilePlan, vlm: VLM | None = None):
         self.plan = plan
         self.manifest = Manifest.from_json(plan.manifest_json)
-        self.vlm = VLM(plan.model)
+        self.vlm = vlm or VLM(plan.model)  # in-process callers may share a loaded model
         self.store = Store.open(plan.store)
 
     def entries(self, row: dict[str, Any]) -> list[tuple[str | None, Variant, Any, list[list[int]]]]:

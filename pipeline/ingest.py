@@ -19,7 +19,9 @@ import ray.data
 from ray.data import ActorPoolStrategy
 
 from pipeline.chunker import Chunker
-from pipeline.compile import ENTRIES, ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage
+from pipeline.compile import (
+    ENTRIES, ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json,
+)
 from pipeline.duplicates import DocRef, cross_file_rejections
 from pipeline.embed import Embedder
 from pipeline.readers import discover, read_file
@@ -102,27 +104,33 @@ class ChunkStage:
         return [{**c.model_dump(), "source": doc.source, IMAGE_PATH: doc.image_path or ""} for c in pieces]
 
 
+def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, ...], embedder_name: str,
+                 embedding_dim: int, job_id: str) -> Manifest:
+    model_id, revision, family, template_prefix = model_identity(model)
+    now = datetime.now(timezone.utc)
+    return Manifest.create(
+        StoredModel(id=model_id, revision=revision, dtype=model.dtype, family=family), template_prefix,
+        render=render, variants=variants, embedder=embedder_name, embedding_dim=embedding_dim,
+        created_at=now, updated_at=now, job_ids=(job_id,),
+    )
+
+
 def open_store(cfg: IngestConfig, embedding_dim: int, embedder_name: str) -> tuple[Store, Manifest]:
     """Open (or start) the store; refuse one compiled for another model or page layout."""
-    model_id, revision, family, template_prefix = model_identity(cfg.model)
     store = Store.open(cfg.store, create=True)
     manifest = store.read_manifest()
-    now = datetime.now(timezone.utc)
+    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder_name, embedding_dim, cfg.job_id)
     if manifest is None:
-        manifest = Manifest.create(
-            StoredModel(id=model_id, revision=revision, dtype=cfg.model.dtype, family=family), template_prefix,
-            render=cfg.render, variants=cfg.variants, embedder=embedder_name, embedding_dim=embedding_dim,
-            created_at=now, updated_at=now, job_ids=(cfg.job_id,),
-        )
+        manifest = fresh
     else:
-        manifest.check_model(model_id, revision, cfg.model.dtype, template_prefix)
+        manifest.check_model(fresh.model.id, fresh.model.revision, fresh.model.dtype, fresh.template_prefix)
         if manifest.render != cfg.render:
             raise ValueError("the store was rendered with another page layout or tiers: run `qvpic recompile`")
         if manifest.embedder != embedder_name:
             raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder_name}")
-        variants = tuple(dict.fromkeys(manifest.variants + cfg.variants))
-        manifest = manifest.model_copy(update={"variants": variants, "updated_at": now,
-                                               "job_ids": manifest.job_ids + (cfg.job_id,)})
+        manifest = manifest.model_copy(update={
+            "variants": tuple(dict.fromkeys(manifest.variants + cfg.variants)), "updated_at": fresh.updated_at,
+            "job_ids": manifest.job_ids + (cfg.job_id,)})
     store.write_manifest(manifest)
     return store, manifest
 
@@ -153,7 +161,7 @@ def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, 
     present = store.has_entries({key for ks in needed.values() for key in ks})
     # Only the missing slots are compiled: a renderer change leaves text entries alone, a crash
     # resumes where it stopped.
-    missing = {first_id[k]: json.dumps([[key.tier, key.variant.value] for key in ks if key not in present])
+    missing = {first_id[k]: slots_json((key.tier, key.variant) for key in ks if key not in present)
                for k, ks in needed.items() if not set(ks) <= present}
     if not missing:
         return []

@@ -12,16 +12,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import ray.data
 
 from pipeline.compile import ENTRIES, ERROR
-from pipeline.ingest import CompileResources, compile_missing, entry_slots
-from pipeline.runtime.model import model_identity
+from pipeline.ingest import CompileResources, compile_missing, entry_slots, new_manifest
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, Variant
-from schemas.store import Manifest, StoredModel, StoreSpec
+from schemas.store import Manifest, StoreSpec
 
 
 @dataclass(frozen=True)
@@ -52,15 +50,9 @@ class RecompileSummary:
 
 def target_manifest(old: Manifest, cfg: RecompileConfig) -> tuple[Manifest, ModelSpec]:
     model = cfg.model or ModelSpec(path=old.model.id, dtype=old.model.dtype)
-    model_id, revision, family, template_prefix = model_identity(model)
-    now = datetime.now(timezone.utc)
-    manifest = Manifest.create(
-        StoredModel(id=model_id, revision=revision, dtype=model.dtype, family=family), template_prefix,
-        render=cfg.render or old.render, variants=cfg.variants or old.variants, embedder=old.embedder,
-        embedding_dim=old.embedding_dim, created_at=old.created_at, updated_at=now,
-        job_ids=old.job_ids + (cfg.job_id,),
-    )
-    return manifest, model
+    fresh = new_manifest(model, cfg.render or old.render, cfg.variants or old.variants, old.embedder,
+                         old.embedding_dim, cfg.job_id)
+    return fresh.model_copy(update={"created_at": old.created_at, "job_ids": old.job_ids + (cfg.job_id,)}), model
 
 
 def recompile(cfg: RecompileConfig) -> RecompileSummary:

@@ -7,6 +7,7 @@ keys looked up in the store the server was started on.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated, Literal
 
@@ -22,6 +23,8 @@ MAX_SEED = 2**63 - 1
 # Printable, bounded, no control characters: ids are looked up, never opened.
 StoreId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 Query = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUERY_CHARS)]
+# Tenant and task-type names: short, printable, safe as log columns and cache-key parts.
+Label = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]*$")]
 
 
 class Strict(BaseModel):
@@ -38,6 +41,43 @@ class ApiError(ValueError):
     """A request the server understood but cannot serve; `status_code` is the HTTP answer."""
 
     status_code = 400
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the error response carries."""
+        return {}
+
+    def body_fields(self) -> dict[str, int]:
+        """Machine-readable fields the error body carries beside its message."""
+        return {}
+
+
+class InvalidHeaderError(ApiError):
+    """A governance header (X-Tenant, X-Task-Type, X-Max-Token-Budget) with a malformed value."""
+
+
+class UnauthorizedError(ApiError):
+    """No API key, or an unknown one, on a server that maps keys to tenants."""
+
+    status_code = 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class RateLimitedError(ApiError):
+    """The tenant's request or token rate is spent; `retry_after_s` is when it will have refilled enough."""
+
+    status_code = 429
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class UnknownIdsError(ApiError):
@@ -56,6 +96,21 @@ class TooLargeError(ApiError):
     status_code = 413
 
 
+class BudgetExceededError(TooLargeError):
+    """Even the cheapest placement of the request's chunks (every chunk at its lowest tier) exceeds the
+    request's context-token budget; `min_context_tokens` is what it needs at least."""
+
+    def __init__(self, message: str, min_context_tokens: int, budget_tokens: int):
+        super().__init__(message)
+        self.min_context_tokens, self.budget_tokens = min_context_tokens, budget_tokens
+
+    def __reduce__(self):
+        return type(self), (str(self), self.min_context_tokens, self.budget_tokens)
+
+    def body_fields(self) -> dict[str, int]:
+        return {"min_context_tokens": self.min_context_tokens, "budget_tokens": self.budget_tokens}
+
+
 class UnservableError(ApiError):
     """The store lacks the KV entries a mode needs (not compiled, or every stored copy is corrupt)."""
 
@@ -64,6 +119,13 @@ class UnservableError(ApiError):
 
 class ErrorBody(Strict):
     detail: str
+
+
+class BudgetErrorBody(ErrorBody):
+    """413 of a request over its token budget."""
+
+    min_context_tokens: int  # what the request needs with every chunk at its lowest tier
+    budget_tokens: int
 
 
 class OpenAIError(Strict):
@@ -98,7 +160,12 @@ class Routing(Strict):
     max_high_res: int | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
 
 
-class AnswerRequest(Selection, Routing):
+class Attribution(Strict):
+    task_type: Label | None = Field(None, description="what the request is for (cost reports; the l3 response "
+                                    "cache answers a repeated task over the same chunks); else header X-Task-Type")
+
+
+class AnswerRequest(Selection, Routing, Attribution):
     query: Query
     max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
@@ -157,14 +224,26 @@ class CacheReport(Strict):
     nbytes_from_store: int
 
 
+class ResponseCacheLevel(str, Enum):
+    L1 = "l1"  # exact: normalised query, ordered chunks and tiers, mode, sampling
+    L2 = "l2"  # semantic: a query embedding close enough, with the identical chunks, tiers and mode
+    L3 = "l3"  # task: the same task type over the identical chunks, tiers and mode, whatever the wording
+
+
+class ResponseCacheReport(Strict):
+    level: ResponseCacheLevel | None = None  # the level that answered; null: the model did
+    similarity: float | None = None  # l2: cosine of this query's embedding to the cached one's
+
+
 class AnswerReport(Strict):
     mode: Mode
     finish_reason: FinishReason
     chunks: list[ChunkReport]
     usage: TokenUsage
     timings: Timings
-    cache: CacheReport
+    cache: CacheReport  # the KV cache of the loader
     fallbacks: list[FallbackReport]
+    response_cache: ResponseCacheReport = Field(default_factory=ResponseCacheReport)
 
     def with_total_ms(self, total_ms: float) -> AnswerReport:
         return self.model_copy(update={"timings": self.timings.model_copy(update={"total_ms": total_ms})})
@@ -173,6 +252,25 @@ class AnswerReport(Strict):
 class AnswerResponse(AnswerReport):
     id: str
     answer: str
+
+
+class TokenEstimate(Strict):
+    context_tokens: int  # template prefix + every chunk at its planned tier
+    context_vision_tokens: int
+    context_text_tokens: int
+    query_tokens: int
+    max_new_tokens: int  # the most completion tokens the request may produce
+
+
+class EstimateResponse(Strict):
+    """`POST /v1/estimate`: what an `/v1/answer` request would put in context, priced from the index alone."""
+
+    mode: Mode
+    chunks: list[ChunkReport]
+    usage: TokenEstimate
+    high_res_chunks: int  # chunks planned at the highest tier
+    budget_tokens: int | None  # the context-token budget that applies (header or tenant default)
+    within_budget: bool
 
 
 class StreamEventType(str, Enum):
@@ -213,7 +311,7 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class QvpicOptions(Selection, Routing):
+class QvpicOptions(Selection, Routing, Attribution):
     """Extension field `qvpic` of a chat request; with no selection the last user message retrieves."""
 
     @model_validator(mode="after")

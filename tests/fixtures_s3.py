@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import time
 import uuid
@@ -17,6 +16,8 @@ from typing import Any, Iterator
 
 import pyarrow.fs as pafs
 import pytest
+
+from tests.ray_fixtures import free_port
 
 # Dummy keys are mandatory: an anonymous pyarrow write stores aws-chunked framing verbatim.
 S3_ENV = {
@@ -56,20 +57,6 @@ class S3Server:
         return name
 
 
-def _free_port(low: int = 20000, high: int = 40000) -> int:
-    """A free loopback port >= 20000 (lower ones clash with Ray's worker ports)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(low, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{low}, {high})")
-
-
 def _wait_listening(host: str, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -89,7 +76,7 @@ def s3_server() -> Iterator[S3Server]:
     saved = {k: os.environ.get(k) for k in S3_ENV}
     os.environ.update(S3_ENV)  # before any S3 client (or Ray worker) starts, so all inherit them
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
-    server = S3Server("127.0.0.1", _free_port())
+    server = S3Server("127.0.0.1", free_port())
     moto = ThreadedMotoServer(ip_address=server.host, port=server.port, verbose=False)
     moto.start()
     try:

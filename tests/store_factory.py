@@ -9,22 +9,22 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
+from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
 from pipeline.embed import Embedder
-from pipeline.render import Renderer
-from pipeline.runtime.model import VLM, model_identity
+from pipeline.ingest import entry_slots, new_manifest
+from pipeline.runtime.model import VLM
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, RouterSpec, Variant
 from schemas.corpus import Chunk
-from schemas.store import Manifest, StoredModel
 from serve.generator import Generator
 from serve.loader import CacheLoader
 from serve.router import Router
 
+ALL_VARIANTS = (Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT)
 DOCUMENTS: dict[str, list[str]] = {
     "invoices": ["Invoice 4471: part XK-4471-B ships on 12 March. The total is $1,093.40.",
                  "Invoice 4472: part QZ-19 ships on 3 April. The total is $88.00."],
@@ -36,45 +36,22 @@ DOCUMENTS: dict[str, list[str]] = {
 
 def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, list[str]] = DOCUMENTS,
                 render: RenderSpec | None = None) -> Store:
+    """The ingest job's own render and compile stages, run in-process without Ray."""
     render = render or RenderSpec()
     store = Store.open(str(root), create=True)
-    now = datetime.now(timezone.utc)
-    model_id, revision, family, template_prefix = model_identity(vlm.spec)
-    manifest = Manifest.create(
-        StoredModel(id=model_id, revision=revision, dtype=vlm.spec.dtype, family=family), template_prefix, render=render, variants=(Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT),
-        embedder=embedder.model_name, embedding_dim=embedder.dim, created_at=now, updated_at=now, job_ids=("tests",),
-    )
+    manifest = new_manifest(vlm.spec, render, ALL_VARIANTS, embedder.model_name, embedder.dim, "tests")
     store.write_manifest(manifest)
-    renderer = Renderer(render)
+    renderer = RenderStage(render)
+    compiler = CompileStage(CompilePlan(vlm.spec, store.spec, manifest.to_json()), vlm=vlm)
+    slots = slots_json(entry_slots(manifest, ALL_VARIANTS))
     chunks = [Chunk.build(doc_id, order, text, len(vlm.adapter.encode(text)))
               for doc_id, texts in documents.items() for order, text in enumerate(texts)]
-    index_rows, compiled = [], set()
-    for chunk in chunks:
-        if chunk.chunk_key in compiled:
-            continue
-        compiled.add(chunk.chunk_key)
-        entries = [(Variant.TEXT, None, vlm.compile_text(chunk.text, with_template=True), None)]
-        for tier in render.tiers:
-            pages = renderer.render(chunk.text, tier).pages
-            entries.append((Variant.TEMPLATE, tier.name, vlm.compile_images(pages, with_template=True), pages))
-            if tier == render.lowest_tier:
-                entries.append((Variant.PLAIN, tier.name, vlm.compile_images(pages, with_template=False), pages))
-        tensors = {f"{variant.value}.{tier or 'text'}": kv.kv for variant, tier, kv, _ in entries}
-        shard = {e.tensor_key: e for e in store.write_shard(tensors)}
-        for variant, tier, kv, pages in entries:
-            merge = vlm.adapter.merge_size
-            index_rows.append(dict(
-                chunk_key=chunk.chunk_key, tier=tier, variant=variant.value,
-                fingerprint=manifest.entry_fingerprint(variant, tier), kind=kv.kind.value,
-                num_tokens=kv.num_tokens, position_span=kv.position_span, compile_start=kv.compile_start,
-                grid_thw=[list(g) for g in kv.grid_thw], image_sizes_px=[list(p.size) for p in pages or []],
-                vision_tokens=sum(t * h * w // merge**2 for t, h, w in kv.grid_thw),
-                **shard[f"{variant.value}.{tier or 'text'}"].index_fields(),
-            ))
-    store.publish_index(index_rows)
+    for chunk in {c.chunk_key: c for c in reversed(chunks)}.values():
+        rendered = renderer({"chunk_key": chunk.chunk_key, "text": chunk.text, IMAGE_PATH: "", SLOTS: slots})
+        compiler.compile_row(rendered)
     embeddings = embedder.embed([c.text for c in chunks])
-    store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}", image_path=None)
-                          for chunk, vector in zip(chunks, embeddings)])
+    store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}",
+                               image_path=None) for chunk, vector in zip(chunks, embeddings)])
     return store
 
 

@@ -106,6 +106,14 @@ def build_tokenizer(specials: list[str], vocab_size: int, chat_template: str):
     return fast
 
 
+def _text_config(size: TinySize, vocab_size: int, rope_parameters: dict, **token_ids) -> dict:
+    return dict(
+        vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads, num_key_value_heads=size.num_kv_heads,
+        max_position_embeddings=32768, rope_parameters=rope_parameters, **token_ids,
+    )
+
+
 def _qwen_model(size: TinySize, tok):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
@@ -113,11 +121,8 @@ def _qwen_model(size: TinySize, tok):
     section = _mrope_section(head_dim // 2)
     ids = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok), hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
-            num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
-            num_key_value_heads=size.num_kv_heads, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section},
+        text_config=_text_config(
+            size, len(tok), {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section},
             eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"),
         ),
         vision_config=dict(
@@ -139,11 +144,8 @@ def _glm_model(size: TinySize, tok):
     section = _mrope_section(head_dim // 4)  # partial_rotary_factor 0.5: half of each head rotates
     ids = tok.convert_tokens_to_ids
     config = Glm4vConfig(
-        text_config=dict(
-            vocab_size=len(tok), hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
-            num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
-            num_key_value_heads=size.num_kv_heads, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
+        text_config=_text_config(
+            size, len(tok), {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
                              "partial_rotary_factor": 0.5},
             eos_token_id=[ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")],
             pad_token_id=ids("<|endoftext|>"),

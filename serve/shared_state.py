@@ -1,0 +1,62 @@
+"""Where governance state lives: in this ingress replica's memory, or in Redis shared by every replica.
+
+Redis is an optimisation, never a dependency of answering: `RedisConnection.call` runs a command on
+a worker thread (the sync client is loop-agnostic and its pool thread-safe), and when Redis is down or
+slow it raises `SharedStateUnavailable` after a short timeout, counts it, and then fails fast (no
+network call at all) for `retry_after_s`, so an outage costs one timeout, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import TypeVar
+
+import redis
+
+from serve.metrics import serve_metrics
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class StateBackend(str, Enum):
+    MEMORY = "memory"  # per ingress replica
+    REDIS = "redis"  # shared by every ingress replica (needs `redis_url`)
+
+
+class SharedStateUnavailable(RuntimeError):
+    """Redis did not answer; the caller degrades (a cache miss, a replica-local rate limit)."""
+
+
+class RedisConnection:
+    def __init__(self, url: str, timeout_s: float = 0.25, retry_after_s: float = 5.0):
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0  # time.monotonic() before which Redis is not tried again
+        self._lock = threading.Lock()
+
+    async def call(self, use: str, command: Callable[[redis.Redis], T]) -> T:
+        """`command(client)` off the event loop; `use` names the caller in the log and the error metric."""
+        if time.monotonic() < self._down_until:
+            serve_metrics().shared_state_errors.inc(use=use)
+            raise SharedStateUnavailable(f"redis at {self.url} is marked down")
+        try:
+            return await asyncio.to_thread(command, self.client)
+        except redis.RedisError as error:
+            with self._lock:
+                first = time.monotonic() >= self._down_until
+                self._down_until = time.monotonic() + self.retry_after_s
+            if first:
+                log.warning("redis at %s unavailable for %s (%s); degrading for %.0f s",
+                            self.url, use, error, self.retry_after_s)
+            serve_metrics().shared_state_errors.inc(use=use)
+            raise SharedStateUnavailable(str(error)) from error
+
+    def close(self) -> None:
+        self.client.close()
