@@ -35,11 +35,15 @@ def chunk_texts(vlm: VLM, num_chunks: int, tokens_per_chunk: int) -> list[str]:
 
 
 def median_s(fn, repeats: int) -> float:
+    """Median seconds of `fn()` after a warm-up; CUDA work is waited for (kernels launch asynchronously)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()  # warm-up
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -73,8 +73,12 @@ class Embedder:
             raise EmbeddingInputError(f"texts[{bad}] is {type(texts[bad]).__name__}, not str")
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self._model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
+        # Each distinct text is encoded once: a corpus of repeated documents costs one forward per text.
+        row_of = {text: i for i, text in enumerate(dict.fromkeys(texts))}
+        vectors = self._model.encode(list(row_of), batch_size=self.batch_size, convert_to_numpy=True,
                                      normalize_embeddings=True, show_progress_bar=False)
+        if len(row_of) < len(texts):
+            vectors = vectors[[row_of[text] for text in texts]]
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:

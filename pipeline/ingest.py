@@ -6,17 +6,22 @@ Small per-document facts (ids, content hashes) are gathered on the driver for th
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import ray
 import ray.data
 from ray.data import ActorPoolStrategy
+from ray.data.expressions import col
 
 from pipeline.chunker import Chunker
 from pipeline.compile import (
@@ -93,7 +98,14 @@ class ChunkStage:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_path(model), local_files_only=True)
-        self.chunker = Chunker(lambda text: len(tokenizer(text, add_special_tokens=False).input_ids), chunk_tokens)
+
+        # Repeated documents (and repeated pieces) are counted once: a corpus of 10^5 copies of one
+        # text would otherwise spend minutes in the tokenizer. Bounded: pieces are at most a few KB.
+        @functools.lru_cache(maxsize=4096)
+        def count_tokens(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+        self.chunker = Chunker(count_tokens, chunk_tokens)
 
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         doc = Document.from_row(row)
@@ -166,7 +178,7 @@ def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, 
     if not missing:
         return []
     plan = CompilePlan(model, store.spec, manifest.to_json())
-    todo = chunks.filter(lambda row: row["chunk_id"] in missing).map(lambda row: {**row, SLOTS: missing[row["chunk_id"]]})
+    todo = chunks.filter(expr=col("chunk_id").is_in(list(missing))).map(lambda row: {**row, SLOTS: missing[row["chunk_id"]]})
     rendered = todo.map(RenderStage, fn_constructor_kwargs={"render": manifest.render},
                         compute=ActorPoolStrategy(min_size=1, max_size=resources.workers), num_cpus=0.5)
     compiled = rendered.map_batches(
@@ -175,6 +187,30 @@ def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, 
         num_cpus=resources.cpus_per_worker, max_restarts=2, max_task_retries=2,
     )
     return compiled.take_all()
+
+
+def failed_documents(chunks: ray.data.Dataset, failed: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """(source, error) of every document with a chunk that failed to render or compile."""
+    if not failed:
+        return {}
+    rows = chunks.filter(expr=col("chunk_key").is_in(list(failed))).select_columns(["doc_id", "source", "chunk_key"])
+    out: dict[str, tuple[str, str]] = {}
+    for row in rows.take_all():
+        out.setdefault(row["doc_id"], (row["source"], failed[row["chunk_key"]]))
+    return out
+
+
+def chunk_rows(batch: dict[str, np.ndarray], failed_docs: Container[str], unchanged: Container[tuple]) -> pa.Table:
+    """A batch of embedded chunks as chunk-table rows, less failed documents and rows already stored.
+    Embeddings travel as one float32 buffer: as Python floats they cost ~10x their bytes on the driver."""
+    keep = np.array([doc_id not in failed_docs and key not in unchanged for doc_id, key in zip(
+        batch["doc_id"], zip(batch["chunk_id"], batch["chunk_key"], batch["source"]))], dtype=bool)
+    columns = {name: pa.array(batch[name][keep].tolist())
+               for name in ("chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens", "source")}
+    columns[IMAGE_PATH] = pa.array([path or None for path in batch[IMAGE_PATH][keep].tolist()], pa.string())
+    embeddings = np.ascontiguousarray(batch["embedding"][keep], dtype=np.float32)  # [rows, dim]
+    columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(embeddings.reshape(-1)), embeddings.shape[1])
+    return pa.table(columns)
 
 
 def ingest(cfg: IngestConfig) -> IngestSummary:
@@ -189,8 +225,8 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
     records = records.flat_map(ReadStage, fn_constructor_kwargs={"reader": cfg.reader},
                                compute=ActorPoolStrategy(min_size=1, max_size=4), num_cpus=0.25).materialize()
     rejected = [Rejection(source=r["source"], doc_id=r["doc_id"] or None, reason=r["reason"], detail=r["detail"])
-                for r in records.filter(lambda r: r["kind"] == "rejection").take_all()] + list(refused)
-    docs = records.filter(lambda r: r["kind"] == "doc")
+                for r in records.filter(expr=col("kind") == "rejection").take_all()] + list(refused)
+    docs = records.filter(expr=col("kind") == "doc")  # Arrow-native filters: a Python lambda costs ~40 µs a row
     refs = [DocRef(source=r["source"], doc_id=r["doc_id"], text_key=r["text_key"], image_phash=r["image_phash"] or None)
             for r in docs.select_columns(["source", "doc_id", "text_key", "image_phash"]).take_all()]
     cross = cross_file_rejections(refs, cfg.reader)
@@ -203,7 +239,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
             duplicate_docs.add(ref.doc_id)
 
     # chunk
-    chunks = docs.filter(lambda r: r["source"] not in dropped).flat_map(
+    chunks = (docs.filter(expr=col("source").not_in(sorted(dropped))) if dropped else docs).flat_map(
         ChunkStage, fn_constructor_kwargs={"model": cfg.model, "chunk_tokens": cfg.chunk_tokens},
         compute=ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.25).materialize()
 
@@ -211,27 +247,20 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
     results = compile_missing(chunks, store, manifest, cfg.model, cfg.resources)
     failed = {r["chunk_key"]: r[ERROR] for r in results if r[ERROR]}
 
-    # embed → publish chunk rows of every document whose chunks all compiled
-    failed_docs: dict[str, str] = {}
-    embedded = chunks.map_batches(Embedder, fn_constructor_kwargs={"model_dir": cfg.embedder_dir}, batch_size=64,
-                                  compute=ActorPoolStrategy(size=1), num_cpus=0.5)
-    pending: list[dict] = []
-    for batch in embedded.iter_rows():
-        if batch["chunk_key"] in failed:
-            failed_docs.setdefault(batch["doc_id"], failed[batch["chunk_key"]])
-        pending.append(batch)
+    # embed → publish chunk rows of every document whose chunks all compiled, one bounded batch at a time
+    failed_docs = failed_documents(chunks, failed)
     stored = store.chunks().select(["chunk_id", "chunk_key", "source"]).to_pylist()
     unchanged = {(r["chunk_id"], r["chunk_key"], r["source"]) for r in stored}  # a rerun publishes nothing new
-    rows = [{k: r[k] for k in ("chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens", "source")}
-            | {IMAGE_PATH: r[IMAGE_PATH] or None}
-            | {"embedding": [float(x) for x in r["embedding"]]} for r in pending
-            if r["doc_id"] not in failed_docs and (r["chunk_id"], r["chunk_key"], r["source"]) not in unchanged]
-    for start in range(0, len(rows), 4096):
-        store.publish_chunks(rows[start:start + 4096])
-    sources = {r["doc_id"]: r["source"] for r in pending}
-    for doc_id, error in failed_docs.items():
+    embedded = chunks.map_batches(Embedder, fn_constructor_kwargs={"model_dir": cfg.embedder_dir}, batch_size=256,
+                                  compute=ActorPoolStrategy(size=1), num_cpus=0.5)
+    num_chunks, chunk_texts = 0, set()
+    for batch in embedded.iter_batches(batch_size=4096, batch_format="numpy"):
+        num_chunks += len(batch["chunk_id"])
+        chunk_texts.update(batch["chunk_key"].tolist())
+        store.publish_chunks(chunk_rows(batch, failed_docs, unchanged))
+    for doc_id, (source, error) in failed_docs.items():
         reason, _, detail = error.partition(": ")
-        rejected.append(Rejection(source=sources[doc_id], doc_id=doc_id, reason=reason, detail=detail))
+        rejected.append(Rejection(source=source, doc_id=doc_id, reason=reason, detail=detail))
     store.quarantine([r.model_dump(mode="json") for r in rejected], cfg.job_id)
 
     reader_rejections = len(rejected) - len(cross) - len(failed_docs)
@@ -239,7 +268,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
     return IngestSummary(
         job_id=cfg.job_id, inputs=len(refs) + reader_rejections,
         indexed=len(refs) - len(cross) - len(failed_docs) - deduplicated, deduplicated=deduplicated,
-        quarantined=dict(Counter(r.reason.value for r in rejected)), num_chunks=len(pending),
-        num_chunk_texts=len({r["chunk_key"] for r in pending}), num_chunks_compiled=len(results) - len(failed),
+        quarantined=dict(Counter(r.reason.value for r in rejected)), num_chunks=num_chunks,
+        num_chunk_texts=len(chunk_texts), num_chunks_compiled=len(results) - len(failed),
         entries=[e for r in results for e in json.loads(r[ENTRIES])], wall_s=time.perf_counter() - started,
     )

@@ -97,8 +97,8 @@ class TooLargeError(ApiError):
 
 
 class BudgetExceededError(TooLargeError):
-    """Even the cheapest placement of the request's chunks (every chunk at its lowest tier) exceeds the
-    request's context-token budget; `min_context_tokens` is what it needs at least."""
+    """Even the cheapest placement of the request's chunks that its mode allows (qvpic: every chunk at its
+    lowest tier) exceeds the request's context-token budget; `min_context_tokens` is what it needs at least."""
 
     def __init__(self, message: str, min_context_tokens: int, budget_tokens: int):
         super().__init__(message)
@@ -124,7 +124,7 @@ class ErrorBody(Strict):
 class BudgetErrorBody(ErrorBody):
     """413 of a request over its token budget."""
 
-    min_context_tokens: int  # what the request needs with every chunk at its lowest tier
+    min_context_tokens: int  # what the request needs at least (qvpic: every chunk at its lowest tier)
     budget_tokens: int
 
 

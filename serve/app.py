@@ -10,10 +10,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -24,7 +24,9 @@ from schemas.api import (
     AnswerRequest,
     AnswerResponse,
     ApiError,
+    BudgetErrorBody,
     ErrorBody,
+    EstimateResponse,
     Health,
     StoreInfo,
     StoreStatus,
@@ -35,9 +37,12 @@ from schemas.api import (
 from schemas.config import Frozen, ModelSpec, RouterSpec
 from schemas.store import StoreSpec
 from serve import openai_api
-from serve.backend import ApiSettings, Backend, HandleBackend, api_error, sse
+from serve.backend import ApiSettings, Backend, HandleBackend, api_error, error_cause, sse
 from serve.generator import Answer, Generator
+from serve.governance import GovernanceArgs, Governor, Route
+from serve.limits import install_limits
 from serve.loader import CacheLoader
+from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.openai_api import openai_error, openai_routes
 from serve.router import BatchingRouter, check_store, servable_modes
 
@@ -81,6 +86,7 @@ class AppArgs(Frozen):
     router_deployment: DeploymentArgs = DeploymentArgs()
     loader_deployment: DeploymentArgs = DeploymentArgs()
     generator_deployment: DeploymentArgs = DeploymentArgs(max_ongoing_requests=8)
+    governance: GovernanceArgs = GovernanceArgs()  # budgets, rate limits, response caches, request log, auth
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppArgs:
@@ -89,18 +95,30 @@ class AppArgs(Frozen):
         return self
 
 
-def make_api(backend: Backend, settings: ApiSettings) -> FastAPI:
+def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None = None) -> FastAPI:
+    """The HTTP surface; `governor` defaults to GovernanceArgs() (in-process l1 response cache only)."""
+    governor = governor or Governor(GovernanceArgs(), settings.store)
     app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.")
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
         status, detail = api_error(error)
+        governor.rejected(request, status)
+        cause = error_cause(error)
+        headers = cause.headers() if isinstance(cause, ApiError) else {}
         if request.url.path.startswith(openai_api.PATH_PREFIX):
-            return openai_error(status, detail)
-        return JSONResponse(status_code=status, content={"detail": detail})
+            return openai_error(status, detail, headers)
+        fields = cause.body_fields() if isinstance(cause, ApiError) else {}
+        return JSONResponse(status_code=status, content={"detail": detail, **fields}, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _crashed(request: Request, error: Exception) -> PlainTextResponse:  # Starlette re-raises it to log
+        governor.rejected(request, 500)
+        return PlainTextResponse("Internal Server Error", status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        governor.rejected(request, 422)
         if request.url.path.startswith(openai_api.PATH_PREFIX):
             return openai_error(422, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()))
         return await request_validation_exception_handler(request, error)  # FastAPI's own 422 body
@@ -113,21 +131,38 @@ def make_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     async def store_status() -> StoreStatus:
         return StoreStatus(**settings.store.model_dump(), cache=await backend.cache_stats())
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """This replica's metrics in Prometheus text format (cluster-wide: Ray's metrics export port)."""
+        return Response(serve_metrics().exposition(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/estimate", response_model=EstimateResponse,
+              responses={status: {"model": ErrorBody} for status in (401, 404, 413, 429, 503)})
+    async def estimate(request: AnswerRequest, http: Request, response: Response):
+        """Route only: what the request would put in context and whether it fits its budget. No KV is loaded."""
+        turn = await governor.begin(http, request, Route.ESTIMATE)
+        await turn.route(backend)
+        response.headers.update(turn.headers)
+        return turn.estimate()
+
     @app.post("/v1/answer", response_model=AnswerResponse,
               responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
-                         **{status: {"model": ErrorBody} for status in (404, 413, 503)}})
-    async def answer(request: AnswerRequest):
+                         413: {"model": BudgetErrorBody | ErrorBody},  # a token budget, or any other limit
+                         **{status: {"model": ErrorBody} for status in (401, 404, 429, 503)}})
+    async def answer(request: AnswerRequest, http: Request, response: Response):
         started = time.perf_counter()
         answer_id = f"ans-{uuid.uuid4().hex}"
         sampling = Sampling(request.max_new_tokens, request.temperature, request.top_p, request.seed)
-        plan = await backend.route(request)
-        loaded = await backend.load(plan)
+        turn = await governor.begin(http, request, Route.ANSWER)
+        await turn.route(backend)
+        hit = await turn.prepare(sampling)
         if not request.stream:
-            return respond(answer_id, await backend.generate(plan, loaded, sampling), started)
+            response.headers.update(turn.headers)
+            return respond(answer_id, await turn.generate(backend, sampling, hit), started)
 
         async def events() -> AsyncIterator[str]:
             try:
-                async for event in backend.stream(plan, loaded, sampling):
+                async for event in turn.stream(backend, sampling, hit):
                     if isinstance(event, str):
                         yield sse(StreamDelta(text=event))
                     else:
@@ -136,9 +171,10 @@ def make_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 status, detail = api_error(error)
                 yield sse(StreamError(status_code=status, detail=detail))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
 
-    app.include_router(openai_routes(backend, settings))
+    app.include_router(openai_routes(backend, settings, governor))
+    install_limits(app, governor.rejected)  # 413 over 1 MiB, 503 when a replica dies mid-request
     return app
 
 
@@ -164,9 +200,14 @@ class Ingress:
                  args: AppArgs):
         self.backend = HandleBackend(router, loader, generator)
         self.settings = api_settings(args)
+        self.governor = Governor(args.governance, self.settings.store)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return make_api(self.backend, self.settings)
+        return make_api(self.backend, self.settings, self.governor)
+
+    def __del__(self) -> None:  # Serve calls it on graceful shutdown: write the buffered request log
+        if hasattr(self, "governor"):  # not when __init__ failed before creating it
+            self.governor.close()
 
 
 def preflight(args: AppArgs) -> None:

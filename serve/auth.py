@@ -39,7 +39,7 @@ def key_digest(api_key: str) -> Sha256Hex:
 
 
 def header_label(headers: Mapping[str, str], name: str) -> str | None:
-    """A tenant / task-type header's value, validated like the body fields of the same meaning."""
+    """A tenant / task-type header's value (`headers` is case-insensitive), validated like the body fields."""
     value = headers.get(name)
     if value is None:
         return None
@@ -61,7 +61,7 @@ class Authenticator:
     def tenant(self, headers: Mapping[str, str]) -> str:
         """The request's tenant; `UnauthorizedError` when keys are configured and none of them is given."""
         if not self.required:
-            return header_label(headers, "x-tenant") or self.default_tenant
+            return header_label(headers, "X-Tenant") or self.default_tenant
         scheme, _, api_key = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not api_key.strip():
             raise UnauthorizedError("this server needs an API key: send 'Authorization: Bearer <key>'")

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pydantic import BaseModel
-from ray.exceptions import RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.runtime.model import Sampling
@@ -31,7 +32,7 @@ class ApiSettings(BaseModel):
 
 
 class Backend(Protocol):
-    async def route(self, request: AnswerRequest) -> Plan: ...
+    async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan: ...
     async def load(self, plan: Plan) -> Any: ...  # what `generate`/`stream` take
     async def generate(self, plan: Plan, loaded: Any, sampling: Sampling) -> Answer: ...
     def stream(self, plan: Plan, loaded: Any, sampling: Sampling) -> AsyncIterator[str | Answer]: ...
@@ -42,8 +43,8 @@ class HandleBackend:
     def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle):
         self.router, self.loader, self.generator = router, loader, generator
 
-    async def route(self, request: AnswerRequest) -> Plan:
-        return await self.router.plan.remote(request)
+    async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
+        return await self.router.plan.remote(request, budget_tokens)
 
     async def load(self, plan: Plan) -> Any:
         return self.loader.load.remote(plan)  # a DeploymentResponse, resolved inside the generator
@@ -65,8 +66,8 @@ class InProcessBackend:
     def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
         self.router, self.loader, self.generator = router, loader, generator
 
-    async def route(self, request: AnswerRequest) -> Plan:
-        return await self.router.plan(request)
+    async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
+        return await self.router.plan(request, budget_tokens)
 
     async def load(self, plan: Plan) -> asyncio.Task:
         return asyncio.create_task(asyncio.to_thread(self.loader.load, plan))
@@ -83,9 +84,20 @@ class InProcessBackend:
         return self.loader.stats()
 
 
+def error_cause(error: Exception) -> Exception:
+    """The exception raised here or inside a deployment (Ray wraps those)."""
+    return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+
+
+# A replica died, was unreachable or shed load mid-request: Serve restarts or scales it, so a retry can succeed.
+REPLICA_FAILURES = (RayActorError, WorkerCrashedError, ObjectLostError, DeploymentUnavailableError, BackPressureError)
+
+
 def api_error(error: Exception) -> tuple[int, str]:
-    """HTTP status and message of an error raised here or inside a deployment (Ray wraps those)."""
-    cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+    """HTTP status and message of an error raised here or inside a deployment."""
+    cause = error_cause(error)
+    if isinstance(cause, REPLICA_FAILURES):  # their messages are pages of cluster internals
+        return 503, f"a serving replica failed during this request ({type(cause).__name__}); retry it"
     return getattr(cause, "status_code", 500), str(cause)
 
 

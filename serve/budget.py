@@ -55,7 +55,8 @@ class TenantPolicy(Frozen):
 
 class LimitsArgs(Frozen):
     default: TenantPolicy = TenantPolicy()
-    tenants: dict[Label, TenantPolicy] = Field(default_factory=dict, description="per-tenant overrides of `default`")
+    tenants: dict[Label, TenantPolicy] = Field(default_factory=dict, description=(
+        "a tenant listed here gets exactly this policy instead of `default` (unset fields: unlimited)"))
     backend: StateBackend = StateBackend.MEMORY
 
     def policy(self, tenant: str) -> TenantPolicy:
@@ -103,8 +104,8 @@ def check_budget(price: Price, budget_tokens: int | None) -> None:
     if budget_tokens is not None and price.context_tokens > budget_tokens:
         serve_metrics().budget_rejections.inc()
         raise BudgetExceededError(
-            f"request needs at least {price.context_tokens} context tokens (every chunk at its lowest tier); "
-            f"the token budget is {budget_tokens}", min_context_tokens=price.context_tokens, budget_tokens=budget_tokens)
+            f"request needs at least {price.context_tokens} context tokens (its mode's cheapest placement: qvpic "
+            f"keeps every chunk low); the token budget is {budget_tokens}", min_context_tokens=price.context_tokens, budget_tokens=budget_tokens)
 
 
 @dataclass

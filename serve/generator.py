@@ -9,15 +9,25 @@ between the two is the cost (or error) of caching alone.
 
 Forward passes are serialised with a lock per step, so concurrent streams interleave token by token
 on the one model instead of racing for its memory.
+
+An entry the loader could not read (missing or corrupt shard) is rebuilt here before assembly, the way
+ingest built it: the chunk's stored source text (or page image), rendered with the store's RenderSpec
+and compiled by this model — the same bytes on the same hardware. Only when that is impossible (a
+page image this replica cannot read) does the request take the loader's lower-tier backup, reported
+as a fallback, or fail with 503. Each outcome is counted in `qvpic_kv_recompiles`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow.compute as pc
+
+import torch
 from PIL import Image
 
 from pipeline.compile import scale_page
@@ -28,15 +38,17 @@ from pipeline.store import Store
 from schemas.api import (
     AnswerReport,
     ChunkReport,
+    FallbackReport,
     FinishReason,
     Timings,
     TokenUsage,
     UnservableError,
 )
-from schemas.config import Mode, ModelSpec
+from schemas.config import Mode, ModelSpec, Variant
 from schemas.store import StoreSpec
-from serve.loader import LoadResult, from_wire
-from serve.router import Plan, PlannedChunk, check_store
+from serve.loader import LoadedKV, LoadResult, from_wire, to_wire
+from serve.metrics import serve_metrics
+from serve.router import Entry, Plan, PlannedChunk, check_store
 
 ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
 _INCOMPLETE = "\ufffd"  # a byte-level tokenizer's partial UTF-8 character: wait for the next token
@@ -50,24 +62,29 @@ class Answer:
 
 @dataclass
 class _Clock:
+    device: torch.device
     render_ms: float = 0.0
     reanchor_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
 
     def since(self, started: float) -> float:
+        if self.device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
+            torch.cuda.synchronize(self.device)
         return (time.perf_counter() - started) * 1e3
 
 
 class Generator:
     def __init__(self, store: StoreSpec | str, model: ModelSpec):
-        manifest = Store.open(store).load_manifest_or_raise()
+        self.store = Store.open(store)  # its chunk table is read only to rebuild an unreadable entry
+        manifest = self.store.load_manifest_or_raise()
         check_store(manifest, model)
         self.vlm = VLM(model)
         self.render_spec = manifest.render
         self.renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
         self._lock = threading.Lock()
+        self.metrics = serve_metrics()
 
     def generate(self, plan: Plan, loaded: LoadResult, sampling: Sampling) -> Answer:
         *_, answer = self.stream(plan, loaded, sampling)
@@ -75,7 +92,8 @@ class Generator:
 
     def stream(self, plan: Plan, loaded: LoadResult, sampling: Sampling) -> Iterator[str | Answer]:
         """Yield answer text deltas as tokens decode, then the `Answer` (full text and report)."""
-        clock = _Clock()
+        clock = _Clock(self.vlm.device)
+        loaded = self.repair(plan, loaded)
         state, context_tokens = self._prefill(plan, loaded, clock)
         tokenizer, ids, emitted = self.vlm.tokenizer, [], ""
         tokens = self.vlm.decode(state, sampling)
@@ -122,6 +140,51 @@ class Generator:
             state = self.vlm.prefill_full(pieces, plan.query)
             clock.prefill_ms = clock.since(started)
         return state, state.cache.get_seq_length() - query_tokens
+
+    def repair(self, plan: Plan, loaded: LoadResult) -> LoadResult:
+        """`loaded` with every unreadable entry rebuilt (its time added to `load_ms`), or replaced by its
+        lower-tier backup and reported as a fallback; `UnservableError` when an entry has neither."""
+        if not loaded.unreadable:
+            return loaded
+        started = time.perf_counter()
+        kvs, fallbacks, unservable = list(loaded.kvs), list(loaded.fallbacks), []
+        for item in loaded.unreadable:
+            chunk = plan.chunks[item.position]
+            try:
+                array, dtype = to_wire(self.recompile(chunk, item.entry).kv)
+            except ValueError as error:  # UnservableError: e.g. a page image this replica cannot read
+                outcome = "unservable" if item.backup is None else "backup"
+                self.metrics.kv_recompiles.inc(outcome=outcome)
+                if item.backup is None:
+                    unservable.append(f"{chunk.chunk_id}: {item.reason}; not rebuilt: {error}")
+                    continue
+                kvs[item.position] = item.backup
+                fallbacks.append(FallbackReport(chunk_id=chunk.chunk_id, requested_tier=item.entry.tier or "-",
+                                                served_tier=item.backup.entry.tier or "-",
+                                                reason=f"{item.reason}; not rebuilt: {error}"))
+                continue
+            self.metrics.kv_recompiles.inc(outcome="recompiled")
+            kvs[item.position] = LoadedKV(array, dtype, item.entry)  # exact: no fallback to report
+        if unservable:
+            raise UnservableError(f"KV entries unreadable and not rebuildable here: {unservable[:5]}")
+        load_ms = loaded.load_ms + (time.perf_counter() - started) * 1e3
+        return dataclasses.replace(loaded, kvs=tuple(kvs), fallbacks=tuple(fallbacks), unreadable=(), load_ms=load_ms)
+
+    def recompile(self, chunk: PlannedChunk, entry: Entry) -> ChunkKV:
+        """`entry` compiled again from its source as ingest compiled it: the text of the first chunk (by
+        id) with its content key, which is the one ingest compiled, rendered at the entry's tier."""
+        table = self.store.chunks()
+        rows = table.filter(pc.equal(table["chunk_key"], entry.row["chunk_key"]))
+        if rows.num_rows == 0:
+            raise UnservableError(f"chunk {chunk.chunk_id} has no source text in the store")
+        source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
+        if entry.variant is Variant.TEXT:
+            with self._lock:
+                return self.vlm.compile_text(source["text"])
+        pages = self.pages(dataclasses.replace(chunk, tier=entry.tier, text=source["text"],
+                                               image_path=source["image_path"] or None))
+        with self._lock:
+            return self.vlm.compile_images(pages, with_template=entry.variant is Variant.TEMPLATE)
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""

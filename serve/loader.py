@@ -2,9 +2,10 @@
 
 KV leaves this deployment as numpy (bf16 as a uint16 view): Ray moves numpy buffers zero-copy, while a
 bf16 torch tensor crossing as-is is ~10x slower. Checksums are verified by the store on every read
-from it; what sits in the LRU was verified when it was read. When a high-tier entry's shard is missing
-or corrupt, the chunk is served from its low tier and the fallback is reported; an entry with nothing
-to fall back to makes the request unservable (503), never a silent gap in the context.
+from it; what sits in the LRU was verified when it was read. An entry whose shard is missing or corrupt
+is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
+the generator rebuilds the entry from the chunk's source, or serves the backup and reports the
+fallback, or refuses the request (503) — never a silent gap in the context.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 
 from pipeline.store import ShardCorruptError, Store
-from schemas.api import CacheReport, CacheStats, FallbackReport, UnservableError
+from schemas.api import CacheReport, CacheStats, FallbackReport
 from schemas.config import ChunkKind, DType
 from schemas.store import StoreSpec
+from serve.metrics import serve_metrics
 from serve.router import Entry, Plan
 
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
@@ -111,11 +113,22 @@ class LoadedKV:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """A planned entry whose shard could not be read (missing, torn, or failing its checksum)."""
+
+    position: int  # in plan.chunks
+    entry: Entry
+    reason: str
+    backup: LoadedKV | None  # the chunk's low-tier entry, when it has one and it loaded
+
+
+@dataclass(frozen=True)
 class LoadResult:
-    kvs: tuple[LoadedKV | None, ...]  # aligned with plan.chunks; None where the mode links no KV
+    kvs: tuple[LoadedKV | None, ...]  # aligned with plan.chunks; None where no KV is linked or it was unreadable
     fallbacks: tuple[FallbackReport, ...]
     cache: CacheReport
     load_ms: float
+    unreadable: tuple[Unreadable, ...] = ()
 
 
 class CacheLoader:
@@ -123,35 +136,27 @@ class CacheLoader:
         self.store = Store.open(store)
         self.lru = ByteLRU(max_nbytes)
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
+        self.metrics = serve_metrics()  # created here, inside the replica, so Ray tags it with the replica
 
     def load(self, plan: Plan) -> LoadResult:
         started = time.perf_counter()
         entries = [c.entry for c in plan.chunks]
         report = CacheReport(hits=0, misses=0, nbytes_from_store=0)
         found, failed = self._fetch([e for e in entries if e is not None], report)
-        fallbacks, unservable = [], []
-        retry = [c.fallback for c in plan.chunks if c.entry is not None and c.entry.key in failed and c.fallback]
-        found_low, _ = self._fetch(retry, report)
+        backups = [c.fallback for c in plan.chunks if c.entry is not None and c.entry.key in failed and c.fallback]
+        found_low, _ = self._fetch(backups, report)
         found.update(found_low)
         kvs: list[LoadedKV | None] = []
-        for chunk in plan.chunks:
-            if chunk.entry is None:
-                kvs.append(None)
-                continue
-            served = chunk.entry
-            if served.key in failed:
-                if chunk.fallback is None or chunk.fallback.key not in found:
-                    unservable.append(f"{chunk.chunk_id}: {failed[served.key]}")
-                    continue
-                fallbacks.append(FallbackReport(chunk_id=chunk.chunk_id, requested_tier=served.tier or "-",
-                                                served_tier=chunk.fallback.tier or "-", reason=failed[served.key]))
-                served = chunk.fallback
-            array, dtype = found[served.key]
-            kvs.append(LoadedKV(array, dtype, served))
-        if unservable:
-            raise UnservableError(f"KV entries unreadable and no fallback: {unservable[:5]}")
+        unreadable: list[Unreadable] = []
+        for position, chunk in enumerate(plan.chunks):
+            if chunk.entry is not None and chunk.entry.key in failed:
+                backup = chunk.fallback if chunk.fallback is not None and chunk.fallback.key in found else None
+                unreadable.append(Unreadable(position, chunk.entry, failed[chunk.entry.key],
+                                             backup and LoadedKV(*found[backup.key], backup)))
+            kvs.append(None if chunk.entry is None or chunk.entry.key in failed
+                       else LoadedKV(*found[chunk.entry.key], chunk.entry))
         load_ms = (time.perf_counter() - started) * 1e3
-        return LoadResult(tuple(kvs), tuple(plan.fallbacks) + tuple(fallbacks), report, load_ms)
+        return LoadResult(tuple(kvs), tuple(plan.fallbacks), report, load_ms, tuple(unreadable))
 
     def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType]],
                                                                          dict[str, str]]:
@@ -192,6 +197,7 @@ class CacheLoader:
                 out[entry.key] = self.store.load_kv(entry.row)
             except ShardCorruptError as e:
                 failed[entry.key] = str(e)
+                self.metrics.corrupt_shards.inc()
         return out
 
     def stats(self) -> CacheStats:

@@ -28,7 +28,7 @@ TOKEN_BUCKETS = tuple(float(2**p) for p in range(6, 18))  # 64 .. 131072 context
 
 class Counter:
     def __init__(self, name: str, description: str, labels: Sequence[str], registry: prometheus_client.CollectorRegistry):
-        self.labels = tuple(labels)
+        self.name, self.labels = name, tuple(labels)
         self._ray = ray_metrics.Counter(name, description=description, tag_keys=self.labels)
         self._prom = prometheus_client.Counter(name, description, self.labels, registry=registry)
 
@@ -42,7 +42,7 @@ class Counter:
 class Histogram:
     def __init__(self, name: str, description: str, labels: Sequence[str], buckets: Sequence[float],
                  registry: prometheus_client.CollectorRegistry):
-        self.labels = tuple(labels)
+        self.name, self.labels = name, tuple(labels)
         self._ray = ray_metrics.Histogram(name, description=description, boundaries=list(buckets), tag_keys=self.labels)
         self._prom = prometheus_client.Histogram(name, description, self.labels, buckets=buckets, registry=registry)
 
@@ -74,6 +74,8 @@ class ServeMetrics:
         self.kv_lookups = counter("qvpic_kv_cache_lookups", "KV entries looked up in the loader's LRU", "outcome")
         self.kv_loaded_bytes = counter("qvpic_kv_loaded_bytes", "Bytes of KV read from the store (LRU misses)")
         self.corrupt_shards = counter("qvpic_corrupt_shards", "KV entries whose shard was missing or failed its checksum")
+        self.kv_recompiles = counter("qvpic_kv_recompiles", "Unreadable KV entries by what the generator did: "
+                                     "recompiled, backup (a lower tier) or unservable (503)", "outcome")
         self.tier_fallbacks = counter("qvpic_tier_fallbacks", "Chunks served from a lower tier than planned")
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
                                       "(l1/l2/l3 hit, miss, or bypass for sampled requests)", "result")
@@ -82,6 +84,9 @@ class ServeMetrics:
                                              "limit")
         self.shared_state_errors = counter("qvpic_shared_state_errors", "Redis calls that failed and degraded", "use")
         self.request_log_rows = counter("qvpic_request_log_rows", "Request-log rows written or lost", "outcome")
+
+    def families(self) -> list[Counter | Histogram]:
+        return [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
 
     def exposition(self) -> bytes:
         """This process's metrics in Prometheus text format."""

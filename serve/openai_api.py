@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -37,6 +37,7 @@ from schemas.api import (
     UnknownModelError,
 )
 from serve.backend import ApiSettings, Backend, api_error, sse
+from serve.governance import Governor, Route
 
 PATH_PREFIX = "/v1/chat/"
 
@@ -46,8 +47,8 @@ def openai_error_body(status: int, message: str) -> OpenAIErrorBody:
     return OpenAIErrorBody(error=OpenAIError(message=message, type=kind, code=status))
 
 
-def openai_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content=openai_error_body(status, message).model_dump())
+def openai_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=openai_error_body(status, message).model_dump(), headers=headers)
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -61,7 +62,7 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
     options = request.qvpic
     selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True)
     try:
-        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau,
+        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, task_type=options.task_type,
                              max_high_res=options.max_high_res, max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                              stream=request.stream, **(selection or {"top_k": default_top_k}))
@@ -77,7 +78,7 @@ def chunk_event(chunk: ChatCompletionChunk) -> str:
     return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
 
 
-def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
+def openai_routes(backend: Backend, settings: ApiSettings, governor: Governor) -> APIRouter:
     routes = APIRouter(tags=["openai"])
 
     @routes.get("/v1/models")
@@ -86,8 +87,8 @@ def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
 
     @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
-        **{status: {"model": OpenAIErrorBody} for status in (404, 413, 422, 503)}})
-    async def chat_completions(request: ChatCompletionRequest):
+        **{status: {"model": OpenAIErrorBody} for status in (401, 404, 413, 422, 429, 503)}})
+    async def chat_completions(request: ChatCompletionRequest, http: Request, response: Response):
         if request.model != settings.served_model_name:
             available = [settings.served_model_name]
             raise UnknownModelError(f"model {request.model!r} is not served here; available: {available}")
@@ -95,10 +96,12 @@ def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         native = answer_request(request, settings.default_top_k)
         sampling = Sampling(native.max_new_tokens, native.temperature, native.top_p, native.seed)
-        plan = await backend.route(native)
-        loaded = await backend.load(plan)
+        turn = await governor.begin(http, native, Route.CHAT)
+        await turn.route(backend)
+        hit = await turn.prepare(sampling)
         if not request.stream:
-            answer = await backend.generate(plan, loaded, sampling)
+            response.headers.update(turn.headers)
+            answer = await turn.generate(backend, sampling, hit)
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
@@ -112,7 +115,7 @@ def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
         async def events() -> AsyncIterator[str]:
             yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
             try:
-                async for event in backend.stream(plan, loaded, sampling):
+                async for event in turn.stream(backend, sampling, hit):
                     if isinstance(event, str):
                         yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
                         continue
@@ -125,6 +128,6 @@ def openai_routes(backend: Backend, settings: ApiSettings) -> APIRouter:
                 yield sse(openai_error_body(*api_error(error)))
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
 
     return routes

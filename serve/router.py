@@ -112,6 +112,7 @@ class Plan:
     query_tokens: int
     fallbacks: tuple[FallbackReport, ...]
     route_ms: float
+    query_embedding: np.ndarray | None = None  # [dim], unit norm: what the l2 response cache compares
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ class Router:
     async def embed_query(self, query: str) -> np.ndarray:
         return (await asyncio.to_thread(self.embedder.embed, [query]))[0]  # [dim], off the event loop
 
-    async def plan(self, request: AnswerRequest) -> Plan:
+    async def plan(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
+        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made."""
         started = time.perf_counter()
         query_vector = await self.embed_query(request.query)
         rows = self._select(request, query_vector)
@@ -205,7 +207,10 @@ class Router:
         relevance = [float(v) for v in self.embeddings[rows] @ query_vector] if rows else []
         query_tokens = self.prompt.count(request.query) + self.prompt.count(self.prompt.template.turn_suffix)
         fixed_tokens = self.prefix_tokens + query_tokens + request.max_new_tokens
-        chunks, fallbacks = self._place(request, rows, relevance, self.max_context_tokens - fixed_tokens)
+        room_tokens = self.max_context_tokens - fixed_tokens
+        if budget_tokens is not None:
+            room_tokens = min(room_tokens, budget_tokens - self.prefix_tokens)
+        chunks, fallbacks = self._place(request, rows, relevance, room_tokens)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
@@ -214,7 +219,7 @@ class Router:
                 f"the context holds {self.max_context_tokens}")
         route_ms = (time.perf_counter() - started) * 1e3
         return Plan(request.mode, request.query, tuple(chunks), self.prefix_tokens, query_tokens, tuple(fallbacks),
-                    route_ms)
+                    route_ms, query_vector)
 
     def _select(self, request: AnswerRequest, query_vector: np.ndarray) -> list[int]:
         if request.chunk_ids is not None:

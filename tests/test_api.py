@@ -14,7 +14,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from jobs import run_server
-from schemas.api import AnswerRequest, CacheStats
+from schemas.api import AnswerRequest, CacheStats, UnservableError
 from schemas.config import ModelSpec
 from schemas.store import ManifestError
 from serve.app import AppArgs, api_settings, make_api, preflight
@@ -164,7 +164,11 @@ def test_server_flags_override_the_serve_config():
     assert run_server.main(["--store", "/data/store", "--detach"]) == 2  # nothing to detach from
 
 
-def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_store, tmp_path):
+def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_store, tmp_path, monkeypatch):
+    def cannot_rebuild(chunk, entry):  # e.g. a scanned page whose image this replica cannot read
+        raise UnservableError(f"page image of chunk {chunk.chunk_id} is not readable on this replica")
+
+    monkeypatch.setattr(roles.generator, "recompile", cannot_rebuild)
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = asyncio.run(roles.router.plan(AnswerRequest(query=QUERY, chunk_ids=["recipes#00000"], mode="text_pic")))

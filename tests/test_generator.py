@@ -1,4 +1,4 @@
-"""Cache loader (byte-bounded LRU, fallbacks) and generator (every mode, exactness, streaming)."""
+"""Cache loader (byte-bounded LRU, unreadable entries) and generator (every mode, exactness, streaming)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.runtime.model import VLM, Sampling
-from schemas.api import AnswerRequest, FinishReason, UnservableError
+from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec, RouterSpec
 from serve.generator import Answer, Generator
 from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
@@ -78,24 +78,26 @@ def test_loader_counts_hits_and_misses(roles, serving_store):
     assert [kv.entry.key for kv in second.kvs] == [c.entry.key for c in planned.chunks]
 
 
-def test_corrupt_high_tier_falls_back_to_low_and_says_so(roles, serving_store, tmp_path):
+def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, serving_store, tmp_path):
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.UNIFORM_HIGH)
+    clean = roles.generator.generate(planned, roles.loader.load(planned), Sampling(max_new_tokens=4))
     corrupt_entry(root, planned.chunks[0].entry.row)
     result = CacheLoader(str(root), 1 << 20).load(planned)
-    served = [kv.entry.tier for kv in result.kvs]
-    assert served == ["low", "high"]
-    (fallback,) = result.fallbacks
-    assert (fallback.chunk_id, fallback.requested_tier, fallback.served_tier) == ("invoices#00000", "high", "low")
-    assert "checksum" in fallback.reason
-    reply = roles.generator.generate(planned, result, Sampling(max_new_tokens=4))
-    assert [c.tier for c in reply.report.chunks] == ["low", "high"] and reply.report.fallbacks == [fallback]
+    (unreadable,) = result.unreadable
+    assert (unreadable.position, unreadable.entry.tier, unreadable.backup.entry.tier) == (0, "high", "low")
+    assert result.kvs[0] is None and result.kvs[1].entry.tier == "high" and "checksum" in unreadable.reason
+    reply = roles.generator.generate(planned, result, Sampling(max_new_tokens=4))  # rebuilt, not downgraded
+    assert [c.tier for c in reply.report.chunks] == ["high", "high"] and reply.report.fallbacks == []
+    assert reply.text == clean.text
 
     low_only = plan(roles, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC)
     corrupt_entry(root, low_only.chunks[0].entry.row)
-    with pytest.raises(UnservableError, match="manual#00001"):
-        CacheLoader(str(root), 1 << 20).load(low_only)
+    result = CacheLoader(str(root), 1 << 20).load(low_only)
+    assert result.kvs == (None,) and result.unreadable[0].backup is None
+    assert roles.generator.generate(low_only, result, Sampling(max_new_tokens=4)).text == \
+        roles.generator.generate(low_only, roles.loader.load(low_only), Sampling(max_new_tokens=4)).text
 
 
 # ---- generator ------------------------------------------------------------------------------------

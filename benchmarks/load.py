@@ -1,0 +1,224 @@
+"""Load on loopback: many requests at a fixed concurrency through the whole Serve graph, mixed modes,
+some repeated; latency percentiles, throughput, errors, and the memory of every serving process.
+
+The mix cycles through every mode the store serves, selects chunks by top-k or whole documents, and
+repeats a share of earlier requests verbatim so the response cache and the loader's KV LRU both hit.
+Memory is each replica's resident set before and after the run (read from /proc), and the loader's
+LRU byte count against its cap: the figures that show memory stays bounded under load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from schemas.config import Mode
+
+APP_NAME = "qvpic-load"
+DEPLOYMENTS = ("Ingress", "Router", "CacheLoader", "Generator")
+SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "jobs" / "data" / "sample_corpus.jsonl"
+QUESTIONS = ["When does part {n} ship?", "What does invoice {n} total?", "Who signed the lease for unit {n}?",
+             "Which seal kit failed in pump P-{n}?", "What is the meal allowance in region {n}?",
+             "How long is the warranty on board {n}?"]
+
+
+@dataclass
+class LoadResult:
+    num_requests: int
+    concurrency: int
+    wall_s: float
+    latencies_ms: list[float]  # of every response, in completion order
+    statuses: Counter = field(default_factory=Counter)  # HTTP status -> count (0: no response at all)
+    errors: list[str] = field(default_factory=list)  # the first few non-200 answers, for the report
+    response_cache_hits: int = 0
+
+    @property
+    def num_errors(self) -> int:
+        return self.num_requests - self.statuses[200]
+
+    def percentile_ms(self, q: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.num_requests / self.wall_s
+
+
+def request_mix(num_requests: int, doc_ids: list[str], modes: list[Mode], repeat_share: float = 0.25,
+                seed: int = 0, max_new_tokens: int = 8) -> list[dict]:
+    """Request bodies: every mode in turn, top-k or whole documents, `repeat_share` of them verbatim repeats."""
+    rng = random.Random(seed)
+    bodies: list[dict] = []
+    for i in range(num_requests):
+        if bodies and rng.random() < repeat_share:
+            bodies.append(rng.choice(bodies))
+            continue
+        body = {"query": rng.choice(QUESTIONS).format(n=rng.randrange(10_000)), "mode": modes[i % len(modes)].value,
+                "max_new_tokens": max_new_tokens}
+        if rng.random() < 0.5:
+            body["top_k"] = rng.randint(1, 3)
+        else:
+            body["doc_ids"] = rng.sample(doc_ids, k=min(len(doc_ids), rng.randint(1, 2)))
+        bodies.append(body)
+    return bodies
+
+
+async def run_load(base_url: str, bodies: list[dict], concurrency: int, timeout_s: float = 120.0) -> LoadResult:
+    """POST every body to /v1/answer with at most `concurrency` in flight; a timeout counts as status 0."""
+    gate = asyncio.Semaphore(concurrency)
+    result = LoadResult(num_requests=len(bodies), concurrency=concurrency, wall_s=0.0, latencies_ms=[])
+
+    async def one(http: httpx.AsyncClient, body: dict) -> None:
+        async with gate:
+            started = time.perf_counter()
+            try:
+                response = await http.post("/v1/answer", json=body)
+            except httpx.HTTPError as error:
+                result.statuses[0] += 1
+                result.errors.append(f"{type(error).__name__}: {error}")
+                return
+            result.latencies_ms.append((time.perf_counter() - started) * 1e3)
+            result.statuses[response.status_code] += 1
+            if response.status_code != 200:
+                result.errors.append(f"{response.status_code}: {response.text[:200]}")
+            elif (response.json().get("response_cache") or {}).get("level"):
+                result.response_cache_hits += 1
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(one(http, body) for body in bodies))
+        result.wall_s = time.perf_counter() - started
+    return result
+
+
+def rss_nbytes(pid: int | str = "self") -> int:
+    """Resident set of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmRSS line")
+
+
+def ray_worker_pids(title_fragment: str) -> list[int]:
+    """PIDs of this driver's Ray workers whose process title holds `title_fragment` (e.g. "CacheLoader").
+
+    Only children of this session's raylet count, so workers of another Ray on the same machine are
+    never touched. The raylet is found as the parent of a zero-CPU task's worker.
+    """
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def parent_pid() -> int:
+        return os.getppid()
+
+    raylet_pid = ray.get(parent_pid.remote())
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                title = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):  # the process ended while being read
+            continue
+        if ppid == raylet_pid and title_fragment in title:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def replica_rss_nbytes(app_name: str) -> dict[str, int]:
+    """Summed resident set of each deployment's replicas (process titles `ServeReplica:<app>:<name>`)."""
+    return {name: sum(rss_nbytes(p) for p in ray_worker_pids(f"ServeReplica:{app_name}:{name}")) for name in DEPLOYMENTS}
+
+
+def loopback_port() -> int:
+    """A free port the OS picks (its ephemeral range lies above Ray's worker ports, 10002-19999)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__)
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--model", default="tiny-qwen")
+    parser.add_argument("--cache-max-nbytes", type=int, default=4 << 20, help="loader LRU cap (small: evictions)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from benchmarks.report import markdown_table, write_section
+    from jobs.cluster import init_ray
+    from pipeline.ingest import IngestConfig, ingest
+    from schemas.config import ModelSpec
+    from schemas.store import StoreSpec
+    from serve.app import build_app
+
+    init_ray()
+    model = ModelSpec(path=args.model, device="cpu")
+    with tempfile.TemporaryDirectory() as store_dir:
+        summary = ingest(IngestConfig(corpus=str(SAMPLE_CORPUS), store=StoreSpec(uri=store_dir), model=model))
+        port = loopback_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+        serve.run(build_app({"store": {"uri": store_dir}, "model": model.model_dump(mode="json"),
+                             "cache_max_nbytes": args.cache_max_nbytes}), name=APP_NAME, route_prefix="/")
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            doc_ids = sorted({json.loads(line)["doc_id"] for line in SAMPLE_CORPUS.read_text().splitlines()})
+            modes = httpx.get(f"{base_url}/v1/store").json()["modes"]
+            asyncio.run(run_load(base_url, request_mix(32, doc_ids, [Mode(m) for m in modes], seed=1), 4))  # warm-up
+            before = replica_rss_nbytes(APP_NAME)
+            result = asyncio.run(run_load(base_url, request_mix(args.requests, doc_ids, [Mode(m) for m in modes]),
+                                          args.concurrency))
+            after = replica_rss_nbytes(APP_NAME)
+            cache = httpx.get(f"{base_url}/v1/store").json()["cache"]
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    latency_rows = [[result.num_requests, result.concurrency, result.percentile_ms(50), result.percentile_ms(99),
+                     statistics.mean(result.latencies_ms), result.throughput_rps, result.num_errors,
+                     result.response_cache_hits]]
+    memory_rows = [[name, before[name] / 2**20, after[name] / 2**20, (after[name] - before[name]) / 2**20]
+                   for name in DEPLOYMENTS]
+    body = (
+        f"Model `{args.model}` (float32, CPU) over the sample corpus ({summary.num_chunks} chunks, every variant), "
+        f"one replica per deployment on a local Ray, HTTP on loopback. {args.requests} `/v1/answer` requests, "
+        f"{args.concurrency} in flight, modes {', '.join(modes)} in turn, top-k or whole documents, "
+        "8 new tokens each, a quarter verbatim repeats (response-cache hits); after a 32-request warm-up.\n\n"
+        + markdown_table(["requests", "concurrency", "p50 ms", "p99 ms", "mean ms", "req/s", "errors",
+                          "response-cache hits"], latency_rows)
+        + f"\n\nStatuses: {dict(result.statuses)}. Loader KV LRU after the run: {cache['entries']} entries, "
+        f"{cache['nbytes']:,} of {cache['max_nbytes']:,} bytes, {cache['hits']} hits, {cache['misses']} misses, "
+        f"{cache['evictions']} evictions.\n\nResident memory per deployment (MiB), before and after the run:\n\n"
+        + markdown_table(["deployment", "before", "after", "growth"], memory_rows)
+    )
+    if not args.no_write:
+        write_section("load", "Load: latency, throughput and memory under concurrent requests (issue 8)",
+                      "python -m benchmarks.load " + " ".join(argv or []), body)
+    print(body)
+    return 0 if result.num_errors == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

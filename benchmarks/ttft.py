@@ -1,0 +1,229 @@
+"""TTFT of every serving mode side by side (issues 5 and 7).
+
+    python -m benchmarks.ttft            # full grid, writes docs/BENCHMARKS.md section `ttft` (≈10 min, 2 cores)
+    python -m benchmarks.ttft --quick    # tiny + bench model, 4 and 16 chunks (≈3 min)
+
+For each (model, dtype) a store of synthetic chunks is compiled by the real ingest stages
+(`benchmarks/ttft_store.py`), then the real Router / CacheLoader / Generator serve every mode in this
+process: TTFT = wall time of route + load + generate with one new token (its first token is picked
+from the prefill logits, so no decode step runs; reading it waits for any GPU work). Modes are
+interleaved in every round so machine drift hits them alike; figures are medians of `--repeats`
+rounds after one warm-up round (LRU warm). The breakdown comes from the roles' own timers. Finally the
+online path is measured once over HTTP (`benchmarks/ttft_http.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from itertools import product
+
+import torch
+
+from benchmarks import ttft_http, ttft_store
+from benchmarks.report import markdown_table, write_section
+from jobs.evaluate import InProcessAnswerer
+from pipeline.runtime.model import resolve_device
+from pipeline.store import Store
+from schemas.api import AnswerRequest
+from schemas.config import DType, Mode, ModelSpec, RenderSpec
+
+F32, BF16 = DType.FLOAT32, DType.BFLOAT16
+PHASES = ("route_ms", "load_ms", "render_ms", "reanchor_ms", "prefill_ms")
+BASELINES = (Mode.FULL_IMAGE, Mode.FULL_TEXT, Mode.TEXT_PIC)
+HTTP_CHUNKS = 16
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    dtype: DType
+    chunk_counts: tuple[int, ...]
+
+
+# bench-qwen float32 stops at 16 chunks: CPU float32 attention over ~8k tokens takes ~40 s per full prefill.
+DEFAULT_GRID = (Setup("tiny-qwen", F32, (4, 8, 16, 32)), Setup("tiny-qwen", BF16, (4, 8, 16, 32)),
+                Setup("bench-qwen", BF16, (4, 8, 16, 32)), Setup("bench-qwen", F32, (4, 8, 16)))
+QUICK_GRID = (Setup("tiny-qwen", F32, (4, 16)), Setup("bench-qwen", BF16, (4, 16)))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Medians of one (setup, number of chunks, mode)."""
+
+    model: str
+    dtype: DType
+    num_chunks: int
+    mode: Mode
+    ttft_ms: float
+    phases_ms: dict[str, float]
+    context_tokens: int
+    vision_tokens: int
+
+
+def measure(answer: InProcessAnswerer, setup: Setup, chunk_ids: tuple[str, ...], query: str,
+            repeats: int) -> list[Cell]:
+    cells = []
+    for num_chunks in setup.chunk_counts:
+        requests = {m: AnswerRequest(query=query, chunk_ids=list(chunk_ids[:num_chunks]), mode=m, max_new_tokens=1)
+                    for m in Mode}
+        runs: dict[Mode, list[tuple[float, dict[str, float], int, int]]] = {m: [] for m in Mode}
+        for round_index in range(repeats + 1):  # round 0 warms up
+            for mode, request in requests.items():
+                started = time.perf_counter()
+                report = answer(request).report
+                wall_ms = (time.perf_counter() - started) * 1e3
+                if round_index:
+                    timings = report.timings.model_dump()
+                    runs[mode].append((wall_ms, {p: timings[p] for p in PHASES}, report.usage.context_tokens,
+                                       report.usage.context_vision_tokens))
+        for mode, samples in runs.items():
+            cells.append(Cell(setup.model, setup.dtype, num_chunks, mode, statistics.median(s[0] for s in samples),
+                              {p: statistics.median(s[1][p] for s in samples) for p in PHASES}, samples[0][2],
+                              samples[0][3]))
+        qvpic = next(c for c in cells[-len(Mode):] if c.mode is Mode.QVPIC)
+        print(f"{setup.model} {setup.dtype.value} {num_chunks:>2} chunks: "
+              + ", ".join(f"{c.mode.value} {c.ttft_ms:.0f} ms" for c in cells[-len(Mode):])
+              + f" | qvpic/full_image {qvpic.ttft_ms / _cell(cells, setup, num_chunks, Mode.FULL_IMAGE).ttft_ms:.3f}",
+              flush=True)
+    return cells
+
+
+def _cell(cells: list[Cell], setup: Setup, num_chunks: int, mode: Mode) -> Cell:
+    return next(c for c in cells if (c.model, c.dtype, c.num_chunks, c.mode) == (setup.model, setup.dtype,
+                                                                                  num_chunks, mode))
+
+
+def kv_rows(store_uri: str, setup: Setup) -> list[list[object]]:
+    """Tokens and KV bytes per chunk of every stored representation, and the ratio to the text KV."""
+    index = Store.open(store_uri).index().to_pylist()
+    groups: dict[str, list[dict]] = {}
+    for row in index:
+        groups.setdefault(f"{row['tier'] or 'text'}.{row['variant']}", []).append(row)
+    text_nbytes = statistics.fmean(r["nbytes"] for r in groups["text.text"])
+    return [[setup.model, setup.dtype.value, name, statistics.fmean(r["num_tokens"] for r in rows),
+             statistics.fmean(r["nbytes"] for r in rows) / 1024, statistics.fmean(r["nbytes"] for r in rows) / text_nbytes]
+            for name, rows in sorted(groups.items())]
+
+
+def tables(cells: list[Cell], setups: list[Setup], kv: list[list[object]], http: ttft_http.HttpTtft | None) -> str:
+    modes = list(Mode)
+    ttft_rows, token_rows, breakdown_rows, growth_rows = [], [], [], []
+    seen_models: set[str] = set()
+    for setup in setups:
+        first_of_model = setup.model not in seen_models  # token counts do not depend on the dtype
+        seen_models.add(setup.model)
+        for n in setup.chunk_counts:
+            by_mode = {m: _cell(cells, setup, n, m) for m in modes}
+            q = by_mode[Mode.QVPIC].ttft_ms
+            ttft_rows.append([setup.model, setup.dtype.value, n] + [by_mode[m].ttft_ms for m in modes]
+                             + [q / by_mode[b].ttft_ms for b in BASELINES])
+            if first_of_model:
+                token_rows.append([setup.model, n] + [f"{by_mode[m].context_tokens} ({by_mode[m].vision_tokens})"
+                                                      for m in modes])
+        n_mid = max((n for n in setup.chunk_counts if n <= 16), default=min(setup.chunk_counts))
+        for mode in modes:
+            c = _cell(cells, setup, n_mid, mode)
+            breakdown_rows.append([setup.model, setup.dtype.value, n_mid, mode.value, c.ttft_ms]
+                                  + [c.phases_ms[p] for p in PHASES] + [c.ttft_ms - sum(c.phases_ms.values())])
+        lo, hi = min(setup.chunk_counts), max(setup.chunk_counts)
+        growth_rows.append([setup.model, setup.dtype.value, f"{lo} → {hi}"]
+                           + [_cell(cells, setup, hi, m).context_tokens / _cell(cells, setup, lo, m).context_tokens
+                              for m in (Mode.FULL_TEXT, Mode.QVPIC)]
+                           + [_cell(cells, setup, hi, m).ttft_ms / _cell(cells, setup, lo, m).ttft_ms for m in modes])
+    ratio_names = [f"qvpic / {b.value}" for b in BASELINES]
+    out = [
+        "TTFT, median ms (wall: route + load + generate one token):\n",
+        markdown_table(["model", "dtype", "chunks"] + [m.value for m in modes] + ratio_names, ttft_rows),
+        "\nContext tokens (of which vision tokens) per request:\n",
+        markdown_table(["model", "chunks"] + [m.value for m in modes], token_rows),
+        "\nScaling from the fewest to the most chunks: growth of context tokens and of TTFT (× = ratio):\n",
+        markdown_table(["model", "dtype", "chunks", "tokens × full_text", "tokens × qvpic"]
+                       + [f"TTFT × {m.value}" for m in modes], growth_rows),
+        "\nBreakdown, median ms (other = wall − phases: first-token pick, detokenising, event loop):\n",
+        markdown_table(["model", "dtype", "chunks", "mode", "TTFT", "route", "load", "render", "re-anchor", "prefill",
+                        "other"], breakdown_rows),
+        "\nKV bytes per chunk per stored representation:\n",
+        markdown_table(["model", "dtype", "entry", "tokens / chunk", "KiB / chunk", "× text KV"], kv),
+    ]
+    if http is not None:
+        out += [(f"\nOnline path over HTTP (Serve on loopback, {http.mode.value}, {http.num_chunks} chunks, "
+                 f"{http.context_tokens} context tokens; target: everything but the query prefill ≤ 25% of TTFT):\n"),
+                markdown_table(["client TTFT ms", "route ms", "load ms", "re-anchor ms", "prefill ms",
+                                "added by the online path"],
+                               [[http.client_ms, http.route_ms, http.load_ms, http.reanchor_ms, http.prefill_ms,
+                                 f"{http.overhead_share:.1%}"]])]
+    return "\n".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qvpic bench ttft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the quick grid (tiny f32 + bench bf16 at 4 and 16 chunks)")
+    p.add_argument("--models", nargs="+", help="override the grid: these models × --dtypes × --chunks")
+    p.add_argument("--dtypes", nargs="+", type=DType, choices=list(DType), default=[F32, BF16])
+    p.add_argument("--chunks", nargs="+", type=int, default=[4, 8, 16, 32])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    p.add_argument("--http-model", default="bench-qwen", help=f"model of the HTTP measurement (bf16, {HTTP_CHUNKS} chunks)")
+    p.add_argument("--no-http", action="store_true", help="skip the HTTP measurement")
+    p.add_argument("--out", help="also write the tables to this file")
+    p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.repeats < 1 or min(args.chunks) < 2:
+        parser().error("--repeats must be >= 1 and every --chunks value >= 2")
+    setups = ([Setup(m, d, tuple(args.chunks)) for m, d in product(args.models, args.dtypes)] if args.models
+              else list(QUICK_GRID if args.quick else DEFAULT_GRID))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = str(resolve_device(args.device))
+    started = time.perf_counter()
+    command = ("python -m benchmarks.ttft " + " ".join(argv)).strip()
+    cells, kv, http_target = [], [], None
+    with tempfile.TemporaryDirectory(prefix="qvpic-ttft-") as workdir:
+        for setup in setups:
+            spec = ModelSpec(path=setup.model, dtype=setup.dtype, device=device)
+            bench = ttft_store.build(os.path.join(workdir, f"{setup.model}-{setup.dtype.value}"), spec, RenderSpec(),
+                                     args.chunk_tokens, max(setup.chunk_counts))
+            cells += measure(InProcessAnswerer.open(bench.uri, spec), setup, bench.chunk_ids, bench.query, args.repeats)
+            kv += kv_rows(bench.uri, setup)
+            if setup.model == args.http_model and setup.dtype is BF16 and max(setup.chunk_counts) >= HTTP_CHUNKS:
+                http_target = (bench, spec)
+        # written before the HTTP part, which starts Ray and Serve: a failure there keeps these figures
+        report(args, command, device, started, tables(cells, setups, kv, None))
+        if not args.no_http and http_target is not None:
+            bench, spec = http_target
+            http = ttft_http.measure(bench.uri, spec, list(bench.chunk_ids[:HTTP_CHUNKS]), bench.query, args.repeats)
+            report(args, command, device, started, tables(cells, setups, kv, http))
+    return 0
+
+
+def report(args: argparse.Namespace, command: str, device: str, started: float, tables_md: str) -> None:
+    """Print the tables and write them to --out and (unless --no-write) docs/BENCHMARKS.md."""
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu"
+    body = (f"Device {device} ({name}, {torch.get_num_threads()} torch threads), chunks of ≤{args.chunk_tokens} "
+            "text tokens from one synthetic document rendered at 9 pt (tiers 72/120 DPI), a synthetic question "
+            f"whose evidence is in chunk 2; router τ=0.5, B=4; medians of {args.repeats} interleaved rounds after a "
+            f"warm-up round. Wall time so far {time.perf_counter() - started:.0f} s.\n\n{tables_md}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(f"# TTFT\n\nCommand: `{command}`\n\n{body}\n")
+    if not args.no_write:
+        write_section("ttft", "TTFT per mode, breakdown, scaling and KV bytes (issues 5 and 7)", command, body)
+    print(body, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""A benchmark store built in-process by the real ingest stages (chunk → render → compile → embed →
+publish) without Ray: no cluster to start, so it also runs as-is on a bare GPU machine.
+
+The chunks are consecutive pieces of one synthetic fine-evidence document (`pipeline.synthetic`), one
+document per chunk so that a request can name any prefix of them; the chunk holding the evidence of
+the document's question is moved to second place, so every request from 2 chunks up contains it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pipeline.compile import ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage
+from pipeline.embed import Embedder
+from pipeline.ingest import ChunkStage, IngestConfig, entry_slots, open_store
+from pipeline.synthetic import evidence_chunks, generate
+from schemas.config import ModelSpec, RenderSpec
+from schemas.corpus import Chunk, Document
+from schemas.store import StoreSpec
+
+EVIDENCE_POSITION = 1
+
+
+class BenchStoreError(ValueError):
+    """The benchmark store could not be built as asked."""
+
+
+@dataclass(frozen=True)
+class BenchStore:
+    uri: str
+    chunk_ids: tuple[str, ...]  # in request order
+    query: str
+    num_text_tokens: tuple[int, ...]
+
+
+def chunk_texts(model: ModelSpec, chunk_tokens: int, num_chunks: int, seed: int) -> tuple[list[str], list[int], str]:
+    """(texts, token counts, question): `num_chunks` chunks of a synthetic document, evidence second."""
+    chunker = ChunkStage(model, chunk_tokens)
+    context_words = max(200, num_chunks * chunk_tokens // 2)
+    for _ in range(6):  # grow the document until it yields enough chunks (tokens per word vary by tokenizer)
+        record = generate(1, context_words=context_words, seed=seed)[0]
+        rows = chunker(Document(doc_id="bench", text=record.context, source="synthetic").to_row())
+        if len(rows) >= num_chunks:
+            break
+        context_words *= 2
+    else:
+        raise BenchStoreError(f"no synthetic document of ≤{context_words} words gives {num_chunks} chunks")
+    texts, counts = [r["text"] for r in rows], [r["num_text_tokens"] for r in rows]
+    first = evidence_chunks(texts, record.evidence, record.answers[0])[0]
+    order = [first] + [i for i in range(len(texts)) if i != first]
+    order.insert(EVIDENCE_POSITION, order.pop(0))
+    order = order[:num_chunks]
+    return [texts[i] for i in order], [counts[i] for i in order], record.input
+
+
+def build(uri: str, model: ModelSpec, render: RenderSpec, chunk_tokens: int, num_chunks: int,
+          seed: int = 0) -> BenchStore:
+    """Compile every variant of `num_chunks` chunks into a fresh store at `uri`."""
+    texts, counts, query = chunk_texts(model, chunk_tokens, num_chunks, seed)
+    embedder = Embedder()
+    cfg = IngestConfig(corpus="(in-process)", store=StoreSpec(uri=uri), model=model, render=render,
+                       chunk_tokens=chunk_tokens)
+    store, manifest = open_store(cfg, embedder.dim, embedder.model_name)
+    slots = json.dumps([[tier, variant.value] for tier, variant in entry_slots(manifest, manifest.variants)])
+    chunks = [Chunk.build(f"bench/{i:03d}", 0, text, n) for i, (text, n) in enumerate(zip(texts, counts))]
+    renderer = RenderStage(render)
+    compiler = CompileStage(CompilePlan(model, store.spec, manifest.to_json()))
+    for chunk in chunks:
+        rendered = renderer({**chunk.model_dump(), IMAGE_PATH: "", SLOTS: slots})
+        if rendered[ERROR]:
+            raise BenchStoreError(f"chunk {chunk.chunk_id}: {rendered[ERROR]}")
+        compiler.compile_row(rendered)
+    vectors = embedder.embed(texts)
+    store.publish_chunks([{**c.model_dump(), "source": "synthetic", IMAGE_PATH: None, "embedding": v.tolist()}
+                          for c, v in zip(chunks, vectors)])
+    return BenchStore(uri, tuple(c.chunk_id for c in chunks), query, tuple(counts))

@@ -1,0 +1,263 @@
+"""Evaluation harness: QA items through serving modes, in-process or over HTTP, scored and timed.
+
+How a LongBench prompt becomes a qvpic request. Each task template is split at `{context}`
+(`pipeline.longbench.split_prompt`):
+- the text before it (the task instruction, e.g. "Read the following text and answer briefly.") is
+  ingested once per task as its own document `instruction/<task>` and leads every request's chunk list;
+- the item's context is ingested as the document `<task>/<_id>` and chunked by the ingest chunker;
+- the text after it, question filled in, is the request's `query`, prefilled online after the chunks.
+Every mode therefore sees, in this order: the chat template's prefix (system turn + user header), the
+instruction chunk, the context chunks in document order, the query, the assistant header. Modes differ
+only in how the chunks are represented (see `MODE_CONTEXT`). Chunks are stripped of surrounding
+whitespace by the chunker, so the blank lines around `{context}` are not in the token stream; that is
+the only textual difference from the prompt LongBench's `pred.py` builds (before its truncation, which
+qvpic does not do: an item over the model's context is an error, scored 0, never truncated silently).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from pipeline.longbench import QAItem, QATask
+from pipeline.scoring import qa_f1, score
+from pipeline.store import Store
+from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, ApiError, StreamEventType
+from schemas.config import Mode, RenderSpec, Variant
+
+INSTRUCTION_DOC_PREFIX = "instruction/"
+MODE_CONTEXT: dict[Mode, str] = {
+    Mode.FULL_TEXT: "every chunk's source text, prefilled online with the query in one forward pass",
+    Mode.FULL_IMAGE: "every chunk's page images at the tier qvpic routes it to, encoded and prefilled online",
+    Mode.TEXT_PIC: "every chunk's text KV, compiled offline under the template prefix, re-anchored",
+    Mode.IMAGE_PIC: "every chunk's low-tier page KV, compiled offline with no template prefix, re-anchored",
+    Mode.UNIFORM_HIGH: "every chunk's high-tier page KV, compiled under the template prefix, re-anchored",
+    Mode.QVPIC: "templated page KV, high tier for the chunks the relevance router promotes (τ, B), low otherwise",
+}
+
+
+class EvalError(ValueError):
+    """Items that cannot be evaluated against the store or service at hand."""
+
+
+class RequestFailed(ApiError):
+    """The service answered an error status (or an error event mid-stream)."""
+
+    def __init__(self, status_code: int, detail: str):
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+
+
+def context_doc_id(item: QAItem) -> str:
+    return f"{item.task.value}/{item.id}"
+
+
+def instruction_doc_id(task: QATask) -> str:
+    return f"{INSTRUCTION_DOC_PREFIX}{task.value}"
+
+
+def corpus_documents(items: Sequence[QAItem]) -> dict[str, str]:
+    """doc_id → text of every document the items need ingested: task instructions and contexts."""
+    documents: dict[str, str] = {}
+    for item in items:
+        if item.prompt_before_context.strip():
+            documents.setdefault(instruction_doc_id(item.task), item.prompt_before_context)
+        if item.context is not None:
+            documents[context_doc_id(item)] = item.context
+    return documents
+
+
+def write_corpus(documents: dict[str, str], path: str) -> str:
+    """A JSONL corpus (`{doc_id, text}` per line) that `qvpic ingest` reads."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"doc_id": doc_id, "text": text}, ensure_ascii=False) + "\n"
+                     for doc_id, text in documents.items())
+    return path
+
+
+class StoreView:
+    """What the harness reads from the store the items were ingested into: chunk lists and texts,
+    and the KV bytes of each current entry."""
+
+    def __init__(self, store: Store):
+        manifest = store.load_manifest_or_raise()
+        self.render: RenderSpec = manifest.render
+        self.high_tier = manifest.render.highest_tier.name
+        rows = store.chunks().select(["chunk_id", "doc_id", "order", "chunk_key", "text"]).to_pylist()
+        self.text_of = {r["chunk_id"]: r["text"] for r in rows}
+        self.key_of = {r["chunk_id"]: r["chunk_key"] for r in rows}
+        self.chunks_of_doc: dict[str, list[str]] = {}
+        for r in sorted(rows, key=lambda r: (r["doc_id"], r["order"])):
+            self.chunks_of_doc.setdefault(r["doc_id"], []).append(r["chunk_id"])
+        tiers = {t.name for t in manifest.tiers}
+        self.nbytes: dict[tuple[str, str | None, Variant], int] = {}
+        for r in store.index().select(["chunk_key", "tier", "variant", "fingerprint", "nbytes"]).to_pylist():
+            variant = Variant(r["variant"])
+            if (r["tier"] is None or r["tier"] in tiers) \
+                    and r["fingerprint"] == manifest.entry_fingerprint(variant, r["tier"]):
+                self.nbytes[(r["chunk_key"], r["tier"], variant)] = r["nbytes"]
+
+    def chunk_ids(self, item: QAItem) -> list[str]:
+        """The request's chunk list: the task instruction's chunks, then the context's, in order."""
+        instruction = self.chunks_of_doc.get(instruction_doc_id(item.task), [])
+        if item.chunk_ids is not None:
+            return instruction + list(item.chunk_ids)
+        return instruction + self.chunks_of_doc.get(context_doc_id(item), [])
+
+    def check(self, items: Sequence[QAItem]) -> None:
+        """Raise `EvalError` naming every document or chunk the items need that the store lacks."""
+        missing = set()
+        for item in items:
+            if item.prompt_before_context.strip() and instruction_doc_id(item.task) not in self.chunks_of_doc:
+                missing.add(instruction_doc_id(item.task))
+            if item.chunk_ids is not None:
+                missing.update(c for c in item.chunk_ids if c not in self.text_of)
+            elif context_doc_id(item) not in self.chunks_of_doc:
+                missing.add(context_doc_id(item))
+        if missing:
+            shown = sorted(missing)
+            raise EvalError(f"the store lacks {len(shown)} document(s)/chunk(s) the items need, e.g. {shown[:5]}; "
+                            "ingest them first (`qvpic eval … --store S --ingest-only`, then serve S)")
+
+    def linked_nbytes(self, report: AnswerReport) -> int:
+        """KV bytes linked into the context (0 for the online modes, which compute their KV)."""
+        return sum(self.nbytes.get((self.key_of.get(c.chunk_id, ""), c.tier, c.variant), 0)
+                   for c in report.chunks if c.variant is not None)
+
+
+@dataclass(frozen=True)
+class Answered:
+    text: str
+    report: AnswerReport
+    ttft_ms: float  # request to first token: the phases before decoding, or the first streamed event
+
+
+class Answerer(Protocol):
+    def __call__(self, request: AnswerRequest) -> Answered: ...
+
+
+class HttpAnswerer:
+    """Streams each request from a running service's `/v1/answer`; TTFT is the client's wait for the
+    first event (HTTP, every Serve hop and the first token's detokenisation included)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, client: httpx.Client | None = None):
+        self.url = url
+        self.client = client or httpx.Client(timeout=timeout_s)
+
+    def __call__(self, request: AnswerRequest) -> Answered:
+        body = request.model_copy(update={"stream": True}).model_dump(mode="json", exclude_none=True)
+        started, first_s, done = time.perf_counter(), None, None
+        with self.client.stream("POST", self.url, json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise RequestFailed(response.status_code, response.text[:500])
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                first_s = first_s or time.perf_counter()
+                event = json.loads(line.removeprefix("data: "))  # deltas only time the first token
+                if event["type"] == StreamEventType.ERROR.value:
+                    raise RequestFailed(event["status_code"], event["detail"])
+                if event["type"] == StreamEventType.DONE.value:
+                    done = AnswerResponse.model_validate(event["response"])
+        if done is None or first_s is None:
+            raise RequestFailed(502, f"the stream from {self.url} ended without a done event")
+        return Answered(done.answer, done, (first_s - started) * 1e3)
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    task: QATask
+    item_id: str
+    mode: Mode
+    prediction: str  # "" when the request failed
+    f1: float  # LongBench QA F1 in [0, 1]; a failed request scores 0, so the denominator never shrinks
+    ttft_ms: float | None
+    context_tokens: int | None
+    vision_tokens: int | None
+    num_high: int | None  # chunks served at the high tier
+    kv_nbytes: int | None  # KV bytes linked into the context
+    timings: dict[str, float] | None
+    error: str | None = None
+    response_cache: str | None = None  # the server's response-cache level that answered, if one did
+
+
+def run(items: Sequence[QAItem], modes: Sequence[Mode], answer: Answerer, view: StoreView, *,
+        max_new_tokens: int | None = None, tau: float | None = None, max_high_res: int | None = None,
+        progress: bool = True) -> list[ItemResult]:
+    """Every item through every mode, modes interleaved per item so machine drift hits them alike."""
+    view.check(items)
+    results = []
+    with tqdm(total=len(items) * len(modes), desc="eval", unit="req", disable=not progress) as bar:
+        for item in items:
+            chunk_ids = view.chunk_ids(item)
+            for mode in modes:
+                request = AnswerRequest(query=item.query_after_context, chunk_ids=chunk_ids, mode=mode, tau=tau,
+                                        max_high_res=max_high_res,
+                                        max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
+                try:
+                    answered = answer(request)
+                except ApiError as error:
+                    results.append(ItemResult(item.task, item.id, mode, "", 0.0, None, None, None, None, None,
+                                              None, f"{type(error).__name__}: {error}"))
+                else:
+                    report = answered.report
+                    results.append(ItemResult(
+                        item.task, item.id, mode, answered.text, qa_f1(answered.text, item.answers),
+                        answered.ttft_ms, report.usage.context_tokens, report.usage.context_vision_tokens,
+                        sum(c.tier == view.high_tier for c in report.chunks), view.linked_nbytes(report),
+                        report.timings.model_dump(), None,
+                        report.response_cache.level.value if report.response_cache.level else None))
+                bar.update()
+    return results
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    task: str  # a task name, or "all" (F1 = mean over tasks, as LongBench averages)
+    mode: Mode
+    num_items: int
+    num_errors: int
+    f1_percent: float
+    ttft_median_ms: float | None
+    ttft_p90_ms: float | None
+    context_tokens_median: float | None
+    vision_tokens_median: float | None
+    kv_nbytes_median: float | None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _summary(task: str, mode: Mode, results: list[ItemResult], f1_percent: float) -> ModeSummary:
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.ttft_ms for r in ok]
+    return ModeSummary(task, mode, len(results), len(results) - len(ok), f1_percent, _median(ttfts),
+                       float(np.percentile(ttfts, 90)) if ttfts else None,
+                       _median([r.context_tokens for r in ok]), _median([r.vision_tokens for r in ok]),
+                       _median([r.kv_nbytes for r in ok]))
+
+
+def summarize(items: Sequence[QAItem], results: Sequence[ItemResult]) -> list[ModeSummary]:
+    """Per task and mode, then per mode over all tasks; F1 scored by `pipeline.scoring.score`."""
+    by_key = {(r.task, r.item_id, r.mode): r for r in results}
+    modes = list(dict.fromkeys(r.mode for r in results))
+    rows = []
+    for mode in modes:
+        mode_results = [by_key[(item.task, item.id, mode)] for item in items]
+        scores = score([r.prediction for r in mode_results], items)
+        for task, task_score in scores.items():
+            rows.append(_summary(task.value, mode, [r for r in mode_results if r.task is task],
+                                 task_score.f1_percent))
+        rows.append(_summary("all", mode, mode_results,
+                             statistics.fmean(s.f1_percent for s in scores.values())))
+    return rows

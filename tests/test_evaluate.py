@@ -1,0 +1,245 @@
+"""`qvpic eval`: prompt split, store view, every mode in-process and over HTTP, scoring aggregation,
+evidence legibility, report files, and the whole job end to end on the bundled fixtures."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from jobs import evaluate as evaluate_job
+from pipeline import synthetic
+from pipeline.chunker import Chunker
+from pipeline.eval_report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
+from pipeline.evaluation import (
+    EvalError,
+    HttpAnswerer,
+    ItemResult,
+    RequestFailed,
+    StoreView,
+    context_doc_id,
+    corpus_documents,
+    instruction_doc_id,
+    run,
+    summarize,
+)
+from pipeline.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
+from pipeline.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
+from pipeline.scoring import qa_f1, score
+from pipeline.store import Store
+from schemas.api import AnswerRequest, TooLargeError
+from schemas.config import Mode, ModelSpec, RouterSpec
+from schemas.corpus import Document
+from schemas.store import StoreSpec
+from serve.app import AppArgs, api_settings, make_api
+from serve.backend import InProcessBackend
+from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
+from tests.store_factory import build_store
+
+FIXTURES = evaluate_job.FIXTURES
+CHUNK_TOKENS = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared 2-core box: one thread beats two, which spin-wait for each other
+    (up to 100× slower) whenever another process holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fixture_items() -> list[QAItem]:
+    return load_tasks(str(FIXTURES), LONGBENCH_QA_TASKS)
+
+
+def test_instruction_context_and_query_rebuild_the_longbench_prompt():
+    items = fixture_items()
+    documents = corpus_documents(items)
+    for item in items:
+        rebuilt = documents[instruction_doc_id(item.task)] + documents[context_doc_id(item)] + item.query_after_context
+        assert rebuilt == item.full_prompt
+        assert item.question in item.query_after_context and "{" not in item.query_after_context
+    assert sum(doc_id.startswith("instruction/") for doc_id in documents) == len(LONGBENCH_QA_TASKS)
+
+
+# ---- a small store shaped like the one `qvpic eval` ingests --------------------------------------
+@pytest.fixture(scope="module")
+def eval_store(tmp_path_factory, request):
+    """Two synthetic items and one "unanswerable" qasper item, chunked at 64 tokens, every variant."""
+    from pipeline.embed import Embedder
+    from pipeline.runtime.model import VLM
+
+    folder = tmp_path_factory.mktemp("synthetic-items")
+    synthetic.write_jsonl(synthetic.generate(2, context_words=150, num_distractors=1, seed=3), str(folder))
+    items = load_tasks(str(folder), [QATask.SYNTHETIC])
+    items += [i for i in load_tasks(str(FIXTURES), [QATask.QASPER]) if i.answers == ("unanswerable",)]
+    model = ModelSpec(path="tiny-qwen", device="cpu")
+    vlm = VLM(model)
+    chunker = Chunker(lambda text: len(vlm.adapter.encode(text)), CHUNK_TOKENS)
+    documents = {doc_id: [c.text for c in chunker.chunk(Document(doc_id=doc_id, text=text, source="tests"))]
+                 for doc_id, text in corpus_documents(items).items()}
+    root = tmp_path_factory.mktemp("eval-store")
+    build_store(root, vlm, Embedder(), documents)
+    answerer = evaluate_job.InProcessAnswerer.open(str(root), model, RouterSpec())
+    return str(root), items, StoreView(Store.open(str(root))), answerer
+
+
+def test_store_view_lists_instruction_then_context_chunks(eval_store):
+    _, items, view, _ = eval_store
+    for item in items:
+        ids = view.chunk_ids(item)
+        instruction = view.chunks_of_doc[instruction_doc_id(item.task)]
+        assert ids[:len(instruction)] == instruction and len(ids) > len(instruction)
+        assert all(c.startswith(context_doc_id(item) + "#") for c in ids[len(instruction):])
+        assert [int(c.rsplit("#", 1)[1]) for c in ids[len(instruction):]] == list(range(len(ids) - len(instruction)))
+    view.check(items)
+    other = fixture_items()[0]  # a narrativeqa item this store never ingested
+    with pytest.raises(EvalError, match="narrativeqa"):
+        view.check(items + [other])
+
+
+def test_every_mode_runs_and_is_scored(eval_store):
+    _, items, view, answerer = eval_store
+    results = run(items, list(Mode), answerer, view, max_new_tokens=3, progress=False)
+    assert len(results) == len(items) * len(Mode) and not any(r.error for r in results)
+    by = {(r.item_id, r.mode): r for r in results}
+    for item in items:
+        num_chunks = len(view.chunk_ids(item))
+        for mode in Mode:
+            r = by[(item.id, mode)]
+            assert r.f1 == qa_f1(r.prediction, item.answers) and r.ttft_ms > 0
+            assert (r.kv_nbytes > 0) == (mode not in (Mode.FULL_TEXT, Mode.FULL_IMAGE))
+        assert by[(item.id, Mode.FULL_TEXT)].context_tokens == by[(item.id, Mode.TEXT_PIC)].context_tokens
+        assert by[(item.id, Mode.UNIFORM_HIGH)].num_high == num_chunks and by[(item.id, Mode.IMAGE_PIC)].num_high == 0
+        assert by[(item.id, Mode.IMAGE_PIC)].vision_tokens < by[(item.id, Mode.UNIFORM_HIGH)].vision_tokens
+        # full_image prefills exactly the pages qvpic links
+        assert by[(item.id, Mode.FULL_IMAGE)].context_tokens == by[(item.id, Mode.QVPIC)].context_tokens
+
+
+def test_http_client_matches_in_process_and_records_errors(eval_store):
+    uri, items, view, answerer = eval_store
+    app = make_api(InProcessBackend(answerer.router, answerer.loader, answerer.generator),
+                   api_settings(AppArgs(store=StoreSpec(uri=uri))))
+    with TestClient(app) as client:
+        http = HttpAnswerer("/v1/answer", client=client)
+        local = run(items[:1], list(Mode), answerer, view, max_new_tokens=4, progress=False)
+        remote = run(items[:1], list(Mode), http, view, max_new_tokens=4, progress=False)
+        assert [r.prediction for r in remote] == [r.prediction for r in local]  # greedy: same tokens
+        assert [r.context_tokens for r in remote] == [r.context_tokens for r in local]
+        with pytest.raises(RequestFailed) as failure:
+            http(AnswerRequest(query="q?", chunk_ids=["no-such-chunk"], max_new_tokens=2))
+    assert failure.value.status_code == 404 and "no-such-chunk" in str(failure.value)
+
+
+def test_a_failed_request_is_recorded_and_scored_zero(eval_store):
+    _, items, view, _ = eval_store
+
+    def too_large(request):
+        raise TooLargeError("request needs 99999 tokens")
+
+    results = run(items[:2], [Mode.QVPIC], too_large, view, progress=False)
+    assert [r.f1 for r in results] == [0.0, 0.0] and all("TooLargeError" in r.error for r in results)
+
+
+def test_summary_matches_longbench_scoring_and_counts_errors():
+    rng = random.Random(0)
+    items = fixture_items()
+    words = ["the", "Lund", "film", "academy", "Velona", "green", "four", "212", "km", "yes"]
+    results = []
+    for item in items:
+        for mode in (Mode.QVPIC, Mode.TEXT_PIC):
+            failed = rng.random() < 0.2
+            prediction = "" if failed else " ".join(rng.sample(words, rng.randint(1, 4)))
+            results.append(ItemResult(item.task, item.id, mode, prediction, qa_f1(prediction, item.answers),
+                                      None if failed else rng.uniform(1, 100), None if failed else 10, 0, 0, 0,
+                                      None, "TooLargeError: no" if failed else None))
+    summaries = summarize(items, results)
+    for mode in (Mode.QVPIC, Mode.TEXT_PIC):
+        mode_results = [r for r in results if r.mode is mode]
+        expected = score([r.prediction for r in mode_results], items)
+        rows = {s.task: s for s in summaries if s.mode is mode}
+        for task, task_score in expected.items():
+            assert rows[task.value].f1_percent == pytest.approx(task_score.f1_percent)
+            assert rows[task.value].num_errors == sum(r.error is not None for r in mode_results if r.task is task)
+        assert rows["all"].f1_percent == pytest.approx(sum(t.f1_percent for t in expected.values()) / len(expected))
+        assert rows["all"].num_items == len(items)
+
+
+def test_evidence_is_located_and_judged_per_served_tier(eval_store):
+    _, items, view, answerer = eval_store
+    synthetic_items = [i for i in items if i.task is QATask.SYNTHETIC]
+    for item in synthetic_items:
+        evidence = find_evidence(item, view)
+        assert evidence and any(item.answers[0] in view.text_of[c] for c in evidence)
+    unanswerable = next(i for i in items if i.task is QATask.QASPER)
+    assert find_evidence(unanswerable, view) is None  # "unanswerable" is in the instruction, never searched
+
+    configs = serving_configs([(1.0, 64)])
+    results, num_unlocated = judge_items(items, view, evaluate_job.planner(answerer.router), configs, OcrJudge(view),
+                                         progress=False)
+    assert num_unlocated == 1 and len(results) == len(synthetic_items) * len(configs)
+    rows = {s.config: s for s in summarize_evidence(results, view.high_tier)}
+    low, high, everything = rows["image_pic (uniform low)"], rows["uniform_high"], rows["qvpic τ=1 B=64"]
+    assert low.evidence_high_percent == 0 and high.evidence_high_percent == 100
+    assert high.char_accuracy_mean >= 0.9 and high.recovered_percent >= low.recovered_percent
+    assert low.vision_tokens_median < high.vision_tokens_median
+    # τ = 1 with a budget over the chunk count promotes every relevant chunk: the same pixels as uniform_high
+    assert everything.recovered_percent <= high.recovered_percent
+    assert everything.vision_tokens_median <= high.vision_tokens_median
+
+
+def test_report_files(tmp_path, eval_store):
+    _, items, view, answerer = eval_store
+    results = run(items, [Mode.QVPIC, Mode.FULL_TEXT], answerer, view, max_new_tokens=2, progress=False)
+    paths = write_report(str(tmp_path), {"data": "tests"}, summarize(items, results), results, [], [], 0)
+    assert {Path(p).name for p in paths.values()} == {REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL}
+    with Image.open(paths[SCATTER_PNG]) as png:
+        assert png.format == "PNG" and png.width > 100
+    document = json.loads(Path(paths[REPORT_JSON]).read_text())
+    assert {(s["task"], s["mode"]) for s in document["summary"]} == {
+        (t, m) for t in ("synthetic", "qasper", "all") for m in ("qvpic", "full_text")}
+    assert len(Path(paths[PREDICTIONS_JSONL]).read_text().splitlines()) == len(results)
+    markdown = Path(paths[REPORT_MD]).read_text()
+    assert "instruction" in markdown and "| qvpic |" in markdown
+
+
+def test_item_sources_and_limit(tmp_path):
+    parse = evaluate_job.parser().parse_args
+    items, source = evaluate_job.load_items(parse(["--synthetic", "3", "--context-words", "80", "--seed", "5"]))
+    assert [i.task for i in items] == [QATask.SYNTHETIC] * 3 and "synthetic" in source
+    assert all(i.evidence and i.answers[0] in i.context for i in items)
+    items, _ = evaluate_job.load_items(parse(["--limit", "2", "--tasks", "hotpotqa", "qasper"]))
+    assert [i.task for i in items] == [QATask.HOTPOTQA] * 2 + [QATask.QASPER] * 2
+    generic = tmp_path / "generic.jsonl"
+    generic.write_text(json.dumps({"question": "Who?", "chunk_ids": ["d#00000"], "answers": ["Ann"]}) + "\n")
+    items, _ = evaluate_job.load_items(parse(["--generic", str(generic)]))
+    assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {
+        instruction_doc_id(QATask.GENERIC): items[0].prompt_before_context}
+
+
+def test_bad_data_is_a_clear_error(tmp_path, capsys):
+    assert evaluate_job.main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]) == 2
+    assert "missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate_job.main(["--legibility-grid", "1.5:2"])
+
+
+@pytest.mark.e2e
+def test_qvpic_eval_end_to_end_on_the_fixtures(ray_session, tmp_path):  # noqa: F811
+    out = tmp_path / "eval"
+    assert evaluate_job.main(["--out", str(out), "--limit", "1", "--max-new-tokens", "4", "--quiet"]) == 0
+    document = json.loads((out / REPORT_JSON).read_text())
+    tasks = {t.value for t in LONGBENCH_QA_TASKS} | {"all"}
+    assert {(s["task"], s["mode"]) for s in document["summary"]} == {(t, m.value) for t in tasks for m in Mode}
+    assert all(s["num_errors"] == 0 and 0 <= s["f1_percent"] <= 100 for s in document["summary"])
+    legibility = {s["config"]: s for s in document["legibility"]["summary"]}
+    assert len(legibility) == len(serving_configs(evaluate_job.DEFAULT_GRID))
+    assert legibility["uniform_high"]["recovered_percent"] >= legibility["image_pic (uniform low)"]["recovered_percent"]
+    assert (out / SCATTER_PNG).stat().st_size > 0 and (out / "store" / "manifest.json").is_file()

@@ -1,0 +1,176 @@
+"""Faults injected for real: a compile actor killed mid-ingest, corrupted shards, a Serve replica
+killed under load, Redis going away. Each ends in a complete store or a served request — or a clean
+error response — never a hang, a silent gap or a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from benchmarks.load import ray_worker_pids, request_mix, run_load
+from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
+from pipeline.ingest import IngestConfig, entry_slots, ingest
+from pipeline.render import resolve_font
+from pipeline.store import Store, tensor_sha256
+from schemas.api import AnswerRequest
+from schemas.config import Mode, RouterSpec
+from schemas.corpus import Chunk
+from schemas.store import StoreSpec
+from serve.app import AppArgs, api_settings, make_api
+from serve.backend import InProcessBackend
+from serve.generator import Generator
+from serve.loader import CacheLoader
+from serve.router import Router
+from tests.fixtures_redis import start_redis
+from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (pytest fixture)
+from tests.store_factory import MAX_CHUNKS, ServingStore, corrupt_entry, roles, serving_store  # noqa: F401
+from tests.test_api import call, sse_events
+from tests.test_ingest_e2e import assert_complete
+from tests.test_metrics import metric
+
+APP_NAME = "qvpic-faults"
+REQUEST_TIMEOUT_S = 120.0
+QUERY = "When does part XK-4471-B ship?"
+SCAN_TEXT = "Glacier order 5521 ships Friday."
+LINKED_MODES = (Mode.QVPIC, Mode.UNIFORM_HIGH, Mode.IMAGE_PIC, Mode.TEXT_PIC)
+
+
+# ---- a shard corrupted on disk ---------------------------------------------------------------------
+def in_process_app(store_uri: str, serving: ServingStore, router: Router, generator: Generator):
+    args = AppArgs(store={"uri": store_uri}, model=serving.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    return make_api(InProcessBackend(router, CacheLoader(store_uri, 1 << 20), generator), api_settings(args))
+
+
+def test_corrupt_entries_are_rebuilt_exactly_as_ingest_built_them(roles, serving_store, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(serving_store.uri, root)
+    requests = {mode: AnswerRequest(query=QUERY, chunk_ids=["invoices#00000", "manual#00001"], mode=mode, tau=0.5,
+                                    max_high_res=1, max_new_tokens=8) for mode in LINKED_MODES}
+    plans = {mode: asyncio.run(roles.router.plan(request)) for mode, request in requests.items()}
+    entries = {c.entry.key: (c, c.entry) for p in plans.values() for c in p.chunks}
+    assert {e.variant.value + str(e.tier) for _, e in entries.values()} == {"templatelow", "templatehigh", "plainlow",
+                                                                             "textNone"}
+    clean = in_process_app(str(root), serving_store, roles.router, roles.generator)
+    expected = {mode: call(clean, "POST", "/v1/answer", json=r.model_dump(mode="json")).json()
+                for mode, r in requests.items()}
+    for chunk, entry in entries.values():
+        corrupt_entry(root, entry.row)
+        rebuilt = roles.generator.recompile(chunk, entry)  # byte for byte what ingest wrote
+        assert tensor_sha256(rebuilt.kv) == entry.row["checksum"] and rebuilt.kv.nbytes == entry.row["nbytes"]
+        assert (rebuilt.num_tokens, rebuilt.position_span, rebuilt.compile_start) == (
+            entry.num_tokens, entry.position_span, entry.row["compile_start"])
+
+    app = in_process_app(str(root), serving_store, roles.router, roles.generator)  # a cold loader: every read fails
+    before = (metric(app, "qvpic_corrupt_shards_total"), metric(app, "qvpic_kv_recompiles_total", outcome="recompiled"))
+    for mode, request in requests.items():
+        reply = call(app, "POST", "/v1/answer", json=request.model_dump(mode="json"))
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["answer"] == expected[mode]["answer"] and answer["fallbacks"] == []
+        assert [c["tier"] for c in answer["chunks"]] == [c["tier"] for c in expected[mode]["chunks"]]
+    after = (metric(app, "qvpic_corrupt_shards_total"), metric(app, "qvpic_kv_recompiles_total", outcome="recompiled"))
+    assert after[0] - before[0] >= len(entries) and after[1] - before[1] == 2 * len(LINKED_MODES)
+
+
+def add_scanned_page(root: Path, serving: ServingStore, image_path: Path) -> str:
+    """A page-image chunk compiled into the store at `root` by ingest's own stages; returns its chunk id."""
+    page = Image.new("RGB", (900, 260), "white")
+    ImageDraw.Draw(page).text((20, 40), SCAN_TEXT, fill="black",
+                              font=ImageFont.truetype(str(resolve_font("DejaVuSans.ttf")), 40))
+    page.save(image_path)
+    store = Store.open(str(root))
+    manifest = store.load_manifest_or_raise()
+    chunk = Chunk.build("scan.png", 0, SCAN_TEXT, len(serving.vlm.adapter.encode(SCAN_TEXT)))
+    row = {"chunk_key": chunk.chunk_key, "text": chunk.text, IMAGE_PATH: str(image_path),
+           SLOTS: slots_json(entry_slots(manifest, manifest.variants))}
+    compiler = CompileStage(CompilePlan(serving.model, store.spec, manifest.to_json()), vlm=serving.vlm)
+    compiler.compile_row(RenderStage(manifest.render)(row))
+    store.publish_chunks([dict(chunk.model_dump(), embedding=serving.embedder.embed([chunk.text])[0].tolist(),
+                               source="scan.png", image_path=str(image_path))])
+    return chunk.chunk_id
+
+
+def test_unrebuildable_entries_take_their_backup_or_are_a_clean_503(serving_store, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(serving_store.uri, root)
+    image_path = tmp_path / "scan.png"
+    scan = add_scanned_page(root, serving_store, image_path)
+    router = Router(str(root), serving_store.model, RouterSpec(), MAX_CHUNKS)
+    generator = Generator(str(root), serving_store.model)
+    body = {"query": "When does the Glacier order ship?", "chunk_ids": [scan], "mode": "qvpic", "tau": 1.0,
+            "max_new_tokens": 4}
+    planned = asyncio.run(router.plan(AnswerRequest(**body)))
+    high, low = planned.chunks[0].entry, planned.chunks[0].fallback
+    assert (high.tier, low.tier) == ("high", "low")
+    app = in_process_app(str(root), serving_store, router, generator)
+    assert call(app, "POST", "/v1/answer", json=body).json()["chunks"][0]["tier"] == "high"
+
+    image_path.unlink()  # the page image is gone from this replica: the entry cannot be rebuilt
+    corrupt_entry(root, high.row)
+    app = in_process_app(str(root), serving_store, router, generator)
+    before = metric(app, "qvpic_kv_recompiles_total", outcome="backup")
+    reply = call(app, "POST", "/v1/answer", json=body).json()
+    assert reply["chunks"][0]["tier"] == "low"
+    (fallback,) = reply["fallbacks"]
+    assert (fallback["requested_tier"], fallback["served_tier"]) == ("high", "low")
+    assert "checksum" in fallback["reason"] and "not readable" in fallback["reason"]
+    assert metric(app, "qvpic_kv_recompiles_total", outcome="backup") - before == 1
+
+    corrupt_entry(root, low.row)  # now nothing readable is left: refused, never a gap in the context
+    app = in_process_app(str(root), serving_store, router, generator)
+    before = metric(app, "qvpic_kv_recompiles_total", outcome="unservable")
+    refused = call(app, "POST", "/v1/answer", json=body)
+    assert refused.status_code == 503 and scan in refused.json()["detail"]
+    streamed = call(app, "POST", "/v1/answer", json={**body, "stream": True})
+    (event,) = [json.loads(e) for e in sse_events(streamed.text)]
+    assert event["type"] == "error" and event["status_code"] == 503
+    assert metric(app, "qvpic_kv_recompiles_total", outcome="unservable") - before == 2
+
+
+# ---- a compile actor dies mid-ingest --------------------------------------------------------------
+@pytest.mark.e2e
+def test_compile_actor_killed_mid_ingest_job_completes(ray_session, tmp_path):
+    corpus = tmp_path / "records.jsonl"
+    texts = [f"Record {i}: lot {i * 7919 % 10007} passed inspection on day {i % 28 + 1} at bay {i % 9}." for i in range(40)]
+    corpus.write_text("".join(json.dumps({"doc_id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    store_dir = tmp_path / "store"
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = ingest(IngestConfig(corpus=str(corpus), store=StoreSpec(uri=str(store_dir))))
+        except BaseException as error:  # noqa: BLE001  re-raised on the test's thread below
+            outcome["error"] = error
+
+    job = threading.Thread(target=run)
+    job.start()
+    deadline = time.monotonic() + 240
+    killed: list[int] = []
+    while not killed:  # the first index row is published: compilation is under way
+        assert job.is_alive() and time.monotonic() < deadline, f"ingest ended before the kill: {outcome}"
+        parts = os.listdir(store_dir / "index") if (store_dir / "index").is_dir() else []
+        workers = ray_worker_pids("MapBatches(CompileStage)")
+        if parts and workers:
+            parts_at_kill = len(parts)
+            os.kill(workers[0], signal.SIGKILL)  # the actor's process, mid-batch
+            killed.append(workers[0])
+        time.sleep(0.05)
+    job.join(timeout=300)
+    assert not job.is_alive(), "ingest hung after its compile actor died"
+    if "error" in outcome:
+        raise outcome["error"]
+    summary = outcome["summary"]
+    assert parts_at_kill < len(texts), "the kill came after compilation had finished"
+    assert summary.balanced and summary.indexed == len(texts) and not summary.quarantined
+    assert_complete(Store.open(str(store_dir)))  # every entry of every chunk, each loadable
