@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.store import _filesystem
+from pipeline.store import resolve_filesystem
 from schemas.store import StoreSpec
 from serve.request_log import REQUEST_LOG_SCHEMA
 
@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_log(spec: StoreSpec, since: datetime | None = None) -> pa.Table:
-    fs, root = _filesystem(spec, None)
+    fs, root = resolve_filesystem(spec, None)
     table = ds.dataset(root, format="parquet", filesystem=fs, schema=REQUEST_LOG_SCHEMA).to_table()
     if since is not None:
         since = since if since.tzinfo else since.replace(tzinfo=timezone.utc)

@@ -56,7 +56,7 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(flat.numpy()).hexdigest()
 
 
-def _filesystem(spec: StoreSpec, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
+def resolve_filesystem(spec: StoreSpec, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
     uri = spec.uri
     if uri.startswith("s3://"):
         return filesystem or _s3_filesystem(spec), uri.removeprefix("s3://").strip("/")
@@ -108,7 +108,7 @@ class Store:
     @classmethod
     def open(cls, uri: str | StoreSpec, filesystem: pafs.FileSystem | None = None, create: bool = False) -> "Store":
         spec = uri if isinstance(uri, StoreSpec) else StoreSpec(uri=str(uri))
-        store = cls(*_filesystem(spec, filesystem), spec.uri)
+        store = cls(*resolve_filesystem(spec, filesystem), spec.uri)
         store.spec = spec  # how workers elsewhere in the cluster reopen the same store
         if store._is_local and create:
             os.makedirs(store.root, exist_ok=True)

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from pipeline.store import _filesystem
+from pipeline.store import resolve_filesystem
 from schemas.config import Frozen
 from schemas.store import StoreSpec
 from serve.metrics import serve_metrics
@@ -86,7 +86,7 @@ class RequestLog:
         if args.location is None:
             raise ValueError("RequestLog needs a location")
         self.args = args
-        self.fs, self.root = _filesystem(args.location, None)
+        self.fs, self.root = resolve_filesystem(args.location, None)
         self._local = isinstance(self.fs, pafs.LocalFileSystem)
         if self._local:
             os.makedirs(self.root, exist_ok=True)

@@ -92,9 +92,8 @@ def test_qvpic_is_token_identical_to_full_image_through_the_stack(client, tau, c
 
 
 def test_streaming_arrives_incrementally(client):
-    body = {"query": QUERY, "chunk_ids": ["invoices#00000"], "max_new_tokens": 12}
-    plain = ask(client, **body)
-    events = []
+    body = {"query": f"{QUERY} Stream it.", "chunk_ids": ["invoices#00000"], "max_new_tokens": 12}
+    events = []  # streamed first: the plain request after it may come from the response cache
     with client.stream("POST", "/v1/answer", json={**body, "stream": True}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -102,6 +101,8 @@ def test_streaming_arrives_incrementally(client):
                 events.append(json.loads(line.removeprefix("data: ")))
     *deltas, done = events
     assert len(deltas) > 1 and done["type"] == "done"
+    assert done["response"]["response_cache"]["level"] is None  # the model streamed it, not the cache
+    plain = ask(client, **body)
     assert "".join(d["text"] for d in deltas) == done["response"]["answer"] == plain["answer"]
 
 
