@@ -3,8 +3,8 @@ some repeated; latency percentiles, throughput, errors, and the memory of every 
 
 The mix cycles through every mode the store serves, selects chunks by top-k or whole documents, and
 repeats a share of earlier requests verbatim so the response cache and the loader's KV LRU both hit.
-Memory is each replica's resident set before and after the run (read from /proc), and the loader's
-LRU byte count against its cap: the figures that show memory stays bounded under load.
+Memory is each replica's resident set (read from /proc) after a warm-up and after each fifth of the run —
+a leak keeps climbing, a high-water mark levels off — and the loader's LRU byte count against its cap.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class LoadResult:
     wall_s: float
     latencies_ms: list[float]  # of every response, in completion order
     statuses: Counter = field(default_factory=Counter)  # HTTP status -> count (0: no response at all)
-    errors: list[str] = field(default_factory=list)  # the first few non-200 answers, for the report
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (status, body) of every non-200 answer
     response_cache_hits: int = 0
 
     @property
@@ -58,8 +58,9 @@ class LoadResult:
 
 
 def request_mix(num_requests: int, doc_ids: list[str], modes: list[Mode], repeat_share: float = 0.25,
-                seed: int = 0, max_new_tokens: int = 8) -> list[dict]:
-    """Request bodies: every mode in turn, top-k or whole documents, `repeat_share` of them verbatim repeats."""
+                seed: int = 0, max_new_tokens: int = 8, stream_share: float = 0.25) -> list[dict]:
+    """Request bodies: every mode in turn, top-k or whole documents, `stream_share` of them streamed (SSE),
+    `repeat_share` of them verbatim repeats."""
     rng = random.Random(seed)
     bodies: list[dict] = []
     for i in range(num_requests):
@@ -67,7 +68,7 @@ def request_mix(num_requests: int, doc_ids: list[str], modes: list[Mode], repeat
             bodies.append(rng.choice(bodies))
             continue
         body = {"query": rng.choice(QUESTIONS).format(n=rng.randrange(10_000)), "mode": modes[i % len(modes)].value,
-                "max_new_tokens": max_new_tokens}
+                "max_new_tokens": max_new_tokens, "stream": rng.random() < stream_share}
         if rng.random() < 0.5:
             body["top_k"] = rng.randint(1, 3)
         else:
@@ -76,10 +77,27 @@ def request_mix(num_requests: int, doc_ids: list[str], modes: list[Mode], repeat
     return bodies
 
 
-async def run_load(base_url: str, bodies: list[dict], concurrency: int, timeout_s: float = 120.0) -> LoadResult:
-    """POST every body to /v1/answer with at most `concurrency` in flight; a timeout counts as status 0."""
+def outcome(response: httpx.Response) -> tuple[int, dict]:
+    """(status, JSON body) of an answer; a streamed one's status is its last event's (an error event
+    after the 200 carries the status the request ended with), its body the final response or error."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            return response.status_code, {"detail": response.text[:2000]}
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    last = json.loads(events[-1]) if events else {"type": "error", "status_code": 0, "detail": "empty stream"}
+    if last.get("type") == "done":
+        return response.status_code, last["response"]
+    return last.get("status_code", 0), last
+
+
+async def run_load(base_url: str, bodies: list[dict], concurrency: int, timeout_s: float = 120.0,
+                   into: LoadResult | None = None) -> LoadResult:
+    """POST every body to /v1/answer with at most `concurrency` in flight; a timeout counts as status 0.
+    `into` is filled as responses arrive, for a caller watching the run's progress."""
     gate = asyncio.Semaphore(concurrency)
-    result = LoadResult(num_requests=len(bodies), concurrency=concurrency, wall_s=0.0, latencies_ms=[])
+    result = into or LoadResult(num_requests=len(bodies), concurrency=concurrency, wall_s=0.0, latencies_ms=[])
 
     async def one(http: httpx.AsyncClient, body: dict) -> None:
         async with gate:
@@ -88,20 +106,21 @@ async def run_load(base_url: str, bodies: list[dict], concurrency: int, timeout_
                 response = await http.post("/v1/answer", json=body)
             except httpx.HTTPError as error:
                 result.statuses[0] += 1
-                result.errors.append(f"{type(error).__name__}: {error}")
+                result.errors.append((0, f"{type(error).__name__}: {error}"))
                 return
             result.latencies_ms.append((time.perf_counter() - started) * 1e3)
-            result.statuses[response.status_code] += 1
-            if response.status_code != 200:
-                result.errors.append(f"{response.status_code}: {response.text[:200]}")
-            elif (response.json().get("response_cache") or {}).get("level"):
+            status, reply = outcome(response)
+            result.statuses[status] += 1
+            if status != 200:
+                result.errors.append((status, json.dumps(reply)))
+            elif (reply.get("response_cache") or {}).get("level"):
                 result.response_cache_hits += 1
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as http:
         started = time.perf_counter()
         await asyncio.gather(*(one(http, body) for body in bodies))
-        result.wall_s = time.perf_counter() - started
+        result.wall_s += time.perf_counter() - started  # `into` may add up several runs
     return result
 
 
@@ -145,7 +164,8 @@ def ray_worker_pids(title_fragment: str) -> list[int]:
 
 def replica_rss_nbytes(app_name: str) -> dict[str, int]:
     """Summed resident set of each deployment's replicas (process titles `ServeReplica:<app>:<name>`)."""
-    return {name: sum(rss_nbytes(p) for p in ray_worker_pids(f"ServeReplica:{app_name}:{name}")) for name in DEPLOYMENTS}
+    return {name: sum(rss_nbytes(pid) for pid in ray_worker_pids(f"ServeReplica:{app_name}:{name}"))
+            for name in DEPLOYMENTS}
 
 
 def loopback_port() -> int:
@@ -161,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--model", default="tiny-qwen")
     parser.add_argument("--cache-max-nbytes", type=int, default=4 << 20, help="loader LRU cap (small: evictions)")
+    parser.add_argument("--rss-samples", type=int, default=5, help="resident sets read after each 1/N of the run")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
 
@@ -188,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             doc_ids = sorted({json.loads(line)["doc_id"] for line in SAMPLE_CORPUS.read_text().splitlines()})
             modes = httpx.get(f"{base_url}/v1/store").json()["modes"]
             asyncio.run(run_load(base_url, request_mix(32, doc_ids, [Mode(m) for m in modes], seed=1), 4))  # warm-up
-            before = replica_rss_nbytes(APP_NAME)
-            result = asyncio.run(run_load(base_url, request_mix(args.requests, doc_ids, [Mode(m) for m in modes]),
-                                          args.concurrency))
-            after = replica_rss_nbytes(APP_NAME)
+            bodies = request_mix(args.requests, doc_ids, [Mode(m) for m in modes])
+            result = LoadResult(num_requests=len(bodies), concurrency=args.concurrency, wall_s=0.0, latencies_ms=[])
+            rss = [replica_rss_nbytes(APP_NAME)]  # before, then after each fifth of the run: a leak keeps climbing
+            for part in range(args.rss_samples):
+                share = bodies[part * len(bodies) // args.rss_samples:(part + 1) * len(bodies) // args.rss_samples]
+                asyncio.run(run_load(base_url, share, args.concurrency, into=result))
+                rss.append(replica_rss_nbytes(APP_NAME))
             cache = httpx.get(f"{base_url}/v1/store").json()["cache"]
         finally:
             serve.shutdown()
@@ -199,19 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     latency_rows = [[result.num_requests, result.concurrency, result.percentile_ms(50), result.percentile_ms(99),
                      statistics.mean(result.latencies_ms), result.throughput_rps, result.num_errors,
                      result.response_cache_hits]]
-    memory_rows = [[name, before[name] / 2**20, after[name] / 2**20, (after[name] - before[name]) / 2**20]
+    memory_rows = [[name, *(sample[name] / 2**20 for sample in rss), (rss[-1][name] - rss[0][name]) / 2**20]
                    for name in DEPLOYMENTS]
+    done = [f"after {(i + 1) * args.requests // args.rss_samples}" for i in range(args.rss_samples)]
     body = (
         f"Model `{args.model}` (float32, CPU) over the sample corpus ({summary.num_chunks} chunks, every variant), "
         f"one replica per deployment on a local Ray, HTTP on loopback. {args.requests} `/v1/answer` requests, "
         f"{args.concurrency} in flight, modes {', '.join(modes)} in turn, top-k or whole documents, "
-        "8 new tokens each, a quarter verbatim repeats (response-cache hits); after a 32-request warm-up.\n\n"
+        "8 new tokens each, a quarter streamed (SSE, timed to the last event), a quarter verbatim repeats "
+        "(response-cache hits); after a 32-request warm-up.\n\n"
         + markdown_table(["requests", "concurrency", "p50 ms", "p99 ms", "mean ms", "req/s", "errors",
                           "response-cache hits"], latency_rows)
         + f"\n\nStatuses: {dict(result.statuses)}. Loader KV LRU after the run: {cache['entries']} entries, "
         f"{cache['nbytes']:,} of {cache['max_nbytes']:,} bytes, {cache['hits']} hits, {cache['misses']} misses, "
-        f"{cache['evictions']} evictions.\n\nResident memory per deployment (MiB), before and after the run:\n\n"
-        + markdown_table(["deployment", "before", "after", "growth"], memory_rows)
+        f"{cache['evictions']} evictions.\n\nResident memory per deployment (MiB) after the warm-up, then as "
+        "the run goes on (requests answered):\n\n"
+        + markdown_table(["deployment", "before", *done, "growth"], memory_rows)
     )
     if not args.no_write:
         write_section("load", "Load: latency, throughput and memory under concurrent requests (issue 8)",

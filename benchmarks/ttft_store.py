@@ -20,6 +20,7 @@ from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec
 
 EVIDENCE_POSITION = 1
+MIN_DOCUMENT_CHUNKS = 32  # one document size for every request size, so N chunks are a prefix of 2N
 
 
 class BenchStoreError(ValueError):
@@ -37,7 +38,7 @@ class BenchStore:
 def chunk_texts(model: ModelSpec, chunk_tokens: int, num_chunks: int, seed: int) -> tuple[list[str], list[int], str]:
     """(texts, token counts, question): `num_chunks` chunks of a synthetic document, evidence second."""
     chunker = ChunkStage(model, chunk_tokens)
-    context_words = max(200, num_chunks * chunk_tokens // 2)
+    context_words = max(num_chunks, MIN_DOCUMENT_CHUNKS) * chunk_tokens // 2
     for _ in range(6):  # grow the document until it yields enough chunks (tokens per word vary by tokenizer)
         record = generate(1, context_words=context_words, seed=seed)[0]
         rows = chunker(Document(doc_id="bench", text=record.context, source="synthetic").to_row())

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,11 +95,12 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--data", help="LongBench folder of <task>.jsonl, or LongBench's data.zip (default: bundled fixtures)")
     source.add_argument("--generic", help="JSONL of {id?, question, context | chunk_ids, answers}")
     source.add_argument("--synthetic", type=int, metavar="N", help="N synthetic fine-evidence items")
-    p.add_argument("--tasks", nargs="+", type=QATask, choices=LONGBENCH_QA_TASKS, default=list(LONGBENCH_QA_TASKS))
+    p.add_argument("--tasks", nargs="+", type=QATask, choices=[t.value for t in LONGBENCH_QA_TASKS],
+                   default=list(LONGBENCH_QA_TASKS), help="LongBench tasks to read (default: all six QA tasks)")
     p.add_argument("--limit", type=int, help="first N items of each task")
     p.add_argument("--context-words", type=int, default=1500, help="synthetic: words per context")
     p.add_argument("--seed", type=int, default=0, help="synthetic: generator seed")
-    p.add_argument("--modes", nargs="+", type=Mode, choices=list(Mode), default=list(Mode))
+    p.add_argument("--modes", nargs="+", type=Mode, choices=[m.value for m in Mode], default=list(Mode))
     p.add_argument("--store", help="store the contexts are ingested into (default: <out>/store, reused across runs)")
     p.add_argument("--url", help="a running service's /v1/answer (it must serve --store); default: in-process")
     p.add_argument("--ingest-only", action="store_true", help="ingest the items' documents into --store and stop")
@@ -190,9 +192,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
         evidence_results, num_unlocated = judge_items(items, view, planner(router), serving_configs(args.legibility_grid),
                                                       OcrJudge(view), progress=not args.quiet)
         evidence = summarize_evidence(evidence_results, view.high_tier) if evidence_results else []
-    tasks = {}
-    for item in items:
-        tasks[item.task.value] = tasks.get(item.task.value, 0) + 1
+    tasks = dict(Counter(item.task.value for item in items))
     render = view.render
     meta = {
         "command": "qvpic eval " + " ".join(argv), "data": source, "items per task": tasks,
@@ -206,7 +206,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
         "wall time": f"{time.perf_counter() - started:.0f} s",
     }
     paths = write_report(args.out, meta, summaries, results, evidence, evidence_results, num_unlocated)
-    print(summary_markdown([s for s in summaries if s.task == "all"]).split("\n\nPer task:")[0])
+    print(summary_markdown(summaries, per_task=False))
     legibility_md = None
     if evidence:
         legibility_md = legibility_markdown(evidence, num_unlocated)

@@ -28,7 +28,7 @@ def _mib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
 
-def summary_markdown(summaries: Sequence[ModeSummary]) -> str:
+def summary_markdown(summaries: Sequence[ModeSummary], per_task: bool = True) -> str:
     headers = ["mode", "items", "errors", "F1 %", "TTFT p50 ms", "TTFT p90 ms", "context tokens (p50)",
                "vision tokens (p50)", "KV MiB linked (p50)"]
 
@@ -37,10 +37,12 @@ def summary_markdown(summaries: Sequence[ModeSummary]) -> str:
                 s.context_tokens_median, s.vision_tokens_median, _mib(s.kv_nbytes_median)]
 
     overall = [row(s) for s in summaries if s.task == "all"]
-    per_task = [[s.task] + row(s) for s in sorted((s for s in summaries if s.task != "all"), key=lambda s: s.task)]
-    return ("F1 of \"all\" is the mean over tasks (LongBench's average); TTFT, tokens and KV bytes are medians "
-            "over the items that were answered.\n\n" + markdown_table(headers, overall)
-            + "\n\nPer task:\n\n" + markdown_table(["task"] + headers, per_task))
+    text = ("F1 of \"all\" is the mean over tasks (LongBench's average); TTFT, tokens and KV bytes are medians "
+            "over the items that were answered.\n\n" + markdown_table(headers, overall))
+    if not per_task:
+        return text
+    tasks = [[s.task] + row(s) for s in sorted((s for s in summaries if s.task != "all"), key=lambda s: s.task)]
+    return text + "\n\nPer task:\n\n" + markdown_table(["task"] + headers, tasks)
 
 
 def legibility_markdown(summaries: Sequence[EvidenceSummary], num_unlocated: int) -> str:

@@ -178,7 +178,8 @@ def compile_missing(chunks: ray.data.Dataset, store: Store, manifest: Manifest, 
     if not missing:
         return []
     plan = CompilePlan(model, store.spec, manifest.to_json())
-    todo = chunks.filter(expr=col("chunk_id").is_in(list(missing))).map(lambda row: {**row, SLOTS: missing[row["chunk_id"]]})
+    todo = chunks.filter(expr=col("chunk_id").is_in(list(missing)))
+    todo = todo.map(lambda row: {**row, SLOTS: missing[row["chunk_id"]]})
     rendered = todo.map(RenderStage, fn_constructor_kwargs={"render": manifest.render},
                         compute=ActorPoolStrategy(min_size=1, max_size=resources.workers), num_cpus=0.5)
     compiled = rendered.map_batches(

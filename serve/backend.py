@@ -96,8 +96,11 @@ REPLICA_FAILURES = (RayActorError, WorkerCrashedError, ObjectLostError, Deployme
 def api_error(error: Exception) -> tuple[int, str]:
     """HTTP status and message of an error raised here or inside a deployment."""
     cause = error_cause(error)
-    if isinstance(cause, REPLICA_FAILURES):  # their messages are pages of cluster internals
-        return 503, f"a serving replica failed during this request ({type(cause).__name__}); retry it"
+    link: BaseException | None = cause
+    while link is not None:  # Serve wraps an upstream replica's death in a RayServeException
+        if isinstance(link, REPLICA_FAILURES):  # their messages are pages of cluster internals
+            return 503, f"a serving replica failed during this request ({type(link).__name__}); retry it"
+        link = link.__cause__
     return getattr(cause, "status_code", 500), str(cause)
 
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
-
 import torch
 from PIL import Image
 

@@ -1,13 +1,14 @@
 """Request limits and failure answers of the HTTP surface that no route handles itself.
 
-- A body over `max_body_nbytes` (1 MiB by default) is refused with 413 before it is parsed, whether the
-  client declared its length or streams it chunked (Starlette's `RequestBodyLimitMiddleware`).
+- A body over `max_body_nbytes` (1 MiB by default) is refused with 413 before it is parsed: at once when
+  its declared Content-Length is over, else as soon as the bytes streamed in (chunked, or a length that
+  lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
 - A replica that dies or cannot be reached while serving a request (Serve restarts it) answers 503 with
   `Retry-After`, as JSON, instead of a bare 500.
-- Every HTTPException (413 above, 404 unknown path, 405 wrong method) keeps FastAPI's `{"detail": …}`
-  body, and takes OpenAI's error shape on the OpenAI-compatible routes like every other error there.
-  A body that is not UTF-8, or nests deeper than the JSON parser goes, is a 422 like any malformed
-  JSON (FastAPI answers those 400).
+- A body that is not UTF-8, or nests deeper than the JSON parser goes, is a 422 like any malformed JSON
+  (FastAPI answers those 400).
+- Every error here keeps FastAPI's `{"detail": …}` body, and takes OpenAI's error shape on the
+  OpenAI-compatible routes, like every other error there.
 
 Per-field limits (chunk count, query length, `max_new_tokens`, unknown fields, no paths or URIs) are
 in the request models of schemas/api.py; `max_chunks` and the context size are checked by the router.
@@ -18,11 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from ray.serve.exceptions import RayServeException
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import openai_api
 from serve.backend import REPLICA_FAILURES, api_error
@@ -32,32 +35,54 @@ RETRY_AFTER_S = 1
 UNPARSABLE = (UnicodeDecodeError, RecursionError)  # bytes that are not UTF-8; JSON nested past the parser
 
 
+def error_response(request: Request, status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    if request.url.path.startswith(openai_api.PATH_PREFIX):
+        return openai_api.openai_error(status, detail, headers)
+    return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
+
+
+class DeclaredLengthLimit:
+    """413 for a body whose declared Content-Length is over the cap, before the app reads a byte (and
+    in the route's error shape: Starlette's middleware would answer plain text)."""
+
+    def __init__(self, app: ASGIApp, max_body_nbytes: int, on_error: Callable[[Request, int], None]):
+        self.app, self.max_body_nbytes, self.on_error = app, max_body_nbytes, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        declared = Headers(scope=scope).get("content-length", "") if scope["type"] == "http" else ""
+        if declared.isdigit() and int(declared) > self.max_body_nbytes:
+            request = Request(scope, receive)
+            self.on_error(request, 413)
+            detail = f"request body of {int(declared)} bytes is over the {self.max_body_nbytes}-byte limit"
+            await error_response(request, 413, detail)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def install_limits(app: FastAPI, on_error: Callable[[Request, int], None],
                    max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES) -> None:
     """Add the body cap and the handlers above to `app`; `on_error(request, status)` sees every error sent."""
     if max_body_nbytes < 1:
         raise ValueError(f"max_body_nbytes must be >= 1, got {max_body_nbytes}")
-    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)  # counts what arrives
+    app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)  # runs first
 
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
-        if isinstance(error.__cause__, UNPARSABLE):  # FastAPI's 400 for these; malformed JSON is a 422
+        if isinstance(error.__cause__, UNPARSABLE):
             detail = f"body is not JSON: {type(error.__cause__).__name__}"
             invalid = RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": detail, "input": {}}])
             return await app.exception_handlers[RequestValidationError](request, invalid)
         on_error(request, error.status_code)
-        if request.url.path.startswith(openai_api.PATH_PREFIX):
-            return openai_api.openai_error(error.status_code, str(error.detail), error.headers)
-        return await http_exception_handler(request, error)
+        detail = (f"request body is over the {max_body_nbytes}-byte limit" if error.status_code == 413
+                  else str(error.detail))
+        return error_response(request, error.status_code, detail, error.headers)
 
     async def replica_failed(request: Request, error: Exception) -> JSONResponse:
         status, detail = api_error(error)
         on_error(request, status)
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
-        if request.url.path.startswith(openai_api.PATH_PREFIX):
-            return openai_api.openai_error(status, detail, headers)
-        return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
+        return error_response(request, status, detail, {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
 
     app.add_exception_handler(HTTPException, http_error)
-    for failure in REPLICA_FAILURES:
+    for failure in (*REPLICA_FAILURES, RayServeException):  # the latter: api_error finds a replica's death in it
         app.add_exception_handler(failure, replica_failed)

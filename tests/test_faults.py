@@ -18,7 +18,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from benchmarks.load import ray_worker_pids, request_mix, run_load
+from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
 from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
 from pipeline.ingest import IngestConfig, entry_slots, ingest
 from pipeline.render import resolve_font
@@ -142,7 +142,8 @@ def test_unrebuildable_entries_take_their_backup_or_are_a_clean_503(serving_stor
 @pytest.mark.e2e
 def test_compile_actor_killed_mid_ingest_job_completes(ray_session, tmp_path):
     corpus = tmp_path / "records.jsonl"
-    texts = [f"Record {i}: lot {i * 7919 % 10007} passed inspection on day {i % 28 + 1} at bay {i % 9}." for i in range(40)]
+    texts = [f"Record {i}: lot {i * 7919 % 10007} passed inspection on day {i % 28 + 1} at bay {i % 9}."
+             for i in range(40)]
     corpus.write_text("".join(json.dumps({"doc_id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
     store_dir = tmp_path / "store"
     outcome: dict = {}
@@ -174,3 +175,92 @@ def test_compile_actor_killed_mid_ingest_job_completes(ray_session, tmp_path):
     assert parts_at_kill < len(texts), "the kill came after compilation had finished"
     assert summary.balanced and summary.indexed == len(texts) and not summary.quarantined
     assert_complete(Store.open(str(store_dir)))  # every entry of every chunk, each loadable
+
+
+# ---- a Serve replica dies under load; Redis goes away -------------------------------------------------
+@pytest.fixture(scope="module")
+def served(ray_session, serving_store):
+    """The whole Serve graph over `serving_store`, its response cache on a private Redis."""
+    from ray import serve
+
+    from serve.app import build_app
+
+    redis = start_redis()
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
+            "max_chunks": MAX_CHUNKS, "default_top_k": 2,
+            "governance": {"redis_url": redis.url, "response_cache": {"backend": "redis"}}}
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    yield f"http://127.0.0.1:{port}", redis
+    serve.shutdown()
+    redis.stop()
+
+
+def replica_actor_names(deployment: str) -> list[tuple[str, str]]:
+    """(name, namespace) of this app's live replicas of `deployment` (Serve names its replica actors)."""
+    import ray
+
+    return sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::") and f"{APP_NAME}#{deployment}#" in a["name"])
+
+
+def kill_replica(deployment: str) -> str:
+    import ray
+
+    (name, namespace), = replica_actor_names(deployment)
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)  # Serve's controller starts a new one
+    return name
+
+
+@pytest.mark.e2e
+def test_replicas_killed_under_load_fail_cleanly_then_recover(served):
+    """The generator, then the loader, die mid-run: every request ends 200 or as a clean, retryable 503
+    (a JSON body, or an error event once a stream has started); none hangs; Serve replaces both."""
+    base_url, _ = served
+    bodies = request_mix(48, ["invoices", "manual", "recipes"], list(LINKED_MODES) + [Mode.FULL_TEXT],
+                         repeat_share=0.0, seed=3, max_new_tokens=24, stream_share=0.5)
+    result = LoadResult(num_requests=len(bodies), concurrency=4, wall_s=0.0, latencies_ms=[])
+    kills: list[tuple[str, int]] = []  # (replica killed, requests answered by then)
+
+    async def scenario() -> None:
+        load = asyncio.create_task(run_load(base_url, bodies, 4, timeout_s=REQUEST_TIMEOUT_S, into=result))
+        for deployment, answered in (("Generator", 4), ("CacheLoader", 24)):
+            while len(result.latencies_ms) < answered:  # under way: some answered, more in flight
+                assert not load.done(), result.errors
+                await asyncio.sleep(0.02)
+            kills.append((await asyncio.to_thread(kill_replica, deployment), len(result.latencies_ms)))
+        await load
+
+    asyncio.run(scenario())
+    assert kills[-1][1] < len(bodies), "the load was over before the last kill"
+    assert result.statuses[0] == 0, result.errors  # nothing hung past the client's timeout
+    assert set(result.statuses) <= {200, 503}, result.errors
+    for status, text in result.errors:  # requests in flight on a dead replica
+        assert status == 503 and "retry" in json.loads(text)["detail"]
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    for (killed, _), deployment in zip(kills, ("Generator", "CacheLoader")):
+        while [name for name, _ in replica_actor_names(deployment)] in ([], [killed]):
+            assert time.monotonic() < deadline, f"Serve did not replace the killed {deployment} replica"
+            time.sleep(0.2)
+    after = httpx.post(f"{base_url}/v1/answer", json={"query": "When does invoice 4472 ship?", "top_k": 2,
+                                                      "max_new_tokens": 4}, timeout=REQUEST_TIMEOUT_S)
+    assert after.status_code == 200, after.text
+    print(f"replica kills {kills}: outcomes {dict(result.statuses)} over {len(bodies)} requests")
+
+
+@pytest.mark.e2e
+def test_redis_going_away_degrades_the_response_cache_to_misses(served):
+    base_url, redis = served
+    body = {"query": f"When does part XK-4471-B ship? {time.time_ns()}", "chunk_ids": ["invoices#00000"],
+            "max_new_tokens": 4}
+    with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as http:
+        first, second = (http.post("/v1/answer", json=body).json() for _ in range(2))
+        assert (first["response_cache"]["level"], second["response_cache"]["level"]) == (None, "l1")
+        redis.stop()
+        replies = [http.post("/v1/answer", json=body) for _ in range(3)]
+        fresh = http.post("/v1/answer", json={**body, "query": "Who signed for invoice 4472?"})
+    assert [r.status_code for r in replies] == [200, 200, 200] and fresh.status_code == 200
+    assert [r.json()["response_cache"]["level"] for r in replies] == [None] * 3  # misses, answered by the model
+    assert {r.json()["answer"] for r in replies} == {first["answer"]}

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from benchmarks.load import rss_nbytes
 from pipeline.ingest import IngestConfig, ingest
 from pipeline.store import Store
 from schemas.store import StoreSpec
@@ -35,13 +36,14 @@ NUM_DUPLICATES = 100_000
 DUPLICATE_TEXT = "The Harbour Office opens at 07:30 and closes at 16:00 on weekdays."
 GARBAGE_LINES = 200
 HUGE_LINE_CHARS = 10_000_000  # above ReaderSpec.max_doc_chars (5M): quarantined, never chunked
-DRIVER_RSS_GROWTH_LIMIT_NBYTES = 1536 * 2**20  # generous: the naive driver held ~40 bytes per embedding float
+DRIVER_RSS_GROWTH_LIMIT_NBYTES = 1 << 30  # measured ~0.7 GiB; gathering every row on the driver took 2.1 GiB
 
 UNICODE_TEXTS = {  # all of these are prose a user may legitimately send: indexed, not rejected
     "zero-width": "Zero\u200bwidth\u200cjoin\u200ders and a BOM\ufeff inside the part number ZW-\u200b5521.",
     "bidi": "Bidi override \u202egnirts desrever\u202c and isolates \u2066\u05e9\u05dc\u05d5\u05dd\u2069 around RTL.",
-    "mixed-scripts": "Mixed: \u0627\u0644\u0633\u0644\u0627\u0645 \u05e9\u05dc\u05d5\u05dd \u4f60\u597d e\u0301\u0301\u0301 \U0001f469\u200d\U0001f52c.",
-    "only-invisible": "\u200b\u200c\u200d\u2060\u2066\u2069",  # nothing visible: rendered as a blank page or quarantined
+    "mixed-scripts": "Mixed: \u0627\u0644\u0633\u0644\u0627\u0645 \u05e9\u05dc\u05d5\u05dd \u4f60\u597d "
+                     "e\u0301\u0301\u0301 \U0001f469\u200d\U0001f52c.",
+    "only-invisible": "\u200b\u200c\u200d\u2060\u2066\u2069",  # nothing visible: a blank page, still a document
 }
 
 
@@ -50,8 +52,8 @@ class Expected:
     inputs: int
     indexed: int
     deduplicated: int
-    quarantined: dict[str, int]  # reasons the corpus must produce at least this often
-    distinct_texts_at_most: int
+    quarantined: dict[str, int]  # reason -> count
+    distinct_texts: int
 
 
 def png_bomb(width_px: int, height_px: int) -> bytes:
@@ -92,7 +94,7 @@ def build_hostile_corpus(root: Path) -> Expected:
     inputs += 6
     quarantined.update({"invalid_utf8": 5, "control_characters": 1})
 
-    # zero-width and bidi characters are text: indexed (or quarantined by the renderer, still accounted)
+    # zero-width and bidi characters are text: indexed like any other
     (root / "unicode.jsonl").write_text("".join(json.dumps({"doc_id": k, "text": v}) + "\n"
                                                 for k, v in UNICODE_TEXTS.items()))
     inputs += len(UNICODE_TEXTS)
@@ -147,7 +149,7 @@ def build_hostile_corpus(root: Path) -> Expected:
     deduplicated += 1  # alias.txt repeats inside.txt's text
     quarantined.update({"path_outside_root": 2, "unreadable_file": 3})
     return Expected(inputs=inputs, indexed=indexed, deduplicated=deduplicated, quarantined=dict(quarantined),
-                    distinct_texts_at_most=3 + len(UNICODE_TEXTS))
+                    distinct_texts=3 + len(UNICODE_TEXTS))
 
 
 class PeakRss:
@@ -175,14 +177,6 @@ class PeakRss:
         return self.peak_nbytes - self.start_nbytes
 
 
-def rss_nbytes(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmRSS line")
-
-
 def test_hostile_corpus_is_accounted_for_with_bounded_memory(ray_session, tmp_path):
     from ray.data import DataContext
 
@@ -195,14 +189,10 @@ def test_hostile_corpus_is_accounted_for_with_bounded_memory(ray_session, tmp_pa
         wall_s = time.perf_counter() - started
     print(f"hostile ingest: {wall_s:.1f} s, driver RSS +{rss.growth_nbytes / 2**20:.0f} MiB, {summary.to_dict()}")
     assert summary.balanced, summary.to_dict()
-    assert summary.inputs == expected.inputs
-    for reason, count in expected.quarantined.items():
-        assert summary.quarantined.get(reason, 0) >= count, (reason, summary.quarantined)
-    assert summary.deduplicated == expected.deduplicated
-    # the unicode records are either indexed or quarantined by a stage, never lost
-    assert summary.indexed + sum(summary.quarantined.get(r, 0) for r in ("render_failed", "compile_failed")) \
-        == expected.indexed + len(UNICODE_TEXTS)
-    assert summary.num_chunks_compiled <= expected.distinct_texts_at_most  # the 100k duplicates compiled once
+    assert (summary.inputs, summary.deduplicated) == (expected.inputs, expected.deduplicated)
+    assert summary.quarantined == expected.quarantined
+    assert summary.indexed == expected.indexed + len(UNICODE_TEXTS)  # invisible and bidi text is still text
+    assert summary.num_chunks_compiled == expected.distinct_texts  # the 100k duplicates compiled once
     assert rss.growth_nbytes < DRIVER_RSS_GROWTH_LIMIT_NBYTES
     store = Store.open(store_uri)
     assert store.quarantined(job_id=summary.job_id).num_rows == summary.num_quarantined

@@ -235,7 +235,10 @@ def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
     """Greedy at temperature 0, else temperature + nucleus (top-p) sampling. logits: [1, vocab]."""
     if sampling.temperature == 0:
         return int(logits.argmax(-1))
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)[0]
+    logits = logits.double()  # a temperature below float32's range would round to 0 there
+    # Shift the best logit to 0 before dividing: a tiny temperature then sends the rest to -inf instead
+    # of overflowing them all to inf (inf - inf = NaN in the softmax).
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)[0]
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
