@@ -147,6 +147,18 @@ class Adapter:
         if work is not rotary:
             rotary.copy_(work)
 
+    def rotation_matrices(self, deltas: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """`[n, head_dim, head_dim]` float32 matrices M_Δ with rotate(k, Δ) = k @ M_Δ, one per delta.
+
+        Rotation is linear, so M_Δ's rows are the basis vectors rotated by the model's own code:
+        the same layout (halves, interleaved pairs, pass-through channels of partial rotary) for free.
+        A chunk's keys all shift by one Δ, so one small matmul re-anchors the whole chunk in a single
+        cache-friendly pass instead of several elementwise passes over every cached key.
+        """
+        basis = torch.eye(head_dim, device=deltas.device).repeat(deltas.numel(), 1)  # [n·head_dim, head_dim]
+        self.rotate_keys_(basis.unsqueeze(0), deltas.repeat_interleave(head_dim))
+        return basis.view(deltas.numel(), head_dim, head_dim)
+
     def rotate_keys(self, keys: torch.Tensor, delta_per_token: torch.Tensor) -> torch.Tensor:
         """Out-of-place `rotate_keys_`."""
         out = keys.clone()

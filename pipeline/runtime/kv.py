@@ -60,28 +60,36 @@ def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
     return starts
 
 
-def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotate_keys_) -> AssembledContext:
-    """Concatenate `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order.
+def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrices) -> AssembledContext:
+    """Lay out `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order in one new tensor.
 
-    `rotate_keys_(keys [layers, kv_heads, tokens, head_dim], delta_per_token [tokens])` is the model's
-    own rotary shift, in place (see Adapter.rotate_keys_). All chunks are rotated in one call on the
-    freshly concatenated tensor, so the stored chunk KV is never modified.
+    `rotation_matrices(deltas [n], head_dim) -> [n, head_dim, head_dim]` gives the model's rotary
+    shift by Δ as a matrix (see Adapter.rotation_matrices); each chunk's keys are multiplied by theirs
+    in float32 and written once into place. Stored chunk KV is never modified.
     """
     prefix_span = prefix.position_span if prefix is not None else 0
     if prefix is not None and prefix.compile_start != 0:
         raise ValueError("the serving prefix must be compiled at position 0")
-    starts = chunk_starts(prefix_span, chunks)
-    parts = ([prefix.kv] if prefix is not None else []) + [c.kv for c in chunks]
+    parts = ([prefix] if prefix is not None else []) + list(chunks)
     if not parts:
         raise ValueError("nothing to assemble: no prefix and no chunks")
-    kv = torch.cat(parts, dim=3)  # [layers, 2, kv_heads, total_tokens, head_dim]
-    if chunks:
-        deltas = torch.cat([
-            torch.full((c.num_tokens,), s - c.compile_start, dtype=torch.long) for c, s in zip(chunks, starts)
-        ])
-        chunk_from = prefix.num_tokens if prefix is not None else 0
-        if bool(deltas.any()):
-            rotate_keys_(kv[:, 0, :, chunk_from:], deltas.to(kv.device))
+    starts = chunk_starts(prefix_span, chunks)
+    first = parts[0].kv
+    num_layers, _, num_heads, _, head_dim = first.shape
+    total = sum(p.num_tokens for p in parts)
+    kv = torch.empty(num_layers, 2, num_heads, total, head_dim, dtype=first.dtype, device=first.device)
+    deltas = torch.tensor([s - c.compile_start for c, s in zip(chunks, starts)], dtype=torch.long)
+    matrices = rotation_matrices(deltas.to(first.device), head_dim) if chunks else None
+    offset = 0
+    for i, part in enumerate(parts):
+        end = offset + part.num_tokens
+        chunk_index = i - (prefix is not None)
+        kv[:, 1, :, offset:end] = part.kv[:, 1]  # values carry no position
+        if chunk_index < 0 or deltas[chunk_index] == 0:
+            kv[:, 0, :, offset:end] = part.kv[:, 0]
+        else:  # [layers, kv_heads, tokens, head_dim] @ [head_dim, head_dim]
+            kv[:, 0, :, offset:end] = (part.kv[:, 0].float() @ matrices[chunk_index]).to(kv.dtype)
+        offset = end
     next_position = starts[-1] + chunks[-1].position_span if chunks else prefix_span
-    layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])]
+    layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(num_layers)]
     return AssembledContext(layers=layers, next_position=next_position, chunk_starts=starts)

@@ -169,7 +169,7 @@ class VLM:
     def assemble(self, chunks: Sequence[ChunkKV]) -> AssembledContext:
         """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.prefix, moved, self.adapter.rotate_keys_)
+        return assemble(self.prefix, moved, self.adapter.rotation_matrices)
 
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
