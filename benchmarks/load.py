@@ -3,8 +3,9 @@ some repeated; latency percentiles, throughput, errors, and the memory of every 
 
 The mix cycles through every mode the store serves, selects chunks by top-k or whole documents, and
 repeats a share of earlier requests verbatim so the response cache and the loader's KV LRU both hit.
-Memory is each replica's resident set (read from /proc) after a warm-up and after each fifth of the run —
-a leak keeps climbing, a high-water mark levels off — and the loader's LRU byte count against its cap.
+Memory is each replica's resident set (read from /proc) after a warm-up and every 250 requests through
+the timed run and a longer soak of the same mix — a leak keeps climbing, a high-water mark levels
+off — and the loader's LRU byte count against its cap.
 """
 
 from __future__ import annotations
@@ -124,13 +125,15 @@ async def run_load(base_url: str, bodies: list[dict], concurrency: int, timeout_
     return result
 
 
-def rss_nbytes(pid: int | str = "self") -> int:
-    """Resident set of a process, from /proc (Linux)."""
+def rss_nbytes(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """A process's resident memory from /proc (Linux): `VmRSS` all of it, `RssAnon` its private heap (where a
+    leak shows), `RssShmem` shared pages it touched (for a Ray worker, objects read from the object store:
+    bounded by the store's size)."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmRSS line")
+    raise RuntimeError(f"/proc/{pid}/status has no {field} line")
 
 
 def ray_worker_pids(title_fragment: str) -> list[int]:
@@ -162,10 +165,16 @@ def ray_worker_pids(title_fragment: str) -> list[int]:
     return sorted(pids)
 
 
-def replica_rss_nbytes(app_name: str) -> dict[str, int]:
-    """Summed resident set of each deployment's replicas (process titles `ServeReplica:<app>:<name>`)."""
-    return {name: sum(rss_nbytes(pid) for pid in ray_worker_pids(f"ServeReplica:{app_name}:{name}"))
+def replica_rss_nbytes(app_name: str, field: str = "RssAnon") -> dict[str, int]:
+    """Summed resident memory (a `rss_nbytes` field) of each deployment's replicas (process titles
+    `ServeReplica:<app>:<name>`)."""
+    return {name: sum(rss_nbytes(pid, field) for pid in ray_worker_pids(f"ServeReplica:{app_name}:{name}"))
             for name in DEPLOYMENTS}
+
+
+def memory(app_name: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(private, shared) resident bytes of each deployment's replicas."""
+    return replica_rss_nbytes(app_name, "RssAnon"), replica_rss_nbytes(app_name, "RssShmem")
 
 
 def loopback_port() -> int:
@@ -177,13 +186,17 @@ def loopback_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__)
-    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--requests", type=int, default=500, help="the timed run")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--soak-requests", type=int, default=2000,
+                        help="more of the same mix after the timed run, only to watch memory")
+    parser.add_argument("--rss-every", type=int, default=250, help="read every replica's resident set this often")
     parser.add_argument("--model", default="tiny-qwen")
     parser.add_argument("--cache-max-nbytes", type=int, default=4 << 20, help="loader LRU cap (small: evictions)")
-    parser.add_argument("--rss-samples", type=int, default=5, help="resident sets read after each 1/N of the run")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    if args.requests % args.rss_every:
+        parser.error("--requests must be a multiple of --rss-every")
 
     import ray
     from ray import serve
@@ -207,44 +220,51 @@ def main(argv: list[str] | None = None) -> int:
         base_url = f"http://127.0.0.1:{port}"
         try:
             doc_ids = sorted({json.loads(line)["doc_id"] for line in SAMPLE_CORPUS.read_text().splitlines()})
-            modes = httpx.get(f"{base_url}/v1/store").json()["modes"]
-            asyncio.run(run_load(base_url, request_mix(32, doc_ids, [Mode(m) for m in modes], seed=1), 4))  # warm-up
-            bodies = request_mix(args.requests, doc_ids, [Mode(m) for m in modes])
-            result = LoadResult(num_requests=len(bodies), concurrency=args.concurrency, wall_s=0.0, latencies_ms=[])
-            rss = [replica_rss_nbytes(APP_NAME)]  # before, then after each fifth of the run: a leak keeps climbing
-            for part in range(args.rss_samples):
-                share = bodies[part * len(bodies) // args.rss_samples:(part + 1) * len(bodies) // args.rss_samples]
-                asyncio.run(run_load(base_url, share, args.concurrency, into=result))
-                rss.append(replica_rss_nbytes(APP_NAME))
+            modes = [Mode(m) for m in httpx.get(f"{base_url}/v1/store").json()["modes"]]
+            asyncio.run(run_load(base_url, request_mix(32, doc_ids, modes, seed=1), 4))  # warm-up
+            bodies = request_mix(args.requests + args.soak_requests, doc_ids, modes)
+            timed, soak = (LoadResult(num_requests=n, concurrency=args.concurrency, wall_s=0.0, latencies_ms=[])
+                           for n in (args.requests, args.soak_requests))
+            rss = [(0, memory(APP_NAME))]  # a leak keeps climbing, a high-water mark levels off
+            for start in range(0, len(bodies), args.rss_every):
+                part = bodies[start:start + args.rss_every]
+                asyncio.run(run_load(base_url, part, args.concurrency, into=timed if start < args.requests else soak))
+                rss.append((start + len(part), memory(APP_NAME)))
             cache = httpx.get(f"{base_url}/v1/store").json()["cache"]
         finally:
             serve.shutdown()
             ray.shutdown()
-    latency_rows = [[result.num_requests, result.concurrency, result.percentile_ms(50), result.percentile_ms(99),
-                     statistics.mean(result.latencies_ms), result.throughput_rps, result.num_errors,
-                     result.response_cache_hits]]
-    memory_rows = [[name, *(sample[name] / 2**20 for sample in rss), (rss[-1][name] - rss[0][name]) / 2**20]
-                   for name in DEPLOYMENTS]
-    done = [f"after {(i + 1) * args.requests // args.rss_samples}" for i in range(args.rss_samples)]
+    latency_rows = [[timed.num_requests, timed.concurrency, timed.percentile_ms(50), timed.percentile_ms(99),
+                     statistics.mean(timed.latencies_ms), timed.throughput_rps, timed.num_errors,
+                     timed.response_cache_hits]]
+    memory_rows = [[answered, *(private[name] / 2**20 for name in DEPLOYMENTS), sum(shared.values()) / 2**20]
+                   for answered, (private, shared) in rss]
     body = (
         f"Model `{args.model}` (float32, CPU) over the sample corpus ({summary.num_chunks} chunks, every variant), "
         f"one replica per deployment on a local Ray, HTTP on loopback. {args.requests} `/v1/answer` requests, "
-        f"{args.concurrency} in flight, modes {', '.join(modes)} in turn, top-k or whole documents, "
-        "8 new tokens each, a quarter streamed (SSE, timed to the last event), a quarter verbatim repeats "
-        "(response-cache hits); after a 32-request warm-up.\n\n"
+        f"{args.concurrency} in flight, modes {', '.join(m.value for m in modes)} in turn, top-k or whole "
+        "documents, 8 new tokens each, a quarter streamed (SSE, timed to the last event), a quarter verbatim "
+        "repeats (response-cache hits); after a 32-request warm-up.\n\n"
         + markdown_table(["requests", "concurrency", "p50 ms", "p99 ms", "mean ms", "req/s", "errors",
                           "response-cache hits"], latency_rows)
-        + f"\n\nStatuses: {dict(result.statuses)}. Loader KV LRU after the run: {cache['entries']} entries, "
-        f"{cache['nbytes']:,} of {cache['max_nbytes']:,} bytes, {cache['hits']} hits, {cache['misses']} misses, "
-        f"{cache['evictions']} evictions.\n\nResident memory per deployment (MiB) after the warm-up, then as "
-        "the run goes on (requests answered):\n\n"
-        + markdown_table(["deployment", "before", *done, "growth"], memory_rows)
+        + f"\n\nStatuses: {dict(timed.statuses)}; then {args.soak_requests} more of the same mix to watch memory: "
+        f"{dict(soak.statuses)}. Loader KV LRU at the end: {cache['entries']} entries, {cache['nbytes']:,} of "
+        f"{cache['max_nbytes']:,} bytes, {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} "
+        "evictions.\n\nResident memory (MiB) after the warm-up, then as requests are answered: each replica's "
+        "private heap (RssAnon; a leak keeps climbing, an allocator's high-water mark levels off), and the shared "
+        "pages all four touched (RssShmem: mostly KV read from Ray's object store, bounded by its size). "
+        f"`MALLOC_ARENA_MAX` was {os.environ.get('MALLOC_ARENA_MAX', 'unset (glibc: up to 8 arenas per core)')}: "
+        "replicas run requests on thread pools, and each thread's malloc arena keeps its own high-water mark, so "
+        "with many arenas a heap creeps up long after its working set stopped growing; compare with "
+        "`MALLOC_ARENA_MAX=2 python -m benchmarks.load --no-write`.\n\n"
+        + markdown_table(["requests answered", *(f"{name} private" for name in DEPLOYMENTS), "shared, all"],
+                         memory_rows)
     )
     if not args.no_write:
         write_section("load", "Load: latency, throughput and memory under concurrent requests (issue 8)",
                       "python -m benchmarks.load " + " ".join(argv or []), body)
     print(body)
-    return 0 if result.num_errors == 0 else 1
+    return 0 if timed.num_errors == soak.num_errors == 0 else 1
 
 
 if __name__ == "__main__":
