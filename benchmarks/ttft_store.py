@@ -8,10 +8,9 @@ the document's question is moved to second place, so every request from 2 chunks
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from pipeline.compile import ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage
+from pipeline.compile import ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
 from pipeline.embed import Embedder
 from pipeline.ingest import ChunkStage, IngestConfig, entry_slots, open_store
 from pipeline.synthetic import evidence_chunks, generate
@@ -62,8 +61,8 @@ def build(uri: str, model: ModelSpec, render: RenderSpec, chunk_tokens: int, num
     embedder = Embedder()
     cfg = IngestConfig(corpus="(in-process)", store=StoreSpec(uri=uri), model=model, render=render,
                        chunk_tokens=chunk_tokens)
-    store, manifest = open_store(cfg, embedder.dim, embedder.model_name)
-    slots = json.dumps([[tier, variant.value] for tier, variant in entry_slots(manifest, manifest.variants)])
+    store, manifest = open_store(cfg)
+    slots = slots_json(entry_slots(manifest, manifest.variants))
     chunks = [Chunk.build(f"bench/{i:03d}", 0, text, n) for i, (text, n) in enumerate(zip(texts, counts))]
     renderer = RenderStage(render)
     compiler = CompileStage(CompilePlan(model, store.spec, manifest.to_json()))

@@ -127,19 +127,20 @@ def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, 
     )
 
 
-def open_store(cfg: IngestConfig, embedding_dim: int, embedder_name: str) -> tuple[Store, Manifest]:
-    """Open (or start) the store; refuse one compiled for another model or page layout."""
+def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:
+    """Open (or start) the store; refuse one compiled for another model, page layout or embedder."""
+    embedder = Embedder(cfg.embedder_dir)  # its name and width go into the manifest
     store = Store.open(cfg.store, create=True)
     manifest = store.read_manifest()
-    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder_name, embedding_dim, cfg.job_id)
+    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder.model_name, embedder.dim, cfg.job_id)
     if manifest is None:
         manifest = fresh
     else:
         manifest.check_model(fresh.model.id, fresh.model.revision, fresh.model.dtype, fresh.template_prefix)
         if manifest.render != cfg.render:
             raise ValueError("the store was rendered with another page layout or tiers: run `qvpic recompile`")
-        if manifest.embedder != embedder_name:
-            raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder_name}")
+        if manifest.embedder != embedder.model_name:
+            raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder.model_name}")
         manifest = manifest.model_copy(update={
             "variants": tuple(dict.fromkeys(manifest.variants + cfg.variants)), "updated_at": fresh.updated_at,
             "job_ids": manifest.job_ids + (cfg.job_id,)})
@@ -214,15 +215,20 @@ def chunk_rows(batch: dict[str, np.ndarray], failed_docs: Container[str], unchan
     return pa.table(columns)
 
 
-def ingest(cfg: IngestConfig) -> IngestSummary:
-    started = time.perf_counter()
-    embedder_probe = Embedder(cfg.embedder_dir)
-    store, manifest = open_store(cfg, embedder_probe.dim, embedder_probe.model_name)
-    del embedder_probe
+@dataclass
+class ReadResult:
+    docs: ray.data.Dataset  # documents that passed every per-file and cross-file check
+    refs: list[DocRef]  # every document read, rejected or not
+    rejected: list[Rejection]  # reader refusals and cross-file duplicates
+    num_cross_file: int
+    duplicate_docs: set[str]  # doc ids whose whole text repeats an earlier document's
 
-    # read
+
+def read(cfg: IngestConfig) -> ReadResult:
+    """Corpus files → documents and rejections; global checks on the driver over short refs only."""
     files, refused = discover(cfg.corpus)
-    records = ray.data.from_items([f.model_dump(mode="json") for f in files], override_num_blocks=max(1, min(len(files), 64)))
+    records = ray.data.from_items([f.model_dump(mode="json") for f in files],
+                                  override_num_blocks=max(1, min(len(files), 64)))
     records = records.flat_map(ReadStage, fn_constructor_kwargs={"reader": cfg.reader},
                                compute=ActorPoolStrategy(min_size=1, max_size=4), num_cpus=0.25).materialize()
     rejected = [Rejection(source=r["source"], doc_id=r["doc_id"] or None, reason=r["reason"], detail=r["detail"])
@@ -231,45 +237,58 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
     refs = [DocRef(source=r["source"], doc_id=r["doc_id"], text_key=r["text_key"], image_phash=r["image_phash"] or None)
             for r in docs.select_columns(["source", "doc_id", "text_key", "image_phash"]).take_all()]
     cross = cross_file_rejections(refs, cfg.reader)
-    rejected += cross
     dropped = {r.source for r in cross}
     seen_texts: dict[str, str] = {}
     duplicate_docs = set()
     for ref in sorted(refs, key=lambda r: r.source):
         if ref.source not in dropped and seen_texts.setdefault(ref.text_key, ref.source) != ref.source:
             duplicate_docs.add(ref.doc_id)
+    kept = docs.filter(expr=col("source").not_in(sorted(dropped))) if dropped else docs
+    return ReadResult(kept, refs, rejected + cross, len(cross), duplicate_docs)
 
-    # chunk
-    chunks = (docs.filter(expr=col("source").not_in(sorted(dropped))) if dropped else docs).flat_map(
-        ChunkStage, fn_constructor_kwargs={"model": cfg.model, "chunk_tokens": cfg.chunk_tokens},
-        compute=ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.25).materialize()
 
-    # dedup → render → compile → write (shards, then their index rows)
-    results = compile_missing(chunks, store, manifest, cfg.model, cfg.resources)
-    failed = {r["chunk_key"]: r[ERROR] for r in results if r[ERROR]}
+def chunk(docs: ray.data.Dataset, cfg: IngestConfig) -> ray.data.Dataset:
+    return docs.flat_map(ChunkStage, fn_constructor_kwargs={"model": cfg.model, "chunk_tokens": cfg.chunk_tokens},
+                         compute=ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.25).materialize()
 
-    # embed → publish chunk rows of every document whose chunks all compiled, one bounded batch at a time
-    failed_docs = failed_documents(chunks, failed)
+
+def embed_and_publish(chunks: ray.data.Dataset, store: Store, failed_docs: Container[str],
+                      embedder_dir: str | None) -> tuple[int, int]:
+    """Embed every chunk and publish the rows of documents whose chunks all compiled, one bounded
+    batch at a time (after their KV, so a published chunk is always servable). Returns
+    (chunk occurrences, distinct chunk texts)."""
     stored = store.chunks().select(["chunk_id", "chunk_key", "source"]).to_pylist()
     unchanged = {(r["chunk_id"], r["chunk_key"], r["source"]) for r in stored}  # a rerun publishes nothing new
-    embedded = chunks.map_batches(Embedder, fn_constructor_kwargs={"model_dir": cfg.embedder_dir}, batch_size=256,
+    embedded = chunks.map_batches(Embedder, fn_constructor_kwargs={"model_dir": embedder_dir}, batch_size=256,
                                   compute=ActorPoolStrategy(size=1), num_cpus=0.5)
     num_chunks, chunk_texts = 0, set()
     for batch in embedded.iter_batches(batch_size=4096, batch_format="numpy"):
         num_chunks += len(batch["chunk_id"])
         chunk_texts.update(batch["chunk_key"].tolist())
         store.publish_chunks(chunk_rows(batch, failed_docs, unchanged))
-    for doc_id, (source, error) in failed_docs.items():
-        reason, _, detail = error.partition(": ")
-        rejected.append(Rejection(source=source, doc_id=doc_id, reason=reason, detail=detail))
-    store.quarantine([r.model_dump(mode="json") for r in rejected], cfg.job_id)
+    return num_chunks, len(chunk_texts)
 
-    reader_rejections = len(rejected) - len(cross) - len(failed_docs)
-    deduplicated = len(duplicate_docs - set(failed_docs))
+
+def ingest(cfg: IngestConfig) -> IngestSummary:
+    started = time.perf_counter()
+    store, manifest = open_store(cfg)
+    corpus = read(cfg)
+    chunks = chunk(corpus.docs, cfg)
+    results = compile_missing(chunks, store, manifest, cfg.model, cfg.resources)  # dedup → render → compile → write
+    failed = {r["chunk_key"]: r[ERROR] for r in results if r[ERROR]}
+    failed_docs = failed_documents(chunks, failed)
+    num_chunks, num_chunk_texts = embed_and_publish(chunks, store, failed_docs, cfg.embedder_dir)
+
+    rejected = corpus.rejected + [Rejection(source=source, doc_id=doc_id, reason=error.partition(": ")[0],
+                                            detail=error.partition(": ")[2])
+                                  for doc_id, (source, error) in failed_docs.items()]
+    store.quarantine([r.model_dump(mode="json") for r in rejected], cfg.job_id)
+    reader_rejections = len(corpus.rejected) - corpus.num_cross_file
+    deduplicated = len(corpus.duplicate_docs - set(failed_docs))
     return IngestSummary(
-        job_id=cfg.job_id, inputs=len(refs) + reader_rejections,
-        indexed=len(refs) - len(cross) - len(failed_docs) - deduplicated, deduplicated=deduplicated,
+        job_id=cfg.job_id, inputs=len(corpus.refs) + reader_rejections,
+        indexed=len(corpus.refs) - corpus.num_cross_file - len(failed_docs) - deduplicated, deduplicated=deduplicated,
         quarantined=dict(Counter(r.reason.value for r in rejected)), num_chunks=num_chunks,
-        num_chunk_texts=len(chunk_texts), num_chunks_compiled=len(results) - len(failed),
+        num_chunk_texts=num_chunk_texts, num_chunks_compiled=len(results) - len(failed),
         entries=[e for r in results for e in json.loads(r[ENTRIES])], wall_s=time.perf_counter() - started,
     )
