@@ -187,8 +187,12 @@ def build(name: str, out_dir: Path, seed: int = 0) -> Path:
     image_processor.save_pretrained(tmp)
     (tmp / "chat_template.jinja").write_text(tok.chat_template)
     (tmp / "qvpic_builtin.json").write_text(json.dumps({"name": name, "seed": seed, "factory": _FACTORY_VERSION}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)  # readers never see a half-written checkpoint
+    if not (out_dir / "qvpic_builtin.json").exists():  # a leftover partial directory, never a published one
+        shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.replace(tmp, out_dir)  # readers never see a half-written checkpoint
+    except OSError:  # another process published the same (deterministic) checkpoint first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
