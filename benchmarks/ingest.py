@@ -18,6 +18,8 @@ from pipeline.ingest import CompileResources, IngestConfig, ingest
 from schemas.config import ModelSpec
 from schemas.store import StoreSpec
 
+SCALING_NOTE = (" A second actor cannot speed this up here: both compete for the same two cores that one actor's "
+                "torch already uses; on a cluster each actor holds its own GPU.")
 SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "jobs" / "data" / "sample_corpus.jsonl"
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Corpus: `{args.corpus.name}` ({throughput_rows[0][2]} chunks of ≤512 tokens), every variant compiled "
         "(template at low and high tiers, plain at low, text), CPU only, local Ray with 4 logical CPUs on "
         "this 2-core machine; wall time covers the whole job (Ray Data start-up, actor start, model load "
-        f"per actor), median of {args.repeats}.\n\n"
+        f"per actor), median of {args.repeats}.{SCALING_NOTE}\n\n"
         + markdown_table(["model", "compile actors", "chunks", "wall s", "chunks/s"], throughput_rows)
         + "\n\nKV bytes per chunk, same texts:\n\n"
         + markdown_table(["model", "entry", "entries", "vision tokens / chunk", "KiB / chunk", "× text KV"], bytes_rows)
