@@ -34,7 +34,7 @@ from pipeline.runtime.model import model_identity, resolve_path
 from pipeline.store import Store
 from pipeline.summary import IngestSummary
 from schemas.config import ModelSpec, RenderSpec, Variant
-from schemas.corpus import Document, ReaderSpec, Rejection, chunk_key
+from schemas.corpus import Document, ReaderSpec, Rejection
 from schemas.store import CacheKey, Manifest, StoredModel, StoreSpec
 
 

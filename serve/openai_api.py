@@ -21,6 +21,9 @@ from pipeline.runtime.model import Sampling
 from schemas.api import (
     AnswerReport,
     AnswerRequest,
+    UnknownModelError,
+)
+from schemas.chat import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -34,7 +37,6 @@ from schemas.api import (
     OpenAIError,
     OpenAIErrorBody,
     PromptTokensDetails,
-    UnknownModelError,
 )
 from serve.backend import ApiSettings, Backend, api_error, sse
 from serve.governance import Governor, Route
