@@ -60,8 +60,9 @@ def run(model: str, dtype: DType, context_tokens: int, num_chunks: int, repeats:
     context = vlm.assemble(chunks)
     prefill_s = median_s(lambda: vlm.prefill_query(context, query), repeats)
     keys = torch.cat([c.kv[:, 0] for c in chunks], dim=2)[:, :, :1024]  # [layers, kv_heads, 1024, head_dim]
-    deltas = torch.full((keys.shape[2],), 1234)
-    reanchor_s = median_s(lambda: vlm.adapter.rotate_keys(keys, deltas), repeats)
+    # The path `assemble` takes: one float32 matmul by the chunk's rotation matrix, cast back once.
+    rotation = vlm.adapter.rotation_matrices(torch.tensor([1234], device=keys.device), keys.shape[-1])[0]
+    reanchor_s = median_s(lambda: (keys.float() @ rotation).to(keys.dtype), repeats)
     return {
         "cached_tokens": num_cached, "full_prefill_s": full_s, "assemble_s": assemble_s,
         "query_prefill_s": prefill_s, "reanchor_per_1k_s": reanchor_s,
