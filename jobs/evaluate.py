@@ -36,7 +36,7 @@ from pipeline.evaluation import (
 )
 from pipeline.evidence import OcrJudge, Planner, RoutedChunk, judge_items, serving_configs, summarize_evidence
 from pipeline.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
@@ -63,7 +63,7 @@ class InProcessAnswerer:
 
     def __call__(self, request: AnswerRequest) -> Answered:
         plan = asyncio.run(self.router.plan(request))
-        sampling = Sampling(request.max_new_tokens, request.temperature, request.top_p, request.seed)
+        sampling = Sampling.of(request)
         answer = self.generator.generate(plan, self.loader.load(plan), sampling)
         t = answer.report.timings
         return Answered(answer.text, answer.report, t.route_ms + t.load_ms + t.render_ms + t.reanchor_ms + t.prefill_ms)

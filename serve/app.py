@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import (
     AnswerRequest,
@@ -38,7 +38,8 @@ from schemas.config import Frozen, ModelSpec, RouterSpec
 from schemas.store import StoreSpec
 from serve import openai_api
 from serve.backend import ApiSettings, Backend, HandleBackend, api_error, error_cause, sse
-from serve.generator import Answer, Generator
+from serve.generator import Generator
+from serve.plan import Answer
 from serve.governance import GovernanceArgs, Governor, Route
 from serve.limits import install_limits
 from serve.loader import CacheLoader
@@ -152,7 +153,7 @@ def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None 
     async def answer(request: AnswerRequest, http: Request, response: Response):
         started = time.perf_counter()
         answer_id = f"ans-{uuid.uuid4().hex}"
-        sampling = Sampling(request.max_new_tokens, request.temperature, request.top_p, request.seed)
+        sampling = Sampling.of(request)
         turn = await governor.begin(http, request, Route.ANSWER)
         await turn.route(backend)
         hit = await turn.prepare(sampling)

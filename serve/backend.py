@@ -17,11 +17,12 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerC
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from schemas.api import AnswerRequest, CacheStats, StoreInfo
-from serve.generator import Answer, Generator
+from serve.generator import Generator
+from serve.plan import Answer, Plan
 from serve.loader import CacheLoader
-from serve.router import Plan, Router
+from serve.router import Router
 
 
 class ApiSettings(BaseModel):

@@ -28,7 +28,7 @@ from pydantic import Field
 from schemas.api import BudgetExceededError, InvalidHeaderError, Label, RateLimitedError
 from schemas.config import Frozen
 from serve.metrics import serve_metrics
-from serve.router import Plan
+from serve.plan import Plan
 from serve.shared_state import RedisConnection, SharedStateUnavailable, StateBackend
 
 MAX_LOCAL_BUCKETS = 65_536  # tenants tracked per replica; the least recently seen is forgotten (= a full bucket)

@@ -32,7 +32,8 @@ from PIL import Image
 from pipeline.compile import scale_page
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
-from pipeline.runtime.model import VLM, Prefill, Sampling
+from pipeline.runtime.model import VLM, Prefill
+from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import (
     AnswerReport,
@@ -45,18 +46,13 @@ from schemas.api import (
 )
 from schemas.config import Mode, ModelSpec, Variant
 from schemas.store import StoreSpec
-from serve.loader import LoadedKV, LoadResult, from_wire, to_wire
+from serve.loader import from_wire, to_wire
+from serve.plan import Answer, Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 from serve.metrics import serve_metrics
-from serve.router import Entry, Plan, PlannedChunk, check_store
+from serve.router import check_store
 
 ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
 _INCOMPLETE = "\ufffd"  # a byte-level tokenizer's partial UTF-8 character: wait for the next token
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    report: AnswerReport
 
 
 @dataclass

@@ -23,7 +23,7 @@ from enum import Enum
 from fastapi import Request
 from pydantic import Field, model_validator
 
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from schemas.api import (
     AnswerRequest,
     CacheReport,
@@ -39,11 +39,10 @@ from schemas.config import Frozen, Mode
 from serve.auth import AuthArgs, Authenticator, header_label
 from serve.backend import Backend, api_error
 from serve.budget import Limit, LimitsArgs, Price, RateLimiter, check_budget, token_budget
-from serve.generator import Answer
+from serve.plan import Answer, Plan
 from serve.metrics import serve_metrics
 from serve.request_log import RequestLog, RequestLogArgs, RequestRecord
 from serve.response_cache import CacheHit, CacheKeys, MemoryBackend, RedisBackend, ResponseCache, ResponseCacheArgs
-from serve.router import Plan
 from serve.shared_state import RedisConnection, StateBackend
 
 CLIENT_CLOSED = 499  # the client went away mid-stream (nginx's convention; never sent, only logged)

@@ -14,17 +14,16 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipeline.store import ShardCorruptError, Store
-from schemas.api import CacheReport, CacheStats, FallbackReport
-from schemas.config import ChunkKind, DType
+from schemas.api import CacheReport, CacheStats
+from schemas.config import DType
 from schemas.store import StoreSpec
 from serve.metrics import serve_metrics
-from serve.router import Entry, Plan
+from serve.plan import Entry, LoadedKV, LoadResult, Plan, Unreadable
 
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
          torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
@@ -89,46 +88,6 @@ class ByteLRU:
     def stats(self) -> CacheStats:
         return CacheStats(entries=len(self._items), nbytes=self.nbytes, max_nbytes=self.max_nbytes,
                           hits=self.hits, misses=self.misses, evictions=self.evictions)
-
-
-@dataclass(frozen=True)
-class LoadedKV:
-    """One chunk's KV as it travels to the generator, with what is needed to place it."""
-
-    array: np.ndarray  # [layers, 2, kv_heads, tokens, head_dim]
-    dtype: DType
-    entry: Entry  # the entry actually served (the fallback's when one was used)
-
-    @property
-    def compile_start(self) -> int:
-        return self.entry.row["compile_start"]
-
-    @property
-    def kind(self) -> ChunkKind:
-        return ChunkKind(self.entry.row["kind"])
-
-    @property
-    def grid_thw(self) -> list[tuple[int, int, int]]:
-        return [tuple(g) for g in self.entry.row["grid_thw"]]
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A planned entry whose shard could not be read (missing, torn, or failing its checksum)."""
-
-    position: int  # in plan.chunks
-    entry: Entry
-    reason: str
-    backup: LoadedKV | None  # the chunk's low-tier entry, when it has one and it loaded
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    kvs: tuple[LoadedKV | None, ...]  # aligned with plan.chunks; None where no KV is linked or it was unreadable
-    fallbacks: tuple[FallbackReport, ...]
-    cache: CacheReport
-    load_ms: float
-    unreadable: tuple[Unreadable, ...] = ()
 
 
 class CacheLoader:

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from schemas.api import (
     AnswerReport,
     AnswerRequest,
@@ -97,7 +97,7 @@ def openai_routes(backend: Backend, settings: ApiSettings, governor: Governor) -
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         native = answer_request(request, settings.default_top_k)
-        sampling = Sampling(native.max_new_tokens, native.temperature, native.top_p, native.seed)
+        sampling = Sampling.of(native)
         turn = await governor.begin(http, native, Route.CHAT)
         await turn.route(backend)
         hit = await turn.prepare(sampling)

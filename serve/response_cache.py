@@ -33,11 +33,10 @@ from typing import Protocol
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from schemas.api import AnswerReport, ResponseCacheLevel
 from schemas.config import Frozen
-from serve.generator import Answer
-from serve.router import Plan
+from serve.plan import Answer, Plan
 from serve.shared_state import RedisConnection, SharedStateUnavailable, StateBackend
 
 

@@ -32,6 +32,7 @@ from schemas.api import (
 )
 from schemas.config import Mode, ModelSpec, RouterSpec, TierSpec, Variant
 from schemas.store import CacheKey, Manifest, ManifestError, StoreSpec
+from serve.plan import Entry, Plan, PlannedChunk
 
 LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
                   Mode.IMAGE_PIC: Variant.PLAIN, Mode.TEXT_PIC: Variant.TEXT}
@@ -73,46 +74,6 @@ def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
         if remaining is not None:
             remaining -= promotion_costs[i]
     return promoted
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One stored KV entry: what the loader fetches and the generator places."""
-
-    key: str  # CacheKey string
-    tier: str | None
-    variant: Variant
-    num_tokens: int
-    vision_tokens: int
-    position_span: int
-    row: dict  # the index row (shard_path, tensor_key, nbytes, checksum, compile_start, kind, grid_thw, dtype)
-
-
-@dataclass(frozen=True)
-class PlannedChunk:
-    chunk_id: str
-    doc_id: str
-    relevance: float
-    tier: str | None  # tier of the pages in context; None for text
-    num_tokens: int
-    vision_tokens: int
-    position_span: int
-    entry: Entry | None  # KV to link; None in the online (full_*) modes
-    fallback: Entry | None = None  # low-tier entry the loader uses when `entry`'s shard is unreadable
-    text: str | None = None  # source text, carried only for the full_* modes
-    image_path: str | None = None  # full_image of a scanned page: its original image, as ingest compiled it
-
-
-@dataclass(frozen=True)
-class Plan:
-    mode: Mode
-    query: str
-    chunks: tuple[PlannedChunk, ...]
-    prefix_tokens: int
-    query_tokens: int
-    fallbacks: tuple[FallbackReport, ...]
-    route_ms: float
-    query_embedding: np.ndarray | None = None  # [dim], unit norm: what the l2 response cache compares
 
 
 @dataclass(frozen=True)

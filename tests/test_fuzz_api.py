@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import positive_data_acceptance
 
-from pipeline.runtime.model import Sampling, select_token
+from pipeline.runtime.model import select_token
+from schemas.sampling import Sampling
 from schemas.api import MAX_IDS_PER_REQUEST, MAX_NEW_TOKENS, MAX_QUERY_CHARS
 from schemas.config import Mode
 from serve.app import AppArgs, api_settings, make_api

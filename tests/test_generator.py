@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.runtime.model import VLM, Sampling
+from pipeline.runtime.model import VLM
+from schemas.sampling import Sampling
 from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec, RouterSpec
-from serve.generator import Answer, Generator
+from serve.generator import Generator
+from serve.plan import Answer, Plan
 from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
-from serve.router import Plan, Router
+from serve.router import Router
 from tests.store_factory import Roles, build_store, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
 
 QUERY = "When does part XK-4471-B ship?"

@@ -13,7 +13,8 @@ import sys
 import threading
 from pathlib import Path
 
-from pipeline.runtime.model import VLM, Sampling
+from pipeline.runtime.model import VLM
+from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec

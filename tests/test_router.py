@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnservableError
 from schemas.config import Mode, Variant
-from serve.router import Plan, Router, allocate
+from serve.router import Router, allocate
+from serve.plan import Plan
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from pipeline.runtime.kv import ChunkKV, chunk_starts
-from pipeline.runtime.model import Sampling
+from schemas.sampling import Sampling
 from schemas.config import ChunkKind
 
 QUERY = "Which part number ships on 12 March?"

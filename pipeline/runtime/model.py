@@ -20,20 +20,9 @@ from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ChunkKind, DType, ModelFamily, ModelSpec
+from schemas.sampling import Sampling
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"invalid sampling parameters {self}")
 
 
 @dataclass
