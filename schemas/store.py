@@ -1,6 +1,19 @@
 """Contracts of the KV store: Arrow schemas and row rules of its tables, the manifest, fingerprints,
 cache keys, and the small result types the store returns.
 
+On-disk layout of a store (a local directory or an object-store prefix; every file written atomically):
+
+    manifest.json                  `Manifest`: model fingerprint, page layout, tiers, variants, embedder
+    index/part-*.parquet           INDEX_SCHEMA, one row per KV entry (chunk_key, tier, variant, fingerprint)
+    chunks/part-*.parquet          CHUNKS_SCHEMA, one row per chunk occurrence (chunk_id)
+    quarantine/part-*.parquet      QUARANTINE_SCHEMA, every rejected input with its reason
+    shards/<2 hex>/<sha256>.safetensors   KV tensors [layers, 2, kv_heads, tokens, head_dim]; many
+                                   entries per file, each found by (byte_offset, nbytes) in its index row
+    leases/<job_id>.json           the write lease of the job writing the store (pipeline/lease.py)
+
+Tables are append-only part logs (pipeline/part_log.py): readers take the newest row per key, and
+every job ends by compacting what it appended into parts of ≤250k rows.
+
 Fingerprints are sha256 over canonical JSON (sorted keys, no whitespace) so they are identical in
 every process and on every machine; Python's `hash()` is salted per process and never used.
 """
@@ -21,7 +34,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.config import ChunkKind, DType, Frozen, ModelFamily, RenderSpec, TierSpec, Variant
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: entries packed in shards, found by byte_offset + shape
 HEX64 = re.compile(r"[0-9a-f]{64}")
 TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")  # TierSpec.name's pattern
 SHARD_PATH = re.compile(r"shards/[0-9a-f]{2}/[0-9a-f]{64}\.safetensors")  # named by sha256 of its bytes
@@ -56,6 +69,8 @@ INDEX_SCHEMA = pa.schema([
     pa.field("shard_path", pa.string(), nullable=False),  # relative to the store root
     pa.field("tensor_key", pa.string(), nullable=False),
     pa.field("nbytes", pa.int64(), nullable=False),
+    pa.field("byte_offset", pa.int64(), nullable=False),  # where the tensor's bytes start in its shard file
+    pa.field("shape", pa.list_(pa.int64()), nullable=False),  # [layers, 2, kv_heads, tokens, head_dim]
     pa.field("checksum", pa.string(), nullable=False),  # sha256 hex of the tensor's raw bytes
     pa.field("created_at", _TIMESTAMP, nullable=False),
 ])
@@ -149,10 +164,13 @@ class ShardEntry:
     nbytes: int
     checksum: str  # sha256 hex of the tensor's raw bytes
     dtype: DType
+    byte_offset: int  # of the tensor's bytes from the start of the shard file
+    shape: tuple[int, ...]
 
     def index_fields(self) -> dict[str, Any]:
         return {"shard_path": self.shard_path, "tensor_key": self.tensor_key, "nbytes": self.nbytes,
-                "checksum": self.checksum, "dtype": self.dtype.value}
+                "checksum": self.checksum, "dtype": self.dtype.value, "byte_offset": self.byte_offset,
+                "shape": list(self.shape)}
 
 
 @dataclass(frozen=True)

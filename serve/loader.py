@@ -18,7 +18,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from pipeline.store import ShardCorruptError, Store
+from pipeline.shards import ShardCorruptError, ShardReader
 from schemas.api import CacheReport, CacheStats
 from schemas.config import DType
 from schemas.store import StoreSpec
@@ -92,7 +92,7 @@ class ByteLRU:
 
 class CacheLoader:
     def __init__(self, store: StoreSpec | str, max_nbytes: int):
-        self.store = Store.open(store)
+        self.shards = ShardReader.open(store)  # the loader reads shards, nothing else of the store
         self.lru = ByteLRU(max_nbytes)
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
         self.metrics = serve_metrics()  # created here, inside the replica, so Ray tags it with the replica
@@ -147,13 +147,13 @@ class CacheLoader:
         """One batched read; when it hits a bad shard, each entry is retried alone to isolate it."""
         if len(entries) > 1:
             try:
-                return dict(zip((e.key for e in entries), self.store.load_many([e.row for e in entries])))
+                return dict(zip((e.key for e in entries), self.shards.load_many([e.row for e in entries])))
             except ShardCorruptError:
                 pass
         out = {}
         for entry in entries:
             try:
-                out[entry.key] = self.store.load_kv(entry.row)
+                (out[entry.key],) = self.shards.load_many([entry.row])
             except ShardCorruptError as e:
                 failed[entry.key] = str(e)
                 self.metrics.corrupt_shards.inc()

@@ -175,8 +175,7 @@ def test_kv_round_trip_is_exact(store: Store) -> None:
     assert len({e.shard_path for e in entries}) == 1 and [e.tensor_key for e in entries] == list(tensors)
     assert [e.dtype for e in entries] == [DType.BFLOAT16, DType.FLOAT32, DType.FLOAT16] + [DType.BFLOAT16] * 3
     assert store.write_shard(tensors) == entries  # content-named: a rewrite is idempotent
-    rows = [{"shard_path": e.shard_path, "tensor_key": e.tensor_key, "nbytes": e.nbytes, "checksum": e.checksum}
-            for e in entries]
+    rows = [e.index_fields() for e in entries]
     loaded = store.load_many(list(reversed(rows)))
     for key, tensor in zip(reversed(list(tensors)), loaded):
         assert tensor.dtype == tensors[key].dtype and torch.equal(tensor, tensors[key]), key
@@ -209,9 +208,11 @@ def test_corrupted_shard_is_detected(store: Store) -> None:
     with pytest.raises(ShardCorruptError, match=rows[0]["shard_path"]):
         store.load_many(rows)
     assert torch.equal(store.load_kv(rows[1]), kv(2))
-    flip_byte(store, rows[1]["shard_path"], 10)  # inside the safetensors JSON header
+    flip_byte(store, rows[1]["shard_path"], rows[1]["byte_offset"])  # first byte of the tensor
     with pytest.raises(ShardCorruptError, match=rows[1]["shard_path"]):
         store.load_kv(rows[1])
+    with pytest.raises(ShardCorruptError, match="torn"):  # a row claiming bytes past the end of its file
+        store.load_kv({**rows[0], "byte_offset": rows[0]["byte_offset"] + 8})
 
 
 def test_missing_shard_is_detected(store: Store) -> None:
@@ -365,7 +366,7 @@ def test_load_many_reads_each_shard_once(tmp_path: Path, monkeypatch: pytest.Mon
     entries = store.write_shard({f"t{i}": kv(i) for i in range(4)})
     rows = [{**e.index_fields()} for e in entries] + [index_row(store, kv(9), "other", "low")]
     reads: list[str] = []
-    original = store._read_shard
-    monkeypatch.setattr(store, "_read_shard", lambda path, keys: reads.append(path) or original(path, keys))
+    original = store.shards._read
+    monkeypatch.setattr(store.shards, "_read", lambda rel, rows: reads.append(rel) or original(rel, rows))
     loaded = store.load_many(rows[::-1])
     assert len(reads) == 2 and torch.equal(loaded[-1], kv(0)) and torch.equal(loaded[0], kv(9))

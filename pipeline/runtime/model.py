@@ -16,13 +16,13 @@ import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
+from pipeline.dtypes import TORCH_DTYPES
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
-from schemas.config import ChunkKind, DType, ModelFamily, ModelSpec
+from schemas.config import ChunkKind, ModelFamily, ModelSpec
 from schemas.sampling import Sampling
 
-TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
 
 @dataclass
@@ -112,32 +112,72 @@ class VLM:
 
         `position_offset` shifts the whole compile sequence (prefix included) to start there.
         """
-        pixel_values, grids, chunk_ids = self.image_inputs(pages)
-        return self._compile(chunk_ids, ChunkKind.IMAGE, with_template, pixel_values, grids, position_offset)
+        return self.compile_many([pages], with_template, position_offset)[0]
 
     @torch.inference_mode()
     def compile_text(self, text: str, with_template: bool = True, position_offset: int = 0) -> ChunkKV:
-        ids = self.adapter.encode(text)
-        if not ids:
-            raise ValueError("cannot compile an empty text chunk")
-        return self._compile(ids, ChunkKind.TEXT, with_template, position_offset=position_offset)
+        return self.compile_many([text], with_template, position_offset)[0]
 
-    def _compile(self, chunk_ids, kind, with_template, pixel_values=None, grids=None, position_offset=0) -> ChunkKV:
+    @torch.inference_mode()
+    def compile_many(self, chunks: Sequence[str | Sequence[Image.Image]], with_template: bool = True,
+                     position_offset: int = 0) -> list[ChunkKV]:
+        """KV of several chunks of one kind (all texts, or all page lists) in one forward.
+
+        Each sequence is `[prefix][chunk]` at its own explicit 3-D positions, right-padded to the
+        longest: causal attention never lets a real token see the padding after it, and the padded
+        keys are masked too, so every chunk's KV equals its single-chunk compile (to float rounding).
+        Pages of every chunk go through the vision tower together, in order of appearance.
+        """
+        if not chunks:
+            return []
+        kind = ChunkKind.TEXT if isinstance(chunks[0], str) else ChunkKind.IMAGE
+        if any(isinstance(c, str) != (kind is ChunkKind.TEXT) for c in chunks):
+            raise ValueError("compile_many takes chunks of one kind: all texts or all page lists")
         prefix_ids = self.adapter.prefix_ids if with_template else []
-        num_prefix = len(prefix_ids)
-        input_ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
-        positions = self.positions(input_ids, grids, position_offset)
-        out = self.model(
+        sequences, pixel_list, grid_list = [], [], []
+        for chunk in chunks:
+            if kind is ChunkKind.TEXT:
+                ids, grids = self.adapter.encode(chunk), None
+                if not ids:
+                    raise ValueError("cannot compile an empty text chunk")
+            else:
+                pixel_values, grids, ids = self.image_inputs(chunk)
+                pixel_list.append(pixel_values)
+                grid_list.append(grids)
+            ids = torch.tensor([prefix_ids + ids], device=self.device)
+            sequences.append((ids, self.positions(ids, grids, position_offset), grids))
+        out = self._forward_padded(sequences, torch.cat(pixel_list) if pixel_list else None,
+                                   torch.cat(grid_list) if grid_list else None)
+        results = []
+        for b, (ids, positions, grids) in enumerate(sequences):
+            length, num_prefix = ids.shape[1], len(prefix_ids)
+            kv = stack_cache(out.cache, b)[:, :, :, num_prefix:length]  # strip the prefix and the padding
+            # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
+            compile_start = int(positions[0, 0, num_prefix])
+            span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
+            grid_list = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
+            results.append(ChunkKV(kv.clone(), span, compile_start, kind, grid_list))
+        return results
+
+    def _forward_padded(self, sequences, pixel_values, grids):
+        """One forward over right-padded sequences `(ids [1, L_b], positions (3, 1, L_b), grids)`."""
+        longest = max(ids.shape[1] for ids, _, _ in sequences)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if pad_id == self.adapter.image_token_id:
+            raise ValueError("the pad token is the image token: padded batches would misplace image features")
+        input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(sequences), longest, dtype=torch.long, device=self.device)
+        positions = torch.zeros(3, len(sequences), longest, dtype=torch.long, device=self.device)
+        for b, (ids, pos, _) in enumerate(sequences):
+            length = ids.shape[1]
+            input_ids[b, :length], mask[b, :length], positions[:, b, :length] = ids[0], 1, pos[:, 0]
+            # Padding continues the positions; its keys are masked and its outputs discarded.
+            positions[:, b, length:] = pos[:, 0, -1:] + torch.arange(1, longest - length + 1, device=self.device)
+        return self.model(
             input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int(),
-            position_ids=positions, use_cache=True,
+            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int(), position_ids=positions,
+            attention_mask=mask if len(sequences) > 1 else None, use_cache=True, logits_to_keep=1,
         )
-        kv = stack_cache(out.cache)[:, :, :, num_prefix:]  # strip the prefix's entries
-        # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
-        compile_start = int(positions[0, 0, num_prefix])
-        span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
-        grid_list = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
-        return ChunkKV(kv.clone(), span, compile_start, kind, grid_list)
 
     def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
         """`(3, 1, L)` positions of a sequence whose first token sits at `start`."""
@@ -151,7 +191,7 @@ class VLM:
         """The serving template prefix's KV at positions 0..P-1, computed once."""
         if self._prefix is None:
             with torch.inference_mode():
-                self._prefix = self._compile(self.adapter.prefix_ids, ChunkKind.TEXT, with_template=False)
+                self._prefix = self.compile_text(self.adapter.template.prefix, with_template=False)
         return self._prefix
 
     # ---- online ------------------------------------------------------------------------------
@@ -235,9 +275,9 @@ def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
-def stack_cache(cache: DynamicCache) -> torch.Tensor:
-    """A model cache as one tensor `[layers, 2, kv_heads, tokens, head_dim]` (batch 1)."""
-    return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+def stack_cache(cache: DynamicCache, row: int = 0) -> torch.Tensor:
+    """Batch row `row` of a model cache as one tensor `[layers, 2, kv_heads, tokens, head_dim]`."""
+    return torch.stack([torch.stack([layer.keys[row], layer.values[row]]) for layer in cache.layers])
 
 
 def _to(chunk: ChunkKV, device: torch.device) -> ChunkKV:
