@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.compile import ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
+from pipeline.compile import compile_in_process
+from pipeline.documents import ChunkStage
 from pipeline.embed import Embedder
-from pipeline.ingest import ChunkStage, IngestConfig, entry_slots, open_store
+from pipeline.ingest import IngestConfig, open_store
+from pipeline.runtime.model import VLM
 from pipeline.synthetic import evidence_chunks, generate
 from schemas.config import ModelSpec, RenderSpec
 from schemas.corpus import Chunk, Document
@@ -40,7 +42,7 @@ def chunk_texts(model: ModelSpec, chunk_tokens: int, num_chunks: int, seed: int)
     context_words = max(num_chunks, MIN_DOCUMENT_CHUNKS) * chunk_tokens // 2
     for _ in range(6):  # grow the document until it yields enough chunks (tokens per word vary by tokenizer)
         record = generate(1, context_words=context_words, seed=seed)[0]
-        rows = chunker(Document(doc_id="bench", text=record.context, source="synthetic").to_row())
+        rows = chunker.chunks(Document(doc_id="bench", text=record.context, source="synthetic"))
         if len(rows) >= num_chunks:
             break
         context_words *= 2
@@ -62,16 +64,11 @@ def build(uri: str, model: ModelSpec, render: RenderSpec, chunk_tokens: int, num
     cfg = IngestConfig(corpus="(in-process)", store=StoreSpec(uri=uri), model=model, render=render,
                        chunk_tokens=chunk_tokens)
     store, manifest = open_store(cfg)
-    slots = slots_json(entry_slots(manifest, manifest.variants))
     chunks = [Chunk.build(f"bench/{i:03d}", 0, text, n) for i, (text, n) in enumerate(zip(texts, counts))]
-    renderer = RenderStage(render)
-    compiler = CompileStage(CompilePlan(model, store.spec, manifest.to_json()))
-    for chunk in chunks:
-        rendered = renderer({**chunk.model_dump(), IMAGE_PATH: "", SLOTS: slots})
-        if rendered[ERROR]:
-            raise BenchStoreError(f"chunk {chunk.chunk_id}: {rendered[ERROR]}")
-        compiler.compile_row(rendered)
+    errors = compile_in_process(store, manifest, VLM(model), [(c.chunk_key, c.text, None) for c in chunks])
+    if errors:
+        raise BenchStoreError(f"chunks failed to build: {errors}")
     vectors = embedder.embed(texts)
-    store.publish_chunks([{**c.model_dump(), "source": "synthetic", IMAGE_PATH: None, "embedding": v.tolist()}
+    store.publish_chunks([{**c.model_dump(), "source": "synthetic", "image_path": None, "embedding": v.tolist()}
                           for c, v in zip(chunks, vectors)])
     return BenchStore(uri, tuple(c.chunk_id for c in chunks), query, tuple(counts))

@@ -9,7 +9,10 @@ import sys
 from pydantic import ValidationError
 
 from jobs.cluster import init_ray
-from pipeline.ingest import CompileResources, IngestConfig, ingest
+from jobs.failure import explain, report
+from pipeline.ingest import IngestConfig, ingest
+from pipeline.lease import StoreBusyError
+from pipeline.resources import CompileResources, ResourceError
 from pipeline.summary import IngestSummary
 from schemas.config import DType, ModelSpec, RenderSpec, TierSpec, Variant
 from schemas.store import StoreSpec
@@ -46,6 +49,21 @@ def render_spec(args: argparse.Namespace) -> RenderSpec:
     return RenderSpec(**{k: v for k, v in fields.items() if v is not None})
 
 
+def resource_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-workers", type=int, default=1, help="compile actors (each holds one VLM)")
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    parser.add_argument("--compile-batch-size", type=int, default=CompileResources().batch_size,
+                        help="chunks per compile forward")
+    parser.add_argument("--resource-wait-s", type=float, default=60.0,
+                        help="how long to wait for the cluster to free what the job needs before failing")
+    parser.add_argument("--stall-timeout-s", type=float, default=1800.0,
+                        help="fail (instead of hanging) when no data moves through the pipeline for this long")
+
+
+def compile_resources(args: argparse.Namespace) -> CompileResources:
+    return CompileResources(args.compile_workers, args.gpus_per_worker, batch_size=args.compile_batch_size)
+
+
 def print_summary(summary: IngestSummary, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary.to_dict(), indent=2))
@@ -58,7 +76,8 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
         ("inputs", summary.inputs), ("indexed", summary.indexed), ("deduplicated", summary.deduplicated),
         ("quarantined", f"{summary.num_quarantined} {summary.quarantined or ''}"),
         ("chunks (distinct texts)", f"{summary.num_chunks} ({summary.num_chunk_texts})"),
-        ("chunks compiled", summary.num_chunks_compiled), ("wall time", f"{summary.wall_s:.1f} s"),
+        ("chunks compiled", summary.num_chunks_compiled), ("chunks embedded", summary.num_chunks_embedded),
+        ("chunk rows published", summary.num_chunks_published), ("wall time", f"{summary.wall_s:.1f} s"),
         ("chunks/s", f"{summary.chunks_per_s:.2f}"), ("accounted", "yes" if summary.balanced else "NO"),
     ]:
         table.add_row(label, str(value))
@@ -81,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     render_args(parser)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--variants", nargs="+", type=Variant, default=list(Variant), choices=list(Variant))
-    parser.add_argument("--compile-workers", type=int, default=1)
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    resource_args(parser)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
@@ -91,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             corpus=args.corpus, store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
             model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
-            resources=CompileResources(args.compile_workers, args.gpus_per_worker), embedder_dir=args.embedder_dir,
+            resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
+            stall_timeout_s=args.stall_timeout_s,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)
@@ -99,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(quiet=args.json)
     try:
         summary = ingest(cfg)
+    except (StoreBusyError, ResourceError) as e:  # refused before any work: nothing to trace
+        print(explain(e, "ingest", args.store), file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:  # could not run at all: bad corpus root, mismatched store
         print(f"qvpic ingest: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001  any failure mid-job: the traceback, then what it means
+        report(e, "ingest", args.store)
         return 1
     print_summary(summary, args.json)
     return 0

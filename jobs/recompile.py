@@ -13,9 +13,11 @@ import sys
 from dataclasses import asdict
 
 from jobs.cluster import init_ray
-from jobs.ingest import model_args, render_args, render_spec
-from pipeline.ingest import CompileResources
+from jobs.failure import explain, report
+from jobs.ingest import compile_resources, model_args, render_args, render_spec, resource_args
+from pipeline.lease import StoreBusyError
 from pipeline.recompile import RecompileConfig, recompile
+from pipeline.resources import ResourceError
 from schemas.config import ModelSpec, Variant
 from schemas.store import StoreSpec
 
@@ -29,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     render_args(parser)
     parser.set_defaults(tiers=None, font_size_pt=None, line_height_pt=None)  # unset: keep the store's layout
     parser.add_argument("--variants", nargs="+", type=Variant, default=None, choices=list(Variant))
-    parser.add_argument("--compile-workers", type=int, default=1)
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    resource_args(parser)
     parser.add_argument("--orphan-grace-s", type=float, default=3600.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             revision=args.revision),
             render=None if args.tiers is args.font_size_pt is args.line_height_pt is None else render_spec(args),
             variants=None if args.variants is None else tuple(args.variants),
-            resources=CompileResources(args.compile_workers, args.gpus_per_worker), orphan_grace_s=args.orphan_grace_s,
+            resources=compile_resources(args), orphan_grace_s=args.orphan_grace_s,
+            resource_wait_s=args.resource_wait_s, stall_timeout_s=args.stall_timeout_s,
         )
     except ValueError as e:
         print(f"qvpic recompile: {e}", file=sys.stderr)
@@ -49,8 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(quiet=args.json)
     try:
         summary = recompile(cfg)
+    except (StoreBusyError, ResourceError) as e:  # refused before any work: nothing to trace
+        print(explain(e, "recompile", args.store), file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"qvpic recompile: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001  any failure mid-job: the traceback, then what it means
+        report(e, "recompile", args.store)
         return 1
     print(json.dumps(asdict(summary), indent=2, default=str))
     return 0 if not summary.failures else 3

@@ -1,82 +1,64 @@
-"""Render and compile stages of ingestion: one unique chunk in, its pages and KV entries out.
+"""Render and compile stages of ingestion: each distinct chunk text (a UNIT row) in, its KV entries out.
 
-Both are Ray Data callable classes (heavy init once per actor). The compile stage writes each chunk's
-shard and publishes its index rows itself, shard first: a killed actor leaves at most an orphan shard
-(collected by `Store.remove_orphans`), never an index row pointing at nothing.
+Both are Ray Data callable classes (heavy init once per actor) over pipeline rows; rows that are not
+units with work to do pass through. The compile stage batches: the entries of one (tier, variant)
+slot across the units of a batch compile `batch_size` chunks per forward and land in one packed shard
+(pipeline/shards.py). Shards are written first, then the batch's index rows are published as one part
+named by the job and the batch's keys — a killed actor leaves at most orphan shards, and a retried batch
+rewrites its part instead of adding one.
 """
 
 from __future__ import annotations
 
-import io
+import hashlib
 import json
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
-import numpy as np
-from PIL import Image
+import pyarrow as pa
 
+from pipeline.entries import (
+    TEXT_SOURCED, PageImageError, compile_entries, decode_png, encode_png, index_row, page_images,
+)
 from pipeline.render import Renderer
+from pipeline.rows import PAGES_TYPE, units_to_build, with_columns
+from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
 from pipeline.store import Store
-from schemas.config import ModelSpec, RenderSpec, TierSpec, Variant
+from schemas.config import ModelSpec, RenderSpec, Variant
 from schemas.corpus import RejectReason
 from schemas.store import Manifest, StoreSpec
 
-IMAGE_PATH = "image_path"  # chunk column: the original page image of an OCR'd document, or ""
-ERROR = "error"  # "" when the stage succeeded; else "<RejectReason value>: <detail>"
-SLOTS = "slots_json"  # the entries to build for a chunk: [[tier or null, variant], ...]
-ENTRIES = "entries_json"  # per entry written: tier, variant, nbytes, vision_tokens, pages
-
-
-def slots_json(slots: Iterable[tuple[str | None, Variant]]) -> str:
-    """The SLOTS value naming which (tier, variant) entries to build."""
-    return json.dumps([[tier, variant.value] for tier, variant in slots])
-
-
-def pages_column(tier: str) -> str:
-    return f"pages_{tier}"
-
-
-def encode_png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", optimize=False)
-    return buffer.getvalue()
-
-
-def scale_page(image: Image.Image, render: RenderSpec, tier: TierSpec) -> Image.Image:
-    """An input page image at a tier's resolution, taking its width as the configured page width."""
-    width_px = round(render.page_width_pt * tier.dpi / 72)
-    height_px = max(1, round(image.height * width_px / image.width))
-    return image.convert("RGB").resize((width_px, height_px), Image.Resampling.LANCZOS)
-
 
 class RenderStage:
-    """Row → row with one `pages_<tier>` column (PNG bytes per page; empty for tiers no slot needs)."""
+    """Units → the same units with the pages (PNG per page, per tier) their missing slots need."""
 
     def __init__(self, render: RenderSpec):
-        self.render_spec = render
         self.renderer = Renderer(render)
 
-    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        out = dict(row)
-        out[ERROR] = ""
-        out["missing_glyphs"] = 0
-        needed = {tier for tier, _ in json.loads(row[SLOTS]) if tier is not None}
-        for tier in self.render_spec.tiers:
-            out[pages_column(tier.name)] = []
-        try:
-            for tier in (t for t in self.render_spec.tiers if t.name in needed):
-                if row.get(IMAGE_PATH):
-                    with Image.open(row[IMAGE_PATH]) as image:
-                        pages = [scale_page(image, self.render_spec, tier)]
-                else:
-                    rendered = self.renderer.render(row["text"], tier)
-                    pages = rendered.pages
-                    out["missing_glyphs"] = max(out["missing_glyphs"], rendered.missing_glyphs)
-                out[pages_column(tier.name)] = [encode_png(p) for p in pages]
-        except (ValueError, OSError) as e:  # RenderError is a ValueError; a vanished image an OSError
-            out[ERROR] = f"{RejectReason.RENDER_FAILED.value}: {e}"
-        return out
+    def pages(self, unit: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+        tiers = {tier for tier, variant in json.loads(unit["slots_json"]) if Variant(variant) not in TEXT_SOURCED}
+        out, missing = [], 0
+        for tier in (t for t in self.renderer.spec.tiers if t.name in tiers):
+            pages, lacking = page_images(self.renderer, unit["text"], unit["image_path"], tier)
+            out.append({"tier": tier.name, "png": [encode_png(p) for p in pages]})
+            missing = max(missing, lacking)
+        return out, missing
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        work, rest = units_to_build(batch, "slots_json")
+        if work.num_rows == 0:
+            return batch
+        pages, missing, errors = [], [], []
+        for unit in work.select(["text", "image_path", "slots_json"]).to_pylist():
+            try:
+                rendered, lacking = self.pages(unit)
+                pages.append(rendered), missing.append(lacking), errors.append("")
+            except (ValueError, OSError) as e:  # RenderError and PageImageError are ValueErrors
+                pages.append([]), missing.append(0), errors.append(f"{RejectReason.RENDER_FAILED.value}: {e}")
+        work = with_columns(work, pages=pa.array(pages, PAGES_TYPE), missing_glyphs=missing, error=errors)
+        return pa.concat_tables([rest, work])
 
 
 @dataclass(frozen=True)
@@ -86,10 +68,21 @@ class CompilePlan:
     model: ModelSpec
     store: StoreSpec
     manifest_json: str  # the manifest the entries are fingerprinted against
+    batch_size: int = 8  # chunks per forward
+    stamp_ns: int = 0  # the job's start: orders its index parts after earlier jobs'
+    job_id: str = ""
+
+
+@dataclass
+class _Item:
+    chunk_key: str
+    source: Any  # text, or the chunk's pages at the slot's tier
+    sizes_px: list[list[int]]
+    cost: int  # for sorting a batch into similar lengths (less padding)
 
 
 class CompileStage:
-    """Batch of rendered chunks → KV entries written to the store; returns one summary row per chunk."""
+    """Units → KV entries written to the store; each unit row gets `error` and per-entry `entries_json`."""
 
     def __init__(self, plan: CompilePlan, vlm: VLM | None = None):
         self.plan = plan
@@ -97,50 +90,80 @@ class CompileStage:
         self.vlm = vlm or VLM(plan.model)  # in-process callers may share a loaded model
         self.store = Store.open(plan.store)
 
-    def entries(self, row: dict[str, Any]) -> list[tuple[str | None, Variant, Any, list[list[int]]]]:
-        """(tier, variant, ChunkKV, page sizes) for every slot the row asks for."""
-        out = []
-        for tier, variant_value in json.loads(row[SLOTS]):
-            variant = Variant(variant_value)
-            if variant is Variant.TEXT:
-                out.append((None, variant, self.vlm.compile_text(row["text"]), []))
-                continue
-            pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier)]]
-            kv = self.vlm.compile_images(pages, with_template=variant is Variant.TEMPLATE)
-            out.append((tier, variant, kv, [[p.width, p.height] for p in pages]))
-        return out
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        work, rest = units_to_build(batch, "slots_json")
+        if work.num_rows == 0:
+            return batch
+        units = work.select(["chunk_key", "text", "slots_json", "pages"]).to_pylist()
+        errors, stats = self.build(units)
+        work = with_columns(work, error=[errors.get(u["chunk_key"], "") for u in units],
+                            entries_json=[json.dumps(stats.get(u["chunk_key"], [])) for u in units],
+                            pages=pa.nulls(work.num_rows, PAGES_TYPE))  # pages are done with: do not carry them on
+        return pa.concat_tables([rest, work])
 
-    def compile_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        entries = self.entries(row)
-        rows = []
-        for tier, variant, kv, sizes in entries:
-            # One shard per entry: a remote load fetches exactly the tier it serves, and a recompile
-            # that replaces image entries leaves their old shards unreferenced, hence collectable.
-            shard, = self.store.write_shard({f"{tier or 'text'}.{variant.value}": kv.kv})
-            merge2 = self.vlm.adapter.merge_size**2
-            rows.append({
-                "chunk_key": row["chunk_key"], "tier": tier, "variant": variant.value,
-                "fingerprint": self.manifest.entry_fingerprint(variant, tier), "kind": kv.kind.value,
-                "num_tokens": kv.num_tokens, "position_span": kv.position_span, "compile_start": kv.compile_start,
-                "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes,
-                "vision_tokens": sum(t * h * w // merge2 for t, h, w in kv.grid_thw),
-                **shard.index_fields(),
-            })
-        self.store.publish_index(rows)  # after the shard exists
-        stats = [{"tier": r["tier"], "variant": r["variant"], "nbytes": r["nbytes"],
-                  "vision_tokens": r["vision_tokens"], "pages": len(r["image_sizes_px"])} for r in rows]
-        return {"chunk_key": row["chunk_key"], ERROR: "", ENTRIES: json.dumps(stats)}
+    def build(self, units: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, list[dict]]]:
+        """Compile, write and publish every missing entry of `units`: (errors, entry stats) by chunk key."""
+        errors: dict[str, str] = {}
+        slots: dict[tuple[str | None, Variant], list[_Item]] = defaultdict(list)
+        for unit in units:
+            pages = {p["tier"]: p["png"] for p in unit["pages"] or []}
+            for tier, variant in json.loads(unit["slots_json"]):
+                variant = Variant(variant)
+                if variant in TEXT_SOURCED:
+                    slots[(tier, variant)].append(_Item(unit["chunk_key"], unit["text"], [], len(unit["text"])))
+                    continue
+                images = [decode_png(png) for png in pages.get(tier, [])]
+                sizes = [[image.width, image.height] for image in images]
+                slots[(tier, variant)].append(_Item(unit["chunk_key"], images, sizes, sum(w * h for w, h in sizes)))
+        rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        merge_size = self.vlm.adapter.merge_size
+        for (tier, variant), items in slots.items():
+            items.sort(key=lambda item: item.cost)
+            for start in range(0, len(items), self.plan.batch_size):
+                batch = [i for i in items[start:start + self.plan.batch_size] if i.chunk_key not in errors]
+                built = [(i, kv) for i, kv in zip(batch, self.compile(variant, batch, errors)) if kv is not None]
+                if not built:
+                    continue
+                # One shard per batch and slot: a recompile that replaces the slot frees whole files.
+                shards = self.store.write_shard({f"{i.chunk_key}.{tier or 'text'}.{variant.value}": kv.kv
+                                                 for i, kv in built})
+                for (item, kv), shard in zip(built, shards):
+                    rows[item.chunk_key].append(
+                        index_row(self.manifest, item.chunk_key, tier, variant, kv, item.sizes_px, merge_size, shard))
+        published = [r for key, entries in rows.items() if key not in errors for r in entries]
+        if published:
+            digest = hashlib.sha256("\n".join(sorted(r["chunk_key"] + r["variant"] + (r["tier"] or "") for r in published))
+                                    .encode()).hexdigest()[:16]
+            self.store.publish_index(published, stamp_ns=self.plan.stamp_ns or None, token=digest)
+        stats = {key: [{"tier": r["tier"], "variant": r["variant"], "nbytes": r["nbytes"],
+                        "vision_tokens": r["vision_tokens"], "pages": len(r["image_sizes_px"])} for r in entries]
+                 for key, entries in rows.items() if key not in errors}
+        return errors, stats
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        results = []
-        for i in range(len(batch["chunk_key"])):
-            row = {k: v[i] for k, v in batch.items()}
-            if row[ERROR]:
-                results.append({"chunk_key": row["chunk_key"], ERROR: row[ERROR], ENTRIES: "[]"})
-                continue
-            try:
-                results.append(self.compile_row(row))
-            except (ValueError, RuntimeError) as e:  # a chunk the model cannot take: quarantine, go on
-                error = f"{RejectReason.COMPILE_FAILED.value}: {e}"
-                results.append({"chunk_key": row["chunk_key"], ERROR: error, ENTRIES: "[]"})
-        return {k: [r[k] for r in results] for k in ("chunk_key", ERROR, ENTRIES)}
+    def compile(self, variant: Variant, items: list[_Item], errors: dict[str, str]) -> list[ChunkKV | None]:
+        """One batched forward; when it fails, each item alone, so one bad chunk fails only itself."""
+        if not items:
+            return []
+        try:
+            return list(compile_entries(self.vlm, variant, [i.source for i in items]))
+        except (ValueError, RuntimeError) as e:  # a chunk the model cannot take: quarantine it, go on
+            if len(items) == 1:
+                errors[items[0].chunk_key] = f"{RejectReason.COMPILE_FAILED.value}: {e}"
+                return [None]
+        return [self.compile(variant, [item], errors)[0] for item in items]
+
+
+def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list[tuple[str, str, str | None]],
+                       batch_size: int = 8) -> dict[str, str]:
+    """Render and compile every entry the manifest needs for `(chunk_key, text, image_path)` sources in
+    this process, through the pipeline's own stages (tests and benchmarks that build stores without
+    Ray). Returns the errors by chunk key."""
+    from pipeline.entries import entry_slots
+    from pipeline.rows import Kind, rows_table
+
+    slots = json.dumps([[tier, variant.value] for tier, variant in entry_slots(manifest, manifest.variants)])
+    units = rows_table([{"kind": Kind.UNIT.value, "key": key, "chunk_key": key, "text": text, "image_path": image_path,
+                         "slots_json": slots, "error": ""} for key, text, image_path in dict.fromkeys(sources)])
+    plan = CompilePlan(vlm.spec, store.spec, manifest.to_json(), batch_size)
+    built = CompileStage(plan, vlm=vlm)(RenderStage(manifest.render)(units))
+    return {row["chunk_key"]: row["error"] for row in built.select(["chunk_key", "error"]).to_pylist() if row["error"]}

@@ -30,12 +30,47 @@ class DocRef(Frozen):
                    image_phash=doc.metadata.get(MetaKey.IMAGE_PHASH.value))
 
 
-def _source_order(ref: DocRef) -> tuple[str, int, str]:
-    """Record numbers compare as numbers, so `a.jsonl#L9` comes before `a.jsonl#L10`."""
-    located = _RECORD_SUFFIX.search(ref.source)
-    if located is None:
-        return ref.source, -1, ref.doc_id
-    return ref.source[:located.start()], int(located.group(1)), ref.doc_id
+def source_order_key(source: str, doc_id: str) -> str:
+    """A string that sorts documents in (file path, record number, doc id) order: record numbers compare
+    as numbers, so `a.jsonl#L9` comes before `a.jsonl#L10`. Distributed stages sort on it."""
+    located = _RECORD_SUFFIX.search(source)
+    path, record = (source, -1) if located is None else (source[:located.start()], int(located.group(1)))
+    return f"{path}\x00{record + 1:012d}\x00{doc_id}"
+
+
+def _source_order(ref: DocRef) -> str:
+    return source_order_key(ref.source, ref.doc_id)
+
+
+def duplicate_id_rejections(refs: Iterable[DocRef]) -> list[Rejection]:
+    """Documents whose id an earlier document (in source order) already uses."""
+    rejections: list[Rejection] = []
+    first_source: dict[str, str] = {}
+    for ref in sorted(refs, key=_source_order):
+        if ref.doc_id in first_source:
+            rejections.append(Rejection(source=ref.source, doc_id=ref.doc_id, reason=RejectReason.DUPLICATE_ID,
+                                        detail=f"doc_id already used at {first_source[ref.doc_id]}"))
+        else:
+            first_source[ref.doc_id] = ref.source
+    return rejections
+
+
+def near_duplicate_images(refs: Iterable[DocRef], spec: ReaderSpec = ReaderSpec()) -> list[Rejection]:
+    """Page images whose OCR text equals an earlier kept image's and whose pHash is within
+    `spec.max_phash_distance_bits` of it; the first in source order is kept."""
+    rejections: list[Rejection] = []
+    kept_images: dict[str, list[DocRef]] = {}  # text_key -> kept images with that OCR text
+    for ref in sorted((r for r in refs if r.image_phash is not None), key=_source_order):
+        same_text = kept_images.setdefault(ref.text_key, [])
+        distances = [(phash_distance_bits(kept.image_phash or "", ref.image_phash or ""), kept) for kept in same_text]
+        near = [(bits, kept) for bits, kept in distances if bits <= spec.max_phash_distance_bits]
+        if not near:
+            same_text.append(ref)
+            continue
+        bits, twin = min(near, key=lambda pair: pair[0])
+        rejections.append(Rejection(source=ref.source, doc_id=ref.doc_id, reason=RejectReason.NEAR_DUPLICATE_IMAGE,
+                                    detail=f"same OCR text as {twin.source}, pHash {bits} bits apart"))
+    return rejections
 
 
 def cross_file_rejections(refs: Iterable[DocRef], spec: ReaderSpec = ReaderSpec()) -> list[Rejection]:
@@ -45,24 +80,7 @@ def cross_file_rejections(refs: Iterable[DocRef], spec: ReaderSpec = ReaderSpec(
     Images are near-duplicates only when their OCR texts match and their pHashes are within
     `spec.max_phash_distance_bits`: a re-encoded scan is dropped, a page with one changed figure is not.
     """
-    rejections: list[Rejection] = []
-    first_source: dict[str, str] = {}
-    kept_images: dict[str, list[DocRef]] = {}  # text_key -> kept images with that OCR text
-    for ref in sorted(refs, key=_source_order):
-        if ref.doc_id in first_source:
-            rejections.append(Rejection(source=ref.source, doc_id=ref.doc_id, reason=RejectReason.DUPLICATE_ID,
-                                        detail=f"doc_id already used at {first_source[ref.doc_id]}"))
-            continue
-        first_source[ref.doc_id] = ref.source
-        if ref.image_phash is None:
-            continue
-        same_text = kept_images.setdefault(ref.text_key, [])
-        distances = [(phash_distance_bits(kept.image_phash or "", ref.image_phash), kept) for kept in same_text]
-        near = [(bits, kept) for bits, kept in distances if bits <= spec.max_phash_distance_bits]
-        if not near:
-            same_text.append(ref)
-            continue
-        bits, twin = min(near, key=lambda pair: pair[0])
-        rejections.append(Rejection(source=ref.source, doc_id=ref.doc_id, reason=RejectReason.NEAR_DUPLICATE_IMAGE,
-                                    detail=f"same OCR text as {twin.source}, pHash {bits} bits apart"))
-    return rejections
+    refs = list(refs)
+    by_id = duplicate_id_rejections(refs)
+    dropped = {(r.source, r.doc_id) for r in by_id}
+    return by_id + near_duplicate_images([r for r in refs if (r.source, r.doc_id) not in dropped], spec)

@@ -1,10 +1,36 @@
-"""What an ingestion or recompile job did, in numbers; `indexed + deduplicated + quarantined == inputs`."""
+"""What an ingestion job did, in numbers; `indexed + deduplicated + quarantined == inputs`.
+
+The pipeline's last stage returns one small tally row per partition (TALLY_SCHEMA); the driver adds
+them up, so its memory does not grow with the corpus.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import json
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+import pyarrow as pa
+
+TALLY_SCHEMA = pa.schema([
+    ("inputs", pa.int64()), ("indexed", pa.int64()), ("deduplicated", pa.int64()),
+    ("quarantined_json", pa.string()),  # reason -> count
+    ("num_chunks", pa.int64()), ("num_chunk_texts", pa.int64()), ("num_compiled", pa.int64()),
+    ("num_embedded", pa.int64()), ("num_published", pa.int64()),
+    ("groups_json", pa.string()),  # "<tier or text>.<variant>" -> [entries, pages, vision_tokens, nbytes]
+])
+GROUP_FIELDS = ("entries", "pages", "vision_tokens", "nbytes")
+
+
+def entry_groups(entries: Iterable[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per-entry stats (tier, variant, pages, vision_tokens, nbytes) summed per `<tier or text>.<variant>`."""
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for e in entries:
+        g = groups[f"{e['tier'] or 'text'}.{e['variant']}"]
+        for i, value in enumerate((1, e["pages"], e["vision_tokens"], e["nbytes"])):
+            g[i] += value
+    return dict(groups)
 
 
 @dataclass
@@ -14,11 +40,30 @@ class IngestSummary:
     indexed: int
     deduplicated: int  # documents whose whole text repeats an earlier document's
     quarantined: dict[str, int]  # reason → count
-    num_chunks: int  # chunk occurrences published
-    num_chunk_texts: int  # distinct chunk texts among them
+    num_chunks: int  # chunk occurrences of indexed documents (published now or already stored)
+    num_chunk_texts: int  # distinct chunk texts among this corpus's chunks that built
     num_chunks_compiled: int  # distinct chunk texts compiled by this job (the rest were already stored)
-    entries: list[dict[str, Any]] = field(default_factory=list)  # tier, variant, nbytes, vision_tokens, pages
+    num_chunks_embedded: int = 0  # distinct chunk texts embedded by this job
+    num_chunks_published: int = 0  # chunk rows written by this job (new or changed)
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)  # per entry group compiled by this job
     wall_s: float = 0.0
+
+    @classmethod
+    def from_tallies(cls, job_id: str, tallies: Iterable[pa.Table]) -> "IngestSummary":
+        totals: Counter[str] = Counter()
+        quarantined: Counter[str] = Counter()
+        groups: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        for table in tallies:
+            for row in table.to_pylist():
+                totals.update({k: v for k, v in row.items() if isinstance(v, int)})
+                quarantined.update(json.loads(row["quarantined_json"]))
+                for name, values in json.loads(row["groups_json"]).items():
+                    groups[name] = [a + b for a, b in zip(groups[name], values)]
+        return cls(job_id=job_id, inputs=totals["inputs"], indexed=totals["indexed"],
+                   deduplicated=totals["deduplicated"], quarantined=dict(quarantined), num_chunks=totals["num_chunks"],
+                   num_chunk_texts=totals["num_chunk_texts"], num_chunks_compiled=totals["num_compiled"],
+                   num_chunks_embedded=totals["num_embedded"], num_chunks_published=totals["num_published"],
+                   groups={name: dict(zip(GROUP_FIELDS, values)) for name, values in sorted(groups.items())})
 
     @property
     def num_quarantined(self) -> int:
@@ -31,14 +76,7 @@ class IngestSummary:
     @property
     def per_entry_group(self) -> dict[str, dict[str, int]]:
         """`<tier or text>.<variant>` → entries, pages, vision tokens and KV bytes compiled."""
-        groups: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "pages": 0, "vision_tokens": 0, "nbytes": 0})
-        for e in self.entries:
-            g = groups[f"{e['tier'] or 'text'}.{e['variant']}"]
-            g["entries"] += 1
-            g["pages"] += e["pages"]
-            g["vision_tokens"] += e["vision_tokens"]
-            g["nbytes"] += e["nbytes"]
-        return dict(sorted(groups.items()))
+        return self.groups
 
     @property
     def chunks_per_s(self) -> float:
@@ -46,7 +84,5 @@ class IngestSummary:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        del out["entries"]
-        out.update(num_quarantined=self.num_quarantined, balanced=self.balanced,
-                   groups=self.per_entry_group, chunks_per_s=self.chunks_per_s)
+        out.update(num_quarantined=self.num_quarantined, balanced=self.balanced, chunks_per_s=self.chunks_per_s)
         return out

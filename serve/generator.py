@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import torch
 from PIL import Image
 
-from pipeline.compile import scale_page
+from pipeline.entries import PageImageError, build_entry, page_images
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, Prefill
@@ -44,7 +44,7 @@ from schemas.api import (
     TokenUsage,
     UnservableError,
 )
-from schemas.config import Mode, ModelSpec, Variant
+from schemas.config import Mode, ModelSpec
 from schemas.store import StoreSpec
 from serve.loader import from_wire, to_wire
 from serve.plan import Answer, Entry, LoadedKV, LoadResult, Plan, PlannedChunk
@@ -173,25 +173,15 @@ class Generator:
         if rows.num_rows == 0:
             raise UnservableError(f"chunk {chunk.chunk_id} has no source text in the store")
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
-        if entry.variant is Variant.TEXT:
-            with self._lock:
-                return self.vlm.compile_text(source["text"])
-        pages = self.pages(dataclasses.replace(chunk, tier=entry.tier, text=source["text"],
-                                               image_path=source["image_path"] or None))
         with self._lock:
-            return self.vlm.compile_images(pages, with_template=entry.variant is Variant.TEMPLATE)
+            return build_entry(self.vlm, self.renderer, source["text"], source["image_path"], entry.tier, entry.variant)
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""
-        tier = self.render_spec.tier(chunk.tier)
-        if chunk.image_path is None:
-            return self.renderer.render(chunk.text, tier).pages
         try:
-            with Image.open(chunk.image_path) as image:
-                return [scale_page(image, self.render_spec, tier)]
-        except OSError as error:
-            message = f"page image of chunk {chunk.chunk_id} is not readable on this replica: {error}"
-            raise UnservableError(message) from error
+            return page_images(self.renderer, chunk.text, chunk.image_path, self.render_spec.tier(chunk.tier))[0]
+        except PageImageError as error:
+            raise UnservableError(f"chunk {chunk.chunk_id}: {error}") from error
 
     def query_tokens(self, query: str) -> int:
         return len(self.vlm.adapter.encode(query)) + len(self.vlm.adapter.turn_suffix_ids)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
+from pipeline.compile import compile_in_process
 from pipeline.embed import Embedder
-from pipeline.ingest import entry_slots, new_manifest
+from pipeline.ingest import new_manifest
 from pipeline.runtime.model import VLM
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, RouterSpec, Variant
@@ -41,14 +41,11 @@ def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, l
     store = Store.open(str(root), create=True)
     manifest = new_manifest(vlm.spec, render, ALL_VARIANTS, embedder.model_name, embedder.dim, "tests")
     store.write_manifest(manifest)
-    renderer = RenderStage(render)
-    compiler = CompileStage(CompilePlan(vlm.spec, store.spec, manifest.to_json()), vlm=vlm)
-    slots = slots_json(entry_slots(manifest, ALL_VARIANTS))
     chunks = [Chunk.build(doc_id, order, text, len(vlm.adapter.encode(text)))
               for doc_id, texts in documents.items() for order, text in enumerate(texts)]
-    for chunk in {c.chunk_key: c for c in reversed(chunks)}.values():
-        rendered = renderer({"chunk_key": chunk.chunk_key, "text": chunk.text, IMAGE_PATH: "", SLOTS: slots})
-        compiler.compile_row(rendered)
+    first = {c.chunk_key: c for c in reversed(sorted(chunks, key=lambda c: c.chunk_id))}  # as ingest picks
+    errors = compile_in_process(store, manifest, vlm, [(c.chunk_key, c.text, None) for c in first.values()])
+    assert not errors, errors
     embeddings = embedder.embed([c.text for c in chunks])
     store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}",
                                image_path=None) for chunk, vector in zip(chunks, embeddings)])

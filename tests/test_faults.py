@@ -19,8 +19,8 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
-from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
-from pipeline.ingest import IngestConfig, entry_slots, ingest
+from pipeline.compile import compile_in_process
+from pipeline.ingest import IngestConfig, ingest
 from pipeline.render import resolve_font
 from pipeline.store import Store, tensor_sha256
 from schemas.api import AnswerRequest
@@ -92,10 +92,7 @@ def add_scanned_page(root: Path, serving: ServingStore, image_path: Path) -> str
     store = Store.open(str(root))
     manifest = store.load_manifest_or_raise()
     chunk = Chunk.build("scan.png", 0, SCAN_TEXT, len(serving.vlm.adapter.encode(SCAN_TEXT)))
-    row = {"chunk_key": chunk.chunk_key, "text": chunk.text, IMAGE_PATH: str(image_path),
-           SLOTS: slots_json(entry_slots(manifest, manifest.variants))}
-    compiler = CompileStage(CompilePlan(serving.model, store.spec, manifest.to_json()), vlm=serving.vlm)
-    compiler.compile_row(RenderStage(manifest.render)(row))
+    assert not compile_in_process(store, manifest, serving.vlm, [(chunk.chunk_key, chunk.text, str(image_path))])
     store.publish_chunks([dict(chunk.model_dump(), embedding=serving.embedder.embed([chunk.text])[0].tolist(),
                                source="scan.png", image_path=str(image_path))])
     return chunk.chunk_id

@@ -1,0 +1,119 @@
+"""What the ingest and recompile pipelines ask Ray for, sized to what the cluster has free.
+
+A job that shares its cluster with a Serve app (or anything else holding CPUs) must never wait forever
+for a CPU: Ray Data's shuffle tasks ask for a whole CPU each (fixed by Ray), and an actor pool that takes
+the rest starves them silently. So before a job starts, its stage actors' CPU requests are scaled to fit
+beside one free CPU for tasks, pools start at one actor and grow only into what frees up, and if even
+that does not fit within `wait_s`, the job fails at once with a message naming what it needs, what the
+cluster has free and who holds the rest. A job that stalls later (no block moves for `stall_timeout_s`)
+fails with Ray Data's own report instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import ray
+from ray.data import DataContext, ExecutionResources
+
+TASK_CPUS = 1.0  # Ray Data's shuffle map and reduce tasks each take one CPU; not configurable
+MIN_ACTOR_CPUS = 0.01
+_POLL_S = 1.0
+
+
+class ResourceError(RuntimeError):
+    """The cluster cannot give a job what it needs to make progress."""
+
+
+@dataclass(frozen=True)
+class CompileResources:
+    """The compile actor pool: one VLM per actor; GPUs per actor 0 = CPU; `batch_size` chunks per forward."""
+
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.gpus_per_worker < 0 or self.cpus_per_worker <= 0 or self.batch_size < 1:
+            raise ValueError("workers >= 1, gpus_per_worker >= 0, cpus_per_worker > 0 and batch_size >= 1 are required")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Per-stage requests: tasks take `task_cpus`; each actor pool starts at one actor."""
+
+    task_cpus: float
+    chunk_cpus: float
+    render_cpus: float
+    embed_cpus: float
+    compile_cpus: float
+    compile_gpus: float
+    compile_workers: int
+    pool_max: int  # chunk / render / embed pools grow up to this many actors
+    cpu_budget: float  # what the job may hold at once
+    num_partitions: int  # of each shuffle
+
+    def apply(self, stall_timeout_s: float) -> None:
+        """Bound Ray Data to the budget, and make a stall an error rather than a hang."""
+        ctx = DataContext.get_current()
+        gpus = self.compile_gpus * self.compile_workers
+        ctx.execution_options.resource_limits = ExecutionResources(cpu=self.cpu_budget, gpu=gpus or None)
+        ctx.execution_no_progress_timeout_s = stall_timeout_s
+
+
+def plan_stages(resources: CompileResources, stages: tuple[str, ...] = ("chunk", "render", "embed"),
+                wait_s: float = 60.0) -> StagePlan:
+    """The requests of a pipeline with `stages` actor pools (besides compile) on this cluster now."""
+    want = {"chunk": 0.25, "render": 0.5, "embed": 0.5}
+    want = {name: want[name] for name in stages} | {"compile": resources.cpus_per_worker}
+    total = ray.cluster_resources()
+    if resources.gpus_per_worker > total.get("GPU", 0.0):
+        raise ResourceError(f"each compile worker asks for {resources.gpus_per_worker:g} GPU but the cluster has "
+                            f"{total.get('GPU', 0.0):g} GPUs; run with --gpus-per-worker 0 to compile on CPUs")
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = ray.available_resources()
+        free_cpus, free_gpus = free.get("CPU", 0.0), free.get("GPU", 0.0)
+        scale = min(1.0, (free_cpus - TASK_CPUS) / sum(want.values()))
+        gpu_ok = free_gpus >= resources.gpus_per_worker
+        if gpu_ok and scale * min(want.values()) >= MIN_ACTOR_CPUS:
+            break
+        if time.monotonic() >= deadline:
+            raise ResourceError(_shortage(want, resources, free_cpus, free_gpus, total, wait_s))
+        time.sleep(_POLL_S)
+    cpus = {name: max(MIN_ACTOR_CPUS, round(v * scale, 3)) for name, v in want.items()}
+    return StagePlan(
+        task_cpus=min(0.25, free_cpus - sum(cpus.values())) if scale < 1 else 0.25,
+        chunk_cpus=cpus.get("chunk", 0.0), render_cpus=cpus.get("render", 0.0), embed_cpus=cpus.get("embed", 0.0),
+        compile_cpus=cpus["compile"], compile_gpus=resources.gpus_per_worker, compile_workers=resources.workers,
+        pool_max=2 if scale >= 1 else 1, cpu_budget=free_cpus,
+        num_partitions=max(1, min(16, int(total.get("CPU", 1)))),
+    )
+
+
+def _shortage(want: dict[str, float], resources: CompileResources, free_cpus: float, free_gpus: float,
+              total: dict[str, float], wait_s: float) -> str:
+    needs = f"{TASK_CPUS + len(want) * MIN_ACTOR_CPUS:g} CPU ({TASK_CPUS:g} for Ray Data's shuffle tasks, " \
+            f"a sliver for each of its {len(want)} stage actors)"
+    if resources.gpus_per_worker:
+        needs += f" and {resources.gpus_per_worker:g} GPU for a compile worker"
+    return (f"this job needs at least {needs} free to make progress, but after {wait_s:.0f} s the cluster still "
+            f"has {free_cpus:g} of {total.get('CPU', 0.0):g} CPUs and {free_gpus:g} of {total.get('GPU', 0.0):g} "
+            f"GPUs free{_holders()}. Free some (scale the Serve app down, or give it fractional "
+            "`num_cpus`), add a node, or run the job on its own cluster.")
+
+
+def _holders() -> str:
+    """`; held by: ServeReplica:app:Generator ×2, …` from the live actors, when Ray can list them."""
+    try:
+        from ray._private import state  # no public API lists actors without the dashboard
+
+        names = Counter(a.get("ActorClassName", "?") for a in state.actors().values() if a.get("State") == "ALIVE")
+    except Exception:  # noqa: BLE001  a hint only: the message stands without it
+        return ""
+    if not names:
+        return ""
+    return "; live actors: " + ", ".join(f"{n} ×{c}" for n, c in names.most_common(8))
