@@ -161,22 +161,24 @@ class PartLog:
 
     def _full_tables(self, paths: list[str], keep: Callable[[pa.Table], pa.Table] | None,
                      target_rows: int) -> Iterator[pa.Table]:
-        num_rows = sum(self._num_rows(p) for p in paths)
-        cuts = self._key_cuts(paths, -(-num_rows // target_rows)) if self.keys else []
-        for lo, hi in zip([None, *cuts], [*cuts, None]):
+        for lo, hi in self._key_ranges(paths, target_rows):
             table = pa.concat_tables([_key_range(self._read_part(p), self.keys, lo, hi) for p in paths])
             table = newest_per_key(table, self.keys, self.time_column)
-            yield keep(table) if keep is not None else table
+            table = keep(table) if keep is not None else table
+            yield table.sort_by(self.keys[0]) if self.keys else table
 
-    def _key_cuts(self, paths: list[str], num_ranges: int) -> list[str]:
-        """Boundaries of `num_ranges` ranges of the first key column holding about equal rows."""
-        if num_ranges <= 1:
-            return []
+    def _key_ranges(self, paths: list[str], target_rows: int) -> list[tuple[str | None, str | None]]:
+        """[lo, hi) ranges of the first key column, each holding about `target_rows` distinct keys (a key the
+        other key columns refine — one chunk's entries — never straddles two ranges)."""
+        if not self.keys:
+            return [(None, None)]
         column = self.keys[0]
         keys = pa.chunked_array([pq.read_table(pa.BufferReader(self.blobs.get(p)), columns=[column])[column]
-                                 for p in paths]).combine_chunks()
-        ordered = keys.take(pc.sort_indices(keys))
-        return sorted({ordered[len(ordered) * i // num_ranges].as_py() for i in range(1, num_ranges)})
+                                 for p in paths], pa.string())
+        distinct = pc.unique(keys.combine_chunks())
+        distinct = distinct.take(pc.sort_indices(distinct))
+        cuts = [distinct[i].as_py() for i in range(target_rows, len(distinct), target_rows)]
+        return list(zip([None, *cuts], [*cuts, None]))
 
 
 def _key_range(table: pa.Table, keys: Sequence[str], lo: str | None, hi: str | None) -> pa.Table:

@@ -5,8 +5,9 @@ for a CPU: Ray Data's shuffle tasks ask for a whole CPU each (fixed by Ray), and
 the rest starves them silently. So before a job starts, its stage actors' CPU requests are scaled to fit
 beside one free CPU for tasks, pools start at one actor and grow only into what frees up, and if even
 that does not fit within `wait_s`, the job fails at once with a message naming what it needs, what the
-cluster has free and who holds the rest. A job that stalls later (no block moves for `stall_timeout_s`)
-fails with Ray Data's own report instead of hanging.
+cluster has free and who holds the rest. GPUs are left to Ray (an autoscaler adds GPU nodes for the
+compile actors it sees pending); a job that stalls for any reason — a GPU that never comes — fails
+once no block has moved for `stall_timeout_s` (Ray Data's own report) instead of hanging.
 """
 
 from __future__ import annotations
@@ -53,14 +54,13 @@ class StagePlan:
     compile_gpus: float
     compile_workers: int
     pool_max: int  # chunk / render / embed pools grow up to this many actors
-    cpu_budget: float  # what the job may hold at once
+    cpu_budget: float | None  # what the job may hold at once; None: the whole (autoscaling) cluster
     num_partitions: int  # of each shuffle
 
     def apply(self, stall_timeout_s: float) -> None:
         """Bound Ray Data to the budget, and make a stall an error rather than a hang."""
         ctx = DataContext.get_current()
-        gpus = self.compile_gpus * self.compile_workers
-        ctx.execution_options.resource_limits = ExecutionResources(cpu=self.cpu_budget, gpu=gpus or None)
+        ctx.execution_options.resource_limits = ExecutionResources(cpu=self.cpu_budget)
         ctx.execution_no_progress_timeout_s = stall_timeout_s
 
 
@@ -70,26 +70,25 @@ def plan_stages(resources: CompileResources, stages: tuple[str, ...] = ("chunk",
     want = {"chunk": 0.25, "render": 0.5, "embed": 0.5}
     want = {name: want[name] for name in stages} | {"compile": resources.cpus_per_worker}
     total = ray.cluster_resources()
-    if resources.gpus_per_worker > total.get("GPU", 0.0):
-        raise ResourceError(f"each compile worker asks for {resources.gpus_per_worker:g} GPU but the cluster has "
-                            f"{total.get('GPU', 0.0):g} GPUs; run with --gpus-per-worker 0 to compile on CPUs")
     deadline = time.monotonic() + wait_s
-    while True:
+    while True:  # GPUs are left to Ray: an autoscaler adds GPU nodes for pending actors; CPUs are ours to size
         free = ray.available_resources()
         free_cpus, free_gpus = free.get("CPU", 0.0), free.get("GPU", 0.0)
         scale = min(1.0, (free_cpus - TASK_CPUS) / sum(want.values()))
-        gpu_ok = free_gpus >= resources.gpus_per_worker
-        if gpu_ok and scale * min(want.values()) >= MIN_ACTOR_CPUS:
+        if scale * min(want.values()) >= MIN_ACTOR_CPUS:
             break
         if time.monotonic() >= deadline:
             raise ResourceError(_shortage(want, resources, free_cpus, free_gpus, total, wait_s))
         time.sleep(_POLL_S)
     cpus = {name: max(MIN_ACTOR_CPUS, round(v * scale, 3)) for name, v in want.items()}
+    # Pools grow only while every actor they may start still leaves a CPU for the shuffle tasks.
+    others = sum(v for name, v in cpus.items() if name != "compile")
+    room = free_cpus - TASK_CPUS - cpus["compile"] * resources.workers
     return StagePlan(
-        task_cpus=min(0.25, free_cpus - sum(cpus.values())) if scale < 1 else 0.25,
+        task_cpus=min(0.25, max(MIN_ACTOR_CPUS, free_cpus - TASK_CPUS - sum(cpus.values()))),
         chunk_cpus=cpus.get("chunk", 0.0), render_cpus=cpus.get("render", 0.0), embed_cpus=cpus.get("embed", 0.0),
         compile_cpus=cpus["compile"], compile_gpus=resources.gpus_per_worker, compile_workers=resources.workers,
-        pool_max=2 if scale >= 1 else 1, cpu_budget=free_cpus,
+        pool_max=max(1, min(4, int(room // others) if others else 1)), cpu_budget=free_cpus if scale < 1 else None,
         num_partitions=max(1, min(16, int(total.get("CPU", 1)))),
     )
 
@@ -98,8 +97,6 @@ def _shortage(want: dict[str, float], resources: CompileResources, free_cpus: fl
               total: dict[str, float], wait_s: float) -> str:
     needs = f"{TASK_CPUS + len(want) * MIN_ACTOR_CPUS:g} CPU ({TASK_CPUS:g} for Ray Data's shuffle tasks, " \
             f"a sliver for each of its {len(want)} stage actors)"
-    if resources.gpus_per_worker:
-        needs += f" and {resources.gpus_per_worker:g} GPU for a compile worker"
     return (f"this job needs at least {needs} free to make progress, but after {wait_s:.0f} s the cluster still "
             f"has {free_cpus:g} of {total.get('CPU', 0.0):g} CPUs and {free_gpus:g} of {total.get('GPU', 0.0):g} "
             f"GPUs free{_holders()}. Free some (scale the Serve app down, or give it fractional "
