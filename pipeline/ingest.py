@@ -133,8 +133,10 @@ def compile_(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePlan)
     # Ray Data restarts a dead compile actor and retries its batch (its defaults: max_restarts=-1,
     # max_task_retries=-1; there are no named parameters for them in Ray 2.60 and `**ray_remote_args`
     # is deprecated). A retried batch rewrites the same shards and index part.
+    # Batches hold other kinds of rows too (they pass through); the stage compiles its units
+    # `batch_size` chunks per forward.
     return rows.map_batches(CompileStage, fn_constructor_kwargs={"plan": compile_plan}, batch_format="pyarrow",
-                            batch_size=compile_plan.batch_size, num_cpus=plan.compile_cpus,
+                            batch_size=4 * compile_plan.batch_size, num_cpus=plan.compile_cpus,
                             num_gpus=plan.compile_gpus or None,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.compile_workers))
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.ingest import IngestConfig, entry_slots, ingest
+from pipeline.lease import StoreBusyError
 from pipeline.recompile import RecompileConfig, recompile
+from pipeline.resources import CompileResources
 from pipeline.render import resolve_font
 from pipeline.store import Store
 from schemas.config import RenderSpec
@@ -104,13 +107,78 @@ def test_mixed_corpus_every_input_accounted_for(ingested, corpus):
     assert scan[0]["image_path"].endswith("scan.png") and "5521" in scan[0]["text"]
 
 
+def test_store_is_compacted_and_shards_are_packed(ingested):
+    cfg, summary = ingested
+    store_dir = Path(cfg.store.uri)
+    assert [len(os.listdir(store_dir / d)) for d in ("index", "chunks", "quarantine")] == [1, 1, 1]
+    shards = [f for _, _, files in os.walk(store_dir / "shards") for f in files]
+    index = Store.open(cfg.store).index()
+    assert 4 <= len(shards) <= index.num_rows // 2  # packed: one shard per compile batch and slot
+    per_shard = index.group_by("shard_path").aggregate([("variant", "count_distinct"), ("tier", "count_distinct")])
+    assert per_shard["variant_count_distinct"].to_pylist() == [1] * len(shards)  # a slot per shard: GC frees files
+    assert not os.listdir(store_dir / "leases")  # released
+
+
 def test_reingest_is_a_noop(ingested):
     cfg, _ = ingested
     store_dir = Path(cfg.store.uri)
     parts = {d: sorted(os.listdir(store_dir / d)) for d in ("index", "chunks")}
     again = ingest(IngestConfig(corpus=cfg.corpus, store=cfg.store, chunk_tokens=cfg.chunk_tokens))
     assert again.balanced and again.num_chunks_compiled == 0
+    assert again.num_chunks_embedded == 0 and again.num_chunks_published == 0  # nothing re-embedded or rewritten
     assert {d: sorted(os.listdir(store_dir / d)) for d in ("index", "chunks")} == parts
+
+
+def test_only_new_and_changed_documents_cost_model_work(ray_session, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"doc_id": d, "text": t}) + "\n" for d, t in GOOD))
+    spec = StoreSpec(uri=str(tmp_path / "store"))
+    first = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64,
+                                resources=CompileResources(batch_size=2)))
+    assert first.num_chunks_compiled == first.num_chunks_embedded == first.num_chunk_texts == 4
+    changed = [(d, t + " Revised." if d == "cobalt" else t) for d, t in GOOD]
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"doc_id": d, "text": t}) + "\n" for d, t in changed))
+    (corpus / "b.jsonl").write_text(json.dumps({"doc_id": "eel", "text": "Eel valve EV-203 holds 16 bar."}) + "\n"
+                                    + json.dumps({"doc_id": "atlas-again", "text": GOOD[0][1]}) + "\n")
+    second = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))
+    assert second.balanced and (second.indexed, second.deduplicated) == (5, 1)
+    assert second.num_chunks_compiled == second.num_chunks_embedded == 2  # cobalt's new text and eel
+    assert second.num_chunks_published == 3  # cobalt (changed), eel, atlas-again (a stored text: not re-embedded)
+    store = Store.open(spec)
+    assert_complete(store)
+    assert store.chunks_for(doc_ids=["cobalt"]).column("text").to_pylist()[0].endswith("Revised.")
+
+
+def test_second_ingest_into_a_busy_store_refuses_naming_the_first(ray_session, corpus, tmp_path):
+    spec = StoreSpec(uri=str(tmp_path / "store"))
+    outcome: dict = {}
+
+    def first() -> None:
+        try:
+            outcome["summary"] = ingest(IngestConfig(corpus=str(corpus[0]), store=spec, chunk_tokens=64,
+                                                     job_id="ingest-first"))
+        except BaseException as error:  # noqa: BLE001  re-raised on the test's thread
+            outcome["error"] = error
+
+    job = threading.Thread(target=first)
+    job.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "store" / "leases" / "ingest-first.json").exists():
+        assert job.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.05)
+    with pytest.raises(StoreBusyError, match="being written by job ingest-first"):
+        ingest(IngestConfig(corpus=str(corpus[0]), store=spec, chunk_tokens=64, job_id="ingest-second"))
+    job.join(timeout=600)
+    if "error" in outcome:
+        raise outcome["error"]
+    assert outcome["summary"].balanced
+    again = ingest(IngestConfig(corpus=str(corpus[0]), store=spec, chunk_tokens=64, job_id="ingest-second"))
+    assert again.num_chunks_compiled == again.num_chunks_published == 0  # the first did it all, once
+    raw = pq.read_table(tmp_path / "store" / "index", columns=["chunk_key", "tier", "variant", "fingerprint"])
+    assert raw.num_rows == len({tuple(r.values()) for r in raw.to_pylist()})
+    chunk_ids = pq.read_table(tmp_path / "store" / "chunks", columns=["chunk_id"])["chunk_id"].to_pylist()
+    assert len(chunk_ids) == len(set(chunk_ids))
 
 
 def test_recompile_after_renderer_change(ingested, tmp_path):
