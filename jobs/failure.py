@@ -18,6 +18,7 @@ from pipeline.blobs import StoreError
 from pipeline.lease import StoreBusyError
 from pipeline.resources import ResourceError
 
+_ERRNO = re.compile(r"\[Errno (\d+)\][^:'\n]*(?:: '([^'\n]+)')?")
 _AWS = re.compile(r"AWS Error|S3 error|Unable to connect to endpoint|NoSuchBucket|AccessDenied|InvalidAccessKeyId",
                   re.IGNORECASE)
 
@@ -40,21 +41,31 @@ def _first_line(error: BaseException) -> str:
     return text[-1] if text else type(error).__name__
 
 
+def _os_errors(chain: list[BaseException], texts: list[str]) -> list[tuple[int, str | None]]:
+    """(errno, file) of every OS error in the chain: live exceptions, and the `[Errno N] …: 'file'` lines
+    of originals that Ray only kept as text (it re-raises a worker's exception as a RayTaskError)."""
+    found = [(e.errno, e.filename and str(e.filename)) for e in chain if isinstance(e, OSError) and e.errno]
+    for text in texts:
+        found += [(int(m.group(1)), m.group(2)) for m in _ERRNO.finditer(text)]
+    return found
+
+
 def explain(error: BaseException, job: str, store_uri: str) -> str:
     chain = list(causes(error))
     texts = [str(e) for e in chain]
+    os_errors = _os_errors(chain, texts)
 
-    def has_errno(*codes: int) -> OSError | None:
-        return next((e for e in chain if isinstance(e, OSError) and e.errno in codes), None)
+    def failed_with(*codes: int) -> str | None:
+        """The file (or the store) an OS error of one of `codes` happened on; None when none did."""
+        hits = [path for code, path in os_errors if code in codes]
+        return None if not hits else next((p for p in hits if p), store_uri)
 
     resumable = (f"Nothing published is lost or torn: rerunning `qvpic {job}` resumes where this job stopped "
                  "and compiles nothing twice.")
-    if (e := has_errno(errno.ENOSPC, errno.EDQUOT)) or any("No space left on device" in t for t in texts):
-        where = getattr(e, "filename", None) or store_uri
+    if where := failed_with(errno.ENOSPC, errno.EDQUOT):
         return (f"qvpic {job} failed: the disk is full (No space left on device) while writing {where}. "
                 f"Free space or point --store at a larger volume. {resumable}")
-    if (e := has_errno(errno.EACCES, errno.EPERM, errno.EROFS)) or any(isinstance(c, PermissionError) for c in chain):
-        where = getattr(e, "filename", None) or store_uri
+    if where := failed_with(errno.EACCES, errno.EPERM, errno.EROFS):
         return (f"qvpic {job} failed: permission denied writing {where}. Give the job's user write access to the "
                 f"store (on a cluster: every worker node's user). {resumable}")
     if any(_AWS.search(t) for t in texts):
