@@ -27,6 +27,9 @@ fi
 "$PY" -c "from pipeline.render import resolve_font; resolve_font('DejaVuSans.ttf')" \
   || { echo "gpu.sh: the renderer needs fonts-dejavu-core (apt-get install fonts-dejavu-core)" >&2; exit 3; }
 
+# Compile chunks/s by batch size first (≤ 2 min), next to the TTFT table; its failure does not stop TTFT.
+bash "$repo/benchmarks/gpu_compile.sh" "$(dirname "$out")/compile_batch_gpu.md" || echo "gpu.sh: compile-batch step failed" >&2
+
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   # 470 s leaves room for start-up under an 8-minute slot; the model checkpoint is built on first use.
   exec timeout 470 "$PY" -m benchmarks.ttft --device cuda --models bench-qwen --dtypes bfloat16 \

@@ -1,7 +1,7 @@
 """Distributed dedup stages: whole-corpus checks as hash-partitioned shuffles, never sets in the driver.
 
 `check_ids` partitions documents by id: the first in source order keeps it, the others are rejected.
-`content_units` partitions by content key (chunk_key for chunks, the whole-text key for documents;
+`dedup` partitions by content key (chunk_key for chunks, the whole-text key for documents;
 a scanned page is one chunk, so its two keys are equal): documents repeating an earlier one's text
 are marked duplicates, near-duplicate page images rejected, and every distinct chunk text becomes one
 UNIT — carrying all its occurrences, and joined with what the store already holds for that key (its
@@ -117,7 +117,7 @@ class ContentUnits:
         return markers, rejected, dropped
 
 
-def content_units(rows: ray.data.Dataset, stored: list[ray.data.Dataset], slots: Sequence[tuple[str | None, Variant]],
+def dedup(rows: ray.data.Dataset, stored: list[ray.data.Dataset], slots: Sequence[tuple[str | None, Variant]],
                   reader: ReaderSpec, plan: StagePlan) -> ray.data.Dataset:
     for extra in stored:
         rows = rows.union(extra)
@@ -130,7 +130,7 @@ def _content_units(batch: pa.Table, units: ContentUnits) -> pa.Table:
 
 
 # ---- what the store already holds, as pipeline rows ----------------------------------------------------
-def _read(store: Store, table: str, columns: list[str], plan: StagePlan, **options: Any) -> ray.data.Dataset | None:
+def read_parts(store: Store, table: str, columns: list[str], plan: StagePlan, **options: Any) -> ray.data.Dataset | None:
     paths = store.part_paths(table)
     if not paths:
         return None
@@ -151,7 +151,7 @@ def stored_entries(store: Store, manifest: Manifest, slots: Sequence[tuple[str |
                    plan: StagePlan) -> ray.data.Dataset | None:
     """The store's entries of the slots this job needs, under the manifest's fingerprints."""
     required = [f"{slot_name(t, v)}/{manifest.entry_fingerprint(v, t)}" for t, v in slots]
-    ds = _read(store, "index", ["chunk_key", "tier", "variant", "fingerprint"], plan)
+    ds = read_parts(store, "index", ["chunk_key", "tier", "variant", "fingerprint"], plan)
     return None if ds is None else ds.map_batches(_entry_rows, fn_kwargs={"required": required},
                                                   batch_format="pyarrow", num_cpus=plan.task_cpus)
 
@@ -163,5 +163,5 @@ def _embedding_rows(batch: pa.Table) -> pa.Table:
 
 def stored_embeddings(store: Store, plan: StagePlan) -> ray.data.Dataset | None:
     """One row per stored chunk row: its key and embedding (the embedder is the store's)."""
-    ds = _read(store, "chunks", ["chunk_key", "embedding"], plan)
+    ds = read_parts(store, "chunks", ["chunk_key", "embedding"], plan)
     return None if ds is None else ds.map_batches(_embedding_rows, batch_format="pyarrow", num_cpus=plan.task_cpus)

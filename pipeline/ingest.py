@@ -19,12 +19,12 @@ import ray.data
 from ray.data import ActorPoolStrategy
 
 from pipeline.compile import CompilePlan, CompileStage, RenderStage
-from pipeline.dedup import check_ids, content_units, stored_embeddings, stored_entries
+from pipeline.dedup import check_ids, dedup, stored_embeddings, stored_entries
 from pipeline.documents import ChunkStage, read_files, rejected_row
 from pipeline.embed import Embedder, EmbedStage
 from pipeline.entries import entry_slots, required_keys  # noqa: F401  (re-exported: callers build stores with them)
 from pipeline.lease import StoreLease
-from pipeline.publish import publish
+from pipeline.publish import write
 from pipeline.readers import discover
 from pipeline.resources import CompileResources, StagePlan, plan_stages
 from pipeline.rows import Kind, rows_table
@@ -129,7 +129,7 @@ def embed(rows: ray.data.Dataset, embedder_dir: str | None, plan: StagePlan) -> 
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
-def compile_(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePlan) -> ray.data.Dataset:
+def compile_kv(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePlan) -> ray.data.Dataset:
     # Ray Data restarts a dead compile actor and retries its batch (its defaults: max_restarts=-1,
     # max_task_retries=-1; there are no named parameters for them in Ray 2.60 and `**ray_remote_args`
     # is deprecated). A retried batch rewrites the same shards and index part.
@@ -144,11 +144,11 @@ def compile_(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePlan)
 def ingest(cfg: IngestConfig) -> IngestSummary:
     started, stamp_ns = time.perf_counter(), time.time_ns()
     store = Store.open(cfg.store, create=True)
+    plan = plan_stages(cfg.resources, wait_s=cfg.resource_wait_s)  # or a clear refusal, before any write
+    plan.apply(cfg.stall_timeout_s)
     with StoreLease(store.blobs, cfg.job_id):
         manifest = target_manifest(store, cfg)
         store.write_manifest(manifest)
-        plan = plan_stages(cfg.resources, wait_s=cfg.resource_wait_s)
-        plan.apply(cfg.stall_timeout_s)
         slots = entry_slots(manifest, manifest.variants)
         compile_plan = CompilePlan(cfg.model, store.spec, manifest.to_json(), cfg.resources.batch_size, stamp_ns,
                                    cfg.job_id)
@@ -157,14 +157,13 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
         rows = check_ids(rows, plan)
         rows = chunk(rows, cfg, plan)
         stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
-        rows = content_units(rows, stored, slots, cfg.reader, plan)
+        rows = dedup(rows, stored, slots, cfg.reader, plan)  # one unit per distinct chunk text
         rows = render(rows, manifest, plan, cfg.resources.batch_size)
         rows = embed(rows, cfg.embedder_dir, plan)
-        rows = compile_(rows, compile_plan, plan)
-        tallies = publish(rows, store, cfg.job_id, stamp_ns, plan)
+        rows = compile_kv(rows, compile_plan, plan)
+        tallies = write(rows, store, cfg.job_id, stamp_ns, plan)  # whole documents, or quarantined
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
-        import os; os.environ.get("QVPIC_STATS") and print(tallies.stats())
         store.compact()
     summary.wall_s = time.perf_counter() - started
     return summary

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from pipeline.dedup import _read, shuffle
+from pipeline.dedup import read_parts, shuffle
 from pipeline.resources import StagePlan
 from pipeline.rows import Kind, conform_rows, not_of_kind, of_kind
 from pipeline.store import Store
@@ -57,7 +57,7 @@ def _stored_rows(batch: pa.Table) -> pa.Table:
 
 def stored_chunk_rows(store: Store, plan: StagePlan) -> ray.data.Dataset | None:
     """The store's chunk rows keyed by document, with the part they came from (parts sort in write order)."""
-    ds = _read(store, "chunks", ["doc_id", "chunk_id", "chunk_key", "source"], plan, include_paths=True)
+    ds = read_parts(store, "chunks", ["doc_id", "chunk_id", "chunk_key", "source"], plan, include_paths=True)
     return None if ds is None else ds.map_batches(_stored_rows, batch_format="pyarrow", num_cpus=plan.task_cpus)
 
 
@@ -111,7 +111,7 @@ class DocumentWriter:
         }], schema=TALLY_SCHEMA)
 
 
-def publish(rows: ray.data.Dataset, store: Store, job_id: str, stamp_ns: int, plan: StagePlan) -> ray.data.Dataset:
+def write(rows: ray.data.Dataset, store: Store, job_id: str, stamp_ns: int, plan: StagePlan) -> ray.data.Dataset:
     rows = rows.map_batches(explode_units, batch_format="pyarrow", num_cpus=plan.task_cpus)
     stored = stored_chunk_rows(store, plan)
     if stored is not None:

@@ -19,9 +19,9 @@ import pyarrow as pa
 import ray.data
 
 from pipeline.compile import CompilePlan
-from pipeline.dedup import _read, content_units, stored_entries
+from pipeline.dedup import dedup, read_parts, stored_entries
 from pipeline.entries import entry_slots
-from pipeline.ingest import compile_, new_manifest, render
+from pipeline.ingest import compile_kv, new_manifest, render
 from pipeline.lease import StoreLease
 from pipeline.resources import CompileResources, StagePlan, plan_stages
 from pipeline.rows import Kind, conform_rows, of_kind
@@ -79,7 +79,7 @@ def _chunk_rows(batch: pa.Table) -> pa.Table:
 def stored_chunks(store: Store, plan: StagePlan) -> ray.data.Dataset:
     """Every stored chunk occurrence as a CHUNK row: the sources of the entries to rebuild."""
     columns = ["chunk_id", "doc_id", "order", "chunk_key", "text", "num_text_tokens", "source", "image_path"]
-    ds = _read(store, "chunks", columns, plan)
+    ds = read_parts(store, "chunks", columns, plan)
     if ds is None:
         return ray.data.from_arrow(conform_rows(pa.table({"kind": pa.array([], pa.string())})))
     return ds.map_batches(_chunk_rows, batch_format="pyarrow", num_cpus=plan.task_cpus)
@@ -113,19 +113,19 @@ def _tally(batch: pa.Table, tally: Tally) -> pa.Table:
 def recompile(cfg: RecompileConfig) -> RecompileSummary:
     started, stamp_ns = time.perf_counter(), time.time_ns()
     store = Store.open(cfg.store)
+    plan = plan_stages(cfg.resources, stages=("render",), wait_s=cfg.resource_wait_s)  # or a clear refusal
+    plan.apply(cfg.stall_timeout_s)
     with StoreLease(store.blobs, cfg.job_id):
         old = store.load_manifest_or_raise()
         new, model = target_manifest(old, cfg)
-        plan = plan_stages(cfg.resources, stages=("render",), wait_s=cfg.resource_wait_s)
-        plan.apply(cfg.stall_timeout_s)
         slots = entry_slots(new, new.variants)
         compile_plan = CompilePlan(model, store.spec, new.to_json(), cfg.resources.batch_size, stamp_ns, cfg.job_id)
 
         rows = stored_chunks(store, plan)
         existing = stored_entries(store, new, slots, plan)
-        rows = content_units(rows, [existing] if existing is not None else [], slots, ReaderSpec(), plan)
+        rows = dedup(rows, [existing] if existing is not None else [], slots, ReaderSpec(), plan)
         rows = render(rows, new, plan, cfg.resources.batch_size)
-        rows = compile_(rows, compile_plan, plan)
+        rows = compile_kv(rows, compile_plan, plan)
         tallies = rows.map_batches(_tally, fn_kwargs={"tally": Tally(store.spec, cfg.job_id, stamp_ns)},
                                    batch_format="pyarrow", batch_size=256, num_cpus=plan.task_cpus)
         units = compiled = nbytes = num_failed = 0

@@ -85,3 +85,5 @@ def test_gpu_script_cpu_fallback_runs_the_ttft_benchmark(tmp_path):
     for entry in ("high.template", "low.plain", "low.template", "text.text"):
         assert f"| {entry} |" in text
     assert "Online path over HTTP" not in text  # --no-http in the fallback
+    compile_rows = [l for l in (tmp_path / "compile_batch_gpu.md").read_text().splitlines() if l.startswith("| ")][2:]
+    assert [row.split("|")[1].strip() for row in compile_rows] == ["1", "4"]  # chunks/s by compile batch size
