@@ -102,7 +102,8 @@ def read(corpus: str, reader: ReaderSpec, plan: StagePlan) -> ray.data.Dataset:
     files, refused = discover(corpus)
     table = pa.table({"path": [f.path for f in files], "root": [f.root for f in files], "relpath": [f.relpath for f in files]},
                      schema=pa.schema([("path", pa.string()), ("root", pa.string()), ("relpath", pa.string())]))
-    blocks = [table.slice(i, 1) for i in range(table.num_rows)] or [table]  # one read task per file
+    per_block = max(1, -(-table.num_rows // 256))  # ≤ 256 blocks however many files; one read call per file
+    blocks = [table.slice(i, per_block) for i in range(0, table.num_rows, per_block)] or [table]
     rows = ray.data.from_arrow(blocks).map_batches(read_files, fn_kwargs={"reader": reader}, batch_size=1,
                                                    batch_format="pyarrow", num_cpus=plan.task_cpus)
     if refused:
@@ -117,15 +118,26 @@ def chunk(rows: ray.data.Dataset, cfg: IngestConfig, plan: StagePlan) -> ray.dat
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
+def work_blocks(rows: ray.data.Dataset, batch_size: int) -> ray.data.Dataset:
+    """The units cut into small blocks (streaming, no shuffle), so render, embed and compile overlap
+    batch by batch instead of waiting on a shuffle partition each."""
+    return rows.repartition(target_num_rows_per_block=rows_per_batch(batch_size))
+
+
+def rows_per_batch(batch_size: int) -> int:
+    # Batches also carry rows that pass through (documents' markers); compile runs `batch_size` per forward.
+    return 4 * batch_size
+
+
 def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
     return rows.map_batches(RenderStage, fn_constructor_kwargs={"render": manifest.render}, batch_format="pyarrow",
-                            batch_size=batch_size, num_cpus=plan.render_cpus,
+                            batch_size=rows_per_batch(batch_size), num_cpus=plan.render_cpus,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
-def embed(rows: ray.data.Dataset, embedder_dir: str | None, plan: StagePlan) -> ray.data.Dataset:
+def embed(rows: ray.data.Dataset, embedder_dir: str | None, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
     return rows.map_batches(EmbedStage, fn_constructor_kwargs={"model_dir": embedder_dir}, batch_format="pyarrow",
-                            batch_size=256, num_cpus=plan.embed_cpus,
+                            batch_size=rows_per_batch(batch_size), num_cpus=plan.embed_cpus,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
@@ -133,10 +145,8 @@ def compile_kv(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePla
     # Ray Data restarts a dead compile actor and retries its batch (its defaults: max_restarts=-1,
     # max_task_retries=-1; there are no named parameters for them in Ray 2.60 and `**ray_remote_args`
     # is deprecated). A retried batch rewrites the same shards and index part.
-    # Batches hold other kinds of rows too (they pass through); the stage compiles its units
-    # `batch_size` chunks per forward.
     return rows.map_batches(CompileStage, fn_constructor_kwargs={"plan": compile_plan}, batch_format="pyarrow",
-                            batch_size=4 * compile_plan.batch_size, num_cpus=plan.compile_cpus,
+                            batch_size=rows_per_batch(compile_plan.batch_size), num_cpus=plan.compile_cpus,
                             num_gpus=plan.compile_gpus or None,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.compile_workers))
 
@@ -158,8 +168,9 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
         rows = chunk(rows, cfg, plan)
         stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
         rows = dedup(rows, stored, slots, cfg.reader, plan)  # one unit per distinct chunk text
+        rows = work_blocks(rows, cfg.resources.batch_size)
         rows = render(rows, manifest, plan, cfg.resources.batch_size)
-        rows = embed(rows, cfg.embedder_dir, plan)
+        rows = embed(rows, cfg.embedder_dir, plan, cfg.resources.batch_size)
         rows = compile_kv(rows, compile_plan, plan)
         tallies = write(rows, store, cfg.job_id, stamp_ns, plan)  # whole documents, or quarantined
 

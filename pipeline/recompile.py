@@ -21,7 +21,7 @@ import ray.data
 from pipeline.compile import CompilePlan
 from pipeline.dedup import dedup, read_parts, stored_entries
 from pipeline.entries import entry_slots
-from pipeline.ingest import compile_kv, new_manifest, render
+from pipeline.ingest import compile_kv, new_manifest, render, work_blocks
 from pipeline.lease import StoreLease
 from pipeline.resources import CompileResources, StagePlan, plan_stages
 from pipeline.rows import Kind, conform_rows, of_kind
@@ -124,6 +124,7 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
         rows = stored_chunks(store, plan)
         existing = stored_entries(store, new, slots, plan)
         rows = dedup(rows, [existing] if existing is not None else [], slots, ReaderSpec(), plan)
+        rows = work_blocks(rows, cfg.resources.batch_size)
         rows = render(rows, new, plan, cfg.resources.batch_size)
         rows = compile_kv(rows, compile_plan, plan)
         tallies = rows.map_batches(_tally, fn_kwargs={"tally": Tally(store.spec, cfg.job_id, stamp_ns)},
