@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from schemas.config import Mode, Variant
+from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
 MAX_QUERY_CHARS = 8_000
@@ -134,7 +135,7 @@ class Selection(Strict):
 
     chunk_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
     doc_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
-    top_k: int | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
+    top_k: JsonInt | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
 
     def num_given(self) -> int:
         return sum(v is not None for v in (self.chunk_ids, self.doc_ids, self.top_k))
@@ -142,9 +143,9 @@ class Selection(Strict):
 
 class Routing(Strict):
     mode: Mode = Mode.QVPIC
-    tau: float | None = Field(None, ge=0.0, le=1.0,
+    tau: JsonFloat | None = Field(None, ge=0.0, le=1.0,
                               description="cumulative relevance share promoted (server default when null)")
-    max_high_res: int | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
+    max_high_res: JsonInt | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
 
 
 class Attribution(Strict):
@@ -154,11 +155,11 @@ class Attribution(Strict):
 
 class AnswerRequest(Selection, Routing, Attribution):
     query: Query
-    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stream: bool = False
+    max_new_tokens: JsonInt = Field(64, ge=1, le=MAX_NEW_TOKENS)
+    temperature: JsonFloat = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
+    seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
+    stream: JsonBool = False
 
     @model_validator(mode="after")
     def _one_selection(self) -> AnswerRequest:

@@ -11,9 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.exception_handlers import request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -112,18 +110,6 @@ def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None 
         fields = cause.body_fields() if isinstance(cause, ApiError) else {}
         return JSONResponse(status_code=status, content={"detail": detail, **fields}, headers=headers)
 
-    @app.exception_handler(Exception)
-    async def _crashed(request: Request, error: Exception) -> PlainTextResponse:  # Starlette re-raises it to log
-        governor.rejected(request, 500)
-        return PlainTextResponse("Internal Server Error", status_code=500)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        governor.rejected(request, 422)
-        if request.url.path.startswith(openai_api.PATH_PREFIX):
-            return openai_error(422, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()))
-        return await request_validation_exception_handler(request, error)  # FastAPI's own 422 body
-
     @app.get("/healthz")
     async def healthz() -> Health:
         return Health()
@@ -175,7 +161,7 @@ def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None 
         return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
 
     app.include_router(openai_routes(backend, settings, governor))
-    install_limits(app, governor.rejected)  # 413 over 1 MiB, 503 when a replica dies mid-request
+    install_limits(app, governor.rejected)  # 413 over 1 MiB, JSON 422 for any input, 503 when a replica dies
     return app
 
 
