@@ -4,6 +4,12 @@ Arguments come from flags, or from a Serve config file (`--config serve/config.y
 application's `args`) with flags overriding it. Without `--address` a local Ray is started and
 stopped with this process; with one (e.g. `auto`) the app is deployed onto that cluster, and
 `--detach` returns as soon as it is healthy, leaving it running there.
+
+While deploying it prints what each pending deployment waits for; on a local Ray, a deployment that
+no node can host (a GPU generator on a CPU-only machine) is an error at once (exit 2), not a hang.
+SIGTERM or SIGINT (what systemd, Kubernetes and Ctrl-C send) drains: the application is deleted, each
+replica finishes its in-flight requests for up to `--drain-timeout-s`, then the process exits 0.
+A second signal stops at once (exit 1).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import argparse
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ from schemas.config import DType
 
 DEFAULT_PORT = 8000
 APP_NAME = "qvpic"
+QUIET_START_S = 10.0  # a deploy that takes longer reports what it waits for
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: Ray's own count)")
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
+                        "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's TimeoutStopSec)")
     return p
 
 
@@ -70,11 +81,67 @@ def app_args(ns: argparse.Namespace):
              "router.max_high_res": ns.max_high_res, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
              "max_context_tokens": ns.max_context_tokens, "default_top_k": ns.top_k,
              "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
-             "generator_deployment.num_replicas": ns.generator_replicas}
+             "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
     return AppArgs.model_validate(args)
+
+
+class Stopped(BaseException):
+    """A second stop signal: stop without draining (raised from the handler, so it interrupts any wait)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM: the first sets `requested`, which the main thread waits on; a second raises Stopped."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.name = ""
+
+    def __call__(self, signum: int, _frame) -> None:
+        if self.requested.is_set():
+            raise Stopped(signal.Signals(signum).name)
+        self.name = signal.Signals(signum).name
+        self.requested.set()
+
+    def install(self) -> None:
+        """Call it again after `ray.init`: Ray's driver replaces the SIGTERM handler with one that aborts
+        the process (the `Aborted` that a plain `kill` used to end `qvpic serve` with)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+
+    @staticmethod
+    def restore() -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def deploy(application, local: bool, stop: StopSignals, poll_s: float = 2.0) -> bool:
+    """Deploy and wait until every deployment runs (True) or a stop is requested (False), reporting what
+    each pending deployment waits for. Raises RuntimeError when the deploy fails, or when this local Ray
+    has no node that can host a deployment (nothing will ever join it)."""
+    from ray import serve
+
+    from serve.health import fetch_readiness
+
+    serve.run_many([serve.RunTarget(application, name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    reported, started = "", time.monotonic()
+    while not stop.requested.wait(poll_s):
+        report = fetch_readiness(APP_NAME)
+        if report.ready:
+            return True
+        unplaceable = [f"{d.name}: {d.reason}" for d in report.deployments if d.unplaceable]
+        if report.status == "DEPLOY_FAILED" or (local and unplaceable):
+            cause = "; ".join(unplaceable) if local and unplaceable else report.detail
+            hint = (" (lower the deployment's resources, e.g. --generator-gpus 0, or run where they exist)"
+                    if local and unplaceable else "")
+            raise RuntimeError(f"cannot deploy: {cause}{hint}")
+        if report.pending and report.detail != reported and time.monotonic() - started > QUIET_START_S:
+            reported = report.detail or ""
+            print(f"qvpic serve: waiting for {', '.join(report.pending)}: {reported}", file=sys.stderr, flush=True)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,19 +165,35 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # StoreError, ManifestError: a clear message, not a traceback
         print(f"qvpic serve: {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()  # set by SIGINT/SIGTERM, also while starting up
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None)
-    serve.start(http_options={"host": ns.host, "port": ns.port})
-    serve.run(application, name=APP_NAME, route_prefix="/")
-    print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs)", flush=True)
-    if ns.detach:
+    stop = StopSignals()
+    stop.install()
+    try:
+        ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None)
+        stop.install()
+        if not stop.requested.is_set():
+            serve.start(http_options={"host": ns.host, "port": ns.port})
+            if deploy(application, ns.address is None, stop):
+                print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs)", flush=True)
+                if ns.detach:
+                    return 0
+                stop.requested.wait()
+            # Serve stops routing to the application; each replica finishes its in-flight requests (for up to
+            # drain_timeout_s, its graceful_shutdown_timeout_s) before it stops.
+            print(f"qvpic serve: {stop.name}: draining in-flight requests (up to {args.drain_timeout_s:g} s; "
+                  "a second signal stops at once)", file=sys.stderr, flush=True)
+            serve.delete(APP_NAME)
+        print("qvpic serve: stopped", file=sys.stderr, flush=True)
         return 0
-    while not stop.wait(1.0):
-        pass
-    serve.delete(APP_NAME)  # then the local Ray, if this process started it, ends with the process
-    return 0
+    except RuntimeError as error:
+        print(f"qvpic serve: {error}", file=sys.stderr, flush=True)
+        return 2
+    except Stopped as second:
+        print(f"qvpic serve: {second} again: stopping without draining", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if ns.address is None and ray.is_initialized():
+            ray.shutdown()  # the local Ray this process started
+        stop.restore()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from serve.backend import ApiSettings, Backend, HandleBackend, api_error, error_
 from serve.generator import Generator
 from serve.plan import Answer
 from serve.governance import GovernanceArgs, Governor, Route
+from serve.health import ReadinessProbe, install_readiness
 from serve.limits import install_limits
 from serve.loader import CacheLoader
 from serve.metrics import CONTENT_TYPE, serve_metrics
@@ -86,6 +87,7 @@ class AppArgs(Frozen):
     loader_deployment: DeploymentArgs = DeploymentArgs()
     generator_deployment: DeploymentArgs = DeploymentArgs(max_ongoing_requests=8)
     governance: GovernanceArgs = GovernanceArgs()  # budgets, rate limits, response caches, request log, auth
+    drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppArgs:
@@ -188,9 +190,12 @@ class Ingress:
         self.backend = HandleBackend(router, loader, generator)
         self.settings = api_settings(args)
         self.governor = Governor(args.governance, self.settings.store)
+        self.readiness = ReadinessProbe(serve.get_replica_context().app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return make_api(self.backend, self.settings, self.governor)
+        app = make_api(self.backend, self.settings, self.governor)
+        install_readiness(app, self.readiness, self.governor.rejected)  # GET /readyz; 503 while a deployment is pending
+        return app
 
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: write the buffered request log
         if hasattr(self, "governor"):  # not when __init__ failed before creating it
@@ -208,7 +213,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     preflight(args)
     def deployment(cls: type, name: str, resources: DeploymentArgs):
-        return serve.deployment(cls, name=name).options(**resources.options())
+        return serve.deployment(cls, name=name).options(**resources.options(),
+                                                        graceful_shutdown_timeout_s=args.drain_timeout_s)
 
     router = deployment(BatchingRouter, "Router", args.router_deployment).bind(
         args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir)
