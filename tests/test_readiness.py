@@ -5,16 +5,18 @@ The same on a real local Ray, with a deployment that cannot be placed: tests/tes
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from ray.serve._private.common import DeploymentStatus, ReplicaState
 from ray.serve.schema import ApplicationStatus
 
 from schemas.health import Readiness
-from serve.app import AppArgs, api_settings, make_api
+from serve.app import AppArgs, DeploymentArgs, api_settings, make_api
 from serve.backend import InProcessBackend
-from serve.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, install_readiness
+from serve.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits, install_readiness
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 
@@ -148,3 +150,37 @@ def test_readiness_is_fetched_at_most_once_per_refresh_interval():
 
     reports = asyncio.run(many())
     assert controller.fetches == 1 and all(r is reports[0] for r in reports)
+
+
+# ---- the shipped Serve configs -----------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config_args(name: str) -> dict:
+    return yaml.safe_load((REPO / "serve" / name).read_text())["applications"][0]["args"]
+
+
+def first_replicas_demand(args: dict) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """What the first replica of every deployment asks for, summed, and each deployment's per-replica demand."""
+    app = AppArgs.model_validate(args)
+    total: dict[str, float] = {}
+    per_replica = []
+    for deployment_args in (v for v in app.__dict__.values() if isinstance(v, DeploymentArgs)):
+        options = deployment_args.options()
+        replicas = (options["autoscaling_config"]["min_replicas"] if "autoscaling_config" in options
+                    else options["num_replicas"])
+        demand = {"CPU": options["ray_actor_options"]["num_cpus"], "GPU": options["ray_actor_options"]["num_gpus"]}
+        per_replica.append(demand)
+        for name, amount in demand.items():
+            total[name] = total.get(name, 0.0) + replicas * amount
+    return total, per_replica
+
+
+def test_serve_config_runs_on_one_cpu_only_node_and_the_gpu_variant_differs_only_in_placement():
+    cpu, gpu = config_args("config.yaml"), config_args("config-gpu.yaml")
+    total, per_replica = first_replicas_demand(cpu)
+    assert fits(total, {"CPU": 2.0}) and total["GPU"] == 0, total  # `ray start --head` on a 2-core machine
+    assert all(fits(demand, {"CPU": 2.0}) for demand in per_replica)
+    assert gpu["generator_deployment"]["num_gpus"] == 1 and first_replicas_demand(gpu)[0]["GPU"] == 1
+    gpu["generator_deployment"]["num_gpus"] = cpu["generator_deployment"]["num_gpus"]
+    assert gpu == cpu  # nothing else may drift between the two
