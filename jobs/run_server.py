@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
     p.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
-                        "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's TimeoutStopSec)")
+                        "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's "
+                        "TimeoutStopSec)")
     return p
 
 

@@ -50,7 +50,8 @@ def waiting_for(demand: Mapping[str, float], nodes: list[Mapping[str, float]], f
         return (f"one replica needs {resources(demand, demand)} on one node and no node has that (the cluster has "
                 f"{resources(demand, total)}); it waits until such a node joins (an autoscaler may add one)"), True
     if not fits(demand, free):
-        return f"one replica needs {resources(demand, demand)}; other work holds it (free: {resources(demand, free)})", False
+        needs, available = resources(demand, demand), resources(demand, free)
+        return f"one replica needs {needs}; other work holds it (free: {available})", False
     states = ", ".join(f"{count} {state.lower()}" for state, count in sorted(replica_states.items())) or "none yet"
     return f"replicas starting ({states})", False
 
@@ -106,31 +107,48 @@ def fetch_readiness(app_name: str) -> Readiness:
     if client is None:
         return Readiness(ready=False, application=app_name, status="NOT_STARTED", detail="Serve is not running")
     details = ServeInstanceDetails(**client.get_serve_details())  # what `serve.status()` reads, with resources
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    return app_readiness(app_name, details.applications.get(app_name), nodes, ray.available_resources())
+    application = details.applications.get(app_name)
+    nodes, free = [], {}
+    if application is not None and any(all(r.state.value != "RUNNING" for r in d.replicas)
+                                       for d in application.deployments.values()):  # only then ask the GCS
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        free = ray.available_resources()
+    return app_readiness(app_name, application, nodes, free)
 
 
 class ReadinessProbe:
-    """The latest readiness, refreshed at most every `refresh_s` and by one caller at a time."""
+    """The latest readiness, fetched by one caller at a time and at most every `refresh_s`. A stale report
+    that said ready is returned at once while a fresh one is fetched behind it (traffic never waits on the
+    controller); a stale report that said not ready is refreshed before it is returned."""
 
     def __init__(self, app_name: str, fetch: Callable[[str], Readiness] = fetch_readiness, refresh_s: float = 1.0):
         self.app_name, self.fetch, self.refresh_s = app_name, fetch, refresh_s
         self._report: Readiness | None = None
         self._fetched_at = float("-inf")
         self._lock = asyncio.Lock()
+        self._background: asyncio.Task | None = None
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._fetched_at < self.refresh_s
 
     async def get(self) -> Readiness:
-        if time.monotonic() - self._fetched_at < self.refresh_s:
+        if self._report is not None and (self._fresh() or self._report.ready):
+            if not self._fresh() and (self._background is None or self._background.done()):
+                self._background = asyncio.create_task(self._refresh())
             return self._report
-        async with self._lock:
-            if time.monotonic() - self._fetched_at >= self.refresh_s:
-                try:
-                    self._report = await asyncio.to_thread(self.fetch, self.app_name)
-                except Exception as error:  # noqa: BLE001  a controller hiccup must not take traffic down
-                    self._report = Readiness(ready=False, application=self.app_name, status=UNKNOWN,
-                                             detail=f"cannot ask the Serve controller: {type(error).__name__}: {error}")
-                self._fetched_at = time.monotonic()
+        await self._refresh()
         return self._report
+
+    async def _refresh(self) -> None:
+        async with self._lock:
+            if self._fresh():
+                return
+            try:
+                self._report = await asyncio.to_thread(self.fetch, self.app_name)
+            except Exception as error:  # noqa: BLE001  a controller hiccup must not take traffic down
+                self._report = Readiness(ready=False, application=self.app_name, status=UNKNOWN,
+                                         detail=f"cannot ask the Serve controller: {type(error).__name__}: {error}")
+            self._fetched_at = time.monotonic()
 
 
 def route_path(scope: Scope) -> str:

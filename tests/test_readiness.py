@@ -20,6 +20,7 @@ from serve.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 
+REPO = Path(__file__).resolve().parents[1]
 CPU_NODE = {"CPU": 4.0, "memory": 8e9}
 ANSWER = {"query": QUERY, "top_k": 1, "max_new_tokens": 2}
 CHAT = {"model": "qvpic", "messages": [{"role": "user", "content": QUERY}], "max_tokens": 2}
@@ -152,9 +153,24 @@ def test_readiness_is_fetched_at_most_once_per_refresh_interval():
     assert controller.fetches == 1 and all(r is reports[0] for r in reports)
 
 
-# ---- the shipped Serve configs -----------------------------------------------------------------------
-REPO = Path(__file__).resolve().parents[1]
+def test_a_stale_ready_report_answers_at_once_while_it_is_refreshed():
+    controller = FakeController()
+    controller.ready = True
+    probe = ReadinessProbe("qvpic", controller, refresh_s=0.0)
 
+    async def scenario() -> tuple[Readiness, Readiness, Readiness]:
+        first = await probe.get()  # nothing cached: fetched
+        controller.ready = False
+        stale = await probe.get()  # said ready, now stale: returned at once, refreshed behind it
+        await probe._background
+        return first, stale, await probe.get()  # said not ready: refreshed before it is returned
+
+    first, stale, after = asyncio.run(scenario())
+    assert first.ready and stale is first and not after.ready and after.pending == ["Generator"]
+    assert controller.fetches == 3
+
+
+# ---- the shipped Serve configs -----------------------------------------------------------------------
 
 def config_args(name: str) -> dict:
     return yaml.safe_load((REPO / "serve" / name).read_text())["applications"][0]["args"]

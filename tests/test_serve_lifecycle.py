@@ -103,7 +103,8 @@ def test_qvpic_serve_refuses_a_deployment_no_local_node_can_host(serving_store, 
     server = serve_process(serving_store.uri, free_port(), tmp_path, "--generator-gpus", "1")
     assert server.wait(timeout=START_TIMEOUT_S) == 2
     stderr = (tmp_path / "stderr").read_text()
-    assert "qvpic serve: cannot deploy: Generator: one replica needs CPU 0.1, GPU 1 on one node" in stderr, stderr[-3000:]
+    expected = "qvpic serve: cannot deploy: Generator: one replica needs CPU 0.1, GPU 1 on one node"
+    assert expected in stderr, stderr[-3000:]
     assert "--generator-gpus 0" in stderr
 
 
