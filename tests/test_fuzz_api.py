@@ -253,6 +253,20 @@ def test_values_json_cannot_carry_are_a_json_422_on_every_route(app, path):
 
 
 @pytest.mark.parametrize("path", sorted(VALID_BODIES))
+def test_hostile_header_values_are_a_json_4xx_on_every_route(app, path):
+    """Headers the server parses (budget, tenant, task type), holding what their parsers choke on."""
+    values = {"X-Max-Token-Budget": ["NaN", "Infinity", "-1", "1e400", "9" * 5000, "9" * 19, b"\xb2", b"\xff\xfe",
+                                     "1.5"],
+              "X-Tenant": [b"\xc3\x28", b"\xed\xa0\x80", "a" * 65, "../x"], "X-Task-Type": [b"\x80", "a b"]}
+    for name, hostile in values.items():
+        for value in hostile:
+            response = call(app, "POST", path, json=VALID_BODIES[path], headers={name: value})
+            assert response.status_code == 400, (name, value, response.status_code, response.text[:200])
+            assert response.headers["content-type"] == "application/json"
+            assert name in json.dumps(response.json()), response.text[:200]
+
+
+@pytest.mark.parametrize("path", sorted(VALID_BODIES))
 def test_numbers_and_booleans_take_only_what_the_schema_allows(app, path):
     """Lax validation took `{"tau": true, "top_k": true}` (booleans coerced to numbers) though the schema
     says number and integer: every value of the wrong JSON type is refused by the schema and the server."""
