@@ -247,6 +247,7 @@ def test_values_json_cannot_carry_are_a_json_422_on_every_route(app, path):
     raw += [raw_with_token(body, ("messages",), '[{"role": "user", "content": "\\ud800"}]'),
             raw_with_token(body, ("messages",), '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]')]
     raw += [json.dumps(body).replace("{", f'{{"{key}": 1, ', 1).encode() for key in HOSTILE_KEYS]
+    raw += [token.encode() for token in NOT_ECHOABLE]  # as the whole body
     for content in raw:
         response = call(app, "POST", path, content=content, headers={"content-type": "application/json"})
         refused_in_route_shape(spec, path, response)
