@@ -97,7 +97,7 @@ def build_index(embeddings: np.ndarray, spec: SearchSpec, path: Path, seed: int 
     ivf.train(int8_values(embeddings[sample], scale))
     _add(ivf, embeddings, scale)
     calibration = calibrate(ivf, embeddings, scale, spec, rng)
-    chosen = next((p for p in calibration if p.recall >= spec.target_recall), None)
+    chosen = min((p for p in calibration if p.recall >= spec.target_recall), key=lambda p: p.nprobe, default=None)
     base = dict(num_rows=rows, dim=dim, code_scale=scale, num_lists=num_lists, recall_k=spec.recall_k,
                 calibration=tuple(calibration))
     if chosen is not None and chosen.scan_fraction <= spec.max_scan_fraction:
@@ -121,26 +121,42 @@ def build_index(embeddings: np.ndarray, spec: SearchSpec, path: Path, seed: int 
 
 def calibrate(ivf: faiss.IndexIVF, embeddings: np.ndarray, scale: float, spec: SearchSpec,
               rng: np.random.Generator) -> list[CalibrationPoint]:
-    """Recall@k of IVF search + float16 rerank at doubling `nprobe`, on stored rows used as queries
-    (each query's own row excluded from both answers), until the target is met or the scan passes
-    `max_scan_fraction`."""
-    rows = len(embeddings)
-    query_rows = np.sort(rng.choice(rows, min(rows, spec.num_calibration_queries), replace=False))
-    queries = embeddings[query_rows].astype(np.float32)
+    """Recall@k of IVF search + float16 rerank against exact search, at doubling `nprobe` until the
+    target is met (then bisected down) or the scan passes `max_scan_fraction`. Queries are stored rows
+    moved to cosine `calibration_query_cosine` from where they were: related to a chunk, not a copy of
+    one, as a user's question is (a copy would be found in its own list and flatter the recall)."""
+    rows, dim = embeddings.shape
+    sources = embeddings[np.sort(rng.choice(rows, min(rows, spec.num_calibration_queries), replace=False))]
+    queries = calibration_queries(sources.astype(np.float32), spec.calibration_query_cosine, rng)
     k = spec.recall_k
-    truth = exact_top_k(embeddings, queries, k, exclude=query_rows)
-    candidates = min(rows, max(spec.rerank_candidates, 8 * k) + 1)
-    points, nprobe = [], 1
-    while True:
+    truth = exact_top_k(embeddings, queries, k)
+    candidates = min(rows, max(spec.rerank_candidates, 8 * k))
+
+    def measure(nprobe: int) -> CalibrationPoint:
         faiss.cvar.indexIVF_stats.reset()
         _, found = ivf.search(queries * scale, candidates, params=faiss.SearchParametersIVF(nprobe=nprobe))
         scanned = faiss.cvar.indexIVF_stats.ndis / (len(queries) * rows)
-        answers = np.stack([rerank(embeddings, q, f[(f >= 0) & (f != r)], k)[0] for q, f, r in
-                            zip(queries, found, query_rows)]) if k <= candidates - 1 else found
-        points.append(CalibrationPoint(nprobe=nprobe, scan_fraction=scanned, recall=recall_at_k(answers, truth)))
-        if points[-1].recall >= spec.target_recall or scanned > spec.max_scan_fraction or nprobe >= ivf.nlist:
+        answers = np.stack([rerank(embeddings, q, f[f >= 0], k)[0] for q, f in zip(queries, found)])
+        return CalibrationPoint(nprobe=nprobe, scan_fraction=scanned, recall=recall_at_k(answers, truth))
+
+    points = [measure(1)]
+    while points[-1].recall < spec.target_recall:  # doubling until the target is met ...
+        if points[-1].scan_fraction > spec.max_scan_fraction or points[-1].nprobe >= ivf.nlist:
             return points
-        nprobe = min(2 * nprobe, ivf.nlist)
+        points.append(measure(min(2 * points[-1].nprobe, ivf.nlist)))
+    low, high = (points[-2].nprobe if len(points) > 1 else 0), points[-1].nprobe
+    while high - low > max(1, high // 8):  # ... then bisected to the smallest that meets it (within 1/8)
+        points.append(measure((low + high) // 2))
+        low, high = (low, points[-1].nprobe) if points[-1].recall >= spec.target_recall else (points[-1].nprobe, high)
+    return sorted(points, key=lambda p: p.nprobe)
+
+
+def calibration_queries(sources: np.ndarray, cosine: float, rng: np.random.Generator) -> np.ndarray:
+    """Unit vectors at exactly `cosine` from each (unit) source row, in a random direction."""
+    noise = rng.standard_normal(sources.shape).astype(np.float32)
+    noise -= (noise * sources).sum(axis=1, keepdims=True) * sources  # orthogonal to the source
+    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+    return (cosine * sources + np.sqrt(1.0 - cosine**2) * noise).astype(np.float32)
 
 
 def rerank(embeddings: np.ndarray, query: np.ndarray, candidates: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -61,6 +61,7 @@ class SearchSpec(Frozen):
     max_scan_fraction: float = Field(0.25, gt=0.0, le=1.0)
     num_lists: int | None = Field(None, ge=1)  # IVF lists; default ~sqrt(rows)
     num_calibration_queries: int = Field(256, ge=16)
+    calibration_query_cosine: float = Field(0.5, gt=0.0, lt=1.0)  # how close a calibration query is to its chunk
     rerank_candidates: int = Field(64, ge=1)  # int8 candidates rescored in float16 (at least 8 x k)
 
 
