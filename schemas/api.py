@@ -232,6 +232,7 @@ class AnswerReport(Strict):
     cache: CacheReport  # the KV cache of the loader
     fallbacks: list[FallbackReport]
     response_cache: ResponseCacheReport = Field(default_factory=ResponseCacheReport)
+    generation: int = 0  # the store's serving generation the answer's entries all come from
 
     def with_total_ms(self, total_ms: float) -> AnswerReport:
         return self.model_copy(update={"timings": self.timings.model_copy(update={"total_ms": total_ms})})
