@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "demo": ("jobs.demo", "ingest the bundled corpus, serve it, ask questions over HTTP"),
     "ingest": ("jobs.ingest", "corpus → chunks → renders → embeddings → KV shards + Parquet index"),
     "recompile": ("jobs.recompile", "rebuild stale or missing KV entries after a model/template/renderer change"),
+    "publish": ("jobs.publish", "snapshot a store into a new serving generation (running services switch to it)"),
     "serve": ("jobs.run_server", "run the Ray Serve application over a store"),
     "eval": ("jobs.evaluate", "quality and TTFT of every mode on LongBench-format data"),
     "bench": ("jobs.bench", "TTFT and KV-size benchmarks; writes docs/BENCHMARKS.md"),

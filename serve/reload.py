@@ -36,6 +36,7 @@ class LeaseKeeper:
         self.holder = f"{role}-{uuid.uuid4().hex[:16]}"
         self._until: dict[int, float] = {}  # generation -> monotonic deadline (inf while held)
         self._written: tuple[int, ...] = ()
+        self.failing = False  # the last write of the lease failed
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.holder}", daemon=True)
@@ -72,7 +73,14 @@ class LeaseKeeper:
             generations = tuple(sorted(self._until))
             self._written = generations
         expires = datetime.now(timezone.utc) + timedelta(seconds=self.spec.lease_ttl_s)
-        write_lease(self.store, Lease(holder=self.holder, generations=generations, expires_at=expires))
+        try:
+            write_lease(self.store, Lease(holder=self.holder, generations=generations, expires_at=expires))
+            self.failing = False
+        except OSError as error:  # e.g. read-only credentials: serve on, unprotected, and say so once
+            if not self.failing:
+                log.warning("cannot write lease %s (%s): a job's garbage collection may remove generations this "
+                            "replica still serves; give replicas write access to serving/leases/", self.holder, error)
+            self.failing = True
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.spec.heartbeat_s):
