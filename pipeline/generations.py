@@ -277,6 +277,7 @@ def local_copy(store: Store, rel: str, cache_root: Path) -> Path:
     target = cache_root / rel
     if (target / COMPLETE).exists():
         return target
+    cache_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=cache_root))
     selector = pafs.FileSelector(_abs(store, rel))
     for info in store.fs.get_file_info(selector):

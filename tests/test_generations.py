@@ -9,8 +9,10 @@ import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
+from jobs.publish import main
 from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
 from pipeline.generations import (
     collect_generations, current_generation, live_generations, protected_shards, publish_generation, read_generation,
@@ -22,9 +24,12 @@ from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, RenderSpec, RouterSpec, TierSpec
 from schemas.generation import LEASES_DIR, Generation, Lease, ReloadSpec
+from schemas.store import StoreSpec
 from serve.loader import CacheLoader
 from serve.plan import Plan
+from serve.retrieval import open_snapshot
 from serve.router import Router
+from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import MAX_CHUNKS, ServingStore, serving_store  # noqa: F401  (fixture)
 
 QUERY = "When does part XK-4471-B ship?"
@@ -177,3 +182,25 @@ def test_a_generation_this_router_cannot_serve_is_refused_and_the_old_one_kept(s
     assert router.generation == before and "another-embedder" in router.watcher.refused[refused]
     assert plan(router).generation == before
     router.close()
+
+
+def test_a_generation_on_s3_is_published_cached_locally_and_texts_read_by_range(serving_store, s3_server,
+                                                                                s3_bucket, tmp_path):
+    local = Store.open(serving_store.uri)
+    uri = f"s3://{s3_bucket}/store"
+    for part in ("manifest.json", "index", "chunks", "shards"):
+        pafs.copy_files(f"{serving_store.uri}/{part}", f"{s3_bucket}/store/{part}",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3_server.filesystem())
+    store = Store.open(StoreSpec(uri=uri, endpoint_url=s3_server.endpoint_url))
+    record = publish_generation(store, "s3")
+    snapshot = open_snapshot(store, record.generation, cache_root=tmp_path / "cache")
+    assert (tmp_path / "cache" / record.chunks_dir / "catalog.arrow").exists()
+    assert not (tmp_path / "cache" / record.chunks_dir / "texts.arrow").exists()  # read by range instead
+    rows, missing = snapshot.catalog.rows_of_docs(["manual", "ghost"])
+    assert missing == ["ghost"]
+    chunks = local.chunks_for(doc_ids=["manual"]).to_pylist()
+    assert [t["text"] for t in snapshot.catalog.texts(rows)] == [c["text"] for c in chunks]
+    assert [c["chunk_id"] for c in snapshot.catalog.chunk_rows(rows)] == [c["chunk_id"] for c in chunks]
+    assert all(slots for slots in snapshot.catalog.entries_of(rows))
+    assert main(["--store", uri, "--s3-endpoint", s3_server.endpoint_url]) == 0  # qvpic publish
+    assert current_generation(store).generation == record.generation + 1
