@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import tempfile
 import time
-import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from pipeline.catalog import (
     ENTRIES, SEARCH, chunks_digest, current_entries, sorted_chunks, table_digest, write_chunks_dir,
     write_entries_dir,
+)
+from pipeline.serving_blobs import (
+    COMPLETE, STAGING_PREFIX, abs_path, is_complete, publish_dir, read_json, staging_dir, write_json,
 )
 from pipeline.store import Store
 from schemas.generation import (
@@ -40,74 +39,7 @@ from schemas.generation import (
 )
 from schemas.store import Manifest
 
-COMPLETE = "complete.json"  # written last into a snapshot dir: a dir without it is being written (or was torn)
-_STAGING_PREFIX = ".tmp-"
 STAGING_GRACE_S = 3600.0  # staging dirs older than this were left by a crashed job
-
-
-# ---- blobs under the store root (atomic single-object writes; directories published whole) ------
-def _abs(store: Store, rel: str) -> str:
-    return f"{store.root}/{rel}"
-
-
-def _is_local(store: Store) -> bool:
-    return isinstance(store.fs, pafs.LocalFileSystem)
-
-
-def read_json(store: Store, rel: str) -> dict | None:
-    try:
-        with store.fs.open_input_file(_abs(store, rel)) as f:
-            return json.loads(f.read())
-    except FileNotFoundError:
-        return None
-
-
-def write_json(store: Store, rel: str, payload: str) -> None:
-    path = _abs(store, rel)
-    if not _is_local(store):
-        with store.fs.open_output_stream(path) as out:  # visible only once the upload completes
-            out.write(payload.encode())
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), f"{_STAGING_PREFIX}{uuid.uuid4().hex}")
-    with open(tmp, "w") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _publish_dir(store: Store, staging: Path, rel: str) -> None:
-    """Move a finished local staging dir to `rel` under the store; its COMPLETE marker lands last."""
-    (staging / COMPLETE).write_text(json.dumps({"completed_at": datetime.now(timezone.utc).isoformat()}))
-    if _is_local(store):
-        target = Path(_abs(store, rel))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(staging, target)  # atomic; content-addressed, so an existing target is the same snapshot
-        except OSError:
-            if not (target / COMPLETE).exists():
-                raise
-            shutil.rmtree(staging, ignore_errors=True)
-        return
-    names = sorted(p.name for p in staging.iterdir() if p.name != COMPLETE) + [COMPLETE]
-    for name in names:
-        pafs.copy_files(str(staging / name), _abs(store, f"{rel}/{name}"),
-                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=store.fs)
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-def is_complete(store: Store, rel: str) -> bool:
-    return store.fs.get_file_info(_abs(store, f"{rel}/{COMPLETE}")).type == pafs.FileType.File
-
-
-def _staging(store: Store) -> Path:
-    """A local dir to build a snapshot in: inside the store for a local one (so the publish is a rename)."""
-    if _is_local(store):
-        base = Path(_abs(store, SERVING_DIR))
-        base.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=base))
-    return Path(tempfile.mkdtemp(prefix="qvpic-serving-"))
 
 
 # ---- generations ---------------------------------------------------------------------------------
@@ -129,7 +61,7 @@ def current_generation(store: Store) -> Generation | None:
 
 
 def list_generations(store: Store) -> list[int]:
-    selector = pafs.FileSelector(_abs(store, GENERATIONS_DIR), allow_not_found=True)
+    selector = pafs.FileSelector(abs_path(store, GENERATIONS_DIR), allow_not_found=True)
     return sorted(int(i.base_name[:-5]) for i in store.fs.get_file_info(selector)
                   if i.base_name.endswith(".json") and i.base_name[:-5].isdigit())
 
@@ -143,21 +75,21 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
     digest = chunks_digest(ordered, manifest.embedder)
     chunks_rel = f"{CHUNKS_DIR}/{digest}"
     if not is_complete(store, chunks_rel):
-        staging = _staging(store)
+        staging = staging_dir(store)
         try:
             write_chunks_dir(ordered, manifest.embedding_dim, spec, staging)
-            _publish_dir(store, staging, chunks_rel)
+            publish_dir(store, staging, chunks_rel)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     search = SearchInfo.model_validate(read_json(store, f"{chunks_rel}/{SEARCH}"))
     entries = current_entries(store.index(), lambda tier, variant: served_fingerprint(manifest, tier, variant))
     entries_rel = f"{ENTRIES_DIR}/{table_digest(entries, digest)}"
     if not is_complete(store, entries_rel):
-        staging = _staging(store)
+        staging = staging_dir(store)
         try:
             keys = ordered["chunk_key"].to_numpy(zero_copy_only=False)
             write_entries_dir(entries, keys, staging)
-            _publish_dir(store, staging, entries_rel)
+            publish_dir(store, staging, entries_rel)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     number = max([current_generation_number(store) or 0, *list_generations(store)]) + 1
@@ -192,7 +124,7 @@ def served_fingerprint(manifest: Manifest, tier: str | None, variant) -> str | N
 
 # ---- leases and collection ----------------------------------------------------------------------
 def read_leases(store: Store) -> list[Lease]:
-    selector = pafs.FileSelector(_abs(store, LEASES_DIR), allow_not_found=True)
+    selector = pafs.FileSelector(abs_path(store, LEASES_DIR), allow_not_found=True)
     leases = []
     for info in store.fs.get_file_info(selector):
         if info.type != pafs.FileType.File or not info.base_name.endswith(".json"):
@@ -218,38 +150,48 @@ def protected_shards(store: Store) -> set[str]:
     for number in live_generations(store):
         with contextlib.suppress(FileNotFoundError):
             record = read_generation(store, number)
-            with store.fs.open_input_file(_abs(store, f"{record.entries_dir}/{ENTRIES}")) as f:
+            with store.fs.open_input_file(abs_path(store, f"{record.entries_dir}/{ENTRIES}")) as f:
                 table = pa.ipc.open_file(f).read_all().select(["shard_path"])
             shards.update(table["shard_path"].unique().to_pylist())
     return shards
 
 
-def collect_generations(store: Store, now: datetime | None = None) -> list[int]:
-    """Delete generation records no live service may serve, snapshot dirs no remaining record uses,
+def collect_generations(store: Store, now: datetime | None = None, min_dir_age_s: float = STAGING_GRACE_S) -> list[int]:
+    """Delete generation records no live service may serve, snapshot dirs no remaining record uses
+    (once older than `min_dir_age_s`: a concurrent publisher may not have written its record yet),
     expired leases and stale staging dirs. Returns the generations removed."""
     live = live_generations(store, now)
     removed = []
     for number in list_generations(store):
         if number not in live:
             with contextlib.suppress(FileNotFoundError):
-                store.fs.delete_file(_abs(store, generation_path(number)))
+                store.fs.delete_file(abs_path(store, generation_path(number)))
             removed.append(number)
     kept_dirs = set()
     for number in list_generations(store):
         with contextlib.suppress(FileNotFoundError, ValueError):
             record = read_generation(store, number)
             kept_dirs |= {record.chunks_dir, record.entries_dir}
-    cutoff_ns = time.time_ns() - int(STAGING_GRACE_S * 1e9)
+    staging_cutoff_ns = time.time_ns() - int(STAGING_GRACE_S * 1e9)
+    dir_cutoff_ns = time.time_ns() - int(min_dir_age_s * 1e9)
     for parent in (CHUNKS_DIR, ENTRIES_DIR, SERVING_DIR):
-        selector = pafs.FileSelector(_abs(store, parent), allow_not_found=True)
+        selector = pafs.FileSelector(abs_path(store, parent), allow_not_found=True)
         for info in store.fs.get_file_info(selector):
+            if info.type != pafs.FileType.Directory:
+                continue
             rel = f"{parent}/{info.base_name}"
-            stale_staging = info.base_name.startswith(_STAGING_PREFIX) and (info.mtime_ns or 0) <= cutoff_ns
-            unused = parent != SERVING_DIR and rel not in kept_dirs
-            if info.type == pafs.FileType.Directory and (unused or stale_staging):
-                store.fs.delete_dir(info.path)
+            if info.base_name.startswith(STAGING_PREFIX):
+                if (info.mtime_ns or 0) <= staging_cutoff_ns:
+                    store.fs.delete_dir(info.path)
+            elif parent != SERVING_DIR and rel not in kept_dirs:
+                marker = store.fs.get_file_info(f"{info.path}/{COMPLETE}")
+                if marker.type == pafs.FileType.File:
+                    if (marker.mtime_ns or 0) <= dir_cutoff_ns:
+                        store.fs.delete_dir(info.path)
+                elif _newest_mtime_ns(store, info.path) <= staging_cutoff_ns:  # torn: its writer is long gone
+                    store.fs.delete_dir(info.path)
     now = now or datetime.now(timezone.utc)
-    selector = pafs.FileSelector(_abs(store, LEASES_DIR), allow_not_found=True)
+    selector = pafs.FileSelector(abs_path(store, LEASES_DIR), allow_not_found=True)
     for info in store.fs.get_file_info(selector):
         with contextlib.suppress(FileNotFoundError, ValueError):
             with store.fs.open_input_file(info.path) as f:
@@ -259,36 +201,15 @@ def collect_generations(store: Store, now: datetime | None = None) -> list[int]:
     return removed
 
 
+def _newest_mtime_ns(store: Store, path: str) -> int:
+    files = store.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=True))
+    return max((f.mtime_ns or 0 for f in files), default=0)
+
+
 def write_lease(store: Store, lease: Lease) -> None:
     write_json(store, f"{LEASES_DIR}/{lease.holder}.json", lease.model_dump_json())
 
 
 def drop_lease(store: Store, holder: str) -> None:
     with contextlib.suppress(FileNotFoundError):
-        store.fs.delete_file(_abs(store, f"{LEASES_DIR}/{holder}.json"))
-
-
-def local_copy(store: Store, rel: str, cache_root: Path) -> Path:
-    """A local directory holding snapshot dir `rel` (itself for a local store; else downloaded once into
-    `cache_root`, keyed by the content-addressed name, so it never goes stale). texts.arrow is not
-    downloaded: it is read by range."""
-    if _is_local(store):
-        return Path(_abs(store, rel))
-    target = cache_root / rel
-    if (target / COMPLETE).exists():
-        return target
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=cache_root))
-    selector = pafs.FileSelector(_abs(store, rel))
-    for info in store.fs.get_file_info(selector):
-        if info.base_name not in ("texts.arrow", COMPLETE):
-            pafs.copy_files(info.path, str(staging / info.base_name), source_filesystem=store.fs,
-                            destination_filesystem=pafs.LocalFileSystem())
-    (staging / COMPLETE).write_text("{}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
+        store.fs.delete_file(abs_path(store, f"{LEASES_DIR}/{holder}.json"))

@@ -23,6 +23,7 @@ from typing import Any
 from pipeline.generations import current_generation_number, drop_lease, write_lease
 from pipeline.store import Store
 from schemas.generation import Lease, ReloadSpec
+from schemas.store import ManifestError
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,14 @@ class GenerationWatcher:
                 return False
             try:
                 opened = self.open_generation(number)
-            except Exception as error:  # noqa: BLE001  keep serving what works; say why, once
+            except ManifestError as error:  # another model or embedder: keep serving what works; say why, once
                 self.keeper.release(number)
                 self.refused[number] = str(error)
                 log.error("not switching to generation %d: %s", number, error)
                 return False
+            except Exception:  # a store hiccup mid-open: the next poll tries again
+                self.keeper.release(number)
+                raise
             previous, self.current = self.current, number
             self.on_switch(number, opened)
             self.keeper.release(previous)

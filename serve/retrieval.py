@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipeline.catalog import TEXTS, Catalog
-from pipeline.generations import local_copy, read_generation
+from pipeline.generations import read_generation
+from pipeline.serving_blobs import local_copy
 from pipeline.store import Store
 from schemas.api import AnswerRequest, UnknownIdsError
 from schemas.config import TierSpec

@@ -22,7 +22,7 @@ from pipeline.ingest import entry_slots, required_keys
 from pipeline.recompile import RecompileConfig, target_manifest
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, RenderSpec, RouterSpec, TierSpec
+from schemas.config import RenderSpec, RouterSpec, TierSpec
 from schemas.generation import LEASES_DIR, Generation, Lease, ReloadSpec
 from schemas.store import StoreSpec
 from serve.loader import CacheLoader
