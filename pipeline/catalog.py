@@ -58,16 +58,18 @@ def table_digest(table: pa.Table, salt: str = "") -> str:
     return hashlib.sha256(salt.encode() + sink.getvalue().to_pybytes()).hexdigest()
 
 
-def sorted_chunks(chunks: pa.Table) -> pa.Table:
-    """The chunk table in catalog order: (doc_id, order, chunk_id)."""
-    return chunks.take(pc.sort_indices(chunks, [("doc_id", "ascending"), ("order", "ascending"),
-                                                ("chunk_id", "ascending")]))
+def catalog_order(chunks: pa.Table) -> pa.Array:
+    """Row indices of the chunk table in catalog order: (doc_id, order, chunk_id). Sorting indices, not
+    the table: at 10^6 chunks a sorted copy of the embeddings and texts would cost gigabytes."""
+    keys = chunks.select(["doc_id", "order", "chunk_id"])
+    return pc.sort_indices(keys, [("doc_id", "ascending"), ("order", "ascending"), ("chunk_id", "ascending")])
 
 
-def chunks_digest(ordered: pa.Table, embedder: str) -> str:
-    """Identity of a catalog: its rows' ids and content keys (a chunk's text and embedding follow from its
-    content key and the embedder)."""
-    return table_digest(ordered.select(["chunk_id", "doc_id", "order", "chunk_key", "image_path"]), embedder)
+def chunks_digest(chunks: pa.Table, order: pa.Array, embedder: str) -> str:
+    """Identity of a catalog: its rows' ids and content keys in order (a chunk's text and embedding follow
+    from its content key and the embedder)."""
+    return table_digest(chunks.select(["chunk_id", "doc_id", "order", "chunk_key", "image_path"]).take(order),
+                        embedder)
 
 
 def _write_ipc(path: Path, table: pa.Table, batch_rows: int) -> None:
@@ -76,17 +78,25 @@ def _write_ipc(path: Path, table: pa.Table, batch_rows: int) -> None:
             writer.write_batch(batch)
 
 
-def write_chunks_dir(ordered: pa.Table, dim: int, spec: SearchSpec, out: Path) -> SearchInfo:
-    """Write the chunks dir of `ordered` (CHUNKS_SCHEMA rows in catalog order) into `out`."""
-    rows = ordered.num_rows
-    _write_ipc(out / CATALOG, ordered.select(list(CATALOG_COLUMNS)), _BLOCK_ROWS)
-    _write_ipc(out / TEXTS, ordered.select(list(TEXT_COLUMNS)), TEXT_BATCH_ROWS)
+def _write_taken(path: Path, table: pa.Table, order: pa.Array, batch_rows: int) -> None:
+    """`table.take(order)` as an IPC file, taken one batch at a time."""
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for start in range(0, len(order), batch_rows):
+            writer.write_table(table.take(order.slice(start, batch_rows)), max_chunksize=batch_rows)
+
+
+def write_chunks_dir(chunks: pa.Table, order: pa.Array, dim: int, spec: SearchSpec, out: Path) -> SearchInfo:
+    """Write the chunks dir of `chunks` (CHUNKS_SCHEMA rows) in catalog `order` into `out`."""
+    rows = chunks.num_rows
+    _write_taken(out / CATALOG, chunks.select(list(CATALOG_COLUMNS)), order, _BLOCK_ROWS)
+    _write_taken(out / TEXTS, chunks.select(list(TEXT_COLUMNS)), order, TEXT_BATCH_ROWS)
     embeddings = np.lib.format.open_memmap(out / EMBEDDINGS, mode="w+", dtype=np.float16, shape=(rows, dim))
     for start in range(0, rows, _BLOCK_ROWS):  # list<float32> -> [block, dim] float16, a block at a time
-        block = ordered["embedding"].slice(start, _BLOCK_ROWS).combine_chunks()
+        block = chunks["embedding"].take(order.slice(start, _BLOCK_ROWS)).combine_chunks()
         values = block.flatten().to_numpy(zero_copy_only=False)
         embeddings[start:start + len(block)] = values.reshape(len(block), dim)
     embeddings.flush()
+    ordered = _mapped(out / CATALOG)  # the id columns in catalog order, from the file just written
     chunk_lookup = np.empty(rows, _ID_LOOKUP)
     chunk_lookup["hash"], chunk_lookup["row"] = id_hashes(ordered["chunk_id"].to_pylist()), np.arange(rows)
     np.save(out / CHUNK_IDS, np.sort(chunk_lookup, order=["hash", "row"]))

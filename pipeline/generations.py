@@ -23,10 +23,11 @@ import shutil
 import time
 from datetime import datetime, timezone
 
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from pipeline.catalog import (
-    ENTRIES, SEARCH, chunks_digest, current_entries, sorted_chunks, table_digest, write_chunks_dir,
+    ENTRIES, SEARCH, catalog_order, chunks_digest, current_entries, table_digest, write_chunks_dir,
     write_entries_dir,
 )
 from pipeline.serving_blobs import (
@@ -71,13 +72,14 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
     generations no live service needs. Chunk snapshots (and their vector index) are reused when the
     chunk table is unchanged, so a recompile rebuilds only the entry table."""
     manifest = store.load_manifest_or_raise()
-    ordered = sorted_chunks(store.chunks())
-    digest = chunks_digest(ordered, manifest.embedder)
+    chunks = store.chunks()
+    order = catalog_order(chunks)
+    digest = chunks_digest(chunks, order, manifest.embedder)
     chunks_rel = f"{CHUNKS_DIR}/{digest}"
     if not is_complete(store, chunks_rel):
         staging = staging_dir(store)
         try:
-            write_chunks_dir(ordered, manifest.embedding_dim, spec, staging)
+            write_chunks_dir(chunks, order, manifest.embedding_dim, spec, staging)
             publish_dir(store, staging, chunks_rel)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -87,7 +89,7 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
     if not is_complete(store, entries_rel):
         staging = staging_dir(store)
         try:
-            keys = ordered["chunk_key"].to_numpy(zero_copy_only=False)
+            keys = chunks["chunk_key"].take(order).to_numpy(zero_copy_only=False)
             write_entries_dir(entries, keys, staging)
             publish_dir(store, staging, entries_rel)
         finally:
@@ -95,7 +97,7 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
     number = max([current_generation_number(store) or 0, *list_generations(store)]) + 1
     record = Generation(
         generation=number, manifest=manifest, chunks_dir=chunks_rel, entries_dir=entries_rel,
-        num_chunks=ordered.num_rows, num_documents=len(set(ordered["doc_id"].to_pylist())),
+        num_chunks=chunks.num_rows, num_documents=pc.count_distinct(chunks["doc_id"]).as_py(),
         num_entries=entries.num_rows, search=search, job_id=job_id, published_at=datetime.now(timezone.utc))
     write_json(store, generation_path(number), record.model_dump_json(indent=2))
     write_json(store, CURRENT, json.dumps({"generation": number}))  # the switch
