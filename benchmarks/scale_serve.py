@@ -138,10 +138,10 @@ def measure(uri: str, seed: int = 1) -> dict:
     before = router.generation
     print("READY-FOR-SWITCH", flush=True)  # the parent publishes a generation (a job's last step) ...
     sys.stdin.readline()  # ... and says so
-    published = time.perf_counter()
-    while router.generation == before:
+    while router.generation == before or router.watcher.last_switch_s is None:
         time.sleep(0.005)
-    out["switch"] = {"switch_s": time.perf_counter() - published, "current": current_generation_number(store)}
+    # from the record's `published_at` (just before the pointer moved) until the router served it
+    out["switch"] = {"switch_s": router.watcher.last_switch_s, "current": current_generation_number(store)}
     snapshot = router.snapshot
     probe = unit_rows(rng, RECALL_QUERIES, "random", None)
     found = np.stack([snapshot.catalog.vectors.search(q, 8)[0] for q in probe])
