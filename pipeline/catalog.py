@@ -20,8 +20,10 @@ entries dir (named by the digest of the chunks dir and the entries):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,15 +76,15 @@ def chunks_digest(chunks: pa.Table, order: pa.Array, embedder: str) -> str:
 
 def _write_ipc(path: Path, table: pa.Table, batch_rows: int) -> None:
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        for batch in table.to_batches(max_chunksize=batch_rows):
+        for batch in table.combine_chunks().to_batches(max_chunksize=batch_rows):
             writer.write_batch(batch)
 
 
 def _write_taken(path: Path, table: pa.Table, order: pa.Array, batch_rows: int) -> None:
     """`table.take(order)` as an IPC file, taken one batch at a time."""
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        for start in range(0, len(order), batch_rows):
-            writer.write_table(table.take(order.slice(start, batch_rows)), max_chunksize=batch_rows)
+        for start in range(0, len(order), batch_rows):  # one batch of exactly batch_rows (readers index by it)
+            writer.write_table(table.take(order.slice(start, batch_rows)).combine_chunks(), max_chunksize=batch_rows)
 
 
 def write_chunks_dir(chunks: pa.Table, order: pa.Array, dim: int, spec: SearchSpec, out: Path) -> SearchInfo:
@@ -141,6 +143,26 @@ def write_entries_dir(entries: pa.Table, catalog_chunk_keys: np.ndarray, out: Pa
     np.save(out / RANGES, ranges.astype(np.int64))
 
 
+class _Batches:
+    """A mapped table's record batches and where each starts, to read rows from the batch holding them."""
+
+    def __init__(self, table: pa.Table):
+        self.batches = table.to_batches()
+        self.starts = np.cumsum([0] + [b.num_rows for b in self.batches])
+
+
+def _slice(batches: _Batches, start: int, count: int) -> list[dict[str, Any]]:
+    """Rows [start, start + count) as dicts, touching only the batches that hold them."""
+    out: list[dict[str, Any]] = []
+    while count > 0:
+        index = int(np.searchsorted(batches.starts, start, "right")) - 1
+        batch, offset = batches.batches[index], start - int(batches.starts[index])
+        piece = batch.slice(offset, min(count, batch.num_rows - offset)).to_pylist()
+        out += piece
+        start, count = start + len(piece), count - len(piece)
+    return out
+
+
 def _npy(path: Path) -> np.ndarray:
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
@@ -162,8 +184,14 @@ class Catalog:
         self.chunk_lookup = _npy(chunks_dir / CHUNK_IDS)
         self.doc_lookup = _npy(chunks_dir / DOC_IDS)
         info = SearchInfo.model_validate_json((chunks_dir / SEARCH).read_text())
-        self.vectors = VectorIndex(chunks_dir / VECTORS, _npy(chunks_dir / EMBEDDINGS), info, rerank_candidates)
+        embeddings = _npy(chunks_dir / EMBEDDINGS)
+        with contextlib.suppress(AttributeError, OSError):  # rows are read at random: no readahead around them
+            embeddings._mmap.madvise(mmap.MADV_RANDOM)
+        self.vectors = VectorIndex(chunks_dir / VECTORS, embeddings, info, rerank_candidates)
         self.entries = _mapped(entries_dir / ENTRIES)
+        # Rows are read from the record batch that holds them: a `take` on the whole mapped table would
+        # concatenate its batches, paging in (and copying) every row for a handful.
+        self.table_batches, self.entry_batches = _Batches(self.table), _Batches(self.entries)
         self.ranges = _npy(entries_dir / RANGES)
         self.texts_reader = texts
         if not (self.table.num_rows == len(self.ranges) == len(self.vectors)):
@@ -200,7 +228,7 @@ class Catalog:
 
     def chunk_rows(self, rows: list[int]) -> list[dict[str, Any]]:
         """CATALOG_COLUMNS of `rows`, in their order."""
-        return self.table.take(pa.array(rows, pa.int64())).to_pylist() if rows else []
+        return [_slice(self.table_batches, row, 1)[0] for row in rows]
 
     def texts(self, rows: list[int]) -> list[dict[str, Any]]:
         """TEXT_COLUMNS of `rows`, reading only the record batches that hold them."""
@@ -210,12 +238,10 @@ class Catalog:
 
     def entries_of(self, rows: list[int]) -> list[dict[tuple[str | None, Variant], dict[str, Any]]]:
         """Each row's current entries keyed by (tier, variant), with their full index rows."""
-        spans = [(int(self.ranges[r, 0]), int(self.ranges[r, 1])) for r in rows]
-        flat = [i for start, count in spans for i in range(start, start + count)]
-        entry_rows = iter(self.entries.take(pa.array(flat, pa.int64())).to_pylist() if flat else [])
         out = []
-        for _, count in spans:
-            group = [next(entry_rows) for _ in range(count)]
+        for row in rows:
+            start, count = int(self.ranges[row, 0]), int(self.ranges[row, 1])
+            group = _slice(self.entry_batches, start, count) if count else []
             out.append({(e["tier"], Variant(e["variant"])): e for e in group})
         return out
 
