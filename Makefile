@@ -39,7 +39,7 @@ system:  ## apt: fonts for the renderer, Tesseract for OCR, Redis for the respon
 	    echo "== make needs root (or sudo) to install the Debian packages: $$missing"; exit 1; fi; \
 	  echo "== apt-get: installing $$missing ($(if $(SUDO),with sudo: it may ask for your password,as root); ~1 min)"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
-	fi
+	else echo "== Debian packages: all present ($(APT_PACKAGES))"; fi
 
 $(BIN)/python:
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "the lock files are for CPython 3.11 (Debian 12); run make with PY=python3.11")'
