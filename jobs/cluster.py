@@ -26,11 +26,14 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, quiet: bo
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     verbose = logs.is_verbose()
-    DataContext.get_current().enable_progress_bars = not quiet
-    if quiet and not verbose:
+    context = DataContext.get_current()
+    context.enable_progress_bars = not quiet
+    context.enable_operator_progress_bars = verbose  # quiet: one bar per Ray Data execution, not one per operator
+    if not verbose:
         from ray.util.debug import log_once
 
-        log_once("ray_data_progress_manager_disabled")  # we turned the bars off: skip Ray Data's warning about it
+        # Bars we turned off on purpose: skip Ray Data's warnings about them (each is logged once per process)
+        log_once("ray_data_progress_manager_disabled" if quiet else "ray_data_progress_manager_global")
     options = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(**options)
