@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import socket
 import statistics
 import sys
@@ -38,6 +40,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     logs.add_verbose_flag(p)
     return p
+
+
+def command_name() -> str:
+    """How this `qvpic` was invoked (e.g. `.venv/bin/qvpic` when the venv is not activated)."""
+    script, on_path = Path(sys.argv[0]), shutil.which("qvpic")
+    if script.name != "qvpic" or (on_path is not None and Path(on_path).resolve() == script.resolve()):
+        return "qvpic"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith("..") else str(script)
 
 
 def free_port(preferred: int) -> int:
@@ -155,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"embeddings → KV caches compiled with {args.model}, into {args.store} (about a minute on 2 cores; "
                   "a store that has them already is reused)")
     init_ray(quiet=False)
-    summary = ingest(IngestConfig(corpus=str(CORPUS), store=StoreSpec(uri=args.store), model=ModelSpec(path=args.model)))
+    try:
+        summary = ingest(IngestConfig(corpus=str(CORPUS), store=StoreSpec(uri=args.store),
+                                      model=ModelSpec(path=args.model)))
+    except (ValueError, FileNotFoundError) as error:  # e.g. a store compiled for another model
+        console.print(f"[red]qvpic demo: {error}[/red]\n(another --store, or remove {args.store}, starts afresh)")
+        return 2
     print_summary(summary, as_json=False)
 
     import ray
@@ -189,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.delete(APP_NAME)  # drains the application; the local Ray, and Serve with it, ends below
         ray.shutdown()
     console.print(f"done. The store stays in {args.store} (a re-run reuses it); serve it again with "
-                  f"`qvpic serve --store {args.store} --model {args.model}` (Ctrl-C stops it).")
+                  f"`{command_name()} serve --store {args.store} --model {args.model}` (Ctrl-C stops it).")
     return 0
 
 
