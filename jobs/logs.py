@@ -65,14 +65,16 @@ def native_log_path() -> Path | None:
     return _native_log
 
 
-def configure(verbose: bool = False) -> int:
-    """Set this process (and the Ray workers and subprocesses it starts) to `level(verbose)`; idempotent."""
+def configure(verbose: bool = False, native_to_file: bool = True) -> int:
+    """Set this process (and the Ray workers and subprocesses it starts) to `level(verbose)`; idempotent.
+    `native_to_file=False` keeps C-level stderr on the terminal even when quiet (a long-running server,
+    whose rare native lines, about signals or crashes, are worth seeing)."""
     chosen = level(verbose)
     os.environ[LEVEL_ENV] = logging.getLevelName(chosen)  # sub-jobs and Ray workers (runtime_env) inherit it
     if chosen > logging.INFO:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars too
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        if _own_process:
+        if _own_process and native_to_file:
             _native_stderr_to_file()  # before any handler binds to sys.stderr
     logging.basicConfig(level=chosen, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(chosen)

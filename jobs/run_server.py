@@ -151,7 +151,7 @@ def deploy(application, local: bool, stop: StopSignals, poll_s: float = 2.0) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
-    logs.configure(ns.verbose)
+    logs.configure(ns.verbose, native_to_file=False)  # no Ray Data here: native lines are about signals, crashes
     if ns.detach and ns.address is None:
         print("qvpic serve: --detach needs --address (a local Ray ends with this process)", file=sys.stderr)
         return 2
