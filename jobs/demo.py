@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-qwen",
                    help="checkpoint directory, or a built-in random-weight model: tiny-qwen, tiny-glm")
     p.add_argument("--port", type=int, default=20080, help="HTTP port on 127.0.0.1 (another free one if taken)")
-    p.add_argument("--repeats", type=int, default=3, help="timed requests per mode, after one warm-up each")
+    p.add_argument("--repeats", type=int, default=10, help="timed requests per mode (medians), after one warm-up each")
     p.add_argument("--top-k", type=int, default=6, help="chunks retrieved per question")
     logs.add_verbose_flag(p)
     return p
