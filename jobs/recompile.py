@@ -12,18 +12,14 @@ import json
 import sys
 from dataclasses import asdict
 
-from jobs.cluster import init_ray
-from jobs.failure import explain, report
+from jobs import logs
+from jobs.help import HelpFormatter
 from jobs.ingest import compile_resources, model_args, render_args, render_spec, resource_args
-from pipeline.lease import StoreBusyError
-from pipeline.recompile import RecompileConfig, recompile
-from pipeline.resources import ResourceError
 from schemas.config import ModelSpec, Variant
-from schemas.store import StoreSpec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qvpic recompile", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qvpic recompile", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--store", required=True)
     parser.add_argument("--s3-endpoint", default=None)
     model_args(parser)
@@ -33,8 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", type=Variant, default=None, choices=list(Variant))
     resource_args(parser)
     parser.add_argument("--orphan-grace-s", type=float, default=3600.0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    logs.add_verbose_flag(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.verbose)
+    from jobs.cluster import init_ray  # Ray, pyarrow and the model runtime: after `--help` has answered
+    from jobs.failure import explain, report
+    from pipeline.lease import StoreBusyError
+    from pipeline.recompile import RecompileConfig, recompile
+    from pipeline.resources import ResourceError
+    from schemas.store import StoreSpec
+
     try:
         cfg = RecompileConfig(
             store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
@@ -65,4 +70,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

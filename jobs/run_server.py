@@ -4,28 +4,39 @@ Arguments come from flags, or from a Serve config file (`--config serve/config.y
 application's `args`) with flags overriding it. Without `--address` a local Ray is started and
 stopped with this process; with one (e.g. `auto`) the app is deployed onto that cluster, and
 `--detach` returns as soon as it is healthy, leaving it running there.
+
+While deploying it prints what each pending deployment waits for; on a local Ray, a deployment that
+no node can host (a GPU generator on a CPU-only machine) is an error at once (exit 2), not a hang.
+SIGTERM or SIGINT (what systemd, Kubernetes and Ctrl-C send) drains: the application is deleted, each
+replica finishes its in-flight requests for up to `--drain-timeout-s`, then the process exits 0.
+A second signal stops at once (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from jobs import logs
+from jobs.help import HelpFormatter
 from schemas.config import DType
 
 DEFAULT_PORT = 8000
 APP_NAME = "qvpic"
+QUIET_START_S = 10.0  # a deploy that takes longer reports what it waits for
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qvpic serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="qvpic serve", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", type=Path, help="Serve config YAML whose first application's args are the base")
     p.add_argument("--store", help="store URI: a directory, s3://bucket/prefix, or any pyarrow filesystem URI")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
@@ -42,11 +53,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id of /v1/models and chat requests")
     p.add_argument("--generator-gpus", type=float, help="GPUs per generator replica")
     p.add_argument("--generator-replicas", type=int, help="generator replicas")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: Ray's own count)")
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
+                        "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's "
+                        "TimeoutStopSec)")
+    logs.add_verbose_flag(p)
     return p
 
 
@@ -70,15 +86,72 @@ def app_args(ns: argparse.Namespace):
              "router.max_high_res": ns.max_high_res, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
              "max_context_tokens": ns.max_context_tokens, "default_top_k": ns.top_k,
              "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
-             "generator_deployment.num_replicas": ns.generator_replicas}
+             "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
     return AppArgs.model_validate(args)
 
 
+class Stopped(BaseException):
+    """A second stop signal: stop without draining (raised from the handler, so it interrupts any wait)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM: the first sets `requested`, which the main thread waits on; a second raises Stopped."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.name = ""
+
+    def __call__(self, signum: int, _frame) -> None:
+        if self.requested.is_set():
+            raise Stopped(signal.Signals(signum).name)
+        self.name = signal.Signals(signum).name
+        self.requested.set()
+
+    def install(self) -> None:
+        """Call it again after `ray.init`: Ray's driver replaces the SIGTERM handler with one that aborts
+        the process (the `Aborted` that a plain `kill` used to end `qvpic serve` with)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+
+    @staticmethod
+    def restore() -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def deploy(application, local: bool, stop: StopSignals, poll_s: float = 2.0) -> bool:
+    """Deploy and wait until every deployment runs (True) or a stop is requested (False), reporting what
+    each pending deployment waits for. Raises RuntimeError when the deploy fails, or when this local Ray
+    has no node that can host a deployment (nothing will ever join it)."""
+    from ray import serve
+
+    from serve.health import fetch_readiness
+
+    serve.run_many([serve.RunTarget(application, name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    reported, started = "", time.monotonic()
+    while not stop.requested.wait(poll_s):
+        report = fetch_readiness(APP_NAME)
+        if report.ready:
+            return True
+        unplaceable = [f"{d.name}: {d.reason}" for d in report.deployments if d.unplaceable]
+        if report.status == "DEPLOY_FAILED" or (local and unplaceable):
+            cause = "; ".join(unplaceable) if local and unplaceable else report.detail
+            hint = (" (lower the deployment's resources, e.g. --generator-gpus 0, or run where they exist)"
+                    if local and unplaceable else "")
+            raise RuntimeError(f"cannot deploy: {cause}{hint}")
+        if report.pending and report.detail != reported and time.monotonic() - started > QUIET_START_S:
+            reported = report.detail or ""
+            print(f"qvpic serve: waiting for {', '.join(report.pending)}: {reported}", file=sys.stderr, flush=True)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
+    logs.configure(ns.verbose, native_to_file=False)  # no Ray Data here: native lines are about signals, crashes
     if ns.detach and ns.address is None:
         print("qvpic serve: --detach needs --address (a local Ray ends with this process)", file=sys.stderr)
         return 2
@@ -98,20 +171,42 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # StoreError, ManifestError: a clear message, not a traceback
         print(f"qvpic serve: {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()  # set by SIGINT/SIGTERM, also while starting up
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None)
-    serve.start(http_options={"host": ns.host, "port": ns.port})
-    serve.run(application, name=APP_NAME, route_prefix="/")
-    print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs)", flush=True)
-    if ns.detach:
+    stop = StopSignals()
+    stop.install()
+    try:
+        verbose = logs.is_verbose()
+        ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None,
+                 log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
+        logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
+        stop.install()
+        if not stop.requested.is_set():
+            serve.start(http_options={"host": ns.host, "port": ns.port})
+            if deploy(application, ns.address is None, stop):
+                stop_hint = "" if ns.detach else "; Ctrl-C stops it"
+                print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs){stop_hint}",
+                      flush=True)
+                if ns.detach:
+                    return 0
+                stop.requested.wait()
+            # Serve stops routing to the application; each replica finishes its in-flight requests (for up to
+            # drain_timeout_s, its graceful_shutdown_timeout_s) before it stops.
+            print(f"qvpic serve: {stop.name}: draining in-flight requests (up to {args.drain_timeout_s:g} s; "
+                  "a second signal stops at once)", file=sys.stderr, flush=True)
+            serve.delete(APP_NAME)
+        print("qvpic serve: stopped", file=sys.stderr, flush=True)
         return 0
-    while not stop.wait(1.0):
-        pass
-    serve.delete(APP_NAME)  # then the local Ray, if this process started it, ends with the process
-    return 0
+    except RuntimeError as error:
+        print(f"qvpic serve: {error}", file=sys.stderr, flush=True)
+        return 2
+    except Stopped as second:
+        print(f"qvpic serve: {second} again: stopping without draining", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if ns.address is None and ray.is_initialized():
+            ray.shutdown()  # the local Ray this process started
+        stop.restore()
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.entries import (
-    TEXT_SOURCED, PageImageError, compile_entries, decode_png, encode_png, index_row, page_images,
+    TEXT_SOURCED, compile_entries, decode_png, encode_png, index_row, page_images,
 )
 from pipeline.render import Renderer
 from pipeline.rows import PAGES_TYPE, units_to_build, with_columns
@@ -155,15 +155,22 @@ class CompileStage:
 
 def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list[tuple[str, str, str | None]],
                        batch_size: int = 8) -> dict[str, str]:
-    """Render and compile every entry the manifest needs for `(chunk_key, text, image_path)` sources in
-    this process, through the pipeline's own stages (tests and benchmarks that build stores without
-    Ray). Returns the errors by chunk key."""
-    from pipeline.entries import entry_slots
+    """Render and compile the entries the manifest needs and the store lacks for `(chunk_key, text,
+    image_path)` sources in this process, through the pipeline's own stages (tests and benchmarks that
+    build stores without Ray). Returns the errors by chunk key."""
+    from pipeline.entries import required_keys
     from pipeline.rows import Kind, rows_table
 
-    slots = json.dumps([[tier, variant.value] for tier, variant in entry_slots(manifest, manifest.variants)])
-    units = rows_table([{"kind": Kind.UNIT.value, "key": key, "chunk_key": key, "text": text, "image_path": image_path,
-                         "slots_json": slots, "error": ""} for key, text, image_path in dict.fromkeys(sources)])
+    units = []
+    for key, text, image_path in dict.fromkeys(sources):
+        keys = required_keys(manifest, key, manifest.variants)
+        present = store.has_entries(keys)
+        slots = [[k.tier, k.variant.value] for k in keys if k not in present]
+        if slots:
+            units.append({"kind": Kind.UNIT.value, "key": key, "chunk_key": key, "text": text,
+                          "image_path": image_path, "slots_json": json.dumps(slots), "error": ""})
+    if not units:
+        return {}
     plan = CompilePlan(vlm.spec, store.spec, manifest.to_json(), batch_size)
-    built = CompileStage(plan, vlm=vlm)(RenderStage(manifest.render)(units))
+    built = CompileStage(plan, vlm=vlm)(RenderStage(manifest.render)(rows_table(units)))
     return {row["chunk_key"]: row["error"] for row in built.select(["chunk_key", "error"]).to_pylist() if row["error"]}

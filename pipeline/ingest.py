@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
 import ray.data
@@ -23,6 +24,7 @@ from pipeline.dedup import check_ids, dedup, stored_embeddings, stored_entries
 from pipeline.documents import ChunkStage, read_files, rejected_row
 from pipeline.embed import Embedder, EmbedStage
 from pipeline.entries import entry_slots, required_keys  # noqa: F401  (re-exported: callers build stores with them)
+from pipeline.generations import publish_generation
 from pipeline.lease import StoreLease
 from pipeline.publish import write
 from pipeline.readers import discover
@@ -34,6 +36,8 @@ from pipeline.summary import IngestSummary
 from schemas.config import ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest, StoredModel, StoreSpec
+
+T = TypeVar("T")
 
 __all__ = ["CompileResources", "IngestConfig", "ingest", "entry_slots", "new_manifest"]
 
@@ -151,6 +155,21 @@ def compile_kv(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePla
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.compile_workers))
 
 
+def in_a_task(fn: Callable[..., T], plan: StagePlan, *args: Any) -> T:
+    """`fn(*args)` in a Ray task. The steps that end a job read whole tables (the chunk table holds ~1.6 KB
+    of embedding a chunk: ~0.8 GiB of peak memory for 100k chunks in compaction and publish), so they
+    run on a worker; the driver, which may share the head node with the Serve controller, stays flat."""
+    return ray.get(ray.remote(fn).options(num_cpus=plan.task_cpus).remote(*args))
+
+
+def finish(spec: StoreSpec, job_id: str) -> None:
+    """Compact what the job appended, then publish the generation serving switches to (catalog, entries,
+    vector index). Both are idempotent: a retried task redoes them."""
+    store = Store.open(spec)
+    store.compact()
+    publish_generation(store, job_id)
+
+
 def ingest(cfg: IngestConfig) -> IngestSummary:
     started, stamp_ns = time.perf_counter(), time.time_ns()
     store = Store.open(cfg.store, create=True)
@@ -175,7 +194,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
         tallies = write(rows, store, cfg.job_id, stamp_ns, plan)  # whole documents, or quarantined
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
-        store.compact()
+        in_a_task(finish, plan, store.spec, cfg.job_id)
     summary.wall_s = time.perf_counter() - started
     return summary
 

@@ -21,7 +21,8 @@ import ray.data
 from pipeline.compile import CompilePlan
 from pipeline.dedup import dedup, read_parts, stored_entries
 from pipeline.entries import entry_slots
-from pipeline.ingest import compile_kv, new_manifest, render, work_blocks
+from pipeline.generations import publish_generation
+from pipeline.ingest import compile_kv, in_a_task, new_manifest, render, work_blocks
 from pipeline.lease import StoreLease
 from pipeline.resources import CompileResources, StagePlan, plan_stages
 from pipeline.rows import Kind, conform_rows, of_kind
@@ -110,6 +111,21 @@ def _tally(batch: pa.Table, tally: Tally) -> pa.Table:
     return tally(batch)
 
 
+def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: float) -> tuple[int, int]:
+    """Switch to `new` (None: a failed job, which only compacts what it appended), publish the generation
+    serving follows (the generations it still serves stay live), drop stale rows and collect orphan
+    shards. Returns (index rows dropped, shards removed)."""
+    store = Store.open(spec)
+    if new is None:
+        store.compact()
+        return 0, 0
+    store.write_manifest(new)  # the switch: atomic, and only once every new entry exists
+    publish_generation(store, job_id)
+    before = store.index().num_rows
+    store.compact(keep_fingerprints={new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)})
+    return before - store.index().num_rows, store.remove_orphans(older_than_s=orphan_grace_s)
+
+
 def recompile(cfg: RecompileConfig) -> RecompileSummary:
     started, stamp_ns = time.perf_counter(), time.time_ns()
     store = Store.open(cfg.store)
@@ -137,15 +153,8 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
                 batch_failures = json.loads(row["failures_json"])
                 num_failed += len(batch_failures)
                 failures.update(list(batch_failures.items())[:max(0, MAX_LISTED_FAILURES - len(failures))])
-        dropped = orphans = 0
-        if not num_failed:  # else keep serving the old manifest: the new one would point at missing entries
-            store.write_manifest(new)  # the switch: atomic, and only once every new entry exists
-            before = store.index().num_rows
-            store.compact(keep_fingerprints={new.entry_fingerprint(v, t) for t, v in slots})
-            dropped = before - store.index().num_rows
-            orphans = store.remove_orphans(older_than_s=cfg.orphan_grace_s)
-        else:
-            store.compact()
+        switch = not num_failed  # else keep serving the old manifest: the new one would point at missing entries
+        dropped, orphans = in_a_task(finish, plan, store.spec, cfg.job_id, new if switch else None, cfg.orphan_grace_s)
     return RecompileSummary(
         job_id=cfg.job_id, old_fingerprint=old.fingerprint, new_fingerprint=new.fingerprint, num_chunk_texts=units,
         num_compiled=compiled, num_failed=num_failed, failures=failures, num_entries_dropped=dropped,

@@ -16,8 +16,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import ray
-from ray.data import DataContext, ExecutionResources
 
 TASK_CPUS = 1.0  # Ray Data's shuffle map and reduce tasks each take one CPU; not configurable
 MIN_ACTOR_CPUS = 0.01
@@ -59,6 +57,8 @@ class StagePlan:
 
     def apply(self, stall_timeout_s: float) -> None:
         """Bound Ray Data to the budget, and make a stall an error rather than a hang."""
+        from ray.data import DataContext, ExecutionResources  # here: `--help` reads this module's defaults
+
         ctx = DataContext.get_current()
         ctx.execution_options.resource_limits = ExecutionResources(cpu=self.cpu_budget)
         ctx.execution_no_progress_timeout_s = stall_timeout_s
@@ -67,6 +67,8 @@ class StagePlan:
 def plan_stages(resources: CompileResources, stages: tuple[str, ...] = ("chunk", "render", "embed"),
                 wait_s: float = 60.0) -> StagePlan:
     """The requests of a pipeline with `stages` actor pools (besides compile) on this cluster now."""
+    import ray
+
     want = {"chunk": 0.25, "render": 0.5, "embed": 0.5}
     want = {name: want[name] for name in stages} | {"compile": resources.cpus_per_worker}
     total = ray.cluster_resources()

@@ -201,8 +201,12 @@ class Store:
     def remove_orphans(self, older_than_s: float = 3600.0) -> int:
         """Delete shards no index row references, and temp files left by crashed writes, that are
         older than `older_than_s` (a grace period for jobs between writing a shard and publishing its
-        rows). Rows hidden by a newer duplicate still protect their shard until compaction drops them."""
+        rows). Rows hidden by a newer duplicate still protect their shard until compaction drops them, and
+        shards of a serving generation still live (current or leased) are never removed."""
         referenced = set(pc.unique(self.tables["index"].raw()["shard_path"]).to_pylist())
+        from pipeline.generations import protected_shards  # (imports this module)
+
+        referenced |= protected_shards(self)  # what a live service may still read
         cutoff_ns = time.time_ns() - int(older_than_s * 1e9)
         removed = 0
         for info in self.blobs.list("", recursive=True):

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from schemas.config import Mode, Variant
+from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
 MAX_QUERY_CHARS = 8_000
@@ -134,7 +135,7 @@ class Selection(Strict):
 
     chunk_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
     doc_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
-    top_k: int | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
+    top_k: JsonInt | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
 
     def num_given(self) -> int:
         return sum(v is not None for v in (self.chunk_ids, self.doc_ids, self.top_k))
@@ -142,9 +143,9 @@ class Selection(Strict):
 
 class Routing(Strict):
     mode: Mode = Mode.QVPIC
-    tau: float | None = Field(None, ge=0.0, le=1.0,
+    tau: JsonFloat | None = Field(None, ge=0.0, le=1.0,
                               description="cumulative relevance share promoted (server default when null)")
-    max_high_res: int | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
+    max_high_res: JsonInt | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
 
 
 class Attribution(Strict):
@@ -154,11 +155,11 @@ class Attribution(Strict):
 
 class AnswerRequest(Selection, Routing, Attribution):
     query: Query
-    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stream: bool = False
+    max_new_tokens: JsonInt = Field(64, ge=1, le=MAX_NEW_TOKENS)
+    temperature: JsonFloat = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
+    seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
+    stream: JsonBool = False
 
     @model_validator(mode="after")
     def _one_selection(self) -> AnswerRequest:
@@ -196,12 +197,15 @@ class TokenUsage(Strict):
 
 
 class Timings(Strict):
+    """Where a request's time went. The model phases are null when no model work ran: a response-cache hit
+    (`cache_hit: true`), whose own latency is `total_ms` (and the lookup's `response_cache.lookup_ms`)."""
+
     route_ms: float
-    load_ms: float
-    render_ms: float  # full_image only: rendering pages online
-    reanchor_ms: float  # assembling and re-rotating cached KV
-    prefill_ms: float  # the generator's time to first token: query prefill (or full prefill)
-    decode_ms: float
+    load_ms: float | None
+    render_ms: float | None  # full_image only: rendering pages online
+    reanchor_ms: float | None  # assembling and re-rotating cached KV
+    prefill_ms: float | None  # the generator's time to first token: query prefill (or full prefill)
+    decode_ms: float | None
     total_ms: float  # wall time seen by the ingress
 
 
@@ -220,6 +224,7 @@ class ResponseCacheLevel(str, Enum):
 class ResponseCacheReport(Strict):
     level: ResponseCacheLevel | None = None  # the level that answered; null: the model did
     similarity: float | None = None  # l2: cosine of this query's embedding to the cached one's
+    lookup_ms: float | None = None  # time spent looking the request up; null: not looked up (see `Cache-Control`)
 
 
 class AnswerReport(Strict):
@@ -230,7 +235,9 @@ class AnswerReport(Strict):
     timings: Timings
     cache: CacheReport  # the KV cache of the loader
     fallbacks: list[FallbackReport]
+    cache_hit: bool = False  # answered by the response cache: no model work, no model timings
     response_cache: ResponseCacheReport = Field(default_factory=ResponseCacheReport)
+    generation: int = 0  # the store's serving generation the answer's entries all come from
 
     def with_total_ms(self, total_ms: float) -> AnswerReport:
         return self.model_copy(update={"timings": self.timings.model_copy(update={"total_ms": total_ms})})

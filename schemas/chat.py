@@ -21,6 +21,7 @@ from schemas.api import (
     Selection,
     Strict,
 )
+from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 
 class OpenAIError(Strict):
@@ -61,19 +62,19 @@ class QvpicOptions(Selection, Routing, Attribution):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: JsonBool = False
 
 
 class ChatCompletionRequest(Strict):
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1, max_length=64)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stream: bool = False
+    max_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    temperature: JsonFloat = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
+    top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
+    n: JsonInt = Field(1, ge=1, le=1)
+    seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
+    stream: JsonBool = False
     stream_options: StreamOptions | None = None
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 

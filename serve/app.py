@@ -11,14 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.exception_handlers import request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from schemas.sampling import Sampling
+from pipeline.generations import ensure_generation, read_generation
 from pipeline.store import Store
 from schemas.api import (
     AnswerRequest,
@@ -35,12 +34,14 @@ from schemas.api import (
     StreamError,
 )
 from schemas.config import Frozen, ModelSpec, RouterSpec
+from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
 from serve import openai_api
 from serve.backend import ApiSettings, Backend, HandleBackend, api_error, error_cause, sse
 from serve.generator import Generator
 from serve.plan import Answer
 from serve.governance import GovernanceArgs, Governor, Route
+from serve.health import ReadinessProbe, install_readiness
 from serve.limits import install_limits
 from serve.loader import CacheLoader
 from serve.metrics import CONTENT_TYPE, serve_metrics
@@ -88,6 +89,8 @@ class AppArgs(Frozen):
     loader_deployment: DeploymentArgs = DeploymentArgs()
     generator_deployment: DeploymentArgs = DeploymentArgs(max_ongoing_requests=8)
     governance: GovernanceArgs = GovernanceArgs()  # budgets, rate limits, response caches, request log, auth
+    drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
+    reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppArgs:
@@ -111,18 +114,6 @@ def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None 
             return openai_error(status, detail, headers)
         fields = cause.body_fields() if isinstance(cause, ApiError) else {}
         return JSONResponse(status_code=status, content={"detail": detail, **fields}, headers=headers)
-
-    @app.exception_handler(Exception)
-    async def _crashed(request: Request, error: Exception) -> PlainTextResponse:  # Starlette re-raises it to log
-        governor.rejected(request, 500)
-        return PlainTextResponse("Internal Server Error", status_code=500)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        governor.rejected(request, 422)
-        if request.url.path.startswith(openai_api.PATH_PREFIX):
-            return openai_error(422, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()))
-        return await request_validation_exception_handler(request, error)  # FastAPI's own 422 body
 
     @app.get("/healthz")
     async def healthz() -> Health:
@@ -175,7 +166,7 @@ def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None 
         return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
 
     app.include_router(openai_routes(backend, settings, governor))
-    install_limits(app, governor.rejected)  # 413 over 1 MiB, 503 when a replica dies mid-request
+    install_limits(app, governor.rejected)  # 413 over 1 MiB, JSON 422 for any input, 503 when a replica dies
     return app
 
 
@@ -186,11 +177,13 @@ def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
 
 def api_settings(args: AppArgs) -> ApiSettings:
     store = Store.open(args.store)
-    manifest, stats = store.load_manifest_or_raise(), store.stats()
+    generation = read_generation(store, ensure_generation(store))
+    manifest = generation.manifest  # counts from the generation record: nothing re-reads the tables
     info = StoreInfo(fingerprint=manifest.fingerprint, model_id=manifest.model.id,
                      tiers={t.name: t.dpi for t in manifest.tiers}, variants=list(manifest.variants),
-                     embedder=manifest.embedder, num_chunks=stats.num_chunks, num_documents=stats.num_documents,
-                     num_entries=stats.num_entries, modes=servable_modes(manifest.variants))
+                     embedder=manifest.embedder, num_chunks=generation.num_chunks,
+                     num_documents=generation.num_documents, num_entries=generation.num_entries,
+                     modes=servable_modes(manifest.variants))
     return ApiSettings(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
                        created=int(manifest.created_at.timestamp()))
 
@@ -202,9 +195,12 @@ class Ingress:
         self.backend = HandleBackend(router, loader, generator)
         self.settings = api_settings(args)
         self.governor = Governor(args.governance, self.settings.store)
+        self.readiness = ReadinessProbe(serve.get_replica_context().app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return make_api(self.backend, self.settings, self.governor)
+        app = make_api(self.backend, self.settings, self.governor)
+        install_readiness(app, self.readiness, self.governor.rejected)  # GET /readyz; 503 while a deployment is pending
+        return app
 
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: write the buffered request log
         if hasattr(self, "governor"):  # not when __init__ failed before creating it
@@ -212,8 +208,11 @@ class Ingress:
 
 
 def preflight(args: AppArgs) -> None:
-    """Fail fast, before any replica starts, when the store was compiled for another model."""
-    check_store(Store.open(args.store).load_manifest_or_raise(), args.model)
+    """Fail fast, before any replica starts, when the store was compiled for another model; publish a
+    serving generation once when no job has (so replicas never race to build one)."""
+    store = Store.open(args.store)
+    check_store(store.load_manifest_or_raise(), args.model)
+    ensure_generation(store)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
@@ -222,10 +221,12 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     preflight(args)
     def deployment(cls: type, name: str, resources: DeploymentArgs):
-        return serve.deployment(cls, name=name).options(**resources.options())
+        return serve.deployment(cls, name=name).options(**resources.options(),
+                                                        graceful_shutdown_timeout_s=args.drain_timeout_s)
 
     router = deployment(BatchingRouter, "Router", args.router_deployment).bind(
-        args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir)
-    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(args.store, args.cache_max_nbytes)
+        args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir, args.reload)
+    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(args.store, args.cache_max_nbytes,
+                                                                                  args.reload)
     generator = deployment(Generator, "Generator", args.generator_deployment).bind(args.store, args.model)
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(router, loader, generator, args)

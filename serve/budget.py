@@ -17,6 +17,7 @@ is unreachable, the replica-local buckets take over until it is back.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -28,6 +29,8 @@ from pydantic import Field
 from schemas.api import BudgetExceededError, InvalidHeaderError, Label, RateLimitedError
 from schemas.config import Frozen
 from serve.metrics import serve_metrics
+
+MAX_TOKEN_BUDGET_HEADER = re.compile(r"[0-9]{1,18}")  # X-Max-Token-Budget: a positive integer that fits int64
 from serve.plan import Plan
 from serve.shared_state import RedisConnection, SharedStateUnavailable, StateBackend
 
@@ -93,7 +96,9 @@ def token_budget(headers: Mapping[str, str], policy: TenantPolicy) -> int | None
     value = headers.get("x-max-token-budget")
     if value is None:
         return policy.token_budget
-    if not value.strip().isdigit() or int(value) < 1:
+    # ASCII digits only, bounded: str.isdigit() takes "²" (a Latin-1 header byte) and int() refuses it,
+    # and int() refuses over 4,300 digits; either was a 500
+    if not MAX_TOKEN_BUDGET_HEADER.fullmatch(value.strip()) or int(value) < 1:
         raise InvalidHeaderError(f"X-Max-Token-Budget must be a positive integer, got {value[:40]!r}")
     return int(value) if policy.token_budget is None else min(int(value), policy.token_budget)
 

@@ -54,6 +54,7 @@ class Plan:
     fallbacks: tuple[FallbackReport, ...]
     route_ms: float
     query_embedding: np.ndarray | None = None  # [dim], unit norm: what the l2 response cache compares
+    generation: int = 0  # the store's serving generation every entry of the plan comes from
 
 
 @dataclass(frozen=True)

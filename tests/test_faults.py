@@ -20,6 +20,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
 from pipeline.compile import compile_in_process
+from pipeline.generations import publish_generation
 from pipeline.ingest import IngestConfig, ingest
 from pipeline.render import resolve_font
 from pipeline.store import Store
@@ -98,6 +99,7 @@ def add_scanned_page(root: Path, serving: ServingStore, image_path: Path) -> str
     assert not compile_in_process(store, manifest, serving.vlm, [(chunk.chunk_key, chunk.text, str(image_path))])
     store.publish_chunks([dict(chunk.model_dump(), embedding=serving.embedder.embed([chunk.text])[0].tolist(),
                                source="scan.png", image_path=str(image_path))])
+    publish_generation(store, "tests")  # as a job ends: serving switches to what it wrote
     return chunk.chunk_id
 
 
