@@ -40,7 +40,7 @@ from pipeline.embedding_rows import EmbeddingRows
 from schemas.generation import SearchInfo, SearchKind, SearchSpec
 
 _DIRECT_INT8 = faiss.ScalarQuantizer.QT_8bit_direct_signed  # code = value + 128, value floored: we round first
-_ADD_ROWS = 65_536  # rows converted to codes at a time while building: bounded memory
+_ADD_ROWS = 16_384  # rows converted to codes at a time while building: ~4 float32 copies of a block
 FLAT_SHARD_ROWS = 262_144  # rows per flat index file (~100 MB of codes at 384 dims)
 IVF_FILE = "vectors.faiss"
 SAMPLE_SCAN_MARGIN = 2.0  # a sample rejects the IVF only if it misses the target reading this x max_scan_fraction
