@@ -261,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = args.sizes or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
     results = []
+    # one section per set of distributions: the random-vector run and an ANN-recall run keep their own
+    others = [d for d in args.distribution if d != "random"]
+    key = "-".join(["scale-serve", *others])
+    title = "Serving at scale: start-up, routing, memory, recall, hot reload" + (
+        f" ({', '.join(args.distribution)} embeddings)" if others else "")
     with tempfile.TemporaryDirectory(prefix="qvpic-scale-serve-") as work:
         for distribution in args.distribution:
             for size in sizes:
@@ -269,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 body = section(results)  # written after every size: a long run keeps what it measured
                 if not args.no_write:
                     command = "python -m benchmarks.scale_serve " + " ".join(argv if argv is not None else sys.argv[1:])
-                    write_section("scale-serve", "Serving at scale: start-up, routing, memory, recall, hot reload",
-                                  command.strip(), body)
+                    write_section(key, title, command.strip(), body)
     print(body)
     return 0
 
