@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -115,9 +114,11 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
 
 
 def rss_mib() -> dict[str, float]:
+    """This process's resident memory now, and its peak (VmHWM: unlike ru_maxrss, not inherited from the
+    parent that forked it)."""
     fields = {line.split(":")[0]: float(line.split()[1]) / 1024 for line in open("/proc/self/status")
-              if line.startswith(("VmRSS", "RssAnon", "RssFile"))}
-    return {"rss": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"]}
+              if line.startswith(("VmRSS", "RssAnon", "RssFile", "VmHWM"))}
+    return {"rss": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"], "peak": fields["VmHWM"]}
 
 
 def publish(uri: str, job_id: str) -> dict:
@@ -129,7 +130,7 @@ def publish(uri: str, job_id: str) -> dict:
     started = time.perf_counter()
     record = publish_generation(Store.open(uri), job_id)
     return {"publish_s": time.perf_counter() - started, "rss_before_mib": before,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": rss_mib()["peak"],
             "build_s": record.search.build_s}
 
 
@@ -234,7 +235,7 @@ def section(results: list[dict]) -> str:
     return (f"{table}\n\nRoute = retrieval + placement for an embedded query (top-8, qvpic), after 20 warm-up "
             "queries; the query embedding (MiniLM, one query) is timed apart. Start-up = `Router(...)` in a fresh "
             "process (tokenizer, embedder, the generation's catalog and index opened), imports apart. Publish runs "
-            "in a process of its own; its peak RSS (ru_maxrss) includes ~the imports. Router RSS after the routes; "
+            "in a process of its own; its peak RSS (VmHWM) includes the imports (~280 MiB). Router RSS after the routes; "
             "file-backed pages (the mapped index) are the rest. Switch = from the end of a publish "
             "(a job's last step) until the running router serves the new generation (poll 50 ms). Recall@8 against exact float16 search on "
             f"{RECALL_QUERIES} queries (random unit vectors; held-out real sentences for realistic stores)."
