@@ -41,7 +41,7 @@ CHUNKS_PER_DOC = 10
 PART_ROWS = 250_000
 QUERIES = 300
 RECALL_QUERIES = 100
-REALISTIC_BASE = 20_000  # real sentences the realistic rows are synthesised around
+REALISTIC_BASE = 5_000  # real sentences the realistic rows are synthesised around (embedded once, cached)
 QUERY_FILE = "bench-queries.npy"  # beside the store: the queries a realistic store is measured with
 
 
