@@ -68,7 +68,7 @@ def embedded(num_base: int, num_queries: int) -> tuple[np.ndarray, np.ndarray, s
         vectors = np.asarray(embedder.embed(texts), np.float32)
         path.parent.mkdir(parents=True, exist_ok=True)
         np.save(path, vectors)
-    vectors = np.load(path)
+    vectors = np.load(path, allow_pickle=False)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     return vectors[:num_base], vectors[num_base:], embedder.model_name
 

@@ -153,7 +153,7 @@ def measure(uri: str, seed: int = 1) -> dict:
            "search": router.snapshot.catalog.vectors.info.model_dump(mode="json")}
     rng = np.random.default_rng(seed)
     held_out = Path(uri).parent / f"{Path(uri).name}-{QUERY_FILE}"
-    queries = np.load(held_out) if held_out.exists() else unit_rows(rng, QUERIES + 20, "random", None)
+    queries = np.load(held_out, allow_pickle=False) if held_out.exists() else unit_rows(rng, QUERIES + 20, "random", None)
     request = AnswerRequest(query="What does the synthetic chunk say?", top_k=8)
     times = []
     for i, query in enumerate(queries):

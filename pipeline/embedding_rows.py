@@ -23,7 +23,7 @@ class EmbeddingRows:
             raise ValueError("EmbeddingRows needs exactly one of array or path")
         self.array, self.path, self._fd = array, path, None
         if path is not None:
-            header = np.load(path, mmap_mode="r")  # reads the header only
+            header = np.load(path, mmap_mode="r", allow_pickle=False)  # reads the header only
             if header.dtype != np.float16 or header.ndim != 2:
                 raise ValueError(f"{path} holds {header.dtype} {header.shape}, not [rows, dim] float16")
             self.shape, self.offset = header.shape, header.offset
