@@ -65,8 +65,9 @@ def check_store(manifest: Manifest, spec: ModelSpec) -> None:
 class Router:
     def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
                  max_context_tokens: int | None = None, embedder_dir: str | None = None,
-                 reload: ReloadSpec = ReloadSpec()):
+                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1):
         self.store = Store.open(store)
+        self.search_threads = search_threads  # threads one query's exhaustive scan may use
         self.model = model
         self.prompt = PromptTemplate.load(model)
         self.embedder = Embedder(embedder_dir)
@@ -82,7 +83,7 @@ class Router:
 
     def open_generation(self, generation: int) -> Snapshot:
         """`generation` opened and checked against this router's model and embedder (`ManifestError`)."""
-        snapshot = open_snapshot(self.store, generation)
+        snapshot = open_snapshot(self.store, generation, search_threads=self.search_threads)
         check_store(snapshot.manifest, self.model)
         if self.embedder.model_name != snapshot.manifest.embedder:
             raise ManifestError(f"store was embedded with {snapshot.manifest.embedder!r}, "
