@@ -24,8 +24,8 @@ import httpx
 from pydantic import ValidationError
 
 from jobs.ingest import model_args, render_args, render_spec
-from pipeline.eval_report import REPORT_MD, legibility_markdown, summary_markdown, write_report
-from pipeline.evaluation import (
+from pipeline.eval.report import REPORT_MD, legibility_markdown, summary_markdown, write_report
+from pipeline.eval.evaluation import (
     Answered,
     HttpAnswerer,
     StoreView,
@@ -34,8 +34,9 @@ from pipeline.evaluation import (
     summarize,
     write_corpus,
 )
-from pipeline.evidence import OcrJudge, Planner, RoutedChunk, judge_items, serving_configs, summarize_evidence
-from pipeline.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
+from pipeline.eval.evidence import OcrJudge, Planner, RoutedChunk, judge_items, serving_configs, summarize_evidence
+from pipeline.eval.markdown import write_section
+from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
 from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
@@ -122,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
 def load_items(args: argparse.Namespace) -> tuple[list[QAItem], str]:
     """The items and a description of where they came from."""
     if args.synthetic is not None:
-        from pipeline import synthetic
+        from pipeline.eval import synthetic
 
         records = synthetic.generate(args.synthetic, context_words=args.context_words, seed=args.seed)
         with tempfile.TemporaryDirectory(prefix="qvpic-synthetic-") as folder:
@@ -231,12 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qvpic eval: the service at {args.url} is unreachable: {error}", file=sys.stderr)
         return 1
     if args.write_benchmarks and outcome.legibility_md is not None:
-        from benchmarks.report import write_section
-
         meta = outcome.meta
         body = (f"Data: {meta['data']}, chunks of ≤{meta['chunk tokens']} tokens, rendered at {meta['render']}; "
                 "relevance routing by the real router (MiniLM cosine). The page image each configuration serves for "
-                "the chunk holding the answer is OCR'd with Tesseract (`pipeline/evidence.py`): is the gold answer "
+                "the chunk holding the answer is OCR'd with Tesseract (`pipeline/eval/evidence.py`): is the gold answer "
                 "still readable at that tier? Vision tokens are the whole context's, as routed (the model's weights "
                 "play no part here, only its image processor).\n\n" + outcome.legibility_md)
         write_section("legibility-eval", "Evidence legibility per serving mode (issue 7)",

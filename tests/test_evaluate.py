@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from jobs import evaluate as evaluate_job
-from pipeline import synthetic
+from pipeline.eval import synthetic
 from pipeline.chunker import Chunker
-from pipeline.eval_report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
-from pipeline.evaluation import (
+from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
+from pipeline.eval.evaluation import (
     EvalError,
     HttpAnswerer,
     ItemResult,
@@ -28,9 +28,9 @@ from pipeline.evaluation import (
     run,
     summarize,
 )
-from pipeline.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
-from pipeline.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.scoring import qa_f1, score
+from pipeline.eval.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
+from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
+from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
 from schemas.api import AnswerRequest, TooLargeError
 from schemas.config import Mode, ModelSpec, RouterSpec

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pipeline.evaluation import StoreView, instruction_doc_id
-from pipeline.legibility import best_window_distance, normalize_text, ocr
-from pipeline.longbench import QAItem
+from pipeline.eval.evaluation import StoreView, instruction_doc_id
+from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
+from pipeline.eval.longbench import QAItem
 from pipeline.render import Renderer
-from pipeline.synthetic import SyntheticError, evidence_chunks
+from pipeline.eval.synthetic import SyntheticError, evidence_chunks
 from schemas.api import AnswerRequest, ApiError
 from schemas.config import Mode
 

@@ -8,20 +8,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from pipeline.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
-from pipeline.evidence import EvidenceResult, EvidenceSummary
+from pipeline.eval.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
+from pipeline.eval.evidence import EvidenceResult, EvidenceSummary
+from pipeline.eval.markdown import markdown_table
 
 REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL = "report.md", "report.json", "f1_vs_ttft.png", "predictions.jsonl"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "–"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
 
 def _mib(nbytes: float | None) -> float | None:

@@ -1,7 +1,7 @@
 """Evaluation harness: QA items through serving modes, in-process or over HTTP, scored and timed.
 
 How a LongBench prompt becomes a qvpic request. Each task template is split at `{context}`
-(`pipeline.longbench.split_prompt`):
+(`pipeline.eval.longbench.split_prompt`):
 - the text before it (the task instruction, e.g. "Read the following text and answer briefly.") is
   ingested once per task as its own document `instruction/<task>` and leads every request's chunk list;
 - the item's context is ingested as the document `<task>/<_id>` and chunked by the ingest chunker;
@@ -27,8 +27,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.longbench import QAItem, QATask
-from pipeline.scoring import qa_f1, score
+from pipeline.eval.longbench import QAItem, QATask
+from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
 from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, ApiError, StreamEventType
 from schemas.config import Mode, RenderSpec, Variant
@@ -248,7 +248,7 @@ def _summary(task: str, mode: Mode, results: list[ItemResult], f1_percent: float
 
 
 def summarize(items: Sequence[QAItem], results: Sequence[ItemResult]) -> list[ModeSummary]:
-    """Per task and mode, then per mode over all tasks; F1 scored by `pipeline.scoring.score`."""
+    """Per task and mode, then per mode over all tasks; F1 scored by `pipeline.eval.scoring.score`."""
     by_key = {(r.task, r.item_id, r.mode): r for r in results}
     modes = list(dict.fromkeys(r.mode for r in results))
     rows = []
