@@ -40,7 +40,7 @@ from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_gen
 from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
-from schemas.config import Mode, ModelSpec, RouterSpec
+from schemas.config import Mode, ModelSpec, RouterSpec, Variant
 from serve.generator import Generator
 from serve.loader import CacheLoader
 from serve.router import Router
@@ -157,8 +157,8 @@ def ingest_documents(items: list[QAItem], store: str, model: ModelSpec, args: ar
     with tempfile.TemporaryDirectory(prefix="qvpic-eval-corpus-") as folder:
         corpus = write_corpus(documents, os.path.join(folder, "documents.jsonl"))
         init_ray(quiet=True)  # the eval's own progress bars say enough
-        summary = ingest(IngestConfig(corpus=corpus, store=StoreSpec(uri=store), model=model,
-                                      render=render_spec(args), chunk_tokens=args.chunk_tokens))
+        summary = ingest(IngestConfig(corpus=corpus, store=StoreSpec(uri=store), model=model, render=render_spec(args),
+                                      chunk_tokens=args.chunk_tokens, variants=tuple(Variant)))
     print(f"ingested {summary.indexed} documents ({summary.num_chunks} chunks, {summary.num_chunks_compiled} "
           f"compiled now) into {store}; quarantined: {summary.quarantined or 'none'}", file=sys.stderr)
 

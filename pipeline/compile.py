@@ -102,11 +102,8 @@ class CompileStage:
         out = []
         for tier, variant_value in json.loads(row[SLOTS]):
             variant = Variant(variant_value)
-            if variant is Variant.TEXT:
-                out.append((None, variant, self.vlm.compile_text(row["text"]), []))
-                continue
-            pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier)]]
-            kv = self.vlm.compile_images(pages, with_template=variant is Variant.TEMPLATE)
+            pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier)]] if tier is not None else []
+            kv = self.vlm.compile_variant(variant, row["text"], pages)
             out.append((tier, variant, kv, [[p.width, p.height] for p in pages]))
         return out
 

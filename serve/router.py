@@ -26,47 +26,92 @@ from pipeline.store import Store
 from schemas.api import (
     AnswerRequest,
     FallbackReport,
+    InvalidRoutingError,
     TooLargeError,
     UnknownIdsError,
     UnservableError,
 )
-from schemas.config import Mode, ModelSpec, RouterSpec, TierSpec, Variant
+from schemas.config import ChunkKind, Mode, ModelSpec, RouterSpec, ScoreNormalisation, TierSpec, Variant
 from schemas.store import CacheKey, Manifest, ManifestError, StoreSpec
 from serve.plan import Entry, Plan, PlannedChunk
 
-LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
-                  Mode.IMAGE_PIC: Variant.PLAIN, Mode.TEXT_PIC: Variant.TEXT}
+# Each mode is a choice of stored variant and of tiers. Routed modes promote chunks from the lowest tier
+# to the request's `tier` (default: the highest); uniform modes serve every chunk at one tier.
+LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
+                  Mode.IMAGE_PIC: Variant.PLAIN, Mode.IMAGE_PIC_DUMMY: Variant.DUMMY, Mode.TEXT_PIC: Variant.TEXT,
+                  Mode.TEXT_PIC_PLAIN: Variant.TEXT_PLAIN}
+PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_image prices pages from TEMPLATE entries
+ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)
+UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
+UNIFORM_HIGHEST = (Mode.UNIFORM, Mode.UNIFORM_HIGH)
 
 
 def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
-    """Modes a store compiled with `variants` can serve (full_image prices pages from TEMPLATE entries)."""
-    needs = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}
-    return [m for m in Mode if m not in needs or needs[m] in variants]
+    """Modes a store compiled with `variants` can serve."""
+    return [m for m in Mode if m not in PRICED_VARIANT or PRICED_VARIANT[m] in variants]
+
+
+def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | None:
+    """The tier a request's mode serves (uniform modes) or promotes to (routed modes); None for text.
+
+    Raises `InvalidRoutingError` for a tier the store does not have, or one given to a mode without tiers.
+    """
+    if tier is not None and (mode not in ROUTED_MODES + UNIFORM_LOWEST + (Mode.UNIFORM,)):
+        raise InvalidRoutingError(f"mode {mode.value!r} takes no tier (uniform_high is uniform at the highest tier)")
+    if tier is not None and tier not in {t.name for t in tiers}:
+        raise InvalidRoutingError(f"unknown tier {tier!r}; the store has {[t.name for t in tiers]}")
+    if PRICED_VARIANT.get(mode, Variant.TEXT).kind is ChunkKind.TEXT:
+        return None
+    if tier is not None:
+        return tier
+    lowest, highest = min(tiers, key=lambda t: t.dpi), max(tiers, key=lambda t: t.dpi)
+    return lowest.name if mode in UNIFORM_LOWEST else highest.name
+
+
+def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
+                     temperature: float = 0.05) -> np.ndarray:
+    """Each chunk's share of the request's relevance: `[n]` float64 summing to 1, or all 0 (nothing relevant).
+
+    LINEAR clips negative cosines to 0 (an irrelevant chunk has no share, so it is never promoted) and
+    divides by the sum; SOFTMAX takes softmax(cosine / temperature), so every chunk has a share and a low
+    temperature concentrates the mass on the best chunks.
+    """
+    scores = np.asarray(relevance, dtype=np.float64)
+    if normalisation is ScoreNormalisation.SOFTMAX:
+        if scores.size == 0:
+            return scores
+        weights = np.exp((scores - scores.max()) / temperature)  # shifted: no overflow at small temperatures
+    else:
+        weights = np.clip(scores, 0.0, None)
+    total = float(weights.sum())
+    return weights / total if total > 0.0 else weights
 
 
 def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
-             promotion_costs: Sequence[int], budget_tokens: int | None) -> list[bool]:
+             promotion_costs: Sequence[int], budget_tokens: int | None,
+             normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR, temperature: float = 0.05) -> list[bool]:
     """Which chunks to promote to the high tier; aligned with the input order, which never changes.
 
-    Chunks are ranked by relevance (ties: earlier chunk first). A chunk is a candidate while the
-    relevance share of the chunks ranked above it is below `tau` (negative cosines count as 0, so
-    irrelevant chunks are never candidates). Candidates are promoted in rank order while fewer than
-    `max_high_res` are promoted; one whose extra tokens exceed the remaining budget stays low and the
-    walk goes on to smaller ones.
+    Chunks are ranked by relevance (ties: earlier chunk first) and given shares by `relevance_shares`.
+    A chunk is a candidate while the share of the chunks ranked above it is below `tau` and its own
+    share is positive. Candidates are promoted in rank order while fewer than `max_high_res` are.
+
+    Budget-skipped chunks: a candidate whose extra tokens exceed what is left of `budget_tokens` stays
+    low, is not counted toward `max_high_res`, and the walk goes on to the next candidates, which may be
+    smaller. Its share still counts toward the share above them: τ bounds how much of the relevance
+    mass is considered for promotion, so a tight budget cannot push promotion into the irrelevant tail.
     """
     if len(relevance) != len(promotion_costs):
         raise ValueError(f"{len(relevance)} relevances but {len(promotion_costs)} promotion costs")
-    weights = np.clip(np.asarray(relevance, dtype=np.float64), 0.0, None)
-    total = float(weights.sum())
-    promoted = [False] * len(weights)
-    if total <= 0.0:
-        return promoted
+    shares = relevance_shares(relevance, normalisation, temperature)
+    scores = np.asarray(relevance, dtype=np.float64)
+    promoted = [False] * len(shares)
     remaining = budget_tokens
     share_above, num_promoted = 0.0, 0
-    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        if weights[i] <= 0.0 or share_above >= tau or num_promoted >= max_high_res:
+    for i in sorted(range(len(shares)), key=lambda i: (-scores[i], i)):
+        if shares[i] <= 0.0 or share_above >= tau or num_promoted >= max_high_res:
             break
-        share_above += weights[i] / total
+        share_above += shares[i]
         if remaining is not None and promotion_costs[i] > remaining:
             continue
         promoted[i] = True
@@ -143,8 +188,8 @@ class Router:
     def _current_entries(self) -> dict[tuple[str, str | None, Variant], Entry]:
         """Index rows compiled under the current fingerprints, keyed by (chunk_key, tier, variant)."""
         current = {(t.name, v): self.manifest.entry_fingerprint(v, t.name) for t in self.manifest.tiers for v in Variant
-                   if v is not Variant.TEXT}
-        current[(None, Variant.TEXT)] = self.manifest.entry_fingerprint(Variant.TEXT, None)
+                   if v.kind is ChunkKind.IMAGE}
+        current.update({(None, v): self.manifest.entry_fingerprint(v, None) for v in Variant if v.kind is ChunkKind.TEXT})
         entries = {}
         for row in self.store.index().to_pylist():
             tier, variant = row["tier"], Variant(row["variant"])
@@ -166,21 +211,22 @@ class Router:
         if len(rows) > self.max_chunks:
             raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.max_chunks} per request")
         relevance = [float(v) for v in self.embeddings[rows] @ query_vector] if rows else []
-        query_tokens = self.prompt.count(request.query) + self.prompt.count(self.prompt.template.turn_suffix)
-        fixed_tokens = self.prefix_tokens + query_tokens + request.max_new_tokens
+        query_tokens = self.prompt.count(request.text_after_chunks) + self.prompt.count(self.prompt.template.turn_suffix)
+        prefix_tokens = self.prefix_tokens + (self.prompt.count(request.instruction) if request.instruction else 0)
+        fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:
-            room_tokens = min(room_tokens, budget_tokens - self.prefix_tokens)
+            room_tokens = min(room_tokens, budget_tokens - prefix_tokens)
         chunks, fallbacks = self._place(request, rows, relevance, room_tokens)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
-                f"request needs {needed} tokens (prefix {self.prefix_tokens} + chunks {needed - fixed_tokens} + "
+                f"request needs {needed} tokens (prefix {prefix_tokens} + chunks {needed - fixed_tokens} + "
                 f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
                 f"the context holds {self.max_context_tokens}")
         route_ms = (time.perf_counter() - started) * 1e3
-        return Plan(request.mode, request.query, tuple(chunks), self.prefix_tokens, query_tokens, tuple(fallbacks),
-                    route_ms, query_vector)
+        return Plan(request.mode, request.query, tuple(chunks), prefix_tokens, query_tokens, tuple(fallbacks),
+                    route_ms, query_vector, request.instruction, request.query_prompt)
 
     def _select(self, request: AnswerRequest, query_vector: np.ndarray) -> list[int]:
         if request.chunk_ids is not None:
@@ -201,6 +247,7 @@ class Router:
     def _place(self, request: AnswerRequest, rows: list[int], relevance: list[float],
                budget_tokens: int) -> tuple[list[PlannedChunk], list[FallbackReport]]:
         mode = request.mode
+        tier = mode_tier(mode, request.tier, self.manifest.tiers)
         chunk_rows = [self.chunk_rows[i] for i in rows]
         if mode is Mode.FULL_TEXT:
             planned = []
@@ -210,26 +257,26 @@ class Router:
                 planned.append(PlannedChunk(row["chunk_id"], row["doc_id"], rel, None, num_tokens, 0, num_tokens,
                                             None, text=row["text"]))
             return planned, []
-        variant = LINKED_VARIANT.get(mode, Variant.TEMPLATE)
-        if variant is Variant.TEXT:
-            wanted = [None] * len(rows)
-        elif mode is Mode.IMAGE_PIC:
-            wanted = [self.low.name] * len(rows)
-        elif mode is Mode.UNIFORM_HIGH:
-            wanted = [self.high.name] * len(rows)
-        else:  # routed: price every promotion from the index, then allocate
+        variant = PRICED_VARIANT[mode]
+        if mode in ROUTED_MODES:  # price every promotion from the index, then allocate
             lows = self._require(chunk_rows, self.low.name, variant, mode)
-            highs = [self.entries.get((r["chunk_key"], self.high.name, variant)) for r in chunk_rows]
+            highs = [self.entries.get((r["chunk_key"], tier, variant)) for r in chunk_rows]
             costs = [h.num_tokens - lo.num_tokens if h else 0 for lo, h in zip(lows, highs)]
             budget = budget_tokens - sum(lo.num_tokens for lo in lows)
             tau = self.defaults.tau if request.tau is None else request.tau
             max_high_res = self.defaults.max_high_res if request.max_high_res is None else request.max_high_res
-            promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0))
-            wanted = [self.high.name if p else self.low.name for p in promoted]
+            promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0),
+                                self.defaults.normalisation, self.defaults.temperature)
+            wanted = [tier if p else self.low.name for p in promoted]
+        else:
+            wanted = [tier] * len(rows)
         planned, fallbacks = [], []
         for row, rel, tier in zip(chunk_rows, relevance, wanted):
             entry = self.entries.get((row["chunk_key"], tier, variant))
-            low = self.entries.get((row["chunk_key"], self.low.name, variant)) if tier == self.high.name else None
+            # The lowest tier backs a templated entry up (not compiled yet, or unreadable); a baseline asked
+            # for at a tier fails loudly instead, so a sweep never measures a silently swapped tier.
+            low = self.entries.get((row["chunk_key"], self.low.name, variant)) \
+                if tier != self.low.name and variant is Variant.TEMPLATE else None
             if entry is None and low is not None:
                 fallbacks.append(FallbackReport(chunk_id=row["chunk_id"], requested_tier=tier, served_tier=low.tier,
                                                 reason=f"{variant.value} entry of tier {tier!r} is not compiled"))

@@ -3,10 +3,12 @@ evidence legibility, report files, and the whole job end to end on the bundled f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -24,7 +26,7 @@ from pipeline.eval.evaluation import (
     StoreView,
     context_doc_id,
     corpus_documents,
-    instruction_doc_id,
+    item_request,
     run,
     summarize,
 )
@@ -62,11 +64,60 @@ def fixture_items() -> list[QAItem]:
 def test_instruction_context_and_query_rebuild_the_longbench_prompt():
     items = fixture_items()
     documents = corpus_documents(items)
+    assert set(documents) == {context_doc_id(item) for item in items}  # contexts only: instructions are prompt
     for item in items:
-        rebuilt = documents[instruction_doc_id(item.task)] + documents[context_doc_id(item)] + item.query_after_context
-        assert rebuilt == item.full_prompt
+        request = item_request(item, FakeView(), Mode.QVPIC)
+        rebuilt = request.instruction + documents[context_doc_id(item)] + request.query_prompt
+        assert rebuilt == item.full_prompt and request.query == item.question
         assert item.question in item.query_after_context and "{" not in item.query_after_context
-    assert sum(doc_id.startswith("instruction/") for doc_id in documents) == len(LONGBENCH_QA_TASKS)
+        assert request.query_prompt.rstrip().endswith("Answer:")  # the answer cue after the question
+
+
+class FakeView:
+    def chunk_ids(self, item: QAItem) -> list[str]:
+        return [f"{context_doc_id(item)}#00000"]
+
+
+def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_path):
+    """On the LongBench fixture with the real MiniLM: the router embeds the question alone, scores only
+    the context's chunks, and neither the instruction nor the answer cue is anywhere among them."""
+    from pipeline.embed import Embedder
+    from pipeline.runtime.model import VLM
+    from schemas.config import Variant
+    from serve.router import Router
+
+    items = fixture_items()
+    model, embedder = ModelSpec(path="tiny-qwen", device="cpu"), Embedder()
+    vlm = VLM(model)
+    chunker = Chunker(lambda text: len(vlm.adapter.encode(text)), CHUNK_TOKENS)
+    documents = {doc_id: [c.text for c in chunker.chunk(Document(doc_id=doc_id, text=text, source="tests"))]
+                 for doc_id, text in corpus_documents(items).items()}
+    build_store(tmp_path, vlm, embedder, documents, variants=(Variant.TEMPLATE,))
+    view = StoreView(Store.open(str(tmp_path)))
+    router = Router(str(tmp_path), model, RouterSpec(), 256)
+    embedded: list[str] = []
+    embed_query = router.embed_query
+
+    async def recording(query: str):
+        embedded.append(query)
+        return await embed_query(query)
+
+    router.embed_query = recording
+    for item in items:
+        request = item_request(item, view, Mode.QVPIC, tau=1.0, max_high_res=2)
+        planned = asyncio.run(router.plan(request))
+        assert embedded[-1] == item.question  # the bare question, not "…Question: X\nAnswer:"
+        assert [c.chunk_id for c in planned.chunks] == view.chunks_of_doc[context_doc_id(item)]
+        question, tail = embedder.embed([item.question, item.query_after_context])
+        chunk_vectors = embedder.embed([view.text_of[c.chunk_id] for c in planned.chunks])
+        assert [c.relevance for c in planned.chunks] == pytest.approx((chunk_vectors @ question).tolist(), abs=1e-5)
+        assert not np.allclose(chunk_vectors @ tail, chunk_vectors @ question, atol=1e-3)  # the old query scored apart
+        promoted = [c for c in planned.chunks if c.tier == view.high_tier]
+        assert 0 < len(promoted) <= 2
+        instruction = item.prompt_before_context.strip().split("\n")[0]
+        for chunk in planned.chunks:
+            assert instruction not in view.text_of[chunk.chunk_id] and "Answer:" not in view.text_of[chunk.chunk_id]
+    assert not any(doc_id.startswith("instruction") for doc_id in view.chunks_of_doc)
 
 
 # ---- a small store shaped like the one `qvpic eval` ingests --------------------------------------
@@ -91,14 +142,12 @@ def eval_store(tmp_path_factory, request):
     return str(root), items, StoreView(Store.open(str(root))), answerer
 
 
-def test_store_view_lists_instruction_then_context_chunks(eval_store):
+def test_store_view_lists_the_context_chunks_in_order(eval_store):
     _, items, view, _ = eval_store
     for item in items:
         ids = view.chunk_ids(item)
-        instruction = view.chunks_of_doc[instruction_doc_id(item.task)]
-        assert ids[:len(instruction)] == instruction and len(ids) > len(instruction)
-        assert all(c.startswith(context_doc_id(item) + "#") for c in ids[len(instruction):])
-        assert [int(c.rsplit("#", 1)[1]) for c in ids[len(instruction):]] == list(range(len(ids) - len(instruction)))
+        assert ids and all(c.startswith(context_doc_id(item) + "#") for c in ids)
+        assert [int(c.rsplit("#", 1)[1]) for c in ids] == list(range(len(ids)))
     view.check(items)
     other = fixture_items()[0]  # a narrativeqa item this store never ingested
     with pytest.raises(EvalError, match="narrativeqa"):
@@ -220,8 +269,7 @@ def test_item_sources_and_limit(tmp_path):
     generic = tmp_path / "generic.jsonl"
     generic.write_text(json.dumps({"question": "Who?", "chunk_ids": ["d#00000"], "answers": ["Ann"]}) + "\n")
     items, _ = evaluate_job.load_items(parse(["--generic", str(generic)]))
-    assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {
-        instruction_doc_id(QATask.GENERIC): items[0].prompt_before_context}
+    assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {}
 
 
 def test_bad_data_is_a_clear_error(tmp_path, capsys):

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnservableError
-from schemas.config import Mode, Variant
-from serve.router import Router, allocate
+from schemas.api import AnswerRequest, InvalidRoutingError, TooLargeError, UnknownIdsError, UnservableError
+from schemas.config import Mode, ScoreNormalisation, Variant
+from serve.router import Router, allocate, relevance_shares
 from serve.plan import Plan
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
@@ -78,6 +78,36 @@ def test_allocation_examples():
         allocate([0.1], 0.5, 1, [], None)
 
 
+SOFTMAX = ScoreNormalisation.SOFTMAX
+
+
+def test_softmax_normalisation():
+    shares = relevance_shares([0.2, -0.4, 0.1], SOFTMAX, temperature=0.1)
+    expected = np.exp(np.array([0.2, -0.4, 0.1]) / 0.1)
+    np.testing.assert_allclose(shares, expected / expected.sum())
+    np.testing.assert_allclose(relevance_shares([0.9, 0.1], ScoreNormalisation.LINEAR), [0.9, 1.0 - 0.9])
+    assert relevance_shares([900.0, -900.0], SOFTMAX, 1e-3).tolist() == [1.0, 0.0]  # no overflow
+    # Linear: [0.3, 0.25, 0.25, 0.2] has shares 0.3/0.25/0.25/0.2; at τ=0.5 the first two are promoted.
+    relevance = [0.3, 0.25, 0.25, 0.2]
+    assert allocate(relevance, 0.5, 9, [1] * 4, None) == [True, True, False, False]
+    # A low temperature puts nearly all the mass on the best chunk: τ=0.5 stops after it.
+    assert allocate(relevance, 0.5, 9, [1] * 4, None, SOFTMAX, 0.01) == [True, False, False, False]
+    # A high temperature spreads it almost evenly: τ=0.5 needs two, then stops.
+    assert allocate(relevance, 0.5, 9, [1] * 4, None, SOFTMAX, 10.0) == [True, True, False, False]
+    # Softmax gives negative cosines a share too, so with τ=1 they become candidates; linear never promotes them.
+    assert allocate([0.5, -0.2], 1.0, 9, [1, 1], None, SOFTMAX, 1.0) == [True, True]
+    assert allocate([0.5, -0.2], 1.0, 9, [1, 1], None) == [True, False]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1, 1, allow_nan=False), min_size=0, max_size=10), st.floats(1e-3, 5.0))
+def test_softmax_shares_are_a_distribution_in_rank_order(relevance, temperature):
+    shares = relevance_shares(relevance, SOFTMAX, temperature)
+    assert len(shares) == len(relevance) and (not relevance or shares.sum() == pytest.approx(1.0))
+    order = sorted(range(len(relevance)), key=lambda i: -relevance[i])
+    assert all(shares[a] >= shares[b] for a, b in zip(order, order[1:]))  # ranking is the cosine's
+
+
 def plan(router: Router, **fields) -> Plan:
     return asyncio.run(router.plan(AnswerRequest(query="When does part XK-4471-B ship?", **fields)))
 
@@ -112,14 +142,31 @@ def test_selection_by_docs_and_by_retrieval(roles):
 
 
 @pytest.mark.parametrize("mode, variant, tiers", [
-    (Mode.UNIFORM_HIGH, Variant.TEMPLATE, {"high"}), (Mode.IMAGE_PIC, Variant.PLAIN, {"low"}),
-    (Mode.TEXT_PIC, Variant.TEXT, {None}), (Mode.QVPIC, Variant.TEMPLATE, {"low", "high"}),
+    (Mode.UNIFORM_HIGH, Variant.TEMPLATE, {"high"}), (Mode.UNIFORM, Variant.TEMPLATE, {"high"}),
+    (Mode.IMAGE_PIC, Variant.PLAIN, {"low"}), (Mode.IMAGE_PIC_DUMMY, Variant.DUMMY, {"low"}),
+    (Mode.TEXT_PIC, Variant.TEXT, {None}), (Mode.TEXT_PIC_PLAIN, Variant.TEXT_PLAIN, {None}),
+    (Mode.QVPIC, Variant.TEMPLATE, {"low", "high"}),
 ])
 def test_linked_modes_pick_their_variant_and_tiers(roles, mode, variant, tiers):
     planned = plan(roles.router, doc_ids=["invoices", "manual"], mode=mode, tau=0.6, max_high_res=2)
     assert {c.entry.variant for c in planned.chunks} == {variant}
     assert {c.tier for c in planned.chunks} == tiers
     assert all(c.text is None for c in planned.chunks)
+
+
+def test_a_request_tier_sets_uniform_modes_and_the_promotion_target(roles):
+    docs = ["invoices", "manual"]
+    assert {c.tier for c in plan(roles.router, doc_ids=docs, mode=Mode.UNIFORM, tier="low").chunks} == {"low"}
+    # routed to the lowest tier: nothing can be promoted above it
+    assert {c.tier for c in plan(roles.router, doc_ids=docs, tau=1.0, tier="low").chunks} == {"low"}
+    with pytest.raises(InvalidRoutingError, match="unknown tier 'mid'"):
+        plan(roles.router, doc_ids=docs, mode=Mode.UNIFORM, tier="mid")
+    for mode in (Mode.TEXT_PIC, Mode.FULL_TEXT, Mode.UNIFORM_HIGH):
+        with pytest.raises(InvalidRoutingError, match="takes no tier"):
+            plan(roles.router, doc_ids=docs, mode=mode, tier="low")
+    # the baselines are compiled at the lowest tier only: another tier is a clear 503, never a silent swap
+    with pytest.raises(UnservableError, match="dummy entries of tier 'high'"):
+        plan(roles.router, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC_DUMMY, tier="high")
 
 
 def test_online_modes_carry_text_and_full_image_uses_the_routed_tiers(roles):

@@ -11,7 +11,7 @@ from PIL import Image
 
 from pipeline.runtime.kv import ChunkKV, chunk_starts
 from schemas.sampling import Sampling
-from schemas.config import ChunkKind
+from schemas.config import ChunkKind, CompilePrefix
 
 QUERY = "Which part number ships on 12 March?"
 
@@ -40,8 +40,8 @@ def test_reanchored_keys_match_keys_compiled_there(vlm, seed):
     base, delta = rng.randrange(0, 200), rng.randrange(-150, 400)
     delta = max(delta, -base)
     for compile_at in (
-        lambda offset: vlm.compile_images([image], with_template=True, position_offset=offset),
-        lambda offset: vlm.compile_text(text, with_template=True, position_offset=offset),
+        lambda offset: vlm.compile_images([image], position_offset=offset),
+        lambda offset: vlm.compile_text(text, position_offset=offset),
     ):
         at_base, at_target = compile_at(base), compile_at(base + delta)
         assert at_target.compile_start == at_base.compile_start + delta
@@ -96,10 +96,10 @@ def reference_query_logits(vlm, pieces, with_template: bool, query: str) -> torc
     Each chunk sees only its own prefix copy and itself; the query sees the serving prefix, every
     chunk and itself. Positions: each block at its compile-time positions shifted to s_i.
     """
-    adapter, prefix = vlm.adapter, vlm.adapter.prefix_ids
-    compiled = [vlm.compile_images(p, with_template) if not isinstance(p, str)
-                else vlm.compile_text(p, with_template) for p in pieces]
-    starts = chunk_starts(len(prefix), compiled)
+    adapter = vlm.adapter
+    prefix = CompilePrefix.TEMPLATE if with_template else CompilePrefix.NONE
+    compiled = [vlm.compile_images(p, prefix) if not isinstance(p, str) else vlm.compile_text(p, prefix) for p in pieces]
+    starts = chunk_starts(len(adapter.prefix_ids), compiled)
     ids, positions, blocks, pixels, grids = [], [], [], [], []
     for piece, chunk, start in zip(pieces, compiled, starts):
         if isinstance(piece, str):
@@ -108,15 +108,15 @@ def reference_query_logits(vlm, pieces, with_template: bool, query: str) -> torc
             pixel_values, block_grids, chunk_ids = vlm.image_inputs(piece)
             pixels.append(pixel_values)
             grids.append(block_grids)
-        copy = prefix if with_template else []
+        copy = adapter.prefix_ids if with_template else []
         block = torch.tensor([copy + chunk_ids])
         block_pos = vlm.positions(block, block_grids) + (start - chunk.compile_start)
         blocks.append((len(ids), len(ids) + len(copy), len(ids) + block.shape[1]))
         ids += block[0].tolist()
         positions.append(block_pos)
     serving_from = len(ids)
-    ids += prefix
-    positions.append(vlm.positions(torch.tensor([prefix]), None))
+    ids += adapter.prefix_ids
+    positions.append(vlm.positions(torch.tensor([adapter.prefix_ids]), None))
     next_position = starts[-1] + compiled[-1].position_span
     query_ids = adapter.encode(query) + adapter.turn_suffix_ids
     query_from = len(ids)
@@ -145,8 +145,9 @@ def reference_query_logits(vlm, pieces, with_template: bool, query: str) -> torc
 
 
 def linked_query_logits(vlm, pieces, with_template: bool, query: str) -> torch.Tensor:
-    chunks: list[ChunkKV] = [vlm.compile_images(p, with_template) if not isinstance(p, str)
-                             else vlm.compile_text(p, with_template) for p in pieces]
+    prefix = CompilePrefix.TEMPLATE if with_template else CompilePrefix.NONE
+    chunks: list[ChunkKV] = [vlm.compile_images(p, prefix) if not isinstance(p, str)
+                             else vlm.compile_text(p, prefix) for p in pieces]
     return vlm.prefill_query(vlm.assemble(chunks), query, all_logits=True).logits[0]
 
 
@@ -186,5 +187,5 @@ def test_chunk_metadata(vlm):
     assert image.num_tokens == t * h * w // merge**2 + 2  # image tokens + begin/end markup
     assert image.position_span == max(h, w) // merge + 2  # an image advances by its longer side, not its tokens
     assert image.compile_start == len(vlm.adapter.prefix_ids)
-    text = vlm.compile_text("twelve tokens or so of plain text here", with_template=False)
+    text = vlm.compile_text("twelve tokens or so of plain text here", CompilePrefix.NONE)
     assert text.compile_start == 0 and text.position_span == text.num_tokens

@@ -1,17 +1,24 @@
 """Evaluation harness: QA items through serving modes, in-process or over HTTP, scored and timed.
 
 How a LongBench prompt becomes a qvpic request. Each task template is split at `{context}`
-(`pipeline.eval.longbench.split_prompt`):
-- the text before it (the task instruction, e.g. "Read the following text and answer briefly.") is
-  ingested once per task as its own document `instruction/<task>` and leads every request's chunk list;
+(`pipeline.eval.longbench.split_prompt`), and the pieces go where LongBench's own prompt puts them:
+- the text before it (the task instruction) is the request's `instruction`: prompt text prefilled
+  online right after the chat-template prefix, before the chunks. It is never ingested, never
+  rendered, never scored by the router and never promoted: instructions are prompt, not evidence;
 - the item's context is ingested as the document `<task>/<_id>` and chunked by the ingest chunker;
-- the text after it, question filled in, is the request's `query`, prefilled online after the chunks.
-Every mode therefore sees, in this order: the chat template's prefix (system turn + user header), the
-instruction chunk, the context chunks in document order, the query, the assistant header. Modes differ
-only in how the chunks are represented (see `MODE_CONTEXT`). Chunks are stripped of surrounding
-whitespace by the chunker, so the blank lines around `{context}` are not in the token stream; that is
-the only textual difference from the prompt LongBench's `pred.py` builds (before its truncation, which
-qvpic does not do: an item over the model's context is an error, scored 0, never truncated silently).
+  its chunks are the request's `chunk_ids`, in document order;
+- the text after it, question filled in and ending with the answer cue, is the request's
+  `query_prompt`, prefilled online after the chunks;
+- the bare question is the request's `query`: the one thing the router embeds and scores chunks by.
+Every mode therefore sees `[chat prefix][instruction][context chunks][question + cue][assistant header]`;
+modes differ only in how the chunks are represented (see `MODE_CONTEXT`). An online-prefilled
+instruction rather than a stored text chunk: its KV is computed at its true positions with full
+attention to the template, as in the official prompt, in every mode alike (the generator keeps it per
+distinct instruction); changing an instruction needs no ingest; and the router never sees it. Chunks
+are stripped of surrounding whitespace by the chunker, so the blank lines around `{context}` are not
+in the token stream; that is the only textual difference from the prompt LongBench's `pred.py` builds
+(before its truncation, which qvpic does not do: an item over the model's context is an error, scored
+0, never truncated silently).
 """
 
 from __future__ import annotations
@@ -33,12 +40,15 @@ from pipeline.store import Store
 from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, ApiError, StreamEventType
 from schemas.config import Mode, RenderSpec, Variant
 
-INSTRUCTION_DOC_PREFIX = "instruction/"
 MODE_CONTEXT: dict[Mode, str] = {
     Mode.FULL_TEXT: "every chunk's source text, prefilled online with the query in one forward pass",
     Mode.FULL_IMAGE: "every chunk's page images at the tier qvpic routes it to, encoded and prefilled online",
     Mode.TEXT_PIC: "every chunk's text KV, compiled offline under the template prefix, re-anchored",
-    Mode.IMAGE_PIC: "every chunk's low-tier page KV, compiled offline with no template prefix, re-anchored",
+    Mode.TEXT_PIC_PLAIN: "every chunk's text KV, compiled offline with no prefix (base text PIC), re-anchored",
+    Mode.IMAGE_PIC: "every chunk's page KV at one tier (lowest unless set), compiled with no prefix, re-anchored",
+    Mode.IMAGE_PIC_DUMMY: "every chunk's page KV at one tier (lowest unless set), compiled after a seeded dummy "
+                          "prefix of the template's length, re-anchored",
+    Mode.UNIFORM: "every chunk's page KV at one tier (highest unless set), compiled under the template prefix",
     Mode.UNIFORM_HIGH: "every chunk's high-tier page KV, compiled under the template prefix, re-anchored",
     Mode.QVPIC: "templated page KV, high tier for the chunks the relevance router promotes (τ, B), low otherwise",
 }
@@ -60,16 +70,10 @@ def context_doc_id(item: QAItem) -> str:
     return f"{item.task.value}/{item.id}"
 
 
-def instruction_doc_id(task: QATask) -> str:
-    return f"{INSTRUCTION_DOC_PREFIX}{task.value}"
-
-
 def corpus_documents(items: Sequence[QAItem]) -> dict[str, str]:
-    """doc_id → text of every document the items need ingested: task instructions and contexts."""
+    """doc_id → text of every document the items need ingested: their contexts (instructions are prompt)."""
     documents: dict[str, str] = {}
     for item in items:
-        if item.prompt_before_context.strip():
-            documents.setdefault(instruction_doc_id(item.task), item.prompt_before_context)
         if item.context is not None:
             documents[context_doc_id(item)] = item.context
     return documents
@@ -106,18 +110,15 @@ class StoreView:
                 self.nbytes[(r["chunk_key"], r["tier"], variant)] = r["nbytes"]
 
     def chunk_ids(self, item: QAItem) -> list[str]:
-        """The request's chunk list: the task instruction's chunks, then the context's, in order."""
-        instruction = self.chunks_of_doc.get(instruction_doc_id(item.task), [])
+        """The request's chunk list: the context's chunks, in order."""
         if item.chunk_ids is not None:
-            return instruction + list(item.chunk_ids)
-        return instruction + self.chunks_of_doc.get(context_doc_id(item), [])
+            return list(item.chunk_ids)
+        return self.chunks_of_doc.get(context_doc_id(item), [])
 
     def check(self, items: Sequence[QAItem]) -> None:
         """Raise `EvalError` naming every document or chunk the items need that the store lacks."""
         missing = set()
         for item in items:
-            if item.prompt_before_context.strip() and instruction_doc_id(item.task) not in self.chunks_of_doc:
-                missing.add(instruction_doc_id(item.task))
             if item.chunk_ids is not None:
                 missing.update(c for c in item.chunk_ids if c not in self.text_of)
             elif context_doc_id(item) not in self.chunks_of_doc:
@@ -190,19 +191,26 @@ class ItemResult:
     response_cache: str | None = None  # the server's response-cache level that answered, if one did
 
 
+def item_request(item: QAItem, view: StoreView, mode: Mode, *, max_new_tokens: int | None = None,
+                 tau: float | None = None, max_high_res: int | None = None, tier: str | None = None) -> AnswerRequest:
+    """The request of one item in one mode: routed by the bare question, the LongBench prompt around the chunks."""
+    return AnswerRequest(query=item.question, instruction=item.prompt_before_context,
+                         query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=mode, tau=tau,
+                         max_high_res=max_high_res, tier=tier,
+                         max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
+
+
 def run(items: Sequence[QAItem], modes: Sequence[Mode], answer: Answerer, view: StoreView, *,
         max_new_tokens: int | None = None, tau: float | None = None, max_high_res: int | None = None,
-        progress: bool = True) -> list[ItemResult]:
+        tier: str | None = None, progress: bool = True) -> list[ItemResult]:
     """Every item through every mode, modes interleaved per item so machine drift hits them alike."""
     view.check(items)
     results = []
     with tqdm(total=len(items) * len(modes), desc="eval", unit="req", disable=not progress) as bar:
         for item in items:
-            chunk_ids = view.chunk_ids(item)
             for mode in modes:
-                request = AnswerRequest(query=item.query_after_context, chunk_ids=chunk_ids, mode=mode, tau=tau,
-                                        max_high_res=max_high_res,
-                                        max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
+                request = item_request(item, view, mode, max_new_tokens=max_new_tokens, tau=tau,
+                                       max_high_res=max_high_res, tier=tier)
                 try:
                     answered = answer(request)
                 except ApiError as error:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pipeline.eval.evaluation import StoreView, instruction_doc_id
+from pipeline.eval.evaluation import StoreView, item_request
 from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
 from pipeline.eval.longbench import QAItem
 from pipeline.render import Renderer
@@ -94,9 +94,8 @@ class OcrJudge:
 
 def find_evidence(item: QAItem, view: StoreView) -> list[str] | None:
     """Ids of the context chunks holding the evidence, or None when no gold answer occurs in the context
-    (e.g. "unanswerable"). The task instruction's chunks are never searched."""
-    instruction = set(view.chunks_of_doc.get(instruction_doc_id(item.task), []))
-    context_ids = [c for c in view.chunk_ids(item) if c not in instruction]
+    (e.g. "unanswerable"; the task instruction is prompt, not context, and is never searched)."""
+    context_ids = view.chunk_ids(item)
     texts = [view.text_of[c] for c in context_ids]
     for answer in item.answers:
         try:
@@ -116,9 +115,7 @@ def judge_items(items: Sequence[QAItem], view: StoreView, plan: Planner, configs
             num_unlocated += 1
             continue
         for config in configs:
-            request = AnswerRequest(query=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,
-                                    tau=config.tau, max_high_res=config.max_high_res,
-                                    max_new_tokens=item.max_new_tokens)
+            request = item_request(item, view, config.mode, tau=config.tau, max_high_res=config.max_high_res)
             try:
                 routed = plan(request)
             except ApiError as error:

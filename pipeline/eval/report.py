@@ -49,9 +49,10 @@ def legibility_markdown(summaries: Sequence[EvidenceSummary], num_unlocated: int
 
 def prompt_markdown() -> str:
     rows = [[mode.value, text] for mode, text in MODE_CONTEXT.items()]
-    return ("Every request is `[chat prefix][task instruction chunk][context chunks][query][assistant header]`: "
-            "the LongBench template is split at `{context}`; the text before it is the task's instruction "
-            "document, the text after it (question filled in) is the query. What the context chunks are, per mode:"
+    return ("Every request is `[chat prefix][instruction][context chunks][question + answer cue][assistant header]`: "
+            "the LongBench template is split at `{context}`; the text before it (the task instruction) is prefilled "
+            "online as prompt, never a chunk; the text after it (question filled in) is prefilled after the chunks; "
+            "the router scores chunks against the bare question alone. What the context chunks are, per mode:"
             "\n\n" + markdown_table(["mode", "context chunks as"], rows))
 
 

@@ -12,9 +12,10 @@ import sys
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
-from schemas.config import ModelFamily
+from schemas.config import DUMMY_PREFIX_SEED, CompilePrefix, ModelFamily
 
 _SENTINEL = "\u2063QVPIC_USER_CONTENT\u2063"
 
@@ -96,6 +97,22 @@ class Adapter:
     @cached_property
     def prefix_ids(self) -> list[int]:
         return self.encode(self.template.prefix)
+
+    @cached_property
+    def dummy_prefix_ids(self) -> list[int]:
+        """As many tokens as the template prefix, drawn (seeded) from the ordinary vocabulary: the virtual
+        prefix a chunk is compiled after in the dummy variant. No special or added token is drawn, so
+        it carries no role, turn or image markup — only its length matches the template's."""
+        tokenizer = self.tokenizer
+        reserved = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+        ordinary = np.array([i for i in range(tokenizer.vocab_size) if i not in reserved])
+        rng = np.random.default_rng(DUMMY_PREFIX_SEED)
+        return [int(i) for i in rng.choice(ordinary, size=len(self.prefix_ids), replace=True)]
+
+    def compile_prefix_ids(self, prefix: CompilePrefix) -> list[int]:
+        """Token ids a chunk is compiled after (their KV is stripped): template, none, or dummy."""
+        return {CompilePrefix.TEMPLATE: self.prefix_ids, CompilePrefix.NONE: [],
+                CompilePrefix.DUMMY: self.dummy_prefix_ids}[CompilePrefix(prefix)]
 
     @cached_property
     def turn_suffix_ids(self) -> list[int]:

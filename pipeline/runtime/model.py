@@ -7,6 +7,7 @@ Positions are always passed explicitly as 3-D M-RoPE `position_ids` `(3, 1, L)`;
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,9 +20,10 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
-from schemas.config import ChunkKind, DType, ModelFamily, ModelSpec
+from schemas.config import ChunkKind, CompilePrefix, DType, ModelFamily, ModelSpec, Variant
 from schemas.sampling import Sampling
 
+PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
 
@@ -94,7 +96,7 @@ class VLM:
             self.path, size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}, **load
         )
         self.adapter = Adapter(self.model, self.tokenizer)
-        self._prefix: ChunkKV | None = None
+        self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
 
     # ---- compile (offline) -------------------------------------------------------------------
     def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -104,26 +106,33 @@ class VLM:
         ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
         return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
 
+    def compile_variant(self, variant: Variant, text: str = "", pages: Sequence[Image.Image] = ()) -> ChunkKV:
+        """The stored entry of `variant`: the chunk's source text or its pages, after the variant's prefix."""
+        if variant.kind is ChunkKind.TEXT:
+            return self.compile_text(text, variant.prefix)
+        return self.compile_images(pages, variant.prefix)
+
     @torch.inference_mode()
-    def compile_images(
-        self, pages: Sequence[Image.Image], with_template: bool = True, position_offset: int = 0
-    ) -> ChunkKV:
-        """KV of one chunk's page images, compiled under the template prefix (then stripped) or alone.
+    def compile_images(self, pages: Sequence[Image.Image], prefix: CompilePrefix = CompilePrefix.TEMPLATE,
+                       position_offset: int = 0) -> ChunkKV:
+        """KV of one chunk's page images, compiled after `prefix` (whose KV is then stripped).
 
         `position_offset` shifts the whole compile sequence (prefix included) to start there.
         """
         pixel_values, grids, chunk_ids = self.image_inputs(pages)
-        return self._compile(chunk_ids, ChunkKind.IMAGE, with_template, pixel_values, grids, position_offset)
+        return self._compile(chunk_ids, ChunkKind.IMAGE, prefix, pixel_values, grids, position_offset)
 
     @torch.inference_mode()
-    def compile_text(self, text: str, with_template: bool = True, position_offset: int = 0) -> ChunkKV:
+    def compile_text(self, text: str, prefix: CompilePrefix = CompilePrefix.TEMPLATE,
+                     position_offset: int = 0) -> ChunkKV:
         ids = self.adapter.encode(text)
         if not ids:
             raise ValueError("cannot compile an empty text chunk")
-        return self._compile(ids, ChunkKind.TEXT, with_template, position_offset=position_offset)
+        return self._compile(ids, ChunkKind.TEXT, prefix, position_offset=position_offset)
 
-    def _compile(self, chunk_ids, kind, with_template, pixel_values=None, grids=None, position_offset=0) -> ChunkKV:
-        prefix_ids = self.adapter.prefix_ids if with_template else []
+    def _compile(self, chunk_ids, kind, prefix: CompilePrefix, pixel_values=None, grids=None,
+                 position_offset=0) -> ChunkKV:
+        prefix_ids = self.adapter.compile_prefix_ids(prefix)
         num_prefix = len(prefix_ids)
         input_ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
         positions = self.positions(input_ids, grids, position_offset)
@@ -149,16 +158,27 @@ class VLM:
     @property
     def prefix(self) -> ChunkKV:
         """The serving template prefix's KV at positions 0..P-1, computed once."""
-        if self._prefix is None:
-            with torch.inference_mode():
-                self._prefix = self._compile(self.adapter.prefix_ids, ChunkKind.TEXT, with_template=False)
-        return self._prefix
+        return self.serving_prefix()
+
+    def serving_prefix(self, instruction: str = "") -> ChunkKV:
+        """KV of `[template prefix][instruction]` at positions 0.., one forward per distinct instruction
+        (the last `PREFIX_CACHE_SIZE` kept): exactly what a full prefill computes for those tokens."""
+        if instruction in self._prefixes:
+            self._prefixes.move_to_end(instruction)
+            return self._prefixes[instruction]
+        with torch.inference_mode():
+            ids = self.adapter.prefix_ids + (self.adapter.encode(instruction) if instruction else [])
+            kv = self._compile(ids, ChunkKind.TEXT, CompilePrefix.NONE)
+        self._prefixes[instruction] = kv
+        if len(self._prefixes) > PREFIX_CACHE_SIZE:
+            self._prefixes.popitem(last=False)
+        return kv
 
     # ---- online ------------------------------------------------------------------------------
-    def assemble(self, chunks: Sequence[ChunkKV]) -> AssembledContext:
-        """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored."""
+    def assemble(self, chunks: Sequence[ChunkKV], instruction: str = "") -> AssembledContext:
+        """`[serving prefix][instruction][c_1]…[c_n]` in request order with keys re-anchored."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.prefix, moved, self.adapter.rotation_matrices)
+        return assemble(self.serving_prefix(instruction), moved, self.adapter.rotation_matrices)
 
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
