@@ -163,9 +163,11 @@ def test_seeded_sampling_is_reproducible(roles):
     assert first.text == second.text
 
 
-def test_glm_linked_answers_equal_online_answers(serving_store, tmp_path):
-    """The other rotary layout (GLM interleaves pairs, rotates part of each head) through the same path."""
-    model = ModelSpec(path="tiny-glm", device="cpu")
+@pytest.mark.parametrize("name", ["tiny-glm", "tiny-qwen2", "tiny-llava"])
+def test_other_families_linked_answers_equal_online_answers(serving_store, tmp_path, name):
+    """The other families through the same store and serving path: GLM's rotary layout (interleaved pairs,
+    part of each head), Qwen2-VL's vision tower, LLaVA-OneVision's AnyRes tiles and 1-D RoPE."""
+    model = ModelSpec(path=name, device="cpu")
     build_store(tmp_path, VLM(model), serving_store.embedder, {"invoices": [DOCUMENT]})
     uri = str(tmp_path)
     glm = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 20), Generator(uri, model))

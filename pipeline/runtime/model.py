@@ -1,7 +1,8 @@
 """The VLM runtime shared by compile (offline) and serve (online): load, compile, prefill, decode.
 
-Positions are always passed explicitly as 3-D M-RoPE `position_ids` `(3, 1, L)`; the models' stateful
-`rope_deltas` is never relied on.
+Positions are always passed explicitly, kept as `(axes, 1, L)` (3 for M-RoPE, 1 for 1-D RoPE) and
+handed to the model in its own layout by the adapter; the models' stateful `rope_deltas` is never
+relied on.
 """
 
 from __future__ import annotations
@@ -92,17 +93,19 @@ class VLM:
             self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
         ).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
+        size = {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget else {}
         self.image_processor = getattr(transformers, classes.image_processor_cls).from_pretrained(
-            self.path, size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}, **load
+            self.path, **size, **load
         )
-        self.adapter = Adapter(self.model, self.tokenizer)
+        self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
         self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
 
     # ---- compile (offline) -------------------------------------------------------------------
     def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Pixel values, `[pages, 3]` grids and the token ids of the pages in order."""
+        """Pixel values, the per-page layout (`[pages, 3]` patch grids, or LLaVA's `[pages, 2]` sizes) and the
+        token ids of the pages in order."""
         processed = self.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
-        grids = processed["image_grid_thw"]
+        grids = processed[self.adapter.grid_key]
         ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
         return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
 
@@ -136,23 +139,20 @@ class VLM:
         num_prefix = len(prefix_ids)
         input_ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
         positions = self.positions(input_ids, grids, position_offset)
-        out = self.model(
-            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int(),
-            position_ids=positions, use_cache=True,
-        )
+        out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), use_cache=True)
         kv = stack_cache(out.cache)[:, :, :, num_prefix:]  # strip the prefix's entries
         # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
         compile_start = int(positions[0, 0, num_prefix])
         span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
         grid_list = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
-        return ChunkKV(kv.clone(), span, compile_start, kind, grid_list)
+        vision_tokens = sum(t == self.adapter.image_token_id for t in chunk_ids)
+        return ChunkKV(kv.clone(), span, compile_start, kind, grid_list, vision_tokens)
 
     def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
-        """`(3, 1, L)` positions of a sequence whose first token sits at `start`."""
+        """`(axes, 1, L)` positions of a sequence whose first token sits at `start`."""
         if grids is None:
             pos = torch.arange(start, start + input_ids.shape[1], device=self.device)
-            return pos.view(1, 1, -1).expand(3, 1, -1)
+            return pos.view(1, 1, -1).expand(self.adapter.rope_axes, 1, -1)
         return self.adapter.rope_index(input_ids, grids) + start
 
     @property
@@ -202,7 +202,7 @@ class VLM:
                 grid_list.append(grids)
         ids += self.adapter.encode(query) + self.adapter.turn_suffix_ids
         input_ids = torch.tensor([ids], device=self.device)
-        pixel_values = torch.cat(pixel_list) if pixel_list else None
+        pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None
         return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids, logits_to_keep=0 if all_logits else 1)
 
@@ -212,11 +212,8 @@ class VLM:
         since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int() if grids is not None else None,
-            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-        )
+        out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
+                         cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return Prefill(out.logits, out.cache, int(positions.max()) + 1)
 
     @torch.inference_mode()
@@ -261,4 +258,5 @@ def stack_cache(cache: DynamicCache) -> torch.Tensor:
 
 
 def _to(chunk: ChunkKV, device: torch.device) -> ChunkKV:
-    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw)
+    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw,
+                   chunk.vision_tokens)
