@@ -15,14 +15,16 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from jobs import evaluate as evaluate_job
-from pipeline.eval import synthetic
+from jobs.eval_serving import ServedTraces
+from jobs.ingest import parse_tiers
 from pipeline.chunker import Chunker
-from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
+from pipeline.eval import synthetic
 from pipeline.eval.evaluation import (
     EvalError,
     HttpAnswerer,
     ItemResult,
     RequestFailed,
+    ServingConfig,
     StoreView,
     context_doc_id,
     corpus_documents,
@@ -31,7 +33,10 @@ from pipeline.eval.evaluation import (
     summarize,
 )
 from pipeline.eval.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
+from pipeline.eval.fidelity import REFERENCE_MODE, answer_token_ids, run_fidelity, summarize_fidelity
 from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
+from pipeline.eval.paper import PAPER_TIERS, SWEEP_PNG, paper_grid
+from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
 from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
 from schemas.api import AnswerRequest, TooLargeError
@@ -66,7 +71,7 @@ def test_instruction_context_and_query_rebuild_the_longbench_prompt():
     documents = corpus_documents(items)
     assert set(documents) == {context_doc_id(item) for item in items}  # contexts only: instructions are prompt
     for item in items:
-        request = item_request(item, FakeView(), Mode.QVPIC)
+        request = item_request(item, FakeView(), ServingConfig.of(Mode.QVPIC))
         rebuilt = request.instruction + documents[context_doc_id(item)] + request.query_prompt
         assert rebuilt == item.full_prompt and request.query == item.question
         assert item.question in item.query_after_context and "{" not in item.query_after_context
@@ -104,7 +109,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
 
     router.embed_query = recording
     for item in items:
-        request = item_request(item, view, Mode.QVPIC, tau=1.0, max_high_res=2)
+        request = item_request(item, view, ServingConfig("qvpic", Mode.QVPIC, tau=1.0, max_high_res=2))
         planned = asyncio.run(router.plan(request))
         assert embedded[-1] == item.question  # the bare question, not "…Question: X\nAnswer:"
         assert [c.chunk_id for c in planned.chunks] == view.chunks_of_doc[context_doc_id(item)]
@@ -206,7 +211,7 @@ def test_summary_matches_longbench_scoring_and_counts_errors():
         for mode in (Mode.QVPIC, Mode.TEXT_PIC):
             failed = rng.random() < 0.2
             prediction = "" if failed else " ".join(rng.sample(words, rng.randint(1, 4)))
-            results.append(ItemResult(item.task, item.id, mode, prediction, qa_f1(prediction, item.answers),
+            results.append(ItemResult(item.task, item.id, mode.value, mode, prediction, qa_f1(prediction, item.answers),
                                       None if failed else rng.uniform(1, 100), None if failed else 10, 0, 0, 0,
                                       None, "TooLargeError: no" if failed else None))
     summaries = summarize(items, results)
@@ -242,6 +247,30 @@ def test_evidence_is_located_and_judged_per_served_tier(eval_store):
     # τ = 1 with a budget over the chunk count promotes every relevant chunk: the same pixels as uniform_high
     assert everything.recovered_percent <= high.recovered_percent
     assert everything.vision_tokens_median <= high.vision_tokens_median
+
+
+def test_fidelity_of_every_cached_mode_through_the_serving_roles(eval_store):
+    _, items, view, answerer = eval_store
+    traces = ServedTraces(answerer, view, num_answer_tokens=4)
+    configs = [ServingConfig.of(m) for m in Mode] + [ServingConfig("uniform low", Mode.UNIFORM, tier="low")]
+    results = run_fidelity(items[:2], configs, traces, progress=False)
+    cached = [c for c in configs if c.mode in REFERENCE_MODE]
+    assert len(results) == 2 * len(cached) and not any(r.error for r in results)
+    assert Mode.FULL_TEXT not in {r.mode for r in results}  # online modes are the references, not measured
+    for r in results:
+        f = r.fidelity
+        item = next(i for i in items if i.id == r.item_id)
+        assert f.num_tokens == len(answer_token_ids(answerer.generator.vlm, item, 4))
+        assert f.kl > 0 and 0 < f.hidden_rel_l2 < 1 and 0 <= f.top1_agreement <= 1 and 0 <= f.top5_overlap <= 1
+        assert r.reference is (Mode.FULL_TEXT if r.mode in (Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN) else Mode.FULL_IMAGE)
+    # references are shared by configurations serving the same tiers: text, low (×3: plain, dummy, uniform
+    # low), high (uniform_high, uniform) and qvpic's routed mix — at most 4 full prefills per item
+    assert len(traces._references) <= 2 * 4
+    by = {(r.item_id, r.config): r.fidelity for r in results}
+    for item in items[:2]:  # uniform at the highest tier is uniform_high: the same plan, the same numbers
+        assert by[(item.id, "uniform")] == by[(item.id, "uniform_high")]
+    rows = summarize_fidelity(results)
+    assert {(s.task, s.config) for s in rows} >= {("all", c.name) for c in cached}
 
 
 def test_report_files(tmp_path, eval_store):
@@ -280,14 +309,33 @@ def test_bad_data_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.e2e
-def test_qvpic_eval_end_to_end_on_the_fixtures(ray_session, tmp_path):  # noqa: F811
+def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # noqa: F811
+    """`qvpic eval --paper` on the bundled fixtures: the real ingest job, every configuration of the grid,
+    fidelity of every cached one, the paper's tables and plots; the same command runs on real data."""
     out = tmp_path / "eval"
-    assert evaluate_job.main(["--out", str(out), "--limit", "1", "--max-new-tokens", "4", "--quiet"]) == 0
+    argv = ["--paper", "--out", str(out), "--limit", "1", "--max-new-tokens", "4", "--tau-grid", "0.5", "1.0",
+            "--budget-grid", "1", "2", "--fidelity-tokens", "4", "--quiet"]
+    assert evaluate_job.main(argv) == 0
     document = json.loads((out / REPORT_JSON).read_text())
+    grid = paper_grid(parse_tiers(list(PAPER_TIERS)), [0.5, 1.0], [1, 2])
     tasks = {t.value for t in LONGBENCH_QA_TASKS} | {"all"}
-    assert {(s["task"], s["mode"]) for s in document["summary"]} == {(t, m.value) for t in tasks for m in Mode}
+    assert {(s["task"], s["config"]) for s in document["summary"]} == {(t, c.name) for t in tasks for c in grid.configs}
     assert all(s["num_errors"] == 0 and 0 <= s["f1_percent"] <= 100 for s in document["summary"])
+    assert {s["mode"] for s in document["summary"]} == {m.value for m in Mode} - {Mode.UNIFORM_HIGH.value}
+    fidelity = {s["config"]: s for s in document["fidelity"]["summary"] if s["task"] == "all"}
+    cached = {c.name for c in grid.main + grid.dpi if c.mode in REFERENCE_MODE}
+    assert set(fidelity) == cached and all(s["num_errors"] == 0 for s in fidelity.values())
+    for name, summary in fidelity.items():  # linking multi-chunk contexts costs something, never nothing
+        assert summary["median"]["kl"] > 0 and 0 < summary["median"]["hidden_rel_l2"] < 1, name
+    markdown = (out / REPORT_MD).read_text()
+    for heading in ("MuSiQue", "Avg", "TTFT ms", "vision tokens", "τ/B sweep", "DPI sweep", "hidden rel-L2",
+                    "image_pic (dummy prefix)", "text_pic (prefix-free)", "uniform mid (96 DPI)", "qvpic → mid"):
+        assert heading in markdown, heading
+    for png in (SCATTER_PNG, SWEEP_PNG):
+        with Image.open(out / png) as image:
+            assert image.format == "PNG" and image.width > 100
     legibility = {s["config"]: s for s in document["legibility"]["summary"]}
     assert len(legibility) == len(serving_configs(evaluate_job.DEFAULT_GRID))
     assert legibility["uniform_high"]["recovered_percent"] >= legibility["image_pic (uniform low)"]["recovered_percent"]
-    assert (out / SCATTER_PNG).stat().st_size > 0 and (out / "store" / "manifest.json").is_file()
+    manifest = json.loads((out / "store" / "manifest.json").read_text())
+    assert [t["dpi"] for t in manifest["render"]["tiers"]] == [72, 96, 120] and len(manifest["variants"]) == 5

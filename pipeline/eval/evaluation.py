@@ -95,8 +95,9 @@ class StoreView:
         manifest = store.load_manifest_or_raise()
         self.render: RenderSpec = manifest.render
         self.high_tier = manifest.render.highest_tier.name
-        rows = store.chunks().select(["chunk_id", "doc_id", "order", "chunk_key", "text"]).to_pylist()
+        rows = store.chunks().select(["chunk_id", "doc_id", "order", "chunk_key", "text", "image_path"]).to_pylist()
         self.text_of = {r["chunk_id"]: r["text"] for r in rows}
+        self.image_path_of = {r["chunk_id"]: r["image_path"] for r in rows if r["image_path"]}
         self.key_of = {r["chunk_id"]: r["chunk_key"] for r in rows}
         self.chunks_of_doc: dict[str, list[str]] = {}
         for r in sorted(rows, key=lambda r: (r["doc_id"], r["order"])):
@@ -175,9 +176,33 @@ class HttpAnswerer:
 
 
 @dataclass(frozen=True)
+class ServingConfig:
+    """One way to serve the items: a mode and its routing (τ, B, tier; None = the server's defaults)."""
+
+    name: str
+    mode: Mode
+    tau: float | None = None
+    max_high_res: int | None = None
+    tier: str | None = None
+
+    @classmethod
+    def of(cls, mode: Mode) -> ServingConfig:
+        return cls(mode.value, mode)
+
+
+def item_request(item: QAItem, view: StoreView, config: ServingConfig, max_new_tokens: int | None = None) -> AnswerRequest:
+    """The request of one item: routed by the bare question, the LongBench prompt around the chunks."""
+    return AnswerRequest(query=item.question, instruction=item.prompt_before_context,
+                         query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,
+                         tau=config.tau, max_high_res=config.max_high_res, tier=config.tier,
+                         max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
+
+
+@dataclass(frozen=True)
 class ItemResult:
     task: QATask
     item_id: str
+    config: str  # ServingConfig.name
     mode: Mode
     prediction: str  # "" when the request failed
     f1: float  # LongBench QA F1 in [0, 1]; a failed request scores 0, so the denominator never shrinks
@@ -191,35 +216,26 @@ class ItemResult:
     response_cache: str | None = None  # the server's response-cache level that answered, if one did
 
 
-def item_request(item: QAItem, view: StoreView, mode: Mode, *, max_new_tokens: int | None = None,
-                 tau: float | None = None, max_high_res: int | None = None, tier: str | None = None) -> AnswerRequest:
-    """The request of one item in one mode: routed by the bare question, the LongBench prompt around the chunks."""
-    return AnswerRequest(query=item.question, instruction=item.prompt_before_context,
-                         query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=mode, tau=tau,
-                         max_high_res=max_high_res, tier=tier,
-                         max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
-
-
-def run(items: Sequence[QAItem], modes: Sequence[Mode], answer: Answerer, view: StoreView, *,
-        max_new_tokens: int | None = None, tau: float | None = None, max_high_res: int | None = None,
-        tier: str | None = None, progress: bool = True) -> list[ItemResult]:
-    """Every item through every mode, modes interleaved per item so machine drift hits them alike."""
+def run(items: Sequence[QAItem], configs: Sequence[ServingConfig | Mode], answer: Answerer, view: StoreView, *,
+        max_new_tokens: int | None = None, progress: bool = True) -> list[ItemResult]:
+    """Every item through every configuration (a bare mode: the server's routing defaults), configurations
+    interleaved per item so machine drift hits them alike."""
     view.check(items)
+    configs = [c if isinstance(c, ServingConfig) else ServingConfig.of(c) for c in configs]
     results = []
-    with tqdm(total=len(items) * len(modes), desc="eval", unit="req", disable=not progress) as bar:
+    with tqdm(total=len(items) * len(configs), desc="eval", unit="req", disable=not progress) as bar:
         for item in items:
-            for mode in modes:
-                request = item_request(item, view, mode, max_new_tokens=max_new_tokens, tau=tau,
-                                       max_high_res=max_high_res, tier=tier)
+            for config in configs:
+                request = item_request(item, view, config, max_new_tokens)
                 try:
                     answered = answer(request)
                 except ApiError as error:
-                    results.append(ItemResult(item.task, item.id, mode, "", 0.0, None, None, None, None, None,
-                                              None, f"{type(error).__name__}: {error}"))
+                    results.append(ItemResult(item.task, item.id, config.name, config.mode, "", 0.0, None, None, None,
+                                              None, None, None, f"{type(error).__name__}: {error}"))
                 else:
                     report = answered.report
                     results.append(ItemResult(
-                        item.task, item.id, mode, answered.text, qa_f1(answered.text, item.answers),
+                        item.task, item.id, config.name, config.mode, answered.text, qa_f1(answered.text, item.answers),
                         answered.ttft_ms, report.usage.context_tokens, report.usage.context_vision_tokens,
                         sum(c.tier == view.high_tier for c in report.chunks), view.linked_nbytes(report),
                         report.timings.model_dump(), None,
@@ -231,6 +247,7 @@ def run(items: Sequence[QAItem], modes: Sequence[Mode], answer: Answerer, view: 
 @dataclass(frozen=True)
 class ModeSummary:
     task: str  # a task name, or "all" (F1 = mean over tasks, as LongBench averages)
+    config: str
     mode: Mode
     num_items: int
     num_errors: int
@@ -240,32 +257,30 @@ class ModeSummary:
     context_tokens_median: float | None
     vision_tokens_median: float | None
     kv_nbytes_median: float | None
+    num_high_median: float | None
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _summary(task: str, mode: Mode, results: list[ItemResult], f1_percent: float) -> ModeSummary:
+def _summary(task: str, results: list[ItemResult], f1_percent: float) -> ModeSummary:
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft_ms for r in ok]
-    return ModeSummary(task, mode, len(results), len(results) - len(ok), f1_percent, _median(ttfts),
-                       float(np.percentile(ttfts, 90)) if ttfts else None,
+    return ModeSummary(task, results[0].config, results[0].mode, len(results), len(results) - len(ok), f1_percent,
+                       _median(ttfts), float(np.percentile(ttfts, 90)) if ttfts else None,
                        _median([r.context_tokens for r in ok]), _median([r.vision_tokens for r in ok]),
-                       _median([r.kv_nbytes for r in ok]))
+                       _median([r.kv_nbytes for r in ok]), _median([r.num_high for r in ok]))
 
 
 def summarize(items: Sequence[QAItem], results: Sequence[ItemResult]) -> list[ModeSummary]:
-    """Per task and mode, then per mode over all tasks; F1 scored by `pipeline.eval.scoring.score`."""
-    by_key = {(r.task, r.item_id, r.mode): r for r in results}
-    modes = list(dict.fromkeys(r.mode for r in results))
+    """Per task and configuration, then per configuration over all tasks; F1 scored by `pipeline.eval.scoring.score`."""
+    by_key = {(r.task, r.item_id, r.config): r for r in results}
     rows = []
-    for mode in modes:
-        mode_results = [by_key[(item.task, item.id, mode)] for item in items]
-        scores = score([r.prediction for r in mode_results], items)
+    for config in dict.fromkeys(r.config for r in results):
+        config_results = [by_key[(item.task, item.id, config)] for item in items]
+        scores = score([r.prediction for r in config_results], items)
         for task, task_score in scores.items():
-            rows.append(_summary(task.value, mode, [r for r in mode_results if r.task is task],
-                                 task_score.f1_percent))
-        rows.append(_summary("all", mode, mode_results,
-                             statistics.fmean(s.f1_percent for s in scores.values())))
+            rows.append(_summary(task.value, [r for r in config_results if r.task is task], task_score.f1_percent))
+        rows.append(_summary("all", config_results, statistics.fmean(s.f1_percent for s in scores.values())))
     return rows

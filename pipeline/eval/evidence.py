@@ -16,21 +16,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pipeline.eval.evaluation import StoreView, item_request
+from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
 from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
 from pipeline.eval.longbench import QAItem
 from pipeline.render import Renderer
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
 from schemas.api import AnswerRequest, ApiError
 from schemas.config import Mode
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    name: str
-    mode: Mode
-    tau: float | None = None
-    max_high_res: int | None = None
 
 
 def serving_configs(grid: Sequence[tuple[float, int]]) -> list[ServingConfig]:
@@ -115,7 +107,7 @@ def judge_items(items: Sequence[QAItem], view: StoreView, plan: Planner, configs
             num_unlocated += 1
             continue
         for config in configs:
-            request = item_request(item, view, config.mode, tau=config.tau, max_high_res=config.max_high_res)
+            request = item_request(item, view, config)
             try:
                 routed = plan(request)
             except ApiError as error:

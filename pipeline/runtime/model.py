@@ -207,6 +207,12 @@ class VLM:
         return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids, logits_to_keep=0 if all_logits else 1)
 
     @torch.inference_mode()
+    def extend(self, state: Prefill, token_ids: Sequence[int]) -> Prefill:
+        """Teacher-force `token_ids` on top of `state` (whose cache grows): the logits after each of them."""
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        return self._forward(ids, state.cache, state.next_position, logits_to_keep=0)
+
+    @torch.inference_mode()
     def _forward(self, input_ids, cache, start, pixel_values=None, grids=None, logits_to_keep: int = 1) -> Prefill:
         """One forward at explicit positions from `start`; logits of the last `logits_to_keep` tokens (0 = all),
         since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
