@@ -109,7 +109,19 @@ DEFAULT_TIERS: tuple[TierSpec, ...] = (TierSpec(name="low", dpi=72), TierSpec(na
 
 
 class RenderSpec(Frozen):
-    """Page layout of rendered chunks. Defaults follow Glyph's public rendering configuration."""
+    """Page layout of rendered chunks. Defaults follow Glyph's public rendering configuration
+    (thu-coai/Glyph `config/config_en.json`: A4, 72 DPI, margins 10 pt, 9 pt font, leading 10 pt, left
+    aligned, width and last page auto-cropped, newlines as line breaks, soft hyphens and zero-width
+    spaces dropped), with these substitutions, each deliberate or unavoidable here:
+    - font: Glyph renders Verdana, a Microsoft core font that cannot be installed offline here nor
+      redistributed with qvpic; DejaVuSans (metrically close, humanist sans) stands in. A Glyph checkpoint
+      reads what it was trained on: point `font_names` (`--font`) at a Verdana.ttf, e.g. the one in
+      Glyph's repository (`config/Verdana.ttf`), first in the list;
+    - rasteriser: Pillow/FreeType with hinted advances instead of ReportLab → PDF → poppler, so glyph
+      anti-aliasing and line breaks can differ by a pixel or a word;
+    - crop margins scale with the tier's DPI (Glyph keeps 10 px at any DPI), so every tier is the same
+      page, only sharper; tabs expand to `tab_size_spaces` spaces (ReportLab collapses them).
+    """
 
     page_width_pt: float = Field(595.0, gt=0)  # A4
     page_height_pt: float = Field(842.0, gt=0)
@@ -117,7 +129,8 @@ class RenderSpec(Frozen):
     font_size_pt: float = Field(9.0, gt=0)
     line_height_pt: float = Field(10.0, gt=0)
     alignment: Alignment = Alignment.LEFT
-    # Tried in order per character; names are resolved against the system font directories.
+    # Tried in order per character; file names are resolved against the system font directories, absolute
+    # paths used as they are.
     font_names: tuple[str, ...] = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "NotoSansCJK-Regular.ttc")
     tab_size_spaces: int = Field(4, ge=1, le=16)
     crop: bool = True  # crop the unused right margin and the empty tail of the last page
