@@ -273,3 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens and fidelity are real.\n\n" + outcome.paper_md)
         write_section("paper-eval", "The paper's grid: F1, TTFT, tokens and fidelity per method (issue 15)", command, body)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
