@@ -16,10 +16,14 @@ from serve.plan import Plan
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 
-def ranked_shares(relevance: list[float]) -> tuple[list[int], dict[int, float]]:
+def ranked_shares(relevance: list[float], softmax_temperature: float | None = None) -> tuple[list[int], dict[int, float]]:
     """Rank order (ties: earlier first) and each chunk's relevance share of the chunks ranked above it."""
-    weights = np.clip(np.asarray(relevance, dtype=np.float64), 0.0, None)
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    scores = np.asarray(relevance, dtype=np.float64)
+    if softmax_temperature is None:
+        weights = np.clip(scores, 0.0, None)
+    else:
+        weights = np.exp((scores - scores.max(initial=0.0)) / softmax_temperature)
+    order = sorted(range(len(weights)), key=lambda i: (-scores[i], i))
     above, share = {}, 0.0
     for i in order:
         above[i] = share
@@ -36,21 +40,25 @@ def test_allocation_respects_tau_budget_and_b_and_is_maximal(data):
     tau = data.draw(st.floats(0, 1))
     max_high_res = data.draw(st.integers(0, 12))
     budget = data.draw(st.one_of(st.none(), st.integers(0, 400)))
+    temperature = data.draw(st.one_of(st.none(), st.floats(0.01, 2.0)))  # None: linear
 
-    promoted = allocate(relevance, tau, max_high_res, costs, budget)
+    if temperature is None:
+        promoted = allocate(relevance, tau, max_high_res, costs, budget)
+    else:
+        promoted = allocate(relevance, tau, max_high_res, costs, budget, SOFTMAX, temperature)
 
     assert len(promoted) == n  # aligned with the request order: one version per chunk
     assert sum(promoted) <= max_high_res
     if budget is not None:
         assert sum(c for c, p in zip(costs, promoted) if p) <= budget
-    order, above = ranked_shares(relevance)
+    order, above = ranked_shares(relevance, temperature)
     spent = taken = 0
-    for i in order:
-        candidate = relevance[i] > 0 and above[i] < tau
+    for i in order:  # softmax gives every chunk a share; shares are compared with τ up to rounding
+        has_share = relevance[i] > 0 or temperature is not None
         if promoted[i]:
-            assert candidate
+            assert has_share and above[i] < tau + 1e-9
             spent, taken = spent + costs[i], taken + 1
-        elif candidate and taken < max_high_res:  # left low only because it did not fit the budget
+        elif has_share and above[i] < tau - 1e-9 and taken < max_high_res:  # left low only for the budget
             assert budget is not None and costs[i] > budget - spent
 
 

@@ -120,6 +120,17 @@ def test_fingerprints_are_stable_across_processes() -> None:
     assert outputs == [here, here]
 
 
+def test_entry_slots_cover_every_variant() -> None:
+    """What ingest and recompile build per chunk: templated pages at every tier, the baselines' pages at the
+    lowest, each text variant once."""
+    from pipeline.ingest import entry_slots
+
+    manifest = make_manifest(render=RenderSpec(tiers=(TierSpec(name="high", dpi=120), TierSpec(name="low", dpi=72))))
+    assert entry_slots(manifest, tuple(Variant)) == [
+        ("high", Variant.TEMPLATE), ("low", Variant.TEMPLATE), ("low", Variant.PLAIN), ("low", Variant.DUMMY),
+        (None, Variant.TEXT), (None, Variant.TEXT_PLAIN)]
+
+
 def test_entry_fingerprint_depends_on_exactly_what_changes_the_kv() -> None:
     model_fp = model_fingerprint("m", "r", DType.BFLOAT16, PREFIX)
     low, render = TierSpec(name="low", dpi=72), RenderSpec()
