@@ -43,7 +43,7 @@ LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM: Variant.TEMPLATE, 
 PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_image prices pages from TEMPLATE entries
 ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)
 UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
-UNIFORM_HIGHEST = (Mode.UNIFORM, Mode.UNIFORM_HIGH)
+TAKES_TIER = ROUTED_MODES + UNIFORM_LOWEST + (Mode.UNIFORM,)  # uniform_high is uniform at the highest, fixed
 
 
 def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
@@ -56,7 +56,7 @@ def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | 
 
     Raises `InvalidRoutingError` for a tier the store does not have, or one given to a mode without tiers.
     """
-    if tier is not None and (mode not in ROUTED_MODES + UNIFORM_LOWEST + (Mode.UNIFORM,)):
+    if tier is not None and mode not in TAKES_TIER:
         raise InvalidRoutingError(f"mode {mode.value!r} takes no tier (uniform_high is uniform at the highest tier)")
     if tier is not None and tier not in {t.name for t in tiers}:
         raise InvalidRoutingError(f"unknown tier {tier!r}; the store has {[t.name for t in tiers]}")
