@@ -112,8 +112,8 @@ class BudgetExceededError(TooLargeError):
         return {"min_context_tokens": self.min_context_tokens, "budget_tokens": self.budget_tokens}
 
 
-class InvalidRoutingError(ApiError):
-    """A routing field the store cannot honour: a tier it does not have, or a tier for a mode without tiers."""
+class UnknownTierError(UnknownIdsError):
+    """A `tier` the store does not have (the message names the ones it has)."""
 
 
 class UnservableError(ApiError):
@@ -154,6 +154,12 @@ class Routing(Strict):
                              description="uniform modes (uniform, image_pic, image_pic_dummy): the tier of every "
                              "chunk; routed modes (qvpic, full_image): the tier chunks are promoted to. Default: "
                              "the mode's own (highest for uniform and routed modes, lowest for the image_pic ones)")
+
+    @model_validator(mode="after")
+    def _tier_fits_mode(self) -> Routing:
+        if self.tier is not None and not self.mode.takes_tier:
+            raise ValueError(f"mode {self.mode.value!r} takes no tier (uniform_high is uniform at the highest tier)")
+        return self
 
 
 class Attribution(Strict):

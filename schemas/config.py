@@ -86,6 +86,12 @@ class Mode(str, Enum):
     UNIFORM_HIGH = "uniform_high"  # `uniform` at the highest tier
     QVPIC = "qvpic"  # templated image KV, relevance-routed dual resolution
 
+    @property
+    def takes_tier(self) -> bool:
+        """Whether a request's `tier` applies: the tier of every chunk (uniform modes) or the promotion
+        target (routed modes). Text modes have no tiers; uniform_high's is fixed."""
+        return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC)
+
 
 class ScoreNormalisation(str, Enum):
     """How the router turns cosine relevances into the shares that τ is compared against."""

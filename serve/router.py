@@ -26,7 +26,7 @@ from pipeline.store import Store
 from schemas.api import (
     AnswerRequest,
     FallbackReport,
-    InvalidRoutingError,
+    UnknownTierError,
     TooLargeError,
     UnknownIdsError,
     UnservableError,
@@ -43,7 +43,6 @@ LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM: Variant.TEMPLATE, 
 PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_image prices pages from TEMPLATE entries
 ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)
 UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
-TAKES_TIER = ROUTED_MODES + UNIFORM_LOWEST + (Mode.UNIFORM,)  # uniform_high is uniform at the highest, fixed
 
 
 def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
@@ -54,12 +53,13 @@ def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
 def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | None:
     """The tier a request's mode serves (uniform modes) or promotes to (routed modes); None for text.
 
-    Raises `InvalidRoutingError` for a tier the store does not have, or one given to a mode without tiers.
+    Raises `UnknownTierError` (404) for a tier the store does not have; a tier given to a mode without
+    tiers never gets here (the request model refuses it, 422).
     """
-    if tier is not None and mode not in TAKES_TIER:
-        raise InvalidRoutingError(f"mode {mode.value!r} takes no tier (uniform_high is uniform at the highest tier)")
+    if tier is not None and not mode.takes_tier:
+        raise ValueError(f"mode {mode.value!r} takes no tier")
     if tier is not None and tier not in {t.name for t in tiers}:
-        raise InvalidRoutingError(f"unknown tier {tier!r}; the store has {[t.name for t in tiers]}")
+        raise UnknownTierError(f"unknown tier {tier!r}; the store has {[t.name for t in tiers]}")
     if PRICED_VARIANT.get(mode, Variant.TEXT).kind is ChunkKind.TEXT:
         return None
     if tier is not None:

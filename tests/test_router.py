@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from schemas.api import AnswerRequest, InvalidRoutingError, TooLargeError, UnknownIdsError, UnservableError
+from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
 from schemas.config import Mode, ScoreNormalisation, Variant
 from serve.router import Router, allocate, relevance_shares
 from serve.plan import Plan
@@ -167,11 +168,14 @@ def test_a_request_tier_sets_uniform_modes_and_the_promotion_target(roles):
     assert {c.tier for c in plan(roles.router, doc_ids=docs, mode=Mode.UNIFORM, tier="low").chunks} == {"low"}
     # routed to the lowest tier: nothing can be promoted above it
     assert {c.tier for c in plan(roles.router, doc_ids=docs, tau=1.0, tier="low").chunks} == {"low"}
-    with pytest.raises(InvalidRoutingError, match="unknown tier 'mid'"):
+    with pytest.raises(UnknownTierError, match="unknown tier 'mid'"):  # a 404 naming the store's tiers
         plan(roles.router, doc_ids=docs, mode=Mode.UNIFORM, tier="mid")
-    for mode in (Mode.TEXT_PIC, Mode.FULL_TEXT, Mode.UNIFORM_HIGH):
-        with pytest.raises(InvalidRoutingError, match="takes no tier"):
+    assert UnknownTierError.status_code == 404
+    for mode in (Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN, Mode.FULL_TEXT, Mode.UNIFORM_HIGH):
+        with pytest.raises(ValidationError, match="takes no tier"):  # a 422 before any work
             plan(roles.router, doc_ids=docs, mode=mode, tier="low")
+    assert {m for m in Mode if m.takes_tier} == set(Mode) - {Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN, Mode.FULL_TEXT,
+                                                               Mode.UNIFORM_HIGH}
     # the baselines are compiled at the lowest tier only: another tier is a clear 503, never a silent swap
     with pytest.raises(UnservableError, match="dummy entries of tier 'high'"):
         plan(roles.router, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC_DUMMY, tier="high")
