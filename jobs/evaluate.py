@@ -216,10 +216,10 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     if grid is not None:
         paper_md = ("F1 % per task and their average; TTFT, context and vision tokens are medians over items.\n\n"
                     + paper_table(summaries, grid.main) + "\n\nτ/B sweep (qvpic):\n\n" + tau_budget_table(summaries, grid)
-                    + "\n\nDPI sweep:\n\n" + dpi_table(summaries, grid) + f"\n\n![sweeps]({SWEEP_PNG})")
+                    + "\n\nDPI sweep:\n\n" + dpi_table(summaries, grid))
         os.makedirs(args.out, exist_ok=True)
         sweep_png(summaries, grid, os.path.join(args.out, SWEEP_PNG))
-        sections.append(("The paper's table", paper_md))
+        sections.append(("The paper's table", paper_md + f"\n\n![sweeps]({SWEEP_PNG})"))
     if fidelity_summaries:
         fidelity_md = fidelity_markdown(fidelity_summaries)
         sections.append(("Fidelity to full prefill", fidelity_md))
