@@ -82,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
                    f"(tiers default to {' '.join(PAPER_TIERS)} for the DPI sweep)")
     p.add_argument("--tau-grid", nargs="+", type=float, default=list(DEFAULT_TAUS), help="--paper: τ values of the sweep")
     p.add_argument("--budget-grid", nargs="+", type=int, default=list(DEFAULT_BUDGETS), help="--paper: B values")
-    p.add_argument("--store", help="store the contexts are ingested into (default: <out>/store, reused across runs)")
+    p.add_argument("--store", help="store the contexts are ingested into (default: <out>/store, or <out>/paper-store "
+                   "with --paper; reused across runs)")
     p.add_argument("--url", help="a running service's /v1/answer (it must serve --store); default: in-process")
     p.add_argument("--ingest-only", action="store_true", help="ingest the items' documents into --store and stop")
     model_args(p)
@@ -170,7 +171,8 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     items, source = load_items(args)
     args.tiers = args.tiers or list(PAPER_TIERS if args.paper else DEFAULT_TIERS)
     model = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision)
-    store_uri = args.store or os.path.join(args.out, "store")
+    # --paper renders three tiers: a store of its own, so an earlier two-tier run's store is not refused
+    store_uri = args.store or os.path.join(args.out, "paper-store" if args.paper else "store")
     if args.url is None or args.ingest_only:
         ingest_documents(items, store_uri, model, args)
     if args.ingest_only:

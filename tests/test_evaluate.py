@@ -337,5 +337,5 @@ def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # 
     legibility = {s["config"]: s for s in document["legibility"]["summary"]}
     assert len(legibility) == len(serving_configs(evaluate_job.DEFAULT_GRID))
     assert legibility["uniform_high"]["recovered_percent"] >= legibility["image_pic (uniform low)"]["recovered_percent"]
-    manifest = json.loads((out / "store" / "manifest.json").read_text())
+    manifest = json.loads((out / "paper-store" / "manifest.json").read_text())
     assert [t["dpi"] for t in manifest["render"]["tiers"]] == [72, 96, 120] and len(manifest["variants"]) == 5
