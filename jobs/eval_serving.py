@@ -19,7 +19,8 @@ from schemas.config import ChunkKind, ModelSpec, RouterSpec
 from schemas.sampling import Sampling
 from serve.generator import Generator
 from serve.loader import CacheLoader, from_wire
-from serve.router import PRICED_VARIANT, Router
+from serve.placement import PRICED_VARIANT
+from serve.router import Router
 
 LRU_NBYTES = 4 << 30
 

@@ -19,34 +19,28 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import ValidationError
 
-from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
+from jobs import logs
+from jobs.help import HelpFormatter
 from jobs.ingest import model_args, parse_tiers, render_args, render_spec
-from pipeline.eval.evaluation import HttpAnswerer, ServingConfig, StoreView, corpus_documents, run, summarize, write_corpus
-from pipeline.eval.evidence import OcrJudge, judge_items, serving_configs, summarize_evidence
-from pipeline.eval.fidelity import REFERENCE_MODE, run_fidelity, summarize_fidelity
-from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
-from pipeline.eval.markdown import write_section
-from pipeline.eval.paper import (
-    DEFAULT_BUDGETS,
-    DEFAULT_TAUS,
-    PAPER_TIERS,
-    SWEEP_PNG,
-    dpi_table,
-    fidelity_table,
-    paper_grid,
-    paper_table,
-    sweep_png,
-    tau_budget_table,
+from pipeline.eval.longbench import (
+    LONGBENCH_QA_TASKS,
+    QAItem,
+    QATask,
+    load_generic,
+    load_tasks,
 )
-from pipeline.eval.report import REPORT_MD, legibility_markdown, summary_markdown, write_report
-from pipeline.store import Store
-from schemas.api import MAX_IDS_PER_REQUEST
+from pipeline.eval.paper import DEFAULT_BUDGETS, DEFAULT_TAUS, PAPER_TIERS
 from schemas.config import Mode, ModelSpec, RouterSpec, ScoreNormalisation, Variant
-from serve.router import Router
+
+# The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
+# imported where used, so that `qvpic eval --help` answers at once.
+if TYPE_CHECKING:
+    from pipeline.eval.evaluation import ServingConfig, StoreView
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "longbench_fixture"
 DEFAULT_GRID = ((0.3, 1), (0.5, 4), (0.9, 8))
@@ -67,7 +61,7 @@ def parse_grid(values: list[str]) -> tuple[tuple[float, int], ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qvpic eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="qvpic eval", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", help="LongBench folder of <task>.jsonl, or LongBench's data.zip (default: bundled fixtures)")
     source.add_argument("--generic", help="JSONL of {id?, question, context | chunk_ids, answers}")
@@ -104,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--write-benchmarks", action="store_true", help="also write the legibility (and, with --paper, "
                    "the paper's and fidelity) tables into docs/BENCHMARKS.md")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    logs.add_verbose_flag(p)
     return p
 
 
@@ -135,6 +130,7 @@ def load_items(args: argparse.Namespace) -> tuple[list[QAItem], str]:
 
 def ingest_documents(items: list[QAItem], store: str, model: ModelSpec, args: argparse.Namespace) -> None:
     from jobs.cluster import init_ray
+    from pipeline.eval.evaluation import corpus_documents, write_corpus
     from pipeline.ingest import IngestConfig, ingest
     from schemas.store import StoreSpec
 
@@ -160,6 +156,9 @@ class EvalOutcome:
 
 def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[ServingConfig], object | None]:
     """What to run: the paper's grid over the store's tiers, or the chosen modes with the server's routing."""
+    from pipeline.eval.evaluation import ServingConfig
+    from pipeline.eval.paper import paper_grid
+
     if not args.paper:
         return [ServingConfig.of(m) for m in args.modes], None
     grid = paper_grid(view.render.tiers, args.tau_grid, args.budget_grid)
@@ -167,6 +166,32 @@ def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[Serv
 
 
 def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
+    from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
+    from pipeline.eval.evaluation import HttpAnswerer, StoreView, run, summarize
+    from pipeline.eval.evidence import (
+        OcrJudge,
+        judge_items,
+        serving_configs,
+        summarize_evidence,
+    )
+    from pipeline.eval.fidelity import REFERENCE_MODE, run_fidelity, summarize_fidelity
+    from pipeline.eval.paper import (
+        SWEEP_PNG,
+        dpi_table,
+        paper_table,
+        sweep_png,
+        tau_budget_table,
+    )
+    from pipeline.eval.report import (
+        REPORT_MD,
+        legibility_markdown,
+        summary_markdown,
+        write_report,
+    )
+    from pipeline.store import Store
+    from schemas.api import MAX_IDS_PER_REQUEST
+    from serve.router import Router
+
     started = time.perf_counter()
     items, source = load_items(args)
     args.tiers = args.tiers or list(PAPER_TIERS if args.paper else DEFAULT_TIERS)
@@ -239,6 +264,8 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
 
 
 def fidelity_markdown(summaries) -> str:
+    from pipeline.eval.paper import fidelity_table
+
     return ("Each cached configuration against the uncached reference built from the same pieces (full_image at "
             "the tiers it served, or full_text), the same gold answer tokens teacher-forced after the query: median "
             "[p10, p90] over items.\n\n" + fidelity_table(summaries))
@@ -247,6 +274,7 @@ def fidelity_markdown(summaries) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    logs.configure(args.verbose)
     try:
         args.legibility_grid = parse_grid(args.legibility_grid)
         if args.tiers:
@@ -261,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     except httpx.HTTPError as error:
         print(f"qvpic eval: the service at {args.url} is unreachable: {error}", file=sys.stderr)
         return 1
+    from pipeline.eval.markdown import write_section
+
     command, meta = "qvpic eval " + " ".join(argv), outcome.meta
     if args.write_benchmarks and outcome.legibility_md is not None:
         body = (f"Data: {meta['data']}, chunks of ≤{meta['chunk tokens']} tokens, rendered at {meta['render']}; "
@@ -278,4 +308,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

@@ -29,6 +29,7 @@ from pipeline.compile import (
 )
 from pipeline.duplicates import DocRef, cross_file_rejections
 from pipeline.embed import Embedder
+from pipeline.generations import publish_generation
 from pipeline.readers import discover, read_file
 from pipeline.runtime.model import model_identity, resolve_path
 from pipeline.store import Store
@@ -285,6 +286,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
                                             detail=error.partition(": ")[2])
                                   for doc_id, (source, error) in failed_docs.items()]
     store.quarantine([r.model_dump(mode="json") for r in rejected], cfg.job_id)
+    publish_generation(store, cfg.job_id)  # what serving switches to: catalog, entries, vector index
     reader_rejections = len(corpus.rejected) - corpus.num_cross_file
     deduplicated = len(corpus.duplicate_docs - set(failed_docs))
     return IngestSummary(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import ray.data
 
 from pipeline.compile import ENTRIES, ERROR
+from pipeline.generations import publish_generation
 from pipeline.ingest import CompileResources, compile_missing, entry_slots, new_manifest
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, Variant
@@ -70,6 +71,7 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
                            "detail": f"chunk {k}: {e.partition(': ')[2]}"} for k, e in failures.items()], cfg.job_id)
     else:
         store.write_manifest(new)  # the switch: atomic, and only once every new entry exists
+        publish_generation(store, cfg.job_id)  # serving follows; the generations it still serves stay live
         before = store.index().num_rows
         store.compact(keep_fingerprints={new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)})
         dropped = before - store.index().num_rows

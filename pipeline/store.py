@@ -372,8 +372,12 @@ class Store:
     def remove_orphans(self, older_than_s: float = 3600.0) -> int:
         """Delete shards no index row references, and temp files left by crashed writes, that are
         older than `older_than_s` (a grace period for jobs between write_shard and publish_index).
-        Rows hidden by a newer duplicate still protect their shard until `compact()` drops them."""
+        Rows hidden by a newer duplicate still protect their shard until `compact()` drops them, and
+        shards of a serving generation still live (current or leased) are never removed."""
         referenced = {self._path(p) for p in self._parts("index", INDEX_SCHEMA)[1]["shard_path"].to_pylist()}
+        from pipeline.generations import protected_shards  # (imports this module)
+
+        referenced |= {self._path(p) for p in protected_shards(self)}  # what a live service may still read
         cutoff_ns = time.time_ns() - int(older_than_s * 1e9)
         shard_dir = self._path("shards/")
         removed = 0

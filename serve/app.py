@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from schemas.sampling import Sampling
+from pipeline.generations import ensure_generation, read_generation
 from pipeline.store import Store
 from schemas.api import (
     AnswerRequest,
@@ -33,6 +34,7 @@ from schemas.api import (
     StreamError,
 )
 from schemas.config import Frozen, ModelSpec, RouterSpec
+from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
 from serve import openai_api
 from serve.backend import ApiSettings, Backend, HandleBackend, api_error, error_cause, sse
@@ -88,6 +90,7 @@ class AppArgs(Frozen):
     generator_deployment: DeploymentArgs = DeploymentArgs(max_ongoing_requests=8)
     governance: GovernanceArgs = GovernanceArgs()  # budgets, rate limits, response caches, request log, auth
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
+    reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppArgs:
@@ -174,11 +177,13 @@ def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
 
 def api_settings(args: AppArgs) -> ApiSettings:
     store = Store.open(args.store)
-    manifest, stats = store.load_manifest_or_raise(), store.stats()
+    generation = read_generation(store, ensure_generation(store))
+    manifest = generation.manifest  # counts from the generation record: nothing re-reads the tables
     info = StoreInfo(fingerprint=manifest.fingerprint, model_id=manifest.model.id,
                      tiers={t.name: t.dpi for t in manifest.tiers}, variants=list(manifest.variants),
-                     embedder=manifest.embedder, num_chunks=stats.num_chunks, num_documents=stats.num_documents,
-                     num_entries=stats.num_entries, modes=servable_modes(manifest.variants))
+                     embedder=manifest.embedder, num_chunks=generation.num_chunks,
+                     num_documents=generation.num_documents, num_entries=generation.num_entries,
+                     modes=servable_modes(manifest.variants))
     return ApiSettings(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
                        created=int(manifest.created_at.timestamp()))
 
@@ -203,8 +208,11 @@ class Ingress:
 
 
 def preflight(args: AppArgs) -> None:
-    """Fail fast, before any replica starts, when the store was compiled for another model."""
-    check_store(Store.open(args.store).load_manifest_or_raise(), args.model)
+    """Fail fast, before any replica starts, when the store was compiled for another model; publish a
+    serving generation once when no job has (so replicas never race to build one)."""
+    store = Store.open(args.store)
+    check_store(store.load_manifest_or_raise(), args.model)
+    ensure_generation(store)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
@@ -217,7 +225,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 
     router = deployment(BatchingRouter, "Router", args.router_deployment).bind(
-        args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir)
-    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(args.store, args.cache_max_nbytes)
+        args.store, args.model, args.router, args.max_chunks, args.max_context_tokens, args.embedder_dir, args.reload)
+    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(args.store, args.cache_max_nbytes,
+                                                                                  args.reload)
     generator = deployment(Generator, "Generator", args.generator_deployment).bind(args.store, args.model)
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(router, loader, generator, args)

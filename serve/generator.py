@@ -218,4 +218,4 @@ class Generator:
                           total_ms=plan.route_ms + loaded.load_ms + clock.render_ms + clock.reanchor_ms
                           + clock.prefill_ms + clock.decode_ms)
         return AnswerReport(mode=plan.mode, finish_reason=finish, chunks=chunks, usage=usage, timings=timings,
-                            cache=loaded.cache, fallbacks=list(loaded.fallbacks))
+                            cache=loaded.cache, fallbacks=list(loaded.fallbacks), generation=plan.generation)

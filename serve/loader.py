@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -21,16 +20,15 @@ import torch
 from pipeline.store import ShardCorruptError, Store
 from schemas.api import CacheReport, CacheStats
 from schemas.config import DType
+from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
 from serve.metrics import serve_metrics
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, Unreadable
+from serve.reload import LeaseKeeper
 
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
          torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
 _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
-# Arrays arriving through Ray's object store (and LRU-shared ones) are read-only; assembly only reads
-# them, so torch's warning about wrapping them is noise. Process-wide: catch_warnings is not thread-safe.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 def to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, DType]:
@@ -41,8 +39,13 @@ def to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, DType]:
 
 
 def from_wire(array: np.ndarray, dtype: DType) -> torch.Tensor:
-    """A tensor over `array`'s memory, no copy."""
-    return torch.from_numpy(array).view(_TORCH[dtype])
+    """A tensor over `array`'s memory, no copy; read it, never write it.
+
+    Arrays that arrive through Ray's object store, and those the LRU shares between requests, are
+    read-only, and assembly only reads them. DLPack carries that read-only flag across (numpy >= 2.1),
+    so the tensor is made without `torch.from_numpy`'s warning about non-writable arrays and without
+    copying a context's worth of KV per request."""
+    return torch.from_dlpack(array).view(_TORCH[dtype])
 
 
 class ByteLRU:
@@ -91,14 +94,19 @@ class ByteLRU:
 
 
 class CacheLoader:
-    def __init__(self, store: StoreSpec | str, max_nbytes: int):
+    def __init__(self, store: StoreSpec | str, max_nbytes: int, reload: ReloadSpec = ReloadSpec()):
         self.store = Store.open(store)
         self.lru = ByteLRU(max_nbytes)
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
         self.metrics = serve_metrics()  # created here, inside the replica, so Ray tags it with the replica
+        # Plans carry their index rows, so the loader holds no generation state of its own; it leases each
+        # plan's generation so the shards it reads outlive a switch for as long as it may still read them.
+        self.keeper = LeaseKeeper(self.store, "loader", reload)
 
     def load(self, plan: Plan) -> LoadResult:
         started = time.perf_counter()
+        if plan.generation:
+            self.keeper.touch(plan.generation)
         entries = [c.entry for c in plan.chunks]
         report = CacheReport(hits=0, misses=0, nbytes_from_store=0)
         found, failed = self._fetch([e for e in entries if e is not None], report)
@@ -162,3 +170,7 @@ class CacheLoader:
     def stats(self) -> CacheStats:
         with self._lock:
             return self.lru.stats()
+
+    def __del__(self) -> None:  # Serve calls it on graceful shutdown: drop this replica's lease
+        if hasattr(self, "keeper"):
+            self.keeper.close()

@@ -54,6 +54,7 @@ class Plan:
     fallbacks: tuple[FallbackReport, ...]
     route_ms: float
     query_embedding: np.ndarray | None = None  # [dim], unit norm: what the l2 response cache compares
+    generation: int = 0  # the store's serving generation every entry of the plan comes from
     instruction: str = ""  # prefilled after the chat-template prefix, before the chunks
     query_prompt: str | None = None  # prefilled after the chunks in place of `query`
 

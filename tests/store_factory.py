@@ -15,6 +15,7 @@ import pytest
 
 from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
 from pipeline.embed import Embedder
+from pipeline.generations import publish_generation
 from pipeline.ingest import entry_slots, new_manifest
 from pipeline.runtime.model import VLM
 from pipeline.store import Store
@@ -52,6 +53,7 @@ def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, l
     embeddings = embedder.embed([c.text for c in chunks])
     store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}",
                                image_path=None) for chunk, vector in zip(chunks, embeddings)])
+    publish_generation(store, "tests")  # as ingest ends: what serving reads
     return store
 
 

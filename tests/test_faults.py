@@ -20,6 +20,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
 from pipeline.compile import IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
+from pipeline.generations import publish_generation
 from pipeline.ingest import IngestConfig, entry_slots, ingest
 from pipeline.render import resolve_font
 from pipeline.store import Store, tensor_sha256
@@ -98,6 +99,7 @@ def add_scanned_page(root: Path, serving: ServingStore, image_path: Path) -> str
     compiler.compile_row(RenderStage(manifest.render)(row))
     store.publish_chunks([dict(chunk.model_dump(), embedding=serving.embedder.embed([chunk.text])[0].tolist(),
                                source="scan.png", image_path=str(image_path))])
+    publish_generation(store, "tests")  # as a job ends: serving switches to what it wrote
     return chunk.chunk_id
 
 

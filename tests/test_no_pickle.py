@@ -1,4 +1,5 @@
-"""No code runs from data: stored data is safetensors, Parquet and JSON only; no load path unpickles;
+"""No code runs from data: stored data is safetensors, Parquet, JSON, and (serving generations) Arrow IPC,
+numeric .npy and a faiss index only; no load path unpickles;
 `torch.load` only with `weights_only=True`; remote model code only when the operator turns it on; no
 `eval`/`exec`. Checked two ways: our source, parsed, and the load paths, run under an audit hook.
 """
@@ -12,6 +13,8 @@ import pickle
 import sys
 import threading
 from pathlib import Path
+
+import numpy as np
 
 from pipeline.runtime.model import VLM
 from schemas.sampling import Sampling
@@ -121,13 +124,20 @@ class Unpickling:
 
 def test_store_files_are_safetensors_parquet_or_json(serving_store):
     files = [p for p in Path(serving_store.uri).rglob("*") if p.is_file()]
-    assert {p.suffix for p in files} == {".safetensors", ".parquet", ".json"}
+    # serving generations add Arrow IPC files, plain numeric .npy arrays and a faiss index
+    assert {p.suffix for p in files} == {".safetensors", ".parquet", ".json", ".arrow", ".npy", ".faiss"}
     for path in files:
         head = path.read_bytes()[:16]
         if path.suffix == ".safetensors":  # u64 little-endian header size, then the JSON header
             assert path.read_bytes()[8:9] == b"{"
         elif path.suffix == ".parquet":
             assert head[:4] == b"PAR1" and path.read_bytes()[-4:] == b"PAR1"
+        elif path.suffix == ".arrow":
+            assert head[:6] == b"ARROW1" and path.read_bytes()[-6:] == b"ARROW1"
+        elif path.suffix == ".npy":  # no object dtype: loads with allow_pickle=False
+            assert head[:6] == b"\x93NUMPY" and np.load(path, allow_pickle=False).dtype.hasobject is False
+        elif path.suffix == ".faiss":  # faiss's own binary format, a fourcc first
+            assert head[:4] in (b"IxSQ", b"IwSq")
         else:
             json.loads(path.read_text())
         assert not head.startswith(b"\x80")  # a pickle's PROTO opcode

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
 from schemas.config import Mode, ScoreNormalisation, Variant
-from serve.router import Router, allocate, relevance_shares
+from serve.placement import allocate, relevance_shares
+from serve.router import Router
 from serve.plan import Plan
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
@@ -215,17 +216,18 @@ def test_unknown_ids_are_named(roles):
         plan(roles.router, doc_ids=["ghost"])
 
 
-def test_missing_entries_fall_back_or_refuse(roles):
-    router = roles.router
-    saved = router.entries
-    key = router.chunk_rows[router.row_of_chunk["invoices#00000"]]["chunk_key"]
-    try:
-        router.entries = {k: v for k, v in saved.items() if not (k[0] == key and k[1] == "high")}
-        planned = plan(router, chunk_ids=["invoices#00000"], mode=Mode.UNIFORM_HIGH)
-        assert planned.chunks[0].tier == "low"
-        assert [(f.chunk_id, f.requested_tier, f.served_tier) for f in planned.fallbacks] == [("invoices#00000", "high", "low")]
-        router.entries = {k: v for k, v in saved.items() if not (k[0] == key and k[2] is Variant.TEXT)}
-        with pytest.raises(UnservableError, match="invoices#00000"):
-            plan(router, chunk_ids=["invoices#00000"], mode=Mode.TEXT_PIC)
-    finally:
-        router.entries = saved
+def test_missing_entries_fall_back_or_refuse(roles, monkeypatch):
+    catalog = roles.router.snapshot.catalog
+    stored = catalog.entries_of
+
+    def drop(slot) -> None:  # the chunk as if that entry had never been compiled
+        monkeypatch.setattr(catalog, "entries_of",
+                            lambda rows: [{k: v for k, v in s.items() if k != slot} for s in stored(rows)])
+
+    drop(("high", Variant.TEMPLATE))
+    planned = plan(roles.router, chunk_ids=["invoices#00000"], mode=Mode.UNIFORM_HIGH)
+    assert planned.chunks[0].tier == "low"
+    assert [(f.chunk_id, f.requested_tier, f.served_tier) for f in planned.fallbacks] == [("invoices#00000", "high", "low")]
+    drop((None, Variant.TEXT))
+    with pytest.raises(UnservableError, match="invoices#00000"):
+        plan(roles.router, chunk_ids=["invoices#00000"], mode=Mode.TEXT_PIC)

@@ -12,12 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pipeline.eval.evaluation import ModeSummary, ServingConfig
-from pipeline.eval.fidelity import METRICS, FidelitySummary
 from pipeline.eval.longbench import LONGBENCH_QA_TASKS
 from pipeline.eval.markdown import markdown_table
 from schemas.config import Mode, TierSpec
+
+# `qvpic eval --help` reads this module's defaults: the harness (store, torch) is imported where used.
+if TYPE_CHECKING:
+    from pipeline.eval.evaluation import ModeSummary, ServingConfig
+    from pipeline.eval.fidelity import FidelitySummary
 
 PAPER_TIERS = ("low=72", "mid=96", "high=120")  # the DPI sweep's default tiers
 DEFAULT_TAUS = (0.3, 0.5, 0.9)
@@ -55,6 +59,8 @@ class PaperGrid:
 def paper_grid(tiers: Sequence[TierSpec], taus: Sequence[float] = DEFAULT_TAUS,
                budgets: Sequence[int] = DEFAULT_BUDGETS) -> PaperGrid:
     """The configurations of the paper's grid over a store's `tiers` (qvpic and full_image: server τ/B defaults)."""
+    from pipeline.eval.evaluation import ServingConfig
+
     by_dpi = tuple(sorted(tiers, key=lambda t: t.dpi))
     uniform = tuple(ServingConfig(uniform_name(t), Mode.UNIFORM, tier=t.name) for t in by_dpi)
     main = tuple(ServingConfig(NAMES.get(m, m.value), m) for m in BASELINES) + uniform + (ServingConfig.of(Mode.QVPIC),)
@@ -108,6 +114,8 @@ def dpi_table(summaries: Sequence[ModeSummary], grid: PaperGrid) -> str:
 
 def fidelity_table(summaries: Sequence[FidelitySummary]) -> str:
     """Per cached configuration over all tasks: median [p10, p90] of every fidelity metric."""
+    from pipeline.eval.fidelity import METRICS
+
     def spread(s: FidelitySummary, metric: str) -> str:
         if math.isnan(s.median[metric]):
             return "–"

@@ -1,0 +1,231 @@
+"""Serving at scale: router start-up, route latency, resident memory, recall and hot-reload switch time
+over synthetic stores of 10^4 .. 10^6 chunks (the serving half of the scale benchmark).
+
+Each store is written through the Store API (chunk and index tables; every entry points at one real
+shard, since routing never reads KV) with unit-norm embeddings drawn at random — the hardest case for
+an approximate index: random vectors have no neighbourhoods — or `--distribution clustered` (topics
+with members around them, like a real embedding model's). The job-side step, `publish_generation`,
+is timed; then a fresh process starts a Router on the store and measures, one after the other:
+start-up, RSS, route p50/p99 (retrieval + placement for an embedded query; query embedding timed
+separately), a hot-reload switch (a generation published under the running router), and recall@8
+of its retrieval against exact float16 search.
+
+    python -m benchmarks.scale_serve                 # 10k, 100k, 1M
+    python -m benchmarks.scale_serve --quick         # 10k, 100k
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from benchmarks.report import markdown_table, write_section
+
+DIM = 384
+CHUNKS_PER_DOC = 10
+PART_ROWS = 250_000
+QUERIES = 300
+RECALL_QUERIES = 100
+
+
+def unit_rows(rng: np.random.Generator, n: int, distribution: str, centres: np.ndarray | None) -> np.ndarray:
+    rows = rng.standard_normal((n, DIM), dtype=np.float32)
+    if distribution == "clustered":  # members at cosine ~0.9 to one of the topic centres
+        rows = centres[rng.integers(0, len(centres), n)] + 0.5 * rows / np.sqrt(DIM)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -> None:
+    """A store of `num_chunks` chunks (3 entries each) written in parts, never whole in memory."""
+    from pipeline.embed import Embedder
+    from pipeline.ingest import new_manifest
+    from pipeline.store import Store
+    from schemas.config import ModelSpec, RenderSpec, Variant
+    import torch
+
+    store = Store.open(str(root), create=True)
+    embedder_name = Embedder().model_name
+    manifest = new_manifest(ModelSpec(path="tiny-qwen", device="cpu"), RenderSpec(),
+                            (Variant.TEMPLATE, Variant.TEXT), embedder_name, DIM, "bench")
+    store.write_manifest(manifest)
+    shard = store.write_shard({"kv": torch.zeros(2, 2, 1, 4, 8)})[0]
+    rng = np.random.default_rng(seed)
+    centres = unit_rows(rng, max(num_chunks // 50, 1), "random", None)
+    slots = [("low", Variant.TEMPLATE, 64, 30), ("high", Variant.TEMPLATE, 176, 50), (None, Variant.TEXT, 40, 40)]
+    for start in range(0, num_chunks, PART_ROWS):
+        ids = np.arange(start, min(start + PART_ROWS, num_chunks))
+        texts = [f"synthetic chunk {i} of document {i // CHUNKS_PER_DOC}" for i in ids]
+        keys = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+        vectors = unit_rows(rng, len(ids), distribution, centres)
+        store.publish_chunks(pa.table({
+            "chunk_id": [f"doc{i // CHUNKS_PER_DOC:07d}#{i % CHUNKS_PER_DOC:05d}" for i in ids],
+            "doc_id": [f"doc{i // CHUNKS_PER_DOC:07d}" for i in ids],
+            "order": pa.array(ids % CHUNKS_PER_DOC, pa.int32()), "chunk_key": keys, "text": texts,
+            "num_text_tokens": pa.array(np.full(len(ids), 40), pa.int32()),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), DIM),
+            "source": ["bench"] * len(ids), "image_path": pa.nulls(len(ids), pa.string())}))
+        n, tables = len(ids), []
+        for tier, variant, tokens, span in slots:
+            image = variant is not Variant.TEXT
+            pages = pa.ListArray.from_arrays(np.arange(n + 1, dtype=np.int32),
+                                             pa.array([[1, 8, 8] if image else [0, 0, 0]] * n, pa.list_(pa.int32())))
+            empty = pa.ListArray.from_arrays(np.zeros(n + 1, np.int32), pa.array([], pa.list_(pa.int32())))
+            tables.append(pa.table({
+                "chunk_key": keys, "tier": pa.array([tier] * n, pa.string()), "variant": [variant.value] * n,
+                "fingerprint": [manifest.entry_fingerprint(variant, tier)] * n,
+                "kind": ["image" if image else "text"] * n,
+                "num_tokens": pa.array(np.full(n, tokens), pa.int32()),
+                "position_span": pa.array(np.full(n, span), pa.int32()),
+                "compile_start": pa.array(np.full(n, 12), pa.int32()),
+                "grid_thw": pages if image else empty, "image_sizes_px": pages if image else empty,
+                "vision_tokens": pa.array(np.full(n, tokens if image else 0), pa.int32()),
+                "dtype": ["float32"] * n, "shard_path": [shard.shard_path] * n, "tensor_key": [shard.tensor_key] * n,
+                "nbytes": pa.array(np.full(n, shard.nbytes), pa.int64()), "checksum": [shard.checksum] * n}))
+        # one part with every slot: schemas/store.py's tier rule rejects a part of text entries alone
+        store.publish_index(pa.concat_tables(tables))
+
+
+def rss_mib() -> dict[str, float]:
+    fields = {line.split(":")[0]: float(line.split()[1]) / 1024 for line in open("/proc/self/status")
+              if line.startswith(("VmRSS", "RssAnon", "RssFile"))}
+    return {"rss": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"]}
+
+
+def measure(uri: str, seed: int = 1) -> dict:
+    """Runs in a fresh process: everything the router costs, in order."""
+    started = time.perf_counter()
+    from pipeline.generations import current_generation_number
+    from pipeline.store import Store
+    from pipeline.vector_index import exact_top_k, recall_at_k
+    from schemas.api import AnswerRequest
+    from schemas.config import ModelSpec, RouterSpec
+    from schemas.generation import ReloadSpec
+    from serve.router import Router
+
+    imported = time.perf_counter()
+    router = Router(uri, ModelSpec(path="tiny-qwen", device="cpu"), RouterSpec(), max_chunks=64,
+                    reload=ReloadSpec(poll_s=0.05))
+    ready = time.perf_counter()
+    out = {"import_s": imported - started, "startup_s": ready - imported, "rss_startup": rss_mib(),
+           "search": router.snapshot.catalog.vectors.info.model_dump(mode="json")}
+    rng = np.random.default_rng(seed)
+    queries = unit_rows(rng, QUERIES + 20, "random", None)
+    request = AnswerRequest(query="What does the synthetic chunk say?", top_k=8)
+    times = []
+    for i, query in enumerate(queries):
+        t = time.perf_counter()
+        router.route(request, query)
+        if i >= 20:  # warm-up: the first searches page the index in
+            times.append((time.perf_counter() - t) * 1e3)
+    out["route_ms"] = {"p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99))}
+    out["rss_routed"] = rss_mib()
+    embed = []
+    for i in range(30):
+        t = time.perf_counter()
+        router.embedder.embed([f"question number {i} about the synthetic corpus"])
+        embed.append((time.perf_counter() - t) * 1e3)
+    out["embed_ms_p50"] = float(np.median(embed))
+    store = Store.open(uri)
+    before = router.generation
+    print("READY-FOR-SWITCH", flush=True)  # the parent publishes a generation (a job's last step) ...
+    sys.stdin.readline()  # ... and says so
+    while router.generation == before or router.watcher.last_switch_s is None:
+        time.sleep(0.005)
+    # from the record's `published_at` (just before the pointer moved) until the router served it
+    out["switch"] = {"switch_s": router.watcher.last_switch_s, "current": current_generation_number(store)}
+    snapshot = router.snapshot
+    probe = unit_rows(rng, RECALL_QUERIES, "random", None)
+    found = np.stack([snapshot.catalog.vectors.search(q, 8)[0] for q in probe])
+    truth = exact_top_k(snapshot.catalog.vectors.embeddings, probe, 8)
+    out["recall_at_8"] = recall_at_k(found, truth)
+    router.close()
+    return out
+
+
+def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
+    from pipeline.generations import publish_generation
+    from pipeline.store import Store
+
+    root = work / f"store-{distribution}-{num_chunks}"
+    t = time.perf_counter()
+    write_store(root, num_chunks, distribution)
+    written = time.perf_counter() - t
+    t = time.perf_counter()
+    record = publish_generation(Store.open(str(root)), "bench")
+    publish_s = time.perf_counter() - t
+    t = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.scale_serve", "--child", str(root)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in child.stdout:  # the router is up and measured: publish under it, as a job would
+        if line.startswith("READY-FOR-SWITCH"):
+            started = time.perf_counter()
+            publish_generation(Store.open(str(root)), "bench-switch")  # unchanged tables: snapshot reused
+            republish_s = time.perf_counter() - started
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            break
+    output = child.stdout.read()
+    if child.wait() != 0:
+        raise RuntimeError(f"the measuring process failed with exit code {child.returncode}")
+    result = json.loads(output.strip().splitlines()[-1])
+    result.update(num_chunks=num_chunks, distribution=distribution, write_s=written, publish_s=publish_s,
+                  republish_s=republish_s, process_s=time.perf_counter() - t, build_s=record.search.build_s)
+    return result
+
+
+def section(results: list[dict]) -> str:
+    rows = [[f"{r['num_chunks']:,}", r["distribution"], r["search"]["kind"] + (
+        f" nprobe {r['search']['nprobe']}/{r['search']['num_lists']}" if r["search"]["kind"] == "ivf" else ""),
+        r["publish_s"], r["startup_s"], r["import_s"], r["route_ms"]["p50"], r["route_ms"]["p99"],
+        r["embed_ms_p50"], r["rss_routed"]["rss"], r["rss_routed"]["anon"], r["recall_at_8"],
+        r["switch"]["switch_s"] * 1e3] for r in results]
+    table = markdown_table(["chunks", "embeddings", "index", "publish s (job step)", "router start-up s",
+                            "imports s", "route p50 ms", "route p99 ms", "embed p50 ms", "router RSS MiB",
+                            "of it anonymous", "recall@8", "switch ms"], rows)
+    reasons = "\n".join(f"- {r['num_chunks']:,} {r['distribution']}: {r['search']['reason']}" for r in results)
+    return (f"{table}\n\nRoute = retrieval + placement for an embedded query (top-8, qvpic), after 20 warm-up "
+            "queries; the query embedding (MiniLM, one query) is timed apart. Start-up = `Router(...)` in a fresh "
+            "process (tokenizer, embedder, the generation's memory-mapped catalog and index), imports apart. RSS "
+            "after the routes; file-backed pages (the mapped index) are the rest. Switch = from the end of a publish "
+            "(a job's last step) until the running router serves the new generation (poll 50 ms). Recall@8 against exact float16 search on "
+            f"{RECALL_QUERIES} random unit queries.\n\nIndex choice per store:\n{reasons}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10k and 100k chunks only")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--distribution", choices=["random", "clustered"], nargs="+", default=["random"])
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-write", action="store_true", help="print results, leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.child)))
+        return 0
+    sizes = args.sizes or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
+    results = []
+    with tempfile.TemporaryDirectory(prefix="qvpic-scale-serve-") as work:
+        for distribution in args.distribution:
+            for size in sizes:
+                results.append(run_size(size, distribution, Path(work)))
+                print(json.dumps(results[-1]), flush=True)
+                body = section(results)  # written after every size: a long run keeps what it measured
+                if not args.no_write:
+                    command = "python -m benchmarks.scale_serve " + " ".join(argv if argv is not None else sys.argv[1:])
+                    write_section("scale-serve", "Serving at scale: start-up, routing, memory, recall, hot reload",
+                                  command.strip(), body)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

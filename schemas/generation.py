@@ -1,0 +1,135 @@
+"""Contracts of the serving snapshots ("generations") a store publishes, and of the leases that pin them.
+
+A generation is an immutable, self-contained view of a store for serving: the manifest it was built
+from, a chunk catalog (sorted by document and order, memory-mappable), the KV entries current under
+that manifest, and a vector index over the chunk embeddings. Jobs publish a new generation at their
+end; serving replicas switch to it without a redeploy and hold a lease on every generation a request
+of theirs may still use, so garbage collection never removes what a live service serves.
+
+Layout under the store root (every file written atomically, never rewritten):
+    serving/current.json                     {"generation": N}: the one serving should use
+    serving/generations/{N:012d}.json        `Generation` records
+    serving/chunks/{digest}/...              catalog, texts, embeddings, vector index (shared by
+                                             generations whose chunk tables are identical)
+    serving/entries/{digest}/...             current-fingerprint entries and each catalog row's range
+    serving/leases/{holder}.json             `Lease` records, renewed by a heartbeat
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from enum import Enum
+
+from pydantic import Field, model_validator
+
+from schemas.config import Frozen
+from schemas.store import Manifest
+
+SERVING_DIR = "serving"
+CURRENT = f"{SERVING_DIR}/current.json"
+GENERATIONS_DIR = f"{SERVING_DIR}/generations"
+CHUNKS_DIR = f"{SERVING_DIR}/chunks"
+ENTRIES_DIR = f"{SERVING_DIR}/entries"
+LEASES_DIR = f"{SERVING_DIR}/leases"
+HOLDER = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+
+
+def generation_path(generation: int) -> str:
+    return f"{GENERATIONS_DIR}/{generation:012d}.json"
+
+
+class SearchKind(str, Enum):
+    """How top-k retrieval scans the embeddings (both rerank their candidates on float16 rows)."""
+
+    FLAT = "flat"  # every row's int8 code: exhaustive, recall ~1
+    IVF = "ivf"  # the int8 codes of the `nprobe` lists nearest the query: approximate
+
+
+class SearchSpec(Frozen):
+    """How the job that publishes a generation builds its vector index.
+
+    Below `ann_min_rows` the index is flat. From there an IVF index is built and its `nprobe` is
+    calibrated on held-out queries to the smallest that reaches `target_recall` (recall@k against
+    the flat scan); if that needs more than `max_scan_fraction` of the rows, the embeddings have no
+    neighbourhood structure an IVF can use (random vectors, for one) and the flat index is kept.
+    """
+
+    ann_min_rows: int = Field(200_000, ge=1)
+    target_recall: float = Field(0.95, gt=0.0, le=1.0)
+    recall_k: int = Field(8, ge=1)
+    max_scan_fraction: float = Field(0.25, gt=0.0, le=1.0)
+    num_lists: int | None = Field(None, ge=1)  # IVF lists; default ~sqrt(rows)
+    num_calibration_queries: int = Field(256, ge=16)
+    calibration_query_cosine: float = Field(0.5, gt=0.0, lt=1.0)  # how close a calibration query is to its chunk
+    rerank_candidates: int = Field(64, ge=1)  # int8 candidates rescored in float16 (at least 8 x k)
+
+
+class CalibrationPoint(Frozen):
+    nprobe: int
+    scan_fraction: float  # share of the rows whose codes the search reads
+    recall: float  # recall@k against the flat scan on the calibration queries
+
+
+class SearchInfo(Frozen):
+    """What the job built, and what it measured."""
+
+    kind: SearchKind
+    num_rows: int = Field(ge=0)
+    dim: int = Field(gt=0)
+    code_scale: float = Field(gt=0.0)  # int8 code = round(value * code_scale)
+    num_lists: int | None = None
+    nprobe: int | None = None
+    recall_k: int = 8
+    recall: float | None = None  # the chosen configuration's measured recall@k (None: flat, exhaustive)
+    calibration: tuple[CalibrationPoint, ...] = ()
+    build_s: float = 0.0
+    reason: str = ""  # why this kind was chosen
+
+
+class Generation(Frozen):
+    """One published serving snapshot."""
+
+    generation: int = Field(ge=1)
+    manifest: Manifest
+    chunks_dir: str  # relative to the store root
+    entries_dir: str
+    num_chunks: int = Field(ge=0)  # chunk occurrences in the catalog
+    num_documents: int = Field(ge=0)
+    num_entries: int = Field(ge=0)  # KV entries current under `manifest`
+    search: SearchInfo
+    job_id: str
+    published_at: datetime
+
+
+class Lease(Frozen):
+    """A serving replica's claim on the generations its requests may still read, until `expires_at`."""
+
+    holder: str = Field(pattern=HOLDER.pattern)
+    generations: tuple[int, ...]
+    expires_at: datetime
+
+    @model_validator(mode="after")
+    def _aware(self) -> "Lease":
+        if self.expires_at.tzinfo is None:
+            raise ValueError("expires_at must carry a timezone")
+        return self
+
+    def live(self, now: datetime | None = None) -> bool:
+        return self.expires_at > (now or datetime.now(timezone.utc))
+
+
+class ReloadSpec(Frozen):
+    """How a serving replica follows the store's published generations."""
+
+    enabled: bool = True  # False: serve the generation found at start-up until redeployed
+    poll_s: float = Field(2.0, gt=0.0)  # how often `serving/current.json` is read
+    lease_ttl_s: float = Field(120.0, gt=0.0)  # a lease not renewed for this long no longer protects
+    heartbeat_s: float = Field(15.0, gt=0.0)
+    retain_s: float = Field(600.0, ge=0.0)  # a generation stays leased this long after the replica left it
+
+    @model_validator(mode="after")
+    def _heartbeat_within_ttl(self) -> "ReloadSpec":
+        if self.heartbeat_s * 2 > self.lease_ttl_s:
+            raise ValueError("heartbeat_s must be at most half of lease_ttl_s, or a lease lapses between renewals")
+        return self
