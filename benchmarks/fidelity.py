@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from jobs.evaluate import FIXTURES
+from jobs.help import HelpFormatter
 from pipeline.chunker import Chunker
 from pipeline.eval import synthetic
 from pipeline.eval.fidelity import METRICS, Fidelity, answer_token_ids, compare, trace_full, trace_linked
@@ -118,7 +119,8 @@ def report(results: list[dict[Variant, Fidelity]], items: list[QAItem]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="bench-qwen")
     p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
     p.add_argument("--synthetic", type=int, default=12, help="synthetic requests on top of the fixture items")

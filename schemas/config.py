@@ -72,7 +72,7 @@ _VARIANT_PREFIX = {Variant.TEMPLATE: CompilePrefix.TEMPLATE, Variant.PLAIN: Comp
 class Mode(str, Enum):
     """How the engine builds the context of a request; every mode is served side by side.
 
-    A mode is a choice of stored variant and of tiers (see serve/router.py `MODE_VARIANT`); the
+    A mode is a choice of stored variant and of tiers (see serve/placement.py `PRICED_VARIANT`); the
     uniform ones serve every chunk at one tier, the request's `tier` or the mode's default.
     """
 
