@@ -1,7 +1,7 @@
 """A benchmark store built in-process by the real ingest stages (chunk → render → compile → embed →
 publish) without Ray: no cluster to start, so it also runs as-is on a bare GPU machine.
 
-The chunks are consecutive pieces of one synthetic fine-evidence document (`pipeline.synthetic`), one
+The chunks are consecutive pieces of one synthetic fine-evidence document (`pipeline.eval.synthetic`), one
 document per chunk so that a request can name any prefix of them; the chunk holding the evidence of
 the document's question is moved to second place, so every request from 2 chunks up contains it.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pipeline.compile import compile_in_process
 from pipeline.documents import ChunkStage
 from pipeline.embed import Embedder
+from pipeline.eval.synthetic import evidence_chunks, generate
 from pipeline.ingest import IngestConfig, open_store
 from pipeline.runtime.model import VLM
-from pipeline.synthetic import evidence_chunks, generate
 from schemas.config import ModelSpec, RenderSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec

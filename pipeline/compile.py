@@ -116,7 +116,6 @@ class CompileStage:
                 sizes = [[image.width, image.height] for image in images]
                 slots[(tier, variant)].append(_Item(unit["chunk_key"], images, sizes, sum(w * h for w, h in sizes)))
         rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        merge_size = self.vlm.adapter.merge_size
         for (tier, variant), items in slots.items():
             items.sort(key=lambda item: item.cost)
             for start in range(0, len(items), self.plan.batch_size):
@@ -129,7 +128,7 @@ class CompileStage:
                                                  for i, kv in built})
                 for (item, kv), shard in zip(built, shards):
                     rows[item.chunk_key].append(
-                        index_row(self.manifest, item.chunk_key, tier, variant, kv, item.sizes_px, merge_size, shard))
+                        index_row(self.manifest, item.chunk_key, tier, variant, kv, item.sizes_px, shard))
         published = [r for key, entries in rows.items() if key not in errors for r in entries]
         if published:
             digest = hashlib.sha256("\n".join(sorted(r["chunk_key"] + r["variant"] + (r["tier"] or "") for r in published))

@@ -18,11 +18,11 @@ from PIL import Image
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
-from schemas.config import RenderSpec, TierSpec, Variant
+from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
 from schemas.store import CacheKey, Manifest, ShardEntry
 
 Source = str | Sequence[Image.Image]  # a text, or one chunk's pages in order
-TEXT_SOURCED = frozenset({Variant.TEXT})  # variants compiled from the chunk's text, not its pages
+TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compiled from the chunk's text, not its pages
 
 
 class PageImageError(ValueError):
@@ -30,10 +30,12 @@ class PageImageError(ValueError):
 
 
 def entry_slots(manifest: Manifest, variants: Sequence[Variant]) -> list[tuple[str | None, Variant]]:
-    """(tier, variant) of every entry a chunk needs: templated at every tier, plain at the lowest, text once."""
+    """(tier, variant) of every entry a chunk needs: templated pages at every tier, the baselines'
+    pages (plain, dummy prefix) at the lowest, each text variant once."""
     slots: list[tuple[str | None, Variant]] = []
+    lowest = manifest.render.lowest_tier.name
     for variant in variants:
-        tiers = {Variant.TEXT: [None], Variant.PLAIN: [manifest.render.lowest_tier.name]}.get(
+        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
             variant, [t.name for t in manifest.tiers])
         slots += [(tier, variant) for tier in tiers]
     return slots
@@ -53,14 +55,19 @@ def compile_entries(vlm: VLM, variant: Variant, sources: Sequence[Source]) -> li
     """KV entries of one variant for several sources, in one batched forward.
 
     The one map from a variant to the runtime: a new variant is a line here (and, if it compiles
-    text, a member of TEXT_SOURCED)."""
-    if variant is Variant.TEMPLATE:
-        return vlm.compile_many(sources, with_template=True)
-    if variant is Variant.PLAIN:
-        return vlm.compile_many(sources, with_template=False)
-    if variant is Variant.TEXT:
-        return vlm.compile_many(sources, with_template=True)
-    raise ValueError(f"no compile call for variant {variant!r}")
+    text, a member of TEXT_SOURCED); its prefix is `variant.prefix`."""
+    calls = {
+        Variant.TEMPLATE: CompilePrefix.TEMPLATE,  # pages under the chat-template prefix
+        Variant.PLAIN: CompilePrefix.NONE,  # pages at position 0
+        Variant.DUMMY: CompilePrefix.DUMMY,  # pages under a dummy prefix of the template's length
+        Variant.TEXT: CompilePrefix.TEMPLATE,  # text under the chat-template prefix
+        Variant.TEXT_PLAIN: CompilePrefix.NONE,  # text at position 0
+    }
+    if variant not in calls:
+        raise ValueError(f"no compile call for variant {variant!r}")
+    if any(isinstance(s, str) != (variant in TEXT_SOURCED) for s in sources):
+        raise ValueError(f"variant {variant.value} compiles {'texts' if variant in TEXT_SOURCED else 'pages'} only")
+    return vlm.compile_many(sources, calls[variant])
 
 
 def scale_page(image: Image.Image, render: RenderSpec, tier: TierSpec) -> Image.Image:
@@ -103,12 +110,12 @@ def decode_png(data: bytes) -> Image.Image:
 
 
 def index_row(manifest: Manifest, chunk_key: str, tier: str | None, variant: Variant, kv: ChunkKV,
-              sizes_px: list[list[int]], merge_size: int, shard: ShardEntry) -> dict[str, Any]:
+              sizes_px: list[list[int]], shard: ShardEntry) -> dict[str, Any]:
     """The index row of one written entry (created_at is stamped at publish)."""
     return {
         "chunk_key": chunk_key, "tier": tier, "variant": variant.value,
         "fingerprint": manifest.entry_fingerprint(variant, tier), "kind": kv.kind.value,
         "num_tokens": kv.num_tokens, "position_span": kv.position_span, "compile_start": kv.compile_start,
         "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes_px,
-        "vision_tokens": sum(t * h * w // merge_size**2 for t, h, w in kv.grid_thw), **shard.index_fields(),
+        "vision_tokens": kv.vision_tokens, **shard.index_fields(),
     }

@@ -49,7 +49,7 @@ class IngestConfig:
     model: ModelSpec = ModelSpec()
     render: RenderSpec = RenderSpec()
     chunk_tokens: int = 512
-    variants: tuple[Variant, ...] = (Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT)
+    variants: tuple[Variant, ...] = tuple(Variant)  # every mode servable side by side (`qvpic ingest --variants`)
     resources: CompileResources = CompileResources()
     embedder_dir: str | None = None
     reader: ReaderSpec = ReaderSpec()

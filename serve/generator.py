@@ -112,27 +112,28 @@ class Generator:
 
     def _prefill(self, plan: Plan, loaded: LoadResult, clock: _Clock) -> tuple[Prefill, int]:
         """The prefilled state and the number of context tokens (prefix + chunks) it holds."""
-        query_tokens = self.query_tokens(plan.query)
+        query_tokens = self.query_tokens(plan.text_after_chunks)
+        instruction = [plan.instruction] if plan.instruction else []  # prompt text, never a chunk
         if plan.mode is Mode.FULL_TEXT:
-            pieces = [c.text for c in plan.chunks]
+            pieces = instruction + [c.text for c in plan.chunks]
         elif plan.mode is Mode.FULL_IMAGE:
             started = time.perf_counter()
-            pieces = [self.pages(c) for c in plan.chunks]
+            pieces = instruction + [self.pages(c) for c in plan.chunks]
             clock.render_ms = clock.since(started)
         else:
             chunks = [ChunkKV(from_wire(kv.array, kv.dtype), kv.entry.position_span, kv.compile_start, kv.kind,
                               kv.grid_thw) for kv in loaded.kvs]
             with self._lock:
                 started = time.perf_counter()
-                context = self.vlm.assemble(chunks)
+                context = self.vlm.assemble(chunks, plan.instruction)
                 clock.reanchor_ms = clock.since(started)
                 started = time.perf_counter()
-                state = self.vlm.prefill_query(context, plan.query)
+                state = self.vlm.prefill_query(context, plan.text_after_chunks)
                 clock.prefill_ms = clock.since(started)
             return state, context.num_tokens
         with self._lock:
             started = time.perf_counter()
-            state = self.vlm.prefill_full(pieces, plan.query)
+            state = self.vlm.prefill_full(pieces, plan.text_after_chunks)
             clock.prefill_ms = clock.since(started)
         return state, state.cache.get_seq_length() - query_tokens
 
@@ -203,7 +204,7 @@ class Generator:
             context_tokens=context_tokens, context_vision_tokens=vision_tokens,
             context_text_tokens=context_tokens - vision_tokens,
             cached_tokens=0 if plan.mode in ONLINE_MODES else context_tokens,
-            query_tokens=self.query_tokens(plan.query), completion_tokens=completion_tokens,
+            query_tokens=self.query_tokens(plan.text_after_chunks), completion_tokens=completion_tokens,
         )
         timings = Timings(route_ms=plan.route_ms, load_ms=loaded.load_ms, render_ms=clock.render_ms,
                           reanchor_ms=clock.reanchor_ms, prefill_ms=clock.prefill_ms, decode_ms=clock.decode_ms,

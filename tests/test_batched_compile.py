@@ -1,4 +1,5 @@
-"""Batched compile equals single-chunk compile (float32, both families): several chunks of one kind in one
+"""Batched compile equals single-chunk compile (float32, every family incl. 1-D RoPE LLaVA-OneVision, every
+compile prefix): several chunks of one kind in one
 right-padded forward give the KV each chunk gets alone — checked on what serving does with it, the
 logits of a query prefilled on the linked chunks, and the greedy tokens that follow."""
 
@@ -12,6 +13,7 @@ import torch
 from PIL import Image
 
 from pipeline.runtime.kv import ChunkKV
+from schemas.config import CompilePrefix
 from schemas.sampling import Sampling
 
 QUERY = "Which part number ships on 12 March?"
@@ -43,15 +45,16 @@ def sources(seed: int) -> dict[str, list]:
     }
 
 
-@pytest.mark.parametrize("with_template", [True, False])
+@pytest.mark.parametrize("prefix", list(CompilePrefix))
 @pytest.mark.parametrize("kind", ["text", "image"])
-def test_batched_compile_equals_single(vlm, kind, with_template):
+def test_batched_compile_equals_single(vlm, kind, prefix):
     chunks = sources(3)[kind]
-    single = [vlm.compile_many([c], with_template)[0] for c in chunks]
-    batched = vlm.compile_many(chunks, with_template)
+    single = [vlm.compile_many([c], prefix)[0] for c in chunks]
+    batched = vlm.compile_many(chunks, prefix)
     for one, many in zip(single, batched):
-        assert (many.num_tokens, many.position_span, many.compile_start, many.kind, many.grid_thw) == (
-            one.num_tokens, one.position_span, one.compile_start, one.kind, one.grid_thw)
+        assert (many.num_tokens, many.position_span, many.compile_start, many.kind, many.grid_thw,
+                many.vision_tokens) == (one.num_tokens, one.position_span, one.compile_start, one.kind,
+                                        one.grid_thw, one.vision_tokens)
         assert float((many.kv - one.kv).abs().max()) <= 1e-5
     logits_single, tokens_single = query_logits(vlm, single)
     logits_batched, tokens_batched = query_logits(vlm, batched)

@@ -1,12 +1,14 @@
 """The VLM runtime shared by compile (offline) and serve (online): load, compile, prefill, decode.
 
-Positions are always passed explicitly as 3-D M-RoPE `position_ids` `(3, 1, L)`; the models' stateful
-`rope_deltas` is never relied on.
+Positions are always passed explicitly, kept as `(axes, 1, L)` (3 for M-RoPE, 1 for 1-D RoPE) and
+handed to the model in its own layout by the adapter; the models' stateful `rope_deltas` is never
+relied on.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -20,9 +22,10 @@ from pipeline.dtypes import TORCH_DTYPES
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
-from schemas.config import ChunkKind, ModelFamily, ModelSpec
+from schemas.config import ChunkKind, CompilePrefix, ModelFamily, ModelSpec, Variant
 from schemas.sampling import Sampling
 
+PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)
 
 
 @dataclass
@@ -90,63 +93,81 @@ class VLM:
             self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
         ).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
+        size = {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget else {}
         self.image_processor = getattr(transformers, classes.image_processor_cls).from_pretrained(
-            self.path, size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}, **load
+            self.path, **size, **load
         )
-        self.adapter = Adapter(self.model, self.tokenizer)
-        self._prefix: ChunkKV | None = None
+        self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
+        self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
 
     # ---- compile (offline) -------------------------------------------------------------------
     def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Pixel values, `[pages, 3]` grids and the token ids of the pages in order."""
+        """Pixel values, the per-page layout (`[pages, 3]` patch grids, or LLaVA's `[pages, 2]` sizes) and the
+        token ids of the pages in order."""
         processed = self.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
-        grids = processed["image_grid_thw"]
+        grids = processed[self.adapter.grid_key]
         ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
         return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
 
+    def compile_variant(self, variant: Variant, text: str = "", pages: Sequence[Image.Image] = ()) -> ChunkKV:
+        """The stored entry of `variant`: the chunk's source text or its pages, after the variant's prefix."""
+        if variant.kind is ChunkKind.TEXT:
+            return self.compile_text(text, variant.prefix)
+        return self.compile_images(pages, variant.prefix)
+
     @torch.inference_mode()
-    def compile_images(
-        self, pages: Sequence[Image.Image], with_template: bool = True, position_offset: int = 0
-    ) -> ChunkKV:
-        """KV of one chunk's page images, compiled under the template prefix (then stripped) or alone.
+    def compile_images(self, pages: Sequence[Image.Image], prefix: CompilePrefix = CompilePrefix.TEMPLATE,
+                       position_offset: int = 0) -> ChunkKV:
+        """KV of one chunk's page images, compiled after `prefix` (whose KV is then stripped).
 
         `position_offset` shifts the whole compile sequence (prefix included) to start there.
         """
-        return self.compile_many([pages], with_template, position_offset)[0]
+        return self.compile_many([pages], prefix, position_offset)[0]
 
     @torch.inference_mode()
-    def compile_text(self, text: str, with_template: bool = True, position_offset: int = 0) -> ChunkKV:
-        return self.compile_many([text], with_template, position_offset)[0]
+    def compile_text(self, text: str, prefix: CompilePrefix = CompilePrefix.TEMPLATE,
+                     position_offset: int = 0) -> ChunkKV:
+        return self.compile_many([text], prefix, position_offset)[0]
 
     @torch.inference_mode()
-    def compile_many(self, chunks: Sequence[str | Sequence[Image.Image]], with_template: bool = True,
+    def compile_many(self, chunks: Sequence[str | Sequence[Image.Image]], prefix: CompilePrefix = CompilePrefix.TEMPLATE,
                      position_offset: int = 0) -> list[ChunkKV]:
-        """KV of several chunks of one kind (all texts, or all page lists) in one forward.
+        """KV of several chunks of one kind (all texts, or all page lists), each compiled after `prefix`
+        (whose KV is then stripped), in one forward.
 
-        Each sequence is `[prefix][chunk]` at its own explicit 3-D positions, right-padded to the
-        longest: causal attention never lets a real token see the padding after it, and the padded
-        keys are masked too, so every chunk's KV equals its single-chunk compile (to float rounding).
-        Pages of every chunk go through the vision tower together, in order of appearance.
+        Each sequence is `[prefix][chunk]` at its own explicit positions (`adapter.rope_axes` of them),
+        right-padded to the longest: causal attention never lets a real token see the padding after it,
+        and the padded keys are masked too, so every chunk's KV equals its single-chunk compile (to float
+        rounding). Pages of every chunk go through the vision tower together, in order of appearance.
+        Every family batches this way: the adapter lays out the model's inputs (M-RoPE or 1-D positions,
+        patch grids or LLaVA-OneVision's image sizes and padded tiles).
         """
         if not chunks:
             return []
         kind = ChunkKind.TEXT if isinstance(chunks[0], str) else ChunkKind.IMAGE
         if any(isinstance(c, str) != (kind is ChunkKind.TEXT) for c in chunks):
             raise ValueError("compile_many takes chunks of one kind: all texts or all page lists")
-        prefix_ids = self.adapter.prefix_ids if with_template else []
-        sequences, pixel_list, grid_list = [], [], []
+        pieces = []  # (token ids, pixel values, layout) of each chunk
         for chunk in chunks:
             if kind is ChunkKind.TEXT:
-                ids, grids = self.adapter.encode(chunk), None
-                if not ids:
+                pieces.append((self.adapter.encode(chunk), None, None))
+                if not pieces[-1][0]:
                     raise ValueError("cannot compile an empty text chunk")
             else:
-                pixel_values, grids, ids = self.image_inputs(chunk)
-                pixel_list.append(pixel_values)
-                grid_list.append(grids)
-            ids = torch.tensor([prefix_ids + ids], device=self.device)
+                pixel_values, grids, chunk_ids = self.image_inputs(chunk)
+                pieces.append((chunk_ids, pixel_values, grids))
+        return self._compile(pieces, kind, prefix, position_offset)
+
+    def _compile(self, pieces, kind: ChunkKind, prefix: CompilePrefix, position_offset: int = 0) -> list[ChunkKV]:
+        """`[prefix][chunk]` of each `(chunk ids, pixel values, layout)` in one padded forward, the prefix stripped."""
+        prefix_ids = self.adapter.compile_prefix_ids(prefix)
+        sequences = []
+        for chunk_ids, _, grids in pieces:
+            ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
             sequences.append((ids, self.positions(ids, grids, position_offset), grids))
-        out = self._forward_padded(sequences, torch.cat(pixel_list) if pixel_list else None,
+        pixel_list = [p for _, p, _ in pieces if p is not None]
+        grid_list = [g for _, _, g in pieces if g is not None]
+        out = self._forward_padded(sequences, self.adapter.concat_pixels(pixel_list) if pixel_list else None,
                                    torch.cat(grid_list) if grid_list else None)
         results = []
         for b, (ids, positions, grids) in enumerate(sequences):
@@ -155,50 +176,60 @@ class VLM:
             # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
             compile_start = int(positions[0, 0, num_prefix])
             span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
-            grid_list = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
-            results.append(ChunkKV(kv.clone(), span, compile_start, kind, grid_list))
+            grid_rows = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
+            vision_tokens = int((ids[0, num_prefix:] == self.adapter.image_token_id).sum())
+            results.append(ChunkKV(kv.clone(), span, compile_start, kind, grid_rows, vision_tokens))
         return results
 
     def _forward_padded(self, sequences, pixel_values, grids):
-        """One forward over right-padded sequences `(ids [1, L_b], positions (3, 1, L_b), grids)`."""
+        """One forward over right-padded sequences `(ids [1, L_b], positions (axes, 1, L_b), grids)`."""
         longest = max(ids.shape[1] for ids, _, _ in sequences)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if pad_id == self.adapter.image_token_id:
             raise ValueError("the pad token is the image token: padded batches would misplace image features")
+        axes = sequences[0][1].shape[0]
         input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(sequences), longest, dtype=torch.long, device=self.device)
-        positions = torch.zeros(3, len(sequences), longest, dtype=torch.long, device=self.device)
+        positions = torch.zeros(axes, len(sequences), longest, dtype=torch.long, device=self.device)
         for b, (ids, pos, _) in enumerate(sequences):
             length = ids.shape[1]
             input_ids[b, :length], mask[b, :length], positions[:, b, :length] = ids[0], 1, pos[:, 0]
             # Padding continues the positions; its keys are masked and its outputs discarded.
             positions[:, b, length:] = pos[:, 0, -1:] + torch.arange(1, longest - length + 1, device=self.device)
-        return self.model(
-            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int(), position_ids=positions,
-            attention_mask=mask if len(sequences) > 1 else None, use_cache=True, logits_to_keep=1,
-        )
+        return self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids),
+                          attention_mask=mask if len(sequences) > 1 else None, use_cache=True, logits_to_keep=1)
 
     def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
-        """`(3, 1, L)` positions of a sequence whose first token sits at `start`."""
+        """`(axes, 1, L)` positions of a sequence whose first token sits at `start`."""
         if grids is None:
             pos = torch.arange(start, start + input_ids.shape[1], device=self.device)
-            return pos.view(1, 1, -1).expand(3, 1, -1)
+            return pos.view(1, 1, -1).expand(self.adapter.rope_axes, 1, -1)
         return self.adapter.rope_index(input_ids, grids) + start
 
     @property
     def prefix(self) -> ChunkKV:
         """The serving template prefix's KV at positions 0..P-1, computed once."""
-        if self._prefix is None:
-            with torch.inference_mode():
-                self._prefix = self.compile_text(self.adapter.template.prefix, with_template=False)
-        return self._prefix
+        return self.serving_prefix()
+
+    def serving_prefix(self, instruction: str = "") -> ChunkKV:
+        """KV of `[template prefix][instruction]` at positions 0.., one forward per distinct instruction
+        (the last `PREFIX_CACHE_SIZE` kept): exactly what a full prefill computes for those tokens."""
+        if instruction in self._prefixes:
+            self._prefixes.move_to_end(instruction)
+            return self._prefixes[instruction]
+        with torch.inference_mode():
+            ids = self.adapter.prefix_ids + (self.adapter.encode(instruction) if instruction else [])
+            kv = self._compile([(ids, None, None)], ChunkKind.TEXT, CompilePrefix.NONE)[0]
+        self._prefixes[instruction] = kv
+        if len(self._prefixes) > PREFIX_CACHE_SIZE:
+            self._prefixes.popitem(last=False)
+        return kv
 
     # ---- online ------------------------------------------------------------------------------
-    def assemble(self, chunks: Sequence[ChunkKV]) -> AssembledContext:
-        """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored."""
+    def assemble(self, chunks: Sequence[ChunkKV], instruction: str = "") -> AssembledContext:
+        """`[serving prefix][instruction][c_1]…[c_n]` in request order with keys re-anchored."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.prefix, moved, self.adapter.rotation_matrices)
+        return assemble(self.serving_prefix(instruction), moved, self.adapter.rotation_matrices)
 
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
@@ -222,9 +253,15 @@ class VLM:
                 grid_list.append(grids)
         ids += self.adapter.encode(query) + self.adapter.turn_suffix_ids
         input_ids = torch.tensor([ids], device=self.device)
-        pixel_values = torch.cat(pixel_list) if pixel_list else None
+        pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None
         return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids, logits_to_keep=0 if all_logits else 1)
+
+    @torch.inference_mode()
+    def extend(self, state: Prefill, token_ids: Sequence[int]) -> Prefill:
+        """Teacher-force `token_ids` on top of `state` (whose cache grows): the logits after each of them."""
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        return self._forward(ids, state.cache, state.next_position, logits_to_keep=0)
 
     @torch.inference_mode()
     def _forward(self, input_ids, cache, start, pixel_values=None, grids=None, logits_to_keep: int = 1) -> Prefill:
@@ -232,11 +269,8 @@ class VLM:
         since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int() if grids is not None else None,
-            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-        )
+        out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
+                         cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return Prefill(out.logits, out.cache, int(positions.max()) + 1)
 
     @torch.inference_mode()
@@ -281,4 +315,5 @@ def stack_cache(cache: DynamicCache, row: int = 0) -> torch.Tensor:
 
 
 def _to(chunk: ChunkKV, device: torch.device) -> ChunkKV:
-    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw)
+    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw,
+                   chunk.vision_tokens)
