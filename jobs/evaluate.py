@@ -40,6 +40,7 @@ from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
+from serve.configs import GeneratorConfig
 from serve.generator import Generator
 from serve.loader import CacheLoader
 from serve.router import Router
@@ -59,12 +60,12 @@ class InProcessAnswerer:
     @classmethod
     def open(cls, store: str, model: ModelSpec, router: RouterSpec | None = None) -> InProcessAnswerer:
         return cls(Router(store, model, router or RouterSpec(), MAX_IDS_PER_REQUEST), CacheLoader(store, LRU_NBYTES),
-                   Generator(store, model))
+                   Generator(GeneratorConfig(store=store, model=model)))
 
     def __call__(self, request: AnswerRequest) -> Answered:
         plan = asyncio.run(self.router.plan(request))
         sampling = Sampling.of(request)
-        answer = self.generator.generate(plan, self.loader.load(plan), sampling)
+        answer = self.generator.generate_blocking(plan, sampling, loader=self.loader)
         t = answer.report.timings
         return Answered(answer.text, answer.report, t.route_ms + t.load_ms + t.render_ms + t.reanchor_ms + t.prefill_ms)
 

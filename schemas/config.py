@@ -141,3 +141,14 @@ class RouterSpec(Frozen):
 
     tau: float = Field(0.5, ge=0.0, le=1.0)  # cumulative relevance share that is promoted
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
+
+
+class EngineSpec(Frozen):
+    """The generator's batching engine: how many requests share a forward pass and how much KV they
+    may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
+    wait in a bounded queue; past the queue they are refused with 503 and Retry-After."""
+
+    max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
+    max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers
+    max_waiting: int = Field(64, ge=1)  # requests queued for a row beyond the running ones
+    hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device

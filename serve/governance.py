@@ -169,6 +169,11 @@ class Turn:
         return EstimateResponse(mode=plan.mode, chunks=chunks, usage=usage, high_res_chunks=price.high_res_chunks,
                                 budget_tokens=self.budget_tokens, within_budget=within)
 
+    async def admit(self, backend: Backend, sampling: Sampling) -> Answer | None:
+        """route, then prepare: the cached answer, or None once the request may run."""
+        await self.route(backend)
+        return await self.prepare(sampling)
+
     async def prepare(self, sampling: Sampling) -> Answer | None:
         """The cached answer, or None once the budget holds and the tenant's token rate admitted the work."""
         governor = self.governor
@@ -191,19 +196,20 @@ class Turn:
             "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity)})
         return Answer(hit.answer.text, report)
 
-    async def generate(self, backend: Backend, sampling: Sampling, hit: Answer | None) -> Answer:
+    async def generate(self, backend: Backend, sampling: Sampling, hit: Answer | None,
+                       timeout_s: float | None = None) -> Answer:
         if hit is None:
-            answer = await backend.generate(self.plan, await backend.load(self.plan), sampling)
+            answer = await backend.generate(self.plan, sampling, timeout_s)
             await self._fill(answer)
         else:
             answer = hit
         self.finish(200, answer)
         return answer
 
-    async def stream(self, backend: Backend, sampling: Sampling, hit: Answer | None) -> AsyncIterator[str | Answer]:
+    async def stream(self, backend: Backend, sampling: Sampling, hit: Answer | None,
+                     timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
         try:
-            events = _replay(hit) if hit is not None else backend.stream(self.plan, await backend.load(self.plan),
-                                                                          sampling)
+            events = _replay(hit) if hit is not None else backend.stream(self.plan, sampling, timeout_s)
             async for event in events:
                 if isinstance(event, str):
                     self.ttft_ms = self._elapsed_ms() if self.ttft_ms is None else self.ttft_ms
@@ -259,6 +265,9 @@ class Turn:
             metrics.promotions.inc(sum(c.tier == self.governor.high_tier for c in report.chunks))
         metrics.kv_lookups.inc(report.cache.hits, outcome="hit")
         metrics.kv_lookups.inc(report.cache.misses, outcome="miss")
+        for tier, count in (("device", report.cache.device_hits), ("host", report.cache.hits),
+                            ("store", report.cache.misses)):
+            metrics.kv_tier_hits.inc(count, tier=tier)
         metrics.kv_loaded_bytes.inc(report.cache.nbytes_from_store)
         metrics.tier_fallbacks.inc(len(report.fallbacks))
 

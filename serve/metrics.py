@@ -72,6 +72,8 @@ class ServeMetrics:
         self.chunks = counter("qvpic_chunks", "Chunks placed in computed answers, by mode and tier", "mode", "tier")
         self.promotions = counter("qvpic_promotions", "Chunks the qvpic router promoted to the highest tier")
         self.kv_lookups = counter("qvpic_kv_cache_lookups", "KV entries looked up in the loader's LRU", "outcome")
+        self.kv_tier_hits = counter("qvpic_kv_tier_hits", "Linked KV entries by the tier that served them: device "
+                                    "(the generator's hot tier), host (the loader's LRU) or store", "tier")
         self.kv_loaded_bytes = counter("qvpic_kv_loaded_bytes", "Bytes of KV read from the store (LRU misses)")
         self.corrupt_shards = counter("qvpic_corrupt_shards", "KV entries whose shard was missing or failed its checksum")
         self.kv_recompiles = counter("qvpic_kv_recompiles", "Unreadable KV entries by what the generator did: "

@@ -55,7 +55,7 @@ def test_l1_exact_hits_do_no_model_work(roles, serving_store, redis_url, backend
     hit = ask(app, query=f"  {query.replace(' ', '   ')} ")  # normalised: runs of whitespace, trimmed
     assert level(first) is None and level(hit) == "l1" and hit["answer"] == first["answer"]
     assert hit["usage"] == first["usage"] and hit["chunks"] == first["chunks"]
-    assert hit["cache"] == {"hits": 0, "misses": 0, "nbytes_from_store": 0}
+    assert hit["cache"] == {"device_hits": 0, "hits": 0, "misses": 0, "nbytes_from_store": 0}
     assert hit["timings"]["prefill_ms"] == hit["timings"]["decode_ms"] == hit["timings"]["load_ms"] == 0
     assert metric(app, "qvpic_response_cache_total", result="l1") - before == 1
     assert level(ask(app, query=query, max_new_tokens=5)) is None  # other sampling: another key

@@ -1,0 +1,222 @@
+"""Iteration-level batching on the model: many requests' ragged contexts in one forward pass.
+
+Rows are requests. Every layer's KV lives in one slab `[rows, kv_heads, capacity, head_dim]` whose
+rows are left-aligned: row r fills columns `[0, lengths[r])` and its next token is written at column
+`lengths[r]`, so rows never pad to each other's generated tokens and the slab is as wide as its
+longest row will ever get (its capacity is reserved when rows join, so a decode step never copies
+the cache). Attention reads the slab's first `width` columns through an additive float mask in the
+model dtype (0 = attend, finfo.min = blocked; a bool mask is silently wrong under eager attention)
+that hides what a row has not written and the pad slots of its query. Positions are each row's own
+explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing it computes: its
+logits equal the same request's run alone (to float rounding).
+
+    join:   prefill_queries(contexts, queries) -> Slab of the new rows, their first-token logits
+            Slab.from_prefill(state)           -> a row whose prefill ran alone (online modes)
+            Slab.merge([running, joined])      -> one slab
+    step:   decode_step(slab, tokens)          -> next-token logits of every row
+    leave:  slab.keep(rows)                    -> the slab without the rows that finished
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pipeline.runtime.kv import AssembledContext
+from pipeline.runtime.model import VLM, Prefill
+
+
+class SlabLayer(CacheLayerMixin):
+    """One layer's slab: `update` writes the new keys/values at each row's own columns, in place."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: Slab):
+        super().__init__()
+        self.keys, self.values, self.owner = keys, values, owner  # [rows, kv_heads, capacity, head_dim]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a slab is allocated before the forward pass")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, columns, width = self.owner.rows_index, self.owner.write_columns, self.owner.width
+        # keys[rows, :, columns] is [rows, new, kv_heads, head_dim]; the states are [rows, kv_heads, new, head_dim]
+        self.keys[rows, :, columns] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, :, columns] = value_states.transpose(1, 2).to(self.values.dtype)
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.width
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class Slab(Cache):
+    """The KV of a batch of rows, the columns each has written, and where each continues."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor,
+                 lengths: torch.Tensor, next_positions: torch.Tensor):
+        super().__init__(layers=[SlabLayer(k, v, self) for k, v in zip(keys, values)])
+        self.valid = valid  # [rows, capacity] bool: columns a row has written with a real token
+        self.lengths = lengths  # [rows] long: the next column each row writes
+        self.next_positions = next_positions  # [rows] long: the next token's position (equal on t/h/w)
+        self.write_columns = lengths[:, None]  # [rows, new] set before each forward
+        self.width = 0  # columns the forward reads, set before it
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, num_layers: int, num_rows: int, capacity: int) -> Slab:
+        """Zeroed slabs (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN)."""
+        _, num_heads, _, head_dim = like.shape
+        shape = (num_rows, num_heads, capacity, head_dim)
+        new = lambda: torch.zeros(shape, dtype=like.dtype, device=like.device)  # noqa: E731
+        device = like.device
+        return cls([new() for _ in range(num_layers)], [new() for _ in range(num_layers)],
+                   torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
+                   torch.zeros(num_rows, dtype=torch.long, device=device),
+                   torch.zeros(num_rows, dtype=torch.long, device=device))
+
+    @classmethod
+    def from_prefill(cls, state: Prefill, reserve: int) -> Slab:
+        """One row holding a batch-1 prefill's cache, with room for `reserve` more tokens."""
+        layers = [(layer.keys, layer.values) for layer in state.cache.layers]
+        length = layers[0][0].shape[2]
+        slab = cls.empty(layers[0][0], len(layers), 1, length + reserve)
+        for target, (k, v) in zip(slab.layers, layers):
+            target.keys[:, :, :length] = k
+            target.values[:, :, :length] = v
+        slab.valid[0, :length] = True
+        slab.lengths[0] = length
+        slab.next_positions[0] = state.next_position
+        return slab
+
+    # ---- shape ---------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+    @property
+    def rows_index(self) -> torch.Tensor:
+        return torch.arange(self.num_rows, device=self.lengths.device)[:, None]
+
+    # ---- rows joining and leaving --------------------------------------------------------------
+    @staticmethod
+    def merge(slabs: Sequence[Slab], capacity: int) -> Slab:
+        """Rows of `slabs` stacked (in order) into one slab of `capacity` columns."""
+        slabs = [s for s in slabs if s.num_rows]
+        if len(slabs) == 1 and slabs[0].capacity == capacity:
+            return slabs[0]
+        first = slabs[0].layers[0].keys
+        merged = Slab.empty(first, len(slabs[0].layers), sum(s.num_rows for s in slabs), capacity)
+        row = 0
+        for slab in slabs:
+            used = min(int(slab.lengths.max()), capacity)  # rows are left-aligned: nothing lies beyond
+            rows = slice(row, row + slab.num_rows)
+            for target, source in zip(merged.layers, slab.layers):
+                target.keys[rows, :, :used] = source.keys[:, :, :used]
+                target.values[rows, :, :used] = source.values[:, :, :used]
+            merged.valid[rows, :used] = slab.valid[:, :used]
+            merged.lengths[rows], merged.next_positions[rows] = slab.lengths, slab.next_positions
+            row += slab.num_rows
+        return merged
+
+    def keep(self, rows: Sequence[int], capacity: int) -> Slab:
+        """A new slab of only `rows` (in that order): the others' memory is released with this one."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
+        kept = Slab.empty(self.layers[0].keys, len(self.layers), len(rows), capacity)
+        if not rows:
+            return kept
+        used = min(int(self.lengths[index].max()), capacity)
+        for target, source in zip(kept.layers, self.layers):
+            target.keys[:, :, :used] = source.keys.index_select(0, index)[:, :, :used]
+            target.values[:, :, :used] = source.values.index_select(0, index)[:, :, :used]
+        kept.valid[:, :used] = self.valid.index_select(0, index)[:, :used]
+        kept.lengths[:], kept.next_positions[:] = self.lengths[index], self.next_positions[index]
+        return kept
+
+    # ---- one forward -----------------------------------------------------------------------------
+    def prepare(self, real: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set where this forward writes (`real` [rows, new]: which new tokens are real, pad slots first)
+        and return its `(3, rows, new)` positions and `[rows, 1, new, width]` additive mask."""
+        num_rows, num_new = real.shape
+        steps = torch.arange(num_new, device=real.device)
+        self.write_columns = self.lengths[:, None] + steps  # [rows, new]
+        self.width = int(self.write_columns.max()) + 1
+        if self.width > self.capacity:
+            raise RuntimeError(f"slab of {self.capacity} columns cannot take column {self.width - 1}")
+        # Real tokens take consecutive positions; a pad slot repeats its row's first one (it is masked out).
+        offsets = (real.long().cumsum(1) - 1).clamp(min=0)
+        positions = (self.next_positions[:, None] + offsets).unsqueeze(0).expand(3, -1, -1)
+        allowed = self.valid[:, None, :self.width].expand(num_rows, num_new, self.width).clone()
+        causal = real[:, None, :] & (steps[None, :, None] >= steps[None, None, :])  # [rows, t, t'≤t real]
+        allowed.scatter_(2, self.write_columns[:, None, :].expand(num_rows, num_new, num_new), causal)
+        allowed[self.rows_index, steps[None, :], self.write_columns] = True  # pad slots see themselves: finite
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=real.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return positions, mask.unsqueeze(1)
+
+    def advance(self, real: torch.Tensor) -> None:
+        """After the forward: mark the real tokens' columns written, move lengths and positions on."""
+        self.valid[self.rows_index, self.write_columns] = real
+        self.lengths = self.lengths + real.shape[1]
+        self.next_positions = self.next_positions + real.long().sum(1)
+
+
+@torch.inference_mode()
+def prefill_queries(vlm: VLM, contexts: Sequence[AssembledContext], queries: Sequence[list[int]],
+                    reserves: Sequence[int]) -> tuple[Slab, torch.Tensor]:
+    """Prefill every query on top of its own assembled context in one forward.
+
+    Row j holds context j at columns `[0, C_j)` and its query right after, left-padded to the longest
+    query (so every row's last token is real and only its logits are computed); `reserves[j]` more
+    columns are kept for its decoded tokens. Returns the slab and the logits `[rows, vocab]`.
+    """
+    num_rows, longest = len(queries), max(len(q) for q in queries)
+    context_lengths = [c.num_tokens for c in contexts]
+    capacity = max(n + longest + r for n, r in zip(context_lengths, reserves))
+    first = contexts[0].layers[0][0]
+    slab = Slab.empty(first.to(vlm.dtype), len(contexts[0].layers), num_rows, capacity)
+    for row, context in enumerate(contexts):
+        length = context.num_tokens
+        for target, (k, v) in zip(slab.layers, context.layers):
+            target.keys[row, :, :length] = k[0]
+            target.values[row, :, :length] = v[0]
+        slab.valid[row, :length] = True
+        slab.lengths[row], slab.next_positions[row] = length, context.next_position
+    pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((num_rows, longest), pad, dtype=torch.long, device=vlm.device)
+    real = torch.zeros(num_rows, longest, dtype=torch.bool, device=vlm.device)
+    for row, query in enumerate(queries):
+        ids[row, longest - len(query):] = torch.tensor(query, device=vlm.device)
+        real[row, longest - len(query):] = True
+    return slab, forward(vlm, slab, ids, real)
+
+
+@torch.inference_mode()
+def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
+    """Feed every row its last token; the next-token logits `[rows, vocab]`."""
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=vlm.device)[:, None]
+    return forward(vlm, slab, ids, torch.ones_like(ids, dtype=torch.bool))
+
+
+def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    positions, mask = slab.prepare(real, vlm.dtype)
+    out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=slab, use_cache=True,
+                    logits_to_keep=1)
+    slab.advance(real)
+    return out.logits[:, -1]
