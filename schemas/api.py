@@ -344,6 +344,7 @@ class StoreInfo(Strict):
 
 
 class StoreStatus(StoreInfo):
-    """`GET /v1/store`: what the store holds and how the loader's cache is doing right now."""
+    """`GET /v1/store`: what the store holds and how its caches are doing right now."""
 
-    cache: CacheStats
+    cache: CacheStats  # the loader's host-memory LRU (one replica's)
+    device_cache: CacheStats | None = None  # the generator's device hot tier (one replica's)

@@ -37,6 +37,7 @@ class Backend(Protocol):
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer: ...
     def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]: ...
     async def cache_stats(self) -> CacheStats: ...
+    async def device_cache_stats(self) -> CacheStats: ...
 
 
 class HandleBackend:
@@ -62,6 +63,9 @@ class HandleBackend:
 
     async def cache_stats(self) -> CacheStats:
         return await self.loader.stats.remote()
+
+    async def device_cache_stats(self) -> CacheStats:
+        return await self.generator.hot_tier_stats.remote()
 
 
 async def cancelling(response: Any) -> Any:
@@ -90,6 +94,9 @@ class InProcessBackend:
 
     async def cache_stats(self) -> CacheStats:
         return self.loader.stats()
+
+    async def device_cache_stats(self) -> CacheStats:
+        return self.generator.hot_tier_stats()
 
 
 def error_cause(error: Exception) -> Exception:

@@ -40,6 +40,7 @@ from pipeline.store import Store
 from schemas.api import (
     AnswerReport,
     CacheReport,
+    CacheStats,
     ChunkReport,
     DeadlineExceededError,
     FallbackReport,
@@ -141,6 +142,9 @@ class Generator:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def hot_tier_stats(self) -> CacheStats:
+        return self.hot.stats()
 
     # ---- context -----------------------------------------------------------------------------------
     async def context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:

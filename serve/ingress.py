@@ -69,7 +69,8 @@ def make_api(backend: Backend, settings: ApiSettings, governor: Governor | None 
 
     @app.get("/v1/store")
     async def store_status() -> StoreStatus:
-        return StoreStatus(**settings.store.model_dump(), cache=await backend.cache_stats())
+        return StoreStatus(**settings.store.model_dump(), cache=await backend.cache_stats(),
+                           device_cache=await backend.device_cache_stats())
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

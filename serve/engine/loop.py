@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from pipeline.runtime.model import VLM, select_token
 from schemas.config import EngineSpec
 from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import End, Sequence, Status
+from serve.metrics import serve_metrics
 
 
 @dataclass
@@ -50,6 +52,7 @@ class EngineStats:
     kv_nbytes: int  # the batch's slab as allocated now
     steps: int
     decoded_tokens: int
+    ended: dict[str, int]  # requests by how they ended: stop, length, cancelled, deadline, failed
 
 
 def column_nbytes(vlm: VLM) -> int:
@@ -62,11 +65,13 @@ class Engine:
     def __init__(self, vlm: VLM, spec: EngineSpec, start: bool = True,
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
         self.vlm, self.spec = vlm, spec
+        self.metrics = serve_metrics()
         self.scheduler = Scheduler(spec, column_nbytes(vlm))
         self.slab: Slab | None = None  # rows aligned with scheduler.running
         self.model_lock = threading.Lock()
         self.on_logits = on_logits  # tests: every logits row a sequence's token was picked from
         self.steps = self.decoded_tokens = 0
+        self.ended: Counter[str] = Counter()  # requests by how they ended
         self._work = threading.Condition()
         self._samplers: dict[int, torch.Generator] = {}
         self._joining: list[Sequence] = []
@@ -90,7 +95,8 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._work:
             return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                               self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens)
+                               self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens,
+                               dict(self.ended))
 
     # ---- the engine's thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -103,6 +109,7 @@ class Engine:
                     self.step()
             except Exception as error:  # noqa: BLE001  fail the requests in flight, keep serving
                 self._fail(error)
+            self._export()
 
     def step(self) -> None:
         self._retire()
@@ -116,11 +123,11 @@ class Engine:
         with self._work:
             for seq in [s for s in self.scheduler.waiting if s.cancelled or s.expired(now)]:
                 self.scheduler.waiting.remove(seq)
-                seq.finish(End.CANCELLED if seq.cancelled else End.DEADLINE)
+                self._finish(seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
         gone = set()
         for seq in self.scheduler.running:
             if seq.status is not Status.FINISHED and (seq.cancelled or seq.expired(now)):
-                seq.finish(End.CANCELLED if seq.cancelled else End.DEADLINE)
+                self._finish(seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
             if seq.status is Status.FINISHED:
                 gone.add(seq.id)
         if gone:
@@ -200,13 +207,25 @@ class Engine:
                 self.on_logits(seq, row)
             token = best if seq.sampling.temperature == 0 else select_token(row[None], seq.sampling, self._sampler(seq))
             if token in self.vlm.adapter.end_of_turn_ids:
-                seq.finish(End.STOP)
+                self._finish(seq, End.STOP)
                 continue
             seq.token_ids.append(token)
             self.decoded_tokens += 1
-            seq.emit(token)
+            seq.deliver(token)
             if len(seq.token_ids) >= seq.sampling.max_new_tokens:
-                seq.finish(End.LENGTH)
+                self._finish(seq, End.LENGTH)
+
+    def _finish(self, seq: Sequence, end: End, error: Exception | None = None) -> None:
+        if seq.status is not Status.FINISHED:
+            self.ended[end.value] += 1
+            self.metrics.engine_ended.inc(end=end.value)
+        seq.finish(end, error)
+
+    def _export(self) -> None:
+        stats = self.stats()
+        self.metrics.engine_running.set(stats.running)
+        self.metrics.engine_waiting.set(stats.waiting)
+        self.metrics.engine_kv_bytes.set(stats.kv_nbytes)
 
     def _sampler(self, seq: Sequence) -> torch.Generator | None:
         if seq.sampling.seed is None:
@@ -219,7 +238,7 @@ class Engine:
         """A step raised: every request in flight ends with it; the engine starts over empty."""
         with self._work:
             for seq in self.scheduler.running + self._joining:
-                seq.finish(End.FAILED, error)
+                self._finish(seq, End.FAILED, error)
             self.scheduler.leave({s.id for s in self.scheduler.running})
             self.slab, self._joining = None, []
             self._samplers.clear()

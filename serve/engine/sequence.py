@@ -79,8 +79,15 @@ class Sequence:
     def cancel(self) -> None:
         self.cancelled = True
 
+    def deliver(self, event: int | Finished) -> None:
+        """Hand `event` to the request's side; if that side is gone (its event loop closed), cancel."""
+        try:
+            self.emit(event)
+        except Exception:  # noqa: BLE001  the engine's thread must never die of a reader that left
+            self.cancelled = True
+
     def finish(self, end: End, error: BaseException | None = None) -> None:
         if self.status is Status.FINISHED:
             return
         self.status, self.end = Status.FINISHED, end
-        self.emit(Finished(end, error))
+        self.deliver(Finished(end, error))
