@@ -29,6 +29,8 @@ class Suite:
 SUITES: tuple[Suite, ...] = (
     Suite("ttft", "benchmarks.ttft", "TTFT per mode, breakdown, scaling, KV bytes, HTTP share (issues 5, 7)",
           ("--quick",)),
+    Suite("batching", "benchmarks.batching", "batched vs serialised engine: tokens/s and TTFT at 1/4/16 clients, "
+          "device hot tier (issue 13)", ("--quick",)),
     Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost (issue 2)",
           ("--dtypes", "bfloat16", "--repeats", "3")),
     Suite("ingest", "benchmarks.ingest", "Ray Data compile throughput per model and actor count (issue 4)", None),

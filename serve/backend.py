@@ -50,7 +50,8 @@ class HandleBackend:
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
         return await cancelling(self.generator.generate.remote(plan, sampling, timeout_s))
 
-    async def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
+    async def stream(self, plan: Plan, sampling: Sampling,
+                     timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
         events = self.generator.options(stream=True).stream.remote(plan, sampling, timeout_s)
         finished = False
         try:

@@ -61,7 +61,8 @@ class Detokenizer:
         """What is left at the end: the rest of the window; an unfinished character is dropped."""
         if self.table is not None:
             return self.utf8.decode(b"", final=True)
-        tail = self._decode(self.ids[self.prefix_offset:])[len(self._decode(self.ids[self.prefix_offset:self.read_offset])):]
+        emitted = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        tail = self._decode(self.ids[self.prefix_offset:])[len(emitted):]
         self.prefix_offset = self.read_offset = len(self.ids)
         return tail.replace(_REPLACEMENT, "")
 

@@ -100,7 +100,8 @@ class Generator:
         raise RuntimeError("the stream ended without an answer")
 
     async def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
-                     loaded: LoadResult | None = None, loader: CacheLoader | None = None) -> AsyncIterator[str | Answer]:
+                     loaded: LoadResult | None = None,
+                     loader: CacheLoader | None = None) -> AsyncIterator[str | Answer]:
         """Answer text deltas as tokens decode, then the `Answer` (full text and report).
 
         `loaded`: use this KV instead of the hot tier and the loader; `loader`: fetch misses from it

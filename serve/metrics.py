@@ -95,8 +95,8 @@ class ServeMetrics:
         self.engine_running = gauge("qvpic_engine_running", "Requests decoding in the generator's batch")
         self.engine_waiting = gauge("qvpic_engine_waiting", "Requests queued for a row of the generator's batch")
         self.engine_kv_bytes = gauge("qvpic_engine_kv_bytes", "Bytes of the generator's batch KV slab")
-        self.engine_ended = counter("qvpic_engine_requests_ended", "Generator requests by how they ended: stop, length, "
-                                    "cancelled (client gone), deadline or failed", "end")
+        self.engine_ended = counter("qvpic_engine_requests_ended", "Generator requests by how they ended: stop, "
+                                    "length, cancelled (client gone), deadline or failed", "end")
         self.tier_fallbacks = counter("qvpic_tier_fallbacks", "Chunks served from a lower tier than planned")
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
                                       "(l1/l2/l3 hit, miss, or bypass for sampled requests)", "result")
