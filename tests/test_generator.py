@@ -16,6 +16,7 @@ from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec, RouterSpec
 from serve.configs import GeneratorConfig
 from serve.generator import Generator
+from serve.hot_tier import HotTier
 from serve.plan import Answer, Plan
 from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
 from serve.router import Router
@@ -161,3 +162,52 @@ def test_glm_linked_answers_equal_online_answers(serving_store, tmp_path):
     for linked, online in ((Mode.QVPIC, Mode.FULL_IMAGE), (Mode.TEXT_PIC, Mode.FULL_TEXT)):
         fields = {"chunk_ids": ["invoices#00000"], "tau": 1.0, "max_new_tokens": 16}
         assert answer(glm, mode=linked, **fields).text == answer(glm, mode=online, **fields).text
+
+
+# ---- device hot tier --------------------------------------------------------------------------------
+class CountingLoader(CacheLoader):
+    """A loader that records which entries each call asked for."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.asked: list[list[str]] = []
+
+    def load(self, plan):
+        self.asked.append([c.entry.key for c in plan.chunks if c.entry is not None])
+        return super().load(plan)
+
+
+def test_hot_chunks_cross_to_the_device_once_and_misses_fetch_only_what_is_missing(roles, serving_store):
+    roles.generator.hot.clear()
+    loader = CountingLoader(serving_store.uri, 1 << 20)
+    first = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.TEXT_PIC, max_new_tokens=4)
+    second = plan(roles, chunk_ids=["manual#00000", "recipes#00000", "invoices#00000"], mode=Mode.TEXT_PIC,
+                  max_new_tokens=4)
+    sampling = Sampling(max_new_tokens=4)
+    cold = roles.generator.generate_blocking(first, sampling, loader=loader).report.cache
+    warm = roles.generator.generate_blocking(first, sampling, loader=loader).report.cache
+    mixed = roles.generator.generate_blocking(second, sampling, loader=loader).report.cache
+    assert (cold.device_hits, cold.misses) == (0, 2) and (warm.device_hits, warm.hits, warm.misses) == (2, 0, 0)
+    assert (mixed.device_hits, mixed.hits + mixed.misses) == (2, 1)
+    assert loader.asked == [[c.entry.key for c in first.chunks], [second.chunks[1].entry.key]]  # warm: no call
+    # the same answer whichever tier served each chunk
+    given = roles.generator.generate_blocking(second, sampling, loaded=roles.loader.load(second))
+    assert roles.generator.generate_blocking(second, sampling, loader=loader).text == given.text
+
+
+def test_the_hot_tier_keeps_its_byte_cap(roles, serving_store):
+    sizes = {}
+    for chunk_id in ("invoices#00000", "manual#00000", "recipes#00000"):
+        planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC)
+        sizes[chunk_id] = planned.chunks[0].entry.row["nbytes"]
+    generator = roles.generator
+    saved = generator.hot
+    generator.hot = HotTier(sizes["invoices#00000"] + sizes["manual#00000"])
+    try:
+        for chunk_id in sizes:
+            planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC, max_new_tokens=2)
+            generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=roles.loader)
+            assert generator.hot.nbytes <= generator.hot.max_nbytes
+        assert len(generator.hot.keys()) == 2 and generator.hot.stats().evictions >= 1
+    finally:
+        generator.hot = saved
