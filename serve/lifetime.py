@@ -21,6 +21,7 @@ from fastapi import Request
 from schemas.api import MAX_TIMEOUT_S, ApiError, DeadlineExceededError, InvalidHeaderError
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+STREAM_GRACE_S = 1.0
 T = TypeVar("T")
 
 
@@ -77,11 +78,14 @@ class Lifetime:
 
     async def stream(self, events: AsyncIterator[T]) -> AsyncIterator[T]:
         """`events` until the deadline; past it the stream is closed (its work cancelled) and 504 raised.
-        A client that disconnects cancels this generator where it waits, which closes `events` too."""
+        A client that disconnects cancels this generator where it waits, which closes `events` too.
+
+        The generator ends a stream at the deadline by itself (its engine checks every row at every step,
+        and the error travels down the stream); this timer is the backstop, `STREAM_GRACE_S` later."""
         try:
             while True:
                 try:
-                    async with asyncio.timeout_at(self.deadline):
+                    async with asyncio.timeout_at(self.deadline + STREAM_GRACE_S):
                         event = await anext(events)
                 except StopAsyncIteration:
                     return

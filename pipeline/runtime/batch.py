@@ -10,7 +10,7 @@ that hides what a row has not written and the pad slots of its query. Positions 
 explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing it computes: its
 logits equal the same request's run alone (to float rounding).
 
-    join:   prefill_queries(contexts, queries) -> Slab of the new rows, their first-token logits
+    join:   prefill_queries(chunks, queries)   -> Slab of the new rows (assembled in place), first-token logits
             Slab.from_prefill(state)           -> a row whose prefill ran alone (online modes)
             Slab.merge([running, joined])      -> one slab
     step:   decode_step(slab, tokens)          -> next-token logits of every row
@@ -19,17 +19,18 @@ logits equal the same request's run alone (to float rounding).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from pipeline.runtime.kv import AssembledContext
+from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, Prefill
 
 
 class SlabLayer(CacheLayerMixin):
-    """One layer's slab: `update` writes the new keys/values at each row's own columns, in place."""
+    """One layer's view of the slab: `update` writes the new keys/values at each row's own columns, in place."""
 
     is_compileable = False
     supports_early_init = False
@@ -62,9 +63,9 @@ class SlabLayer(CacheLayerMixin):
 class Slab(Cache):
     """The KV of a batch of rows, the columns each has written, and where each continues."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor,
-                 lengths: torch.Tensor, next_positions: torch.Tensor):
-        super().__init__(layers=[SlabLayer(k, v, self) for k, v in zip(keys, values)])
+    def __init__(self, kv: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, next_positions: torch.Tensor):
+        self.kv = kv  # [layers, 2, rows, kv_heads, capacity, head_dim]: one allocation, rows left-aligned
+        super().__init__(layers=[SlabLayer(kv[i, 0], kv[i, 1], self) for i in range(kv.shape[0])])
         self.valid = valid  # [rows, capacity] bool: columns a row has written with a real token
         self.lengths = lengths  # [rows] long: the next column each row writes
         self.next_positions = next_positions  # [rows] long: the next token's position (equal on t/h/w)
@@ -72,26 +73,28 @@ class Slab(Cache):
         self.width = 0  # columns the forward reads, set before it
 
     @classmethod
-    def empty(cls, like: torch.Tensor, num_layers: int, num_rows: int, capacity: int) -> Slab:
-        """Zeroed slabs (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN)."""
-        _, num_heads, _, head_dim = like.shape
-        shape = (num_rows, num_heads, capacity, head_dim)
-        new = lambda: torch.zeros(shape, dtype=like.dtype, device=like.device)  # noqa: E731
-        device = like.device
-        return cls([new() for _ in range(num_layers)], [new() for _ in range(num_layers)],
-                   torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
+    def empty(cls, num_layers: int, num_rows: int, num_heads: int, capacity: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device) -> Slab:
+        """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN)."""
+        kv = torch.zeros(num_layers, 2, num_rows, num_heads, capacity, head_dim, dtype=dtype, device=device)
+        return cls(kv, torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device))
+
+    def like(self, num_rows: int, capacity: int) -> Slab:
+        num_layers, _, _, num_heads, _, head_dim = self.kv.shape
+        return Slab.empty(num_layers, num_rows, num_heads, capacity, head_dim, self.kv.dtype, self.kv.device)
 
     @classmethod
     def from_prefill(cls, state: Prefill, reserve: int) -> Slab:
         """One row holding a batch-1 prefill's cache, with room for `reserve` more tokens."""
-        layers = [(layer.keys, layer.values) for layer in state.cache.layers]
-        length = layers[0][0].shape[2]
-        slab = cls.empty(layers[0][0], len(layers), 1, length + reserve)
-        for target, (k, v) in zip(slab.layers, layers):
-            target.keys[:, :, :length] = k
-            target.values[:, :, :length] = v
+        first = state.cache.layers[0].keys  # [1, kv_heads, tokens, head_dim]
+        length = first.shape[2]
+        slab = cls.empty(len(state.cache.layers), 1, first.shape[1], length + reserve, first.shape[3], first.dtype,
+                         first.device)
+        for i, layer in enumerate(state.cache.layers):
+            slab.kv[i, 0, :, :, :length] = layer.keys
+            slab.kv[i, 1, :, :, :length] = layer.values
         slab.valid[0, :length] = True
         slab.lengths[0] = length
         slab.next_positions[0] = state.next_position
@@ -104,11 +107,11 @@ class Slab(Cache):
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].keys.shape[2]
+        return self.kv.shape[4]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+        return self.kv.numel() * self.kv.element_size()
 
     @property
     def rows_index(self) -> torch.Tensor:
@@ -121,15 +124,12 @@ class Slab(Cache):
         slabs = [s for s in slabs if s.num_rows]
         if len(slabs) == 1 and slabs[0].capacity == capacity:
             return slabs[0]
-        first = slabs[0].layers[0].keys
-        merged = Slab.empty(first, len(slabs[0].layers), sum(s.num_rows for s in slabs), capacity)
+        merged = slabs[0].like(sum(s.num_rows for s in slabs), capacity)
         row = 0
         for slab in slabs:
             used = min(int(slab.lengths.max()), capacity)  # rows are left-aligned: nothing lies beyond
             rows = slice(row, row + slab.num_rows)
-            for target, source in zip(merged.layers, slab.layers):
-                target.keys[rows, :, :used] = source.keys[:, :, :used]
-                target.values[rows, :, :used] = source.values[:, :, :used]
+            merged.kv[:, :, rows, :, :used] = slab.kv[:, :, :, :, :used]
             merged.valid[rows, :used] = slab.valid[:, :used]
             merged.lengths[rows], merged.next_positions[rows] = slab.lengths, slab.next_positions
             row += slab.num_rows
@@ -137,15 +137,13 @@ class Slab(Cache):
 
     def keep(self, rows: Sequence[int], capacity: int) -> Slab:
         """A new slab of only `rows` (in that order): the others' memory is released with this one."""
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
-        kept = Slab.empty(self.layers[0].keys, len(self.layers), len(rows), capacity)
+        kept = self.like(len(rows), capacity)
         if not rows:
             return kept
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
         used = min(int(self.lengths[index].max()), capacity)
-        for target, source in zip(kept.layers, self.layers):
-            target.keys[:, :, :used] = source.keys.index_select(0, index)[:, :, :used]
-            target.values[:, :, :used] = source.values.index_select(0, index)[:, :, :used]
-        kept.valid[:, :used] = self.valid.index_select(0, index)[:, :used]
+        kept.kv[:, :, :, :, :used] = self.kv[:, :, index, :, :used]
+        kept.valid[:, :used] = self.valid[index, :used]
         kept.lengths[:], kept.next_positions[:] = self.lengths[index], self.next_positions[index]
         return kept
 
@@ -178,33 +176,35 @@ class Slab(Cache):
 
 
 @torch.inference_mode()
-def prefill_queries(vlm: VLM, contexts: Sequence[AssembledContext], queries: Sequence[list[int]],
-                    reserves: Sequence[int]) -> tuple[Slab, torch.Tensor]:
-    """Prefill every query on top of its own assembled context in one forward.
+def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Sequence[list[int]],
+                    reserves: Sequence[int]) -> tuple[Slab, torch.Tensor, list[float]]:
+    """Assemble every context straight into its row of a new slab, then prefill every query on top of its
+    own context in one forward.
 
-    Row j holds context j at columns `[0, C_j)` and its query right after, left-padded to the longest
-    query (so every row's last token is real and only its logits are computed); `reserves[j]` more
-    columns are kept for its decoded tokens. Returns the slab and the logits `[rows, vocab]`.
+    Row j holds `[serving prefix][context j's chunks, re-anchored]` at columns `[0, C_j)` and its query
+    right after, left-padded to the longest query (so every row's last token is real and only its logits
+    are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
+    logits `[rows, vocab]` and each row's assembly time (ms).
     """
     num_rows, longest = len(queries), max(len(q) for q in queries)
-    context_lengths = [c.num_tokens for c in contexts]
+    prefix = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
+    context_lengths = [vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks) for chunks in contexts]
     capacity = max(n + longest + r for n, r in zip(context_lengths, reserves))
-    first = contexts[0].layers[0][0]
-    slab = Slab.empty(first.to(vlm.dtype), len(contexts[0].layers), num_rows, capacity)
-    for row, context in enumerate(contexts):
-        length = context.num_tokens
-        for target, (k, v) in zip(slab.layers, context.layers):
-            target.keys[row, :, :length] = k[0]
-            target.values[row, :, :length] = v[0]
-        slab.valid[row, :length] = True
-        slab.lengths[row], slab.next_positions[row] = length, context.next_position
+    slab = Slab.empty(prefix.shape[0], num_rows, prefix.shape[2], capacity, prefix.shape[4], vlm.dtype, vlm.device)
+    assembly_ms = []
+    for row, chunks in enumerate(contexts):
+        started = time.perf_counter()
+        context = vlm.assemble(chunks, out=slab.kv[:, :, row])
+        slab.valid[row, :context.num_tokens] = True
+        slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
+        assembly_ms.append(_ms_since(started, vlm.device))
     pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
     ids = torch.full((num_rows, longest), pad, dtype=torch.long, device=vlm.device)
     real = torch.zeros(num_rows, longest, dtype=torch.bool, device=vlm.device)
     for row, query in enumerate(queries):
         ids[row, longest - len(query):] = torch.tensor(query, device=vlm.device)
         real[row, longest - len(query):] = True
-    return slab, forward(vlm, slab, ids, real)
+    return slab, forward(vlm, slab, ids, real), assembly_ms
 
 
 @torch.inference_mode()
@@ -220,3 +220,9 @@ def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torc
                     logits_to_keep=1)
     slab.advance(real)
     return out.logits[:, -1]
+
+
+def _ms_since(started: float, device: torch.device) -> float:
+    if device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) * 1e3

@@ -60,8 +60,10 @@ def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
     return starts
 
 
-def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrices) -> AssembledContext:
-    """Lay out `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order in one new tensor.
+def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrices,
+             out: torch.Tensor | None = None) -> AssembledContext:
+    """Lay out `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order in one tensor: a new one, or
+    `out` (`[layers, 2, kv_heads, ≥tokens, head_dim]`, e.g. a row of a batch's slab) from its first column.
 
     `rotation_matrices(deltas [n], head_dim) -> [n, head_dim, head_dim]` gives the model's rotary
     shift by Δ as a matrix (see Adapter.rotation_matrices); each chunk's keys are multiplied by theirs
@@ -77,7 +79,10 @@ def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrice
     first = parts[0].kv
     num_layers, _, num_heads, _, head_dim = first.shape
     total = sum(p.num_tokens for p in parts)
-    kv = torch.empty(num_layers, 2, num_heads, total, head_dim, dtype=first.dtype, device=first.device)
+    if out is None:
+        kv = torch.empty(num_layers, 2, num_heads, total, head_dim, dtype=first.dtype, device=first.device)
+    else:
+        kv = out[:, :, :, :total]
     deltas = torch.tensor([s - c.compile_start for c, s in zip(chunks, starts)], dtype=torch.long)
     matrices = rotation_matrices(deltas.to(first.device), head_dim) if chunks else None
     offset = 0

@@ -155,10 +155,10 @@ class VLM:
         return self._prefix
 
     # ---- online ------------------------------------------------------------------------------
-    def assemble(self, chunks: Sequence[ChunkKV]) -> AssembledContext:
-        """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored."""
+    def assemble(self, chunks: Sequence[ChunkKV], out: torch.Tensor | None = None) -> AssembledContext:
+        """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored (into `out` when given)."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.prefix, moved, self.adapter.rotation_matrices)
+        return assemble(self.prefix, moved, self.adapter.rotation_matrices, out)
 
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:

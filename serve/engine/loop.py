@@ -168,16 +168,16 @@ class Engine:
             self.slab = slab
 
     def _prefill_linked(self, seqs: list[Sequence]) -> Slab:
-        contexts = []
-        for seq in seqs:
-            started = time.perf_counter()
-            contexts.append(self.vlm.assemble(seq.context.chunks))
-            seq.reanchor_ms = self._ms_since(started)
-            seq.num_prompt_tokens = contexts[-1].num_tokens + len(seq.context.query_ids)
         started = time.perf_counter()
-        slab, logits = prefill_queries(self.vlm, contexts, [s.context.query_ids for s in seqs],
-                                       [s.sampling.max_new_tokens - 1 for s in seqs])
-        self._pick(seqs, logits, prefill_started=started)
+        slab, logits, assembly_ms = prefill_queries(self.vlm, [s.context.chunks for s in seqs],
+                                                    [s.context.query_ids for s in seqs],
+                                                    [s.sampling.max_new_tokens - 1 for s in seqs])
+        prefix_tokens = self.vlm.prefix.num_tokens
+        for seq, reanchor_ms in zip(seqs, assembly_ms):
+            seq.reanchor_ms = reanchor_ms
+            seq.num_prompt_tokens = prefix_tokens + sum(c.num_tokens for c in seq.context.chunks) + len(
+                seq.context.query_ids)
+        self._pick(seqs, logits, prefill_started=started + sum(assembly_ms) / 1e3)  # the forward's own time
         return slab
 
     def _prefill_online(self, seq: Sequence) -> Slab:
