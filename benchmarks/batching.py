@@ -222,6 +222,10 @@ def tables(levels: list[Level], spec: ModelSpec, args, rounds: int, hot: tuple[f
             + markdown_table(["clients", "engine", "requests", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
                               "batched / serialised", "same answers"], rows)
             + verdict
+            + "\n\nOn a GPU the batch is where the headroom is (a batch-1 decode leaves the device mostly idle): "
+              "`benchmarks/gpu.sh` measures it on Qwen2.5-VL-7B and GLM-4.1V-9B shapes (random weights, bf16) — "
+              "tokens/s at 1 and 16 clients, TTFT per mode, hot-tier hit vs miss. GPU figures: pending (no "
+              "device was lent to the session that built this; its CPU fallback runs in CI)."
             + f"\n\nDevice hot tier, one request, one new token: TTFT {hot[0]:.0f} ms with its chunks resident vs "
               f"{hot[1]:.0f} ms fetched from the loader's host LRU (in-process: the miss costs the copy onto the "
               "device; deployed, also the loader hop and the object-store transfer).")

@@ -38,10 +38,13 @@ async def request_then_leave(app, path: str, body: dict, generator) -> list[dict
     inbox: asyncio.Queue = asyncio.Queue()
     await inbox.put({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
     sent: list[dict] = []
+    left: list[bool] = []
 
     async def send(message: dict) -> None:
         sent.append(message)
-        if body["stream"] and b"data:" in message.get("body", b"") and len(sent) <= 3:
+        chunk = message.get("body", b"")
+        if body["stream"] and b"data:" in chunk and b'"role"' not in chunk and not left:  # chat's role chunk
+            left.append(True)  # comes before any generation: wait for generated text
             await inbox.put({"type": "http.disconnect"})  # the client read one event and closed the socket
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",

@@ -1,10 +1,11 @@
 """Iteration-level batching on the model: many requests' ragged contexts in one forward pass.
 
-Rows are requests. Every layer's KV lives in one slab `[rows, kv_heads, capacity, head_dim]` whose
+Rows are requests. Their KV lives in one slab `[layers, 2, rows, kv_heads, capacity, head_dim]` whose
 rows are left-aligned: row r fills columns `[0, lengths[r])` and its next token is written at column
 `lengths[r]`, so rows never pad to each other's generated tokens and the slab is as wide as its
 longest row will ever get (its capacity is reserved when rows join, so a decode step never copies
-the cache). Attention reads the slab's first `width` columns through an additive float mask in the
+the cache, which transformers' DynamicCache does at every step). A joining request's context is
+assembled (re-anchored) straight into its row. Attention reads the slab's first `width` columns through an additive float mask in the
 model dtype (0 = attend, finfo.min = blocked; a bool mask is silently wrong under eager attention)
 that hides what a row has not written and the pad slots of its query. Positions are each row's own
 explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing it computes: its
