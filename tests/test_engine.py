@@ -12,6 +12,7 @@ from PIL import Image, ImageDraw
 from transformers import DynamicCache
 
 from pipeline.runtime import batch
+from pipeline.runtime.kv import RotationTable
 from pipeline.runtime.model import VLM
 from schemas.api import BusyError, TooLargeError
 from schemas.config import EngineSpec
@@ -182,3 +183,21 @@ def test_caps_hold_and_refusals_are_clear(vlm, chunks):
         assert len(rec.engine.scheduler.running) <= 2
         widest = max(widest, rec.engine.slab.nbytes if rec.engine.slab is not None else 0)
     assert widest <= spec.max_kv_nbytes and all(s.end in (End.LENGTH, End.STOP) for s in seqs)
+
+
+def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_once(vlm):
+    calls = []
+
+    def compute(deltas, head_dim):
+        calls.append(deltas.tolist())
+        return vlm.adapter.rotation_matrices(deltas, head_dim)
+
+    table = RotationTable(compute, max_entries=4)
+    head_dim = vlm.prefix.kv.shape[-1]
+    first = table(torch.tensor([5, 900, 5]), head_dim)
+    assert torch.equal(first, vlm.adapter.rotation_matrices(torch.tensor([5, 900, 5]), head_dim))
+    assert torch.equal(table(torch.tensor([900, 7]), head_dim)[0], first[1])
+    assert calls == [[5, 900], [7]]
+    table(torch.tensor([1, 2, 3]), head_dim)  # past max_entries: the least recently used (5) goes
+    table(torch.tensor([5]), head_dim)
+    assert calls[-1] == [5]

@@ -7,6 +7,8 @@ Values carry no position and are never touched.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,6 +51,38 @@ class AssembledContext:
     @property
     def num_tokens(self) -> int:
         return self.layers[0][0].shape[2]
+
+
+class RotationTable:
+    """Re-anchoring matrices by shift Δ, each computed once: a rotary cos/sin table in matrix form.
+
+    `compute(deltas [n], head_dim) -> [n, head_dim, head_dim]` is the model's own (Adapter.rotation_matrices);
+    what it returns for a Δ never changes, so the table keeps the `max_entries` most recently used
+    (16 KiB each at head_dim 64, float32) and a request computes only the shifts it has not seen.
+    """
+
+    def __init__(self, compute, max_entries: int = 8192):
+        self.compute, self.max_entries = compute, max_entries
+        self._table: OrderedDict[tuple[int, int, torch.device], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, deltas: torch.Tensor, head_dim: int) -> torch.Tensor:
+        keys = [(int(d), head_dim, deltas.device) for d in deltas.tolist()]
+        with self._lock:
+            missing = list(dict.fromkeys(k for k in keys if k not in self._table))
+        if missing:
+            fresh = self.compute(torch.tensor([k[0] for k in missing], device=deltas.device), head_dim)
+            with self._lock:
+                for key, matrix in zip(missing, fresh):
+                    self._table[key] = matrix
+                while len(self._table) > self.max_entries:
+                    self._table.popitem(last=False)
+        with self._lock:
+            found = []
+            for key in keys:
+                self._table.move_to_end(key)
+                found.append(self._table[key])
+        return torch.stack(found)
 
 
 def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:

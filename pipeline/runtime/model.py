@@ -17,7 +17,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
-from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
+from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ChunkKind, DType, ModelFamily, ModelSpec
 from schemas.sampling import Sampling
@@ -94,6 +94,7 @@ class VLM:
             self.path, size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}, **load
         )
         self.adapter = Adapter(self.model, self.tokenizer)
+        self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
         self._prefix: ChunkKV | None = None
 
     # ---- compile (offline) -------------------------------------------------------------------
@@ -158,7 +159,7 @@ class VLM:
     def assemble(self, chunks: Sequence[ChunkKV], out: torch.Tensor | None = None) -> AssembledContext:
         """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored (into `out` when given)."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.prefix, moved, self.adapter.rotation_matrices, out)
+        return assemble(self.prefix, moved, self.rotations, out)
 
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
