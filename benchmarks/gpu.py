@@ -105,17 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     args.new_tokens, args.concurrency = (8, [1, 4]) if args.fallback else (32, [1, 16])
     started, sections = time.perf_counter(), []
     device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+
+    def write() -> None:  # after every model: a run cut short by its time limit keeps what it measured
+        header = (f"# GPU benchmark\n\nCommand: `python -m benchmarks.gpu {' '.join(argv)}`  \nDevice: "
+                  f"{device_name}; random weights of the public architectures (benchmarks/real_size.py); wall time "
+                  f"{time.perf_counter() - started:.0f} s.\n\n")
+        Path(args.out).write_text(header + "\n".join(sections))
+
     with tempfile.TemporaryDirectory(prefix="qvpic-gpu-") as workdir, real_size.random_weights(args.device):
         for name in FALLBACK if args.fallback else REAL:
             path = name if args.fallback else str(real_size.materialise(name, Path(workdir) / "models"))
             spec = ModelSpec(path=path, dtype=DType.FLOAT32 if args.fallback else DType.BFLOAT16, device=args.device)
             sections.append(bench_model(name, spec, workdir, args))
             print(sections[-1], flush=True)
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    header = (f"# GPU benchmark\n\nCommand: `python -m benchmarks.gpu {' '.join(argv)}`  \nDevice: {device_name}; "
-              f"random weights of the public architectures (benchmarks/real_size.py); wall time "
-              f"{time.perf_counter() - started:.0f} s.\n\n")
-    Path(args.out).write_text(header + "\n".join(sections))
+            write()
     return 0
 
 

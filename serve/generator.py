@@ -23,6 +23,7 @@ as a fallback, or fail with 503. Each outcome is counted in `qvpic_kv_recompiles
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -51,6 +52,7 @@ from schemas.api import (
 )
 from schemas.config import Mode, Variant
 from schemas.sampling import Sampling
+from serve.backend import cancelling
 from serve.configs import GeneratorConfig
 from serve.detokenizer import Detokenizer
 from serve.engine.loop import Engine, EngineStats, LinkedContext, OnlineContext
@@ -94,9 +96,10 @@ class Generator:
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
                        loaded: LoadResult | None = None, loader: CacheLoader | None = None) -> Answer:
-        async for event in self.stream(plan, sampling, timeout_s, loaded=loaded, loader=loader):
-            if isinstance(event, Answer):
-                return event
+        async with contextlib.aclosing(self.stream(plan, sampling, timeout_s, loaded=loaded, loader=loader)) as events:
+            async for event in events:
+                if isinstance(event, Answer):
+                    return event
         raise RuntimeError("the stream ended without an answer")
 
     async def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
@@ -195,12 +198,7 @@ class Generator:
         if loader is None:
             raise RuntimeError("this generator has no loader to fetch KV from")
         if isinstance(loader, DeploymentHandle):
-            response = loader.load.remote(plan)
-            try:
-                return await response
-            except asyncio.CancelledError:
-                response.cancel()
-                raise
+            return await cancelling(loader.load.remote(plan))
         return await asyncio.to_thread(loader.load, plan)
 
     async def _repaired(self, plan: Plan, loaded: LoadResult) -> LoadResult:

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from jobs import bench
 
@@ -78,3 +79,33 @@ def test_gpu_script_cpu_fallback_runs_the_gpu_benchmark(tmp_path):
                    if row.startswith("| ") and row.split("|")[1].strip().isdigit()]
         assert clients == ["1", "4"]
         assert "Device hot tier: TTFT" in section
+
+
+def test_real_size_checkpoints_keep_the_public_shapes_and_build_on_the_device(tmp_path):
+    """The GPU benchmark's weightless checkpoints, shrunk to toy widths so a CPU can build them: the public
+    architecture's fields survive, and the model is built once, with random weights, where it runs."""
+    from transformers import AutoConfig
+
+    from benchmarks.real_size import GLM_4_1V_9B, QWEN2_5_VL_7B, materialise, random_weights
+    from pipeline.runtime.model import VLM
+    from schemas.config import ModelSpec
+
+    full = AutoConfig.from_pretrained(materialise("glm-4.1v-9b", tmp_path))
+    assert (full.text_config.hidden_size, full.text_config.num_hidden_layers, full.vision_config.depth) == (
+        GLM_4_1V_9B["text_config"]["hidden_size"], 40, 24)
+    assert full.text_config.rope_parameters["partial_rotary_factor"] == 0.5
+    full = AutoConfig.from_pretrained(materialise("qwen2.5-vl-7b", tmp_path))
+    assert (full.text_config.hidden_size, full.text_config.vocab_size, full.vision_config.fullatt_block_indexes) == (
+        QWEN2_5_VL_7B["hidden_size"], 152064, [7, 15, 23, 31])
+    toy = {"text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=4200,
+                        rope_scaling={"type": "default", "rope_type": "default", "mrope_section": [2, 3, 3]}),
+           "vision": dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                          fullatt_block_indexes=[1])}
+    path = materialise("qwen2.5-vl-7b", tmp_path, shrink=toy)
+    assert not list(path.glob("*.safetensors"))  # no weights on disk
+    with random_weights("cpu"):
+        first, second = (VLM(ModelSpec(path=str(path), device="cpu")) for _ in range(2))
+    assert first.model is second.model and next(first.model.parameters()).device.type == "cpu"
+    page = Image.new("RGB", (120, 60), "white")
+    assert first.prefill_query(first.assemble([first.compile_images([page])]), "hi").logits.isfinite().all()
