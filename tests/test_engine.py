@@ -201,3 +201,17 @@ def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_
     table(torch.tensor([1, 2, 3]), head_dim)  # past max_entries: the least recently used (5) goes
     table(torch.tensor([5]), head_dim)
     assert calls[-1] == [5]
+
+
+def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks):
+    context = linked(vlm, chunks[:2], "When?")
+    prompt = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids)
+    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=2 * prompt))
+    seqs = [rec.submit(context, 4) for _ in range(5)]
+    joined = []
+    while rec.engine.scheduler.waiting:
+        rec.engine.step()
+        joined.append(sum(s.status is not Status.WAITING for s in seqs))
+    assert joined[:3] == [2, 4, 5]
+    rec.run()
+    assert len({tuple(s.token_ids) for s in seqs}) == 1  # the same request, joined at different steps

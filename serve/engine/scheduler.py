@@ -1,4 +1,4 @@
-"""Admission: which waiting requests join the batch at the next step, under its two caps.
+"""Admission: which waiting requests join the batch at the next step, under its caps.
 
 Requests wait in FIFO order and join while the batch holds fewer than `max_batch_size` rows and the
 KV slab *as it will be laid out* stays under `max_kv_nbytes`: every row reserves the columns it can
@@ -6,7 +6,8 @@ ever fill (prompt, its query's pad slots, every decoded token but the last), and
 its widest row, so the projection is rows × widest reservation × bytes per column. A request that
 cannot fit even alone is refused at once (413); when the queue itself is full the request is refused
 with 503 and Retry-After, so Serve's own queue (the generator's `max_ongoing_requests`) holds the rest
-instead of this replica's memory.
+instead of this replica's memory. Joins are also spread over steps (`max_prefill_tokens` per step, and
+one full prefill), so a burst of arrivals does not stall the running rows for one long prefill.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ class Scheduler:
     def schedule(self, is_online) -> list[Sequence]:
         """Pop the waiting requests that join now, in FIFO order (`is_online(seq)`: needs a full prefill)."""
         joining: list[Sequence] = []
+        prompt_tokens = 0
         while self.waiting:
             candidate = self.waiting[0]
             online = sum(map(is_online, joining))
             if is_online(candidate) and online >= ONLINE_PREFILLS_PER_STEP:
                 break
+            if joining and prompt_tokens + candidate.num_prompt_tokens > self.spec.max_prefill_tokens:
+                break
             if not self._fits(joining + [candidate], is_online):
                 break
+            prompt_tokens += candidate.num_prompt_tokens
             joining.append(self.waiting.popleft())
         return joining
 
