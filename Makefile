@@ -1,36 +1,93 @@
-# Set-up and the two entry points of README.md: `make demo` and `make test`.
+# README.md's two commands, `make demo` and `make test`, and `make lock`, which regenerates the lock files.
+#
+# Everything runs in a project virtual environment, $(VENV), created on first use and filled only from
+# the lock files, so that every machine installs the same versions of every package. Debian packages
+# (fonts, Tesseract, Redis) come from apt, which needs root: make runs it through sudo when you are not.
+# Override any variable on the command line, e.g. `make test VENV=/tmp/qvpic-venv PY=python3.11`.
 PY ?= python3
-APT_PACKAGES := fonts-dejavu-core fonts-noto-core fonts-noto-cjk tesseract-ocr tesseract-ocr-eng redis-server
+VENV ?= .venv
+BIN := $(VENV)/bin
+LOCK := requirements.lock
+DEV_LOCK := requirements-dev.lock
+# The CPU build of torch, pinned in both locks: pip can never resolve a CUDA torch nor nvidia-* wheels.
+# pip finds it through its configuration (a find-links folder here; elsewhere set, for example,
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu). uv, which compiles the locks, does not read
+# pip's configuration: LOCK_SOURCES tells it where to look.
+TORCH := torch==2.13.0+cpu
+LOCK_SOURCES ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+# The locks are for the Python of Debian 12 on x86-64 Linux.
+LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
+UV_ARGS ?=
+APT_PACKAGES := python3-venv fonts-dejavu-core fonts-noto-core fonts-noto-cjk tesseract-ocr tesseract-ocr-eng \
+                redis-server
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: system install install-dev demo test test-fast bench
+.PHONY: help system install install-dev demo test test-fast bench lock clean
 
-system:  ## Debian packages: fonts for the renderer, Tesseract for OCR, Redis for the response cache
-	@missing=0; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing=1; done; \
-	if [ $$missing -eq 1 ]; then \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES) >/dev/null; \
-	fi
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
 
-install: system  ## CPU torch first, so pip never resolves a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
+system:  ## apt: fonts for the renderer, Tesseract for OCR, Redis for the response cache, venv support
+	@command -v dpkg >/dev/null || { echo "== not a Debian system: install $(APT_PACKAGES) (or your distribution's equivalents) yourself"; exit 0; }; \
+	missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done | xargs); \
+	if [ -n "$$missing" ]; then \
+	  if [ -n "$(SUDO)" ] && ! command -v sudo >/dev/null; then \
+	    echo "== make needs root (or sudo) to install the Debian packages: $$missing"; exit 1; fi; \
+	  echo "== apt-get: installing $$missing ($(if $(SUDO),with sudo: it may ask for your password,as root); ~1 min)"; \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
+	else echo "== Debian packages: all present ($(APT_PACKAGES))"; fi
 
-install-dev: system
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+$(BIN)/python:
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "the lock files are for CPython 3.11 (Debian 12); run make with PY=python3.11")'
+	@echo "== creating the virtual environment $(VENV) with $$($(PY) --version)"
+	$(PY) -m venv $(VENV)
 
-demo: install
-	qvpic demo
+# A stamp per lock: installs run again only when a lock file or pyproject.toml changed.
+$(VENV)/.installed-runtime: $(LOCK) pyproject.toml | $(BIN)/python
+	@echo "== installing the $$(grep -c '^[a-z0-9]' $(LOCK)) packages pinned in $(LOCK) into $(VENV) (first time: ~3 min, ~3 GB)"
+	$(BIN)/python -m pip install -qq --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -qq --no-deps -e .
+	@touch $@
 
-test: install-dev
-	$(PY) -m pytest -q -p no:cacheprovider
+$(VENV)/.installed-dev: $(DEV_LOCK) pyproject.toml | $(BIN)/python
+	@echo "== installing the $$(grep -c '^[a-z0-9]' $(DEV_LOCK)) packages pinned in $(DEV_LOCK) into $(VENV) (first time: ~3 min, ~3 GB)"
+	$(BIN)/python -m pip install -qq --require-hashes -r $(DEV_LOCK)
+	$(BIN)/python -m pip install -qq --no-deps -e .
+	@touch $@ $(VENV)/.installed-runtime
 
-test-fast: install-dev
-	$(PY) -m pytest -q -m "not e2e"
+install: system $(VENV)/.installed-runtime  ## the venv with qvpic and its pinned dependencies
 
-bench: install-dev
-	qvpic bench
+install-dev: system $(VENV)/.installed-dev  ## the same plus the test tools
+
+demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTTP (~3 min on 2 cores)
+	$(BIN)/qvpic demo
+
+test: install-dev  ## the whole test suite, as CI runs it (~15 min on 2 cores)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e"
+
+bench: install-dev  ## the fast benchmark suites; they write docs/BENCHMARKS.md
+	$(BIN)/qvpic bench
+
+# Regenerate both locks from pyproject.toml: after adding or changing a dependency there, run `make lock`
+# and commit the locks. Pins already in the locks are kept unless pyproject.toml excludes them;
+# `make lock UV_ARGS=--upgrade` moves every pin to the newest release allowed, `UV_ARGS="--upgrade-package X"` one.
+# The dev lock is resolved first, with everything; the runtime lock is then constrained to its versions,
+# so `make test` tests exactly what `make demo` runs.
+lock: $(VENV)/.installed-dev  ## re-pin every dependency after a pyproject.toml change (uv pip compile)
+	echo "$(TORCH)" | $(BIN)/uv pip compile pyproject.toml --extra dev $(LOCK_TARGET) $(LOCK_SOURCES) -c - \
+	  --generate-hashes --custom-compile-command "make lock" --quiet $(UV_ARGS) -o $(DEV_LOCK)
+	echo "$(TORCH)" | $(BIN)/uv pip compile pyproject.toml $(LOCK_TARGET) $(LOCK_SOURCES) -c - -c $(DEV_LOCK) \
+	  --generate-hashes --custom-compile-command "make lock" --quiet -o $(LOCK)
+	$(BIN)/python -m tests.lockfile stamp $(LOCK)
+	$(BIN)/python -m tests.lockfile stamp $(DEV_LOCK) dev
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_lock.py
+
+clean:  ## remove the venv, the demo store and caches (the model cache under ~/.cache/qvpic stays)
+	rm -rf $(VENV) .qvpic build *.egg-info

@@ -1,4 +1,4 @@
-"""TTFT of every serving mode side by side (issues 5 and 7).
+"""TTFT of every serving mode side by side, with its breakdown and the HTTP share.
 
     python -m benchmarks.ttft            # full grid, writes docs/BENCHMARKS.md section `ttft` (≈10 min, 2 cores)
     python -m benchmarks.ttft --quick    # tiny + bench model, 4 and 16 chunks (≈3 min)

@@ -1,7 +1,8 @@
-"""`qvpic bench [SUITE] [options]`: run a benchmark suite; each writes its section of docs/BENCHMARKS.md.
+"""`qvpic bench [SUITE] [options]`: run benchmark suites; each writes its section of docs/BENCHMARKS.md.
 
-`qvpic bench` lists the suites, `qvpic bench SUITE --help` shows a suite's options, and
-`qvpic bench all` runs the fast suites one after another with their quick settings.
+`qvpic bench` (or `qvpic bench all`) runs the fast suites one after another with their quick settings,
+`qvpic bench SUITE` runs one, `qvpic bench SUITE --help` shows its options, `qvpic bench --help` lists them.
+Every request a suite times bypasses the server's response cache (`Cache-Control: no-cache`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ class Suite:
 
 
 SUITES: tuple[Suite, ...] = (
-    Suite("ttft", "benchmarks.ttft", "TTFT per mode, breakdown, scaling, KV bytes, HTTP share (issues 5, 7)",
+    Suite("ttft", "benchmarks.ttft", "TTFT per mode, breakdown, scaling, KV bytes, HTTP share",
           ("--quick",)),
     Suite("batching", "benchmarks.batching", "batched vs serialised engine: tokens/s and TTFT at 1/4/16 clients, "
-          "device hot tier (issue 13)", ("--quick",)),
-    Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost (issue 2)",
+          "device hot tier", ("--quick",)),
+    Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost",
           ("--dtypes", "bfloat16", "--repeats", "3")),
-    Suite("ingest", "benchmarks.ingest", "Ray Data compile throughput per model and actor count (issue 4)", None),
+    Suite("ingest", "benchmarks.ingest", "Ray Data compile throughput per model and actor count", None),
     Suite("legibility", "benchmarks.legibility", "OCR accuracy vs vision tokens per font size and DPI", ()),
     Suite("render", "benchmarks.render_throughput", "renderer pages/s per DPI and script", ()),
     Suite("governance", "benchmarks.governance", "tenant quotas, cost accounting and admission overheads", None),
@@ -48,13 +49,14 @@ class SuiteError(ValueError):
 
 def listing() -> str:
     width = max(len(s.name) for s in SUITES)
-    lines = ["usage: qvpic bench SUITE [options]   (qvpic bench SUITE --help for its options)", "", "suites:"]
+    lines = ["usage: qvpic bench [SUITE [options]]   (no SUITE: all; qvpic bench SUITE --help: its options)", "",
+             "Each suite writes its section of docs/BENCHMARKS.md.", "", "suites:"]
     for s in SUITES:
         notes = [] if s.available else ["not in this checkout"]
         if s.quick_argv is not None:
             notes.append("in `all`" + (f" as {' '.join(s.quick_argv)}" if s.quick_argv else ""))
         lines.append(f"  {s.name:<{width}}  {s.about}" + (f"  [{'; '.join(notes)}]" if notes else ""))
-    lines += ["", f"  {'all':<{width}}  the fast suites with their quick settings"]
+    lines += ["", f"  {'all':<{width}}  the fast suites with their quick settings (the default)"]
     return "\n".join(lines)
 
 
@@ -86,9 +88,10 @@ def run_all() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in {"-h", "--help", "list"}:
+    if argv and argv[0] in {"-h", "--help", "list"}:
         print(listing())
         return 0
+    argv = argv or ["all"]
     try:
         if argv[0] == "all":
             if argv[1:]:

@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "publish": ("jobs.publish", "snapshot a store into a new serving generation (running services switch to it)"),
     "serve": ("jobs.run_server", "run the Ray Serve application over a store"),
     "eval": ("jobs.evaluate", "quality and TTFT of every mode on LongBench-format data"),
-    "bench": ("jobs.bench", "TTFT and KV-size benchmarks; writes docs/BENCHMARKS.md"),
+    "bench": ("jobs.bench", "benchmark suites (default: the fast ones); each writes docs/BENCHMARKS.md"),
     "estimate": ("jobs.estimate", "pages, pixels and vision tokens per tier, before any model runs"),
     "cost-report": ("jobs.cost_report", "per-tenant / per-task cost table from a request log"),
 }
@@ -22,6 +22,8 @@ def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = ["usage: qvpic <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`qvpic <command> --help` shows a command's options. Jobs print progress and summaries; "
+              "--verbose", "(or QVPIC_LOG_LEVEL=INFO) adds Ray's and the libraries' own logs."]
     return "\n".join(lines)
 
 
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"qvpic: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from jobs import logs
+
+    logs.as_program()
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -16,16 +16,17 @@ import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.store import resolve_filesystem
-from schemas.store import StoreSpec
-from serve.request_log import REQUEST_LOG_SCHEMA
+from jobs.help import HelpFormatter
+
+if TYPE_CHECKING:  # pyarrow (and pandas under it) is imported where used: `--help` answers at once
+    import pyarrow as pa
+
+    from schemas.store import StoreSpec
 
 TOKEN_KINDS = ("vision_tokens", "text_tokens", "query_tokens", "completion_tokens")
 NO_TASK = "-"
@@ -40,16 +41,24 @@ class EmptyLogError(ValueError):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qvpic cost-report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="qvpic cost-report", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--log", required=True, help="request-log location: a directory or s3://bucket/prefix")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// log")
     p.add_argument("--since", type=datetime.fromisoformat, help="only requests at or after this ISO time (UTC)")
-    p.add_argument("--chart", type=Path, default=Path("cost-report.png"), help="PNG to write (default %(default)s)")
+    p.add_argument("--chart", type=Path, default=Path("cost-report.png"), help="PNG to write")
     p.add_argument("--json", action="store_true", help="print the per-(tenant, task) rows as JSON instead of tables")
     return p
 
 
 def load_log(spec: StoreSpec, since: datetime | None = None) -> pa.Table:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    from pipeline.store import resolve_filesystem
+    from serve.request_log import REQUEST_LOG_SCHEMA
+
     fs, root = resolve_filesystem(spec, None)
     table = ds.dataset(root, format="parquet", filesystem=fs, schema=REQUEST_LOG_SCHEMA).to_table()
     if since is not None:
@@ -62,6 +71,9 @@ def load_log(spec: StoreSpec, since: datetime | None = None) -> pa.Table:
 
 def summarise(log: pa.Table, keys: list[str]) -> list[dict]:
     """One row per group of `keys`, with the COLUMNS figures, busiest (most computed tokens) first."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     zero = pa.scalar(0, pa.int64())
     served = pc.and_(pc.less(log["status"], 400), pc.not_equal(log["route"], "estimate"))
     hit = pc.and_(served, pc.is_valid(log["cache_level"]))
@@ -129,6 +141,11 @@ def write_chart(by_tenant: list[dict], by_task: list[dict], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from schemas.store import StoreSpec
+
     try:
         log = load_log(StoreSpec(uri=args.log, endpoint_url=args.endpoint_url), args.since)
     except (ValueError, OSError, pa.ArrowException) as error:  # bad URI, no such directory, empty log, bad parts

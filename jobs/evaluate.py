@@ -19,31 +19,26 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import ValidationError
 
+from jobs import logs
+from jobs.help import HelpFormatter
 from jobs.ingest import model_args, render_args, render_spec
-from pipeline.eval_report import REPORT_MD, legibility_markdown, summary_markdown, write_report
-from pipeline.evaluation import (
-    Answered,
-    HttpAnswerer,
-    StoreView,
-    corpus_documents,
-    run,
-    summarize,
-    write_corpus,
-)
-from pipeline.evidence import OcrJudge, Planner, RoutedChunk, judge_items, serving_configs, summarize_evidence
 from pipeline.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
-from schemas.sampling import Sampling
-from pipeline.store import Store
-from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+
+# The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
+# imported where used, so that `qvpic eval --help` answers at once.
+if TYPE_CHECKING:
+    from pipeline.evaluation import Answered
+    from pipeline.evidence import Planner
+    from schemas.api import AnswerRequest
+    from serve.generator import Generator
+    from serve.loader import CacheLoader
+    from serve.router import Router
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "longbench_fixture"
 DEFAULT_GRID = ((0.3, 1), (0.5, 4), (0.9, 8))
@@ -59,10 +54,19 @@ class InProcessAnswerer:
 
     @classmethod
     def open(cls, store: str, model: ModelSpec, router: RouterSpec | None = None) -> InProcessAnswerer:
+        from schemas.api import MAX_IDS_PER_REQUEST
+        from serve.configs import GeneratorConfig
+        from serve.generator import Generator
+        from serve.loader import CacheLoader
+        from serve.router import Router
+
         return cls(Router(store, model, router or RouterSpec(), MAX_IDS_PER_REQUEST), CacheLoader(store, LRU_NBYTES),
                    Generator(GeneratorConfig(store=store, model=model)))
 
     def __call__(self, request: AnswerRequest) -> Answered:
+        from pipeline.evaluation import Answered
+        from schemas.sampling import Sampling
+
         plan = asyncio.run(self.router.plan(request))
         sampling = Sampling.of(request)
         answer = self.generator.generate_blocking(plan, sampling, loader=self.loader)
@@ -72,6 +76,8 @@ class InProcessAnswerer:
 
 def planner(router: Router) -> Planner:
     """The router's plan of a request, reduced to what the legibility check reads (no KV moves)."""
+    from pipeline.evidence import RoutedChunk
+
     def plan(request: AnswerRequest) -> list[RoutedChunk]:
         return [RoutedChunk(c.chunk_id, c.tier, c.vision_tokens) for c in asyncio.run(router.plan(request)).chunks]
     return plan
@@ -91,7 +97,7 @@ def parse_grid(values: list[str]) -> tuple[tuple[float, int], ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qvpic eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="qvpic eval", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", help="LongBench folder of <task>.jsonl, or LongBench's data.zip (default: bundled fixtures)")
     source.add_argument("--generic", help="JSONL of {id?, question, context | chunk_ids, answers}")
@@ -117,6 +123,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--write-benchmarks", action="store_true",
                    help="also write the legibility table into docs/BENCHMARKS.md (section legibility-eval)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    logs.add_verbose_flag(p)
     return p
 
 
@@ -148,6 +155,7 @@ def load_items(args: argparse.Namespace) -> tuple[list[QAItem], str]:
 
 def ingest_documents(items: list[QAItem], store: str, model: ModelSpec, args: argparse.Namespace) -> None:
     from jobs.cluster import init_ray
+    from pipeline.evaluation import corpus_documents, write_corpus
     from pipeline.ingest import IngestConfig, ingest
     from schemas.store import StoreSpec
 
@@ -171,6 +179,13 @@ class EvalOutcome:
 
 
 def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
+    from pipeline.eval_report import REPORT_MD, legibility_markdown, summary_markdown, write_report
+    from pipeline.evaluation import HttpAnswerer, StoreView, run, summarize
+    from pipeline.evidence import OcrJudge, judge_items, serving_configs, summarize_evidence
+    from pipeline.store import Store
+    from schemas.api import MAX_IDS_PER_REQUEST
+    from serve.router import Router
+
     started = time.perf_counter()
     items, source = load_items(args)
     model = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision)
@@ -219,6 +234,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    logs.configure(args.verbose)
     try:
         args.legibility_grid = parse_grid(args.legibility_grid)
     except argparse.ArgumentTypeError as error:
@@ -246,4 +262,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from jobs.cluster import init_ray
-from pipeline.ingest import CompileResources, IngestConfig, ingest
-from pipeline.summary import IngestSummary
+from jobs import logs
+from jobs.help import HelpFormatter
 from schemas.config import DType, ModelSpec, RenderSpec, TierSpec, Variant
-from schemas.store import StoreSpec
+
+if TYPE_CHECKING:  # imported where used: Ray and pyarrow would make `--help` take seconds
+    from pipeline.summary import IngestSummary
 
 
 def parse_tiers(values: list[str]) -> tuple[TierSpec, ...]:
@@ -62,18 +64,23 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
         ("chunks/s", f"{summary.chunks_per_s:.2f}"), ("accounted", "yes" if summary.balanced else "NO"),
     ]:
         table.add_row(label, str(value))
+    console = Console()
+    console.print(table)
+    if not summary.entries:
+        reason = ("the store already holds the KV entries of every chunk" if summary.num_chunks
+                  else "the corpus yielded no chunks")
+        console.print(f"nothing to compile: {reason}")
+        return
     groups = Table(title="compiled entries")
     for column in ("entry", "entries", "pages", "vision tokens", "KV bytes"):
         groups.add_column(column)
     for name, g in summary.per_entry_group.items():
         groups.add_row(name, str(g["entries"]), str(g["pages"]), str(g["vision_tokens"]), f"{g['nbytes']:,}")
-    console = Console()
-    console.print(table)
     console.print(groups)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qvpic ingest", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qvpic ingest", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--corpus", required=True, help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages")
     parser.add_argument("--store", required=True, help="local directory or s3://bucket/prefix")
     parser.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, …)")
@@ -85,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-worker", type=float, default=0.0)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    logs.add_verbose_flag(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.verbose)
+    from jobs.cluster import init_ray
+    from pipeline.ingest import CompileResources, IngestConfig, ingest
+    from schemas.store import StoreSpec
+
     try:
         cfg = IngestConfig(
             corpus=args.corpus, store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
@@ -107,4 +120,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

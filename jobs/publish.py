@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.generations import collect_generations, publish_generation
-from pipeline.store import Store, StoreError
+from jobs.help import HelpFormatter
 from schemas.generation import SearchSpec
-from schemas.store import StoreSpec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qvpic publish", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qvpic publish", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--store", required=True)
     parser.add_argument("--s3-endpoint", default=None)
     parser.add_argument("--ann-min-rows", type=int, default=SearchSpec().ann_min_rows,
@@ -26,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-recall", type=float, default=SearchSpec().target_recall)
     parser.add_argument("--collect", action="store_true", help="collect unused generations only")
     args = parser.parse_args(argv)
+    from pipeline.generations import collect_generations, publish_generation  # the store: after `--help`
+    from pipeline.store import Store, StoreError
+    from schemas.store import StoreSpec
+
     try:
         store = Store.open(StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint))
         if args.collect:

@@ -12,16 +12,14 @@ import json
 import sys
 from dataclasses import asdict
 
-from jobs.cluster import init_ray
+from jobs import logs
+from jobs.help import HelpFormatter
 from jobs.ingest import model_args, render_args, render_spec
-from pipeline.ingest import CompileResources
-from pipeline.recompile import RecompileConfig, recompile
 from schemas.config import ModelSpec, Variant
-from schemas.store import StoreSpec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qvpic recompile", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qvpic recompile", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--store", required=True)
     parser.add_argument("--s3-endpoint", default=None)
     model_args(parser)
@@ -32,8 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-workers", type=int, default=1)
     parser.add_argument("--gpus-per-worker", type=float, default=0.0)
     parser.add_argument("--orphan-grace-s", type=float, default=3600.0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    logs.add_verbose_flag(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.verbose)
+    from jobs.cluster import init_ray  # Ray, pyarrow and the model runtime: after `--help` has answered
+    from pipeline.ingest import CompileResources
+    from pipeline.recompile import RecompileConfig, recompile
+    from schemas.store import StoreSpec
+
     try:
         cfg = RecompileConfig(
             store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
@@ -57,4 +62,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

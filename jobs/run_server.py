@@ -15,6 +15,7 @@ A second signal stops at once (exit 1).
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -25,6 +26,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from jobs import logs
+from jobs.help import HelpFormatter
 from schemas.config import DType
 
 DEFAULT_PORT = 8000
@@ -33,7 +36,7 @@ QUIET_START_S = 10.0  # a deploy that takes longer reports what it waits for
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qvpic serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="qvpic serve", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", type=Path, help="Serve config YAML whose first application's args are the base")
     p.add_argument("--store", help="store URI: a directory, s3://bucket/prefix, or any pyarrow filesystem URI")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
@@ -52,8 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generator-replicas", type=int, help="generator replicas")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: Ray's own count)")
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
@@ -61,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
                         "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's "
                         "TimeoutStopSec)")
+    logs.add_verbose_flag(p)
     return p
 
 
@@ -150,6 +154,7 @@ def deploy(application, local: bool, stop: StopSignals, poll_s: float = 2.0) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
+    logs.configure(ns.verbose, native_to_file=False)  # no Ray Data here: native lines are about signals, crashes
     if ns.detach and ns.address is None:
         print("qvpic serve: --detach needs --address (a local Ray ends with this process)", file=sys.stderr)
         return 2
@@ -172,12 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignals()
     stop.install()
     try:
-        ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None)
+        verbose = logs.is_verbose()
+        ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None,
+                 log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
+        logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
         stop.install()
         if not stop.requested.is_set():
             serve.start(http_options={"host": ns.host, "port": ns.port})
             if deploy(application, ns.address is None, stop):
-                print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs)", flush=True)
+                stop_hint = "" if ns.detach else "; Ctrl-C stops it"
+                print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs){stop_hint}",
+                      flush=True)
                 if ns.detach:
                     return 0
                 stop.requested.wait()
@@ -201,4 +211,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logs.as_program()
     sys.exit(main())

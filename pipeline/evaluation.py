@@ -155,7 +155,8 @@ class HttpAnswerer:
     def __call__(self, request: AnswerRequest) -> Answered:
         body = request.model_copy(update={"stream": True}).model_dump(mode="json", exclude_none=True)
         started, first_s, done = time.perf_counter(), None, None
-        with self.client.stream("POST", self.url, json=body) as response:
+        # TTFT is a measurement of the model path: never an answer from the server's response cache
+        with self.client.stream("POST", self.url, json=body, headers={"Cache-Control": "no-cache"}) as response:
             if response.status_code != 200:
                 response.read()
                 raise RequestFailed(response.status_code, response.text[:500])

@@ -224,13 +224,16 @@ class TokenUsage(Strict):
 
 
 class Timings(Strict):
+    """Where a request's time went. The model phases are null when no model work ran: a response-cache hit
+    (`cache_hit: true`), whose own latency is `total_ms` (and the lookup's `response_cache.lookup_ms`)."""
+
     route_ms: float
-    load_ms: float
-    render_ms: float  # full_image only: rendering pages online
-    queue_ms: float = 0.0  # waiting for a row in the generator's batch
-    reanchor_ms: float  # assembling and re-rotating cached KV
-    prefill_ms: float  # the generator's time to first token: query prefill (or full prefill)
-    decode_ms: float
+    load_ms: float | None
+    render_ms: float | None  # full_image only: rendering pages online
+    queue_ms: float | None = 0.0  # waiting for a row in the generator's batch
+    reanchor_ms: float | None  # assembling and re-rotating cached KV
+    prefill_ms: float | None  # the generator's time to first token: query prefill (or full prefill)
+    decode_ms: float | None
     total_ms: float  # wall time seen by the ingress
 
 
@@ -252,6 +255,7 @@ class ResponseCacheLevel(str, Enum):
 class ResponseCacheReport(Strict):
     level: ResponseCacheLevel | None = None  # the level that answered; null: the model did
     similarity: float | None = None  # l2: cosine of this query's embedding to the cached one's
+    lookup_ms: float | None = None  # time spent looking the request up; null: not looked up (see `Cache-Control`)
 
 
 class AnswerReport(Strict):
@@ -262,6 +266,7 @@ class AnswerReport(Strict):
     timings: Timings
     cache: CacheReport  # the KV cache of the loader
     fallbacks: list[FallbackReport]
+    cache_hit: bool = False  # answered by the response cache: no model work, no model timings
     response_cache: ResponseCacheReport = Field(default_factory=ResponseCacheReport)
     generation: int = 0  # the store's serving generation the answer's entries all come from
 

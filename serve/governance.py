@@ -4,7 +4,8 @@ cost (metrics, request log).
 
 A governed request is a `Turn` and reads, in the HTTP handlers, as
     begin (tenant, requests/s) → route (price, budget-aware promotion) → prepare (413 budget, response
-    cache, tokens/s) → generate | stream (model work, cache fill) → finish (metrics + one log row)
+    cache unless `Cache-Control: no-cache`, tokens/s) → generate | stream (model work, cache fill) →
+    finish (metrics + one log row)
 and `/v1/estimate` stops after route. Every turn finishes exactly once, whatever ends it: an answer,
 an error response (the app's error handlers call `Governor.rejected`), or a client that went away.
 """
@@ -42,7 +43,15 @@ from serve.budget import Limit, LimitsArgs, Price, RateLimiter, check_budget, to
 from serve.plan import Answer, Plan
 from serve.metrics import serve_metrics
 from serve.request_log import RequestLog, RequestLogArgs, RequestRecord
-from serve.response_cache import CacheHit, CacheKeys, MemoryBackend, RedisBackend, ResponseCache, ResponseCacheArgs
+from serve.response_cache import (
+    CacheDirectives,
+    CacheHit,
+    CacheKeys,
+    MemoryBackend,
+    RedisBackend,
+    ResponseCache,
+    ResponseCacheArgs,
+)
 from serve.shared_state import RedisConnection, StateBackend
 
 CLIENT_CLOSED = 499  # the client went away mid-stream (nginx's convention; never sent, only logged)
@@ -103,7 +112,7 @@ class Governor:
         task_type = request.task_type or header_label(http.headers, "X-Task-Type")
         record = RequestRecord(time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
                                task_type=task_type, route=route.value, mode=request.mode.value)
-        turn = http.state.turn = Turn(self, request, record, started)
+        turn = http.state.turn = Turn(self, request, record, started, CacheDirectives.of(http.headers))
         self.metrics.requests.inc(route=route.value, mode=request.mode.value)
         policy = self.args.limits.policy(tenant)
         turn.budget_tokens = token_budget(http.headers, policy)
@@ -130,8 +139,12 @@ class Governor:
 class Turn:
     """One governed request, from `Governor.begin` to `finish`."""
 
-    def __init__(self, governor: Governor, request: AnswerRequest, record: RequestRecord, started: float):
+    def __init__(self, governor: Governor, request: AnswerRequest, record: RequestRecord, started: float,
+                 directives: CacheDirectives = CacheDirectives()):
         self.governor, self.request, self.record, self.started = governor, request, record, started
+        self.directives = directives
+        self.cache_status: str | None = None  # RFC 9211 Cache-Status, once the cache was consulted
+        self.lookup_ms: float | None = None
         self.budget_tokens: int | None = None
         self.plan: Plan | None = None
         self.price: Price | None = None
@@ -141,8 +154,9 @@ class Turn:
 
     @property
     def headers(self) -> dict[str, str]:
-        """Response headers: the request id, and the plan's price once it is routed."""
-        return {"X-Request-Id": self.record.request_id, **(self.price.headers() if self.price else {})}
+        """Response headers: the request id, the plan's price once it is routed, the cache's verdict once asked."""
+        status = {"Cache-Status": self.cache_status} if self.cache_status else {}
+        return {"X-Request-Id": self.record.request_id, **(self.price.headers() if self.price else {}), **status}
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -179,8 +193,18 @@ class Turn:
         governor = self.governor
         check_budget(self.price, self.budget_tokens)
         self.keys = governor.cache.keys(self.plan, sampling, self.record.task_type, self.record.tenant)
-        hit = await governor.cache.lookup(self.keys, self.plan.query_embedding) if self.keys else None
-        governor.metrics.response_cache.inc(result=hit.level.value if hit else "miss" if self.keys else "bypass")
+        hit, self.lookup_ms = None, None
+        if self.keys is None:
+            result, self.cache_status = "bypass", "qvpic; fwd=bypass"  # nothing cacheable: no level on, or sampled
+        elif not self.directives.lookup:
+            result, self.cache_status = "no_cache", "qvpic; fwd=request"  # the client asked for a computed answer
+        else:
+            started = time.perf_counter()
+            hit = await governor.cache.lookup(self.keys, self.plan.query_embedding)
+            self.lookup_ms = (time.perf_counter() - started) * 1e3
+            result = hit.level.value if hit else "miss"
+            self.cache_status = f"qvpic; hit; detail={result}" if hit else "qvpic; fwd=uri-miss"
+        governor.metrics.response_cache.inc(result=result)
         if hit is not None:
             return self._from_cache(hit)
         cost = self.price.context_tokens + self.price.query_tokens + sampling.max_new_tokens
@@ -188,18 +212,27 @@ class Turn:
         return None
 
     def _from_cache(self, hit: CacheHit) -> Answer:
-        """The cached answer with this request's own timings: routed, then nothing loaded or computed."""
-        timings = Timings(route_ms=self.plan.route_ms, load_ms=0.0, render_ms=0.0, reanchor_ms=0.0, prefill_ms=0.0,
-                          decode_ms=0.0, total_ms=0.0)
+        """The cached answer with this request's own timings: routed and looked up; no model phase ran, so
+        none is reported (null, not a 0 that would read as a measurement). Its latency is `total_ms`."""
+        timings = Timings(route_ms=self.plan.route_ms, load_ms=None, render_ms=None, queue_ms=None,
+                          reanchor_ms=None, prefill_ms=None, decode_ms=None, total_ms=0.0)
         report = hit.answer.report.model_copy(update={
-            "timings": timings, "cache": CacheReport(hits=0, misses=0, nbytes_from_store=0),
-            "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity)})
+            "timings": timings, "cache": CacheReport(hits=0, misses=0, nbytes_from_store=0), "cache_hit": True,
+            "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity,
+                                                  lookup_ms=self.lookup_ms)})
         return Answer(hit.answer.text, report)
+
+    def _computed(self, answer: Answer) -> Answer:
+        """A computed answer, with the time its response-cache lookup (a miss) took, if there was one."""
+        if self.lookup_ms is None:
+            return answer
+        report = answer.report.model_copy(update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)})
+        return Answer(answer.text, report)
 
     async def generate(self, backend: Backend, sampling: Sampling, hit: Answer | None,
                        timeout_s: float | None = None) -> Answer:
         if hit is None:
-            answer = await backend.generate(self.plan, sampling, timeout_s)
+            answer = self._computed(await backend.generate(self.plan, sampling, timeout_s))
             await self._fill(answer)
         else:
             answer = hit
@@ -215,6 +248,7 @@ class Turn:
                     self.ttft_ms = self._elapsed_ms() if self.ttft_ms is None else self.ttft_ms
                 else:
                     if hit is None:
+                        event = self._computed(event)
                         await self._fill(event)
                     self.finish(200, event)
                 yield event
@@ -225,7 +259,7 @@ class Turn:
             self.finish(CLIENT_CLOSED)  # only if nothing above finished it: the client stopped reading
 
     async def _fill(self, answer: Answer) -> None:
-        if self.keys is not None:
+        if self.keys is not None and self.directives.store:
             await self.governor.cache.store(self.keys, answer, self.plan.query_embedding)
 
     def finish(self, status: int, answer: Answer | None = None) -> None:
@@ -252,7 +286,8 @@ class Turn:
         record.text_tokens, record.query_tokens = usage.context_text_tokens, usage.query_tokens
         record.completion_tokens, record.kv_loaded_bytes = usage.completion_tokens, report.cache.nbytes_from_store
         # unstreamed: the generator's decode time is what came after the first token
-        record.ttft_ms = self.ttft_ms if self.ttft_ms is not None else record.total_ms - report.timings.decode_ms
+        decode_ms = report.timings.decode_ms or 0.0  # null on a response-cache hit
+        record.ttft_ms = self.ttft_ms if self.ttft_ms is not None else record.total_ms - decode_ms
         cache = "hit" if level else "miss"
         metrics.ttft_ms.observe(record.ttft_ms, mode=mode, cache=cache)
         metrics.latency_ms.observe(record.total_ms, mode=mode, cache=cache)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -30,9 +29,6 @@ from serve.reload import LeaseKeeper
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
          torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
 _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
-# Arrays arriving through Ray's object store (and LRU-shared ones) are read-only; assembly only reads
-# them, so torch's warning about wrapping them is noise. Process-wide: catch_warnings is not thread-safe.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 def to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, DType]:
@@ -43,8 +39,13 @@ def to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, DType]:
 
 
 def from_wire(array: np.ndarray, dtype: DType) -> torch.Tensor:
-    """A tensor over `array`'s memory, no copy."""
-    return torch.from_numpy(array).view(_TORCH[dtype])
+    """A tensor over `array`'s memory, no copy; read it, never write it.
+
+    Arrays that arrive through Ray's object store, and those the LRU shares between requests, are
+    read-only, and assembly only reads them. DLPack carries that read-only flag across (numpy >= 2.1),
+    so the tensor is made without `torch.from_numpy`'s warning about non-writable arrays and without
+    copying a context's worth of KV per request."""
+    return torch.from_dlpack(array).view(_TORCH[dtype])
 
 
 class ByteLRU:

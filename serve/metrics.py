@@ -99,7 +99,8 @@ class ServeMetrics:
                                     "length, cancelled (client gone), deadline or failed", "end")
         self.tier_fallbacks = counter("qvpic_tier_fallbacks", "Chunks served from a lower tier than planned")
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
-                                      "(l1/l2/l3 hit, miss, or bypass for sampled requests)", "result")
+                                      "(l1/l2/l3 hit, miss, bypass: nothing cacheable, e.g. sampled; no_cache: the "
+                                      "request's Cache-Control asked for a computed answer)", "result")
         self.budget_rejections = counter("qvpic_budget_rejections", "Requests over their context-token budget (413)")
         self.rate_limit_rejections = counter("qvpic_rate_limit_rejections", "Requests over a tenant rate (429)",
                                              "limit")

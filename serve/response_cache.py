@@ -16,6 +16,10 @@ and before any KV is loaded:
 Tenants share entries (they share the store) unless `per_tenant` puts the tenant in every key.
 Lookup order l1 → l3 → l2. Sampled requests (temperature > 0 and no seed) are neither served nor
 stored; neither are answers that needed a tier fallback (a degraded context should not outlive the fix).
+A request steers the cache with HTTP's `Cache-Control` (RFC 9111): `no-cache` (or `max-age=0`, or
+`Pragma: no-cache`) is never answered from the cache — the model computes it, and the fresh answer
+replaces the stored one; `no-store` keeps its answer out of the cache. Benchmarks and the demo send
+`no-cache`, so that what they time is model work.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import struct
 import time
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -166,6 +170,24 @@ class RedisBackend:
             pipe.execute()
 
         await self.redis.call(self.USE, run)
+
+
+@dataclass(frozen=True)
+class CacheDirectives:
+    """What a request's `Cache-Control` (or HTTP/1.0 `Pragma`) header asks of the response cache."""
+
+    lookup: bool = True  # False: compute the answer even when one is stored
+    store: bool = True  # False: do not keep this request's answer
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> CacheDirectives:
+        values = headers.getlist("cache-control") if hasattr(headers, "getlist") else [headers.get("cache-control", "")]
+        directives = {part.split("=", 1)[0].strip().lower(): part.partition("=")[2].strip().strip('"')
+                      for value in values for part in value.split(",") if part.strip()}
+        no_cache = "no-cache" in directives or directives.get("max-age") == "0"
+        if not directives and "no-cache" in headers.get("pragma", "").lower():
+            no_cache = True  # RFC 9111 §5.4: Pragma counts only without Cache-Control
+        return cls(lookup=not no_cache, store="no-store" not in directives)
 
 
 def normalise_query(query: str) -> str:

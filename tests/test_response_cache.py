@@ -13,7 +13,7 @@ from schemas.api import ResponseCacheLevel
 from serve.app import AppArgs, api_settings, make_api
 from serve.backend import InProcessBackend
 from serve.governance import Governor
-from serve.response_cache import MemoryBackend, Put, RedisBackend, ResponseCacheArgs
+from serve.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend, ResponseCacheArgs
 from serve.shared_state import RedisConnection, SharedStateUnavailable
 from tests.fixtures_redis import redis_url, start_redis  # noqa: F401  (fixture)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
@@ -25,12 +25,16 @@ QUERY = "When does part XK-4471-B ship?"
 BACKENDS = ["memory", "redis"]
 
 
-def ask(app, headers: dict | None = None, **fields) -> dict:
+def answer(app, headers: dict | None = None, **fields):
     body = {"query": QUERY, "chunk_ids": ["invoices#00000", "manual#00001"], "mode": "qvpic", "tau": 0.0,
             "max_new_tokens": 4, **fields}
     response = call(app, "POST", "/v1/answer", json=body, headers=headers or {})
     assert response.status_code == 200, response.text
-    return response.json()
+    return response
+
+
+def ask(app, headers: dict | None = None, **fields) -> dict:
+    return answer(app, headers, **fields).json()
 
 
 def level(reply: dict) -> str | None:
@@ -56,14 +60,19 @@ def test_l1_exact_hits_do_no_model_work(roles, serving_store, redis_url, backend
     assert level(first) is None and level(hit) == "l1" and hit["answer"] == first["answer"]
     assert hit["usage"] == first["usage"] and hit["chunks"] == first["chunks"]
     assert hit["cache"] == {"device_hits": 0, "hits": 0, "misses": 0, "nbytes_from_store": 0}
-    assert hit["timings"]["prefill_ms"] == hit["timings"]["decode_ms"] == hit["timings"]["load_ms"] == 0
+    # a hit says so, and reports no model phase rather than a 0 that would read as a measurement
+    assert hit["cache_hit"] is True and first["cache_hit"] is False
+    assert {k: v for k, v in hit["timings"].items() if v is None} == {
+        phase: None for phase in ("load_ms", "render_ms", "queue_ms", "reanchor_ms", "prefill_ms", "decode_ms")}
+    assert hit["timings"]["total_ms"] > 0 and hit["response_cache"]["lookup_ms"] > 0
+    assert first["timings"]["prefill_ms"] > 0 and first["response_cache"]["lookup_ms"] > 0  # a miss was looked up
     assert metric(app, "qvpic_response_cache_total", result="l1") - before == 1
     assert level(ask(app, query=query, max_new_tokens=5)) is None  # other sampling: another key
     assert level(ask(app, query=query, tau=1.0)) is None  # other tiers: another context
     streamed = call(app, "POST", "/v1/answer", json={"query": query, "chunk_ids": ["invoices#00000", "manual#00001"],
                                                      "tau": 0.0, "max_new_tokens": 4, "stream": True})
     *deltas, done = [json.loads(e) for e in sse_events(streamed.text)]
-    assert done["response"]["response_cache"]["level"] == "l1"
+    assert done["response"]["response_cache"]["level"] == "l1" and done["response"]["cache_hit"] is True
     assert "".join(d["text"] for d in deltas) == first["answer"]
 
 
@@ -74,6 +83,56 @@ def test_per_tenant_caches_keep_tenants_apart(roles, serving_store, redis_url):
         ask(app, query=f"{query} {per_tenant}", headers={"X-Tenant": "acme"})
         assert level(ask(app, query=f"{query} {per_tenant}", headers={"X-Tenant": "globex"})) == second
         assert level(ask(app, query=f"{query} {per_tenant}", headers={"X-Tenant": "acme"})) == "l1"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_control_no_cache_computes_and_no_store_keeps_out(roles, serving_store, redis_url, backend):
+    app, _ = cache_app(roles, serving_store, redis_url, backend)
+    query = fresh_query()
+    before = metric(app, "qvpic_response_cache_total", result="no_cache")
+    kept_out = answer(app, {"Cache-Control": "no-store"}, query=query)
+    assert kept_out.headers["Cache-Status"] == "qvpic; fwd=uri-miss"
+    assert not kept_out.json()["cache_hit"] and level(ask(app, query=query)) is None  # no-store: nothing kept
+    assert level(ask(app, query=query)) == "l1"  # the plain request before stored it
+    for headers in ({"Cache-Control": "no-cache"}, {"Cache-Control": "max-age=0"}, {"Pragma": "no-cache"},
+                    {"Cache-Control": "no-store, No-Cache"}):
+        bypassed = answer(app, headers, query=query)
+        reply = bypassed.json()
+        assert bypassed.headers["Cache-Status"] == "qvpic; fwd=request", headers
+        assert not reply["cache_hit"] and level(reply) is None and reply["timings"]["prefill_ms"] > 0
+        assert reply["response_cache"]["lookup_ms"] is None  # not looked up at all
+    assert metric(app, "qvpic_response_cache_total", result="no_cache") - before == 4
+    hit = answer(app, {"Cache-Control": "max-age=60"}, query=query)  # other directives leave the cache on
+    assert hit.json()["cache_hit"] and hit.headers["Cache-Status"] == "qvpic; hit; detail=l1"
+    assert answer(app, {"Cache-Control": "no-cache", "Pragma": "x"}, query=query, temperature=0.5).headers[
+        "Cache-Status"] == "qvpic; fwd=bypass"  # sampled: never cacheable, whatever the request says
+
+
+def test_no_cache_on_the_openai_route_and_streams(roles, serving_store, redis_url):
+    app, _ = cache_app(roles, serving_store, redis_url, "memory")
+    query = fresh_query()
+    body = {"model": "qvpic", "messages": [{"role": "user", "content": query}], "max_tokens": 4, "temperature": 0,
+            "qvpic": {"chunk_ids": ["invoices#00000"]}}
+    first = call(app, "POST", "/v1/chat/completions", json=body).json()["qvpic"]
+    again = call(app, "POST", "/v1/chat/completions", json=body).json()["qvpic"]
+    computed = call(app, "POST", "/v1/chat/completions", json=body, headers={"Cache-Control": "no-cache"})
+    assert not first["cache_hit"] and again["cache_hit"] and again["timings"]["prefill_ms"] is None
+    assert not computed.json()["qvpic"]["cache_hit"] and computed.json()["qvpic"]["timings"]["prefill_ms"] > 0
+    assert computed.headers["Cache-Status"] == "qvpic; fwd=request"
+    streamed = call(app, "POST", "/v1/chat/completions", json={**body, "stream": True},
+                    headers={"Cache-Control": "no-cache"})
+    final = [json.loads(e) for e in sse_events(streamed.text) if e != "[DONE]"][-1]
+    assert not final["qvpic"]["cache_hit"] and final["qvpic"]["timings"]["prefill_ms"] > 0
+
+
+@pytest.mark.parametrize("headers, lookup, store", [
+    ({}, True, True), ({"cache-control": "no-cache"}, False, True), ({"cache-control": "NO-STORE"}, True, False),
+    ({"cache-control": 'max-age=0, no-store'}, False, False), ({"cache-control": "max-age=10"}, True, True),
+    ({"pragma": "no-cache"}, False, True), ({"pragma": "no-cache", "cache-control": "max-age=5"}, True, True),
+    ({"cache-control": " , private ,"}, True, True),
+])
+def test_cache_directives_follow_rfc_9111(headers, lookup, store):
+    assert CacheDirectives.of(headers) == CacheDirectives(lookup=lookup, store=store)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
