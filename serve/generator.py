@@ -154,7 +154,7 @@ class Generator:
     async def context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
         if plan.mode in ONLINE_MODES:
             return await self._online_context(plan)
-        query_ids = self.vlm.adapter.encode(plan.query) + self.vlm.adapter.turn_suffix_ids
+        query_ids = self.vlm.query_turn_ids(plan.query)
         if loaded is not None:  # given KV, used as it is: the hot tier is neither read nor filled
             loaded = await self._repaired(plan, loaded)
             chunks = [self._chunk(kv, copy=False) for kv in loaded.kvs]
@@ -268,7 +268,7 @@ class Generator:
             raise UnservableError(message) from error
 
     def query_tokens(self, query: str) -> int:
-        return len(self.vlm.adapter.encode(query)) + len(self.vlm.adapter.turn_suffix_ids)
+        return len(self.vlm.query_turn_ids(query))
 
     def _report(self, plan: Plan, context: Context, seq: Sequence) -> AnswerReport:
         chunks = []

@@ -161,11 +161,16 @@ class VLM:
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
         return assemble(self.prefix, moved, self.rotations, out)
 
+    def query_turn_ids(self, query: str) -> list[int]:
+        """The tokens prefilled online after the context: the query and the turn's closing (the one framing
+        that the batched engine, the full prefill and the query-only prefill all share)."""
+        return self.adapter.encode(query) + self.adapter.turn_suffix_ids
+
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
         """Prefill only the query turn on top of an assembled context (logits of its last token, or all)."""
         cache = DynamicCache(ddp_cache_data=[(k.to(self.dtype), v.to(self.dtype)) for k, v in context.layers])
-        ids = self.adapter.encode(query) + self.adapter.turn_suffix_ids
+        ids = self.query_turn_ids(query)
         return self._forward(torch.tensor([ids], device=self.device), cache, context.next_position,
                              logits_to_keep=0 if all_logits else 1)
 
@@ -181,7 +186,7 @@ class VLM:
                 ids += page_ids
                 pixel_list.append(pixel_values)
                 grid_list.append(grids)
-        ids += self.adapter.encode(query) + self.adapter.turn_suffix_ids
+        ids += self.query_turn_ids(query)
         input_ids = torch.tensor([ids], device=self.device)
         pixel_values = torch.cat(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None
