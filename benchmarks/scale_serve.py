@@ -2,16 +2,22 @@
 over synthetic stores of 10^4 .. 10^6 chunks (the serving half of the scale benchmark).
 
 Each store is written through the Store API (chunk and index tables; every entry points at one real
-shard, since routing never reads KV) with unit-norm embeddings drawn at random — the hardest case for
-an approximate index: random vectors have no neighbourhoods — or `--distribution clustered` (topics
-with members around them, like a real embedding model's). The job-side step, `publish_generation`,
-is timed; then a fresh process starts a Router on the store and measures, one after the other:
-start-up, RSS, route p50/p99 (retrieval + placement for an embedded query; query embedding timed
-separately), a hot-reload switch (a generation published under the running router), and recall@8
-of its retrieval against exact float16 search.
+shard, since routing never reads KV) with unit-norm embeddings of one `--distribution`:
+- random: drawn uniformly on the sphere, queried by random unit vectors; the hardest case for an
+  approximate index (no neighbourhoods), so the exhaustive scan is what serves them;
+- clustered: topics with members around them;
+- realistic: real sentences embedded with the serving embedder, synthesised to N rows along their
+  neighbourhoods, queried by held-out real sentences (benchmarks/realistic_vectors.py): the case an
+  approximate index's recall is measured on honestly.
+The job-side step, `publish_generation`, runs in a process of its own (time and peak RSS); then a
+fresh process starts a Router on the store and measures, one after the other: start-up, RSS, route
+p50/p99 (retrieval + placement for an embedded query; query embedding timed separately), a
+hot-reload switch (a generation published under the running router), and recall@8 of its retrieval
+against exact float16 search.
 
-    python -m benchmarks.scale_serve                 # 10k, 100k, 1M
+    python -m benchmarks.scale_serve                 # 10k, 100k, 1M; random
     python -m benchmarks.scale_serve --quick         # 10k, 100k
+    python -m benchmarks.scale_serve --sizes 1000000 --distribution random realistic
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ CHUNKS_PER_DOC = 10
 PART_ROWS = 250_000
 QUERIES = 300
 RECALL_QUERIES = 100
+REALISTIC_BASE = 5_000  # real sentences the realistic rows are synthesised around (embedded once, cached)
+QUERY_FILE = "bench-queries.npy"  # beside the store: the queries a realistic store is measured with
 
 
 def unit_rows(rng: np.random.Generator, n: int, distribution: str, centres: np.ndarray | None) -> np.ndarray:
@@ -44,8 +52,9 @@ def unit_rows(rng: np.random.Generator, n: int, distribution: str, centres: np.n
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -> None:
-    """A store of `num_chunks` chunks (3 entries each) written in parts, never whole in memory."""
+def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -> dict:
+    """A store of `num_chunks` chunks (3 entries each) written in parts, never whole in memory; returns
+    what the distribution's statistics say (realistic only)."""
     from pipeline.embed import Embedder
     from pipeline.ingest import new_manifest
     from pipeline.store import Store
@@ -60,12 +69,21 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
     shard = store.write_shard({"kv": torch.zeros(2, 2, 1, 4, 8)})[0]
     rng = np.random.default_rng(seed)
     centres = unit_rows(rng, max(num_chunks // 50, 1), "random", None)
+    synth, stats = None, {}
+    if distribution == "realistic":
+        from benchmarks.realistic_vectors import Synthesizer, embedded, statistics
+
+        base, queries, _ = embedded(REALISTIC_BASE, QUERIES + 20)
+        np.save(root.parent / f"{root.name}-{QUERY_FILE}", queries)
+        synth = Synthesizer(base)
+        sample = synth.rows(min(num_chunks, REALISTIC_BASE), np.random.default_rng(seed + 1))
+        stats = {"synthetic": statistics(queries, sample), "real": statistics(queries, base)}
     slots = [("low", Variant.TEMPLATE, 64, 30), ("high", Variant.TEMPLATE, 176, 50), (None, Variant.TEXT, 40, 40)]
     for start in range(0, num_chunks, PART_ROWS):
         ids = np.arange(start, min(start + PART_ROWS, num_chunks))
         texts = [f"synthetic chunk {i} of document {i // CHUNKS_PER_DOC}" for i in ids]
         keys = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
-        vectors = unit_rows(rng, len(ids), distribution, centres)
+        vectors = synth.rows(len(ids), rng) if synth else unit_rows(rng, len(ids), distribution, centres)
         store.publish_chunks(pa.table({
             "chunk_id": [f"doc{i // CHUNKS_PER_DOC:07d}#{i % CHUNKS_PER_DOC:05d}" for i in ids],
             "doc_id": [f"doc{i // CHUNKS_PER_DOC:07d}" for i in ids],
@@ -92,12 +110,28 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
                 "nbytes": pa.array(np.full(n, shard.nbytes), pa.int64()), "checksum": [shard.checksum] * n}))
         # one part with every slot: schemas/store.py's tier rule rejects a part of text entries alone
         store.publish_index(pa.concat_tables(tables))
+    return stats
 
 
 def rss_mib() -> dict[str, float]:
+    """This process's resident memory now, and its peak (VmHWM: unlike ru_maxrss, not inherited from the
+    parent that forked it)."""
     fields = {line.split(":")[0]: float(line.split()[1]) / 1024 for line in open("/proc/self/status")
-              if line.startswith(("VmRSS", "RssAnon", "RssFile"))}
-    return {"rss": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"]}
+              if line.startswith(("VmRSS", "RssAnon", "RssFile", "VmHWM"))}
+    return {"rss": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"], "peak": fields["VmHWM"]}
+
+
+def publish(uri: str, job_id: str) -> dict:
+    """Runs in a fresh process: the job's last step, its time and its peak resident memory."""
+    from pipeline.generations import publish_generation
+    from pipeline.store import Store
+
+    before = rss_mib()["rss"]
+    started = time.perf_counter()
+    record = publish_generation(Store.open(uri), job_id)
+    return {"publish_s": time.perf_counter() - started, "rss_before_mib": before,
+            "peak_rss_mib": rss_mib()["peak"],
+            "build_s": record.search.build_s}
 
 
 def measure(uri: str, seed: int = 1) -> dict:
@@ -118,7 +152,8 @@ def measure(uri: str, seed: int = 1) -> dict:
     out = {"import_s": imported - started, "startup_s": ready - imported, "rss_startup": rss_mib(),
            "search": router.snapshot.catalog.vectors.info.model_dump(mode="json")}
     rng = np.random.default_rng(seed)
-    queries = unit_rows(rng, QUERIES + 20, "random", None)
+    held_out = Path(uri).parent / f"{Path(uri).name}-{QUERY_FILE}"
+    queries = np.load(held_out, allow_pickle=False) if held_out.exists() else unit_rows(rng, QUERIES + 20, "random", None)
     request = AnswerRequest(query="What does the synthetic chunk say?", top_k=8)
     times = []
     for i, query in enumerate(queries):
@@ -143,7 +178,7 @@ def measure(uri: str, seed: int = 1) -> dict:
     # from the record's `published_at` (just before the pointer moved) until the router served it
     out["switch"] = {"switch_s": router.watcher.last_switch_s, "current": current_generation_number(store)}
     snapshot = router.snapshot
-    probe = unit_rows(rng, RECALL_QUERIES, "random", None)
+    probe = queries[:RECALL_QUERIES] if held_out.exists() else unit_rows(rng, RECALL_QUERIES, "random", None)
     found = np.stack([snapshot.catalog.vectors.search(q, 8)[0] for q in probe])
     truth = exact_top_k(snapshot.catalog.vectors.embeddings, probe, 8)
     out["recall_at_8"] = recall_at_k(found, truth)
@@ -157,11 +192,10 @@ def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
 
     root = work / f"store-{distribution}-{num_chunks}"
     t = time.perf_counter()
-    write_store(root, num_chunks, distribution)
+    stats = write_store(root, num_chunks, distribution)
     written = time.perf_counter() - t
-    t = time.perf_counter()
-    record = publish_generation(Store.open(str(root)), "bench")
-    publish_s = time.perf_counter() - t
+    published = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.scale_serve", "--publish", str(root)],
+                                          check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1])
     t = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.scale_serve", "--child", str(root)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -177,42 +211,62 @@ def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
     if child.wait() != 0:
         raise RuntimeError(f"the measuring process failed with exit code {child.returncode}")
     result = json.loads(output.strip().splitlines()[-1])
-    result.update(num_chunks=num_chunks, distribution=distribution, write_s=written, publish_s=publish_s,
-                  republish_s=republish_s, process_s=time.perf_counter() - t, build_s=record.search.build_s)
+    result.update(num_chunks=num_chunks, distribution=distribution, write_s=written, **published,
+                  republish_s=republish_s, process_s=time.perf_counter() - t, statistics=stats)
     return result
 
 
 def section(results: list[dict]) -> str:
     rows = [[f"{r['num_chunks']:,}", r["distribution"], r["search"]["kind"] + (
         f" nprobe {r['search']['nprobe']}/{r['search']['num_lists']}" if r["search"]["kind"] == "ivf" else ""),
-        r["publish_s"], r["startup_s"], r["import_s"], r["route_ms"]["p50"], r["route_ms"]["p99"],
+        r["publish_s"], r["peak_rss_mib"], r["startup_s"], r["import_s"], r["route_ms"]["p50"], r["route_ms"]["p99"],
         r["embed_ms_p50"], r["rss_routed"]["rss"], r["rss_routed"]["anon"], r["recall_at_8"],
         r["switch"]["switch_s"] * 1e3] for r in results]
-    table = markdown_table(["chunks", "embeddings", "index", "publish s (job step)", "router start-up s",
+    table = markdown_table(["chunks", "embeddings", "index", "publish s (job step)", "publish peak RSS MiB",
+                            "router start-up s",
                             "imports s", "route p50 ms", "route p99 ms", "embed p50 ms", "router RSS MiB",
                             "of it anonymous", "recall@8", "switch ms"], rows)
     reasons = "\n".join(f"- {r['num_chunks']:,} {r['distribution']}: {r['search']['reason']}" for r in results)
+    stats = "\n".join(
+        f"- {r['num_chunks']:,}: query to nearest / 8th nearest / random row, synthetic rows "
+        f"{s['synthetic']['nn1']:.3f} / {s['synthetic']['nn8']:.3f} / {s['synthetic']['random']:.3f}, the real "
+        f"sentences {s['real']['nn1']:.3f} / {s['real']['nn8']:.3f} / {s['real']['random']:.3f}"
+        for r in results if (s := r.get("statistics")))
     return (f"{table}\n\nRoute = retrieval + placement for an embedded query (top-8, qvpic), after 20 warm-up "
             "queries; the query embedding (MiniLM, one query) is timed apart. Start-up = `Router(...)` in a fresh "
-            "process (tokenizer, embedder, the generation's memory-mapped catalog and index), imports apart. RSS "
-            "after the routes; file-backed pages (the mapped index) are the rest. Switch = from the end of a publish "
+            "process (tokenizer, embedder, the generation's catalog and index opened), imports apart. Publish runs "
+            "in a process of its own; its peak RSS (VmHWM) includes the imports (~280 MiB). Router RSS after the routes; "
+            "file-backed pages (the mapped index) are the rest. Switch = from the end of a publish "
             "(a job's last step) until the running router serves the new generation (poll 50 ms). Recall@8 against exact float16 search on "
-            f"{RECALL_QUERIES} random unit queries.\n\nIndex choice per store:\n{reasons}\n")
+            f"{RECALL_QUERIES} queries (random unit vectors; held-out real sentences for realistic stores)."
+            f"\n\nIndex choice per store:\n{reasons}\n"
+            + (f"\nRealistic rows against real text (mean cosines of held-out sentence queries):\n{stats}\n"
+               if stats else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10k and 100k chunks only")
     parser.add_argument("--sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--distribution", choices=["random", "clustered"], nargs="+", default=["random"])
+    parser.add_argument("--distribution", choices=["random", "clustered", "realistic"], nargs="+",
+                        default=["random"])
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--publish", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help="print results, leave docs/BENCHMARKS.md alone")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child)))
         return 0
+    if args.publish:
+        print(json.dumps(publish(args.publish, "bench")))
+        return 0
     sizes = args.sizes or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
     results = []
+    # one section per set of distributions: the random-vector run and an ANN-recall run keep their own
+    others = [d for d in args.distribution if d != "random"]
+    key = "-".join(["scale-serve", *others])
+    title = "Serving at scale: start-up, routing, memory, recall, hot reload" + (
+        f" ({', '.join(args.distribution)} embeddings)" if others else "")
     with tempfile.TemporaryDirectory(prefix="qvpic-scale-serve-") as work:
         for distribution in args.distribution:
             for size in sizes:
@@ -221,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 body = section(results)  # written after every size: a long run keeps what it measured
                 if not args.no_write:
                     command = "python -m benchmarks.scale_serve " + " ".join(argv if argv is not None else sys.argv[1:])
-                    write_section("scale-serve", "Serving at scale: start-up, routing, memory, recall, hot reload",
-                                  command.strip(), body)
+                    write_section(key, title, command.strip(), body)
     print(body)
     return 0
 

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks import ttft_http, ttft_store
 from benchmarks.report import markdown_table, write_section
-from jobs.evaluate import InProcessAnswerer
+from jobs.eval_serving import InProcessAnswerer
 from pipeline.runtime.model import resolve_device
 from pipeline.store import Store
 from schemas.api import AnswerRequest

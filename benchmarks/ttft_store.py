@@ -1,7 +1,7 @@
 """A benchmark store built in-process by the real ingest stages (chunk → render → compile → embed →
 publish) without Ray: no cluster to start, so it also runs as-is on a bare GPU machine.
 
-The chunks are consecutive pieces of one synthetic fine-evidence document (`pipeline.synthetic`), one
+The chunks are consecutive pieces of one synthetic fine-evidence document (`pipeline.eval.synthetic`), one
 document per chunk so that a request can name any prefix of them; the chunk holding the evidence of
 the document's question is moved to second place, so every request from 2 chunks up contains it.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pipeline.compile import ERROR, IMAGE_PATH, SLOTS, CompilePlan, CompileStage, RenderStage, slots_json
 from pipeline.embed import Embedder
 from pipeline.ingest import ChunkStage, IngestConfig, entry_slots, open_store
-from pipeline.synthetic import evidence_chunks, generate
+from pipeline.eval.synthetic import evidence_chunks, generate
 from schemas.config import ModelSpec, RenderSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec

@@ -39,6 +39,8 @@ SUITES: tuple[Suite, ...] = (
     Suite("render", "benchmarks.render_throughput", "renderer pages/s per DPI and script", ()),
     Suite("governance", "benchmarks.governance", "tenant quotas, cost accounting and admission overheads", None),
     Suite("load", "benchmarks.load", "concurrent load on the Serve app: throughput, latency, failures", None),
+    Suite("fidelity", "benchmarks.fidelity", "fidelity to full prefill: template vs prefix-free vs dummy prefix",
+          None),
 )
 BY_NAME = {s.name: s for s in SUITES}
 

@@ -39,12 +39,17 @@ def render_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", nargs="+", default=["low=72", "high=120"], help="NAME=DPI …")
     parser.add_argument("--font-size-pt", type=float, default=RenderSpec().font_size_pt)
     parser.add_argument("--line-height-pt", type=float, default=RenderSpec().line_height_pt)
+    parser.add_argument("--font", action="append", dest="font_names", metavar="FILE",
+                        help="font file name or absolute path, tried in order per character (repeat for a "
+                             "fallback chain); e.g. Glyph's Verdana.ttf to match what a Glyph checkpoint was "
+                             f"trained on (default: {' '.join(RenderSpec().font_names)})")
 
 
 def render_spec(args: argparse.Namespace) -> RenderSpec:
     """The page layout the arguments name; unset ones keep RenderSpec's defaults."""
     fields = {"tiers": parse_tiers(args.tiers) if args.tiers else None, "font_size_pt": args.font_size_pt,
-              "line_height_pt": args.line_height_pt}
+              "line_height_pt": args.line_height_pt,
+              "font_names": tuple(args.font_names) if getattr(args, "font_names", None) else None}
     return RenderSpec(**{k: v for k, v in fields.items() if v is not None})
 
 

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
             model=None if args.model is None else ModelSpec(path=args.model, dtype=args.dtype, device=args.device,
                                                             revision=args.revision),
-            render=None if args.tiers is args.font_size_pt is args.line_height_pt is None else render_spec(args),
+            render=None if args.tiers is args.font_size_pt is args.line_height_pt is args.font_names is None
+            else render_spec(args),
             variants=None if args.variants is None else tuple(args.variants),
             resources=CompileResources(args.compile_workers, args.gpus_per_worker), orphan_grace_s=args.orphan_grace_s,
         )

@@ -102,11 +102,8 @@ class CompileStage:
         out = []
         for tier, variant_value in json.loads(row[SLOTS]):
             variant = Variant(variant_value)
-            if variant is Variant.TEXT:
-                out.append((None, variant, self.vlm.compile_text(row["text"]), []))
-                continue
-            pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier)]]
-            kv = self.vlm.compile_images(pages, with_template=variant is Variant.TEMPLATE)
+            pages = [Image.open(io.BytesIO(png)) for png in row[pages_column(tier)]] if tier is not None else []
+            kv = self.vlm.compile_variant(variant, row["text"], pages)
             out.append((tier, variant, kv, [[p.width, p.height] for p in pages]))
         return out
 
@@ -117,13 +114,12 @@ class CompileStage:
             # One shard per entry: a remote load fetches exactly the tier it serves, and a recompile
             # that replaces image entries leaves their old shards unreferenced, hence collectable.
             shard, = self.store.write_shard({f"{tier or 'text'}.{variant.value}": kv.kv})
-            merge2 = self.vlm.adapter.merge_size**2
             rows.append({
                 "chunk_key": row["chunk_key"], "tier": tier, "variant": variant.value,
                 "fingerprint": self.manifest.entry_fingerprint(variant, tier), "kind": kv.kind.value,
                 "num_tokens": kv.num_tokens, "position_span": kv.position_span, "compile_start": kv.compile_start,
                 "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes,
-                "vision_tokens": sum(t * h * w // merge2 for t, h, w in kv.grid_thw),
+                "vision_tokens": kv.vision_tokens,
                 **shard.index_fields(),
             })
         self.store.publish_index(rows)  # after the shard exists

@@ -22,18 +22,20 @@ import json
 import shutil
 import time
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from pipeline.catalog import (
-    ENTRIES, SEARCH, catalog_order, chunks_digest, current_entries, table_digest, write_chunks_dir,
-    write_entries_dir,
-)
+from pipeline.catalog import CATALOG, COUNTS, ENTRIES, SEARCH
+from pipeline.catalog_writer import parts_digest, table_parts, write_chunks_dir, write_entries_dir
 from pipeline.serving_blobs import (
     COMPLETE, STAGING_PREFIX, abs_path, is_complete, publish_dir, read_json, staging_dir, write_json,
 )
 from pipeline.store import Store
+from schemas.config import Variant
 from schemas.generation import (
     CHUNKS_DIR, CURRENT, ENTRIES_DIR, GENERATIONS_DIR, LEASES_DIR, SERVING_DIR, Generation, Lease, SearchInfo,
     SearchSpec, generation_path,
@@ -41,6 +43,7 @@ from schemas.generation import (
 from schemas.store import Manifest
 
 STAGING_GRACE_S = 3600.0  # staging dirs older than this were left by a crashed job
+_PART_RETRIES = 5
 
 
 # ---- generations ---------------------------------------------------------------------------------
@@ -69,40 +72,73 @@ def list_generations(store: Store) -> list[int]:
 
 def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec()) -> Generation:
     """Snapshot what `store` serves now into a new generation and make it current; then collect the
-    generations no live service needs. Chunk snapshots (and their vector index) are reused when the
-    chunk table is unchanged, so a recompile rebuilds only the entry table."""
+    generations no live service needs. Snapshots are streamed from the table parts (memory holds one
+    bucket of rows at any store size) and reused while the parts are unchanged, so a recompile rebuilds
+    only the entry table, and a rerun that changed nothing rebuilds nothing."""
     manifest = store.load_manifest_or_raise()
-    chunks = store.chunks()
-    order = catalog_order(chunks)
-    digest = chunks_digest(chunks, order, manifest.embedder)
-    chunks_rel = f"{CHUNKS_DIR}/{digest}"
-    if not is_complete(store, chunks_rel):
-        staging = staging_dir(store)
+    for attempt in range(_PART_RETRIES):
         try:
-            write_chunks_dir(chunks, order, manifest.embedding_dim, spec, staging)
-            publish_dir(store, staging, chunks_rel)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            chunks_rel, chunk_counts = _chunks_snapshot(store, manifest, spec)
+            entries_rel, entry_counts = _entries_snapshot(store, manifest, chunks_rel)
+            break
+        except FileNotFoundError:  # a compaction replaced a part while it was read: list the parts again
+            if attempt == _PART_RETRIES - 1:
+                raise
     search = SearchInfo.model_validate(read_json(store, f"{chunks_rel}/{SEARCH}"))
-    entries = current_entries(store.index(), lambda tier, variant: served_fingerprint(manifest, tier, variant))
-    entries_rel = f"{ENTRIES_DIR}/{table_digest(entries, digest)}"
-    if not is_complete(store, entries_rel):
-        staging = staging_dir(store)
-        try:
-            keys = chunks["chunk_key"].take(order).to_numpy(zero_copy_only=False)
-            write_entries_dir(entries, keys, staging)
-            publish_dir(store, staging, entries_rel)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     number = max([current_generation_number(store) or 0, *list_generations(store)]) + 1
     record = Generation(
         generation=number, manifest=manifest, chunks_dir=chunks_rel, entries_dir=entries_rel,
-        num_chunks=chunks.num_rows, num_documents=pc.count_distinct(chunks["doc_id"]).as_py(),
-        num_entries=entries.num_rows, search=search, job_id=job_id, published_at=datetime.now(timezone.utc))
+        num_chunks=chunk_counts["num_chunks"], num_documents=chunk_counts["num_documents"],
+        num_entries=entry_counts["num_entries"], search=search, job_id=job_id, published_at=datetime.now(timezone.utc))
     write_json(store, generation_path(number), record.model_dump_json(indent=2))
     write_json(store, CURRENT, json.dumps({"generation": number}))  # the switch
     collect_generations(store)
     return record
+
+
+def _chunks_snapshot(store: Store, manifest: Manifest, spec: SearchSpec) -> tuple[str, dict]:
+    parts = table_parts(store, "chunks")
+    salt = f"{manifest.embedder}\n{manifest.embedding_dim}\n{spec.model_dump_json()}"
+    rel = f"{CHUNKS_DIR}/{parts_digest(parts, salt)}"
+
+    def write(out: Path) -> dict:
+        _, num_chunks, num_documents = write_chunks_dir(store, parts, manifest.embedding_dim, spec, out)
+        return {"num_chunks": num_chunks, "num_documents": num_documents}
+
+    return rel, _snapshot(store, rel, write)
+
+
+def _entries_snapshot(store: Store, manifest: Manifest, chunks_rel: str) -> tuple[str, dict]:
+    parts = table_parts(store, "index")
+    slots = [(tier, variant) for variant in Variant for tier in (None, *(t.name for t in manifest.tiers))]
+    served = sorted(f"{t} {v.value} {served_fingerprint(manifest, t, v)}" for t, v in slots)
+    rel = f"{ENTRIES_DIR}/{parts_digest(parts, chr(10).join([chunks_rel, *served]))}"
+
+    def write(out: Path) -> dict:
+        with contextlib.ExitStack() as stack:
+            source = stack.enter_context(store.fs.open_input_file(abs_path(store, f"{chunks_rel}/{CATALOG}")))
+            catalog = pa.ipc.open_file(source)
+            num_entries = write_entries_dir(store, parts, lambda t, v: served_fingerprint(manifest, t, v), catalog, out)
+        return {"num_entries": num_entries}
+
+    return rel, _snapshot(store, rel, write)
+
+
+def _snapshot(store: Store, rel: str, write: Callable[[Path], dict]) -> dict:
+    """Counts of snapshot dir `rel`, written first (into a local staging dir, published whole) unless a
+    complete one exists."""
+    if not is_complete(store, rel):
+        staging = staging_dir(store)
+        try:
+            counts = write(staging)
+            (staging / COUNTS).write_text(json.dumps(counts))
+            publish_dir(store, staging, rel)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    counts = read_json(store, f"{rel}/{COUNTS}")
+    if counts is None:
+        raise FileNotFoundError(f"snapshot {rel} of store {store.uri} has no {COUNTS}")
+    return counts
 
 
 def ensure_generation(store: Store, spec: SearchSpec = SearchSpec()) -> int:
@@ -145,16 +181,18 @@ def live_generations(store: Store, now: datetime | None = None) -> set[int]:
 
 
 def protected_shards(store: Store) -> set[str]:
-    """Shard paths (relative to the store root) that some live generation's entries point at."""
-    import pyarrow as pa
-
+    """Shard paths (relative to the store root) that some live generation's entries point at; the
+    entry tables are read one record batch and one column at a time."""
     shards: set[str] = set()
     for number in live_generations(store):
         with contextlib.suppress(FileNotFoundError):
             record = read_generation(store, number)
             with store.fs.open_input_file(abs_path(store, f"{record.entries_dir}/{ENTRIES}")) as f:
-                table = pa.ipc.open_file(f).read_all().select(["shard_path"])
-            shards.update(table["shard_path"].unique().to_pylist())
+                schema = pa.ipc.open_file(f).schema
+                only = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index("shard_path")])
+                reader = pa.ipc.open_file(f, options=only)
+                for i in range(reader.num_record_batches):
+                    shards.update(pc.unique(reader.get_batch(i)["shard_path"]).to_pylist())
     return shards
 
 

@@ -59,7 +59,7 @@ class IngestConfig:
     model: ModelSpec = ModelSpec()
     render: RenderSpec = RenderSpec()
     chunk_tokens: int = 512
-    variants: tuple[Variant, ...] = (Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT)
+    variants: tuple[Variant, ...] = tuple(Variant)  # every mode servable side by side (`qvpic ingest --variants`)
     resources: CompileResources = CompileResources()
     embedder_dir: str | None = None
     reader: ReaderSpec = ReaderSpec()
@@ -150,10 +150,12 @@ def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:
 
 
 def entry_slots(manifest: Manifest, variants: tuple[Variant, ...]) -> list[tuple[str | None, Variant]]:
-    """(tier, variant) of every KV entry a chunk needs: templated at every tier, plain at the lowest, text once."""
+    """(tier, variant) of every KV entry a chunk needs: templated pages at every tier, the baselines'
+    pages (plain, dummy prefix) at the lowest, each text variant once."""
     slots: list[tuple[str | None, Variant]] = []
+    lowest = manifest.render.lowest_tier.name
     for variant in variants:
-        tiers = {Variant.TEXT: [None], Variant.PLAIN: [manifest.render.lowest_tier.name]}.get(
+        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
             variant, [t.name for t in manifest.tiers])
         slots += [(tier, variant) for tier in tiers]
     return slots

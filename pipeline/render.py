@@ -173,7 +173,9 @@ class Renderer:
 
     @staticmethod
     def _normalize(text: str) -> str:
-        normalized = unicodedata.normalize("NFC", text)
+        # Glyph's renderer drops soft hyphens and zero-width spaces before layout; so do we (fonts that
+        # have a glyph for U+00AD would otherwise draw a visible hyphen mid-word).
+        normalized = unicodedata.normalize("NFC", text).replace("\xad", "").replace("\u200b", "")
         if not normalized.strip():
             raise RenderError("chunk text is empty or whitespace only; nothing to render")
         return normalized

@@ -113,6 +113,10 @@ class BudgetExceededError(TooLargeError):
         return {"min_context_tokens": self.min_context_tokens, "budget_tokens": self.budget_tokens}
 
 
+class UnknownTierError(UnknownIdsError):
+    """A `tier` the store does not have (the message names the ones it has)."""
+
+
 class UnservableError(ApiError):
     """The store lacks the KV entries a mode needs (not compiled, or every stored copy is corrupt)."""
 
@@ -170,6 +174,16 @@ class Routing(Strict):
     tau: JsonFloat | None = Field(None, ge=0.0, le=1.0,
                               description="cumulative relevance share promoted (server default when null)")
     max_high_res: JsonInt | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
+    tier: str | None = Field(None, pattern=r"^[a-z][a-z0-9_]{0,31}$",
+                             description="uniform modes (uniform, image_pic, image_pic_dummy): the tier of every "
+                             "chunk; routed modes (qvpic, full_image): the tier chunks are promoted to. Default: "
+                             "the mode's own (highest for uniform and routed modes, lowest for the image_pic ones)")
+
+    @model_validator(mode="after")
+    def _tier_fits_mode(self) -> Routing:
+        if self.tier is not None and not self.mode.takes_tier:
+            raise ValueError(f"mode {self.mode.value!r} takes no tier (uniform_high is uniform at the highest tier)")
+        return self
 
 
 class Attribution(Strict):
@@ -177,8 +191,25 @@ class Attribution(Strict):
                                     "cache answers a repeated task over the same chunks); else header X-Task-Type")
 
 
-class AnswerRequest(Selection, Routing, Attribution):
-    query: Query
+class Prompt(Strict):
+    """The text around the chunks. The router scores chunks against `query` alone; the model reads
+    `[chat prefix][instruction][chunks][query_prompt, or query if none][assistant header]`."""
+
+    query: Query = Field(description="the question: what relevance routing embeds, and, unless query_prompt is "
+                         "given, the text prefilled after the chunks")
+    instruction: str = Field("", max_length=MAX_QUERY_CHARS,
+                             description="prompt text before the chunks (e.g. a task instruction), prefilled online "
+                             "after the chat-template prefix; never routed, never a chunk")
+    query_prompt: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS,
+                                     description="text prefilled after the chunks in place of query, e.g. the "
+                                     "question wrapped in its answer cue; routing still uses query alone")
+
+    @property
+    def text_after_chunks(self) -> str:
+        return self.query if self.query_prompt is None else self.query_prompt
+
+
+class AnswerRequest(Selection, Routing, Attribution, Prompt):
     max_new_tokens: JsonInt = Field(64, ge=1, le=MAX_NEW_TOKENS)
     temperature: JsonFloat = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)

@@ -21,7 +21,7 @@ class ModelFamily(str, Enum):
     QWEN2_5_VL = "qwen2_5_vl"
     QWEN2_VL = "qwen2_vl"
     GLM4V = "glm4v"
-    LLAVA_ONEVISION = "llava_onevision"  # vision-token estimates only
+    LLAVA_ONEVISION = "llava_onevision"
 
 
 class DType(str, Enum):
@@ -35,23 +35,69 @@ class ChunkKind(str, Enum):
     TEXT = "text"
 
 
-class Variant(str, Enum):
-    """What one stored KV entry of a chunk is."""
+class CompilePrefix(str, Enum):
+    """What a chunk is compiled after; that prefix's KV is stripped before the chunk's is stored."""
 
-    TEMPLATE = "template"  # page image compiled under the chat-template prefix (qvpic)
-    PLAIN = "plain"  # page image compiled with no prefix at position 0 (plain image PIC baseline)
-    TEXT = "text"  # chunk source text compiled under the template prefix (text PIC baseline)
+    TEMPLATE = "template"  # the model's own chat-template prefix: what serving places before the chunks
+    NONE = "none"  # nothing: the chunk starts at position 0 (prefix-free PIC)
+    DUMMY = "dummy"  # as many arbitrary tokens as the template prefix has, drawn with DUMMY_PREFIX_SEED
+
+
+DUMMY_PREFIX_SEED = 0  # part of the dummy variant's entry fingerprint
+
+
+class Variant(str, Enum):
+    """What one stored KV entry of a chunk is: page images or source text, compiled after which prefix."""
+
+    TEMPLATE = "template"  # page images under the chat-template prefix (qvpic, uniform)
+    PLAIN = "plain"  # page images with no prefix, at position 0 (image PIC baseline)
+    DUMMY = "dummy"  # page images under a dummy prefix of the template's length (virtual-prefix baseline)
+    TEXT = "text"  # source text under the chat-template prefix (text PIC baseline)
+    TEXT_PLAIN = "text_plain"  # source text with no prefix (base text PIC)
+
+    @property
+    def kind(self) -> ChunkKind:
+        return ChunkKind.TEXT if self in (Variant.TEXT, Variant.TEXT_PLAIN) else ChunkKind.IMAGE
+
+    @property
+    def prefix(self) -> CompilePrefix:
+        return _VARIANT_PREFIX[self]
+
+
+_VARIANT_PREFIX = {Variant.TEMPLATE: CompilePrefix.TEMPLATE, Variant.PLAIN: CompilePrefix.NONE,
+                   Variant.DUMMY: CompilePrefix.DUMMY, Variant.TEXT: CompilePrefix.TEMPLATE,
+                   Variant.TEXT_PLAIN: CompilePrefix.NONE}
 
 
 class Mode(str, Enum):
-    """How the engine builds the context of a request; every mode is served side by side."""
+    """How the engine builds the context of a request; every mode is served side by side.
+
+    A mode is a choice of stored variant and of tiers (see serve/placement.py `PRICED_VARIANT`); the
+    uniform ones serve every chunk at one tier, the request's `tier` or the mode's default.
+    """
 
     FULL_TEXT = "full_text"  # prefill every chunk's text online
-    FULL_IMAGE = "full_image"  # encode every page online and prefill everything
-    TEXT_PIC = "text_pic"  # link cached text KV
-    IMAGE_PIC = "image_pic"  # link cached prefix-free low-tier image KV
-    UNIFORM_HIGH = "uniform_high"  # link cached templated high-tier image KV for every chunk
+    FULL_IMAGE = "full_image"  # encode every page online and prefill everything (qvpic's tiers, or one `tier`)
+    TEXT_PIC = "text_pic"  # link cached text KV compiled under the template prefix
+    TEXT_PIC_PLAIN = "text_pic_plain"  # link cached text KV compiled with no prefix
+    IMAGE_PIC = "image_pic"  # link cached prefix-free image KV, uniform (lowest tier by default)
+    IMAGE_PIC_DUMMY = "image_pic_dummy"  # link cached dummy-prefix image KV, uniform (lowest tier by default)
+    UNIFORM = "uniform"  # link cached templated image KV, every chunk at one tier (highest by default)
+    UNIFORM_HIGH = "uniform_high"  # `uniform` at the highest tier
     QVPIC = "qvpic"  # templated image KV, relevance-routed dual resolution
+
+    @property
+    def takes_tier(self) -> bool:
+        """Whether a request's `tier` applies: the tier of every chunk (uniform modes) or the promotion
+        target (routed modes). Text modes have no tiers; uniform_high's is fixed."""
+        return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC)
+
+
+class ScoreNormalisation(str, Enum):
+    """How the router turns cosine relevances into the shares that τ is compared against."""
+
+    LINEAR = "linear"  # negatives clipped to 0, then each score over their sum
+    SOFTMAX = "softmax"  # softmax of score / temperature: every chunk gets a share, sharper as T falls
 
 
 class Alignment(str, Enum):
@@ -69,7 +115,19 @@ DEFAULT_TIERS: tuple[TierSpec, ...] = (TierSpec(name="low", dpi=72), TierSpec(na
 
 
 class RenderSpec(Frozen):
-    """Page layout of rendered chunks. Defaults follow Glyph's public rendering configuration."""
+    """Page layout of rendered chunks. Defaults follow Glyph's public rendering configuration
+    (thu-coai/Glyph `config/config_en.json`: A4, 72 DPI, margins 10 pt, 9 pt font, leading 10 pt, left
+    aligned, width and last page auto-cropped, newlines as line breaks, soft hyphens and zero-width
+    spaces dropped), with these substitutions, each deliberate or unavoidable here:
+    - font: Glyph renders Verdana, a Microsoft core font that cannot be installed offline here nor
+      redistributed with qvpic; DejaVuSans (metrically close, humanist sans) stands in. A Glyph checkpoint
+      reads what it was trained on: point `font_names` (`--font`) at a Verdana.ttf, e.g. the one in
+      Glyph's repository (`config/Verdana.ttf`), first in the list;
+    - rasteriser: Pillow/FreeType with hinted advances instead of ReportLab → PDF → poppler, so glyph
+      anti-aliasing and line breaks can differ by a pixel or a word;
+    - crop margins scale with the tier's DPI (Glyph keeps 10 px at any DPI), so every tier is the same
+      page, only sharper; tabs expand to `tab_size_spaces` spaces (ReportLab collapses them).
+    """
 
     page_width_pt: float = Field(595.0, gt=0)  # A4
     page_height_pt: float = Field(842.0, gt=0)
@@ -77,7 +135,8 @@ class RenderSpec(Frozen):
     font_size_pt: float = Field(9.0, gt=0)
     line_height_pt: float = Field(10.0, gt=0)
     alignment: Alignment = Alignment.LEFT
-    # Tried in order per character; names are resolved against the system font directories.
+    # Tried in order per character; file names are resolved against the system font directories, absolute
+    # paths used as they are.
     font_names: tuple[str, ...] = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "NotoSansCJK-Regular.ttc")
     tab_size_spaces: int = Field(4, ge=1, le=16)
     crop: bool = True  # crop the unused right margin and the empty tail of the last page
@@ -137,10 +196,12 @@ class ModelSpec(Frozen):
 
 
 class RouterSpec(Frozen):
-    """Defaults of the relevance router; both can be overridden per request."""
+    """Defaults of the relevance router; τ and B can be overridden per request."""
 
     tau: float = Field(0.5, ge=0.0, le=1.0)  # cumulative relevance share that is promoted
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
+    normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR
+    temperature: float = Field(0.05, gt=0.0, le=10.0)  # of the softmax normalisation; unused by linear
 
 
 class EngineSpec(Frozen):

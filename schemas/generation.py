@@ -53,6 +53,8 @@ class SearchSpec(Frozen):
     calibrated on held-out queries to the smallest that reaches `target_recall` (recall@k against
     the flat scan); if that needs more than `max_scan_fraction` of the rows, the embeddings have no
     neighbourhood structure an IVF can use (random vectors, for one) and the flat index is kept.
+    Stores past `calibration_sample_rows` calibrate an IVF on a sample of that many rows first: if it
+    misses the target there even reading twice `max_scan_fraction`, the full IVF is never built.
     """
 
     ann_min_rows: int = Field(200_000, ge=1)
@@ -63,6 +65,7 @@ class SearchSpec(Frozen):
     num_calibration_queries: int = Field(256, ge=16)
     calibration_query_cosine: float = Field(0.5, gt=0.0, lt=1.0)  # how close a calibration query is to its chunk
     rerank_candidates: int = Field(64, ge=1)  # int8 candidates rescored in float16 (at least 8 x k)
+    calibration_sample_rows: int = Field(100_000, ge=1_000)  # calibrated first; rejected there: IVF never built
 
 
 class CalibrationPoint(Frozen):
@@ -75,6 +78,7 @@ class SearchInfo(Frozen):
     """What the job built, and what it measured."""
 
     kind: SearchKind
+    files: tuple[str, ...] = ()  # the index files in the chunks dir, in row order (flat: shards of rows)
     num_rows: int = Field(ge=0)
     dim: int = Field(gt=0)
     code_scale: float = Field(gt=0.0)  # int8 code = round(value * code_scale)
@@ -83,6 +87,7 @@ class SearchInfo(Frozen):
     recall_k: int = 8
     recall: float | None = None  # the chosen configuration's measured recall@k (None: flat, exhaustive)
     calibration: tuple[CalibrationPoint, ...] = ()
+    calibration_sample_rows: int | None = None  # the calibration ran on a sample of this many rows (None: all)
     build_s: float = 0.0
     reason: str = ""  # why this kind was chosen
 

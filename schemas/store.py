@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from schemas.config import ChunkKind, DType, Frozen, ModelFamily, RenderSpec, TierSpec, Variant
+from schemas.config import DUMMY_PREFIX_SEED, ChunkKind, CompilePrefix, DType, Frozen, ModelFamily, RenderSpec, TierSpec, Variant
 
 SCHEMA_VERSION = 1
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -42,7 +42,7 @@ CHUNKS_SCHEMA = pa.schema([
 
 INDEX_SCHEMA = pa.schema([
     pa.field("chunk_key", pa.string(), nullable=False),
-    pa.field("tier", pa.string(), nullable=True),  # null for the text variant
+    pa.field("tier", pa.string(), nullable=True),  # null for the text variants
     pa.field("variant", pa.string(), nullable=False),  # Variant value
     pa.field("fingerprint", pa.string(), nullable=False),  # entry fingerprint
     pa.field("kind", pa.string(), nullable=False),  # ChunkKind value
@@ -126,8 +126,9 @@ def check_index_rows(table: pa.Table) -> None:
     _require(_all_in(table["variant"], Variant), "index variant must be a Variant value")
     _require(_all_in(table["kind"], ChunkKind), "index kind must be a ChunkKind value")
     _require(_all_in(table["dtype"], DType), "index dtype must be a DType value")
-    is_text = pc.equal(table["variant"], Variant.TEXT.value)
-    _require(pc.all(pc.equal(is_text, pc.is_null(table["tier"]))), "tier must be null exactly for the text variant")
+    text_variants = pa.array([v.value for v in Variant if v.kind is ChunkKind.TEXT], pa.string())
+    is_text = pc.is_in(table["variant"], value_set=text_variants)
+    _require(pc.all(pc.equal(is_text, pc.is_null(table["tier"]))), "tier must be null exactly for the text variants")
     _require(_all_match(pc.drop_null(table["tier"]), TIER_NAME), "index tier is not a tier name")
     _require(_all_match(table["shard_path"], SHARD_PATH), "index shard_path must come from write_shard")
 
@@ -187,11 +188,14 @@ def model_fingerprint(model_id: str, revision: str, dtype: DType, template_prefi
 
 
 def entry_fingerprint(model_fp: str, variant: Variant, render: RenderSpec | None, tier: TierSpec | None) -> str:
-    """Fingerprint of one KV entry. Image variants depend on the page layout and the tier's DPI (not on
-    which other tiers exist, nor on the tier's name); the text variant ignores renderer and tier."""
+    """Fingerprint of one KV entry. Every variant has its own; image variants depend on the page layout
+    and the tier's DPI (not on which other tiers exist, nor on the tier's name); text variants ignore
+    renderer and tier; the dummy prefix's seed is part of what it was compiled after."""
     variant = Variant(variant)
     payload: dict[str, Any] = {"kind": "qvpic.entry", "model": model_fp, "variant": variant.value}
-    if variant is not Variant.TEXT:
+    if variant.prefix is CompilePrefix.DUMMY:
+        payload["dummy_prefix_seed"] = DUMMY_PREFIX_SEED
+    if variant.kind is ChunkKind.IMAGE:
         if render is None or tier is None:
             raise ValueError(f"variant {variant.value!r} needs a RenderSpec and a TierSpec to fingerprint")
         payload["render"] = render.model_dump(mode="json", exclude={"tiers"})
@@ -206,7 +210,7 @@ class CacheKeyError(ValueError):
 @dataclass(frozen=True, slots=True)
 class CacheKey:
     """Identity of one stored KV entry: which chunk text, at which tier, as which variant, for which
-    model/render fingerprint. `tier` is None exactly for the text variant."""
+    model/render fingerprint. `tier` is None exactly for the text variants."""
 
     chunk_key: str
     tier: str | None
@@ -223,9 +227,9 @@ class CacheKey:
                 raise CacheKeyError(f"{name} must be 64 lowercase hex digits, got {value!r:.80}")
         if not isinstance(self.variant, Variant):
             raise CacheKeyError(f"variant must be a Variant, got {self.variant!r:.80}")
-        if self.variant is Variant.TEXT:
+        if self.variant.kind is ChunkKind.TEXT:
             if self.tier is not None:
-                raise CacheKeyError(f"the text variant has no tier, got {self.tier!r:.80}")
+                raise CacheKeyError(f"text variant {self.variant.value!r} has no tier, got {self.tier!r:.80}")
         elif not isinstance(self.tier, str) or not TIER_NAME.fullmatch(self.tier):
             raise CacheKeyError(f"variant {self.variant.value!r} needs a tier name, got {self.tier!r:.80}")
 
@@ -300,7 +304,7 @@ class Manifest(Frozen):
         return self.render.tiers
 
     def entry_fingerprint(self, variant: Variant, tier_name: str | None) -> str:
-        tier = None if Variant(variant) is Variant.TEXT else self.render.tier(tier_name or "")
+        tier = None if Variant(variant).kind is ChunkKind.TEXT else self.render.tier(tier_name or "")
         return entry_fingerprint(self.fingerprint, variant, self.render, tier)
 
     def check_model(self, model_id: str, revision: str, dtype: DType, template_prefix: str) -> None:

@@ -60,6 +60,7 @@ class RouterConfig(StoreBound):
     max_context_tokens: int | None = Field(None, ge=1)
     embedder_dir: str | None = None
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
+    search_threads: int = Field(1, ge=1, le=256)  # threads one query's exhaustive scan may use
 
 
 class LoaderConfig(StoreBound):
@@ -107,6 +108,7 @@ class AppArgs(Frozen):
     governance: GovernanceArgs = GovernanceArgs()  # budgets, rate limits, response caches, request log, auth
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
+    router_search_threads: int = Field(1, ge=1, le=256)  # per query, over an exhaustive index's shards
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppArgs:
@@ -117,7 +119,7 @@ class AppArgs(Frozen):
     def router_config(self) -> RouterConfig:
         return RouterConfig(store=self.store, model=self.model, defaults=self.router, max_chunks=self.max_chunks,
                             max_context_tokens=self.max_context_tokens, embedder_dir=self.embedder_dir,
-                            reload=self.reload)
+                            reload=self.reload, search_threads=self.router_search_threads)
 
     def loader_config(self) -> LoaderConfig:
         return LoaderConfig(store=self.store, max_nbytes=self.cache_max_nbytes, reload=self.reload)

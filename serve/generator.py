@@ -1,8 +1,10 @@
 """Generator: holds the VLM and its batching engine, builds each request's context, streams its answer.
 
-Linked modes (qvpic, uniform_high, image_pic, text_pic) place the loaded KV after the serving prefix
-(computed once, at start-up), re-anchor it, and prefill only the query. The online modes prefill
-everything: full_text the chunks' source text, full_image their pages — rendered with the store's
+Linked modes (qvpic, uniform, uniform_high, image_pic, image_pic_dummy, text_pic, text_pic_plain) place
+the loaded KV after the serving prefix — the chat-template prefix and the request's instruction, computed
+once per distinct instruction — re-anchor it, and prefill only the text after the chunks (the query
+prompt, or the query) and the turn's closing. The online modes prefill everything, the instruction
+first: full_text the chunks' source text, full_image their pages — rendered with the store's
 RenderSpec (or, for a scanned page, its own image scaled) at the tier the router chose. Those are
 the pages and tiers qvpic links, so full_image is qvpic's exact, uncached reference and the gap
 between the two is the cost (or error) of caching alone.
@@ -50,7 +52,7 @@ from schemas.api import (
     TokenUsage,
     UnservableError,
 )
-from schemas.config import Mode, Variant
+from schemas.config import Mode
 from schemas.sampling import Sampling
 from serve.backend import cancelling
 from serve.configs import GeneratorConfig
@@ -117,7 +119,8 @@ class Generator:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         num_query = len(context.prefill.query_ids) if isinstance(context.prefill, LinkedContext) else 0
-        num_prompt = self.prefix_tokens + sum(c.num_tokens for c in plan.chunks) + plan.query_tokens
+        num_prompt = (self.prefix_tokens + self.instruction_tokens(plan.instruction)
+                      + sum(c.num_tokens for c in plan.chunks) + (num_query or plan.query_tokens))
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
         self.engine.submit(seq)
@@ -154,11 +157,11 @@ class Generator:
     async def context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
         if plan.mode in ONLINE_MODES:
             return await self._online_context(plan)
-        query_ids = self.vlm.query_turn_ids(plan.query)
+        query_ids = self.vlm.query_turn_ids(plan.text_after_chunks)  # the query prompt, or the query
         if loaded is not None:  # given KV, used as it is: the hot tier is neither read nor filled
             loaded = await self._repaired(plan, loaded)
             chunks = [self._chunk(kv, copy=False) for kv in loaded.kvs]
-            return Context(LinkedContext(chunks, query_ids), [kv.entry for kv in loaded.kvs], loaded.cache,
+            return Context(LinkedContext(chunks, query_ids, plan.instruction), [kv.entry for kv in loaded.kvs], loaded.cache,
                            loaded.fallbacks, loaded.load_ms)
         started = time.perf_counter()
         hot = self.hot.get_many(c.entry.key for c in plan.chunks)
@@ -180,7 +183,7 @@ class Generator:
         report = fetched.cache if fetched is not None else CacheReport(hits=0, misses=0, nbytes_from_store=0)
         report = report.model_copy(update={"device_hits": sum(c.entry.key in hot for c in plan.chunks)})
         fallbacks = fetched.fallbacks if fetched is not None else plan.fallbacks
-        return Context(LinkedContext(chunks, query_ids), served, report, fallbacks,
+        return Context(LinkedContext(chunks, query_ids, plan.instruction), served, report, fallbacks,
                        (time.perf_counter() - started) * 1e3)
 
     async def _online_context(self, plan: Plan) -> Context:
@@ -191,7 +194,8 @@ class Generator:
             started = time.perf_counter()
             pieces = await asyncio.to_thread(lambda: [self.pages(c) for c in plan.chunks])
             render_ms = (time.perf_counter() - started) * 1e3
-        return Context(OnlineContext(pieces, plan.query), [None] * len(plan.chunks), report, plan.fallbacks,
+        instruction = [plan.instruction] if plan.instruction else []  # prompt text before the chunks, never a chunk
+        return Context(OnlineContext(instruction + pieces, plan.text_after_chunks), [None] * len(plan.chunks), report, plan.fallbacks,
                        render_ms=render_ms)
 
     async def _load(self, plan: Plan, loader) -> LoadResult:
@@ -247,13 +251,10 @@ class Generator:
         if rows.num_rows == 0:
             raise UnservableError(f"chunk {chunk.chunk_id} has no source text in the store")
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
-        if entry.variant is Variant.TEXT:
-            with self.engine.model_lock:  # between engine steps
-                return self.vlm.compile_text(source["text"])
-        pages = self.pages(dataclasses.replace(chunk, tier=entry.tier, text=source["text"],
-                                               image_path=source["image_path"] or None))
+        pages = [] if entry.tier is None else self.pages(dataclasses.replace(
+            chunk, tier=entry.tier, text=source["text"], image_path=source["image_path"] or None))
         with self.engine.model_lock:  # between engine steps
-            return self.vlm.compile_images(pages, with_template=entry.variant is Variant.TEMPLATE)
+            return self.vlm.compile_variant(entry.variant, source["text"], pages)
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""
@@ -270,6 +271,10 @@ class Generator:
     def query_tokens(self, query: str) -> int:
         return len(self.vlm.query_turn_ids(query))
 
+    def instruction_tokens(self, instruction: str) -> int:
+        """Tokens the instruction adds to the serving prefix (see VLM.serving_prefix)."""
+        return len(self.vlm.adapter.encode(instruction)) if instruction else 0
+
     def _report(self, plan: Plan, context: Context, seq: Sequence) -> AnswerReport:
         chunks = []
         for planned, served in zip(plan.chunks, context.served):  # served: after any fallback; None online
@@ -281,7 +286,7 @@ class Generator:
                 position_span=served.position_span if served else planned.position_span,
             ))
         vision_tokens = sum(c.vision_tokens for c in chunks)
-        query_tokens = self.query_tokens(plan.query)
+        query_tokens = self.query_tokens(plan.text_after_chunks)
         context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)
         usage = TokenUsage(
             context_tokens=context_tokens, context_vision_tokens=vision_tokens,

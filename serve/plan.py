@@ -47,14 +47,20 @@ class PlannedChunk:
 @dataclass(frozen=True)
 class Plan:
     mode: Mode
-    query: str
+    query: str  # what the chunks were scored against (and, without a query_prompt, the text after them)
     chunks: tuple[PlannedChunk, ...]
-    prefix_tokens: int
-    query_tokens: int
+    prefix_tokens: int  # before the chunks: the chat-template prefix and the instruction
+    query_tokens: int  # after the chunks: the query prompt and the assistant header
     fallbacks: tuple[FallbackReport, ...]
     route_ms: float
     query_embedding: np.ndarray | None = None  # [dim], unit norm: what the l2 response cache compares
     generation: int = 0  # the store's serving generation every entry of the plan comes from
+    instruction: str = ""  # prefilled after the chat-template prefix, before the chunks
+    query_prompt: str | None = None  # prefilled after the chunks in place of `query`
+
+    @property
+    def text_after_chunks(self) -> str:
+        return self.query if self.query_prompt is None else self.query_prompt
 
 
 @dataclass(frozen=True)

@@ -76,14 +76,14 @@ class Snapshot:
 
 
 def open_snapshot(store: Store, generation: int, cache_root: Path = SERVING_CACHE,
-                  rerank_candidates: int = 64) -> Snapshot:
+                  rerank_candidates: int = 64, search_threads: int = 1) -> Snapshot:
     """Open `generation` of `store` for routing (local stores in place; remote ones cached locally once,
-    texts read by range)."""
+    texts read by range). `search_threads` > 1 scans an exhaustive index's shards in parallel."""
     record = read_generation(store, generation)
     chunks_dir = local_copy(store, record.chunks_dir, cache_root)
     entries_dir = local_copy(store, record.entries_dir, cache_root)
     if isinstance(store.fs, pafs.LocalFileSystem):
-        texts = pa.ipc.open_file(pa.memory_map(str(chunks_dir / TEXTS)))
+        texts = pa.OSFile(str(chunks_dir / TEXTS))
     else:
-        texts = pa.ipc.open_file(store.fs.open_input_file(f"{store.root}/{record.chunks_dir}/{TEXTS}"))
-    return Snapshot(record, Catalog(chunks_dir, entries_dir, texts, rerank_candidates))
+        texts = store.fs.open_input_file(f"{store.root}/{record.chunks_dir}/{TEXTS}")
+    return Snapshot(record, Catalog(chunks_dir, entries_dir, texts, rerank_candidates, search_threads))

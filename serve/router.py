@@ -28,7 +28,7 @@ from schemas.api import AnswerRequest, TooLargeError
 from schemas.config import ModelSpec, RouterSpec
 from schemas.generation import ReloadSpec
 from schemas.store import Manifest, ManifestError, StoreSpec
-from serve.placement import LINKED_VARIANT, allocate, place, servable_modes  # noqa: F401  (re-exported)
+from serve.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
 from serve.plan import Plan
 from serve.reload import GenerationWatcher, LeaseKeeper, acquire_current
 from serve.retrieval import Snapshot, open_snapshot
@@ -65,8 +65,9 @@ def check_store(manifest: Manifest, spec: ModelSpec) -> None:
 class Router:
     def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
                  max_context_tokens: int | None = None, embedder_dir: str | None = None,
-                 reload: ReloadSpec = ReloadSpec()):
+                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1):
         self.store = Store.open(store)
+        self.search_threads = search_threads  # threads one query's exhaustive scan may use
         self.model = model
         self.prompt = PromptTemplate.load(model)
         self.embedder = Embedder(embedder_dir)
@@ -82,7 +83,7 @@ class Router:
 
     def open_generation(self, generation: int) -> Snapshot:
         """`generation` opened and checked against this router's model and embedder (`ManifestError`)."""
-        snapshot = open_snapshot(self.store, generation)
+        snapshot = open_snapshot(self.store, generation, search_threads=self.search_threads)
         check_store(snapshot.manifest, self.model)
         if self.embedder.model_name != snapshot.manifest.embedder:
             raise ManifestError(f"store was embedded with {snapshot.manifest.embedder!r}, "
@@ -114,8 +115,9 @@ class Router:
         rows, relevance = snapshot.select(request, query_vector)
         if len(rows) > self.max_chunks:
             raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.max_chunks} per request")
-        prefix_tokens = self.count_tokens(snapshot.manifest.template_prefix)
-        query_tokens = self.prompt.count(request.query) + self.count_tokens(self.prompt.template.turn_suffix)
+        prefix_tokens = self.count_tokens(snapshot.manifest.template_prefix) + \
+            (self.prompt.count(request.instruction) if request.instruction else 0)
+        query_tokens = self.prompt.count(request.text_after_chunks) + self.count_tokens(self.prompt.template.turn_suffix)
         fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:
@@ -123,8 +125,10 @@ class Router:
         catalog = snapshot.catalog
         chunks, fallbacks = place(
             request.mode, catalog.chunk_rows(rows), catalog.entries_of(rows), relevance, lambda: catalog.texts(rows),
-            snapshot.low, snapshot.high, self.defaults.tau if request.tau is None else request.tau,
-            self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens)
+            snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
+            self.defaults.tau if request.tau is None else request.tau,
+            self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
+            self.defaults.normalisation, self.defaults.temperature)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
@@ -133,7 +137,7 @@ class Router:
                 f"the context holds {self.max_context_tokens}")
         route_ms = (time.perf_counter() - started) * 1e3
         return Plan(request.mode, request.query, tuple(chunks), prefix_tokens, query_tokens, tuple(fallbacks),
-                    route_ms, query_vector, snapshot.generation)
+                    route_ms, query_vector, snapshot.generation, request.instruction, request.query_prompt)
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""

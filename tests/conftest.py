@@ -22,7 +22,7 @@ import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
-FAMILY_MODELS = ["tiny-qwen", "tiny-glm"]
+FAMILY_MODELS = ["tiny-qwen", "tiny-qwen2", "tiny-glm", "tiny-llava"]  # Qwen2.5-VL, Qwen2-VL, GLM-4.1V, LLaVA-OV
 
 
 @pytest.fixture(scope="session", params=FAMILY_MODELS)
@@ -32,3 +32,12 @@ def vlm(request):
     from schemas.config import ModelSpec
 
     return VLM(ModelSpec(path=request.param, device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def vlm_bf16(vlm):
+    """`vlm`'s checkpoint in bfloat16, the serving dtype."""
+    from pipeline.runtime.model import VLM
+    from schemas.config import DType
+
+    return VLM(vlm.spec.model_copy(update={"dtype": DType.BFLOAT16}))

@@ -1,7 +1,7 @@
 """Builds a small, complete store in-process (render → compile → embed → publish) for serving tests.
 
-Every chunk gets TEMPLATE entries at every tier, a PLAIN entry at the lowest tier and a TEXT entry,
-which is what every serving mode needs.
+Every chunk gets every variant's entries (`entry_slots`): templated pages at every tier, plain and
+dummy-prefix pages at the lowest, and both text variants — what every serving mode needs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from serve.generator import Generator
 from serve.loader import CacheLoader
 from serve.router import Router
 
-ALL_VARIANTS = (Variant.TEMPLATE, Variant.PLAIN, Variant.TEXT)
+ALL_VARIANTS = tuple(Variant)
 DOCUMENTS: dict[str, list[str]] = {
     "invoices": ["Invoice 4471: part XK-4471-B ships on 12 March. The total is $1,093.40.",
                  "Invoice 4472: part QZ-19 ships on 3 April. The total is $88.00."],
@@ -37,15 +37,15 @@ DOCUMENTS: dict[str, list[str]] = {
 
 
 def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, list[str]] = DOCUMENTS,
-                render: RenderSpec | None = None) -> Store:
+                render: RenderSpec | None = None, variants: tuple[Variant, ...] = ALL_VARIANTS) -> Store:
     """The ingest job's own render and compile stages, run in-process without Ray."""
     render = render or RenderSpec()
     store = Store.open(str(root), create=True)
-    manifest = new_manifest(vlm.spec, render, ALL_VARIANTS, embedder.model_name, embedder.dim, "tests")
+    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests")
     store.write_manifest(manifest)
     renderer = RenderStage(render)
     compiler = CompileStage(CompilePlan(vlm.spec, store.spec, manifest.to_json()), vlm=vlm)
-    slots = slots_json(entry_slots(manifest, ALL_VARIANTS))
+    slots = slots_json(entry_slots(manifest, variants))
     chunks = [Chunk.build(doc_id, order, text, len(vlm.adapter.encode(text)))
               for doc_id, texts in documents.items() for order, text in enumerate(texts)]
     for chunk in {c.chunk_key: c for c in reversed(chunks)}.values():

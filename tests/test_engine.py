@@ -15,7 +15,7 @@ from pipeline.runtime import batch
 from pipeline.runtime.kv import RotationTable
 from pipeline.runtime.model import VLM
 from schemas.api import BusyError, TooLargeError
-from schemas.config import EngineSpec
+from schemas.config import CompilePrefix, EngineSpec
 from schemas.sampling import Sampling
 from serve.engine.loop import Engine, LinkedContext, OnlineContext, column_nbytes
 from serve.engine.sequence import End, Finished, Sequence, Status
@@ -34,19 +34,19 @@ def chunks(vlm):
     return [vlm.compile_images([page("Invoice 4471 ships on 12 March")]),
             vlm.compile_text("The warranty covers two years of normal use."),
             vlm.compile_images([page("Reset: hold ten seconds", (196, 196))]),
-            vlm.compile_images([page("Bake at 220 degrees")], with_template=False),
+            vlm.compile_images([page("Bake at 220 degrees")], CompilePrefix.NONE),
             vlm.compile_text("Part QZ-19 ships on 3 April.")]
 
 
-def linked(vlm, chunk_list, query: str) -> LinkedContext:
-    return LinkedContext(list(chunk_list), vlm.adapter.encode(query) + vlm.adapter.turn_suffix_ids)
+def linked(vlm, chunk_list, query: str, instruction: str = "") -> LinkedContext:
+    return LinkedContext(list(chunk_list), vlm.query_turn_ids(query), instruction)
 
 
 @torch.inference_mode()
 def alone(vlm: VLM, context, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits each was picked from, by the batch-1 runtime (the reference)."""
     if isinstance(context, LinkedContext):  # VLM.prefill_query on the query's token ids
-        assembled = vlm.assemble(context.chunks)
+        assembled = vlm.assemble(context.chunks, context.instruction)
         cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in assembled.layers])
         state = vlm._forward(torch.tensor([context.query_ids]), cache, assembled.next_position)
     else:
@@ -76,9 +76,10 @@ class Recorder:
 
     def submit(self, context, max_new_tokens: int, **fields) -> Sequence:
         num_query = len(context.query_ids) if isinstance(context, LinkedContext) else 0
-        num_context = sum(c.num_tokens for c in context.chunks) if isinstance(context, LinkedContext) else 64
-        seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context,
-                       self.vlm.prefix.num_tokens + num_context + num_query, num_query, emit=lambda e: None)
+        num_context = (self.vlm.serving_prefix(context.instruction).num_tokens + sum(c.num_tokens for c in context.chunks)
+                       if isinstance(context, LinkedContext) else self.vlm.prefix.num_tokens + 64)
+        seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context, num_context + num_query, num_query,
+                       emit=lambda e: None)
         seq.emit = self.events.setdefault(seq.id, []).append
         self.logits[seq.id] = []
         self.engine.submit(seq)
@@ -94,16 +95,17 @@ class Recorder:
 
 
 def test_batched_requests_equal_each_request_alone(vlm, chunks):
-    """Different contexts, lengths and modes in one batch; two requests join mid-flight, one is short."""
+    """Different contexts, instructions, lengths and modes in one batch; two requests join mid-flight, one
+    is short. Rows whose serving prefixes differ (an instruction, or none) share each forward."""
     rec = Recorder(vlm)
-    first = [rec.submit(linked(vlm, chunks[:2], "When does it ship?"), 8),
+    first = [rec.submit(linked(vlm, chunks[:2], "When does it ship?", "Answer from the documents below."), 8),
              rec.submit(linked(vlm, [chunks[2]], "Hi"), 3),  # leaves early: the others go on without it
              rec.submit(OnlineContext(["Invoice 4471 ships on 12 March.", [page("warranty")]], "When?"), 8),
              rec.submit(linked(vlm, [chunks[3], chunks[0], chunks[4]], "What do the pages say, in full detail?"), 8)]
     rec.run(steps=2)
     assert [s.status for s in first].count(Status.RUNNING) >= 3  # under way when the others join
-    later = [rec.submit(linked(vlm, [chunks[4], chunks[1]], "Which part?"), 6),
-             rec.submit(OnlineContext(["Part QZ-19 ships on 3 April."], "Which part ships?"), 5)]
+    later = [rec.submit(linked(vlm, [chunks[4], chunks[1]], "Which part?", "Be brief."), 6),
+             rec.submit(OnlineContext(["Be brief.", "Part QZ-19 ships on 3 April."], "Which part ships?"), 5)]
     rec.run()
     worst = 0.0
     for seq in first + later:

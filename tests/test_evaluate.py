@@ -3,34 +3,41 @@ evidence legibility, report files, and the whole job end to end on the bundled f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from jobs import evaluate as evaluate_job
-from pipeline import synthetic
+from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
+from jobs.ingest import parse_tiers
 from pipeline.chunker import Chunker
-from pipeline.eval_report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
-from pipeline.evaluation import (
+from pipeline.eval import synthetic
+from pipeline.eval.evaluation import (
     EvalError,
     HttpAnswerer,
     ItemResult,
     RequestFailed,
+    ServingConfig,
     StoreView,
     context_doc_id,
     corpus_documents,
-    instruction_doc_id,
+    item_request,
     run,
     summarize,
 )
-from pipeline.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
-from pipeline.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.scoring import qa_f1, score
+from pipeline.eval.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
+from pipeline.eval.fidelity import REFERENCE_MODE, answer_token_ids, run_fidelity, summarize_fidelity
+from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
+from pipeline.eval.paper import PAPER_TIERS, SWEEP_PNG, paper_grid
+from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
+from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
 from schemas.api import AnswerRequest, TooLargeError
 from schemas.config import Mode, ModelSpec, RouterSpec
@@ -62,11 +69,61 @@ def fixture_items() -> list[QAItem]:
 def test_instruction_context_and_query_rebuild_the_longbench_prompt():
     items = fixture_items()
     documents = corpus_documents(items)
+    assert set(documents) == {context_doc_id(item) for item in items}  # contexts only: instructions are prompt
     for item in items:
-        rebuilt = documents[instruction_doc_id(item.task)] + documents[context_doc_id(item)] + item.query_after_context
-        assert rebuilt == item.full_prompt
+        request = item_request(item, FakeView(), ServingConfig.of(Mode.QVPIC))
+        rebuilt = request.instruction + documents[context_doc_id(item)] + request.query_prompt
+        assert rebuilt == item.full_prompt and request.query == item.question
         assert item.question in item.query_after_context and "{" not in item.query_after_context
-    assert sum(doc_id.startswith("instruction/") for doc_id in documents) == len(LONGBENCH_QA_TASKS)
+        assert request.query_prompt.rstrip().endswith("Answer:")  # the answer cue after the question
+
+
+class FakeView:
+    def chunk_ids(self, item: QAItem) -> list[str]:
+        return [f"{context_doc_id(item)}#00000"]
+
+
+def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_path):
+    """On the LongBench fixture with the real MiniLM: the router embeds the question alone, scores only
+    the context's chunks, and neither the instruction nor the answer cue is anywhere among them."""
+    from pipeline.embed import Embedder
+    from pipeline.runtime.model import VLM
+    from schemas.config import Variant
+    from serve.router import Router
+
+    items = fixture_items()
+    model, embedder = ModelSpec(path="tiny-qwen", device="cpu"), Embedder()
+    vlm = VLM(model)
+    chunker = Chunker(lambda text: len(vlm.adapter.encode(text)), CHUNK_TOKENS)
+    documents = {doc_id: [c.text for c in chunker.chunk(Document(doc_id=doc_id, text=text, source="tests"))]
+                 for doc_id, text in corpus_documents(items).items()}
+    build_store(tmp_path, vlm, embedder, documents, variants=(Variant.TEMPLATE,))
+    view = StoreView(Store.open(str(tmp_path)))
+    router = Router(str(tmp_path), model, RouterSpec(), 256)
+    embedded: list[str] = []
+    embed_query = router.embed_query
+
+    async def recording(query: str):
+        embedded.append(query)
+        return await embed_query(query)
+
+    router.embed_query = recording
+    for item in items:
+        request = item_request(item, view, ServingConfig("qvpic", Mode.QVPIC, tau=1.0, max_high_res=2))
+        planned = asyncio.run(router.plan(request))
+        assert embedded[-1] == item.question  # the bare question, not "…Question: X\nAnswer:"
+        assert [c.chunk_id for c in planned.chunks] == view.chunks_of_doc[context_doc_id(item)]
+        question, tail = embedder.embed([item.question, item.query_after_context])
+        chunk_vectors = embedder.embed([view.text_of[c.chunk_id] for c in planned.chunks])
+        # the catalog stores embeddings as float16: cosines within 2e-3 of the float32 ones
+        assert [c.relevance for c in planned.chunks] == pytest.approx((chunk_vectors @ question).tolist(), abs=2e-3)
+        assert not np.allclose(chunk_vectors @ tail, chunk_vectors @ question, atol=1e-2)  # the old query scored apart
+        promoted = [c for c in planned.chunks if c.tier == view.high_tier]
+        assert 0 < len(promoted) <= 2
+        instruction = item.prompt_before_context.strip().split("\n")[0]
+        for chunk in planned.chunks:
+            assert instruction not in view.text_of[chunk.chunk_id] and "Answer:" not in view.text_of[chunk.chunk_id]
+    assert not any(doc_id.startswith("instruction") for doc_id in view.chunks_of_doc)
 
 
 # ---- a small store shaped like the one `qvpic eval` ingests --------------------------------------
@@ -87,18 +144,16 @@ def eval_store(tmp_path_factory, request):
                  for doc_id, text in corpus_documents(items).items()}
     root = tmp_path_factory.mktemp("eval-store")
     build_store(root, vlm, Embedder(), documents)
-    answerer = evaluate_job.InProcessAnswerer.open(str(root), model, RouterSpec())
+    answerer = InProcessAnswerer.open(str(root), model, RouterSpec())
     return str(root), items, StoreView(Store.open(str(root))), answerer
 
 
-def test_store_view_lists_instruction_then_context_chunks(eval_store):
+def test_store_view_lists_the_context_chunks_in_order(eval_store):
     _, items, view, _ = eval_store
     for item in items:
         ids = view.chunk_ids(item)
-        instruction = view.chunks_of_doc[instruction_doc_id(item.task)]
-        assert ids[:len(instruction)] == instruction and len(ids) > len(instruction)
-        assert all(c.startswith(context_doc_id(item) + "#") for c in ids[len(instruction):])
-        assert [int(c.rsplit("#", 1)[1]) for c in ids[len(instruction):]] == list(range(len(ids) - len(instruction)))
+        assert ids and all(c.startswith(context_doc_id(item) + "#") for c in ids)
+        assert [int(c.rsplit("#", 1)[1]) for c in ids] == list(range(len(ids)))
     view.check(items)
     other = fixture_items()[0]  # a narrativeqa item this store never ingested
     with pytest.raises(EvalError, match="narrativeqa"):
@@ -157,7 +212,7 @@ def test_summary_matches_longbench_scoring_and_counts_errors():
         for mode in (Mode.QVPIC, Mode.TEXT_PIC):
             failed = rng.random() < 0.2
             prediction = "" if failed else " ".join(rng.sample(words, rng.randint(1, 4)))
-            results.append(ItemResult(item.task, item.id, mode, prediction, qa_f1(prediction, item.answers),
+            results.append(ItemResult(item.task, item.id, mode.value, mode, prediction, qa_f1(prediction, item.answers),
                                       None if failed else rng.uniform(1, 100), None if failed else 10, 0, 0, 0,
                                       None, "TooLargeError: no" if failed else None))
     summaries = summarize(items, results)
@@ -182,7 +237,7 @@ def test_evidence_is_located_and_judged_per_served_tier(eval_store):
     assert find_evidence(unanswerable, view) is None  # "unanswerable" is in the instruction, never searched
 
     configs = serving_configs([(1.0, 64)])
-    results, num_unlocated = judge_items(items, view, evaluate_job.planner(answerer.router), configs, OcrJudge(view),
+    results, num_unlocated = judge_items(items, view, planner(answerer.router), configs, OcrJudge(view),
                                          progress=False)
     assert num_unlocated == 1 and len(results) == len(synthetic_items) * len(configs)
     rows = {s.config: s for s in summarize_evidence(results, view.high_tier)}
@@ -193,6 +248,30 @@ def test_evidence_is_located_and_judged_per_served_tier(eval_store):
     # τ = 1 with a budget over the chunk count promotes every relevant chunk: the same pixels as uniform_high
     assert everything.recovered_percent <= high.recovered_percent
     assert everything.vision_tokens_median <= high.vision_tokens_median
+
+
+def test_fidelity_of_every_cached_mode_through_the_serving_roles(eval_store):
+    _, items, view, answerer = eval_store
+    traces = ServedTraces(answerer, view, num_answer_tokens=4)
+    configs = [ServingConfig.of(m) for m in Mode] + [ServingConfig("uniform low", Mode.UNIFORM, tier="low")]
+    results = run_fidelity(items[:2], configs, traces, progress=False)
+    cached = [c for c in configs if c.mode in REFERENCE_MODE]
+    assert len(results) == 2 * len(cached) and not any(r.error for r in results)
+    assert Mode.FULL_TEXT not in {r.mode for r in results}  # online modes are the references, not measured
+    for r in results:
+        f = r.fidelity
+        item = next(i for i in items if i.id == r.item_id)
+        assert f.num_tokens == len(answer_token_ids(answerer.generator.vlm, item, 4))
+        assert f.kl > 0 and 0 < f.hidden_rel_l2 < 1 and 0 <= f.top1_agreement <= 1 and 0 <= f.top5_overlap <= 1
+        assert r.reference is (Mode.FULL_TEXT if r.mode in (Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN) else Mode.FULL_IMAGE)
+    # references are shared by configurations serving the same tiers: text, low (×3: plain, dummy, uniform
+    # low), high (uniform_high, uniform) and qvpic's routed mix — at most 4 full prefills per item
+    assert len(traces._references) <= 2 * 4
+    by = {(r.item_id, r.config): r.fidelity for r in results}
+    for item in items[:2]:  # uniform at the highest tier is uniform_high: the same plan, the same numbers
+        assert by[(item.id, "uniform")] == by[(item.id, "uniform_high")]
+    rows = summarize_fidelity(results)
+    assert {(s.task, s.config) for s in rows} >= {("all", c.name) for c in cached}
 
 
 def test_report_files(tmp_path, eval_store):
@@ -220,8 +299,7 @@ def test_item_sources_and_limit(tmp_path):
     generic = tmp_path / "generic.jsonl"
     generic.write_text(json.dumps({"question": "Who?", "chunk_ids": ["d#00000"], "answers": ["Ann"]}) + "\n")
     items, _ = evaluate_job.load_items(parse(["--generic", str(generic)]))
-    assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {
-        instruction_doc_id(QATask.GENERIC): items[0].prompt_before_context}
+    assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {}
 
 
 def test_bad_data_is_a_clear_error(tmp_path, capsys):
@@ -232,14 +310,33 @@ def test_bad_data_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.e2e
-def test_qvpic_eval_end_to_end_on_the_fixtures(ray_session, tmp_path):  # noqa: F811
+def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # noqa: F811
+    """`qvpic eval --paper` on the bundled fixtures: the real ingest job, every configuration of the grid,
+    fidelity of every cached one, the paper's tables and plots; the same command runs on real data."""
     out = tmp_path / "eval"
-    assert evaluate_job.main(["--out", str(out), "--limit", "1", "--max-new-tokens", "4", "--quiet"]) == 0
+    argv = ["--paper", "--out", str(out), "--limit", "1", "--max-new-tokens", "4", "--tau-grid", "0.5", "1.0",
+            "--budget-grid", "1", "2", "--fidelity-tokens", "4", "--quiet"]
+    assert evaluate_job.main(argv) == 0
     document = json.loads((out / REPORT_JSON).read_text())
+    grid = paper_grid(parse_tiers(list(PAPER_TIERS)), [0.5, 1.0], [1, 2])
     tasks = {t.value for t in LONGBENCH_QA_TASKS} | {"all"}
-    assert {(s["task"], s["mode"]) for s in document["summary"]} == {(t, m.value) for t in tasks for m in Mode}
+    assert {(s["task"], s["config"]) for s in document["summary"]} == {(t, c.name) for t in tasks for c in grid.configs}
     assert all(s["num_errors"] == 0 and 0 <= s["f1_percent"] <= 100 for s in document["summary"])
+    assert {s["mode"] for s in document["summary"]} == {m.value for m in Mode} - {Mode.UNIFORM_HIGH.value}
+    fidelity = {s["config"]: s for s in document["fidelity"]["summary"] if s["task"] == "all"}
+    cached = {c.name for c in grid.main + grid.dpi if c.mode in REFERENCE_MODE}
+    assert set(fidelity) == cached and all(s["num_errors"] == 0 for s in fidelity.values())
+    for name, summary in fidelity.items():  # linking multi-chunk contexts costs something, never nothing
+        assert summary["median"]["kl"] > 0 and 0 < summary["median"]["hidden_rel_l2"] < 1, name
+    markdown = (out / REPORT_MD).read_text()
+    for heading in ("MuSiQue", "Avg", "TTFT ms", "vision tokens", "τ/B sweep", "DPI sweep", "hidden rel-L2",
+                    "image_pic (dummy prefix)", "text_pic (prefix-free)", "uniform mid (96 DPI)", "qvpic → mid"):
+        assert heading in markdown, heading
+    for png in (SCATTER_PNG, SWEEP_PNG):
+        with Image.open(out / png) as image:
+            assert image.format == "PNG" and image.width > 100
     legibility = {s["config"]: s for s in document["legibility"]["summary"]}
     assert len(legibility) == len(serving_configs(evaluate_job.DEFAULT_GRID))
     assert legibility["uniform_high"]["recovered_percent"] >= legibility["image_pic (uniform low)"]["recovered_percent"]
-    assert (out / SCATTER_PNG).stat().st_size > 0 and (out / "store" / "manifest.json").is_file()
+    manifest = json.loads((out / "paper-store" / "manifest.json").read_text())
+    assert [t["dpi"] for t in manifest["render"]["tiers"]] == [72, 96, 120] and len(manifest["variants"]) == 5

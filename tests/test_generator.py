@@ -136,6 +136,25 @@ def test_linked_answers_equal_online_answers_for_one_chunk(roles, tau, tier):
     assert answer(roles, mode=Mode.TEXT_PIC, **fields).text == answer(roles, mode=Mode.FULL_TEXT, **fields).text
 
 
+def test_instruction_and_query_prompt_frame_the_chunks_in_every_mode(roles):
+    """The instruction is prefilled online before the chunks, the query prompt after them, in every mode
+    alike; routing ignores both: relevance is the bare query's. (Linked chunks do not attend to the
+    instruction, as they attend to no other chunk: the exactness suite checks that against its reference.)"""
+    instruction, query_prompt = "Read the invoice and answer briefly.\n\n", f"Question: {QUERY}\nAnswer:"
+    fields = {"chunk_ids": ["invoices#00000"], "tau": 1.0, "max_new_tokens": 16}
+    framed = {**fields, "instruction": instruction, "query_prompt": query_prompt}
+    for linked, online in ((Mode.QVPIC, Mode.FULL_IMAGE), (Mode.TEXT_PIC, Mode.FULL_TEXT)):
+        a, b = answer(roles, mode=linked, **framed), answer(roles, mode=online, **framed)
+        assert a.report.usage.context_tokens == b.report.usage.context_tokens
+        bare = answer(roles, mode=linked, **fields)
+        instruction_tokens = len(roles.generator.vlm.adapter.encode(instruction))
+        assert a.report.usage.context_tokens == bare.report.usage.context_tokens + instruction_tokens
+        assert a.report.usage.query_tokens == roles.generator.query_tokens(query_prompt)
+        assert [c.relevance for c in a.report.chunks] == [c.relevance for c in bare.report.chunks]
+    planned = plan(roles, **framed)
+    assert planned.prefix_tokens == roles.generator.prefix_tokens + instruction_tokens
+
+
 def test_stream_deltas_add_up_to_the_answer(roles):
     planned = plan(roles, top_k=3, max_new_tokens=10)
     events = collect(roles.generator.stream(planned, Sampling(max_new_tokens=10), loader=roles.loader))
@@ -152,9 +171,11 @@ def test_seeded_sampling_is_reproducible(roles):
     assert first.text == second.text
 
 
-def test_glm_linked_answers_equal_online_answers(serving_store, tmp_path):
-    """The other rotary layout (GLM interleaves pairs, rotates part of each head) through the same path."""
-    model = ModelSpec(path="tiny-glm", device="cpu")
+@pytest.mark.parametrize("name", ["tiny-glm", "tiny-qwen2", "tiny-llava"])
+def test_other_families_linked_answers_equal_online_answers(serving_store, tmp_path, name):
+    """The other families through the same store and serving path: GLM's rotary layout (interleaved pairs,
+    part of each head), Qwen2-VL's vision tower, LLaVA-OneVision's AnyRes tiles and 1-D RoPE."""
+    model = ModelSpec(path=name, device="cpu")
     build_store(tmp_path, VLM(model), serving_store.embedder, {"invoices": [DOCUMENT]})
     uri = str(tmp_path)
     glm = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 20),

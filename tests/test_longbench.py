@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.longbench import (LONGBENCH_QA_TASKS, MAX_NEW_TOKENS, PROMPT_TEMPLATES, DatasetError, QATask,
+from pipeline.eval.longbench import (LONGBENCH_QA_TASKS, MAX_NEW_TOKENS, PROMPT_TEMPLATES, DatasetError, QATask,
                                 load_generic, load_tasks, split_prompt)
-from pipeline.scoring import score
+from pipeline.eval.scoring import score
 
 FIXTURE = Path(__file__).resolve().parents[1] / "jobs" / "data" / "longbench_fixture"
 

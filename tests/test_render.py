@@ -185,6 +185,26 @@ def test_limits_raise_render_error(spec: RenderSpec, text: str, message: str) ->
         Renderer(spec).render(text, LOW)
 
 
+def test_glyph_text_handling_and_fonts_by_path(renderer: Renderer) -> None:
+    """As Glyph's renderer: soft hyphens and zero-width spaces are dropped. A font can be named by its
+    absolute path (how a Glyph deployment points at Verdana.ttf), also from the command line."""
+    assert renderer.layout("soft\xadhyphen zero\u200bwidth", LOW) == ["softhyphen zerowidth"]
+    path = renderer.font_for("A")
+    by_path = Renderer(RenderSpec(font_names=(str(path),)))
+    assert by_path.font_for("A") == path
+    assert np.array_equal(np.asarray(by_path.render(INVOICE, LOW).pages[0]),
+                          np.asarray(Renderer(RenderSpec(font_names=(path.name,))).render(INVOICE, LOW).pages[0]))
+    import argparse
+
+    from jobs.ingest import render_args, render_spec
+
+    parser = argparse.ArgumentParser()
+    render_args(parser)
+    assert render_spec(parser.parse_args(["--font", str(path), "--font", "NotoSansCJK-Regular.ttc"])).font_names == (
+        str(path), "NotoSansCJK-Regular.ttc")
+    assert render_spec(parser.parse_args([])).font_names == RenderSpec().font_names
+
+
 def test_unknown_font_is_a_clear_error() -> None:
     with pytest.raises(RenderError, match="NoSuchFont.ttf"):
         Renderer(RenderSpec(font_names=("DejaVuSans.ttf", "NoSuchFont.ttf")))

@@ -69,6 +69,8 @@ def test_l1_exact_hits_do_no_model_work(roles, serving_store, redis_url, backend
     assert metric(app, "qvpic_response_cache_total", result="l1") - before == 1
     assert level(ask(app, query=query, max_new_tokens=5)) is None  # other sampling: another key
     assert level(ask(app, query=query, tau=1.0)) is None  # other tiers: another context
+    assert level(ask(app, query=query, instruction="Answer in one word.\n")) is None  # another prompt around
+    assert level(ask(app, query=query, query_prompt=f"Question: {query}\nAnswer:")) is None  # the same chunks
     streamed = call(app, "POST", "/v1/answer", json={"query": query, "chunk_ids": ["invoices#00000", "manual#00001"],
                                                      "tau": 0.0, "max_new_tokens": 4, "stream": True})
     *deltas, done = [json.loads(e) for e in sse_events(streamed.text)]

@@ -8,18 +8,24 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnservableError
-from schemas.config import Mode, Variant
-from serve.router import Router, allocate
+from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
+from schemas.config import Mode, ScoreNormalisation, Variant
+from serve.placement import allocate, relevance_shares
+from serve.router import Router
 from serve.plan import Plan
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 
-def ranked_shares(relevance: list[float]) -> tuple[list[int], dict[int, float]]:
+def ranked_shares(relevance: list[float], softmax_temperature: float | None = None) -> tuple[list[int], dict[int, float]]:
     """Rank order (ties: earlier first) and each chunk's relevance share of the chunks ranked above it."""
-    weights = np.clip(np.asarray(relevance, dtype=np.float64), 0.0, None)
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    scores = np.asarray(relevance, dtype=np.float64)
+    if softmax_temperature is None:
+        weights = np.clip(scores, 0.0, None)
+    else:
+        weights = np.exp((scores - scores.max(initial=0.0)) / softmax_temperature)
+    order = sorted(range(len(weights)), key=lambda i: (-scores[i], i))
     above, share = {}, 0.0
     for i in order:
         above[i] = share
@@ -36,21 +42,25 @@ def test_allocation_respects_tau_budget_and_b_and_is_maximal(data):
     tau = data.draw(st.floats(0, 1))
     max_high_res = data.draw(st.integers(0, 12))
     budget = data.draw(st.one_of(st.none(), st.integers(0, 400)))
+    temperature = data.draw(st.one_of(st.none(), st.floats(0.01, 2.0)))  # None: linear
 
-    promoted = allocate(relevance, tau, max_high_res, costs, budget)
+    if temperature is None:
+        promoted = allocate(relevance, tau, max_high_res, costs, budget)
+    else:
+        promoted = allocate(relevance, tau, max_high_res, costs, budget, SOFTMAX, temperature)
 
     assert len(promoted) == n  # aligned with the request order: one version per chunk
     assert sum(promoted) <= max_high_res
     if budget is not None:
         assert sum(c for c, p in zip(costs, promoted) if p) <= budget
-    order, above = ranked_shares(relevance)
+    order, above = ranked_shares(relevance, temperature)
     spent = taken = 0
-    for i in order:
-        candidate = relevance[i] > 0 and above[i] < tau
+    for i in order:  # softmax gives every chunk a share; shares are compared with τ up to rounding
+        has_share = relevance[i] > 0 or temperature is not None
         if promoted[i]:
-            assert candidate
+            assert has_share and above[i] < tau + 1e-9
             spent, taken = spent + costs[i], taken + 1
-        elif candidate and taken < max_high_res:  # left low only because it did not fit the budget
+        elif has_share and above[i] < tau - 1e-9 and taken < max_high_res:  # left low only for the budget
             assert budget is not None and costs[i] > budget - spent
 
 
@@ -76,6 +86,36 @@ def test_allocation_examples():
     assert allocate([], 0.5, 4, [], None) == []
     with pytest.raises(ValueError, match="promotion costs"):
         allocate([0.1], 0.5, 1, [], None)
+
+
+SOFTMAX = ScoreNormalisation.SOFTMAX
+
+
+def test_softmax_normalisation():
+    shares = relevance_shares([0.2, -0.4, 0.1], SOFTMAX, temperature=0.1)
+    expected = np.exp(np.array([0.2, -0.4, 0.1]) / 0.1)
+    np.testing.assert_allclose(shares, expected / expected.sum())
+    np.testing.assert_allclose(relevance_shares([0.9, 0.1], ScoreNormalisation.LINEAR), [0.9, 1.0 - 0.9])
+    assert relevance_shares([900.0, -900.0], SOFTMAX, 1e-3).tolist() == [1.0, 0.0]  # no overflow
+    # Linear: [0.3, 0.25, 0.25, 0.2] has shares 0.3/0.25/0.25/0.2; at τ=0.5 the first two are promoted.
+    relevance = [0.3, 0.25, 0.25, 0.2]
+    assert allocate(relevance, 0.5, 9, [1] * 4, None) == [True, True, False, False]
+    # A low temperature puts nearly all the mass on the best chunk: τ=0.5 stops after it.
+    assert allocate(relevance, 0.5, 9, [1] * 4, None, SOFTMAX, 0.01) == [True, False, False, False]
+    # A high temperature spreads it almost evenly: τ=0.5 needs two, then stops.
+    assert allocate(relevance, 0.5, 9, [1] * 4, None, SOFTMAX, 10.0) == [True, True, False, False]
+    # Softmax gives negative cosines a share too, so with τ=1 they become candidates; linear never promotes them.
+    assert allocate([0.5, -0.2], 1.0, 9, [1, 1], None, SOFTMAX, 1.0) == [True, True]
+    assert allocate([0.5, -0.2], 1.0, 9, [1, 1], None) == [True, False]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1, 1, allow_nan=False), min_size=0, max_size=10), st.floats(1e-3, 5.0))
+def test_softmax_shares_are_a_distribution_in_rank_order(relevance, temperature):
+    shares = relevance_shares(relevance, SOFTMAX, temperature)
+    assert len(shares) == len(relevance) and (not relevance or shares.sum() == pytest.approx(1.0))
+    order = sorted(range(len(relevance)), key=lambda i: -relevance[i])
+    assert all(shares[a] >= shares[b] for a, b in zip(order, order[1:]))  # ranking is the cosine's
 
 
 def plan(router: Router, **fields) -> Plan:
@@ -112,14 +152,34 @@ def test_selection_by_docs_and_by_retrieval(roles):
 
 
 @pytest.mark.parametrize("mode, variant, tiers", [
-    (Mode.UNIFORM_HIGH, Variant.TEMPLATE, {"high"}), (Mode.IMAGE_PIC, Variant.PLAIN, {"low"}),
-    (Mode.TEXT_PIC, Variant.TEXT, {None}), (Mode.QVPIC, Variant.TEMPLATE, {"low", "high"}),
+    (Mode.UNIFORM_HIGH, Variant.TEMPLATE, {"high"}), (Mode.UNIFORM, Variant.TEMPLATE, {"high"}),
+    (Mode.IMAGE_PIC, Variant.PLAIN, {"low"}), (Mode.IMAGE_PIC_DUMMY, Variant.DUMMY, {"low"}),
+    (Mode.TEXT_PIC, Variant.TEXT, {None}), (Mode.TEXT_PIC_PLAIN, Variant.TEXT_PLAIN, {None}),
+    (Mode.QVPIC, Variant.TEMPLATE, {"low", "high"}),
 ])
 def test_linked_modes_pick_their_variant_and_tiers(roles, mode, variant, tiers):
     planned = plan(roles.router, doc_ids=["invoices", "manual"], mode=mode, tau=0.6, max_high_res=2)
     assert {c.entry.variant for c in planned.chunks} == {variant}
     assert {c.tier for c in planned.chunks} == tiers
     assert all(c.text is None for c in planned.chunks)
+
+
+def test_a_request_tier_sets_uniform_modes_and_the_promotion_target(roles):
+    docs = ["invoices", "manual"]
+    assert {c.tier for c in plan(roles.router, doc_ids=docs, mode=Mode.UNIFORM, tier="low").chunks} == {"low"}
+    # routed to the lowest tier: nothing can be promoted above it
+    assert {c.tier for c in plan(roles.router, doc_ids=docs, tau=1.0, tier="low").chunks} == {"low"}
+    with pytest.raises(UnknownTierError, match="unknown tier 'mid'"):  # a 404 naming the store's tiers
+        plan(roles.router, doc_ids=docs, mode=Mode.UNIFORM, tier="mid")
+    assert UnknownTierError.status_code == 404
+    for mode in (Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN, Mode.FULL_TEXT, Mode.UNIFORM_HIGH):
+        with pytest.raises(ValidationError, match="takes no tier"):  # a 422 before any work
+            plan(roles.router, doc_ids=docs, mode=mode, tier="low")
+    assert {m for m in Mode if m.takes_tier} == set(Mode) - {Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN, Mode.FULL_TEXT,
+                                                               Mode.UNIFORM_HIGH}
+    # the baselines are compiled at the lowest tier only: another tier is a clear 503, never a silent swap
+    with pytest.raises(UnservableError, match="dummy entries of tier 'high'"):
+        plan(roles.router, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC_DUMMY, tier="high")
 
 
 def test_online_modes_carry_text_and_full_image_uses_the_routed_tiers(roles):

@@ -1,7 +1,15 @@
-"""Exactness of the PIC runtime: the quality oracle without trained weights (float32, both families)."""
+"""Exactness of the PIC runtime: the quality oracle without trained weights (every family, float32 and bf16).
+
+The block-mask reference is independent of the code under test: it takes token ids from the
+tokenizer and the chat template as rendered, image token counts from the model's own vision path,
+and every position from the model's own `get_rope_index` over the flat full-prefill sequence (1-D
+families: 0..L-1). It never reads a compiled chunk's span or start. Negative controls prove it can fail.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 
 import numpy as np
@@ -9,11 +17,14 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.runtime.kv import ChunkKV, chunk_starts
+from pipeline.runtime.kv import assemble
+from schemas.config import ChunkKind, CompilePrefix
 from schemas.sampling import Sampling
-from schemas.config import ChunkKind
 
 QUERY = "Which part number ships on 12 March?"
+# float32: max |Δ logit| between the linked path and the reference. Measured 1.8e-7…4.8e-7 on every family
+# (logits up to ~0.75); every negative control below misses by 7.6e-4 or more.
+TOLERANCE = 1e-5
 
 
 def page(rng: random.Random, width_px: int, height_px: int) -> Image.Image:
@@ -31,18 +42,143 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def compile_piece(vlm, piece, prefix: CompilePrefix):
+    return vlm.compile_text(piece, prefix) if isinstance(piece, str) else vlm.compile_images(piece, prefix)
+
+
+# ---- the independent reference ---------------------------------------------------------------------
+def template_parts(vlm) -> tuple[str, str, str, str]:
+    """(prefix, image markup before the image token, after it, turn suffix), cut from one rendered prompt."""
+    rendered = vlm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "\x01"}, {"type": "image"},
+                                      {"type": "text", "text": "\x02"}]}], add_generation_prompt=True, tokenize=False)
+    image_token = vlm.tokenizer.convert_ids_to_tokens(vlm.model.config.image_token_id)
+    markup = rendered[rendered.index("\x01") + 1:rendered.index("\x02")]
+    before, after = markup.split(image_token)
+    return rendered[:rendered.index("\x01")], before, after, rendered[rendered.index("\x02") + 1:]
+
+
+def page_block(vlm, pages, before: list[int], after: list[int]):
+    """Token ids, pixel values and layout of pages, each page's image-token count as the model's own vision
+    path produces features for it (LLaVA: its feature list; M-RoPE: patches / merge²)."""
+    processed = vlm.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
+    pixels = processed["pixel_values"]
+    if "image_grid_thw" in processed:
+        grids = processed["image_grid_thw"]
+        counts = [int(g.prod()) // vlm.model.config.vision_config.spatial_merge_size ** 2 for g in grids]
+    else:
+        grids = processed["image_sizes"]
+        with torch.inference_mode():
+            features = vlm.model.model.get_image_features(pixels.to(vlm.dtype), grids).pooler_output
+        counts = [f.shape[0] for f in features]
+    ids = [t for n in counts for t in before + [vlm.model.config.image_token_id] * n + after]
+    return ids, pixels.to(vlm.dtype), grids
+
+
+def flat_positions(vlm, ids: list[int], grids: list[torch.Tensor]) -> torch.Tensor:
+    """`(axes, L)` positions of the flat prompt, as one full prefill lays it out (the model's own code)."""
+    input_ids = torch.tensor([ids])
+    if not hasattr(vlm.model.model, "get_rope_index"):  # 1-D RoPE: every token advances by one
+        return torch.arange(len(ids)).view(1, -1)
+    positions, _ = vlm.model.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == vlm.model.config.image_token_id).int(),
+        image_grid_thw=torch.cat(grids) if grids else None)
+    return positions[:, 0]
+
+
+def reference_query_logits(vlm, pieces, prefix: CompilePrefix, query: str, instruction: str = "") -> torch.Tensor:
+    """One forward over `[copy₁][c₁]…[copyₙ][cₙ][prefix + instruction][query]` with a block mask: each chunk
+    sees its compile prefix copy and itself; the query sees the serving prefix, the instruction, every
+    chunk and itself. Every block sits where the flat prompt `[prefix][instruction][c₁…cₙ][query]` puts it."""
+    tokenizer = vlm.tokenizer
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    prefix_text, before, after, suffix = template_parts(vlm)
+    serving = encode(prefix_text) + (encode(instruction) if instruction else [])
+    copy_ids = {CompilePrefix.TEMPLATE: encode(prefix_text), CompilePrefix.NONE: [],
+                CompilePrefix.DUMMY: vlm.adapter.dummy_prefix_ids}[prefix]  # the dummy variant's definition
+    blocks, pixels, grids = [], [], []
+    for piece in pieces:
+        if isinstance(piece, str):
+            blocks.append(encode(piece))
+        else:
+            ids, pixel_values, layout = page_block(vlm, piece, encode(before), encode(after))
+            blocks.append(ids)
+            pixels.append(pixel_values)
+            grids.append(layout)
+    query_ids = encode(query) + encode(suffix)
+    flat = flat_positions(vlm, serving + [t for b in blocks for t in b] + query_ids, grids)
+    ids, positions, spans = [], [], []
+    cursor = len(serving)
+    for block in blocks:  # [copy][chunk]: the copy ends right before the chunk's first position
+        start = flat[:, cursor]
+        copy_positions = (start[:, None] - len(copy_ids) + torch.arange(len(copy_ids))[None])
+        spans.append((len(ids), len(ids) + len(copy_ids), len(ids) + len(copy_ids) + len(block)))
+        ids += copy_ids + block
+        positions += [copy_positions, flat[:, cursor:cursor + len(block)]]
+        cursor += len(block)
+    serving_from = len(ids)
+    ids += serving
+    positions.append(flat[:, :len(serving)])
+    query_from = len(ids)
+    ids += query_ids
+    positions.append(flat[:, cursor:])
+
+    total = len(ids)
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    causal = lambda n: torch.ones(n, n, dtype=torch.bool).tril()  # noqa: E731
+    for block_from, chunk_from, block_to in spans:
+        allowed[block_from:block_to, block_from:block_to] = causal(block_to - block_from)
+        allowed[query_from:, chunk_from:block_to] = True
+    allowed[serving_from:, serving_from:query_from] = True
+    allowed[serving_from:query_from, serving_from:query_from] = causal(query_from - serving_from)
+    allowed[query_from:, query_from:] = causal(total - query_from)
+    # additive float mask in the model dtype: a bool mask is silently wrong under eager attention
+    mask = torch.zeros(1, 1, total, total, dtype=vlm.dtype).masked_fill(~allowed, torch.finfo(vlm.dtype).min)
+    input_ids = torch.tensor([ids])
+    position_ids = torch.cat(positions, dim=1)
+    kwargs = {"pixel_values": vlm.adapter.concat_pixels(pixels) if pixels else None}
+    if position_ids.shape[0] == 3:
+        kwargs.update(image_grid_thw=torch.cat(grids) if grids else None, position_ids=position_ids[:, None],
+                      mm_token_type_ids=(input_ids == vlm.model.config.image_token_id).int())
+    else:
+        kwargs.update(image_sizes=torch.cat(grids) if grids else None, position_ids=position_ids)
+    with torch.inference_mode():
+        out = vlm.model(input_ids=input_ids, attention_mask=mask, **kwargs)
+    return out.logits[0, query_from:]
+
+
+def linked_query_logits(vlm, pieces, prefix: CompilePrefix, query: str, instruction: str = "",
+                        rotation=None, mutate=lambda chunk: chunk) -> torch.Tensor:
+    """The serving path: compile each piece, assemble after the serving prefix, prefill the query."""
+    chunks = [mutate(compile_piece(vlm, piece, prefix)) for piece in pieces]
+    if rotation is None:
+        context = vlm.assemble(chunks, instruction)
+    else:
+        context = assemble(vlm.serving_prefix(instruction), chunks, rotation)
+    return vlm.prefill_query(context, query, all_logits=True).logits[0]
+
+
+def random_pieces(rng: random.Random) -> list:
+    pieces = []
+    for _ in range(rng.randrange(1, 5)):
+        if rng.random() < 0.3:
+            pieces.append(random_text(rng, rng.randrange(1, 25)))
+        else:
+            pieces.append([page(rng, rng.randrange(28, 170), rng.randrange(28, 170)) for _ in range(rng.choice([1, 1, 2]))])
+    rng.shuffle(pieces)
+    return pieces
+
+
 # ---- 1. re-anchored keys equal keys compiled at the new position ------------------------------
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_reanchored_keys_match_keys_compiled_there(vlm, seed):
     rng = random.Random(seed)
     image = page(rng, rng.randrange(56, 200), rng.randrange(56, 200))
     text = random_text(rng, rng.randrange(3, 30))
     base, delta = rng.randrange(0, 200), rng.randrange(-150, 400)
     delta = max(delta, -base)
-    for compile_at in (
-        lambda offset: vlm.compile_images([image], with_template=True, position_offset=offset),
-        lambda offset: vlm.compile_text(text, with_template=True, position_offset=offset),
-    ):
+    for compile_at in (lambda offset: vlm.compile_images([image], position_offset=offset),
+                       lambda offset: vlm.compile_text(text, position_offset=offset)):
         at_base, at_target = compile_at(base), compile_at(base + delta)
         assert at_target.compile_start == at_base.compile_start + delta
         moved = vlm.adapter.rotate_keys(at_base.kv[:, 0], torch.full((at_base.num_tokens,), delta))
@@ -50,141 +186,115 @@ def test_reanchored_keys_match_keys_compiled_there(vlm, seed):
         assert relative_error(at_base.kv[:, 1], at_target.kv[:, 1]) <= 1e-4  # values carry no position
 
 
-# ---- 2. one chunk + query on top equals one full forward ---------------------------------------
-def test_single_chunk_prefill_equals_full_forward(vlm):
-    rng = random.Random(7)
-    pages = [page(rng, 140, 98)]
+# ---- 2. one chunk + query on top equals one full forward, and greedy decoding matches generate() ----
+def test_single_chunk_prefill_equals_full_forward_and_generate(vlm):
+    pages = [page(random.Random(7), 140, 98)]
     full = vlm.prefill_full([pages], QUERY, all_logits=True)
-
-    # (a) prefix kept: one forward over [prefix][chunk], the query prefilled on that very cache
-    pixel_values, grids, chunk_ids = vlm.image_inputs(pages)
-    ids = torch.tensor([vlm.adapter.prefix_ids + chunk_ids])
-    positions = vlm.positions(ids, grids)
-    with torch.inference_mode():
-        out = vlm.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grids,
-                        mm_token_type_ids=(ids == vlm.adapter.image_token_id).int(), position_ids=positions,
-                        use_cache=True)
-    query_ids = torch.tensor([vlm.adapter.encode(QUERY) + vlm.adapter.turn_suffix_ids])
-    kept = vlm._forward(query_ids, out.cache, int(positions.max()) + 1, logits_to_keep=0)
-    assert float((kept.logits[0] - full.logits[0, -query_ids.shape[1]:]).abs().max()) <= 1e-5
-
-    # (b) the serving path: prefix stripped at compile, serving prefix computed once, chunk linked
-    chunk = vlm.compile_images(pages)
-    linked = vlm.prefill_query(vlm.assemble([chunk]), QUERY, all_logits=True)
-    assert float((linked.logits[0] - full.logits[0, -query_ids.shape[1]:]).abs().max()) <= 1e-5
+    linked = vlm.prefill_query(vlm.assemble([vlm.compile_images(pages)]), QUERY, all_logits=True)
+    num_query = linked.logits.shape[1]
+    assert float((linked.logits[0] - full.logits[0, -num_query:]).abs().max()) <= 1e-5
     assert linked.next_position == full.next_position
 
-    # greedy decoding on the linked cache is token-identical to transformers' generate() on the full prompt
     sampling = Sampling(max_new_tokens=12)
     ours = vlm.generate(linked, sampling)
-    full_ids = torch.tensor([vlm.adapter.prefix_ids + chunk_ids + query_ids[0].tolist()])
+    pixel_values, grids, chunk_ids = vlm.image_inputs(pages)
+    ids = torch.tensor([vlm.adapter.prefix_ids + chunk_ids + vlm.adapter.encode(QUERY) + vlm.adapter.turn_suffix_ids])
+    inputs = vlm.adapter.model_inputs(ids, vlm.positions(ids, grids), pixel_values, grids)
+    inputs.pop("position_ids")  # generate() derives them itself: an independent check of ours
     with torch.inference_mode():
-        reference = vlm.model.generate(
-            input_ids=full_ids, attention_mask=torch.ones_like(full_ids), pixel_values=pixel_values,
-            image_grid_thw=grids, mm_token_type_ids=(full_ids == vlm.adapter.image_token_id).int(),
-            max_new_tokens=sampling.max_new_tokens, do_sample=False,
-        )[0, full_ids.shape[1]:].tolist()
+        reference = vlm.model.generate(**inputs, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=sampling.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
     eot = vlm.adapter.end_of_turn_ids
-    reference = reference[: next((i for i, t in enumerate(reference) if t in eot), len(reference))]
-    assert ours == reference and len(ours) > 0
+    assert ours == reference[: next((i for i, t in enumerate(reference) if t in eot), len(reference))] and ours
 
 
-# ---- 3 & 4. many chunks, re-anchored, vs an independent 4-D-mask reference ---------------------
-def reference_query_logits(vlm, pieces, with_template: bool, query: str) -> torch.Tensor:
-    """One forward over `[P copy₁][c₁]…[P copyₙ][cₙ][serving P][query]` with a block mask.
-
-    Each chunk sees only its own prefix copy and itself; the query sees the serving prefix, every
-    chunk and itself. Positions: each block at its compile-time positions shifted to s_i.
-    """
-    adapter, prefix = vlm.adapter, vlm.adapter.prefix_ids
-    compiled = [vlm.compile_images(p, with_template) if not isinstance(p, str)
-                else vlm.compile_text(p, with_template) for p in pieces]
-    starts = chunk_starts(len(prefix), compiled)
-    ids, positions, blocks, pixels, grids = [], [], [], [], []
-    for piece, chunk, start in zip(pieces, compiled, starts):
-        if isinstance(piece, str):
-            chunk_ids, block_grids = adapter.encode(piece), None
-        else:
-            pixel_values, block_grids, chunk_ids = vlm.image_inputs(piece)
-            pixels.append(pixel_values)
-            grids.append(block_grids)
-        copy = prefix if with_template else []
-        block = torch.tensor([copy + chunk_ids])
-        block_pos = vlm.positions(block, block_grids) + (start - chunk.compile_start)
-        blocks.append((len(ids), len(ids) + len(copy), len(ids) + block.shape[1]))
-        ids += block[0].tolist()
-        positions.append(block_pos)
-    serving_from = len(ids)
-    ids += prefix
-    positions.append(vlm.positions(torch.tensor([prefix]), None))
-    next_position = starts[-1] + compiled[-1].position_span
-    query_ids = adapter.encode(query) + adapter.turn_suffix_ids
-    query_from = len(ids)
-    ids += query_ids
-    positions.append(vlm.positions(torch.tensor([query_ids]), None, next_position))
-
-    total = len(ids)
-    allowed = torch.zeros(total, total, dtype=torch.bool)
-    causal = lambda a, b: torch.ones(b - a, b - a, dtype=torch.bool).tril()  # noqa: E731
-    for block_from, chunk_from, block_to in blocks:
-        allowed[block_from:block_to, block_from:block_to] = causal(block_from, block_to)
-        allowed[query_from:, chunk_from:block_to] = True
-    allowed[serving_from:query_from, serving_from:query_from] = causal(serving_from, query_from)
-    allowed[query_from:, serving_from:query_from] = True
-    allowed[query_from:, query_from:] = causal(query_from, total)
-    mask = torch.zeros(1, 1, total, total, dtype=vlm.dtype).masked_fill(~allowed, torch.finfo(vlm.dtype).min)
-
-    input_ids = torch.tensor([ids])
-    with torch.inference_mode():
-        out = vlm.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=torch.cat(positions, dim=2),
-            pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None,
-            mm_token_type_ids=(input_ids == adapter.image_token_id).int(),
-        )
-    return out.logits[0, query_from:]
-
-
-def linked_query_logits(vlm, pieces, with_template: bool, query: str) -> torch.Tensor:
-    chunks: list[ChunkKV] = [vlm.compile_images(p, with_template) if not isinstance(p, str)
-                             else vlm.compile_text(p, with_template) for p in pieces]
-    return vlm.prefill_query(vlm.assemble(chunks), query, all_logits=True).logits[0]
-
-
-def test_three_mixed_chunks_match_masked_reference(vlm):
-    rng = random.Random(11)
-    pieces = [[page(rng, 84, 140)], random_text(rng, 12), [page(rng, 196, 70), page(rng, 56, 56)]]
-    ours = linked_query_logits(vlm, pieces, True, QUERY)
-    reference = reference_query_logits(vlm, pieces, True, QUERY)
-    assert float((ours - reference).abs().max()) <= 1e-4
-
-
+# ---- 3. many chunks, every compile prefix, with and without an instruction, vs the reference -------
 @pytest.mark.parametrize("seed", range(6))
 def test_random_assemblies_match_masked_reference(vlm, seed):
-    """Property test: random chunk counts, kinds, sizes and orders, with and without the template."""
+    """Property test: random chunk counts, kinds, sizes and orders; template, prefix-free and dummy prefixes."""
     rng = random.Random(1000 + seed)
-    pieces = []
-    for _ in range(rng.randrange(1, 5)):
-        if rng.random() < 0.3:
-            pieces.append(random_text(rng, rng.randrange(1, 25)))
-        else:
-            pieces.append([page(rng, rng.randrange(28, 170), rng.randrange(28, 170))
-                           for _ in range(rng.choice([1, 1, 2]))])
-    rng.shuffle(pieces)
-    with_template = seed % 3 != 2  # every third case: plain (prefix-free) chunks, as image PIC compiles them
+    pieces = random_pieces(rng)
+    prefix = list(CompilePrefix)[seed % 3]
+    instruction = random_text(rng, rng.randrange(2, 9)) + "\n\n" if seed % 2 else ""
     query = random_text(rng, rng.randrange(1, 10))
-    ours = linked_query_logits(vlm, pieces, with_template, query)
-    reference = reference_query_logits(vlm, pieces, with_template, query)
-    assert float((ours - reference).abs().max()) <= 1e-4
+    ours = linked_query_logits(vlm, pieces, prefix, query, instruction)
+    reference = reference_query_logits(vlm, pieces, prefix, query, instruction)
+    assert float((ours - reference).abs().max()) <= TOLERANCE
 
 
+# ---- 4. negative controls: each mutation of the serving path must be caught -------------------------
+def t_only_rotation(adapter):
+    """The adapter's rotation with the shift applied to M-RoPE's t axis alone (h and w left behind)."""
+    real = adapter.rotary_emb
+
+    def rotary(x, positions):
+        kept = positions.clone()
+        kept[1:] = 0
+        return real(x, kept)
+
+    broken = copy.copy(adapter)
+    broken.__class__ = type("TOnlyAdapter", (type(adapter),), {"rotary_emb": property(lambda self: rotary)})
+    return broken.rotation_matrices
+
+
+MUTATIONS = {
+    "identity rotation": dict(rotation=lambda deltas, head_dim: torch.eye(head_dim).expand(len(deltas), -1, -1)),
+    "t-only shift": "t_only",
+    "span = token count": dict(mutate=lambda c: dataclasses.replace(c, position_span=c.num_tokens)),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_negative_controls_fail_the_reference(vlm, mutation):
+    if vlm.adapter.rope_axes == 1 and mutation != "identity rotation":
+        pytest.skip("1-D RoPE: one axis, and an image spans exactly its tokens")
+    rng = random.Random(5)
+    pieces = [[page(rng, 84, 140)], random_text(rng, 12), [page(rng, 196, 70), page(rng, 56, 56)], random_text(rng, 6)]
+    kwargs = dict(rotation=t_only_rotation(vlm.adapter)) if MUTATIONS[mutation] == "t_only" else MUTATIONS[mutation]
+    reference = reference_query_logits(vlm, pieces, CompilePrefix.TEMPLATE, QUERY)
+    assert float((linked_query_logits(vlm, pieces, CompilePrefix.TEMPLATE, QUERY) - reference).abs().max()) <= TOLERANCE
+    broken = linked_query_logits(vlm, pieces, CompilePrefix.TEMPLATE, QUERY, **kwargs)
+    assert float((broken - reference).abs().max()) > 20 * TOLERANCE, f"the reference cannot see a {mutation}"
+
+
+# ---- 5. bfloat16: the serving dtype, against bf16 references -----------------------------------------
+# max |Δ logit| / max |logit| ≤ 2^-6 (four bf16 ulps at the logit scale). Measured 4.7e-3…8.3e-3 over four
+# seeds and every family: the bf16 reference itself sits 5.4e-3…1.1e-2 from the float32 one. That noise is
+# as large as a broken rotation's effect on these tiny models (5e-3…2e-2), so bf16 bounds precision only;
+# correctness is the float32 suite's job.
+BF16_TOLERANCE = 2**-6
+
+
+def test_bf16_assembly_matches_bf16_references(vlm_bf16, vlm):
+    rng = random.Random(9)
+    one = [[page(rng, 140, 98)]]
+    full = vlm_bf16.prefill_full(one, QUERY, all_logits=True).logits[0].float()
+    linked = linked_query_logits(vlm_bf16, one, CompilePrefix.TEMPLATE, QUERY).float()
+    assert relative_error(linked, full[-linked.shape[0]:]) <= BF16_TOLERANCE
+    pieces, instruction = [[page(rng, 84, 140)], random_text(rng, 12), [page(rng, 196, 70)]], "Answer briefly.\n"
+    ours = linked_query_logits(vlm_bf16, pieces, CompilePrefix.TEMPLATE, QUERY, instruction).float()
+    reference = reference_query_logits(vlm_bf16, pieces, CompilePrefix.TEMPLATE, QUERY, instruction).float()
+    assert relative_error(ours, reference) <= BF16_TOLERANCE
+    # and no further from the float32 truth than twice the bf16 reference's own rounding (measured ≤1.3×)
+    truth = reference_query_logits(vlm, pieces, CompilePrefix.TEMPLATE, QUERY, instruction)
+    assert relative_error(ours, truth) <= 2 * relative_error(reference, truth)
+
+
+# ---- 6. compiled metadata --------------------------------------------------------------------------
 def test_chunk_metadata(vlm):
     rng = random.Random(3)
     image = vlm.compile_images([page(rng, 140, 84)])
-    merge = vlm.adapter.merge_size
-    (t, h, w), = image.grid_thw
-    assert image.kind is ChunkKind.IMAGE
-    assert image.num_tokens == t * h * w // merge**2 + 2  # image tokens + begin/end markup
-    assert image.position_span == max(h, w) // merge + 2  # an image advances by its longer side, not its tokens
-    assert image.compile_start == len(vlm.adapter.prefix_ids)
-    text = vlm.compile_text("twelve tokens or so of plain text here", with_template=False)
-    assert text.compile_start == 0 and text.position_span == text.num_tokens
+    assert image.kind is ChunkKind.IMAGE and image.compile_start == len(vlm.adapter.prefix_ids)
+    if vlm.adapter.rope_axes == 3:
+        merge = vlm.adapter.merge_size
+        (t, h, w), = image.grid_thw
+        assert image.num_tokens == image.vision_tokens + 2 == t * h * w // merge**2 + 2  # + begin/end markup
+        assert image.position_span == max(h, w) // merge + 2  # an image advances by its longer side
+    else:
+        assert image.position_span == image.num_tokens  # 1-D RoPE: every token advances by one
+    text = vlm.compile_text("twelve tokens or so of plain text here", CompilePrefix.NONE)
+    assert text.compile_start == 0 and text.position_span == text.num_tokens and text.vision_tokens == 0
+    dummy = vlm.compile_text("twelve tokens", CompilePrefix.DUMMY)
+    assert dummy.compile_start == len(vlm.adapter.prefix_ids) == len(vlm.adapter.dummy_prefix_ids)
+    special = set(vlm.tokenizer.all_special_ids) | set(vlm.tokenizer.added_tokens_decoder)
+    assert not special & set(vlm.adapter.dummy_prefix_ids)

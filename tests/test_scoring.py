@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.longbench import QAItem, QATask
-from pipeline.scoring import ScoringError, normalize_answer, qa_f1, score
+from pipeline.eval.longbench import QAItem, QATask
+from pipeline.eval.scoring import ScoringError, normalize_answer, qa_f1, score
 
 
 # --- Reference, restated line for line from THUDM/LongBench `metrics.py` (normalize_answer, f1_score,
 # qa_f1_score) and `eval.py` (`scorer`: max over ground truths starting from 0., mean × 100).
-# Kept deliberately naive and separate from pipeline.scoring so that a shared bug cannot hide.
+# Kept deliberately naive and separate from pipeline.eval.scoring so that a shared bug cannot hide.
 def ref_normalize_answer(s):
     def remove_articles(text):
         return re.sub(r"\b(a|an|the)\b", " ", text)

@@ -77,7 +77,7 @@ def test_cache_key_round_trip_seeded() -> None:
     rng = random.Random(0)
     for _ in range(300):
         variant = rng.choice(list(Variant))
-        tier = None if variant is Variant.TEXT else rng.choice(["low", "high", "t", "x_1" * 10])
+        tier = None if variant.kind is ChunkKind.TEXT else rng.choice(["low", "high", "t", "x_1" * 10])
         key = CacheKey(f"{rng.getrandbits(256):064x}", tier, variant, f"{rng.getrandbits(256):064x}")
         assert CacheKey.parse(key.to_str()) == key
         assert len({key, CacheKey.parse(key.to_str())}) == 1
@@ -99,8 +99,9 @@ def test_cache_key_rejects_hostile_strings(text) -> None:
 
 
 def test_cache_key_fields_are_validated() -> None:
-    with pytest.raises(CacheKeyError, match="text variant has no tier"):
-        CacheKey(sha("a"), "low", Variant.TEXT, sha("b"))
+    for text_variant in (Variant.TEXT, Variant.TEXT_PLAIN):
+        with pytest.raises(CacheKeyError, match="text variant .* has no tier"):
+            CacheKey(sha("a"), "low", text_variant, sha("b"))
     with pytest.raises(CacheKeyError, match="needs a tier"):
         CacheKey(sha("a"), None, Variant.PLAIN, sha("b"))
     with pytest.raises(CacheKeyError, match="Variant"):
@@ -119,6 +120,17 @@ def test_fingerprints_are_stable_across_processes() -> None:
     assert outputs == [here, here]
 
 
+def test_entry_slots_cover_every_variant() -> None:
+    """What ingest and recompile build per chunk: templated pages at every tier, the baselines' pages at the
+    lowest, each text variant once."""
+    from pipeline.ingest import entry_slots
+
+    manifest = make_manifest(render=RenderSpec(tiers=(TierSpec(name="high", dpi=120), TierSpec(name="low", dpi=72))))
+    assert entry_slots(manifest, tuple(Variant)) == [
+        ("high", Variant.TEMPLATE), ("low", Variant.TEMPLATE), ("low", Variant.PLAIN), ("low", Variant.DUMMY),
+        (None, Variant.TEXT), (None, Variant.TEXT_PLAIN)]
+
+
 def test_entry_fingerprint_depends_on_exactly_what_changes_the_kv() -> None:
     model_fp = model_fingerprint("m", "r", DType.BFLOAT16, PREFIX)
     low, render = TierSpec(name="low", dpi=72), RenderSpec()
@@ -128,10 +140,15 @@ def test_entry_fingerprint_depends_on_exactly_what_changes_the_kv() -> None:
     differ = [entry_fingerprint(model_fp, Variant.TEMPLATE, render, TierSpec(name="low", dpi=73)),
               entry_fingerprint(model_fp, Variant.TEMPLATE, RenderSpec(font_size_pt=10), low),
               entry_fingerprint(model_fp, Variant.PLAIN, render, low),
+              entry_fingerprint(model_fp, Variant.DUMMY, render, low),
               entry_fingerprint(model_fingerprint("m", "r", DType.FLOAT32, PREFIX), Variant.TEMPLATE, render, low)]
     assert same == [base, base] and base not in differ and len(set(differ)) == len(differ)
     text_fp = entry_fingerprint(model_fp, Variant.TEXT, None, None)
     assert entry_fingerprint(model_fp, Variant.TEXT, RenderSpec(font_size_pt=12), low) == text_fp
+    plain_text_fp = entry_fingerprint(model_fp, Variant.TEXT_PLAIN, None, None)
+    assert plain_text_fp != text_fp == entry_fingerprint(model_fp, Variant.TEXT, render, low)
+    every_variant = {entry_fingerprint(model_fp, v, render, low) for v in Variant}
+    assert len(every_variant) == len(Variant)  # each variant has a fingerprint of its own
     with pytest.raises(ValueError, match="needs a RenderSpec"):
         entry_fingerprint(model_fp, Variant.TEMPLATE, None, low)
     variations = [("m", "r", DType.BFLOAT16, PREFIX), ("m2", "r", DType.BFLOAT16, PREFIX),

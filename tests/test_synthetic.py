@@ -7,9 +7,9 @@ from dataclasses import asdict
 
 import pytest
 
-from pipeline.longbench import QATask, load_tasks
-from pipeline.scoring import qa_f1
-from pipeline.synthetic import (FactKind, SyntheticError, evidence_chunks, filler_sentences, generate,
+from pipeline.eval.longbench import QATask, load_tasks
+from pipeline.eval.scoring import qa_f1
+from pipeline.eval.synthetic import (FactKind, SyntheticError, evidence_chunks, filler_sentences, generate,
                                 write_jsonl)
 
 _FACT_PATTERNS = {

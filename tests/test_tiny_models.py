@@ -17,12 +17,13 @@ def test_builds_are_byte_identical(tmp_path):
         assert filecmp.cmp(first / name, second / name, shallow=False), name
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-glm"])
+@pytest.mark.parametrize("name", [n for n in BUILTIN if n.startswith("tiny-")])
 def test_identity_is_stable_and_names_the_family(name):
     model_id, revision, family, prefix = model_identity(ModelSpec(path=name))
     assert (model_id, revision, family, prefix) == model_identity(ModelSpec(path=name))
     assert family is BUILTIN[name][0]
-    assert prefix.startswith("<|im_start|>system" if family is ModelFamily.QWEN2_5_VL else "[gMASK]<sop>")
+    assert prefix.startswith({ModelFamily.QWEN2_5_VL: "<|im_start|>system", ModelFamily.QWEN2_VL: "<|im_start|>system",
+                              ModelFamily.GLM4V: "[gMASK]<sop>", ModelFamily.LLAVA_ONEVISION: "<|im_start|>user"}[family])
 
 
 def test_local_directory_identity_and_errors(tmp_path):

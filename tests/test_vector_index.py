@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.vector_index import VectorIndex, build_index, calibration_queries, exact_top_k, recall_at_k
+from pipeline.ann_calibration import calibration_queries
+from pipeline.embedding_rows import EmbeddingRows
+from pipeline.vector_index import VectorIndex, build_index, exact_top_k, recall_at_k
 from schemas.generation import SearchKind, SearchSpec
 
 
@@ -26,11 +28,11 @@ def clustered_unit(n: int, dim: int, clusters: int, seed: int) -> np.ndarray:
     return unit(centres[rng.integers(0, clusters, n)] + 0.5 * rng.standard_normal((n, dim)) / np.sqrt(dim))
 
 
-def build(tmp_path, embeddings: np.ndarray, **spec) -> VectorIndex:
+def build(tmp_path, embeddings: np.ndarray, search_threads: int = 1, **spec) -> VectorIndex:
     stored = embeddings.astype(np.float16)
     np.save(tmp_path / "e.npy", stored)
-    info = build_index(np.load(tmp_path / "e.npy", mmap_mode="r"), SearchSpec(**spec), tmp_path / "v.faiss")
-    return VectorIndex(tmp_path / "v.faiss", np.load(tmp_path / "e.npy", mmap_mode="r"), info)
+    info = build_index(EmbeddingRows(path=tmp_path / "e.npy"), SearchSpec(**spec), tmp_path)
+    return VectorIndex(tmp_path, EmbeddingRows(path=tmp_path / "e.npy"), info, search_threads=search_threads)
 
 
 def search_all(index: VectorIndex, queries: np.ndarray, k: int) -> np.ndarray:
@@ -96,7 +98,7 @@ def test_index_is_checked_against_its_record(tmp_path):
     embeddings = random_unit(100, 16, seed=6)
     index = build(tmp_path, embeddings)
     with pytest.raises(ValueError, match="do not match the index"):
-        VectorIndex(tmp_path / "v.faiss", np.zeros((99, 16), np.float16), index.info)
+        VectorIndex(tmp_path, EmbeddingRows(array=np.zeros((99, 16), np.float16)), index.info)
 
 
 def test_exact_top_k_excludes_the_query_row():

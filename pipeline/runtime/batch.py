@@ -178,24 +178,27 @@ class Slab(Cache):
 
 @torch.inference_mode()
 def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Sequence[list[int]],
-                    reserves: Sequence[int]) -> tuple[Slab, torch.Tensor, list[float]]:
+                    reserves: Sequence[int], instructions: Sequence[str] | None = None,
+                    ) -> tuple[Slab, torch.Tensor, list[float]]:
     """Assemble every context straight into its row of a new slab, then prefill every query on top of its
     own context in one forward.
 
-    Row j holds `[serving prefix][context j's chunks, re-anchored]` at columns `[0, C_j)` and its query
-    right after, left-padded to the longest query (so every row's last token is real and only its logits
-    are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
+    Row j holds `[serving prefix ending in instructions[j]][context j's chunks, re-anchored]` at columns
+    `[0, C_j)` (no instruction when not given; see VLM.serving_prefix) and its query right after,
+    left-padded to the longest query (so every row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
     logits `[rows, vocab]` and each row's assembly time (ms).
     """
     num_rows, longest = len(queries), max(len(q) for q in queries)
-    prefix = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
-    context_lengths = [vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks) for chunks in contexts]
+    instructions = list(instructions) if instructions is not None else [""] * len(contexts)
+    prefix = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]: the slab's shape
+    context_lengths = [vlm.serving_prefix(instruction).num_tokens + sum(c.num_tokens for c in chunks)
+                       for chunks, instruction in zip(contexts, instructions)]
     capacity = max(n + longest + r for n, r in zip(context_lengths, reserves))
     slab = Slab.empty(prefix.shape[0], num_rows, prefix.shape[2], capacity, prefix.shape[4], vlm.dtype, vlm.device)
     assembly_ms = []
-    for row, chunks in enumerate(contexts):
+    for row, (chunks, instruction) in enumerate(zip(contexts, instructions)):
         started = time.perf_counter()
-        context = vlm.assemble(chunks, out=slab.kv[:, :, row])
+        context = vlm.assemble(chunks, instruction, out=slab.kv[:, :, row])
         slab.valid[row, :context.num_tokens] = True
         slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
         assembly_ms.append(_ms_since(started, vlm.device))

@@ -23,7 +23,8 @@ class ChunkKV:
     position_span: int  # how far the next position advances after the chunk (≠ tokens for images)
     compile_start: int  # position of the chunk's first token when it was compiled
     kind: ChunkKind
-    grid_thw: list[tuple[int, int, int]] = field(default_factory=list)  # one patch grid per page
+    grid_thw: list[tuple[int, ...]] = field(default_factory=list)  # per page: patch grid (t, h, w), or LLaVA's (h, w)
+    vision_tokens: int = 0  # image tokens among `num_tokens` (set at compile; metadata)
 
     def __post_init__(self) -> None:
         if self.kv.dim() != 5 or self.kv.shape[1] != 2:

@@ -1,12 +1,14 @@
 """The VLM runtime shared by compile (offline) and serve (online): load, compile, prefill, decode.
 
-Positions are always passed explicitly as 3-D M-RoPE `position_ids` `(3, 1, L)`; the models' stateful
-`rope_deltas` is never relied on.
+Positions are always passed explicitly, kept as `(axes, 1, L)` (3 for M-RoPE, 1 for 1-D RoPE) and
+handed to the model in its own layout by the adapter; the models' stateful `rope_deltas` is never
+relied on.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,9 +21,10 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
-from schemas.config import ChunkKind, DType, ModelFamily, ModelSpec
+from schemas.config import ChunkKind, CompilePrefix, DType, ModelFamily, ModelSpec, Variant
 from schemas.sampling import Sampling
 
+PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
 
@@ -90,80 +93,100 @@ class VLM:
             self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
         ).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
+        size = {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget else {}
         self.image_processor = getattr(transformers, classes.image_processor_cls).from_pretrained(
-            self.path, size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}, **load
+            self.path, **size, **load
         )
-        self.adapter = Adapter(self.model, self.tokenizer)
+        self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
         self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
-        self._prefix: ChunkKV | None = None
+        self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
 
     # ---- compile (offline) -------------------------------------------------------------------
     def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Pixel values, `[pages, 3]` grids and the token ids of the pages in order."""
+        """Pixel values, the per-page layout (`[pages, 3]` patch grids, or LLaVA's `[pages, 2]` sizes) and the
+        token ids of the pages in order."""
         processed = self.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
-        grids = processed["image_grid_thw"]
+        grids = processed[self.adapter.grid_key]
         ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
         return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
 
+    def compile_variant(self, variant: Variant, text: str = "", pages: Sequence[Image.Image] = ()) -> ChunkKV:
+        """The stored entry of `variant`: the chunk's source text or its pages, after the variant's prefix."""
+        if variant.kind is ChunkKind.TEXT:
+            return self.compile_text(text, variant.prefix)
+        return self.compile_images(pages, variant.prefix)
+
     @torch.inference_mode()
-    def compile_images(
-        self, pages: Sequence[Image.Image], with_template: bool = True, position_offset: int = 0
-    ) -> ChunkKV:
-        """KV of one chunk's page images, compiled under the template prefix (then stripped) or alone.
+    def compile_images(self, pages: Sequence[Image.Image], prefix: CompilePrefix = CompilePrefix.TEMPLATE,
+                       position_offset: int = 0) -> ChunkKV:
+        """KV of one chunk's page images, compiled after `prefix` (whose KV is then stripped).
 
         `position_offset` shifts the whole compile sequence (prefix included) to start there.
         """
         pixel_values, grids, chunk_ids = self.image_inputs(pages)
-        return self._compile(chunk_ids, ChunkKind.IMAGE, with_template, pixel_values, grids, position_offset)
+        return self._compile(chunk_ids, ChunkKind.IMAGE, prefix, pixel_values, grids, position_offset)
 
     @torch.inference_mode()
-    def compile_text(self, text: str, with_template: bool = True, position_offset: int = 0) -> ChunkKV:
+    def compile_text(self, text: str, prefix: CompilePrefix = CompilePrefix.TEMPLATE,
+                     position_offset: int = 0) -> ChunkKV:
         ids = self.adapter.encode(text)
         if not ids:
             raise ValueError("cannot compile an empty text chunk")
-        return self._compile(ids, ChunkKind.TEXT, with_template, position_offset=position_offset)
+        return self._compile(ids, ChunkKind.TEXT, prefix, position_offset=position_offset)
 
-    def _compile(self, chunk_ids, kind, with_template, pixel_values=None, grids=None, position_offset=0) -> ChunkKV:
-        prefix_ids = self.adapter.prefix_ids if with_template else []
+    def _compile(self, chunk_ids, kind, prefix: CompilePrefix, pixel_values=None, grids=None,
+                 position_offset=0) -> ChunkKV:
+        prefix_ids = self.adapter.compile_prefix_ids(prefix)
         num_prefix = len(prefix_ids)
         input_ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
         positions = self.positions(input_ids, grids, position_offset)
-        out = self.model(
-            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int(),
-            position_ids=positions, use_cache=True,
-        )
+        out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), use_cache=True)
         kv = stack_cache(out.cache)[:, :, :, num_prefix:]  # strip the prefix's entries
         # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
         compile_start = int(positions[0, 0, num_prefix])
         span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
         grid_list = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
-        return ChunkKV(kv.clone(), span, compile_start, kind, grid_list)
+        vision_tokens = sum(t == self.adapter.image_token_id for t in chunk_ids)
+        return ChunkKV(kv.clone(), span, compile_start, kind, grid_list, vision_tokens)
 
     def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
-        """`(3, 1, L)` positions of a sequence whose first token sits at `start`."""
+        """`(axes, 1, L)` positions of a sequence whose first token sits at `start`."""
         if grids is None:
             pos = torch.arange(start, start + input_ids.shape[1], device=self.device)
-            return pos.view(1, 1, -1).expand(3, 1, -1)
+            return pos.view(1, 1, -1).expand(self.adapter.rope_axes, 1, -1)
         return self.adapter.rope_index(input_ids, grids) + start
 
     @property
     def prefix(self) -> ChunkKV:
         """The serving template prefix's KV at positions 0..P-1, computed once."""
-        if self._prefix is None:
-            with torch.inference_mode():
-                self._prefix = self._compile(self.adapter.prefix_ids, ChunkKind.TEXT, with_template=False)
-        return self._prefix
+        return self.serving_prefix()
+
+    def serving_prefix(self, instruction: str = "") -> ChunkKV:
+        """KV of `[template prefix][instruction]` at positions 0.., one forward per distinct instruction
+        (the last `PREFIX_CACHE_SIZE` kept): exactly what a full prefill computes for those tokens."""
+        if instruction in self._prefixes:
+            self._prefixes.move_to_end(instruction)
+            return self._prefixes[instruction]
+        with torch.inference_mode():
+            ids = self.adapter.prefix_ids + (self.adapter.encode(instruction) if instruction else [])
+            kv = self._compile(ids, ChunkKind.TEXT, CompilePrefix.NONE)
+        self._prefixes[instruction] = kv
+        if len(self._prefixes) > PREFIX_CACHE_SIZE:
+            self._prefixes.popitem(last=False)
+        return kv
 
     # ---- online ------------------------------------------------------------------------------
-    def assemble(self, chunks: Sequence[ChunkKV], out: torch.Tensor | None = None) -> AssembledContext:
-        """`[serving prefix][c_1]…[c_n]` in request order with keys re-anchored (into `out` when given)."""
+    def assemble(self, chunks: Sequence[ChunkKV], instruction: str = "",
+                 out: torch.Tensor | None = None) -> AssembledContext:
+        """`[serving prefix][instruction][c_1]…[c_n]` in request order with keys re-anchored (into `out`
+        when given, e.g. a row of a batch's slab)."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.prefix, moved, self.rotations, out)
+        return assemble(self.serving_prefix(instruction), moved, self.rotations, out)
 
     def query_turn_ids(self, query: str) -> list[int]:
-        """The tokens prefilled online after the context: the query and the turn's closing (the one framing
-        that the batched engine, the full prefill and the query-only prefill all share)."""
+        """The tokens prefilled online after the context: the query text (for the serving path, the plan's
+        `text_after_chunks`: the query framed as the mode asks) and the turn's closing — the one framing that
+        the batched engine, the full prefill and the query-only prefill all share."""
         return self.adapter.encode(query) + self.adapter.turn_suffix_ids
 
     @torch.inference_mode()
@@ -188,9 +211,15 @@ class VLM:
                 grid_list.append(grids)
         ids += self.query_turn_ids(query)
         input_ids = torch.tensor([ids], device=self.device)
-        pixel_values = torch.cat(pixel_list) if pixel_list else None
+        pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None
         return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids, logits_to_keep=0 if all_logits else 1)
+
+    @torch.inference_mode()
+    def extend(self, state: Prefill, token_ids: Sequence[int]) -> Prefill:
+        """Teacher-force `token_ids` on top of `state` (whose cache grows): the logits after each of them."""
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        return self._forward(ids, state.cache, state.next_position, logits_to_keep=0)
 
     @torch.inference_mode()
     def _forward(self, input_ids, cache, start, pixel_values=None, grids=None, logits_to_keep: int = 1) -> Prefill:
@@ -198,11 +227,8 @@ class VLM:
         since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == self.adapter.image_token_id).int() if grids is not None else None,
-            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-        )
+        out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
+                         cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return Prefill(out.logits, out.cache, int(positions.max()) + 1)
 
     @torch.inference_mode()
@@ -247,4 +273,5 @@ def stack_cache(cache: DynamicCache) -> torch.Tensor:
 
 
 def _to(chunk: ChunkKV, device: torch.device) -> ChunkKV:
-    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw)
+    return ChunkKV(chunk.kv.to(device), chunk.position_span, chunk.compile_start, chunk.kind, chunk.grid_thw,
+                   chunk.vision_tokens)

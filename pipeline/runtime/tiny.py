@@ -1,7 +1,7 @@
 """Offline model factory: deterministic random-weight VLM checkpoints of real architectures.
 
-No weights can be downloaded here, so tests, the demo and benchmarks build small Qwen2.5-VL and
-GLM-4.1V checkpoints from configs, with a BPE tokenizer trained in memory and the family's real chat
+No weights can be downloaded here, so tests, the demo and benchmarks build small Qwen2.5-VL, Qwen2-VL,
+GLM-4.1V and LLaVA-OneVision checkpoints from configs, with a BPE tokenizer trained in memory and the family's real chat
 template, and `save_pretrained` them to a local directory. Everything downstream then loads them with
 the same `from_pretrained(local_dir, local_files_only=True)` path a real checkpoint takes.
 """
@@ -40,6 +40,15 @@ GLM_CHAT_TEMPLATE = (
     "{% elif msg['role'] == 'assistant' %}<|assistant|>\n{{ msg['content'] }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# LLaVA-OneVision (llava-hf): ChatML without a default system turn, `<image>` where the image goes.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<image>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>"]
 GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -69,7 +78,9 @@ SIZES = {
 }
 BUILTIN = {
     "tiny-qwen": (ModelFamily.QWEN2_5_VL, "tiny"),
+    "tiny-qwen2": (ModelFamily.QWEN2_VL, "tiny"),
     "tiny-glm": (ModelFamily.GLM4V, "tiny"),
+    "tiny-llava": (ModelFamily.LLAVA_ONEVISION, "tiny"),
     "bench-qwen": (ModelFamily.QWEN2_5_VL, "bench"),
     "bench-glm": (ModelFamily.GLM4V, "bench"),
 }
@@ -137,6 +148,53 @@ def _qwen_model(size: TinySize, tok):
     return Qwen2_5_VLForConditionalGeneration(config), Qwen2VLImageProcessorPil()
 
 
+def _qwen2_model(size: TinySize, tok):
+    """Qwen2-VL: Qwen2.5-VL's LLM, chat template and M-RoPE; an older vision tower (LayerNorm, no window attention)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    head_dim = size.hidden_size // size.num_heads
+    ids = tok.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=_text_config(
+            size, len(tok), {"rope_type": "default", "rope_theta": 1_000_000.0,
+                             "mrope_section": _mrope_section(head_dim // 2)},
+            eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(depth=size.vision_depth, embed_dim=size.vision_hidden_size, hidden_size=size.hidden_size,
+                           num_heads=size.vision_heads, mlp_ratio=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"), bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    return Qwen2VLForConditionalGeneration(config), Qwen2VLImageProcessorPil()
+
+
+LLAVA_TILE_PX = 56  # SigLIP tile side of the tiny LLaVA (real: 384): 4x4 patches of 14 px per tile
+
+
+def _llava_model(size: TinySize, tok):
+    """LLaVA-OneVision: SigLIP tiles (AnyRes up to `anyres_max_9`) projected into a Qwen2 LLM with 1-D RoPE."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
+
+    ids = tok.convert_tokens_to_ids
+    pinpoints = [[LLAVA_TILE_PX * i, LLAVA_TILE_PX * j] for i in range(1, 7) for j in range(1, 7)]
+    config = LlavaOnevisionConfig(
+        text_config=dict(model_type="qwen2", **_text_config(
+            size, len(tok), {"rope_type": "default", "rope_theta": 1_000_000.0},
+            eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"))),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=size.vision_hidden_size,
+                           intermediate_size=2 * size.vision_hidden_size, num_hidden_layers=size.vision_depth,
+                           num_attention_heads=size.vision_heads, image_size=LLAVA_TILE_PX, patch_size=14,
+                           vision_use_head=False),
+        image_token_index=ids("<image>"), video_token_index=ids("<video>"), image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full", vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9",
+        eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+    )
+    processor = LlavaOnevisionImageProcessorPil(size={"height": LLAVA_TILE_PX, "width": LLAVA_TILE_PX},
+                                                image_grid_pinpoints=pinpoints)
+    return LlavaOnevisionForConditionalGeneration(config), processor
+
+
 def _glm_model(size: TinySize, tok):
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
 
@@ -172,12 +230,13 @@ def build(name: str, out_dir: Path, seed: int = 0) -> Path:
     """Materialise built-in checkpoint `name` into `out_dir` (tokenizer, image processor, weights)."""
     family, size_name = BUILTIN[name]
     size = SIZES[size_name]
-    if family is ModelFamily.QWEN2_5_VL:
-        tok = build_tokenizer(QWEN_SPECIALS, size.vocab_size, QWEN_CHAT_TEMPLATE)
-        make = _qwen_model
-    else:
-        tok = build_tokenizer(GLM_SPECIALS, size.vocab_size, GLM_CHAT_TEMPLATE)
-        make = _glm_model
+    specials, template, make = {
+        ModelFamily.QWEN2_5_VL: (QWEN_SPECIALS, QWEN_CHAT_TEMPLATE, _qwen_model),
+        ModelFamily.QWEN2_VL: (QWEN_SPECIALS, QWEN_CHAT_TEMPLATE, _qwen2_model),
+        ModelFamily.GLM4V: (GLM_SPECIALS, GLM_CHAT_TEMPLATE, _glm_model),
+        ModelFamily.LLAVA_ONEVISION: (LLAVA_SPECIALS, LLAVA_CHAT_TEMPLATE, _llava_model),
+    }[family]
+    tok = build_tokenizer(specials, size.vocab_size, template)
     torch.manual_seed(seed)
     model, image_processor = make(size, tok)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")

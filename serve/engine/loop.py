@@ -31,10 +31,12 @@ from serve.metrics import serve_metrics
 
 @dataclass
 class LinkedContext:
-    """Cached chunk KV (on the device, at compile-time positions) and the query turn's token ids."""
+    """Cached chunk KV (on the device, at compile-time positions), the query turn's token ids, and the
+    instruction the serving prefix ends with (`VLM.serving_prefix`)."""
 
     chunks: list[ChunkKV]
     query_ids: list[int]
+    instruction: str = ""
 
 
 @dataclass
@@ -171,12 +173,12 @@ class Engine:
         started = time.perf_counter()
         slab, logits, assembly_ms = prefill_queries(self.vlm, [s.context.chunks for s in seqs],
                                                     [s.context.query_ids for s in seqs],
-                                                    [s.sampling.max_new_tokens - 1 for s in seqs])
-        prefix_tokens = self.vlm.prefix.num_tokens
+                                                    [s.sampling.max_new_tokens - 1 for s in seqs],
+                                                    [s.context.instruction for s in seqs])
         for seq, reanchor_ms in zip(seqs, assembly_ms):
             seq.reanchor_ms = reanchor_ms
-            seq.num_prompt_tokens = prefix_tokens + sum(c.num_tokens for c in seq.context.chunks) + len(
-                seq.context.query_ids)
+            seq.num_prompt_tokens = (self.vlm.serving_prefix(seq.context.instruction).num_tokens
+                                     + sum(c.num_tokens for c in seq.context.chunks) + len(seq.context.query_ids))
         self._pick(seqs, logits, prefill_started=started + sum(assembly_ms) / 1e3)  # the forward's own time
         return slab
 

@@ -29,7 +29,7 @@ class QATask(str, Enum):
     HOTPOTQA = "hotpotqa"
     TWOWIKIMQA = "2wikimqa"
     MUSIQUE = "musique"
-    SYNTHETIC = "synthetic"  # pipeline.synthetic, LongBench-format records
+    SYNTHETIC = "synthetic"  # pipeline.eval.synthetic, LongBench-format records
     GENERIC = "generic"  # {question, context | chunk_ids, answers} records
 
 

@@ -16,21 +16,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pipeline.evaluation import StoreView, instruction_doc_id
-from pipeline.legibility import best_window_distance, normalize_text, ocr
-from pipeline.longbench import QAItem
+from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
+from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
+from pipeline.eval.longbench import QAItem
 from pipeline.render import Renderer
-from pipeline.synthetic import SyntheticError, evidence_chunks
+from pipeline.eval.synthetic import SyntheticError, evidence_chunks
 from schemas.api import AnswerRequest, ApiError
 from schemas.config import Mode
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    name: str
-    mode: Mode
-    tau: float | None = None
-    max_high_res: int | None = None
 
 
 def serving_configs(grid: Sequence[tuple[float, int]]) -> list[ServingConfig]:
@@ -94,9 +86,8 @@ class OcrJudge:
 
 def find_evidence(item: QAItem, view: StoreView) -> list[str] | None:
     """Ids of the context chunks holding the evidence, or None when no gold answer occurs in the context
-    (e.g. "unanswerable"). The task instruction's chunks are never searched."""
-    instruction = set(view.chunks_of_doc.get(instruction_doc_id(item.task), []))
-    context_ids = [c for c in view.chunk_ids(item) if c not in instruction]
+    (e.g. "unanswerable"; the task instruction is prompt, not context, and is never searched)."""
+    context_ids = view.chunk_ids(item)
     texts = [view.text_of[c] for c in context_ids]
     for answer in item.answers:
         try:
@@ -116,9 +107,7 @@ def judge_items(items: Sequence[QAItem], view: StoreView, plan: Planner, configs
             num_unlocated += 1
             continue
         for config in configs:
-            request = AnswerRequest(query=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,
-                                    tau=config.tau, max_high_res=config.max_high_res,
-                                    max_new_tokens=item.max_new_tokens)
+            request = item_request(item, view, config)
             try:
                 routed = plan(request)
             except ApiError as error:

@@ -22,7 +22,7 @@ from enum import Enum
 
 from pydoc_data.topics import topics
 
-from pipeline.longbench import QATask
+from pipeline.eval.longbench import QATask
 
 
 class SyntheticError(ValueError):

@@ -1,17 +1,24 @@
 """Evaluation harness: QA items through serving modes, in-process or over HTTP, scored and timed.
 
 How a LongBench prompt becomes a qvpic request. Each task template is split at `{context}`
-(`pipeline.longbench.split_prompt`):
-- the text before it (the task instruction, e.g. "Read the following text and answer briefly.") is
-  ingested once per task as its own document `instruction/<task>` and leads every request's chunk list;
+(`pipeline.eval.longbench.split_prompt`), and the pieces go where LongBench's own prompt puts them:
+- the text before it (the task instruction) is the request's `instruction`: prompt text prefilled
+  online right after the chat-template prefix, before the chunks. It is never ingested, never
+  rendered, never scored by the router and never promoted: instructions are prompt, not evidence;
 - the item's context is ingested as the document `<task>/<_id>` and chunked by the ingest chunker;
-- the text after it, question filled in, is the request's `query`, prefilled online after the chunks.
-Every mode therefore sees, in this order: the chat template's prefix (system turn + user header), the
-instruction chunk, the context chunks in document order, the query, the assistant header. Modes differ
-only in how the chunks are represented (see `MODE_CONTEXT`). Chunks are stripped of surrounding
-whitespace by the chunker, so the blank lines around `{context}` are not in the token stream; that is
-the only textual difference from the prompt LongBench's `pred.py` builds (before its truncation, which
-qvpic does not do: an item over the model's context is an error, scored 0, never truncated silently).
+  its chunks are the request's `chunk_ids`, in document order;
+- the text after it, question filled in and ending with the answer cue, is the request's
+  `query_prompt`, prefilled online after the chunks;
+- the bare question is the request's `query`: the one thing the router embeds and scores chunks by.
+Every mode therefore sees `[chat prefix][instruction][context chunks][question + cue][assistant header]`;
+modes differ only in how the chunks are represented (see `MODE_CONTEXT`). An online-prefilled
+instruction rather than a stored text chunk: its KV is computed at its true positions with full
+attention to the template, as in the official prompt, in every mode alike (the generator keeps it per
+distinct instruction); changing an instruction needs no ingest; and the router never sees it. Chunks
+are stripped of surrounding whitespace by the chunker, so the blank lines around `{context}` are not
+in the token stream; that is the only textual difference from the prompt LongBench's `pred.py` builds
+(before its truncation, which qvpic does not do: an item over the model's context is an error, scored
+0, never truncated silently).
 """
 
 from __future__ import annotations
@@ -27,18 +34,21 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.longbench import QAItem, QATask
-from pipeline.scoring import qa_f1, score
+from pipeline.eval.longbench import QAItem, QATask
+from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
 from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, ApiError, StreamEventType
 from schemas.config import Mode, RenderSpec, Variant
 
-INSTRUCTION_DOC_PREFIX = "instruction/"
 MODE_CONTEXT: dict[Mode, str] = {
     Mode.FULL_TEXT: "every chunk's source text, prefilled online with the query in one forward pass",
     Mode.FULL_IMAGE: "every chunk's page images at the tier qvpic routes it to, encoded and prefilled online",
     Mode.TEXT_PIC: "every chunk's text KV, compiled offline under the template prefix, re-anchored",
-    Mode.IMAGE_PIC: "every chunk's low-tier page KV, compiled offline with no template prefix, re-anchored",
+    Mode.TEXT_PIC_PLAIN: "every chunk's text KV, compiled offline with no prefix (base text PIC), re-anchored",
+    Mode.IMAGE_PIC: "every chunk's page KV at one tier (lowest unless set), compiled with no prefix, re-anchored",
+    Mode.IMAGE_PIC_DUMMY: "every chunk's page KV at one tier (lowest unless set), compiled after a seeded dummy "
+                          "prefix of the template's length, re-anchored",
+    Mode.UNIFORM: "every chunk's page KV at one tier (highest unless set), compiled under the template prefix",
     Mode.UNIFORM_HIGH: "every chunk's high-tier page KV, compiled under the template prefix, re-anchored",
     Mode.QVPIC: "templated page KV, high tier for the chunks the relevance router promotes (τ, B), low otherwise",
 }
@@ -60,16 +70,10 @@ def context_doc_id(item: QAItem) -> str:
     return f"{item.task.value}/{item.id}"
 
 
-def instruction_doc_id(task: QATask) -> str:
-    return f"{INSTRUCTION_DOC_PREFIX}{task.value}"
-
-
 def corpus_documents(items: Sequence[QAItem]) -> dict[str, str]:
-    """doc_id → text of every document the items need ingested: task instructions and contexts."""
+    """doc_id → text of every document the items need ingested: their contexts (instructions are prompt)."""
     documents: dict[str, str] = {}
     for item in items:
-        if item.prompt_before_context.strip():
-            documents.setdefault(instruction_doc_id(item.task), item.prompt_before_context)
         if item.context is not None:
             documents[context_doc_id(item)] = item.context
     return documents
@@ -91,8 +95,9 @@ class StoreView:
         manifest = store.load_manifest_or_raise()
         self.render: RenderSpec = manifest.render
         self.high_tier = manifest.render.highest_tier.name
-        rows = store.chunks().select(["chunk_id", "doc_id", "order", "chunk_key", "text"]).to_pylist()
+        rows = store.chunks().select(["chunk_id", "doc_id", "order", "chunk_key", "text", "image_path"]).to_pylist()
         self.text_of = {r["chunk_id"]: r["text"] for r in rows}
+        self.image_path_of = {r["chunk_id"]: r["image_path"] for r in rows if r["image_path"]}
         self.key_of = {r["chunk_id"]: r["chunk_key"] for r in rows}
         self.chunks_of_doc: dict[str, list[str]] = {}
         for r in sorted(rows, key=lambda r: (r["doc_id"], r["order"])):
@@ -106,18 +111,15 @@ class StoreView:
                 self.nbytes[(r["chunk_key"], r["tier"], variant)] = r["nbytes"]
 
     def chunk_ids(self, item: QAItem) -> list[str]:
-        """The request's chunk list: the task instruction's chunks, then the context's, in order."""
-        instruction = self.chunks_of_doc.get(instruction_doc_id(item.task), [])
+        """The request's chunk list: the context's chunks, in order."""
         if item.chunk_ids is not None:
-            return instruction + list(item.chunk_ids)
-        return instruction + self.chunks_of_doc.get(context_doc_id(item), [])
+            return list(item.chunk_ids)
+        return self.chunks_of_doc.get(context_doc_id(item), [])
 
     def check(self, items: Sequence[QAItem]) -> None:
         """Raise `EvalError` naming every document or chunk the items need that the store lacks."""
         missing = set()
         for item in items:
-            if item.prompt_before_context.strip() and instruction_doc_id(item.task) not in self.chunks_of_doc:
-                missing.add(instruction_doc_id(item.task))
             if item.chunk_ids is not None:
                 missing.update(c for c in item.chunk_ids if c not in self.text_of)
             elif context_doc_id(item) not in self.chunks_of_doc:
@@ -175,9 +177,33 @@ class HttpAnswerer:
 
 
 @dataclass(frozen=True)
+class ServingConfig:
+    """One way to serve the items: a mode and its routing (τ, B, tier; None = the server's defaults)."""
+
+    name: str
+    mode: Mode
+    tau: float | None = None
+    max_high_res: int | None = None
+    tier: str | None = None
+
+    @classmethod
+    def of(cls, mode: Mode) -> ServingConfig:
+        return cls(mode.value, mode)
+
+
+def item_request(item: QAItem, view: StoreView, config: ServingConfig, max_new_tokens: int | None = None) -> AnswerRequest:
+    """The request of one item: routed by the bare question, the LongBench prompt around the chunks."""
+    return AnswerRequest(query=item.question, instruction=item.prompt_before_context,
+                         query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,
+                         tau=config.tau, max_high_res=config.max_high_res, tier=config.tier,
+                         max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
+
+
+@dataclass(frozen=True)
 class ItemResult:
     task: QATask
     item_id: str
+    config: str  # ServingConfig.name
     mode: Mode
     prediction: str  # "" when the request failed
     f1: float  # LongBench QA F1 in [0, 1]; a failed request scores 0, so the denominator never shrinks
@@ -191,28 +217,26 @@ class ItemResult:
     response_cache: str | None = None  # the server's response-cache level that answered, if one did
 
 
-def run(items: Sequence[QAItem], modes: Sequence[Mode], answer: Answerer, view: StoreView, *,
-        max_new_tokens: int | None = None, tau: float | None = None, max_high_res: int | None = None,
-        progress: bool = True) -> list[ItemResult]:
-    """Every item through every mode, modes interleaved per item so machine drift hits them alike."""
+def run(items: Sequence[QAItem], configs: Sequence[ServingConfig | Mode], answer: Answerer, view: StoreView, *,
+        max_new_tokens: int | None = None, progress: bool = True) -> list[ItemResult]:
+    """Every item through every configuration (a bare mode: the server's routing defaults), configurations
+    interleaved per item so machine drift hits them alike."""
     view.check(items)
+    configs = [c if isinstance(c, ServingConfig) else ServingConfig.of(c) for c in configs]
     results = []
-    with tqdm(total=len(items) * len(modes), desc="eval", unit="req", disable=not progress) as bar:
+    with tqdm(total=len(items) * len(configs), desc="eval", unit="req", disable=not progress) as bar:
         for item in items:
-            chunk_ids = view.chunk_ids(item)
-            for mode in modes:
-                request = AnswerRequest(query=item.query_after_context, chunk_ids=chunk_ids, mode=mode, tau=tau,
-                                        max_high_res=max_high_res,
-                                        max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
+            for config in configs:
+                request = item_request(item, view, config, max_new_tokens)
                 try:
                     answered = answer(request)
                 except ApiError as error:
-                    results.append(ItemResult(item.task, item.id, mode, "", 0.0, None, None, None, None, None,
-                                              None, f"{type(error).__name__}: {error}"))
+                    results.append(ItemResult(item.task, item.id, config.name, config.mode, "", 0.0, None, None, None,
+                                              None, None, None, f"{type(error).__name__}: {error}"))
                 else:
                     report = answered.report
                     results.append(ItemResult(
-                        item.task, item.id, mode, answered.text, qa_f1(answered.text, item.answers),
+                        item.task, item.id, config.name, config.mode, answered.text, qa_f1(answered.text, item.answers),
                         answered.ttft_ms, report.usage.context_tokens, report.usage.context_vision_tokens,
                         sum(c.tier == view.high_tier for c in report.chunks), view.linked_nbytes(report),
                         report.timings.model_dump(), None,
@@ -224,6 +248,7 @@ def run(items: Sequence[QAItem], modes: Sequence[Mode], answer: Answerer, view: 
 @dataclass(frozen=True)
 class ModeSummary:
     task: str  # a task name, or "all" (F1 = mean over tasks, as LongBench averages)
+    config: str
     mode: Mode
     num_items: int
     num_errors: int
@@ -233,32 +258,30 @@ class ModeSummary:
     context_tokens_median: float | None
     vision_tokens_median: float | None
     kv_nbytes_median: float | None
+    num_high_median: float | None
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _summary(task: str, mode: Mode, results: list[ItemResult], f1_percent: float) -> ModeSummary:
+def _summary(task: str, results: list[ItemResult], f1_percent: float) -> ModeSummary:
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft_ms for r in ok]
-    return ModeSummary(task, mode, len(results), len(results) - len(ok), f1_percent, _median(ttfts),
-                       float(np.percentile(ttfts, 90)) if ttfts else None,
+    return ModeSummary(task, results[0].config, results[0].mode, len(results), len(results) - len(ok), f1_percent,
+                       _median(ttfts), float(np.percentile(ttfts, 90)) if ttfts else None,
                        _median([r.context_tokens for r in ok]), _median([r.vision_tokens for r in ok]),
-                       _median([r.kv_nbytes for r in ok]))
+                       _median([r.kv_nbytes for r in ok]), _median([r.num_high for r in ok]))
 
 
 def summarize(items: Sequence[QAItem], results: Sequence[ItemResult]) -> list[ModeSummary]:
-    """Per task and mode, then per mode over all tasks; F1 scored by `pipeline.scoring.score`."""
-    by_key = {(r.task, r.item_id, r.mode): r for r in results}
-    modes = list(dict.fromkeys(r.mode for r in results))
+    """Per task and configuration, then per configuration over all tasks; F1 scored by `pipeline.eval.scoring.score`."""
+    by_key = {(r.task, r.item_id, r.config): r for r in results}
     rows = []
-    for mode in modes:
-        mode_results = [by_key[(item.task, item.id, mode)] for item in items]
-        scores = score([r.prediction for r in mode_results], items)
+    for config in dict.fromkeys(r.config for r in results):
+        config_results = [by_key[(item.task, item.id, config)] for item in items]
+        scores = score([r.prediction for r in config_results], items)
         for task, task_score in scores.items():
-            rows.append(_summary(task.value, mode, [r for r in mode_results if r.task is task],
-                                 task_score.f1_percent))
-        rows.append(_summary("all", mode, mode_results,
-                             statistics.fmean(s.f1_percent for s in scores.values())))
+            rows.append(_summary(task.value, [r for r in config_results if r.task is task], task_score.f1_percent))
+        rows.append(_summary("all", config_results, statistics.fmean(s.f1_percent for s in scores.values())))
     return rows

@@ -8,20 +8,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from pipeline.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
-from pipeline.evidence import EvidenceResult, EvidenceSummary
+from pipeline.eval.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
+from pipeline.eval.evidence import EvidenceResult, EvidenceSummary
+from pipeline.eval.markdown import markdown_table
 
 REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL = "report.md", "report.json", "f1_vs_ttft.png", "predictions.jsonl"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "–"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
 
 def _mib(nbytes: float | None) -> float | None:
@@ -29,11 +20,11 @@ def _mib(nbytes: float | None) -> float | None:
 
 
 def summary_markdown(summaries: Sequence[ModeSummary], per_task: bool = True) -> str:
-    headers = ["mode", "items", "errors", "F1 %", "TTFT p50 ms", "TTFT p90 ms", "context tokens (p50)",
+    headers = ["served as", "items", "errors", "F1 %", "TTFT p50 ms", "TTFT p90 ms", "context tokens (p50)",
                "vision tokens (p50)", "KV MiB linked (p50)"]
 
     def row(s: ModeSummary) -> list[Any]:
-        return [s.mode.value, s.num_items, s.num_errors, s.f1_percent, s.ttft_median_ms, s.ttft_p90_ms,
+        return [s.config, s.num_items, s.num_errors, s.f1_percent, s.ttft_median_ms, s.ttft_p90_ms,
                 s.context_tokens_median, s.vision_tokens_median, _mib(s.kv_nbytes_median)]
 
     overall = [row(s) for s in summaries if s.task == "all"]
@@ -58,9 +49,10 @@ def legibility_markdown(summaries: Sequence[EvidenceSummary], num_unlocated: int
 
 def prompt_markdown() -> str:
     rows = [[mode.value, text] for mode, text in MODE_CONTEXT.items()]
-    return ("Every request is `[chat prefix][task instruction chunk][context chunks][query][assistant header]`: "
-            "the LongBench template is split at `{context}`; the text before it is the task's instruction "
-            "document, the text after it (question filled in) is the query. What the context chunks are, per mode:"
+    return ("Every request is `[chat prefix][instruction][context chunks][question + answer cue][assistant header]`: "
+            "the LongBench template is split at `{context}`; the text before it (the task instruction) is prefilled "
+            "online as prompt, never a chunk; the text after it (question filled in) is prefilled after the chunks; "
+            "the router scores chunks against the bare question alone. What the context chunks are, per mode:"
             "\n\n" + markdown_table(["mode", "context chunks as"], rows))
 
 
@@ -72,23 +64,23 @@ def scatter_png(summaries: Sequence[ModeSummary], path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    colors = plt.get_cmap("tab10")
-    for i, mode in enumerate(dict.fromkeys(s.mode for s in summaries)):
-        rows = [s for s in summaries if s.mode is mode and s.ttft_median_ms is not None]
+    colors = plt.get_cmap("tab20")
+    for i, config in enumerate(dict.fromkeys(s.config for s in summaries)):
+        rows = [s for s in summaries if s.config == config and s.ttft_median_ms is not None]
         tasks = [s for s in rows if s.task != "all"]
-        ax.scatter([s.ttft_median_ms for s in tasks], [s.f1_percent for s in tasks], s=14, alpha=0.35, color=colors(i))
+        ax.scatter([s.ttft_median_ms for s in tasks], [s.f1_percent for s in tasks], s=14, alpha=0.35, color=colors(i % 20))
         for s in rows:
             if s.task == "all":
-                ax.scatter([s.ttft_median_ms], [s.f1_percent], s=70, color=colors(i), label=mode.value,
+                ax.scatter([s.ttft_median_ms], [s.f1_percent], s=70, color=colors(i % 20), label=config,
                            edgecolors="black")
     top_f1 = max((s.f1_percent for s in summaries), default=0.0)
     ax.set_ylim(-2, max(10.0, top_f1 * 1.1))
     ax.set_xscale("log")
     ax.set_xlabel("TTFT, median ms (log)")
     ax.set_ylabel("F1 %")
-    ax.set_title("F1 vs TTFT per mode (large: all tasks, small: per task)")
+    ax.set_title("F1 vs TTFT per configuration (large: all tasks, small: per task)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -97,23 +89,25 @@ def scatter_png(summaries: Sequence[ModeSummary], path: str) -> str:
 
 def write_report(out_dir: str, meta: dict[str, Any], summaries: Sequence[ModeSummary], results: Sequence[ItemResult],
                  evidence: Sequence[EvidenceSummary], evidence_results: Sequence[EvidenceResult],
-                 num_unlocated: int) -> dict[str, str]:
-    """report.md, report.json, predictions.jsonl and f1_vs_ttft.png under `out_dir`; their paths."""
+                 num_unlocated: int, sections: Sequence[tuple[str, str]] = (),
+                 extra: dict[str, Any] | None = None) -> dict[str, str]:
+    """report.md, report.json, predictions.jsonl and f1_vs_ttft.png under `out_dir`; their paths.
+    `sections` are (title, Markdown) placed after the prompt; `extra` goes into report.json beside the rest."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in (REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL)}
     scatter_png(summaries, paths[SCATTER_PNG])
     header = "\n".join(f"- {key}: {value}" for key, value in meta.items())
-    sections = [f"# qvpic eval\n\n{header}", "## Prompt\n\n" + prompt_markdown(),
-                "## Quality and latency per mode\n\n" + summary_markdown(summaries),
-                f"![F1 vs TTFT]({SCATTER_PNG})"]
+    parts = [f"# qvpic eval\n\n{header}", "## Prompt\n\n" + prompt_markdown()]
+    parts += [f"## {title}\n\n{body}" for title, body in sections]
+    parts += ["## Quality and latency per configuration\n\n" + summary_markdown(summaries), f"![F1 vs TTFT]({SCATTER_PNG})"]
     if evidence:
-        sections.append("## Evidence legibility (OCR of the served page image of the evidence chunk)\n\n"
+        parts.append("## Evidence legibility (OCR of the served page image of the evidence chunk)\n\n"
                         + legibility_markdown(evidence, num_unlocated))
     with open(paths[REPORT_MD], "w", encoding="utf-8") as f:
-        f.write("\n\n".join(sections) + "\n")
+        f.write("\n\n".join(parts) + "\n")
     document = {"meta": meta, "summary": [asdict(s) for s in summaries],
                 "legibility": {"summary": [asdict(s) for s in evidence], "num_unlocated": num_unlocated,
-                               "results": [asdict(r) for r in evidence_results]}}
+                               "results": [asdict(r) for r in evidence_results]}, **(extra or {})}
     with open(paths[REPORT_JSON], "w", encoding="utf-8") as f:
         json.dump(document, f, indent=2, default=str)
     with open(paths[PREDICTIONS_JSONL], "w", encoding="utf-8") as f:

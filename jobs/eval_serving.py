@@ -1,0 +1,87 @@
+"""The serving roles in-process for `qvpic eval`: answers, routing plans and fidelity traces.
+
+Router, loader and generator are the deployed classes run as plain objects (no Serve), so what the
+evaluation measures is what the service does: the same routing, the same stored KV, the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from pipeline.eval.evaluation import Answered, ServingConfig, StoreView, item_request
+from pipeline.eval.evidence import Planner, RoutedChunk
+from pipeline.eval.fidelity import Trace, answer_token_ids, trace_full, trace_linked
+from pipeline.eval.longbench import QAItem
+from pipeline.runtime.kv import ChunkKV
+from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
+from schemas.config import ChunkKind, ModelSpec, RouterSpec
+from schemas.sampling import Sampling
+from serve.configs import GeneratorConfig
+from serve.generator import Generator
+from serve.loader import CacheLoader, from_wire
+from serve.placement import PRICED_VARIANT
+from serve.router import Router
+
+LRU_NBYTES = 4 << 30
+
+
+class InProcessAnswerer:
+    """The three serving roles as plain objects; TTFT = route + load + render + re-anchor + prefill,
+    each timed by the role that does it (the wall time to the first token, decoding excluded)."""
+
+    def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
+        self.router, self.loader, self.generator = router, loader, generator
+
+    @classmethod
+    def open(cls, store: str, model: ModelSpec, router: RouterSpec | None = None) -> InProcessAnswerer:
+        return cls(Router(store, model, router or RouterSpec(), MAX_IDS_PER_REQUEST), CacheLoader(store, LRU_NBYTES),
+                   Generator(GeneratorConfig(store=store, model=model)))
+
+    def __call__(self, request: AnswerRequest) -> Answered:
+        plan = asyncio.run(self.router.plan(request))
+        answer = self.generator.generate_blocking(plan, Sampling.of(request), loader=self.loader)
+        t = answer.report.timings
+        return Answered(answer.text, answer.report, t.route_ms + t.load_ms + t.render_ms + t.reanchor_ms + t.prefill_ms)
+
+
+def planner(router: Router) -> Planner:
+    """The router's plan of a request, reduced to what the legibility check reads (no KV moves)."""
+    def plan(request: AnswerRequest) -> list[RoutedChunk]:
+        return [RoutedChunk(c.chunk_id, c.tier, c.vision_tokens) for c in asyncio.run(router.plan(request)).chunks]
+    return plan
+
+
+class ServedTraces:
+    """(cached, reference) traces of an item in a cached configuration, for `run_fidelity`.
+
+    Cached: the router plans the request as it serves it, the loader reads the stored KV, the generator's
+    model assembles it after the serving prefix and instruction and prefills the query. Reference: one full
+    prefill of the same pieces — the chunks' pages rendered at exactly the tiers served (full_image), or
+    their source texts (full_text) — shared by every configuration that serves the same tiers.
+    """
+
+    def __init__(self, answerer: InProcessAnswerer, view: StoreView, num_answer_tokens: int = 16):
+        self.answerer, self.view, self.num_answer_tokens = answerer, view, num_answer_tokens
+        self._references: dict[tuple, Trace] = {}
+
+    def __call__(self, item: QAItem, config: ServingConfig) -> tuple[Trace, Trace]:
+        router, loader, generator = self.answerer.router, self.answerer.loader, self.answerer.generator
+        vlm = generator.vlm
+        plan = asyncio.run(router.plan(item_request(item, self.view, config)))
+        loaded = generator.repair(plan, loader.load(plan))
+        chunks = [ChunkKV(from_wire(kv.array, kv.dtype), kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
+                  for kv in loaded.kvs]
+        answer = answer_token_ids(vlm, item, self.num_answer_tokens)
+        query = plan.text_after_chunks
+        cached = trace_linked(vlm, vlm.assemble(chunks, plan.instruction), query, answer)
+        text = PRICED_VARIANT[config.mode].kind is ChunkKind.TEXT
+        tiers = tuple(kv.entry.tier for kv in loaded.kvs)  # as served, after any fallback
+        key = (item.task, item.id, tiers)
+        if key not in self._references:
+            pieces = [self.view.text_of[c.chunk_id] if text else generator.pages(dataclasses.replace(
+                c, tier=tier, text=self.view.text_of[c.chunk_id], image_path=self.view.image_path_of.get(c.chunk_id)))
+                for c, tier in zip(plan.chunks, tiers)]
+            instruction = [plan.instruction] if plan.instruction else []
+            self._references[key] = trace_full(vlm, instruction + pieces, query, answer)
+        return cached, self._references[key]
