@@ -151,7 +151,8 @@ class Slab(Cache):
     # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, real: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Set where this forward writes (`real` [rows, new]: which new tokens are real, pad slots first)
-        and return its `(3, rows, new)` positions and `[rows, 1, new, width]` additive mask."""
+        and return its `(3, rows, new)` positions (M-RoPE's axes, equal for text) and `[rows, 1, new, width]`
+        additive mask."""
         num_rows, num_new = real.shape
         steps = torch.arange(num_new, device=real.device)
         self.write_columns = self.lengths[:, None] + steps  # [rows, new]
@@ -220,6 +221,8 @@ def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
 
 def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     positions, mask = slab.prepare(real, vlm.dtype)
+    if vlm.adapter.rope_axes == 1:  # plain 1-D RoPE (LLaVA-OneVision): `[rows, new]`
+        positions = positions[0]
     out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=slab, use_cache=True,
                     logits_to_keep=1)
     slab.advance(real)
