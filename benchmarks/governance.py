@@ -34,6 +34,7 @@ from schemas.config import ModelSpec, RenderSpec, RouterSpec
 from serve.app import AppArgs, api_settings, make_api
 from serve.auth import key_digest
 from serve.backend import InProcessBackend
+from serve.configs import GeneratorConfig
 from serve.generator import Generator
 from serve.governance import Governor
 from serve.loader import CacheLoader
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="qvpic-governance-") as workdir:
             bench = ttft_store.build(f"{workdir}/store", model, RenderSpec(), args.chunk_tokens, args.chunks)
             router = Router(bench.uri, model, RouterSpec(), max_chunks=args.chunks)
-            backend = InProcessBackend(router, CacheLoader(bench.uri, 1 << 30), Generator(bench.uri, model))
+            generator = Generator(GeneratorConfig(store=bench.uri, model=model))
+            backend = InProcessBackend(router, CacheLoader(bench.uri, 1 << 30), generator)
             apps, governors = {}, []
             for name, governance in configs(Path(workdir), server.url if server else None).items():
                 app_args = AppArgs(store={"uri": bench.uri}, model=model, max_chunks=args.chunks,

@@ -1,9 +1,11 @@
-"""TTFT through the whole online path: HTTP → ingress → router → loader → generator on a loopback Serve app.
+"""TTFT through the whole online path: HTTP → ingress → router → ingress → generator on a loopback Serve app.
 
-What the online path adds to the query prefill (query embedding and routing, loading from the warm LRU,
+What the online path adds to the query prefill (query embedding and routing, the device hot tier's
+lookup — after the warm-up the chunks are resident, so the loader is not called and no KV moves —
 assembly and re-anchoring, the Serve hops, HTTP, JSON) is measured as a share of the client's TTFT:
-`1 − prefill_ms / client_ms` per request, with `prefill_ms` as the generator timed it. One new token per
-request, so the client's wait is the time to the first token.
+`1 − prefill_ms / client_ms` per request, with `prefill_ms` the query prefill's forward as the generator
+timed it, in the same request. One new token per request, so the client's wait is the time to the
+first token.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ class Suite:
 SUITES: tuple[Suite, ...] = (
     Suite("ttft", "benchmarks.ttft", "TTFT per mode, breakdown, scaling, KV bytes, HTTP share",
           ("--quick",)),
+    Suite("batching", "benchmarks.batching", "batched vs serialised engine: tokens/s and TTFT at 1/4/16 clients, "
+          "device hot tier", ("--quick",)),
     Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost",
           ("--dtypes", "bfloat16", "--repeats", "3")),
     Suite("ingest", "benchmarks.ingest", "Ray Data compile throughput per model and actor count", None),

@@ -27,7 +27,8 @@ CORPUS = DATA / "sample_corpus.jsonl"
 QUESTIONS = DATA / "questions.jsonl"
 APP_NAME = "qvpic-demo"
 NO_CACHE = {"Cache-Control": "no-cache"}  # every request computes its answer: timings are model work
-TTFT_PHASES = ("route_ms", "load_ms", "render_ms", "reanchor_ms", "prefill_ms")
+# queue_ms: waiting for a row of the generator's batch (about 0 here: the demo asks one request at a time)
+TTFT_PHASES = ("route_ms", "load_ms", "render_ms", "queue_ms", "reanchor_ms", "prefill_ms")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,7 +72,8 @@ def ask(client, body: dict) -> dict:
 
 
 def ttft_ms(reply: dict) -> float:
-    """Server-timed time to first token of a computed answer: route, KV load, page render, re-anchor, prefill."""
+    """Server-timed time to first token of a computed answer: route, KV load, page render, queue, re-anchor,
+    prefill."""
     if reply.get("cache_hit"):
         raise RuntimeError("a response-cache hit reached a timing table; requests must send Cache-Control: no-cache")
     return sum(reply["timings"][phase] for phase in TTFT_PHASES)

@@ -17,6 +17,7 @@ from pipeline.runtime.kv import ChunkKV
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import ChunkKind, ModelSpec, RouterSpec
 from schemas.sampling import Sampling
+from serve.configs import GeneratorConfig
 from serve.generator import Generator
 from serve.loader import CacheLoader, from_wire
 from serve.placement import PRICED_VARIANT
@@ -35,11 +36,11 @@ class InProcessAnswerer:
     @classmethod
     def open(cls, store: str, model: ModelSpec, router: RouterSpec | None = None) -> InProcessAnswerer:
         return cls(Router(store, model, router or RouterSpec(), MAX_IDS_PER_REQUEST), CacheLoader(store, LRU_NBYTES),
-                   Generator(store, model))
+                   Generator(GeneratorConfig(store=store, model=model)))
 
     def __call__(self, request: AnswerRequest) -> Answered:
         plan = asyncio.run(self.router.plan(request))
-        answer = self.generator.generate(plan, self.loader.load(plan), Sampling.of(request))
+        answer = self.generator.generate_blocking(plan, Sampling.of(request), loader=self.loader)
         t = answer.report.timings
         return Answered(answer.text, answer.report, t.route_ms + t.load_ms + t.render_ms + t.reanchor_ms + t.prefill_ms)
 

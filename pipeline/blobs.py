@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
 import pyarrow.fs as pafs
 
+from pipeline.filesystem import resolve_filesystem  # noqa: F401  (re-exported: one definition)
 from schemas.store import StoreSpec
 
 TMP_PREFIX = ".tmp-"
@@ -22,33 +23,6 @@ TMP_PREFIX = ".tmp-"
 
 class StoreError(ValueError):
     """The store is missing, unreadable or of an unsupported version, or a request names unknown ids."""
-
-
-def resolve_filesystem(spec: StoreSpec, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, root path on it) of a store URI: a local path, `s3://bucket/prefix`, or any pyarrow URI."""
-    uri = spec.uri
-    if uri.startswith("s3://"):
-        return filesystem or _s3_filesystem(spec), uri.removeprefix("s3://").strip("/")
-    if "://" in uri:
-        if filesystem is not None:
-            return filesystem, uri.split("://", 1)[1].rstrip("/")
-        fs, root = pafs.FileSystem.from_uri(uri)
-        return fs, root.rstrip("/")
-    if filesystem is None or isinstance(filesystem, pafs.LocalFileSystem):
-        return filesystem or pafs.LocalFileSystem(), os.path.abspath(uri)
-    return filesystem, uri.strip("/")
-
-
-def _s3_filesystem(spec: StoreSpec) -> pafs.S3FileSystem:
-    endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    # Delayed open turns an object under one part (~10 MiB) into a single PUT instead of a multipart
-    # upload: fewer round trips, and moto 5.2's CompleteMultipartUpload reply is rejected by pyarrow 26.
-    options: dict[str, Any] = {"region": region, "allow_delayed_open": True}
-    if endpoint:
-        scheme, _, host = endpoint.partition("://")
-        options.update(endpoint_override=host.rstrip("/"), scheme=scheme)
-    return pafs.S3FileSystem(**options)
 
 
 class Blobs:

@@ -20,6 +20,7 @@ MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (4
 MAX_QUERY_CHARS = 8_000
 MAX_NEW_TOKENS = 4_096
 MAX_SEED = 2**63 - 1
+MAX_TIMEOUT_S = 3600.0
 
 # Printable, bounded, no control characters: ids are looked up, never opened.
 StoreId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
@@ -122,6 +123,29 @@ class UnservableError(ApiError):
     status_code = 503
 
 
+class BusyError(ApiError):
+    """The generator's batch and queue are full (its KV or batch cap): retry after `retry_after_s`."""
+
+    status_code = 503
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class DeadlineExceededError(ApiError):
+    """The request ran past its deadline (`timeout_s`, header X-Request-Timeout, or the server's default);
+    its work was stopped."""
+
+    status_code = 504
+
+
 class ErrorBody(Strict):
     detail: str
 
@@ -191,6 +215,9 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt):
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
     seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: JsonBool = False
+    timeout_s: JsonFloat | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="deadline of the whole request "
+                                        "(504 past it, and its work stops); else header X-Request-Timeout, else "
+                                        "the server's default")
 
     @model_validator(mode="after")
     def _one_selection(self) -> AnswerRequest:
@@ -234,6 +261,7 @@ class Timings(Strict):
     route_ms: float
     load_ms: float | None
     render_ms: float | None  # full_image only: rendering pages online
+    queue_ms: float | None = 0.0  # waiting for a row in the generator's batch
     reanchor_ms: float | None  # assembling and re-rotating cached KV
     prefill_ms: float | None  # the generator's time to first token: query prefill (or full prefill)
     decode_ms: float | None
@@ -241,8 +269,11 @@ class Timings(Strict):
 
 
 class CacheReport(Strict):
-    hits: int
-    misses: int
+    """Where each linked KV entry came from, fastest tier first."""
+
+    device_hits: int = 0  # resident on the generator's device (its hot tier): no transfer at all
+    hits: int  # the loader's host-memory LRU
+    misses: int  # read from the store
     nbytes_from_store: int
 
 
@@ -349,6 +380,7 @@ class StoreInfo(Strict):
 
 
 class StoreStatus(StoreInfo):
-    """`GET /v1/store`: what the store holds and how the loader's cache is doing right now."""
+    """`GET /v1/store`: what the store holds and how its caches are doing right now."""
 
-    cache: CacheStats
+    cache: CacheStats  # the loader's host-memory LRU (one replica's)
+    device_cache: CacheStats | None = None  # the generator's device hot tier (one replica's)

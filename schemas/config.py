@@ -202,3 +202,18 @@ class RouterSpec(Frozen):
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
     normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR
     temperature: float = Field(0.05, gt=0.0, le=10.0)  # of the softmax normalisation; unused by linear
+
+
+class EngineSpec(Frozen):
+    """The generator's batching engine: how many requests share a forward pass and how much KV they
+    may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
+    wait in a bounded queue; past the queue they are refused with 503 and Retry-After."""
+
+    max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
+    max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers
+    max_waiting: int = Field(64, ge=1)  # requests queued for a row beyond the running ones
+    # Prompt tokens (contexts assembled and queries prefilled, or full prefills) admitted per step: joins
+    # are spread over steps, so the requests joining first get their first token sooner and the running
+    # ones keep decoding between them. A request larger than this still joins, alone.
+    max_prefill_tokens: int = Field(8192, ge=1)
+    hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device

@@ -1,8 +1,13 @@
-"""What the HTTP handlers call: the three roles behind one interface, through Serve handles or in-process.
+"""What the HTTP handlers call: the serving roles behind one interface, through Serve handles or in-process.
 
-Through handles the loaded KV never passes through the ingress: the loader's response is handed to
-the generator as an argument and Serve resolves it there. `InProcessBackend` runs the same handlers
-on plain objects (no Ray), which is how the HTTP surface is tested without a cluster.
+A request is route → generate: the generator fetches from the loader only the KV entries its device
+hot tier lacks (serve/hot_tier.py), so the loaded KV never passes through the ingress, and a request
+whose chunks are hot moves none at all. `InProcessBackend` runs the same calls on plain objects (no
+Ray), which is how the HTTP surface is tested without a cluster. This module imports no model stack.
+
+A call that is abandoned (the client went away, or the request's deadline passed) is cancelled
+downstream: awaiting a Serve response in a task that gets cancelled does not cancel the response by
+itself, so both paths cancel it explicitly, and the generator drops the request at its next step.
 """
 
 from __future__ import annotations
@@ -10,34 +15,29 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
-from schemas.api import AnswerRequest, CacheStats, StoreInfo
-from serve.generator import Generator
 from serve.plan import Answer, Plan
-from serve.loader import CacheLoader
-from serve.router import Router
 
-
-class ApiSettings(BaseModel):
-    served_model_name: str
-    default_top_k: int
-    store: StoreInfo
-    created: int  # unix seconds: when the store was created
+if TYPE_CHECKING:  # the in-process roles; the ingress never imports them
+    from serve.generator import Generator
+    from serve.loader import CacheLoader
+    from serve.router import Router
 
 
 class Backend(Protocol):
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan: ...
-    async def load(self, plan: Plan) -> Any: ...  # what `generate`/`stream` take
-    async def generate(self, plan: Plan, loaded: Any, sampling: Sampling) -> Answer: ...
-    def stream(self, plan: Plan, loaded: Any, sampling: Sampling) -> AsyncIterator[str | Answer]: ...
+    async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer: ...
+    def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]: ...
     async def cache_stats(self) -> CacheStats: ...
+    async def device_cache_stats(self) -> CacheStats: ...
 
 
 class HandleBackend:
@@ -45,24 +45,41 @@ class HandleBackend:
         self.router, self.loader, self.generator = router, loader, generator
 
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
-        return await self.router.plan.remote(request, budget_tokens)
+        return await cancelling(self.router.plan.remote(request, budget_tokens))
 
-    async def load(self, plan: Plan) -> Any:
-        return self.loader.load.remote(plan)  # a DeploymentResponse, resolved inside the generator
+    async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
+        return await cancelling(self.generator.generate.remote(plan, sampling, timeout_s))
 
-    async def generate(self, plan: Plan, loaded: Any, sampling: Sampling) -> Answer:
-        return await self.generator.generate.remote(plan, loaded, sampling)
-
-    def stream(self, plan: Plan, loaded: Any, sampling: Sampling) -> AsyncIterator[str | Answer]:
-        return self.generator.options(stream=True).stream.remote(plan, loaded, sampling)
+    async def stream(self, plan: Plan, sampling: Sampling,
+                     timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
+        events = self.generator.options(stream=True).stream.remote(plan, sampling, timeout_s)
+        finished = False
+        try:
+            async for event in events:
+                yield event
+            finished = True
+        finally:
+            if not finished:  # the reader went away (disconnect, deadline) or the stream failed
+                events.cancel()
 
     async def cache_stats(self) -> CacheStats:
         return await self.loader.stats.remote()
 
+    async def device_cache_stats(self) -> CacheStats:
+        return await self.generator.hot_tier_stats.remote()
+
+
+async def cancelling(response: Any) -> Any:
+    """Await a Serve response; cancel it downstream when this task is cancelled."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
 
 class InProcessBackend:
-    """The same three roles as plain objects; blocking work runs on worker threads. Like a handle's
-    response, the load is a task the generate/stream step awaits, so its errors surface there too."""
+    """The same roles as plain objects. The generator fetches its hot tier's misses from `loader`."""
 
     def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
         self.router, self.loader, self.generator = router, loader, generator
@@ -70,19 +87,17 @@ class InProcessBackend:
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
         return await self.router.plan(request, budget_tokens)
 
-    async def load(self, plan: Plan) -> asyncio.Task:
-        return asyncio.create_task(asyncio.to_thread(self.loader.load, plan))
+    async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
+        return await self.generator.generate(plan, sampling, timeout_s, loader=self.loader)
 
-    async def generate(self, plan: Plan, loaded: asyncio.Task, sampling: Sampling) -> Answer:
-        return await asyncio.to_thread(self.generator.generate, plan, await loaded, sampling)
-
-    async def stream(self, plan: Plan, loaded: asyncio.Task, sampling: Sampling) -> AsyncIterator[str | Answer]:
-        events = self.generator.stream(plan, await loaded, sampling)
-        while (event := await asyncio.to_thread(next, events, None)) is not None:
-            yield event
+    def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
+        return self.generator.stream(plan, sampling, timeout_s, loader=self.loader)
 
     async def cache_stats(self) -> CacheStats:
         return self.loader.stats()
+
+    async def device_cache_stats(self) -> CacheStats:
+        return self.generator.hot_tier_stats()
 
 
 def error_cause(error: Exception) -> Exception:

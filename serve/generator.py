@@ -1,14 +1,19 @@
-"""Generator: holds the VLM, builds each request's context in request order, prefills, decodes.
+"""Generator: holds the VLM and its batching engine, builds each request's context, streams its answer.
 
-Linked modes (qvpic, uniform_high, image_pic, text_pic) place the loaded KV after the serving prefix
-(computed once, at start-up), re-anchor it, and prefill only the query. The online modes prefill
-everything: full_text the chunks' source text, full_image their pages — rendered with the store's
+Linked modes (qvpic, uniform, uniform_high, image_pic, image_pic_dummy, text_pic, text_pic_plain) place
+the loaded KV after the serving prefix — the chat-template prefix and the request's instruction, computed
+once per distinct instruction — re-anchor it, and prefill only the text after the chunks (the query
+prompt, or the query) and the turn's closing. The online modes prefill everything, the instruction
+first: full_text the chunks' source text, full_image their pages — rendered with the store's
 RenderSpec (or, for a scanned page, its own image scaled) at the tier the router chose. Those are
 the pages and tiers qvpic links, so full_image is qvpic's exact, uncached reference and the gap
 between the two is the cost (or error) of caching alone.
 
-Forward passes are serialised with a lock per step, so concurrent streams interleave token by token
-on the one model instead of racing for its memory.
+A request reads as context → submit → stream: its chunk KV comes from the device hot tier
+(serve/hot_tier.py), its misses from the loader; the engine (serve/engine/) runs it in one batch with
+every other request in flight, a token per step, and this side detokenises incrementally. A caller
+that goes away (cancelled, or its stream closed) cancels the request: the engine drops it at its next
+step and frees its KV. Past its deadline it ends with 504.
 
 An entry the loader could not read (missing or corrupt shard) is rebuilt here before assembly, the way
 ingest built it: the chunk's stored source text (or page image), rendered with the store's RenderSpec
@@ -19,123 +24,195 @@ as a fallback, or fail with 503. Each outcome is counted in `qvpic_kv_recompiles
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
-import torch
 from PIL import Image
+from ray.serve.handle import DeploymentHandle
 
 from pipeline.entries import PageImageError, build_entry, page_images
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
-from pipeline.runtime.model import VLM, Prefill
-from schemas.sampling import Sampling
+from pipeline.runtime.model import VLM
 from pipeline.store import Store
 from schemas.api import (
     AnswerReport,
+    CacheReport,
+    CacheStats,
     ChunkReport,
+    DeadlineExceededError,
     FallbackReport,
     FinishReason,
     Timings,
     TokenUsage,
     UnservableError,
 )
-from schemas.config import Mode, ModelSpec
-from schemas.store import StoreSpec
-from serve.loader import from_wire, to_wire
-from serve.plan import Answer, Entry, LoadedKV, LoadResult, Plan, PlannedChunk
+from schemas.config import Mode
+from schemas.sampling import Sampling
+from serve.backend import cancelling
+from serve.configs import GeneratorConfig
+from serve.detokenizer import Detokenizer
+from serve.engine.loop import Engine, EngineStats, LinkedContext, OnlineContext
+from serve.engine.sequence import End, Finished, Sequence
+from serve.hot_tier import HotTier
+from serve.loader import CacheLoader, from_wire, to_wire
 from serve.metrics import serve_metrics
+from serve.plan import Answer, Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 from serve.router import check_store
 
 ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
-_INCOMPLETE = "\ufffd"  # a byte-level tokenizer's partial UTF-8 character: wait for the next token
+FINISH = {End.STOP: FinishReason.STOP, End.LENGTH: FinishReason.LENGTH}
 
 
 @dataclass
-class _Clock:
-    device: torch.device
-    render_ms: float = 0.0
-    reanchor_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
+class Context:
+    """What one request puts in context, and where it came from."""
 
-    def since(self, started: float) -> float:
-        if self.device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
-            torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - started) * 1e3
+    prefill: LinkedContext | OnlineContext
+    served: list[Entry | None]  # aligned with plan.chunks: the entry each linked chunk was served from
+    cache: CacheReport
+    fallbacks: tuple[FallbackReport, ...]
+    load_ms: float = 0.0
+    render_ms: float = 0.0
 
 
 class Generator:
-    def __init__(self, store: StoreSpec | str, model: ModelSpec):
-        self.store = Store.open(store)  # its chunk table is read only to rebuild an unreadable entry
+    def __init__(self, config: GeneratorConfig, loader: DeploymentHandle | CacheLoader | None = None):
+        self.config = config
+        self.store = Store.open(config.store)  # its chunk table is read only to rebuild an unreadable entry
         manifest = self.store.load_manifest_or_raise()
-        check_store(manifest, model)
-        self.vlm = VLM(model)
+        check_store(manifest, config.model)
+        self.vlm = VLM(config.model)
         self.render_spec = manifest.render
         self.renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
-        self._lock = threading.Lock()
+        self.loader = loader  # where the hot tier's misses come from
+        self.hot = HotTier(config.engine.hot_tier_nbytes)
+        self.engine = Engine(self.vlm, config.engine)
         self.metrics = serve_metrics()
 
-    def generate(self, plan: Plan, loaded: LoadResult, sampling: Sampling) -> Answer:
-        *_, answer = self.stream(plan, loaded, sampling)
-        return answer
+    async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
+                       loaded: LoadResult | None = None, loader: CacheLoader | None = None) -> Answer:
+        async with contextlib.aclosing(self.stream(plan, sampling, timeout_s, loaded=loaded, loader=loader)) as events:
+            async for event in events:
+                if isinstance(event, Answer):
+                    return event
+        raise RuntimeError("the stream ended without an answer")
 
-    def stream(self, plan: Plan, loaded: LoadResult, sampling: Sampling) -> Iterator[str | Answer]:
-        """Yield answer text deltas as tokens decode, then the `Answer` (full text and report)."""
-        clock = _Clock(self.vlm.device)
-        loaded = self.repair(plan, loaded)
-        state, context_tokens = self._prefill(plan, loaded, clock)
-        tokenizer, ids, emitted = self.vlm.tokenizer, [], ""
-        tokens = self.vlm.decode(state, sampling)
-        while True:
-            with self._lock:
-                started = time.perf_counter()
-                token = next(tokens, None)
-                clock.decode_ms += clock.since(started)
-            if token is None:
-                break
-            ids.append(token)
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            if not text.endswith(_INCOMPLETE) and text.startswith(emitted) and len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if text.startswith(emitted) and len(text) > len(emitted):
-            yield text[len(emitted):]
-        finish = FinishReason.LENGTH if len(ids) >= sampling.max_new_tokens else FinishReason.STOP
-        yield Answer(text, self._report(plan, loaded, clock, context_tokens, len(ids), finish))
+    async def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
+                     loaded: LoadResult | None = None,
+                     loader: CacheLoader | None = None) -> AsyncIterator[str | Answer]:
+        """Answer text deltas as tokens decode, then the `Answer` (full text and report).
 
-    def _prefill(self, plan: Plan, loaded: LoadResult, clock: _Clock) -> tuple[Prefill, int]:
-        """The prefilled state and the number of context tokens (prefix + chunks) it holds."""
-        query_tokens = self.query_tokens(plan.text_after_chunks)
-        instruction = [plan.instruction] if plan.instruction else []  # prompt text, never a chunk
+        `loaded`: use this KV instead of the hot tier and the loader; `loader`: fetch misses from it
+        instead of the deployment's loader (in-process use)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                context = await self.context(plan, loaded, loader or self.loader)
+        except TimeoutError:
+            raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        num_query = len(context.prefill.query_ids) if isinstance(context.prefill, LinkedContext) else 0
+        num_prompt = (self.prefix_tokens + self.instruction_tokens(plan.instruction)
+                      + sum(c.num_tokens for c in plan.chunks) + (num_query or plan.query_tokens))
+        seq = Sequence(sampling, context.prefill, num_prompt, num_query,
+                       emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
+        self.engine.submit(seq)
+        detokenizer, pieces = Detokenizer(self.vlm.tokenizer), []
+        try:
+            while not isinstance(event := await events.get(), Finished):
+                if piece := detokenizer.add(event):
+                    pieces.append(piece)
+                    yield piece
+            if event.end is End.DEADLINE:
+                raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline; its decoding stopped "
+                                            f"after {len(seq.token_ids)} tokens")
+            if event.end is not End.STOP and event.end is not End.LENGTH:
+                raise event.error or RuntimeError(f"generation ended: {event.end.value}")
+            if piece := detokenizer.flush():
+                pieces.append(piece)
+                yield piece
+            yield Answer("".join(pieces), self._report(plan, context, seq))
+        finally:
+            self.engine.cancel(seq)  # a no-op once finished; else the caller went away: the row leaves
+
+    def generate_blocking(self, plan: Plan, sampling: Sampling, *, loaded: LoadResult | None = None,
+                          loader: CacheLoader | None = None) -> Answer:
+        """`generate` for callers without an event loop (scripts, evaluation, tests)."""
+        return asyncio.run(self.generate(plan, sampling, loaded=loaded, loader=loader))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def hot_tier_stats(self) -> CacheStats:
+        return self.hot.stats()
+
+    # ---- context -----------------------------------------------------------------------------------
+    async def context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
+        if plan.mode in ONLINE_MODES:
+            return await self._online_context(plan)
+        query_ids = self.vlm.query_turn_ids(plan.text_after_chunks)  # the query prompt, or the query
+        if loaded is not None:  # given KV, used as it is: the hot tier is neither read nor filled
+            loaded = await self._repaired(plan, loaded)
+            chunks = [self._chunk(kv, copy=False) for kv in loaded.kvs]
+            return Context(LinkedContext(chunks, query_ids, plan.instruction), [kv.entry for kv in loaded.kvs], loaded.cache,
+                           loaded.fallbacks, loaded.load_ms)
+        started = time.perf_counter()
+        hot = self.hot.get_many(c.entry.key for c in plan.chunks)
+        missing = dataclasses.replace(plan, chunks=tuple(
+            c if c.entry.key not in hot else dataclasses.replace(c, entry=None, fallback=None) for c in plan.chunks))
+        fetched = None
+        if len(hot) < len(plan.chunks):
+            fetched = await self._repaired(missing, await self._load(missing, loader))
+        chunks, served = [], []
+        for position, planned in enumerate(plan.chunks):
+            if planned.entry.key in hot:
+                kv, entry = hot[planned.entry.key]
+            else:  # onto the device once; every later request re-anchors it there
+                loaded_kv = fetched.kvs[position]
+                kv, entry = self._chunk(loaded_kv, copy=True), loaded_kv.entry
+                self.hot.put(entry.key, kv, entry)
+            chunks.append(kv)
+            served.append(entry)
+        report = fetched.cache if fetched is not None else CacheReport(hits=0, misses=0, nbytes_from_store=0)
+        report = report.model_copy(update={"device_hits": sum(c.entry.key in hot for c in plan.chunks)})
+        fallbacks = fetched.fallbacks if fetched is not None else plan.fallbacks
+        return Context(LinkedContext(chunks, query_ids, plan.instruction), served, report, fallbacks,
+                       (time.perf_counter() - started) * 1e3)
+
+    async def _online_context(self, plan: Plan) -> Context:
+        report, render_ms = CacheReport(hits=0, misses=0, nbytes_from_store=0), 0.0
         if plan.mode is Mode.FULL_TEXT:
-            pieces = instruction + [c.text for c in plan.chunks]
-        elif plan.mode is Mode.FULL_IMAGE:
-            started = time.perf_counter()
-            pieces = instruction + [self.pages(c) for c in plan.chunks]
-            clock.render_ms = clock.since(started)
+            pieces = [c.text for c in plan.chunks]
         else:
-            chunks = [ChunkKV(from_wire(kv.array, kv.dtype), kv.entry.position_span, kv.compile_start, kv.kind,
-                              kv.grid_thw) for kv in loaded.kvs]
-            with self._lock:
-                started = time.perf_counter()
-                context = self.vlm.assemble(chunks, plan.instruction)
-                clock.reanchor_ms = clock.since(started)
-                started = time.perf_counter()
-                state = self.vlm.prefill_query(context, plan.text_after_chunks)
-                clock.prefill_ms = clock.since(started)
-            return state, context.num_tokens
-        with self._lock:
             started = time.perf_counter()
-            state = self.vlm.prefill_full(pieces, plan.text_after_chunks)
-            clock.prefill_ms = clock.since(started)
-        return state, state.cache.get_seq_length() - query_tokens
+            pieces = await asyncio.to_thread(lambda: [self.pages(c) for c in plan.chunks])
+            render_ms = (time.perf_counter() - started) * 1e3
+        instruction = [plan.instruction] if plan.instruction else []  # prompt text before the chunks, never a chunk
+        return Context(OnlineContext(instruction + pieces, plan.text_after_chunks), [None] * len(plan.chunks), report, plan.fallbacks,
+                       render_ms=render_ms)
+
+    async def _load(self, plan: Plan, loader) -> LoadResult:
+        if loader is None:
+            raise RuntimeError("this generator has no loader to fetch KV from")
+        if isinstance(loader, DeploymentHandle):
+            return await cancelling(loader.load.remote(plan))
+        return await asyncio.to_thread(loader.load, plan)
+
+    async def _repaired(self, plan: Plan, loaded: LoadResult) -> LoadResult:
+        return loaded if not loaded.unreadable else await asyncio.to_thread(self.repair, plan, loaded)
+
+    def _chunk(self, kv: LoadedKV, copy: bool) -> ChunkKV:
+        tensor = from_wire(kv.array, kv.dtype)
+        # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer.
+        tensor = tensor.to(self.vlm.device, copy=copy)
+        return ChunkKV(tensor, kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
 
     def repair(self, plan: Plan, loaded: LoadResult) -> LoadResult:
         """`loaded` with every unreadable entry rebuilt (its time added to `load_ms`), or replaced by its
@@ -174,7 +251,7 @@ class Generator:
         if rows.num_rows == 0:
             raise UnservableError(f"chunk {chunk.chunk_id} has no source text in the store")
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
-        with self._lock:
+        with self.engine.model_lock:  # between engine steps
             return build_entry(self.vlm, self.renderer, source["text"], source["image_path"], entry.tier, entry.variant)
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
@@ -185,13 +262,15 @@ class Generator:
             raise UnservableError(f"chunk {chunk.chunk_id}: {error}") from error
 
     def query_tokens(self, query: str) -> int:
-        return len(self.vlm.adapter.encode(query)) + len(self.vlm.adapter.turn_suffix_ids)
+        return len(self.vlm.query_turn_ids(query))
 
-    def _report(self, plan: Plan, loaded: LoadResult, clock: _Clock, context_tokens: int,
-                completion_tokens: int, finish: FinishReason) -> AnswerReport:
+    def instruction_tokens(self, instruction: str) -> int:
+        """Tokens the instruction adds to the serving prefix (see VLM.serving_prefix)."""
+        return len(self.vlm.adapter.encode(instruction)) if instruction else 0
+
+    def _report(self, plan: Plan, context: Context, seq: Sequence) -> AnswerReport:
         chunks = []
-        for planned, kv in zip(plan.chunks, loaded.kvs):
-            served = kv.entry if kv is not None else None  # after any loader fallback
+        for planned, served in zip(plan.chunks, context.served):  # served: after any fallback; None online
             chunks.append(ChunkReport(
                 chunk_id=planned.chunk_id, doc_id=planned.doc_id, relevance=planned.relevance,
                 tier=served.tier if served else planned.tier, variant=served.variant if served else None,
@@ -200,15 +279,19 @@ class Generator:
                 position_span=served.position_span if served else planned.position_span,
             ))
         vision_tokens = sum(c.vision_tokens for c in chunks)
+        query_tokens = self.query_tokens(plan.text_after_chunks)
+        context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)
         usage = TokenUsage(
             context_tokens=context_tokens, context_vision_tokens=vision_tokens,
             context_text_tokens=context_tokens - vision_tokens,
             cached_tokens=0 if plan.mode in ONLINE_MODES else context_tokens,
-            query_tokens=self.query_tokens(plan.text_after_chunks), completion_tokens=completion_tokens,
+            query_tokens=query_tokens, completion_tokens=len(seq.token_ids),
         )
-        timings = Timings(route_ms=plan.route_ms, load_ms=loaded.load_ms, render_ms=clock.render_ms,
-                          reanchor_ms=clock.reanchor_ms, prefill_ms=clock.prefill_ms, decode_ms=clock.decode_ms,
-                          total_ms=plan.route_ms + loaded.load_ms + clock.render_ms + clock.reanchor_ms
-                          + clock.prefill_ms + clock.decode_ms)
-        return AnswerReport(mode=plan.mode, finish_reason=finish, chunks=chunks, usage=usage, timings=timings,
-                            cache=loaded.cache, fallbacks=list(loaded.fallbacks), generation=plan.generation)
+        phases = (plan.route_ms, context.load_ms, context.render_ms, seq.queue_ms, seq.reanchor_ms, seq.prefill_ms,
+                  seq.decode_ms)
+        timings = Timings(route_ms=plan.route_ms, load_ms=context.load_ms, render_ms=context.render_ms,
+                          queue_ms=seq.queue_ms, reanchor_ms=seq.reanchor_ms, prefill_ms=seq.prefill_ms,
+                          decode_ms=seq.decode_ms, total_ms=sum(phases))
+        return AnswerReport(mode=plan.mode, finish_reason=FINISH[seq.end], chunks=chunks, usage=usage,
+                            timings=timings, cache=context.cache, fallbacks=list(context.fallbacks),
+                            generation=plan.generation)

@@ -183,6 +183,11 @@ class Turn:
         return EstimateResponse(mode=plan.mode, chunks=chunks, usage=usage, high_res_chunks=price.high_res_chunks,
                                 budget_tokens=self.budget_tokens, within_budget=within)
 
+    async def admit(self, backend: Backend, sampling: Sampling) -> Answer | None:
+        """route, then prepare: the cached answer, or None once the request may run."""
+        await self.route(backend)
+        return await self.prepare(sampling)
+
     async def prepare(self, sampling: Sampling) -> Answer | None:
         """The cached answer, or None once the budget holds and the tenant's token rate admitted the work."""
         governor = self.governor
@@ -209,8 +214,8 @@ class Turn:
     def _from_cache(self, hit: CacheHit) -> Answer:
         """The cached answer with this request's own timings: routed and looked up; no model phase ran, so
         none is reported (null, not a 0 that would read as a measurement). Its latency is `total_ms`."""
-        timings = Timings(route_ms=self.plan.route_ms, load_ms=None, render_ms=None, reanchor_ms=None,
-                          prefill_ms=None, decode_ms=None, total_ms=0.0)
+        timings = Timings(route_ms=self.plan.route_ms, load_ms=None, render_ms=None, queue_ms=None,
+                          reanchor_ms=None, prefill_ms=None, decode_ms=None, total_ms=0.0)
         report = hit.answer.report.model_copy(update={
             "timings": timings, "cache": CacheReport(hits=0, misses=0, nbytes_from_store=0), "cache_hit": True,
             "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity,
@@ -224,19 +229,20 @@ class Turn:
         report = answer.report.model_copy(update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)})
         return Answer(answer.text, report)
 
-    async def generate(self, backend: Backend, sampling: Sampling, hit: Answer | None) -> Answer:
+    async def generate(self, backend: Backend, sampling: Sampling, hit: Answer | None,
+                       timeout_s: float | None = None) -> Answer:
         if hit is None:
-            answer = self._computed(await backend.generate(self.plan, await backend.load(self.plan), sampling))
+            answer = self._computed(await backend.generate(self.plan, sampling, timeout_s))
             await self._fill(answer)
         else:
             answer = hit
         self.finish(200, answer)
         return answer
 
-    async def stream(self, backend: Backend, sampling: Sampling, hit: Answer | None) -> AsyncIterator[str | Answer]:
+    async def stream(self, backend: Backend, sampling: Sampling, hit: Answer | None,
+                     timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
         try:
-            events = _replay(hit) if hit is not None else backend.stream(self.plan, await backend.load(self.plan),
-                                                                          sampling)
+            events = _replay(hit) if hit is not None else backend.stream(self.plan, sampling, timeout_s)
             async for event in events:
                 if isinstance(event, str):
                     self.ttft_ms = self._elapsed_ms() if self.ttft_ms is None else self.ttft_ms
@@ -294,6 +300,9 @@ class Turn:
             metrics.promotions.inc(sum(c.tier == self.governor.high_tier for c in report.chunks))
         metrics.kv_lookups.inc(report.cache.hits, outcome="hit")
         metrics.kv_lookups.inc(report.cache.misses, outcome="miss")
+        for tier, count in (("device", report.cache.device_hits), ("host", report.cache.hits),
+                            ("store", report.cache.misses)):
+            metrics.kv_tier_hits.inc(count, tier=tier)
         metrics.kv_loaded_bytes.inc(report.cache.nbytes_from_store)
         metrics.tier_fallbacks.inc(len(report.fallbacks))
 

@@ -51,6 +51,17 @@ class Histogram:
         (self._prom.labels(**labels) if self.labels else self._prom).observe(value)
 
 
+class Gauge:
+    def __init__(self, name: str, description: str, registry: prometheus_client.CollectorRegistry):
+        self.name, self.labels = name, ()
+        self._ray = ray_metrics.Gauge(name, description=description)
+        self._prom = prometheus_client.Gauge(name, description, registry=registry)
+
+    def set(self, value: float) -> None:
+        self._ray.set(value)
+        self._prom.set(value)
+
+
 class ServeMetrics:
     def __init__(self) -> None:
         self.registry = prometheus_client.CollectorRegistry()
@@ -60,6 +71,9 @@ class ServeMetrics:
 
         def histogram(name: str, description: str, buckets: Sequence[float], *labels: str) -> Histogram:
             return Histogram(name, description, labels, buckets, self.registry)
+
+        def gauge(name: str, description: str) -> Gauge:
+            return Gauge(name, description, self.registry)
 
         self.requests = counter("qvpic_requests", "Governed requests received, by route and mode", "route", "mode")
         self.errors = counter("qvpic_errors", "Responses with an error status, by route and status", "route", "status")
@@ -72,10 +86,17 @@ class ServeMetrics:
         self.chunks = counter("qvpic_chunks", "Chunks placed in computed answers, by mode and tier", "mode", "tier")
         self.promotions = counter("qvpic_promotions", "Chunks the qvpic router promoted to the highest tier")
         self.kv_lookups = counter("qvpic_kv_cache_lookups", "KV entries looked up in the loader's LRU", "outcome")
+        self.kv_tier_hits = counter("qvpic_kv_tier_hits", "Linked KV entries by the tier that served them: device "
+                                    "(the generator's hot tier), host (the loader's LRU) or store", "tier")
         self.kv_loaded_bytes = counter("qvpic_kv_loaded_bytes", "Bytes of KV read from the store (LRU misses)")
         self.corrupt_shards = counter("qvpic_corrupt_shards", "KV entries whose shard was missing or failed its checksum")
         self.kv_recompiles = counter("qvpic_kv_recompiles", "Unreadable KV entries by what the generator did: "
                                      "recompiled, backup (a lower tier) or unservable (503)", "outcome")
+        self.engine_running = gauge("qvpic_engine_running", "Requests decoding in the generator's batch")
+        self.engine_waiting = gauge("qvpic_engine_waiting", "Requests queued for a row of the generator's batch")
+        self.engine_kv_bytes = gauge("qvpic_engine_kv_bytes", "Bytes of the generator's batch KV slab")
+        self.engine_ended = counter("qvpic_engine_requests_ended", "Generator requests by how they ended: stop, "
+                                    "length, cancelled (client gone), deadline or failed", "end")
         self.tier_fallbacks = counter("qvpic_tier_fallbacks", "Chunks served from a lower tier than planned")
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
                                       "(l1/l2/l3 hit, miss, bypass: nothing cacheable, e.g. sampled; no_cache: the "
@@ -86,8 +107,8 @@ class ServeMetrics:
         self.shared_state_errors = counter("qvpic_shared_state_errors", "Redis calls that failed and degraded", "use")
         self.request_log_rows = counter("qvpic_request_log_rows", "Request-log rows written or lost", "outcome")
 
-    def families(self) -> list[Counter | Histogram]:
-        return [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
+    def families(self) -> list[Counter | Histogram | Gauge]:
+        return [m for m in vars(self).values() if isinstance(m, (Counter, Histogram, Gauge))]
 
     def exposition(self) -> bytes:
         """This process's metrics in Prometheus text format."""

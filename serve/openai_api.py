@@ -38,8 +38,10 @@ from schemas.chat import (
     OpenAIErrorBody,
     PromptTokensDetails,
 )
-from serve.backend import ApiSettings, Backend, api_error, sse
+from serve.backend import Backend, api_error, sse
+from serve.configs import ApiSettings
 from serve.governance import Governor, Route
+from serve.lifetime import Lifetime, request_timeout_s
 
 PATH_PREFIX = "/v1/chat/"
 
@@ -67,7 +69,8 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
         return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, task_type=options.task_type,
                              max_high_res=options.max_high_res, tier=options.tier, max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-                             stream=request.stream, **(selection or {"top_k": default_top_k}))
+                             stream=request.stream, timeout_s=options.timeout_s,
+                             **(selection or {"top_k": default_top_k}))
     except ValidationError as error:  # the chat request's own limits should already exclude this
         raise RequestValidationError(error.errors()) from error
 
@@ -80,7 +83,7 @@ def chunk_event(chunk: ChatCompletionChunk) -> str:
     return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
 
 
-def openai_routes(backend: Backend, settings: ApiSettings, governor: Governor) -> APIRouter:
+def openai_routes(backend: Backend, settings: ApiSettings, governor: Governor, timeout_s: float) -> APIRouter:
     routes = APIRouter(tags=["openai"])
 
     @routes.get("/v1/models")
@@ -99,11 +102,11 @@ def openai_routes(backend: Backend, settings: ApiSettings, governor: Governor) -
         native = answer_request(request, settings.default_top_k)
         sampling = Sampling.of(native)
         turn = await governor.begin(http, native, Route.CHAT)
-        await turn.route(backend)
-        hit = await turn.prepare(sampling)
+        life = Lifetime(http, request_timeout_s(http, native.timeout_s, timeout_s))
+        hit = await life.run(turn.admit(backend, sampling))
         if not request.stream:
             response.headers.update(turn.headers)
-            answer = await turn.generate(backend, sampling, hit)
+            answer = await life.run(turn.generate(backend, sampling, hit, life.remaining_s()))
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
@@ -117,7 +120,7 @@ def openai_routes(backend: Backend, settings: ApiSettings, governor: Governor) -
         async def events() -> AsyncIterator[str]:
             yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
             try:
-                async for event in turn.stream(backend, sampling, hit):
+                async for event in life.stream(turn.stream(backend, sampling, hit, life.remaining_s())):
                     if isinstance(event, str):
                         yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
                         continue

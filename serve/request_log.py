@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from pipeline.store import resolve_filesystem
+from pipeline.filesystem import resolve_filesystem
 from schemas.config import Frozen
 from schemas.store import StoreSpec
 from serve.metrics import serve_metrics

@@ -156,6 +156,7 @@ class BatchingRouter(Router):
     """The deployed router: queries arriving together are embedded in one call (`@serve.batch` needs a
     Serve replica, so the plain `Router` embeds one at a time)."""
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    # No waiting for company: a lone query pays nothing; queries arriving while one embeds form the next batch.
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
     async def embed_query(self, queries: list[str]) -> list[np.ndarray]:
         return list(await asyncio.to_thread(self.embedder.embed, queries))  # [n, dim] -> n x [dim]

@@ -21,6 +21,7 @@ from pipeline.runtime.model import VLM
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, RouterSpec, Variant
 from schemas.corpus import Chunk
+from serve.configs import GeneratorConfig
 from serve.generator import Generator
 from serve.loader import CacheLoader
 from serve.router import Router
@@ -97,4 +98,4 @@ class Roles:
 def roles(serving_store: ServingStore) -> Roles:
     """The three serving roles in-process (no Ray) over `serving_store`."""
     router = Router(serving_store.uri, serving_store.model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS)
-    return Roles(router, CacheLoader(serving_store.uri, 1 << 20), Generator(serving_store.uri, serving_store.model))
+    return Roles(router, CacheLoader(serving_store.uri, 1 << 20), Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))

@@ -35,11 +35,11 @@ MAX_FUZZED_NEW_TOKENS = 2  # fuzzed bodies ask for up to 4096; decoding them all
 class ShortDecode(InProcessBackend):
     """The real roles, with each answer cut to a few tokens so hundreds of fuzzed requests stay fast."""
 
-    async def generate(self, plan, loaded, sampling):
-        return await super().generate(plan, loaded, short(sampling))
+    async def generate(self, plan, sampling, timeout_s=None):
+        return await super().generate(plan, short(sampling), timeout_s)
 
-    def stream(self, plan, loaded, sampling):
-        return super().stream(plan, loaded, short(sampling))
+    def stream(self, plan, sampling, timeout_s=None):
+        return super().stream(plan, short(sampling), timeout_s)
 
 
 def short(sampling):

@@ -14,7 +14,9 @@ from pipeline.runtime.model import VLM
 from schemas.sampling import Sampling
 from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec, RouterSpec
+from serve.configs import GeneratorConfig
 from serve.generator import Generator
+from serve.hot_tier import HotTier
 from serve.plan import Answer, Plan
 from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
 from serve.router import Router
@@ -31,7 +33,13 @@ def plan(roles, **fields) -> Plan:
 def answer(roles, max_new_tokens: int = 12, sampling: Sampling | None = None, **fields) -> Answer:
     planned = plan(roles, max_new_tokens=max_new_tokens, **fields)
     sampling = sampling or Sampling(max_new_tokens=max_new_tokens)
-    return roles.generator.generate(planned, roles.loader.load(planned), sampling)
+    return roles.generator.generate_blocking(planned, sampling, loader=roles.loader)
+
+
+def collect(events) -> list:
+    async def drain() -> list:
+        return [event async for event in events]
+    return asyncio.run(drain())
 
 
 # ---- LRU ------------------------------------------------------------------------------------------
@@ -84,13 +92,13 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.UNIFORM_HIGH)
-    clean = roles.generator.generate(planned, roles.loader.load(planned), Sampling(max_new_tokens=4))
+    clean = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loader=roles.loader)
     corrupt_entry(root, planned.chunks[0].entry.row)
     result = CacheLoader(str(root), 1 << 20).load(planned)
     (unreadable,) = result.unreadable
     assert (unreadable.position, unreadable.entry.tier, unreadable.backup.entry.tier) == (0, "high", "low")
     assert result.kvs[0] is None and result.kvs[1].entry.tier == "high" and "checksum" in unreadable.reason
-    reply = roles.generator.generate(planned, result, Sampling(max_new_tokens=4))  # rebuilt, not downgraded
+    reply = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loaded=result)  # rebuilt, not downgraded
     assert [c.tier for c in reply.report.chunks] == ["high", "high"] and reply.report.fallbacks == []
     assert reply.text == clean.text
 
@@ -98,8 +106,8 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
     corrupt_entry(root, low_only.chunks[0].entry.row)
     result = CacheLoader(str(root), 1 << 20).load(low_only)
     assert result.kvs == (None,) and result.unreadable[0].backup is None
-    assert roles.generator.generate(low_only, result, Sampling(max_new_tokens=4)).text == \
-        roles.generator.generate(low_only, roles.loader.load(low_only), Sampling(max_new_tokens=4)).text
+    assert roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4), loaded=result).text == \
+        roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4), loader=roles.loader).text
 
 
 # ---- generator ------------------------------------------------------------------------------------
@@ -149,7 +157,7 @@ def test_instruction_and_query_prompt_frame_the_chunks_in_every_mode(roles):
 
 def test_stream_deltas_add_up_to_the_answer(roles):
     planned = plan(roles, top_k=3, max_new_tokens=10)
-    events = list(roles.generator.stream(planned, roles.loader.load(planned), Sampling(max_new_tokens=10)))
+    events = collect(roles.generator.stream(planned, Sampling(max_new_tokens=10), loader=roles.loader))
     *deltas, final = events
     assert isinstance(final, Answer) and all(isinstance(d, str) and d for d in deltas)
     assert "".join(deltas) == final.text
@@ -170,7 +178,57 @@ def test_other_families_linked_answers_equal_online_answers(serving_store, tmp_p
     model = ModelSpec(path=name, device="cpu")
     build_store(tmp_path, VLM(model), serving_store.embedder, {"invoices": [DOCUMENT]})
     uri = str(tmp_path)
-    glm = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 20), Generator(uri, model))
+    glm = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 20),
+                Generator(GeneratorConfig(store=uri, model=model)))
     for linked, online in ((Mode.QVPIC, Mode.FULL_IMAGE), (Mode.TEXT_PIC, Mode.FULL_TEXT)):
         fields = {"chunk_ids": ["invoices#00000"], "tau": 1.0, "max_new_tokens": 16}
         assert answer(glm, mode=linked, **fields).text == answer(glm, mode=online, **fields).text
+
+
+# ---- device hot tier --------------------------------------------------------------------------------
+class CountingLoader(CacheLoader):
+    """A loader that records which entries each call asked for."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.asked: list[list[str]] = []
+
+    def load(self, plan):
+        self.asked.append([c.entry.key for c in plan.chunks if c.entry is not None])
+        return super().load(plan)
+
+
+def test_hot_chunks_cross_to_the_device_once_and_misses_fetch_only_what_is_missing(roles, serving_store):
+    roles.generator.hot.clear()
+    loader = CountingLoader(serving_store.uri, 1 << 20)
+    first = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.TEXT_PIC, max_new_tokens=4)
+    second = plan(roles, chunk_ids=["manual#00000", "recipes#00000", "invoices#00000"], mode=Mode.TEXT_PIC,
+                  max_new_tokens=4)
+    sampling = Sampling(max_new_tokens=4)
+    cold = roles.generator.generate_blocking(first, sampling, loader=loader).report.cache
+    warm = roles.generator.generate_blocking(first, sampling, loader=loader).report.cache
+    mixed = roles.generator.generate_blocking(second, sampling, loader=loader).report.cache
+    assert (cold.device_hits, cold.misses) == (0, 2) and (warm.device_hits, warm.hits, warm.misses) == (2, 0, 0)
+    assert (mixed.device_hits, mixed.hits + mixed.misses) == (2, 1)
+    assert loader.asked == [[c.entry.key for c in first.chunks], [second.chunks[1].entry.key]]  # warm: no call
+    # the same answer whichever tier served each chunk
+    given = roles.generator.generate_blocking(second, sampling, loaded=roles.loader.load(second))
+    assert roles.generator.generate_blocking(second, sampling, loader=loader).text == given.text
+
+
+def test_the_hot_tier_keeps_its_byte_cap(roles, serving_store):
+    sizes = {}
+    for chunk_id in ("invoices#00000", "manual#00000", "recipes#00000"):
+        planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC)
+        sizes[chunk_id] = planned.chunks[0].entry.row["nbytes"]
+    generator = roles.generator
+    saved = generator.hot
+    generator.hot = HotTier(sizes["invoices#00000"] + sizes["manual#00000"])
+    try:
+        for chunk_id in sizes:
+            planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC, max_new_tokens=2)
+            generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=roles.loader)
+            assert generator.hot.nbytes <= generator.hot.max_nbytes
+        assert len(generator.hot.keys()) == 2 and generator.hot.stats().evictions >= 1
+    finally:
+        generator.hot = saved

@@ -20,7 +20,7 @@ from serve.app import AppArgs, api_settings, make_api
 from serve.backend import InProcessBackend
 from serve.governance import Governor
 from serve.loader import CacheLoader
-from serve.metrics import Counter, serve_metrics
+from serve.metrics import Counter, Gauge, serve_metrics
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, corrupt_entry, roles, serving_store  # noqa: F401
 from tests.test_api import call
@@ -133,9 +133,9 @@ def test_the_dashboard_reads_every_metric_and_only_those():
     dashboard = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
     used = set(re.findall(r"ray_(qvpic_[a-z_]+)", exprs))
-    exported = {family.name: {family.name + suffix for suffix in (
-        ("_total",) if isinstance(family, Counter) else ("_bucket", "_sum", "_count"))}
-        for family in serve_metrics().families()}
+    suffixes = {Counter: ("_total",), Gauge: ("",)}  # else a histogram's
+    exported = {family.name: {family.name + suffix for suffix in suffixes.get(type(family), ("_bucket", "_sum", "_count"))}
+                for family in serve_metrics().families()}
     assert used <= set().union(*exported.values()), used - set().union(*exported.values())
     assert [name for name, series in exported.items() if not series & used] == []  # every metric has a panel
 

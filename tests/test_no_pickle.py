@@ -21,6 +21,7 @@ from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
+from serve.configs import GeneratorConfig
 from serve.generator import Generator
 from serve.loader import CacheLoader
 from serve.router import Router
@@ -152,11 +153,12 @@ def test_load_paths_never_unpickle(serving_store):
         model = ModelSpec(path=serving_store.model.path, device="cpu")
         VLM(model)
         router = Router(serving_store.uri, model, RouterSpec(), MAX_CHUNKS)
-        loader, generator = CacheLoader(serving_store.uri, 1 << 20), Generator(serving_store.uri, model)
+        loader = CacheLoader(serving_store.uri, 1 << 20)
+        generator = Generator(GeneratorConfig(store=serving_store.uri, model=model))
         for mode in (Mode.QVPIC, Mode.TEXT_PIC, Mode.FULL_IMAGE):
             plan = asyncio.run(router.plan(AnswerRequest(query="When does part XK-4471-B ship?", top_k=2, mode=mode,
                                                          max_new_tokens=2)))
-            generator.generate(plan, loader.load(plan), Sampling(max_new_tokens=2))
+            generator.generate_blocking(plan, Sampling(max_new_tokens=2), loader=loader)
     assert seen.events == []
 
 

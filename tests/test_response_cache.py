@@ -59,11 +59,11 @@ def test_l1_exact_hits_do_no_model_work(roles, serving_store, redis_url, backend
     hit = ask(app, query=f"  {query.replace(' ', '   ')} ")  # normalised: runs of whitespace, trimmed
     assert level(first) is None and level(hit) == "l1" and hit["answer"] == first["answer"]
     assert hit["usage"] == first["usage"] and hit["chunks"] == first["chunks"]
-    assert hit["cache"] == {"hits": 0, "misses": 0, "nbytes_from_store": 0}
+    assert hit["cache"] == {"device_hits": 0, "hits": 0, "misses": 0, "nbytes_from_store": 0}
     # a hit says so, and reports no model phase rather than a 0 that would read as a measurement
     assert hit["cache_hit"] is True and first["cache_hit"] is False
     assert {k: v for k, v in hit["timings"].items() if v is None} == {
-        phase: None for phase in ("load_ms", "render_ms", "reanchor_ms", "prefill_ms", "decode_ms")}
+        phase: None for phase in ("load_ms", "render_ms", "queue_ms", "reanchor_ms", "prefill_ms", "decode_ms")}
     assert hit["timings"]["total_ms"] > 0 and hit["response_cache"]["lookup_ms"] > 0
     assert first["timings"]["prefill_ms"] > 0 and first["response_cache"]["lookup_ms"] > 0  # a miss was looked up
     assert metric(app, "qvpic_response_cache_total", result="l1") - before == 1

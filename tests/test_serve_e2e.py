@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -152,4 +153,76 @@ def test_concurrent_requests_all_succeed(base_url):
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
     store = httpx.get(f"{base_url}/v1/store").json()
-    assert store["num_chunks"] == 6 and store["cache"]["hits"] > 0
+    assert store["num_chunks"] == 6 and store["device_cache"]["hits"] > 0  # chunks shared by the questions
+    assert store["device_cache"]["misses"] == store["cache"]["misses"] + store["cache"]["hits"]  # fetched once
+
+
+LONG = 900  # tokens: seconds of decoding, so only a cancellation ends these requests early
+LONG_ANSWER = {"query": "Tell me everything about the recipes", "chunk_ids": ["recipes#00000"], "mode": "text_pic",
+               "max_new_tokens": LONG}
+LONG_CHAT = {"model": "qvpic", "messages": [{"role": "user", "content": LONG_ANSWER["query"]}], "max_tokens": LONG,
+             "temperature": 0, "qvpic": {"chunk_ids": ["recipes#00000"], "mode": "text_pic"}}
+
+
+def generator_stats():
+    from ray import serve
+
+    return serve.get_deployment_handle("Generator", app_name="qvpic").stats.remote().result()
+
+
+def wait_idle(seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while (stats := generator_stats()).running or stats.waiting:
+        assert time.monotonic() < until, f"the generator is still decoding for nobody: {stats}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/answer", LONG_ANSWER), ("/v1/chat/completions", LONG_CHAT)])
+def test_abandoned_streams_through_serve_stop_within_a_second(base_url, path, body):
+    """Issue 14's attack, scaled down: clients read one event and close the socket."""
+    before = generator_stats()
+
+    async def read_one_and_leave() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            async with http.stream("POST", path, json={**body, "stream": True}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data:") and "content\": \"\"" not in line:  # a real delta
+                        return  # leaving the block closes the connection mid-stream
+
+    async def clients() -> None:
+        await asyncio.gather(*[read_one_and_leave() for _ in range(6)])
+
+    asyncio.run(clients())
+    wait_idle(1.0)
+    after = generator_stats()
+    assert after.ended.get("cancelled", 0) - before.ended.get("cancelled", 0) == 6
+    assert after.decoded_tokens - before.decoded_tokens < 6 * LONG // 2 and after.kv_nbytes == 0
+
+
+@pytest.mark.parametrize("path, body", [("/v1/answer", LONG_ANSWER), ("/v1/chat/completions", LONG_CHAT)])
+def test_a_plain_request_abandoned_through_serve_stops(base_url, path, body):
+    before = generator_stats()
+
+    async def leave_once_decoding() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            request = asyncio.create_task(http.post(path, json=body))
+            from ray import serve
+
+            stats = serve.get_deployment_handle("Generator", app_name="qvpic").stats
+            while not (await stats.remote()).running:
+                await asyncio.sleep(0.02)
+            request.cancel()  # the client gives up: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_once_decoding())
+    wait_idle(1.0)
+    after = generator_stats()
+    assert after.ended.get("cancelled", 0) - before.ended.get("cancelled", 0) == 1
+
+
+def test_a_deadline_through_serve_is_504(client):
+    response = client.post("/v1/answer", json={**LONG_ANSWER, "timeout_s": 0.5})
+    assert response.status_code == 504 and "deadline" in response.json()["detail"]
+    wait_idle(1.0)

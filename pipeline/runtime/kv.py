@@ -7,6 +7,8 @@ Values carry no position and are never touched.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -52,6 +54,38 @@ class AssembledContext:
         return self.layers[0][0].shape[2]
 
 
+class RotationTable:
+    """Re-anchoring matrices by shift Δ, each computed once: a rotary cos/sin table in matrix form.
+
+    `compute(deltas [n], head_dim) -> [n, head_dim, head_dim]` is the model's own (Adapter.rotation_matrices);
+    what it returns for a Δ never changes, so the table keeps the `max_entries` most recently used
+    (16 KiB each at head_dim 64, float32) and a request computes only the shifts it has not seen.
+    """
+
+    def __init__(self, compute, max_entries: int = 8192):
+        self.compute, self.max_entries = compute, max_entries
+        self._table: OrderedDict[tuple[int, int, torch.device], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, deltas: torch.Tensor, head_dim: int) -> torch.Tensor:
+        keys = [(int(d), head_dim, deltas.device) for d in deltas.tolist()]
+        with self._lock:
+            missing = list(dict.fromkeys(k for k in keys if k not in self._table))
+        if missing:
+            fresh = self.compute(torch.tensor([k[0] for k in missing], device=deltas.device), head_dim)
+            with self._lock:
+                for key, matrix in zip(missing, fresh):
+                    self._table[key] = matrix
+                while len(self._table) > self.max_entries:
+                    self._table.popitem(last=False)
+        with self._lock:
+            found = []
+            for key in keys:
+                self._table.move_to_end(key)
+                found.append(self._table[key])
+        return torch.stack(found)
+
+
 def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
     """s_1 = prefix span, s_{i+1} = s_i + span_i."""
     starts, position = [], prefix_span
@@ -61,8 +95,10 @@ def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
     return starts
 
 
-def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrices) -> AssembledContext:
-    """Lay out `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order in one new tensor.
+def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrices,
+             out: torch.Tensor | None = None) -> AssembledContext:
+    """Lay out `[prefix][c_1 re-anchored]…[c_n re-anchored]` in request order in one tensor: a new one, or
+    `out` (`[layers, 2, kv_heads, ≥tokens, head_dim]`, e.g. a row of a batch's slab) from its first column.
 
     `rotation_matrices(deltas [n], head_dim) -> [n, head_dim, head_dim]` gives the model's rotary
     shift by Δ as a matrix (see Adapter.rotation_matrices); each chunk's keys are multiplied by theirs
@@ -78,7 +114,10 @@ def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrice
     first = parts[0].kv
     num_layers, _, num_heads, _, head_dim = first.shape
     total = sum(p.num_tokens for p in parts)
-    kv = torch.empty(num_layers, 2, num_heads, total, head_dim, dtype=first.dtype, device=first.device)
+    if out is None:
+        kv = torch.empty(num_layers, 2, num_heads, total, head_dim, dtype=first.dtype, device=first.device)
+    else:
+        kv = out[:, :, :, :total]
     deltas = torch.tensor([s - c.compile_start for c, s in zip(chunks, starts)], dtype=torch.long)
     matrices = rotation_matrices(deltas.to(first.device), head_dim) if chunks else None
     offset = 0

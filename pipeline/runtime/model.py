@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from pipeline.dtypes import TORCH_DTYPES
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
-from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
+from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ChunkKind, CompilePrefix, ModelFamily, ModelSpec, Variant
 from schemas.sampling import Sampling
@@ -98,6 +98,7 @@ class VLM:
             self.path, **size, **load
         )
         self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
+        self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
         self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
 
     # ---- compile (offline) -------------------------------------------------------------------
@@ -226,16 +227,24 @@ class VLM:
         return kv
 
     # ---- online ------------------------------------------------------------------------------
-    def assemble(self, chunks: Sequence[ChunkKV], instruction: str = "") -> AssembledContext:
-        """`[serving prefix][instruction][c_1]…[c_n]` in request order with keys re-anchored."""
+    def assemble(self, chunks: Sequence[ChunkKV], instruction: str = "",
+                 out: torch.Tensor | None = None) -> AssembledContext:
+        """`[serving prefix][instruction][c_1]…[c_n]` in request order with keys re-anchored (into `out`
+        when given, e.g. a row of a batch's slab)."""
         moved = [c if c.kv.device == self.device else _to(c, self.device) for c in chunks]
-        return assemble(self.serving_prefix(instruction), moved, self.adapter.rotation_matrices)
+        return assemble(self.serving_prefix(instruction), moved, self.rotations, out)
+
+    def query_turn_ids(self, query: str) -> list[int]:
+        """The tokens prefilled online after the context: the query text (for the serving path, the plan's
+        `text_after_chunks`: the query framed as the mode asks) and the turn's closing — the one framing that
+        the batched engine, the full prefill and the query-only prefill all share."""
+        return self.adapter.encode(query) + self.adapter.turn_suffix_ids
 
     @torch.inference_mode()
     def prefill_query(self, context: AssembledContext, query: str, all_logits: bool = False) -> Prefill:
         """Prefill only the query turn on top of an assembled context (logits of its last token, or all)."""
         cache = DynamicCache(ddp_cache_data=[(k.to(self.dtype), v.to(self.dtype)) for k, v in context.layers])
-        ids = self.adapter.encode(query) + self.adapter.turn_suffix_ids
+        ids = self.query_turn_ids(query)
         return self._forward(torch.tensor([ids], device=self.device), cache, context.next_position,
                              logits_to_keep=0 if all_logits else 1)
 
@@ -251,7 +260,7 @@ class VLM:
                 ids += page_ids
                 pixel_list.append(pixel_values)
                 grid_list.append(grids)
-        ids += self.adapter.encode(query) + self.adapter.turn_suffix_ids
+        ids += self.query_turn_ids(query)
         input_ids = torch.tensor([ids], device=self.device)
         pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None

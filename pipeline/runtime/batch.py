@@ -1,0 +1,235 @@
+"""Iteration-level batching on the model: many requests' ragged contexts in one forward pass.
+
+Rows are requests. Their KV lives in one slab `[layers, 2, rows, kv_heads, capacity, head_dim]` whose
+rows are left-aligned: row r fills columns `[0, lengths[r])` and its next token is written at column
+`lengths[r]`, so rows never pad to each other's generated tokens and the slab is as wide as its
+longest row will ever get (its capacity is reserved when rows join, so a decode step never copies
+the cache, which transformers' DynamicCache does at every step). A joining request's context is
+assembled (re-anchored) straight into its row. Attention reads the slab's first `width` columns through an additive float mask in the
+model dtype (0 = attend, finfo.min = blocked; a bool mask is silently wrong under eager attention)
+that hides what a row has not written and the pad slots of its query. Positions are each row's own
+explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing it computes: its
+logits equal the same request's run alone (to float rounding).
+
+    join:   prefill_queries(chunks, queries)   -> Slab of the new rows (assembled in place), first-token logits
+            Slab.from_prefill(state)           -> a row whose prefill ran alone (online modes)
+            Slab.merge([running, joined])      -> one slab
+    step:   decode_step(slab, tokens)          -> next-token logits of every row
+    leave:  slab.keep(rows)                    -> the slab without the rows that finished
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pipeline.runtime.kv import ChunkKV
+from pipeline.runtime.model import VLM, Prefill
+
+
+class SlabLayer(CacheLayerMixin):
+    """One layer's view of the slab: `update` writes the new keys/values at each row's own columns, in place."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: Slab):
+        super().__init__()
+        self.keys, self.values, self.owner = keys, values, owner  # [rows, kv_heads, capacity, head_dim]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a slab is allocated before the forward pass")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, columns, width = self.owner.rows_index, self.owner.write_columns, self.owner.width
+        # keys[rows, :, columns] is [rows, new, kv_heads, head_dim]; the states are [rows, kv_heads, new, head_dim]
+        self.keys[rows, :, columns] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, :, columns] = value_states.transpose(1, 2).to(self.values.dtype)
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.width
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class Slab(Cache):
+    """The KV of a batch of rows, the columns each has written, and where each continues."""
+
+    def __init__(self, kv: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, next_positions: torch.Tensor):
+        self.kv = kv  # [layers, 2, rows, kv_heads, capacity, head_dim]: one allocation, rows left-aligned
+        super().__init__(layers=[SlabLayer(kv[i, 0], kv[i, 1], self) for i in range(kv.shape[0])])
+        self.valid = valid  # [rows, capacity] bool: columns a row has written with a real token
+        self.lengths = lengths  # [rows] long: the next column each row writes
+        self.next_positions = next_positions  # [rows] long: the next token's position (equal on t/h/w)
+        self.write_columns = lengths[:, None]  # [rows, new] set before each forward
+        self.width = 0  # columns the forward reads, set before it
+
+    @classmethod
+    def empty(cls, num_layers: int, num_rows: int, num_heads: int, capacity: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device) -> Slab:
+        """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN)."""
+        kv = torch.zeros(num_layers, 2, num_rows, num_heads, capacity, head_dim, dtype=dtype, device=device)
+        return cls(kv, torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
+                   torch.zeros(num_rows, dtype=torch.long, device=device),
+                   torch.zeros(num_rows, dtype=torch.long, device=device))
+
+    def like(self, num_rows: int, capacity: int) -> Slab:
+        num_layers, _, _, num_heads, _, head_dim = self.kv.shape
+        return Slab.empty(num_layers, num_rows, num_heads, capacity, head_dim, self.kv.dtype, self.kv.device)
+
+    @classmethod
+    def from_prefill(cls, state: Prefill, reserve: int) -> Slab:
+        """One row holding a batch-1 prefill's cache, with room for `reserve` more tokens."""
+        first = state.cache.layers[0].keys  # [1, kv_heads, tokens, head_dim]
+        length = first.shape[2]
+        slab = cls.empty(len(state.cache.layers), 1, first.shape[1], length + reserve, first.shape[3], first.dtype,
+                         first.device)
+        for i, layer in enumerate(state.cache.layers):
+            slab.kv[i, 0, :, :, :length] = layer.keys
+            slab.kv[i, 1, :, :, :length] = layer.values
+        slab.valid[0, :length] = True
+        slab.lengths[0] = length
+        slab.next_positions[0] = state.next_position
+        return slab
+
+    # ---- shape ---------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def rows_index(self) -> torch.Tensor:
+        return torch.arange(self.num_rows, device=self.lengths.device)[:, None]
+
+    # ---- rows joining and leaving --------------------------------------------------------------
+    @staticmethod
+    def merge(slabs: Sequence[Slab], capacity: int) -> Slab:
+        """Rows of `slabs` stacked (in order) into one slab of `capacity` columns."""
+        slabs = [s for s in slabs if s.num_rows]
+        if len(slabs) == 1 and slabs[0].capacity == capacity:
+            return slabs[0]
+        merged = slabs[0].like(sum(s.num_rows for s in slabs), capacity)
+        row = 0
+        for slab in slabs:
+            used = min(int(slab.lengths.max()), capacity)  # rows are left-aligned: nothing lies beyond
+            rows = slice(row, row + slab.num_rows)
+            merged.kv[:, :, rows, :, :used] = slab.kv[:, :, :, :, :used]
+            merged.valid[rows, :used] = slab.valid[:, :used]
+            merged.lengths[rows], merged.next_positions[rows] = slab.lengths, slab.next_positions
+            row += slab.num_rows
+        return merged
+
+    def keep(self, rows: Sequence[int], capacity: int) -> Slab:
+        """A new slab of only `rows` (in that order): the others' memory is released with this one."""
+        kept = self.like(len(rows), capacity)
+        if not rows:
+            return kept
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
+        used = min(int(self.lengths[index].max()), capacity)
+        kept.kv[:, :, :, :, :used] = self.kv[:, :, index, :, :used]
+        kept.valid[:, :used] = self.valid[index, :used]
+        kept.lengths[:], kept.next_positions[:] = self.lengths[index], self.next_positions[index]
+        return kept
+
+    # ---- one forward -----------------------------------------------------------------------------
+    def prepare(self, real: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set where this forward writes (`real` [rows, new]: which new tokens are real, pad slots first)
+        and return its `(3, rows, new)` positions (M-RoPE's axes, equal for text) and `[rows, 1, new, width]`
+        additive mask."""
+        num_rows, num_new = real.shape
+        steps = torch.arange(num_new, device=real.device)
+        self.write_columns = self.lengths[:, None] + steps  # [rows, new]
+        self.width = int(self.write_columns.max()) + 1
+        if self.width > self.capacity:
+            raise RuntimeError(f"slab of {self.capacity} columns cannot take column {self.width - 1}")
+        # Real tokens take consecutive positions; a pad slot repeats its row's first one (it is masked out).
+        offsets = (real.long().cumsum(1) - 1).clamp(min=0)
+        positions = (self.next_positions[:, None] + offsets).unsqueeze(0).expand(3, -1, -1)
+        allowed = self.valid[:, None, :self.width].expand(num_rows, num_new, self.width).clone()
+        causal = real[:, None, :] & (steps[None, :, None] >= steps[None, None, :])  # [rows, t, t'≤t real]
+        allowed.scatter_(2, self.write_columns[:, None, :].expand(num_rows, num_new, num_new), causal)
+        allowed[self.rows_index, steps[None, :], self.write_columns] = True  # pad slots see themselves: finite
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=real.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return positions, mask.unsqueeze(1)
+
+    def advance(self, real: torch.Tensor) -> None:
+        """After the forward: mark the real tokens' columns written, move lengths and positions on."""
+        self.valid[self.rows_index, self.write_columns] = real
+        self.lengths = self.lengths + real.shape[1]
+        self.next_positions = self.next_positions + real.long().sum(1)
+
+
+@torch.inference_mode()
+def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Sequence[list[int]],
+                    reserves: Sequence[int], instructions: Sequence[str] | None = None,
+                    ) -> tuple[Slab, torch.Tensor, list[float]]:
+    """Assemble every context straight into its row of a new slab, then prefill every query on top of its
+    own context in one forward.
+
+    Row j holds `[serving prefix ending in instructions[j]][context j's chunks, re-anchored]` at columns
+    `[0, C_j)` (no instruction when not given; see VLM.serving_prefix) and its query right after,
+    left-padded to the longest query (so every row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
+    logits `[rows, vocab]` and each row's assembly time (ms).
+    """
+    num_rows, longest = len(queries), max(len(q) for q in queries)
+    instructions = list(instructions) if instructions is not None else [""] * len(contexts)
+    prefix = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]: the slab's shape
+    context_lengths = [vlm.serving_prefix(instruction).num_tokens + sum(c.num_tokens for c in chunks)
+                       for chunks, instruction in zip(contexts, instructions)]
+    capacity = max(n + longest + r for n, r in zip(context_lengths, reserves))
+    slab = Slab.empty(prefix.shape[0], num_rows, prefix.shape[2], capacity, prefix.shape[4], vlm.dtype, vlm.device)
+    assembly_ms = []
+    for row, (chunks, instruction) in enumerate(zip(contexts, instructions)):
+        started = time.perf_counter()
+        context = vlm.assemble(chunks, instruction, out=slab.kv[:, :, row])
+        slab.valid[row, :context.num_tokens] = True
+        slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
+        assembly_ms.append(_ms_since(started, vlm.device))
+    pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((num_rows, longest), pad, dtype=torch.long, device=vlm.device)
+    real = torch.zeros(num_rows, longest, dtype=torch.bool, device=vlm.device)
+    for row, query in enumerate(queries):
+        ids[row, longest - len(query):] = torch.tensor(query, device=vlm.device)
+        real[row, longest - len(query):] = True
+    return slab, forward(vlm, slab, ids, real), assembly_ms
+
+
+@torch.inference_mode()
+def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
+    """Feed every row its last token; the next-token logits `[rows, vocab]`."""
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=vlm.device)[:, None]
+    return forward(vlm, slab, ids, torch.ones_like(ids, dtype=torch.bool))
+
+
+def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    positions, mask = slab.prepare(real, vlm.dtype)
+    if vlm.adapter.rope_axes == 1:  # plain 1-D RoPE (LLaVA-OneVision): `[rows, new]`
+        positions = positions[0]
+    out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=slab, use_cache=True,
+                    logits_to_keep=1)
+    slab.advance(real)
+    return out.logits[:, -1]
+
+
+def _ms_since(started: float, device: torch.device) -> float:
+    if device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) * 1e3

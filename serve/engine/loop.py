@@ -1,0 +1,255 @@
+"""The engine: one thread owns the model and runs every request's forward passes as one batch.
+
+    step = retire   cancelled, expired and finished rows leave the batch; their KV is freed
+         → admit    waiting requests that fit the caps are prefilled together and join
+         → decode   one forward for every row; each gets its next token
+
+A request joins at the step after it arrives and leaves at the step after it ends, so a client that
+goes away costs at most one more step. The model lock is held per step: the generator's repair path
+(recompiling an unreadable entry) takes it between steps, so forward passes never overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from pipeline.runtime.batch import Slab, decode_step, prefill_queries
+from pipeline.runtime.kv import ChunkKV
+from pipeline.runtime.model import VLM, select_token
+from schemas.config import EngineSpec
+from serve.engine.scheduler import Scheduler
+from serve.engine.sequence import End, Sequence, Status
+from serve.metrics import serve_metrics
+
+
+@dataclass
+class LinkedContext:
+    """Cached chunk KV (on the device, at compile-time positions), the query turn's token ids, and the
+    instruction the serving prefix ends with (`VLM.serving_prefix`)."""
+
+    chunks: list[ChunkKV]
+    query_ids: list[int]
+    instruction: str = ""
+
+
+@dataclass
+class OnlineContext:
+    """The online modes' context: chunk text or page images, prefilled in full with the query."""
+
+    pieces: list[str | list[Image.Image]]
+    query: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_nbytes: int  # the batch's slab as allocated now
+    steps: int
+    decoded_tokens: int
+    ended: dict[str, int]  # requests by how they ended: stop, length, cancelled, deadline, failed
+
+
+def column_nbytes(vlm: VLM) -> int:
+    """KV bytes of one token of one row: every layer's keys and values."""
+    layers, _, heads, _, head_dim = vlm.prefix.kv.shape
+    return layers * 2 * heads * head_dim * torch.finfo(vlm.dtype).bits // 8
+
+
+class Engine:
+    def __init__(self, vlm: VLM, spec: EngineSpec, start: bool = True,
+                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
+        self.vlm, self.spec = vlm, spec
+        self.metrics = serve_metrics()
+        self.scheduler = Scheduler(spec, column_nbytes(vlm))
+        self.slab: Slab | None = None  # rows aligned with scheduler.running
+        self.model_lock = threading.Lock()
+        self.on_logits = on_logits  # tests: every logits row a sequence's token was picked from
+        self.steps = self.decoded_tokens = 0
+        self.ended: Counter[str] = Counter()  # requests by how they ended
+        self._work = threading.Condition()
+        self._samplers: dict[int, torch.Generator] = {}
+        self._joining: list[Sequence] = []
+        if start:
+            threading.Thread(target=self._loop, name="qvpic-engine", daemon=True).start()
+
+    # ---- the request's side ------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue `seq` (TooLargeError: it can never fit; BusyError: the queue is full)."""
+        with self._work:
+            self.scheduler.add(seq)
+            self._work.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop `seq` at the next step (a no-op once it finished)."""
+        if seq.status is not Status.FINISHED:
+            seq.cancel()
+            with self._work:
+                self._work.notify()
+
+    def stats(self) -> EngineStats:
+        with self._work:
+            return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                               self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens,
+                               dict(self.ended))
+
+    # ---- the engine's thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while not (self.scheduler.waiting or self.scheduler.running):
+                    self._work.wait()
+            try:
+                with self.model_lock:
+                    self.step()
+            except Exception as error:  # noqa: BLE001  fail the requests in flight, keep serving
+                self._fail(error)
+            self._export()
+
+    def step(self) -> None:
+        self._retire()
+        self._admit()
+        if self.scheduler.running:
+            self._decode()
+        self.steps += 1
+
+    def _retire(self) -> None:
+        now = time.monotonic()
+        with self._work:
+            for seq in [s for s in self.scheduler.waiting if s.cancelled or s.expired(now)]:
+                self.scheduler.waiting.remove(seq)
+                self._finish(seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
+        gone = set()
+        for seq in self.scheduler.running:
+            if seq.status is not Status.FINISHED and (seq.cancelled or seq.expired(now)):
+                self._finish(seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
+            if seq.status is Status.FINISHED:
+                gone.add(seq.id)
+        if gone:
+            kept = [row for row, s in enumerate(self.scheduler.running) if s.id not in gone]
+            with self._work:
+                self.scheduler.leave(gone)
+                self.slab = self.slab.keep(kept, self.scheduler.capacity()) if kept else None
+            for seq_id in gone:
+                self._samplers.pop(seq_id, None)
+
+    def _admit(self) -> None:
+        with self._work:
+            self._joining = self.scheduler.schedule(self._online)
+        if not self._joining:
+            return
+        now = time.monotonic()
+        for seq in self._joining:
+            seq.queue_ms = (now - seq.submitted_at) * 1e3
+        linked = [s for s in self._joining if not self._online(s)]
+        online = [s for s in self._joining if self._online(s)]
+        slabs = ([self._prefill_linked(linked)] if linked else []) + [self._prefill_online(s) for s in online]
+        joining = linked + online  # the new slabs' row order
+        # Each row reserves what it can still fill: its prompt as laid out, then max_new_tokens - 1 tokens.
+        lengths = torch.cat([slab.lengths for slab in slabs]).tolist()
+        reserved = {s.id: length + s.sampling.max_new_tokens - 1 for s, length in zip(joining, lengths)}
+        rows = self.scheduler.running + joining  # the merged slab's row order
+        live = [s for s in joining if s.status is not Status.FINISHED]  # not done at once (EOS, 1 token)
+        with self._work:
+            self._joining = []
+            if not live:
+                return
+            self.scheduler.join(live, {s.id: reserved[s.id] for s in live})
+            slab = Slab.merge(([self.slab] if self.slab is not None else []) + slabs,
+                              max(self.scheduler.capacity(), *reserved.values()))
+            if len(live) < len(joining):
+                slab = slab.keep([r for r, s in enumerate(rows) if s.status is not Status.FINISHED],
+                                 self.scheduler.capacity())
+            self.slab = slab
+
+    def _prefill_linked(self, seqs: list[Sequence]) -> Slab:
+        started = time.perf_counter()
+        slab, logits, assembly_ms = prefill_queries(self.vlm, [s.context.chunks for s in seqs],
+                                                    [s.context.query_ids for s in seqs],
+                                                    [s.sampling.max_new_tokens - 1 for s in seqs],
+                                                    [s.context.instruction for s in seqs])
+        for seq, reanchor_ms in zip(seqs, assembly_ms):
+            seq.reanchor_ms = reanchor_ms
+            seq.num_prompt_tokens = (self.vlm.serving_prefix(seq.context.instruction).num_tokens
+                                     + sum(c.num_tokens for c in seq.context.chunks) + len(seq.context.query_ids))
+        self._pick(seqs, logits, prefill_started=started + sum(assembly_ms) / 1e3)  # the forward's own time
+        return slab
+
+    def _prefill_online(self, seq: Sequence) -> Slab:
+        started = time.perf_counter()
+        state = self.vlm.prefill_full(seq.context.pieces, seq.context.query)
+        seq.num_prompt_tokens = state.cache.get_seq_length()
+        self._pick([seq], state.logits[:, -1], prefill_started=started)
+        return Slab.from_prefill(state, seq.sampling.max_new_tokens - 1)
+
+    def _decode(self) -> None:
+        started = time.perf_counter()
+        rows = self.scheduler.running
+        logits = decode_step(self.vlm, self.slab, [s.pending_token for s in rows])
+        self._pick(rows, logits, decode_started=started)
+
+    def _pick(self, seqs: list[Sequence], logits: torch.Tensor, prefill_started: float | None = None,
+              decode_started: float | None = None) -> None:
+        """Each sequence's next token from its logits row `[vocab]`: emitted, or the sequence ends."""
+        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
+        elapsed_ms = self._ms_since(prefill_started if prefill_started is not None else decode_started)
+        for seq, row, best in zip(seqs, logits, greedy):
+            if prefill_started is not None:
+                seq.prefill_ms, seq.status = elapsed_ms, Status.RUNNING
+            else:
+                seq.decode_ms += elapsed_ms
+            if self.on_logits is not None:
+                self.on_logits(seq, row)
+            token = best if seq.sampling.temperature == 0 else select_token(row[None], seq.sampling, self._sampler(seq))
+            if token in self.vlm.adapter.end_of_turn_ids:
+                self._finish(seq, End.STOP)
+                continue
+            seq.token_ids.append(token)
+            self.decoded_tokens += 1
+            seq.deliver(token)
+            if len(seq.token_ids) >= seq.sampling.max_new_tokens:
+                self._finish(seq, End.LENGTH)
+
+    def _finish(self, seq: Sequence, end: End, error: Exception | None = None) -> None:
+        if seq.status is not Status.FINISHED:
+            self.ended[end.value] += 1
+            self.metrics.engine_ended.inc(end=end.value)
+        seq.finish(end, error)
+
+    def _export(self) -> None:
+        stats = self.stats()
+        self.metrics.engine_running.set(stats.running)
+        self.metrics.engine_waiting.set(stats.waiting)
+        self.metrics.engine_kv_bytes.set(stats.kv_nbytes)
+
+    def _sampler(self, seq: Sequence) -> torch.Generator | None:
+        if seq.sampling.seed is None:
+            return None
+        if seq.id not in self._samplers:
+            self._samplers[seq.id] = torch.Generator(device=self.vlm.device).manual_seed(seq.sampling.seed)
+        return self._samplers[seq.id]
+
+    def _fail(self, error: Exception) -> None:
+        """A step raised: every request in flight ends with it; the engine starts over empty."""
+        with self._work:
+            for seq in self.scheduler.running + self._joining:
+                self._finish(seq, End.FAILED, error)
+            self.scheduler.leave({s.id for s in self.scheduler.running})
+            self.slab, self._joining = None, []
+            self._samplers.clear()
+
+    @staticmethod
+    def _online(seq: Sequence) -> bool:
+        return isinstance(seq.context, OnlineContext)
+
+    def _ms_since(self, started: float) -> float:
+        if self.vlm.device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
+            torch.cuda.synchronize(self.vlm.device)
+        return (time.perf_counter() - started) * 1e3

@@ -1,0 +1,89 @@
+"""Admission: which waiting requests join the batch at the next step, under its caps.
+
+Requests wait in FIFO order and join while the batch holds fewer than `max_batch_size` rows and the
+KV slab *as it will be laid out* stays under `max_kv_nbytes`: every row reserves the columns it can
+ever fill (prompt, its query's pad slots, every decoded token but the last), and a slab is as wide as
+its widest row, so the projection is rows × widest reservation × bytes per column. A request that
+cannot fit even alone is refused at once (413); when the queue itself is full the request is refused
+with 503 and Retry-After, so Serve's own queue (the generator's `max_ongoing_requests`) holds the rest
+instead of this replica's memory. Joins are also spread over steps (`max_prefill_tokens` per step, and
+one full prefill), so a burst of arrivals does not stall the running rows for one long prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from schemas.api import BusyError, TooLargeError
+from schemas.config import EngineSpec
+from serve.engine.sequence import Sequence
+
+ONLINE_PREFILLS_PER_STEP = 1  # a full prefill (online modes) is long: one per step keeps decode moving
+
+
+class Scheduler:
+    def __init__(self, spec: EngineSpec, column_nbytes: int):
+        self.spec = spec
+        self.column_nbytes = column_nbytes  # one row's KV for one token, every layer, keys and values
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in slab row order
+        self.reserved: dict[int, int] = {}  # sequence id -> columns reserved when it joined
+
+    def add(self, seq: Sequence) -> None:
+        nbytes = seq.max_columns * self.column_nbytes
+        if nbytes > self.spec.max_kv_nbytes:
+            raise TooLargeError(f"the request needs {nbytes} bytes of KV ({seq.max_columns} tokens); this generator's "
+                                f"batch holds at most {self.spec.max_kv_nbytes} (max_kv_nbytes)")
+        if len(self.waiting) >= self.spec.max_waiting:
+            raise BusyError(f"the generator is full ({len(self.running)} running, {len(self.waiting)} waiting); "
+                            "retry shortly", self.retry_after_s())
+        self.waiting.append(seq)
+
+    def schedule(self, is_online) -> list[Sequence]:
+        """Pop the waiting requests that join now, in FIFO order (`is_online(seq)`: needs a full prefill)."""
+        joining: list[Sequence] = []
+        prompt_tokens = 0
+        while self.waiting:
+            candidate = self.waiting[0]
+            online = sum(map(is_online, joining))
+            if is_online(candidate) and online >= ONLINE_PREFILLS_PER_STEP:
+                break
+            if joining and prompt_tokens + candidate.num_prompt_tokens > self.spec.max_prefill_tokens:
+                break
+            if not self._fits(joining + [candidate], is_online):
+                break
+            prompt_tokens += candidate.num_prompt_tokens
+            joining.append(self.waiting.popleft())
+        return joining
+
+    def join(self, seqs: list[Sequence], reserved: dict[int, int]) -> None:
+        self.running += seqs
+        self.reserved.update(reserved)
+
+    def leave(self, gone: set[int]) -> None:
+        self.running = [s for s in self.running if s.id not in gone]
+        for seq_id in gone:
+            self.reserved.pop(seq_id, None)
+
+    def capacity(self) -> int:
+        """Columns the slab of the running rows needs."""
+        return max((self.reserved[s.id] for s in self.running), default=0)
+
+    # ---- the caps ----------------------------------------------------------------------------------
+    def reservations(self, joining: list[Sequence], is_online) -> dict[int, int]:
+        """Columns each joining request reserves: linked queries are left-padded to the longest one."""
+        longest = max((s.num_query_tokens for s in joining if not is_online(s)), default=0)
+        return {s.id: s.max_columns + (0 if is_online(s) else longest - s.num_query_tokens) for s in joining}
+
+    def _fits(self, joining: list[Sequence], is_online) -> bool:
+        rows = len(self.running) + len(joining)
+        if rows > self.spec.max_batch_size:
+            return False
+        columns = max(self.capacity(), *self.reservations(joining, is_online).values())
+        return rows * columns * self.column_nbytes <= self.spec.max_kv_nbytes
+
+    def retry_after_s(self) -> float:
+        """A guess at when a row frees up: the running requests' remaining tokens at ~20 tokens/s each."""
+        remaining = min((s.sampling.max_new_tokens - len(s.token_ids) for s in self.running), default=0)
+        return max(1.0, math.ceil(remaining / 20))

@@ -1,0 +1,219 @@
+"""The batching engine against the batch-1 runtime, both families in float32: every request's logits in a
+batch equal the same request run alone (≤1e-5), tokens identical — with requests joining mid-flight,
+leaving early, and of different modes in one batch. Plus the caps, cancellation and deadlines."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from transformers import DynamicCache
+
+from pipeline.runtime import batch
+from pipeline.runtime.kv import RotationTable
+from pipeline.runtime.model import VLM
+from schemas.api import BusyError, TooLargeError
+from schemas.config import CompilePrefix, EngineSpec
+from schemas.sampling import Sampling
+from serve.engine.loop import Engine, LinkedContext, OnlineContext, column_nbytes
+from serve.engine.sequence import End, Finished, Sequence, Status
+
+TOLERANCE = 1e-5
+
+
+def page(text: str, size=(280, 112)) -> Image.Image:
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).text((6, 6), text, fill="black")
+    return image
+
+
+@pytest.fixture(scope="module")
+def chunks(vlm):
+    return [vlm.compile_images([page("Invoice 4471 ships on 12 March")]),
+            vlm.compile_text("The warranty covers two years of normal use."),
+            vlm.compile_images([page("Reset: hold ten seconds", (196, 196))]),
+            vlm.compile_images([page("Bake at 220 degrees")], CompilePrefix.NONE),
+            vlm.compile_text("Part QZ-19 ships on 3 April.")]
+
+
+def linked(vlm, chunk_list, query: str, instruction: str = "") -> LinkedContext:
+    return LinkedContext(list(chunk_list), vlm.query_turn_ids(query), instruction)
+
+
+@torch.inference_mode()
+def alone(vlm: VLM, context, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits each was picked from, by the batch-1 runtime (the reference)."""
+    if isinstance(context, LinkedContext):  # VLM.prefill_query on the query's token ids
+        assembled = vlm.assemble(context.chunks, context.instruction)
+        cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in assembled.layers])
+        state = vlm._forward(torch.tensor([context.query_ids]), cache, assembled.next_position)
+    else:
+        state = vlm.prefill_full(context.pieces, context.query)
+    logits, cache, position, tokens, seen = state.logits[0, -1], state.cache, state.next_position, [], []
+    for step in range(max_new_tokens):
+        seen.append(logits)
+        token = int(logits.argmax())
+        if token in vlm.adapter.end_of_turn_ids:
+            break
+        tokens.append(token)
+        if step + 1 == max_new_tokens:
+            break
+        out = vlm._forward(torch.tensor([[token]]), cache, position)
+        logits, position = out.logits[0, -1], out.next_position
+    return tokens, seen
+
+
+class Recorder:
+    """Drives an engine step by step in this thread and keeps what each sequence saw."""
+
+    def __init__(self, vlm: VLM, spec: EngineSpec = EngineSpec()):
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self.events: dict[int, list] = {}
+        self.engine = Engine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
+        self.vlm = vlm
+
+    def submit(self, context, max_new_tokens: int, **fields) -> Sequence:
+        num_query = len(context.query_ids) if isinstance(context, LinkedContext) else 0
+        num_context = (self.vlm.serving_prefix(context.instruction).num_tokens + sum(c.num_tokens for c in context.chunks)
+                       if isinstance(context, LinkedContext) else self.vlm.prefix.num_tokens + 64)
+        seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context, num_context + num_query, num_query,
+                       emit=lambda e: None)
+        seq.emit = self.events.setdefault(seq.id, []).append
+        self.logits[seq.id] = []
+        self.engine.submit(seq)
+        return seq
+
+    def run(self, steps: int | None = None) -> None:
+        while self.engine.scheduler.waiting or self.engine.scheduler.running:
+            self.engine.step()
+            if steps is not None:
+                steps -= 1
+                if steps == 0:
+                    return
+
+
+def test_batched_requests_equal_each_request_alone(vlm, chunks):
+    """Different contexts, instructions, lengths and modes in one batch; two requests join mid-flight, one
+    is short. Rows whose serving prefixes differ (an instruction, or none) share each forward."""
+    rec = Recorder(vlm)
+    first = [rec.submit(linked(vlm, chunks[:2], "When does it ship?", "Answer from the documents below."), 8),
+             rec.submit(linked(vlm, [chunks[2]], "Hi"), 3),  # leaves early: the others go on without it
+             rec.submit(OnlineContext(["Invoice 4471 ships on 12 March.", [page("warranty")]], "When?"), 8),
+             rec.submit(linked(vlm, [chunks[3], chunks[0], chunks[4]], "What do the pages say, in full detail?"), 8)]
+    rec.run(steps=2)
+    assert [s.status for s in first].count(Status.RUNNING) >= 3  # under way when the others join
+    later = [rec.submit(linked(vlm, [chunks[4], chunks[1]], "Which part?", "Be brief."), 6),
+             rec.submit(OnlineContext(["Be brief.", "Part QZ-19 ships on 3 April."], "Which part ships?"), 5)]
+    rec.run()
+    worst = 0.0
+    for seq in first + later:
+        tokens, logits = alone(vlm, seq.context, seq.sampling.max_new_tokens)
+        assert seq.token_ids == tokens and [e for e in rec.events[seq.id] if isinstance(e, int)] == tokens
+        assert len(rec.logits[seq.id]) == len(logits)
+        worst = max([worst] + [float((a - b).abs().max()) for a, b in zip(rec.logits[seq.id], logits)])
+        assert rec.events[seq.id][-1] == Finished(seq.end) and seq.end in (End.STOP, End.LENGTH)
+    assert worst <= TOLERANCE, worst
+    assert rec.engine.slab is None and not rec.engine.scheduler.running  # everyone left, memory freed
+
+
+def test_a_mask_that_lets_padding_through_breaks_the_equality(vlm, chunks, monkeypatch):
+    """Negative control: the same batch with padded columns left visible no longer matches."""
+    original = batch.Slab.prepare
+
+    def leaky(self, real, dtype):
+        positions, mask = original(self, real, dtype)
+        return positions, torch.zeros_like(mask)  # attend to everything, pads included
+
+    monkeypatch.setattr(batch.Slab, "prepare", leaky)
+    rec = Recorder(vlm)
+    short = rec.submit(linked(vlm, [chunks[2]], "Hi"), 2)
+    rec.submit(linked(vlm, chunks[:3], "When does it ship?"), 2)
+    rec.run()
+    _, logits = alone(vlm, short.context, 2)
+    assert float((rec.logits[short.id][0] - logits[0]).abs().max()) > 1e-3
+
+
+def test_seeded_sampling_in_a_batch_matches_alone(vlm, chunks):
+    sampling = dict(temperature=1.3, top_p=0.9, seed=11)
+    rec = Recorder(vlm)
+    together = rec.submit(linked(vlm, chunks[:2], "When?"), 6, **sampling)
+    rec.submit(linked(vlm, [chunks[4]], "Which part?"), 6)
+    rec.run()
+    solo = Recorder(vlm)
+    by_itself = solo.submit(linked(vlm, chunks[:2], "When?"), 6, **sampling)
+    solo.run()
+    assert together.token_ids == by_itself.token_ids
+
+
+def test_cancelled_and_expired_rows_leave_at_the_next_step_and_free_their_kv(vlm, chunks):
+    rec = Recorder(vlm)
+    keeps = rec.submit(linked(vlm, [chunks[0]], "When?"), 40)
+    leaves = rec.submit(linked(vlm, chunks[:3], "When does it ship?"), 40)
+    expires = rec.submit(linked(vlm, chunks[1:3], "Why?"), 40)
+    rec.run(steps=2)
+    full = rec.engine.slab.nbytes
+    rec.engine.cancel(leaves)
+    expires.deadline = time.monotonic()
+    rec.run(steps=1)
+    assert (leaves.end, expires.end, keeps.status) == (End.CANCELLED, End.DEADLINE, Status.RUNNING)
+    assert rec.engine.scheduler.running == [keeps] and rec.engine.slab.num_rows == 1
+    assert rec.engine.slab.nbytes < full / 2
+    decoded = len(leaves.token_ids)
+    rec.run()
+    assert len(leaves.token_ids) == decoded and keeps.end is End.LENGTH
+
+
+def test_caps_hold_and_refusals_are_clear(vlm, chunks):
+    per_token = column_nbytes(vlm)
+    context = linked(vlm, chunks[:2], "When?")
+    columns = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids) + 10 - 1
+    spec = EngineSpec(max_batch_size=3, max_kv_nbytes=2 * columns * per_token + per_token, max_waiting=2)
+    rec = Recorder(vlm, spec)
+    with pytest.raises(TooLargeError, match="max_kv_nbytes"):
+        rec.submit(linked(vlm, chunks, "When?"), 2000)
+    seqs = [rec.submit(context, 10) for _ in range(2)]
+    rec.run(steps=1)
+    seqs += [rec.submit(context, 10) for _ in range(2)]  # wait: the KV cap holds two such rows
+    with pytest.raises(BusyError) as busy:
+        rec.submit(context, 10)
+    assert busy.value.headers()["Retry-After"].isdigit()
+    widest = 0
+    while rec.engine.scheduler.waiting or rec.engine.scheduler.running:
+        rec.engine.step()
+        assert len(rec.engine.scheduler.running) <= 2
+        widest = max(widest, rec.engine.slab.nbytes if rec.engine.slab is not None else 0)
+    assert widest <= spec.max_kv_nbytes and all(s.end in (End.LENGTH, End.STOP) for s in seqs)
+
+
+def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_once(vlm):
+    calls = []
+
+    def compute(deltas, head_dim):
+        calls.append(deltas.tolist())
+        return vlm.adapter.rotation_matrices(deltas, head_dim)
+
+    table = RotationTable(compute, max_entries=4)
+    head_dim = vlm.prefix.kv.shape[-1]
+    first = table(torch.tensor([5, 900, 5]), head_dim)
+    assert torch.equal(first, vlm.adapter.rotation_matrices(torch.tensor([5, 900, 5]), head_dim))
+    assert torch.equal(table(torch.tensor([900, 7]), head_dim)[0], first[1])
+    assert calls == [[5, 900], [7]]
+    table(torch.tensor([1, 2, 3]), head_dim)  # past max_entries: the least recently used (5) goes
+    table(torch.tensor([5]), head_dim)
+    assert calls[-1] == [5]
+
+
+def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks):
+    context = linked(vlm, chunks[:2], "When?")
+    prompt = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids)
+    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=2 * prompt))
+    seqs = [rec.submit(context, 4) for _ in range(5)]
+    joined = []
+    while rec.engine.scheduler.waiting:
+        rec.engine.step()
+        joined.append(sum(s.status is not Status.WAITING for s in seqs))
+    assert joined[:3] == [2, 4, 5]
+    rec.run()
+    assert len({tuple(s.token_ids) for s in seqs}) == 1  # the same request, joined at different steps
