@@ -66,20 +66,24 @@ class UnauthorizedError(ApiError):
         return {"WWW-Authenticate": "Bearer"}
 
 
-class RateLimitedError(ApiError):
-    """The tenant's request or token rate is spent; `retry_after_s` is when it will have refilled enough."""
+class RetryLaterError(ApiError):
+    """An error the client should retry after `retry_after_s` (sent as Retry-After, whole seconds, at least 1)."""
 
-    status_code = 429
-
-    def __init__(self, message: str, retry_after_s: float):
+    def __init__(self, message: str, retry_after_s: float = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
-    def __reduce__(self):
+    def __reduce__(self):  # crosses Serve handles: keep the delay
         return type(self), (str(self), self.retry_after_s)
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class RateLimitedError(RetryLaterError):
+    """The tenant's request or token rate is spent; `retry_after_s` is when it will have refilled enough."""
+
+    status_code = 429
 
 
 class UnknownIdsError(ApiError):
@@ -123,20 +127,10 @@ class UnservableError(ApiError):
     status_code = 503
 
 
-class BusyError(ApiError):
+class BusyError(RetryLaterError):
     """The generator's batch and queue are full (its KV or batch cap): retry after `retry_after_s`."""
 
     status_code = 503
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self):
-        return type(self), (str(self), self.retry_after_s)
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class DeadlineExceededError(ApiError):
