@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row.append(f"{float(row[3]) / base:.2f}×")
     table = (f"Compile stage, `{args.model}` {args.dtype.value} on {vlm.device}, {args.chunks} chunks of ≤ "
-             f"{args.chunk_tokens} tokens, 4 entries a chunk (written to a scratch store), median of {args.repeats}.\n\n"
+             f"{args.chunk_tokens} tokens, {len(json.loads(slots))} entries a chunk (written to a scratch store), "
+             f"median of {args.repeats}.\n\n"
              + markdown_table(["batch size", "chunks", "wall s", "chunks/s", "vs batch 1"], rows))
     print(table)
     if args.out is not None:

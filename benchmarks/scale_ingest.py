@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ["+1% documents, model work (chunks compiled + embedded)", f"{work(more):,}",
          f"{work(more) / work(first):.1%} of the first run's {work(first):,} (target ≈ 1%)"],
     ]
-    body = (f"tiny-qwen float32 on CPU, chunks of ≤ {CHUNK_TOKENS} tokens, every variant (4 entries a chunk), compile "
+    body = (f"tiny-qwen float32 on CPU, chunks of ≤ {CHUNK_TOKENS} tokens, every variant and tier (6 entries a chunk by default), compile "
             f"batch {args.batch_size}; `qvpic ingest` in its own driver process with a private local Ray (4 logical "
             "CPUs on this 2-core machine). Stage costs are measured in this run on the same corpus.\n\n"
             + markdown_table(["measure", "value", "note"], rows))
