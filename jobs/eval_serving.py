@@ -19,7 +19,7 @@ from schemas.config import ChunkKind, ModelSpec, RouterSpec
 from schemas.sampling import Sampling
 from serve.configs import GeneratorConfig
 from serve.generator import Generator
-from serve.loader import CacheLoader, from_wire
+from serve.loader import CacheLoader, kv_tensor
 from serve.placement import PRICED_VARIANT
 from serve.router import Router
 
@@ -70,7 +70,7 @@ class ServedTraces:
         vlm = generator.vlm
         plan = asyncio.run(router.plan(item_request(item, self.view, config)))
         loaded = generator.repair(plan, loader.load(plan))
-        chunks = [ChunkKV(from_wire(kv.array, kv.dtype), kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
+        chunks = [ChunkKV(kv_tensor(kv, vlm.device, vlm.dtype, copy=False), kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
                   for kv in loaded.kvs]
         answer = answer_token_ids(vlm, item, self.num_answer_tokens)
         query = plan.text_after_chunks

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from jobs import logs
 from jobs.help import HelpFormatter
 from pipeline.resources import CompileResources  # a dataclass: imports no Ray until a job plans its stages
-from schemas.config import DType, ModelSpec, RenderSpec, TierSpec, Variant
+from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, TierSpec, Variant
 
 if TYPE_CHECKING:  # imported where used: Ray and pyarrow would make `--help` take seconds
     from pipeline.summary import IngestSummary
@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     render_args(parser)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--variants", nargs="+", type=Variant, default=list(Variant), choices=list(Variant))
+    parser.add_argument("--kv-quant", type=KVQuant, default=None, choices=list(KVQuant),
+                        help="how KV entries are stored: none (the model's dtype), int8 or fp8 (KIVI layout: keys "
+                             "per channel, values per token, ~0.5x the bytes of bf16). Default: the store's own, "
+                             "none for a new store; changing it is `qvpic recompile --kv-quant`")
     resource_args(parser)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
             resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
-            stall_timeout_s=args.stall_timeout_s,
+            stall_timeout_s=args.stall_timeout_s, kv_quant=args.kv_quant,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)

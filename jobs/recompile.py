@@ -15,7 +15,7 @@ from dataclasses import asdict
 from jobs import logs
 from jobs.help import HelpFormatter
 from jobs.ingest import compile_resources, model_args, render_args, render_spec, resource_args
-from schemas.config import ModelSpec, Variant
+from schemas.config import KVQuant, ModelSpec, Variant
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     render_args(parser)
     parser.set_defaults(tiers=None, font_size_pt=None, line_height_pt=None)  # unset: keep the store's layout
     parser.add_argument("--variants", nargs="+", type=Variant, default=None, choices=list(Variant))
+    parser.add_argument("--kv-quant", type=KVQuant, default=None, choices=list(KVQuant),
+                        help="store KV as none/int8/fp8 (default: keep the store's); a change rebuilds every entry")
     resource_args(parser)
     parser.add_argument("--orphan-grace-s", type=float, default=3600.0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             else render_spec(args),
             variants=None if args.variants is None else tuple(args.variants),
             resources=compile_resources(args), orphan_grace_s=args.orphan_grace_s,
-            resource_wait_s=args.resource_wait_s, stall_timeout_s=args.stall_timeout_s,
+            resource_wait_s=args.resource_wait_s, stall_timeout_s=args.stall_timeout_s, kv_quant=args.kv_quant,
         )
     except ValueError as e:
         print(f"qvpic recompile: {e}", file=sys.stderr)

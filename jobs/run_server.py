@@ -167,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from pipeline.store import Store
     from serve.app import build_app
 
     try:
         application = build_app(args)  # checks the store against the model before anything starts
+        kv_format = Store.open(args.store).load_manifest_or_raise().kv_quant.value  # the store's, not a flag
     except ValueError as error:  # StoreError, ManifestError: a clear message, not a traceback
         print(f"qvpic serve: {error}", file=sys.stderr)
         return 2
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             serve.start(http_options={"host": ns.host, "port": ns.port})
             if deploy(application, ns.address is None, stop):
                 stop_hint = "" if ns.detach else "; Ctrl-C stops it"
-                print(f"qvpic: serving {args.store.uri} at http://{ns.host}:{ns.port} (OpenAPI: /docs){stop_hint}",
+                print(f"qvpic: serving {args.store.uri} (KV {kv_format}) at http://{ns.host}:{ns.port} "
+                      f"(OpenAPI: /docs){stop_hint}",
                       flush=True)
                 if ns.detach:
                     return 0

@@ -21,6 +21,7 @@ import pyarrow as pa
 from pipeline.entries import (
     TEXT_SOURCED, compile_entries, decode_png, encode_png, index_row, page_images,
 )
+from pipeline.kv_quant import stored
 from pipeline.render import Renderer
 from pipeline.rows import PAGES_TYPE, units_to_build, with_columns
 from pipeline.runtime.kv import ChunkKV
@@ -123,9 +124,10 @@ class CompileStage:
                 built = [(i, kv) for i, kv in zip(batch, self.compile(variant, batch, errors)) if kv is not None]
                 if not built:
                     continue
-                # One shard per batch and slot: a recompile that replaces the slot frees whole files.
-                shards = self.store.write_shard({f"{i.chunk_key}.{tier or 'text'}.{variant.value}": kv.kv
-                                                 for i, kv in built})
+                # One shard per batch and slot: a recompile that replaces the slot frees whole files. The
+                # store's KV format (as compiled, or quantised) is the manifest's.
+                shards = self.store.write_shard({f"{i.chunk_key}.{tier or 'text'}.{variant.value}":
+                                                 stored(kv.kv, self.manifest.kv_quant) for i, kv in built})
                 for (item, kv), shard in zip(built, shards):
                     rows[item.chunk_key].append(
                         index_row(self.manifest, item.chunk_key, tier, variant, kv, item.sizes_px, shard))

@@ -33,7 +33,7 @@ from pipeline.rows import Kind, rows_table
 from pipeline.runtime.model import model_identity
 from pipeline.store import Store
 from pipeline.summary import IngestSummary
-from schemas.config import ModelSpec, RenderSpec, Variant
+from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest, StoredModel, StoreSpec
 
@@ -56,6 +56,7 @@ class IngestConfig:
     job_id: str = field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
     resource_wait_s: float = 60.0  # how long to wait for the cluster to free what the job needs
     stall_timeout_s: float = 1800.0  # a job in which no block moves for this long fails instead of hanging
+    kv_quant: KVQuant | None = None  # how entries are stored; None: the store's own (none for a new store)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 16:
@@ -65,12 +66,12 @@ class IngestConfig:
 
 
 def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, ...], embedder_name: str,
-                 embedding_dim: int, job_id: str) -> Manifest:
+                 embedding_dim: int, job_id: str, kv_quant: KVQuant = KVQuant.NONE) -> Manifest:
     model_id, revision, family, template_prefix = model_identity(model)
     now = datetime.now(timezone.utc)
     return Manifest.create(
         StoredModel(id=model_id, revision=revision, dtype=model.dtype, family=family), template_prefix,
-        render=render, variants=variants, embedder=embedder_name, embedding_dim=embedding_dim,
+        render=render, variants=variants, embedder=embedder_name, embedding_dim=embedding_dim, kv_quant=kv_quant,
         created_at=now, updated_at=now, job_ids=(job_id,),
     )
 
@@ -78,7 +79,8 @@ def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, 
 def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
     """The store's manifest extended by this job; refuses a store built for another model, page layout or embedder."""
     embedder = Embedder(cfg.embedder_dir)  # its name and width go into the manifest
-    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder.model_name, embedder.dim, cfg.job_id)
+    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder.model_name, embedder.dim, cfg.job_id,
+                         cfg.kv_quant or KVQuant.NONE)
     manifest = store.read_manifest()
     if manifest is None:
         return fresh
@@ -87,6 +89,9 @@ def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
         raise ValueError("the store was rendered with another page layout or tiers: run `qvpic recompile`")
     if manifest.embedder != embedder.model_name:
         raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder.model_name}")
+    if cfg.kv_quant is not None and cfg.kv_quant is not manifest.kv_quant:  # its entries would mix two formats
+        raise ValueError(f"the store keeps its KV as {manifest.kv_quant.value}, not {cfg.kv_quant.value}: "
+                         f"run `qvpic recompile --kv-quant {cfg.kv_quant.value}` to convert it")
     return manifest.model_copy(update={
         "variants": tuple(dict.fromkeys(manifest.variants + cfg.variants)), "updated_at": fresh.updated_at,
         "job_ids": manifest.job_ids + (cfg.job_id,)})

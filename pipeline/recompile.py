@@ -27,7 +27,7 @@ from pipeline.lease import StoreLease
 from pipeline.resources import CompileResources, StagePlan, plan_stages
 from pipeline.rows import Kind, conform_rows, of_kind
 from pipeline.store import Store
-from schemas.config import ModelSpec, RenderSpec, Variant
+from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest, StoreSpec
 
@@ -47,6 +47,7 @@ class RecompileConfig:
     job_id: str = field(default_factory=lambda: f"recompile-{uuid.uuid4().hex[:12]}")
     resource_wait_s: float = 60.0
     stall_timeout_s: float = 1800.0
+    kv_quant: KVQuant | None = None  # None: the store's own KV format; another one rebuilds every entry
 
 
 @dataclass
@@ -67,7 +68,7 @@ class RecompileSummary:
 def target_manifest(old: Manifest, cfg: RecompileConfig) -> tuple[Manifest, ModelSpec]:
     model = cfg.model or ModelSpec(path=old.model.id, dtype=old.model.dtype)
     fresh = new_manifest(model, cfg.render or old.render, cfg.variants or old.variants, old.embedder,
-                         old.embedding_dim, cfg.job_id)
+                         old.embedding_dim, cfg.job_id, old.kv_quant if cfg.kv_quant is None else cfg.kv_quant)
     return fresh.model_copy(update={"created_at": old.created_at, "job_ids": old.job_ids + (cfg.job_id,)}), model
 
 

@@ -6,7 +6,8 @@ index row records where its bytes are (`byte_offset`, `nbytes` from the start of
 `dtype` and the sha256 of its bytes: a reader fetches exactly one entry with one ranged read (one
 ranged GET on S3, one pread locally) and verifies it before use, without parsing the file's header.
 The header keeps the files readable by any safetensors tool. docs/DEPLOY.md has the numbers behind
-the packing.
+the packing. A quantised entry (pipeline/kv_quant.py) is one uint8 tensor, its packed record; its row's
+`dtype` names the format and its `shape` the logical KV shape, so it too is one range and one checksum.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from pipeline.blobs import Blobs, StoreError
-from pipeline.dtypes import DTYPE_OF, TORCH_DTYPES
-from schemas.config import DType
+from pipeline.dtypes import DTYPE_OF, TORCH_DTYPES, StoredFormat, stored_format
+from pipeline.kv_quant import QuantizedKV, record_nbytes
+from schemas.config import DType, KVQuant
 from schemas.store import SHARD_PATH, ShardEntry, StoreSpec
 
 TENSOR_KEY = re.compile(r"[A-Za-z0-9._:\-]{1,200}")
@@ -48,16 +50,25 @@ def shard_path(data: bytes) -> str:
     return f"shards/{digest[:2]}/{digest}.safetensors"
 
 
-def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[ShardEntry]]:
-    """Safetensors bytes of `tensors` and where each one lies in them."""
+Entry = torch.Tensor | QuantizedKV  # what a shard stores of one KV entry
+
+
+def pack(tensors: Mapping[str, Entry]) -> tuple[bytes, list[ShardEntry]]:
+    """Safetensors bytes of `tensors` (float tensors or quantised records) and where each one lies in them."""
     if not tensors:
         raise ValueError("a shard needs at least one tensor")
     prepared: dict[str, torch.Tensor] = {}
+    formats: dict[str, tuple[StoredFormat, tuple[int, ...]]] = {}
     for key, tensor in tensors.items():
         if not isinstance(key, str) or not TENSOR_KEY.fullmatch(key):
             raise ValueError(f"tensor key must match {TENSOR_KEY.pattern}, got {key!r:.80}")
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_OF:
-            raise ValueError(f"tensor {key!r} must be a float32/bfloat16/float16 torch.Tensor")
+        if isinstance(tensor, QuantizedKV):
+            formats[key] = (tensor.quant, tuple(tensor.shape))
+            tensor = tensor.record
+        elif not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_OF:
+            raise ValueError(f"tensor {key!r} must be a float32/bfloat16/float16 torch.Tensor or a QuantizedKV")
+        else:
+            formats[key] = (DTYPE_OF[tensor.dtype], tuple(tensor.shape))
         prepared[key] = tensor.detach().to("cpu").contiguous()
     data = safetensors_save(prepared)
     (header_nbytes,) = struct.unpack("<Q", data[:8])
@@ -66,12 +77,12 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[ShardEntry]]:
     entries = []
     for key, tensor in prepared.items():
         begin, end = header[key]["data_offsets"]
-        entries.append(ShardEntry(key, rel, end - begin, tensor_sha256(tensor), DTYPE_OF[tensor.dtype],
-                                  8 + header_nbytes + begin, tuple(tensor.shape)))
+        entries.append(ShardEntry(key, rel, end - begin, tensor_sha256(tensor), formats[key][0],
+                                  8 + header_nbytes + begin, formats[key][1]))
     return data, entries
 
 
-def write_shard(blobs: Blobs, tensors: Mapping[str, torch.Tensor]) -> list[ShardEntry]:
+def write_shard(blobs: Blobs, tensors: Mapping[str, Entry]) -> list[ShardEntry]:
     """Write one content-named shard (skipped when present: same name, same bytes)."""
     data, entries = pack(tensors)
     if not blobs.exists([entries[0].shard_path])[0]:
@@ -89,29 +100,31 @@ class ShardReader:
     def open(cls, store: StoreSpec | str) -> "ShardReader":
         return cls(Blobs.open(store if isinstance(store, StoreSpec) else StoreSpec(uri=store)))
 
-    def load_many(self, rows: Rows) -> list[torch.Tensor]:
-        """KV tensors of index rows, in row order: each shard opened once, one ranged read per run of
-        nearby entries, every tensor's bytes checked against the row's sha256 before use."""
+    def load_many(self, rows: Rows) -> list[Entry]:
+        """KV entries of index rows, in row order: each shard opened once, one ranged read per run of
+        nearby entries, every entry's bytes checked against the row's sha256 before use. A quantised
+        entry comes back as its QuantizedKV record (dequantise where it is used: pipeline/kv_quant.py)."""
         rows = rows.to_pylist() if isinstance(rows, pa.Table) else list(rows)
         by_shard: dict[str, list[int]] = defaultdict(list)
         for i, row in enumerate(rows):
             if not isinstance(row.get("shard_path"), str) or not SHARD_PATH.fullmatch(row["shard_path"]):
                 raise StoreError(f"row {i} has no valid shard_path: {row.get('shard_path')!r:.80}")
             by_shard[row["shard_path"]].append(i)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        out: list[Entry] = [torch.empty(0)] * len(rows)
         for rel, positions in by_shard.items():
             wanted = [rows[i] for i in positions]
             tensors = self._read(rel, wanted)
             for i, tensor in zip(positions, tensors):
                 row = rows[i]
-                if (tensor.nbytes != row["nbytes"] or list(tensor.shape) != list(row["shape"])
-                        or tensor_sha256(tensor) != row["checksum"]):
+                record = tensor.record if isinstance(tensor, QuantizedKV) else tensor
+                if (record.nbytes != row["nbytes"] or tensor_sha256(record) != row["checksum"]
+                        or (not isinstance(tensor, QuantizedKV) and list(tensor.shape) != list(row["shape"]))):
                     raise ShardCorruptError(f"tensor {row['tensor_key']!r} of shard {self.blobs.path(rel)} "
                                             "fails its checksum")
                 out[i] = tensor
         return out
 
-    def _read(self, rel: str, rows: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+    def _read(self, rel: str, rows: Sequence[Mapping[str, Any]]) -> list[Entry]:
         spans = sorted((row["byte_offset"], row["byte_offset"] + row["nbytes"]) for row in rows)
         merged: list[list[int]] = []
         for begin, end in spans:
@@ -134,8 +147,17 @@ class ShardReader:
             if len(data) != row["nbytes"]:
                 raise ShardCorruptError(f"shard {path} is torn: {len(data)} of {row['nbytes']} bytes at {begin}")
             try:
-                tensor = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[DType(row["dtype"])])
-                out.append(tensor.reshape(row["shape"]))
+                out.append(_entry(bytearray(data), stored_format(row["dtype"]), tuple(row["shape"])))
             except (RuntimeError, ValueError) as e:
                 raise ShardCorruptError(f"entry {row['tensor_key']!r} of shard {path}: {e}") from e
         return out
+
+
+def _entry(data: bytearray, fmt: StoredFormat, shape: tuple[int, ...]) -> Entry:
+    """An entry over `data`: a float tensor of `shape`, or a quantised record of a KV of `shape`
+    (whose size must be that record's: a row cannot pass an int8 record off as another shape)."""
+    if isinstance(fmt, DType):
+        return torch.frombuffer(data, dtype=TORCH_DTYPES[fmt]).reshape(shape)
+    if len(data) != record_nbytes(shape, fmt):
+        raise ValueError(f"{len(data)} bytes are not a {fmt.value} record of KV {list(shape)}")
+    return QuantizedKV(KVQuant(fmt), shape, torch.frombuffer(data, dtype=torch.uint8))

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.blobs import TMP_PREFIX, Blobs, StoreError, resolve_filesystem
 from pipeline.part_log import PartLog
+from pipeline.kv_quant import QuantizedKV
 from pipeline.shards import ShardCorruptError, ShardReader, tensor_sha256, write_shard
 from schemas.config import Variant
 from schemas.store import (
@@ -83,7 +84,7 @@ class Store:
         self.blobs.put(MANIFEST, manifest.to_json().encode())
 
     # ---- writes --------------------------------------------------------------------------------
-    def write_shard(self, tensors: Mapping[str, torch.Tensor]) -> list[ShardEntry]:
+    def write_shard(self, tensors: Mapping[str, torch.Tensor | QuantizedKV]) -> list[ShardEntry]:
         """Write KV tensors ([layers, 2, kv_heads, tokens, head_dim]) packed in one content-named shard."""
         return write_shard(self.blobs, tensors)
 
@@ -190,11 +191,11 @@ class Store:
         present = self._index_keys[1]
         return {k for k in keys if (k.chunk_key, k.tier, k.variant.value, k.fingerprint) in present}
 
-    def load_kv(self, row: Mapping[str, Any]) -> torch.Tensor:
+    def load_kv(self, row: Mapping[str, Any]) -> torch.Tensor | QuantizedKV:
         return self.load_many([row])[0]
 
-    def load_many(self, rows: Rows) -> list[torch.Tensor]:
-        """KV tensors of index rows, in row order, each verified against its checksum."""
+    def load_many(self, rows: Rows) -> list[torch.Tensor | QuantizedKV]:
+        """KV tensors (or quantised records) of index rows, in row order, each verified against its checksum."""
         return self.shards.load_many(rows)
 
     # ---- maintenance ---------------------------------------------------------------------------

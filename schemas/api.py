@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from schemas.config import Mode, Variant
+from schemas.config import KVQuant, Mode, Variant
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -371,6 +371,7 @@ class StoreInfo(Strict):
     num_documents: int
     num_entries: int
     modes: list[Mode]  # the modes the store's variants can serve
+    kv_quant: KVQuant = KVQuant.NONE  # how the store keeps its KV (dequantised on the generator's device)
 
 
 class StoreStatus(StoreInfo):

@@ -30,6 +30,18 @@ class DType(str, Enum):
     FLOAT16 = "float16"
 
 
+class KVQuant(str, Enum):
+    """How a store keeps its KV entries (chosen per store at ingest, part of every entry's identity).
+
+    The quantised formats follow KIVI: keys per channel (one scale per layer, head and channel, over
+    the entry's tokens — key outliers live in fixed channels), values per token (one scale per layer,
+    head and token, over the channels). See pipeline/kv_quant.py."""
+
+    NONE = "none"  # the model's dtype, as compiled
+    INT8 = "int8"  # symmetric int8, absmax scales
+    FP8 = "fp8"  # float8 e4m3 (torch.float8_e4m3fn), absmax scales to its ±448 range
+
+
 class ChunkKind(str, Enum):
     IMAGE = "image"
     TEXT = "text"

@@ -32,7 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from schemas.config import DUMMY_PREFIX_SEED, ChunkKind, CompilePrefix, DType, Frozen, ModelFamily, RenderSpec, TierSpec, Variant
+from schemas.config import (
+    DUMMY_PREFIX_SEED, ChunkKind, CompilePrefix, DType, Frozen, KVQuant, ModelFamily, RenderSpec, TierSpec, Variant,
+)
 
 SCHEMA_VERSION = 2  # 2: entries packed in shards, found by byte_offset + shape
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -65,7 +67,7 @@ INDEX_SCHEMA = pa.schema([
     pa.field("grid_thw", _PAGES, nullable=False),  # empty for text
     pa.field("image_sizes_px", _PAGES, nullable=False),  # empty for text
     pa.field("vision_tokens", pa.int32(), nullable=False),
-    pa.field("dtype", pa.string(), nullable=False),  # DType value
+    pa.field("dtype", pa.string(), nullable=False),  # DType value, or the KVQuant format of a quantised record
     pa.field("shard_path", pa.string(), nullable=False),  # relative to the store root
     pa.field("tensor_key", pa.string(), nullable=False),
     pa.field("nbytes", pa.int64(), nullable=False),
@@ -140,7 +142,8 @@ def check_index_rows(table: pa.Table) -> None:
         _require(_all_match(table[column], HEX64), f"index {column} must be sha256 hex")
     _require(_all_in(table["variant"], Variant), "index variant must be a Variant value")
     _require(_all_in(table["kind"], ChunkKind), "index kind must be a ChunkKind value")
-    _require(_all_in(table["dtype"], DType), "index dtype must be a DType value")
+    stored = pa.array([d.value for d in DType] + [q.value for q in KVQuant if q is not KVQuant.NONE], pa.string())
+    _require(pc.all(pc.is_in(table["dtype"], value_set=stored)), "index dtype must be a DType value or a KVQuant format")
     text_variants = pa.array([v.value for v in Variant if v.kind is ChunkKind.TEXT], pa.string())
     is_text = pc.is_in(table["variant"], value_set=text_variants)
     _require(pc.all(pc.equal(is_text, pc.is_null(table["tier"]))), "tier must be null exactly for the text variants")
@@ -164,9 +167,9 @@ class ShardEntry:
     shard_path: str  # relative to the store root
     nbytes: int
     checksum: str  # sha256 hex of the tensor's raw bytes
-    dtype: DType
+    dtype: DType | KVQuant  # a float tensor, or a quantised record (pipeline/kv_quant.py)
     byte_offset: int  # of the tensor's bytes from the start of the shard file
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the KV's logical shape (a quantised record's is its KV's, not the record's)
 
     def index_fields(self) -> dict[str, Any]:
         return {"shard_path": self.shard_path, "tensor_key": self.tensor_key, "nbytes": self.nbytes,
@@ -205,12 +208,16 @@ def model_fingerprint(model_id: str, revision: str, dtype: DType, template_prefi
     })
 
 
-def entry_fingerprint(model_fp: str, variant: Variant, render: RenderSpec | None, tier: TierSpec | None) -> str:
+def entry_fingerprint(model_fp: str, variant: Variant, render: RenderSpec | None, tier: TierSpec | None,
+                      kv_quant: KVQuant = KVQuant.NONE) -> str:
     """Fingerprint of one KV entry. Every variant has its own; image variants depend on the page layout
     and the tier's DPI (not on which other tiers exist, nor on the tier's name); text variants ignore
-    renderer and tier; the dummy prefix's seed is part of what it was compiled after."""
+    renderer and tier; the dummy prefix's seed is part of what it was compiled after; a quantised
+    entry's format is part of it (unquantised entries keep the fingerprints they always had)."""
     variant = Variant(variant)
     payload: dict[str, Any] = {"kind": "qvpic.entry", "model": model_fp, "variant": variant.value}
+    if KVQuant(kv_quant) is not KVQuant.NONE:
+        payload["kv_quant"] = KVQuant(kv_quant).value
     if variant.prefix is CompilePrefix.DUMMY:
         payload["dummy_prefix_seed"] = DUMMY_PREFIX_SEED
     if variant.kind is ChunkKind.IMAGE:
@@ -293,6 +300,7 @@ class Manifest(Frozen):
     variants: tuple[Variant, ...] = Field(min_length=1)
     embedder: str = Field(min_length=1)
     embedding_dim: int = Field(gt=0)
+    kv_quant: KVQuant = KVQuant.NONE  # how every entry's KV is stored (pipeline/kv_quant.py)
     created_at: datetime
     updated_at: datetime
     job_ids: tuple[str, ...] = ()
@@ -323,7 +331,7 @@ class Manifest(Frozen):
 
     def entry_fingerprint(self, variant: Variant, tier_name: str | None) -> str:
         tier = None if Variant(variant).kind is ChunkKind.TEXT else self.render.tier(tier_name or "")
-        return entry_fingerprint(self.fingerprint, variant, self.render, tier)
+        return entry_fingerprint(self.fingerprint, variant, self.render, tier, self.kv_quant)
 
     def check_model(self, model_id: str, revision: str, dtype: DType, template_prefix: str) -> None:
         """Raise `ManifestError` unless the store was compiled for exactly this model and template."""

@@ -51,7 +51,7 @@ def api_settings(args: AppArgs) -> ApiSettings:
                      tiers={t.name: t.dpi for t in manifest.tiers}, variants=list(manifest.variants),
                      embedder=manifest.embedder, num_chunks=generation.num_chunks,
                      num_documents=generation.num_documents, num_entries=generation.num_entries,
-                     modes=servable_modes(manifest.variants))
+                     modes=servable_modes(manifest.variants), kv_quant=manifest.kv_quant)
     return ApiSettings(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
                        created=int(manifest.created_at.timestamp()))
 

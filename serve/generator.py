@@ -36,6 +36,7 @@ from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.entries import PageImageError, build_entry, page_images
+from pipeline.kv_quant import stored
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
@@ -60,7 +61,7 @@ from serve.detokenizer import Detokenizer
 from serve.engine.loop import Engine, EngineStats, LinkedContext, OnlineContext
 from serve.engine.sequence import End, Finished, Sequence
 from serve.hot_tier import HotTier
-from serve.loader import CacheLoader, from_wire, to_wire
+from serve.loader import CacheLoader, kv_tensor, to_wire
 from serve.metrics import serve_metrics
 from serve.plan import Answer, Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 from serve.router import check_store
@@ -89,6 +90,7 @@ class Generator:
         check_store(manifest, config.model)
         self.vlm = VLM(config.model)
         self.render_spec = manifest.render
+        self.kv_quant = manifest.kv_quant  # a rebuilt entry is stored as the store's own are
         self.renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
         self.loader = loader  # where the hot tier's misses come from
@@ -209,9 +211,9 @@ class Generator:
         return loaded if not loaded.unreadable else await asyncio.to_thread(self.repair, plan, loaded)
 
     def _chunk(self, kv: LoadedKV, copy: bool) -> ChunkKV:
-        tensor = from_wire(kv.array, kv.dtype)
-        # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer.
-        tensor = tensor.to(self.vlm.device, copy=copy)
+        # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer; a quantised
+        # entry is dequantised on the device, so the hot tier holds KV ready to re-anchor.
+        tensor = kv_tensor(kv, self.vlm.device, self.vlm.dtype, copy)
         return ChunkKV(tensor, kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
 
     def repair(self, plan: Plan, loaded: LoadResult) -> LoadResult:
@@ -224,7 +226,7 @@ class Generator:
         for item in loaded.unreadable:
             chunk = plan.chunks[item.position]
             try:
-                array, dtype = to_wire(self.recompile(chunk, item.entry).kv)
+                array, dtype = to_wire(stored(self.recompile(chunk, item.entry).kv, self.kv_quant))
             except ValueError as error:  # UnservableError: e.g. a page image this replica cannot read
                 outcome = "unservable" if item.backup is None else "backup"
                 self.metrics.kv_recompiles.inc(outcome=outcome)

@@ -1,7 +1,9 @@
 """Cache loader: a plan's KV entries from a byte-bounded host-memory LRU, misses read through the store.
 
 KV leaves this deployment as numpy (bf16 as a uint16 view): Ray moves numpy buffers zero-copy, while a
-bf16 torch tensor crossing as-is is ~10x slower. Checksums are verified by the store on every read
+bf16 torch tensor crossing as-is is ~10x slower. A quantised store's entries (pipeline/kv_quant.py) stay
+quantised here — in the LRU (twice the entries per byte) and on the wire (half the bytes) — and are
+dequantised on the generator's device as they enter its hot tier (`kv_tensor`). Checksums are verified by the store on every read
 from it; what sits in the LRU was verified when it was read. An entry whose shard is missing or corrupt
 is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
 the generator rebuilds the entry from the chunk's source, or serves the backup and reports the
@@ -17,10 +19,11 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from pipeline.kv_quant import QuantizedKV, dequantize
 from pipeline.shards import ShardCorruptError, ShardReader
 from pipeline.store import Store
 from schemas.api import CacheReport, CacheStats
-from schemas.config import DType
+from schemas.config import DType, KVQuant
 from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
 from serve.metrics import serve_metrics
@@ -32,21 +35,38 @@ _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FL
 _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 
 
-def to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, DType]:
-    dtype, carrier = _WIRE[tensor.dtype]
-    array = tensor.contiguous().view(carrier).numpy()
+def to_wire(tensor: torch.Tensor | QuantizedKV) -> tuple[np.ndarray, DType | KVQuant]:
+    """A float KV as numpy of its bits, or a quantised entry as its uint8 record (its format as the dtype)."""
+    if isinstance(tensor, QuantizedKV):
+        array, dtype = tensor.record.cpu().numpy(), tensor.quant
+    else:
+        dtype, carrier = _WIRE[tensor.dtype]
+        array = tensor.contiguous().view(carrier).numpy()
     array.flags.writeable = False  # shared by every request that hits it
     return array, dtype
 
 
-def from_wire(array: np.ndarray, dtype: DType) -> torch.Tensor:
+def from_wire(array: np.ndarray, dtype: DType | KVQuant) -> torch.Tensor:
     """A tensor over `array`'s memory, no copy; read it, never write it.
 
     Arrays that arrive through Ray's object store, and those the LRU shares between requests, are
     read-only, and assembly only reads them. DLPack carries that read-only flag across (numpy >= 2.1),
     so the tensor is made without `torch.from_numpy`'s warning about non-writable arrays and without
-    copying a context's worth of KV per request."""
-    return torch.from_dlpack(array).view(_TORCH[dtype])
+    copying a context's worth of KV per request. A quantised entry comes back as its uint8 record."""
+    return torch.from_dlpack(array).view(torch.uint8 if isinstance(dtype, KVQuant) else _TORCH[dtype])
+
+
+def kv_tensor(kv: LoadedKV, device: torch.device | str, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+    """A loaded entry as KV `[layers, 2, kv_heads, tokens, head_dim]` on `device`.
+
+    A quantised record crosses to the device as it is stored (half the bytes of bf16) and is
+    dequantised there into `dtype`, a new tensor; a float entry is moved (copied when `copy`, which
+    detaches it from the object store's or the LRU's buffer) and keeps its stored dtype."""
+    tensor = from_wire(kv.array, kv.dtype)
+    if isinstance(kv.dtype, KVQuant):
+        record = QuantizedKV(kv.dtype, tuple(kv.entry.row["shape"]), tensor.to(device))
+        return dequantize(record, dtype)
+    return tensor.to(device, copy=copy)
 
 
 class ByteLRU:
@@ -62,13 +82,13 @@ class ByteLRU:
         self.max_nbytes = max_nbytes
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
-        self._items: OrderedDict[str, tuple[np.ndarray, DType]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[np.ndarray, DType | KVQuant]] = OrderedDict()
 
     def keys(self) -> list[str]:
         """Cached keys, least recently used first (the next to be evicted)."""
         return list(self._items)
 
-    def get(self, key: str) -> tuple[np.ndarray, DType] | None:
+    def get(self, key: str) -> tuple[np.ndarray, DType | KVQuant] | None:
         item = self._items.get(key)
         if item is None:
             self.misses += 1
@@ -77,7 +97,7 @@ class ByteLRU:
         self.hits += 1
         return item
 
-    def put(self, key: str, array: np.ndarray, dtype: DType) -> None:
+    def put(self, key: str, array: np.ndarray, dtype: DType | KVQuant) -> None:
         if key in self._items:
             self.nbytes -= self._items.pop(key)[0].nbytes
         if array.nbytes > self.max_nbytes:
@@ -127,10 +147,10 @@ class CacheLoader:
         load_ms = (time.perf_counter() - started) * 1e3
         return LoadResult(tuple(kvs), tuple(plan.fallbacks), report, load_ms, tuple(unreadable))
 
-    def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType]],
+    def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType | KVQuant]],
                                                                          dict[str, str]]:
         """Arrays by entry key (LRU first, then one batched store read), and why each failed key failed."""
-        found: dict[str, tuple[np.ndarray, DType]] = {}
+        found: dict[str, tuple[np.ndarray, DType | KVQuant]] = {}
         missing: dict[str, Entry] = {}
         with self._lock:
             for entry in entries:
@@ -153,7 +173,7 @@ class CacheLoader:
                 report.nbytes_from_store += array.nbytes
         return found, failed
 
-    def _read(self, entries: list[Entry], failed: dict[str, str]) -> dict[str, torch.Tensor]:
+    def _read(self, entries: list[Entry], failed: dict[str, str]) -> dict[str, torch.Tensor | QuantizedKV]:
         """One batched read; when it hits a bad shard, each entry is retried alone to isolate it."""
         if len(entries) > 1:
             try:

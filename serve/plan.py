@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.api import AnswerReport, CacheReport, FallbackReport
-from schemas.config import ChunkKind, DType, Mode, Variant
+from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ class Plan:
 class LoadedKV:
     """One chunk's KV as it travels to the generator, with what is needed to place it."""
 
-    array: np.ndarray  # [layers, 2, kv_heads, tokens, head_dim]
-    dtype: DType
+    array: np.ndarray  # [layers, 2, kv_heads, tokens, head_dim], or a quantised entry's uint8 record
+    dtype: DType | KVQuant  # a KVQuant: `array` is the record of a KV of shape entry.row["shape"]
     entry: Entry  # the entry actually served (the fallback's when one was used)
 
     @property

@@ -19,7 +19,7 @@ from pipeline.generations import publish_generation
 from pipeline.ingest import new_manifest
 from pipeline.runtime.model import VLM
 from pipeline.store import Store
-from schemas.config import ModelSpec, RenderSpec, RouterSpec, Variant
+from schemas.config import KVQuant, ModelSpec, RenderSpec, RouterSpec, Variant
 from schemas.corpus import Chunk
 from serve.configs import GeneratorConfig
 from serve.generator import Generator
@@ -37,11 +37,12 @@ DOCUMENTS: dict[str, list[str]] = {
 
 
 def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, list[str]] = DOCUMENTS,
-                render: RenderSpec | None = None, variants: tuple[Variant, ...] = ALL_VARIANTS) -> Store:
+                render: RenderSpec | None = None, variants: tuple[Variant, ...] = ALL_VARIANTS,
+                kv_quant: KVQuant = KVQuant.NONE) -> Store:
     """The ingest job's own render and compile stages, run in-process without Ray."""
     render = render or RenderSpec()
     store = Store.open(str(root), create=True)
-    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests")
+    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests", kv_quant)
     store.write_manifest(manifest)
     chunks = [Chunk.build(doc_id, order, text, len(vlm.adapter.encode(text)))
               for doc_id, texts in documents.items() for order, text in enumerate(texts)]
