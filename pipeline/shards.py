@@ -50,10 +50,10 @@ def shard_path(data: bytes) -> str:
     return f"shards/{digest[:2]}/{digest}.safetensors"
 
 
-Entry = torch.Tensor | QuantizedKV  # what a shard stores of one KV entry
+StoredKV = torch.Tensor | QuantizedKV  # what a shard stores of one KV entry
 
 
-def pack(tensors: Mapping[str, Entry]) -> tuple[bytes, list[ShardEntry]]:
+def pack(tensors: Mapping[str, StoredKV]) -> tuple[bytes, list[ShardEntry]]:
     """Safetensors bytes of `tensors` (float tensors or quantised records) and where each one lies in them."""
     if not tensors:
         raise ValueError("a shard needs at least one tensor")
@@ -82,7 +82,7 @@ def pack(tensors: Mapping[str, Entry]) -> tuple[bytes, list[ShardEntry]]:
     return data, entries
 
 
-def write_shard(blobs: Blobs, tensors: Mapping[str, Entry]) -> list[ShardEntry]:
+def write_shard(blobs: Blobs, tensors: Mapping[str, StoredKV]) -> list[ShardEntry]:
     """Write one content-named shard (skipped when present: same name, same bytes)."""
     data, entries = pack(tensors)
     if not blobs.exists([entries[0].shard_path])[0]:
@@ -100,7 +100,7 @@ class ShardReader:
     def open(cls, store: StoreSpec | str) -> "ShardReader":
         return cls(Blobs.open(store if isinstance(store, StoreSpec) else StoreSpec(uri=store)))
 
-    def load_many(self, rows: Rows) -> list[Entry]:
+    def load_many(self, rows: Rows) -> list[StoredKV]:
         """KV entries of index rows, in row order: each shard opened once, one ranged read per run of
         nearby entries, every entry's bytes checked against the row's sha256 before use. A quantised
         entry comes back as its QuantizedKV record (dequantise where it is used: pipeline/kv_quant.py)."""
@@ -110,7 +110,7 @@ class ShardReader:
             if not isinstance(row.get("shard_path"), str) or not SHARD_PATH.fullmatch(row["shard_path"]):
                 raise StoreError(f"row {i} has no valid shard_path: {row.get('shard_path')!r:.80}")
             by_shard[row["shard_path"]].append(i)
-        out: list[Entry] = [torch.empty(0)] * len(rows)
+        out: list[StoredKV] = [torch.empty(0)] * len(rows)
         for rel, positions in by_shard.items():
             wanted = [rows[i] for i in positions]
             tensors = self._read(rel, wanted)
@@ -124,7 +124,7 @@ class ShardReader:
                 out[i] = tensor
         return out
 
-    def _read(self, rel: str, rows: Sequence[Mapping[str, Any]]) -> list[Entry]:
+    def _read(self, rel: str, rows: Sequence[Mapping[str, Any]]) -> list[StoredKV]:
         spans = sorted((row["byte_offset"], row["byte_offset"] + row["nbytes"]) for row in rows)
         merged: list[list[int]] = []
         for begin, end in spans:
@@ -153,7 +153,7 @@ class ShardReader:
         return out
 
 
-def _entry(data: bytearray, fmt: StoredFormat, shape: tuple[int, ...]) -> Entry:
+def _entry(data: bytearray, fmt: StoredFormat, shape: tuple[int, ...]) -> StoredKV:
     """An entry over `data`: a float tensor of `shape`, or a quantised record of a KV of `shape`
     (whose size must be that record's: a row cannot pass an int8 record off as another shape)."""
     if isinstance(fmt, DType):

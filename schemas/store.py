@@ -7,8 +7,9 @@ On-disk layout of a store (a local directory or an object-store prefix; every fi
     index/part-*.parquet           INDEX_SCHEMA, one row per KV entry (chunk_key, tier, variant, fingerprint)
     chunks/part-*.parquet          CHUNKS_SCHEMA, one row per chunk occurrence (chunk_id)
     quarantine/part-*.parquet      QUARANTINE_SCHEMA, every rejected input with its reason
-    shards/<2 hex>/<sha256>.safetensors   KV tensors [layers, 2, kv_heads, tokens, head_dim]; many
-                                   entries per file, each found by (byte_offset, nbytes) in its index row
+    shards/<2 hex>/<sha256>.safetensors   KV tensors [layers, 2, kv_heads, tokens, head_dim] (or, in a
+                                   store with `kv_quant`, their quantised records); many entries per
+                                   file, each found by (byte_offset, nbytes) in its index row
     leases/<job_id>.json           the write lease of the job writing the store (pipeline/lease.py)
 
 Tables are append-only part logs (pipeline/part_log.py): readers take the newest row per key, and
