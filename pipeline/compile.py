@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline.entries import (
     TEXT_SOURCED, compile_entries, decode_png, encode_png, index_row, page_images,
 )
-from pipeline.kv_quant import stored
+from pipeline.kv_quant import check_device, stored
 from pipeline.render import Renderer
 from pipeline.rows import PAGES_TYPE, units_to_build, with_columns
 from pipeline.runtime.kv import ChunkKV
@@ -89,6 +89,7 @@ class CompileStage:
         self.plan = plan
         self.manifest = Manifest.from_json(plan.manifest_json)
         self.vlm = vlm or VLM(plan.model)  # in-process callers may share a loaded model
+        check_device(self.manifest.kv_quant, self.vlm.device)  # fail here, not once per chunk
         self.store = Store.open(plan.store)
 
     def __call__(self, batch: pa.Table) -> pa.Table:

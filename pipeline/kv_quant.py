@@ -13,6 +13,11 @@ absmax over their axis; quantisation divides by the scale *after* rounding it to
 with the stored scale is exact up to the payload's rounding: |error| ≤ scale / 2 per element for int8,
 a 2⁻⁴ relative step for fp8 e4m3 (3 mantissa bits).
 
+fp8 on a device: only casts (float → float8_e4m3fn → float) and byte views touch the fp8 payload — all
+arithmetic is float32, and values are clamped to ±448 *before* the cast (torch's CPU cast saturates,
+other kernels may give NaN; CPU has no fp8 add or clamp kernels). `check_device` probes a device once
+so a job or replica on a device without those casts fails at start with a clear message, not per chunk.
+
 One record per entry keeps the index's one-range-one-checksum contract (pipeline/shards.py): the
 row's `dtype` names the format, its `shape` the logical KV shape, its `nbytes`/`checksum` the record.
 Bytes per entry vs bf16: ½ for the payload, plus 1/head_dim for the value scales (2 bytes per token
@@ -130,3 +135,17 @@ def dequantize(q: QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
 def stored(kv: torch.Tensor, quant: KVQuant) -> torch.Tensor | QuantizedKV:
     """What a store keeps of a compiled entry: the tensor itself, or its quantised record."""
     return kv if quant is KVQuant.NONE else quantize(kv, quant)
+
+
+def check_device(quant: KVQuant, device: torch.device | str) -> None:
+    """Raise ValueError when `device` cannot quantise and dequantise `quant` (probed on a tiny KV)."""
+    if quant is KVQuant.NONE:
+        return
+    probe = torch.linspace(-3, 3, 2 * 2 * 3 * 4, device=device).reshape(1, 2, 2, 3, 4)
+    try:
+        back = dequantize(quantize(probe, quant), torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as error:
+        raise ValueError(f"{quant.value} KV is not supported on {device} by this torch: {error}; "
+                         "use --kv-quant int8 or none") from error
+    if not torch.allclose(back, probe, atol=0.1):
+        raise ValueError(f"{quant.value} KV does not round-trip on {device} with this torch; use --kv-quant int8 or none")

@@ -36,7 +36,7 @@ from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.entries import PageImageError, build_entry, page_images
-from pipeline.kv_quant import stored
+from pipeline.kv_quant import check_device, stored
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
@@ -89,6 +89,7 @@ class Generator:
         manifest = self.store.load_manifest_or_raise()
         check_store(manifest, config.model)
         self.vlm = VLM(config.model)
+        check_device(manifest.kv_quant, self.vlm.device)  # it dequantises the store's entries there
         self.render_spec = manifest.render
         self.kv_quant = manifest.kv_quant  # a rebuilt entry is stored as the store's own are
         self.renderer = Renderer(manifest.render)

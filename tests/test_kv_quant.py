@@ -9,7 +9,9 @@ import torch
 
 from pipeline.dtypes import PAYLOAD_MAX, stored_format
 from pipeline.ingest import new_manifest
-from pipeline.kv_quant import QuantizedKV, absmax_scale, dequantize, quantize, record_nbytes, to_payload
+from pipeline.kv_quant import (
+    QuantizedKV, absmax_scale, check_device, dequantize, quantize, record_nbytes, to_payload,
+)
 from pipeline.runtime.kv import ChunkKV
 from pipeline.shards import ShardCorruptError, ShardReader, write_shard
 from pipeline.store import Store
@@ -77,6 +79,18 @@ def test_negative_control_dropping_the_scales_fails_the_bound(quant):
     kv = realistic_kv()
     key_err, value_err = worst_errors(quantize(kv, quant).payload.float(), kv)
     assert key_err > BOUND[quant] and value_err > BOUND[quant]
+
+
+def test_the_device_probe_passes_here_and_names_the_format_when_a_cast_is_missing(monkeypatch):
+    for quant in KVQuant:
+        check_device(quant, "cpu")
+    import pipeline.kv_quant as kv_quant
+
+    def no_fp8(*_args, **_kwargs):
+        raise NotImplementedError("\"copy_\" not implemented for 'Float8_e4m3fn'")
+    monkeypatch.setattr(kv_quant, "to_payload", no_fp8)
+    with pytest.raises(ValueError, match="fp8 KV is not supported on cpu"):
+        check_device(KVQuant.FP8, "cpu")
 
 
 def test_zero_kv_round_trips_exactly():
