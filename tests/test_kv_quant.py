@@ -199,6 +199,10 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
                                               loader=quant.loader)
     assert reply.report.usage.completion_tokens > 0 and reply.report.cache.nbytes_from_store > 0
     assert quant.loader.stats().nbytes == reply.report.cache.nbytes_from_store  # the LRU keeps the records
+    from serve.app import api_settings
+    from serve.configs import AppArgs
+    from schemas.store import StoreSpec
+    assert api_settings(AppArgs(store=StoreSpec(uri=uri))).store.kv_quant is KVQuant.INT8  # GET /v1/store says so
 
     vlm = serving_store.vlm
     logits = {}
