@@ -1,7 +1,10 @@
 """Quantised KV in the store: bytes, load time, TTFT and fidelity of int8 / fp8 entries vs unquantised.
 
-    python -m benchmarks.kv_quant            # tiny-qwen, tiny-glm, bench-qwen, bench-glm (bf16)
-    python -m benchmarks.kv_quant --quick    # tiny-qwen and tiny-glm, fewer requests
+    python -m benchmarks.kv_quant --quick                                  # tiny-qwen and tiny-glm (section kv_quant)
+    python -m benchmarks.kv_quant --models bench-qwen bench-glm            # bench-size models (section kv_quant_bench)
+
+Without --quick or --models it runs all four (one section, kv_quant_bench); on 2 busy cores the bench-size
+models take minutes per request count — size them with --requests / --repeats.
 
 Per model (bf16 weights, so "unquantised" is the bf16 store a user runs today) the chunks of one synthetic
 document are compiled once per tier — pages at `low` and `high` under the template prefix, and the
@@ -161,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     body = table(results)
     print(body)
     if not args.no_write:
-        command = "python -m benchmarks.kv_quant" + (" --quick" if args.quick else "")
+        command = " ".join(["python -m benchmarks.kv_quant", *(sys.argv[1:] if argv is None else argv)])
+        bench = any(not m.startswith("tiny-") for m in args.models)  # bench-size models get a section of their own
         note = (f"{args.requests} requests of {args.chunks_per_request} chunks per tier ({args.repeats} timed passes each), ≤{args.chunk_tokens}-token "
                 f"chunks, {args.decode_steps} teacher-forced decode steps, bf16 weights, device {args.device}. "
                 "Random weights: fidelity numbers say how far quantisation moves the model's distributions, not answer "
                 "quality. int8's overhead over 0.5× is the per-token value scales (2 bytes per head_dim bytes): "
                 "1/16 at the tiny models' head_dim 16, 1/64 at bench's 64, 1/128 at Qwen2.5-VL-7B's 128.")
-        write_section("kv_quant", "Quantised KV entries: bytes, load, TTFT and fidelity (issue 16)", command,
-                      note + "\n\n" + body)
+        write_section("kv_quant_bench" if bench else "kv_quant",
+                      "Quantised KV entries: bytes, load, TTFT and fidelity (issue 16)" + (", bench-size models" if bench else ""),
+                      command, note + "\n\n" + body)
     return 0
 
 
