@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None, help="requests per tier (each a window of chunks)")
     p.add_argument("--chunks-per-request", type=int, default=4)
     p.add_argument("--chunk-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=None, help="timed passes of every format per request (default 5 with --quick, else 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed passes of every format per request (default 5 with --quick, else 3)")
     p.add_argument("--decode-steps", type=int, default=16, help="teacher-forced decode steps of the fidelity trace")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-write", action="store_true", help="print, do not write docs/BENCHMARKS.md")
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         command = " ".join(["python -m benchmarks.kv_quant", *(sys.argv[1:] if argv is None else argv)])
         bench = any(not m.startswith("tiny-") for m in args.models)  # bench-size models get a section of their own
-        note = (f"{args.requests} requests of {args.chunks_per_request} chunks per tier ({args.repeats} timed passes each), ≤{args.chunk_tokens}-token "
+        note = (f"{args.requests} requests of {args.chunks_per_request} chunks per tier ({args.repeats} timed passes each), "
+                f"≤{args.chunk_tokens}-token "
                 f"chunks, {args.decode_steps} teacher-forced decode steps, bf16 weights, device {args.device}. "
                 "Random weights: fidelity numbers say how far quantisation moves the model's distributions, not answer "
                 "quality. int8's overhead over 0.5× is the per-token value scales (2 bytes per head_dim bytes): "

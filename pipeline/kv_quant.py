@@ -148,4 +148,5 @@ def check_device(quant: KVQuant, device: torch.device | str) -> None:
         raise ValueError(f"{quant.value} KV is not supported on {device} by this torch: {error}; "
                          "use --kv-quant int8 or none") from error
     if not torch.allclose(back, probe, atol=0.1):
-        raise ValueError(f"{quant.value} KV does not round-trip on {device} with this torch; use --kv-quant int8 or none")
+        raise ValueError(f"{quant.value} KV does not round-trip on {device} with this torch; "
+                         "use --kv-quant int8 or none")

@@ -3,8 +3,8 @@
 KV leaves this deployment as numpy (bf16 as a uint16 view): Ray moves numpy buffers zero-copy, while a
 bf16 torch tensor crossing as-is is ~10x slower. A quantised store's entries (pipeline/kv_quant.py) stay
 quantised here — in the LRU (twice the entries per byte) and on the wire (half the bytes) — and are
-dequantised on the generator's device as they enter its hot tier (`kv_tensor`). Checksums are verified by the store on every read
-from it; what sits in the LRU was verified when it was read. An entry whose shard is missing or corrupt
+dequantised on the generator's device as they enter its hot tier (`kv_tensor`). Checksums are
+verified by the store on every read from it; what sits in the LRU was verified when it was read. An entry whose shard is missing or corrupt
 is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
 the generator rebuilds the entry from the chunk's source, or serves the backup and reports the
 fallback, or refuses the request (503) — never a silent gap in the context.

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from pipeline.dtypes import PAYLOAD_MAX, stored_format
+from pipeline.dtypes import stored_format
 from pipeline.ingest import new_manifest
 from pipeline.kv_quant import (
     QuantizedKV, absmax_scale, check_device, dequantize, quantize, record_nbytes, to_payload,
