@@ -90,13 +90,17 @@ def page_images(renderer: Renderer, text: str, image_path: str | None, tier: Tie
         raise PageImageError(f"page image {image_path} is not readable here: {error}") from error
 
 
+def entry_source(renderer: Renderer, text: str, image_path: str | None, tier: str | None, variant: Variant) -> Source:
+    """What an entry is compiled from: the chunk's text (text variants) or its pages at the entry's tier."""
+    if variant in TEXT_SOURCED:
+        return text
+    return page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))[0]
+
+
 def build_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
                 variant: Variant) -> ChunkKV:
     """One entry from its chunk's stored source, exactly as ingest builds it."""
-    if variant in TEXT_SOURCED:
-        return compile_entries(vlm, variant, [text])[0]
-    pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))
-    return compile_entries(vlm, variant, [pages])[0]
+    return compile_entries(vlm, variant, [entry_source(renderer, text, image_path, tier, variant)])[0]
 
 
 def encode_png(image: Image.Image) -> bytes:

@@ -65,8 +65,9 @@ def check_store(manifest: Manifest, spec: ModelSpec) -> None:
 class Router:
     def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
                  max_context_tokens: int | None = None, embedder_dir: str | None = None,
-                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1):
+                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1, carry_sources: bool = False):
         self.store = Store.open(store)
+        self.carry_sources = carry_sources  # linked plans carry the chunks' text too (selective recompute)
         self.search_threads = search_threads  # threads one query's exhaustive scan may use
         self.model = model
         self.prompt = PromptTemplate.load(model)
@@ -128,7 +129,7 @@ class Router:
             snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
             self.defaults.tau if request.tau is None else request.tau,
             self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
-            self.defaults.normalisation, self.defaults.temperature)
+            self.defaults.normalisation, self.defaults.temperature, self.carry_sources)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
