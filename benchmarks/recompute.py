@@ -1,7 +1,7 @@
 """Selective recompute across linked chunks: fidelity gained against time to first token, per model family.
 
     python -m benchmarks.recompute                # bench-qwen and bench-glm, fixture items + 8 synthetic requests
-    python -m benchmarks.recompute --quick        # the same models, 4 synthetic requests (~3 min on 2 shared cores)
+    python -m benchmarks.recompute --quick        # the same models, 3 synthetic requests (~4 min on 2 shared cores)
 
 One request per QA item: the LongBench instruction, the item's context chunked (≤ --chunk-tokens, the
 first --max-chunks chunks) and rendered at the lowest tier, compiled under the template prefix, linked
@@ -23,16 +23,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.fidelity import items_for
 from benchmarks.real_size import REAL_SIZE
+from jobs.evaluate import FIXTURES
 from pipeline.chunker import Chunker
+from pipeline.eval import synthetic
 from pipeline.eval.fidelity import answer_token_ids, compare, trace_full, trace_linked
+from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
 from pipeline.eval.markdown import markdown_table, write_section
 from pipeline.render import Renderer
 from pipeline.runtime.model import VLM
@@ -52,18 +55,37 @@ def configurations() -> list[tuple[str, RecomputeSpec]]:
                       for r in DEVIATION_PERCENT]
 
 
+def items_for(num_synthetic: int, context_words: int, limit: int | None) -> list[QAItem]:
+    """The first `limit` fixture items per task (all by default; none at 0), then synthetic requests whose
+    contexts span several chunks."""
+    items = load_tasks(str(FIXTURES), LONGBENCH_QA_TASKS)
+    if limit is not None:
+        items = [i for t in LONGBENCH_QA_TASKS for i in [x for x in items if x.task is t][:limit]]
+    if num_synthetic:
+        with tempfile.TemporaryDirectory() as folder:
+            records = synthetic.generate(num_synthetic, context_words=context_words, num_distractors=3, seed=11)
+            synthetic.write_jsonl(records, folder)
+            items += load_tasks(folder, [QATask.SYNTHETIC])
+    return items
+
+
+# Timed with the calling thread's CPU time when torch runs on one CPU thread: what the work costs, whatever
+# else shares the machine (wall time on a shared 2-core box swings several-fold). Wall time otherwise.
+clock = time.perf_counter
+
+
 def ms_since(started: float) -> float:
-    return (time.perf_counter() - started) * 1e3
+    return (clock() - started) * 1e3
 
 
 def linked_ttft(vlm: VLM, chunks, texts: list[str], renderer: Renderer, tier, instruction: str, query: str,
                 spec: RecomputeSpec) -> tuple[float, float, object]:
     """(TTFT ms, of which sources ms, the context) of one linked request as the generator serves it: assemble,
     and when recomputing render the stored text again, tokenise and recompute; then the query prefill."""
-    started = time.perf_counter()
+    started = clock()
     context, sources_ms, recomputed = vlm.assemble(chunks, instruction), 0.0, 0
     if spec.enabled:
-        sources_started = time.perf_counter()
+        sources_started = clock()
         inputs = [chunk_inputs(vlm, renderer.render(t, tier).pages) for t in texts]
         sources_ms = ms_since(sources_started)
         recomputed = recompute(vlm, context, chunks, inputs, spec).num_tokens
@@ -83,10 +105,10 @@ def measure(vlm: VLM, texts: list[str], renderer: Renderer, tier, instruction: s
     configs = configurations()
     ttfts = {name: [] for name, _ in configs} | {"full": [], "embed": []}
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         vlm.prefill_full([instruction, *[renderer.render(t, tier).pages for t in texts]], query)
         ttfts["full"].append(ms_since(started))
-        started = time.perf_counter()
+        started = clock()
         for chunk_pages in pages:
             input_embeddings(vlm, chunk_inputs(vlm, chunk_pages))
         ttfts["embed"].append(ms_since(started) / len(chunks))
@@ -149,26 +171,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=["bench-qwen", "bench-glm"])
     p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
     p.add_argument("--synthetic", type=int, default=8, help="synthetic requests on top of the fixture items")
-    p.add_argument("--limit", type=int, help="fixture items per task")
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--max-chunks", type=int, default=6, help="chunks per request (the first of the item's context)")
+    p.add_argument("--context-words", type=int, default=1200, help="words of each synthetic request's context")
+    p.add_argument("--limit", type=int, help="fixture items per task (default all)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="text tokens per chunk (a 72-DPI page of them is "
+                   "~100 vision tokens)")
+    p.add_argument("--max-chunks", type=int, default=4, help="chunks per request (the first of the item's context)")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration and request (the fastest counts)")
-    p.add_argument("--quick", action="store_true", help="4 synthetic requests, no fixture items, 2 timed runs")
+    p.add_argument("--quick", action="store_true", help="3 synthetic requests, no fixture items, 1 timed run")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
     if args.quick:
-        args.limit, args.synthetic, args.repeats = 0, 4, 2
+        args.limit, args.synthetic, args.repeats = 0, 3, 1
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    global clock
     started = time.perf_counter()
     render = RenderSpec()
     renderer = Renderer(render)
-    items = items_for(args.synthetic, args.limit)
+    items = items_for(args.synthetic, args.context_words, args.limit)
     sections, loaded = [], {}
     for model in args.models:
         vlm = loaded[model] = VLM(ModelSpec(path=model, dtype=args.dtype))
+        clock = time.thread_time if vlm.device.type == "cpu" and args.threads == 1 else time.perf_counter
         chunker = Chunker(lambda text: len(vlm.adapter.encode(text)), args.chunk_tokens)
         results, full_ttfts, embed_ms, sizes = [], [], [], []
         for item in tqdm(items, desc=f"recompute {model}", unit="request"):
@@ -184,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(report(model, results, full_ttfts, embed_ms)
                         + f"\n\n{len(items)} requests, {statistics.median(sizes):.0f} chunk tokens each (median).")
     body = (f"Models {', '.join(args.models)} ({args.dtype.value}, random weights, CPU, {args.threads} thread); "
-            f"chunks of ≤{args.chunk_tokens} tokens, ≤{args.max_chunks} per request, rendered at "
+            f"chunks of ≤{args.chunk_tokens} text tokens, ≤{args.max_chunks} per request, rendered at "
             f"{render.lowest_tier.dpi} DPI under the template prefix; ≤{args.answer_tokens} gold answer tokens "
             f"teacher-forced; {time.perf_counter() - started:.0f} s. Fidelity is to full prefill of the same pages "
             "(`pipeline/eval/fidelity.py`); `KL / linked` is the median paired ratio to no recompute (lower is "
-            "closer), `closer than linked %` the share of requests where KL fell. Timings on a shared 2-core "
-            "machine under load: compare ratios within one run.\n\n" + "\n\n".join(sections)
+            "closer), `closer than linked %` the share of requests where KL fell. Times are "
+            f"{'CPU time of the one torch thread' if clock is time.thread_time else 'wall time'} (a shared 2-core "
+            "machine under load); compare ratios within one run.\n\n" + "\n\n".join(sections)
             + "\n\nWhat recompute needs at serve time is each chunk's input embeddings. The store keeps nothing new "
             "for it: the generator renders the stored text again (or scales the scanned page) and runs the vision "
             "tower (`of which sources ms`, plus the vision tower inside the recompute). Storing each image entry's "

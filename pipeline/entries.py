@@ -19,7 +19,8 @@ from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
 from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
-from schemas.store import CacheKey, Manifest, ShardEntry
+from pipeline.slots import entry_slots, required_keys, slot_name  # noqa: F401  (re-exported)
+from schemas.store import Manifest, ShardEntry
 
 Source = str | Sequence[Image.Image]  # a text, or one chunk's pages in order
 TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compiled from the chunk's text, not its pages
@@ -27,28 +28,6 @@ TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compile
 
 class PageImageError(ValueError):
     """A chunk's page image cannot be read here."""
-
-
-def entry_slots(manifest: Manifest, variants: Sequence[Variant]) -> list[tuple[str | None, Variant]]:
-    """(tier, variant) of every entry a chunk needs: templated pages at every tier, the baselines'
-    pages (plain, dummy prefix) at the lowest, each text variant once."""
-    slots: list[tuple[str | None, Variant]] = []
-    lowest = manifest.render.lowest_tier.name
-    for variant in variants:
-        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
-            variant, [t.name for t in manifest.tiers])
-        slots += [(tier, variant) for tier in tiers]
-    return slots
-
-
-def slot_name(tier: str | None, variant: Variant | str) -> str:
-    """`<tier or ->/<variant>`: how pipeline rows name an entry slot."""
-    return f"{tier or CacheKey.NO_TIER}/{Variant(variant).value}"
-
-
-def required_keys(manifest: Manifest, chunk_key: str, variants: Sequence[Variant]) -> list[CacheKey]:
-    return [CacheKey(chunk_key, tier, variant, manifest.entry_fingerprint(variant, tier))
-            for tier, variant in entry_slots(manifest, variants)]
 
 
 def compile_entries(vlm: VLM, variant: Variant, sources: Sequence[Source]) -> list[ChunkKV]:
@@ -90,17 +69,13 @@ def page_images(renderer: Renderer, text: str, image_path: str | None, tier: Tie
         raise PageImageError(f"page image {image_path} is not readable here: {error}") from error
 
 
-def entry_source(renderer: Renderer, text: str, image_path: str | None, tier: str | None, variant: Variant) -> Source:
-    """What an entry is compiled from: the chunk's text (text variants) or its pages at the entry's tier."""
-    if variant in TEXT_SOURCED:
-        return text
-    return page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))[0]
-
-
 def build_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
                 variant: Variant) -> ChunkKV:
     """One entry from its chunk's stored source, exactly as ingest builds it."""
-    return compile_entries(vlm, variant, [entry_source(renderer, text, image_path, tier, variant)])[0]
+    if variant in TEXT_SOURCED:
+        return compile_entries(vlm, variant, [text])[0]
+    pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))
+    return compile_entries(vlm, variant, [pages])[0]
 
 
 def encode_png(image: Image.Image) -> bytes:

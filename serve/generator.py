@@ -35,11 +35,10 @@ import pyarrow.compute as pc
 from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.entries import PageImageError, build_entry, entry_source, page_images
+from pipeline.entries import PageImageError, build_entry, page_images
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
-from pipeline.runtime.recompute import ChunkInputs, chunk_inputs
 from pipeline.store import Store
 from schemas.api import (
     AnswerReport,
@@ -56,6 +55,7 @@ from schemas.api import (
 from schemas.config import Mode
 from schemas.sampling import Sampling
 from serve.backend import cancelling
+from serve.chunk_sources import recompute_inputs
 from serve.configs import GeneratorConfig
 from serve.detokenizer import Detokenizer
 from serve.engine.loop import Engine, EngineStats, LinkedContext, OnlineContext
@@ -160,7 +160,7 @@ class Generator:
             return await self._online_context(plan)
         context = await self._linked_context(plan, loaded, loader)
         if self.config.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
-            inputs = await asyncio.to_thread(self.recompute_inputs, plan, context.served)
+            inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, plan.chunks, context.served)
             context.prefill.recompute = (self.config.recompute, inputs)
         return context
 
@@ -261,16 +261,6 @@ class Generator:
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
         with self.engine.model_lock:  # between engine steps
             return build_entry(self.vlm, self.renderer, source["text"], source["image_path"], entry.tier, entry.variant)
-
-    def recompute_inputs(self, plan: Plan, served: list[Entry]) -> list[ChunkInputs]:
-        """Each linked chunk's source as its served entry was compiled from (text, or pages at its tier)."""
-        if any(c.text is None for c in plan.chunks):
-            raise UnservableError("recompute needs the chunks' text: the router must carry it (RouterConfig.carry_sources)")
-        try:
-            return [chunk_inputs(self.vlm, entry_source(self.renderer, c.text, c.image_path, e.tier, e.variant))
-                    for c, e in zip(plan.chunks, served)]
-        except PageImageError as error:
-            raise UnservableError(f"cannot recompute: {error}") from error
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""

@@ -130,11 +130,11 @@ def require(chunks: list[dict], slots: list[EntrySlots], tier: str | None, varia
 def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: list[float],
           texts: Callable[[], list[dict]], low: TierSpec, tier: str | None, tau: float, max_high_res: int,
           room_tokens: int, normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
-          temperature: float = 0.05, carry_sources: bool = False) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+          temperature: float = 0.05) -> tuple[list[PlannedChunk], list[FallbackReport]]:
     """Planned chunks (request order) for `chunks` (catalog rows), each chunk's entry `slots` and
     relevance. `tier` is `mode_tier`'s: the one tier a uniform mode serves, the one a routed mode
     promotes to from `low`. `texts()` fetches the chunks' text and image path; only the online modes call
-    it, and the linked ones with `carry_sources` (selective recompute rebuilds chunk tokens from them). `room_tokens` is what the context holds for chunks: promotions that would not fit stay low."""
+    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low."""
     if mode is Mode.FULL_TEXT:
         planned = []
         for chunk, entries, rel, source in zip(chunks, slots, relevance, texts()):
@@ -154,8 +154,7 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
     else:
         wanted = [tier] * len(chunks)
     online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
-    carried = online or carry_sources
-    sources = texts() if carried else [None] * len(chunks)
+    sources = texts() if online else [None] * len(chunks)
     planned, fallbacks = [], []
     for chunk, entries, rel, wanted_tier, source in zip(chunks, slots, relevance, wanted, sources):
         entry = find(entries, wanted_tier, variant)
@@ -172,6 +171,6 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
             require([chunk], [entries], wanted_tier, variant, mode)
         planned.append(PlannedChunk(chunk["chunk_id"], chunk["doc_id"], rel, entry.tier, entry.num_tokens,
                                     entry.vision_tokens, entry.position_span, None if online else entry,
-                                    None if online else backup, source["text"] if carried else None,
-                                    (source["image_path"] or None) if carried else None))
+                                    None if online else backup, source["text"] if online else None,
+                                    (source["image_path"] or None) if online else None))
     return planned, fallbacks

@@ -11,6 +11,7 @@ generation it was routed against, and every entry in it comes from that generati
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -129,13 +130,17 @@ class Router:
             snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
             self.defaults.tau if request.tau is None else request.tau,
             self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
-            self.defaults.normalisation, self.defaults.temperature, self.carry_sources)
+            self.defaults.normalisation, self.defaults.temperature)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
                 f"request needs {needed} tokens (prefix {prefix_tokens} + chunks {needed - fixed_tokens} + "
                 f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
                 f"the context holds {self.max_context_tokens}")
+        if self.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
+            chunks = [c if c.text is not None else
+                      dataclasses.replace(c, text=source["text"], image_path=source["image_path"] or None)
+                      for c, source in zip(chunks, catalog.texts(rows))]
         route_ms = (time.perf_counter() - started) * 1e3
         return Plan(request.mode, request.query, tuple(chunks), prefix_tokens, query_tokens, tuple(fallbacks),
                     route_ms, query_vector, snapshot.generation, request.instruction, request.query_prompt)

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from jobs import run_server
 from pipeline.runtime.recompute import chunk_inputs, input_embeddings, recompute
-from schemas.api import AnswerRequest
+from schemas.api import AnswerRequest, UnservableError
 from schemas.config import Mode, RecomputeKind, RecomputeSpec, RouterSpec
 from schemas.sampling import Sampling
 from serve.configs import AppArgs, GeneratorConfig
@@ -157,3 +157,13 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
     recomputed = logits(every, Mode.QVPIC)
     assert recomputed.shape == reference.shape and float((recomputed - reference).abs().max()) <= TOLERANCE
     assert float((logits(plain, Mode.QVPIC)[0] - reference[0]).abs().max()) > 100 * TOLERANCE
+
+
+def test_recompute_without_carried_sources_is_a_clear_error(serving_store):
+    """A generator set to recompute behind a router that does not carry the chunks' text refuses (503)."""
+    uri, model = serving_store.uri, serving_store.model
+    router = Router(uri, model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS)
+    generator = Generator(GeneratorConfig(store=uri, model=model, recompute=EVERY_TOKEN[RecomputeKind.LEADING]))
+    planned = asyncio.run(router.plan(AnswerRequest(query=QUERY, chunk_ids=["invoices#00000"], max_new_tokens=2)))
+    with pytest.raises(UnservableError, match="carry_sources"):
+        generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=CacheLoader(uri, 1 << 20))

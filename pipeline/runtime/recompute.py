@@ -75,16 +75,14 @@ def input_embeddings(vlm, inputs: ChunkInputs, num_tokens: int | None = None) ->
     Only the pages that hold one of those tokens go through the vision tower."""
     n = len(inputs.ids) if num_tokens is None else min(num_tokens, len(inputs.ids))
     ids, pixel_values, grids = inputs.ids, inputs.pixel_values, inputs.grids
-    if grids is not None:  # keep the pages that start before token n
+    if grids is not None:  # keep the pages that start before token n (a chunk's ids are its pages' in order)
         page_tokens = torch.tensor([len(vlm.adapter.image_ids(g)) for g in grids])
         page_ends = page_tokens.cumsum(0)
-        num_pages = int((page_ends - page_tokens < n).sum())
-        ids = ids[: int(page_ends[num_pages - 1])] if num_pages else ids[:n]
-        if num_pages == 0:
-            pixel_values = grids = None
-        else:
-            rows = int(grids[:num_pages].prod(-1).sum()) if vlm.adapter.rope_axes == 3 else num_pages
-            pixel_values, grids = pixel_values[:rows], grids[:num_pages]
+        num_pages = max(1, int((page_ends - page_tokens < n).sum()))
+        ids = ids[: int(page_ends[num_pages - 1])]
+        # M-RoPE families: flattened patches, t·h·w rows per page; LLaVA: one row of tiles per page
+        rows = int(grids[:num_pages].prod(-1).sum()) if vlm.adapter.rope_axes == 3 else num_pages
+        pixel_values, grids = pixel_values[:rows], grids[:num_pages]
     captured = []
 
     def capture(_module, _args, kwargs):
