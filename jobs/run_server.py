@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-tokens", type=int, help="leading recompute: tokens per chunk (default 16)")
     p.add_argument("--recompute-fraction", type=float, help="deviation recompute: share of each chunk's tokens, "
                                                             "in (0, 1] (default 0.15)")
+    p.add_argument("--router-search-threads", type=int,
+                   help="threads one query's exhaustive vector scan may use (its index files scanned in parallel)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
@@ -98,7 +100,8 @@ def app_args(ns: argparse.Namespace):
              "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
              "engine.max_batch_size": ns.max_batch_size, "request_timeout_s": ns.request_timeout_s,
              "recompute.kind": ns.recompute, "recompute.leading_num_tokens": ns.recompute_tokens,
-             "recompute.deviation_fraction": ns.recompute_fraction}
+             "recompute.deviation_fraction": ns.recompute_fraction,
+             "router_search_threads": ns.router_search_threads}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
