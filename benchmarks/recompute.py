@@ -169,7 +169,7 @@ def store_table(models: dict[str, VLM]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["bench-qwen", "bench-glm"])
-    p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
+    p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType), metavar="{float32,bfloat16,float16}")
     p.add_argument("--synthetic", type=int, default=8, help="synthetic requests on top of the fixture items")
     p.add_argument("--context-words", type=int, default=1200, help="words of each synthetic request's context")
     p.add_argument("--limit", type=int, help="fixture items per task (default all)")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         vlm = loaded[model] = VLM(ModelSpec(path=model, dtype=args.dtype))
         clock = time.thread_time if vlm.device.type == "cpu" and args.threads == 1 else time.perf_counter
-        chunker = Chunker(lambda text: len(vlm.adapter.encode(text)), args.chunk_tokens)
+        chunker = Chunker(lambda text, vlm=vlm: len(vlm.adapter.encode(text)), args.chunk_tokens)
         results, full_ttfts, embed_ms, sizes = [], [], [], []
         for item in tqdm(items, desc=f"recompute {model}", unit="request"):
             texts = [c.text for c in chunker.chunk(Document(doc_id=item.id, text=item.context, source="bench"))]

@@ -58,7 +58,7 @@ def max_logit_gap(state, full) -> float:
 def test_recomputing_every_token_is_full_prefill(vlm, kind):
     pieces = pieces_of(1)
     full = vlm.prefill_full(pieces, QUERY, all_logits=True)
-    state, context, report, chunks = linked(vlm, pieces, EVERY_TOKEN[kind])
+    state, _, report, chunks = linked(vlm, pieces, EVERY_TOKEN[kind])
     assert report.num_tokens == sum(c.num_tokens for c in chunks)
     assert max_logit_gap(state, full) <= TOLERANCE
     sampling = Sampling(max_new_tokens=8)
