@@ -160,8 +160,10 @@ class Generator:
             return await self._online_context(plan)
         context = await self._linked_context(plan, loaded, loader)
         if self.config.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
+            started = time.perf_counter()
             inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, plan.chunks, context.served)
             context.prefill.recompute = (self.config.recompute, inputs)
+            context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
         return context
 
     async def _linked_context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:

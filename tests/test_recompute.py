@@ -160,7 +160,8 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
                                 max_new_tokens=6)
         planned = asyncio.run(router.plan(request))
         assert len(planned.chunks) > 1 and all(c.text for c in planned.chunks)
-        generator.generate_blocking(planned, Sampling(max_new_tokens=6), loader=loader)
+        report = generator.generate_blocking(planned, Sampling(max_new_tokens=6), loader=loader).report
+        assert (report.timings.render_ms > 0) == (mode is Mode.FULL_IMAGE or generator is every)  # pages rendered again
         return torch.stack(rows)
 
     reference = logits(every, Mode.FULL_IMAGE)
