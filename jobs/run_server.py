@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from jobs import logs
 from jobs.help import HelpFormatter
-from schemas.config import DType
+from schemas.config import DType, RecomputeKind
 
 DEFAULT_PORT = 8000
 APP_NAME = "qvpic"
@@ -55,6 +55,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generator-replicas", type=int, help="generator replicas")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
+    p.add_argument("--recompute", choices=[k.value for k in RecomputeKind],
+                   help="selective recompute of linked chunks before the query: leading (EPIC: the first "
+                        "--recompute-tokens of every chunk) or deviation (CacheBlend: the --recompute-fraction of "
+                        "each chunk's tokens whose layer-1 KV deviate most); default none")
+    p.add_argument("--recompute-tokens", type=int, help="leading recompute: tokens per chunk (default 16)")
+    p.add_argument("--recompute-fraction", type=float, help="deviation recompute: share of each chunk's tokens, "
+                                                            "in (0, 1] (default 0.15)")
     p.add_argument("--router-search-threads", type=int,
                    help="threads one query's exhaustive vector scan may use (its index files scanned in parallel)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
@@ -92,6 +99,8 @@ def app_args(ns: argparse.Namespace):
              "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
              "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
              "engine.max_batch_size": ns.max_batch_size, "request_timeout_s": ns.request_timeout_s,
+             "recompute.kind": ns.recompute, "recompute.leading_num_tokens": ns.recompute_tokens,
+             "recompute.deviation_fraction": ns.recompute_fraction,
              "router_search_threads": ns.router_search_threads}
     for path, value in flags.items():
         if value is not None:

@@ -105,6 +105,15 @@ class Mode(str, Enum):
         return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC)
 
 
+class RecomputeKind(str, Enum):
+    """Which tokens of every linked chunk are recomputed with attention to the context before them
+    (pipeline/runtime/recompute.py): a repair of what position-independent caching drops."""
+
+    NONE = "none"  # link the cached KV as it is
+    LEADING = "leading"  # EPIC: the first `leading_num_tokens` tokens of every chunk
+    DEVIATION = "deviation"  # CacheBlend: the `deviation_fraction` of each chunk's tokens whose layer-1 K/V deviate most
+
+
 class ScoreNormalisation(str, Enum):
     """How the router turns cosine relevances into the shares that τ is compared against."""
 
@@ -214,6 +223,19 @@ class RouterSpec(Frozen):
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
     normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR
     temperature: float = Field(0.05, gt=0.0, le=10.0)  # of the softmax normalisation; unused by linear
+
+
+class RecomputeSpec(Frozen):
+    """Selective recompute of linked chunks before the query is prefilled; off by default. Each chunk's
+    tokens are rebuilt from its stored source (text, or pages rendered again) at serve time."""
+
+    kind: RecomputeKind = RecomputeKind.NONE
+    leading_num_tokens: int = Field(16, ge=1)  # LEADING: k tokens per chunk (a chunk shorter than k: all of it)
+    deviation_fraction: float = Field(0.15, gt=0.0, le=1.0)  # DEVIATION: r, the share of each chunk's tokens
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind is not RecomputeKind.NONE
 
 
 class EngineSpec(Frozen):

@@ -56,6 +56,7 @@ from schemas.api import (
 from schemas.config import Mode
 from schemas.sampling import Sampling
 from serve.backend import cancelling
+from serve.chunk_sources import recompute_inputs
 from serve.configs import GeneratorConfig
 from serve.detokenizer import Detokenizer
 from serve.engine.loop import Engine, EngineStats, LinkedContext, OnlineContext
@@ -160,6 +161,15 @@ class Generator:
     async def context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
         if plan.mode in ONLINE_MODES:
             return await self._online_context(plan)
+        context = await self._linked_context(plan, loaded, loader)
+        if self.config.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
+            started = time.perf_counter()
+            inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, plan.chunks, context.served)
+            context.prefill.recompute = (self.config.recompute, inputs)
+            context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
+        return context
+
+    async def _linked_context(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
         query_ids = self.vlm.query_turn_ids(plan.text_after_chunks)  # the query prompt, or the query
         if loaded is not None:  # given KV, used as it is: the hot tier is neither read nor filled
             loaded = await self._repaired(plan, loaded)
