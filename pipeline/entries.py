@@ -29,15 +29,18 @@ class PageImageError(ValueError):
     """A chunk's page image cannot be read here."""
 
 
-def entry_slots(manifest: Manifest, variants: Sequence[Variant]) -> list[tuple[str | None, Variant]]:
+def entry_slots(manifest: Manifest, variants: Sequence[Variant],
+                include_lazy: bool = False) -> list[tuple[str | None, Variant]]:
     """(tier, variant) of every entry a chunk needs: templated pages at every tier, the baselines'
-    pages (plain, dummy prefix) at the lowest, each text variant once."""
+    pages (plain, dummy prefix) at the lowest, each text variant once. Slots the manifest compiles
+    lazily (on first promotion, see serve/lazy_tier.py) are left out unless `include_lazy`: jobs do
+    not build them, but keep what serving wrote back."""
     slots: list[tuple[str | None, Variant]] = []
     lowest = manifest.render.lowest_tier.name
     for variant in variants:
         tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
             variant, [t.name for t in manifest.tiers])
-        slots += [(tier, variant) for tier in tiers]
+        slots += [(tier, variant) for tier in tiers if include_lazy or not manifest.is_lazy(tier, variant)]
     return slots
 
 
@@ -93,10 +96,16 @@ def page_images(renderer: Renderer, text: str, image_path: str | None, tier: Tie
 def build_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
                 variant: Variant) -> ChunkKV:
     """One entry from its chunk's stored source, exactly as ingest builds it."""
+    return build_sized_entry(vlm, renderer, text, image_path, tier, variant)[0]
+
+
+def build_sized_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
+                      variant: Variant) -> tuple[ChunkKV, list[list[int]]]:
+    """`build_entry` and the [width, height] of each page it compiled (its index row's `image_sizes_px`)."""
     if variant in TEXT_SOURCED:
-        return compile_entries(vlm, variant, [text])[0]
+        return compile_entries(vlm, variant, [text])[0], []
     pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))
-    return compile_entries(vlm, variant, [pages])[0]
+    return compile_entries(vlm, variant, [pages])[0], [[p.width, p.height] for p in pages]
 
 
 def encode_png(image: Image.Image) -> bytes:

@@ -296,6 +296,9 @@ class Manifest(Frozen):
     created_at: datetime
     updated_at: datetime
     job_ids: tuple[str, ...] = ()
+    # Tiers whose templated entries are compiled on first promotion, by the generator that needs them,
+    # instead of at ingest (`qvpic ingest --lazy-high-tier`); never the lowest tier, which backs them up.
+    lazy_tiers: tuple[str, ...] = ()
 
     @field_validator("schema_version")
     @classmethod
@@ -309,7 +312,15 @@ class Manifest(Frozen):
         expected = model_fingerprint(self.model.id, self.model.revision, self.model.dtype, self.template_prefix)
         if self.fingerprint != expected:
             raise ValueError(f"manifest fingerprint {self.fingerprint!r} does not match its model and template prefix")
+        names = {t.name for t in self.render.tiers}
+        for tier in self.lazy_tiers:
+            if tier not in names or tier == self.render.lowest_tier.name:
+                raise ValueError(f"lazy tier {tier!r} must be one of the store's tiers above the lowest, {sorted(names)}")
         return self
+
+    def is_lazy(self, tier: str | None, variant: Variant) -> bool:
+        """Whether the (tier, variant) entry is compiled on first use rather than at ingest."""
+        return Variant(variant) is Variant.TEMPLATE and tier in self.lazy_tiers
 
     @classmethod
     def create(cls, model: StoredModel, template_prefix: str, **fields: Any) -> "Manifest":

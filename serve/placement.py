@@ -16,6 +16,7 @@ import numpy as np
 from schemas.api import FallbackReport, UnknownTierError, UnservableError
 from schemas.config import ChunkKind, Mode, ScoreNormalisation, TierSpec, Variant
 from schemas.store import CacheKey
+from serve.pending import Planner
 from serve.plan import Entry, PlannedChunk
 
 # Each mode is a choice of stored variant and of tiers. Routed modes promote chunks from the lowest tier
@@ -112,6 +113,10 @@ def entry_of(row: dict[str, Any]) -> Entry:
     return Entry(key, row["tier"], variant, row["num_tokens"], row["vision_tokens"], row["position_span"], row)
 
 
+def _pending(pending: Planner | None, low: Entry | None, tier: str | None) -> Entry | None:
+    return None if pending is None or tier == (low.tier if low else None) else pending(low, tier)
+
+
 def find(slots: EntrySlots, tier: str | None, variant: Variant) -> Entry | None:
     row = slots.get((tier, variant))
     return None if row is None else entry_of(row)
@@ -130,11 +135,12 @@ def require(chunks: list[dict], slots: list[EntrySlots], tier: str | None, varia
 def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: list[float],
           texts: Callable[[], list[dict]], low: TierSpec, tier: str | None, tau: float, max_high_res: int,
           room_tokens: int, normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
-          temperature: float = 0.05) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+          temperature: float = 0.05, pending: Planner | None = None) -> tuple[list[PlannedChunk], list[FallbackReport]]:
     """Planned chunks (request order) for `chunks` (catalog rows), each chunk's entry `slots` and
     relevance. `tier` is `mode_tier`'s: the one tier a uniform mode serves, the one a routed mode
     promotes to from `low`. `texts()` fetches the chunks' text and image path; only the online modes call
-    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low."""
+    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low.
+    `pending` (serve/pending.py) stands in for entries of a lazily compiled tier not compiled yet."""
     if mode is Mode.FULL_TEXT:
         planned = []
         for chunk, entries, rel, source in zip(chunks, slots, relevance, texts()):
@@ -146,7 +152,7 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
     variant = PRICED_VARIANT[mode]
     if mode in ROUTED_MODES:  # price every promotion from the index, then allocate
         lows = require(chunks, slots, low.name, variant, mode)
-        highs = [find(s, tier, variant) for s in slots]
+        highs = [find(s, tier, variant) or _pending(pending, lo, tier) for s, lo in zip(slots, lows)]
         costs = [h.num_tokens - lo.num_tokens if h else 0 for lo, h in zip(lows, highs)]
         budget = room_tokens - sum(lo.num_tokens for lo in lows)
         promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0), normalisation, temperature)
@@ -157,7 +163,7 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
     sources = texts() if online else [None] * len(chunks)
     planned, fallbacks = [], []
     for chunk, entries, rel, wanted_tier, source in zip(chunks, slots, relevance, wanted, sources):
-        entry = find(entries, wanted_tier, variant)
+        entry = find(entries, wanted_tier, variant) or _pending(pending, find(entries, low.name, variant), wanted_tier)
         # The lowest tier backs a templated entry up (not compiled yet, or unreadable); a baseline asked
         # for at a tier fails loudly instead, so a sweep never measures a silently swapped tier.
         backup = find(entries, low.name, variant) \

@@ -37,11 +37,12 @@ DOCUMENTS: dict[str, list[str]] = {
 
 
 def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, list[str]] = DOCUMENTS,
-                render: RenderSpec | None = None, variants: tuple[Variant, ...] = ALL_VARIANTS) -> Store:
+                render: RenderSpec | None = None, variants: tuple[Variant, ...] = ALL_VARIANTS,
+                lazy_high_tier: bool = False) -> Store:
     """The ingest job's own render and compile stages, run in-process without Ray."""
     render = render or RenderSpec()
     store = Store.open(str(root), create=True)
-    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests")
+    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests", lazy_high_tier)
     store.write_manifest(manifest)
     chunks = [Chunk.build(doc_id, order, text, len(vlm.adapter.encode(text)))
               for doc_id, texts in documents.items() for order, text in enumerate(texts)]
