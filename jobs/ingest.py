@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lazy-high-tier", action="store_true",
                         help="compile only the lowest tier now; each chunk's highest tier is compiled by the "
                              "generator on its first promotion and written back to the store (recorded in the manifest)")
+    parser.add_argument("--legibility", action="store_true",
+                        help="OCR every page at every tier (tesseract) and store its character accuracy in the index: "
+                             "what `qvpic serve --hybrid` uses to serve illegible chunks as text")
     resource_args(parser)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
             resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
-            stall_timeout_s=args.stall_timeout_s, lazy_high_tier=args.lazy_high_tier,
+            stall_timeout_s=args.stall_timeout_s, lazy_high_tier=args.lazy_high_tier, legibility=args.legibility,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)

@@ -119,12 +119,13 @@ def decode_png(data: bytes) -> Image.Image:
 
 
 def index_row(manifest: Manifest, chunk_key: str, tier: str | None, variant: Variant, kv: ChunkKV,
-              sizes_px: list[list[int]], shard: ShardEntry) -> dict[str, Any]:
-    """The index row of one written entry (created_at is stamped at publish)."""
+              sizes_px: list[list[int]], shard: ShardEntry, legibility: float | None = None) -> dict[str, Any]:
+    """The index row of one written entry (created_at is stamped at publish; `legibility`: its pages'
+    OCR score, pipeline/legibility_score.py, when the job measured it)."""
     return {
         "chunk_key": chunk_key, "tier": tier, "variant": variant.value,
         "fingerprint": manifest.entry_fingerprint(variant, tier), "kind": kv.kind.value,
         "num_tokens": kv.num_tokens, "position_span": kv.position_span, "compile_start": kv.compile_start,
         "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes_px,
-        "vision_tokens": kv.vision_tokens, **shard.index_fields(),
+        "vision_tokens": kv.vision_tokens, "legibility": legibility, **shard.index_fields(),
     }

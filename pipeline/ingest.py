@@ -57,6 +57,7 @@ class IngestConfig:
     resource_wait_s: float = 60.0  # how long to wait for the cluster to free what the job needs
     stall_timeout_s: float = 1800.0  # a job in which no block moves for this long fails instead of hanging
     lazy_high_tier: bool = False  # compile the highest tier on first promotion, not here (`--lazy-high-tier`)
+    legibility: bool = False  # OCR every image entry's pages into its index row (`--legibility`)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 16:
@@ -183,7 +184,7 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
         store.write_manifest(manifest)
         slots = entry_slots(manifest, manifest.variants)
         compile_plan = CompilePlan(cfg.model, store.spec, manifest.to_json(), cfg.resources.batch_size, stamp_ns,
-                                   cfg.job_id)
+                                   cfg.job_id, cfg.legibility)
 
         rows = read(cfg.corpus, cfg.reader, plan)
         rows = check_ids(rows, plan)

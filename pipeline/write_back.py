@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.entries import index_row
 from pipeline.runtime.kv import ChunkKV
 from pipeline.store import Store
-from schemas.store import INDEX_SCHEMA, CacheKey, Manifest
+from schemas.store import INDEX_SCHEMA, CacheKey, Manifest, with_optional
 
 WRITE_BACK_STAMP_NS = 0  # fixed, so the part name is the key's alone; rows still order by created_at
 
@@ -46,7 +46,7 @@ def written_back(store: Store, key: CacheKey) -> dict[str, Any] | None:
         data = store.blobs.get(part_rel(store, key))
     except FileNotFoundError:
         return None
-    table = pq.read_table(pa.BufferReader(data)).select(INDEX_SCHEMA.names)
+    table = with_optional(pq.read_table(pa.BufferReader(data)), INDEX_SCHEMA).select(INDEX_SCHEMA.names)
     rows = [r for r in table.to_pylist() if r["fingerprint"] == key.fingerprint]
     return rows[0] if rows else None
 

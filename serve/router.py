@@ -129,7 +129,8 @@ class Router:
             snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
             self.defaults.tau if request.tau is None else request.tau,
             self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
-            self.defaults.normalisation, self.defaults.temperature, lazy_planner(snapshot.manifest, self.model))
+            self.defaults.normalisation, self.defaults.temperature, lazy_planner(snapshot.manifest, self.model),
+            self.defaults.hybrid)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
