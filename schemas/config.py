@@ -199,16 +199,16 @@ class HybridSpec(Frozen):
     """Hybrid representation per chunk (`qvpic serve --hybrid`): in `qvpic` mode the router serves a chunk
     as its text entry instead of its pages where this declared rule says so (serve/hybrid.py):
 
-    1. cheaper as text: text tokens ≤ `text_cost_ratio` × the lowest tier's tokens (short chunks) — the
-       chunk is text and never a promotion candidate;
-    2. illegible: the chunk's pages at the tier routing gave it scored below `min_legibility` at ingest
-       (`qvpic ingest --legibility`; unmeasured counts as legible) and its text costs at most
-       `illegible_text_cost_ratio` × that tier's tokens, within the request's token room.
+    1. cheaper as text: text tokens ≤ `text_cost_ratio` × the tokens of its pages — at the lowest tier
+       before promotion (such a chunk is text and takes no promotion), then at the tier it was routed to;
+    2. illegible: its pages at the routed tier scored below `min_legibility` at ingest (`qvpic ingest
+       --legibility`; unmeasured counts as legible) and its text costs at most
+       `illegible_text_cost_ratio` × their tokens, within the request's token room (most relevant first).
     """
 
     enabled: bool = False
     text_cost_ratio: float = Field(1.0, gt=0.0, le=16.0)
-    min_legibility: float = Field(0.95, ge=0.0, le=1.0)
+    min_legibility: float = Field(0.97, ge=0.0, le=1.0)
     illegible_text_cost_ratio: float = Field(2.0, gt=0.0, le=16.0)
 
 

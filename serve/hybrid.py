@@ -27,11 +27,11 @@ class Choice(str, Enum):
     TEXT_LEGIBLE = "text_legible"  # rule 2
 
 
-def choose(spec: HybridSpec, text: Entry | None, image: Entry, cheapest_image: Entry) -> Choice:
-    """The rule for one chunk whose pages would be served as `image` (its cheapest tier: `cheapest_image`)."""
+def choose(spec: HybridSpec, text: Entry | None, image: Entry) -> Choice:
+    """The rule for one chunk whose pages would be served as `image`."""
     if text is None:
         return Choice.IMAGE
-    if text.num_tokens <= spec.text_cost_ratio * cheapest_image.num_tokens:
+    if text.num_tokens <= spec.text_cost_ratio * image.num_tokens:
         return Choice.TEXT_CHEAPER
     legibility = image.row.get("legibility")
     if legibility is not None and legibility < spec.min_legibility and \
@@ -46,21 +46,23 @@ def as_text(chunk: PlannedChunk, text: Entry) -> PlannedChunk:
 
 
 def cheaper_as_text(spec: HybridSpec, texts: Sequence[Entry | None], lows: Sequence[Entry]) -> list[bool]:
-    """Rule 1 per chunk, decided before promotion so a text chunk takes no promotion."""
-    return [choose(spec, t, lo, lo) is Choice.TEXT_CHEAPER for t, lo in zip(texts, lows)]
+    """Rule 1 at the lowest tier, before promotion: these chunks are text and take no promotion."""
+    return [choose(spec, t, lo) is Choice.TEXT_CHEAPER for t, lo in zip(texts, lows)]
 
 
-def swap_illegible(spec: HybridSpec, planned: list[PlannedChunk], texts: Sequence[Entry | None],
-                   lows: Sequence[Entry], room_tokens: int) -> list[PlannedChunk]:
-    """Rule 2 after promotion, most relevant chunk first, while the swaps fit `room_tokens`."""
+def apply_rule(spec: HybridSpec, planned: list[PlannedChunk], texts: Sequence[Entry | None],
+               room_tokens: int) -> list[PlannedChunk]:
+    """The rule at each chunk's routed tier, most relevant chunk first; a swap that adds tokens (rule 2)
+    only while the context still fits `room_tokens`."""
     out = list(planned)
     used = sum(c.num_tokens for c in out)
     for i in sorted(range(len(out)), key=lambda i: (-out[i].relevance, i)):
         chunk, text = out[i], texts[i]
         if chunk.entry is None or chunk.entry.variant is TEXT_VARIANT or text is None:
             continue
-        if choose(spec, text, chunk.entry, lows[i]) is Choice.TEXT_LEGIBLE and \
-                used + text.num_tokens - chunk.num_tokens <= room_tokens:
-            used += text.num_tokens - chunk.num_tokens
+        choice = choose(spec, text, chunk.entry)
+        extra = text.num_tokens - chunk.num_tokens
+        if choice is Choice.TEXT_CHEAPER or (choice is Choice.TEXT_LEGIBLE and used + extra <= room_tokens):
+            used += extra
             out[i] = as_text(chunk, text)
     return out

@@ -16,7 +16,7 @@ import numpy as np
 from schemas.api import FallbackReport, UnknownTierError, UnservableError
 from schemas.config import ChunkKind, HybridSpec, Mode, ScoreNormalisation, TierSpec, Variant
 from schemas.store import CacheKey
-from serve.hybrid import TEXT_VARIANT, cheaper_as_text, swap_illegible
+from serve.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text
 from serve.hybrid import as_text as hybrid_text
 from serve.pending import Planner
 from serve.plan import Entry, PlannedChunk
@@ -192,5 +192,5 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
                                     (source["image_path"] or None) if online else None))
     if hybrid_on:
         planned = [hybrid_text(c, t) if first else c for c, t, first in zip(planned, text_entries, text_first)]
-        planned = swap_illegible(hybrid, planned, text_entries, lows, room_tokens)
+        planned = apply_rule(hybrid, planned, text_entries, room_tokens)
     return planned, fallbacks
