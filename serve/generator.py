@@ -229,10 +229,8 @@ class Generator:
         for item in loaded.unreadable:
             chunk = plan.chunks[item.position]
             try:
-                if is_pending(item.entry):  # a lazily compiled tier's first promotion: compiled once, written back
-                    tensor, entry, outcome = self.lazy.promote(chunk, item.entry)
-                else:
-                    tensor, entry, outcome = self.recompile(chunk, item.entry).kv, item.entry, "recompiled"
+                tensor, entry, outcome = (self.lazy.promote(chunk, item.entry) if is_pending(item.entry)  # lazy tier
+                                          else (self.recompile(chunk, item.entry).kv, item.entry, "recompiled"))
                 array, dtype = to_wire(tensor)
             except ValueError as error:  # UnservableError: e.g. a page image this replica cannot read
                 outcome = "unservable" if item.backup is None else "backup"
@@ -256,9 +254,8 @@ class Generator:
         return self.compile_entry(chunk, entry)[0]
 
     def compile_entry(self, chunk: PlannedChunk, entry: Entry) -> tuple[ChunkKV, list[list[int]]]:
-        """`entry` compiled (again) from its source as ingest compiles it, and its pages' sizes: the text of
-        the first chunk (by id) with its content key, which is the one ingest compiled, rendered at the
-        entry's tier."""
+        """`entry` compiled (again) as ingest compiles it, and its pages' sizes: the text of the first chunk
+        (by id) with its content key, which is the one ingest compiled, rendered at the entry's tier."""
         table = self.store.chunks()
         rows = table.filter(pc.equal(table["chunk_key"], entry.row["chunk_key"]))
         if rows.num_rows == 0:
