@@ -15,6 +15,8 @@ import pytest
 
 from pipeline.entries import entry_slots
 from pipeline.ingest import new_manifest
+from pipeline.recompile import RecompileConfig, finish
+from pipeline.recompile import target_manifest as recompile_manifest
 from pipeline.store import Store
 from pipeline.write_back import written_back
 from schemas.api import AnswerRequest
@@ -181,3 +183,20 @@ def test_lazy_answer_equals_the_eager_store(lazy_root, serving_store, tmp_path):
     swapped = list(eager_kvs)
     swapped[high] = eager_generator._chunk(LoadedKV(*to_wire(eager_store.load_kv(fallback.row)), fallback), copy=True)
     assert float((query_logits(vlm, swapped)[0] - eager_logits).abs().max()) > 1e-3
+
+
+def test_recompile_keeps_the_store_lazy_and_its_written_back_entries(lazy_root, serving_store, tmp_path):
+    uri = copy_of(lazy_root, tmp_path)
+    router, generator = serving(uri, serving_store)
+    plan = asyncio.run(router.plan(REQUEST))
+    generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    key = CacheKey.parse(next(c.entry.key for c in plan.chunks if c.tier == "high"))
+    store = Store.open(uri)
+    new, _ = recompile_manifest(store.load_manifest_or_raise(), RecompileConfig(store=store.spec,
+                                                                                 model=serving_store.model))
+    assert new.lazy_tiers == ("high",)  # a recompile builds no high tier either
+    finish(store.spec, "recompile-test", new, orphan_grace_s=3600.0)  # publish, compact to current fingerprints
+    assert Store.open(uri).has_entries([key]) == {key}
+    eager_only = {new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)}
+    Store.open(uri).compact(keep_fingerprints=eager_only)  # negative control: what keeping jobs' slots alone drops
+    assert Store.open(uri).has_entries([key]) == set()
