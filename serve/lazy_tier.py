@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 import torch
 
 from pipeline.runtime.kv import ChunkKV
-from pipeline.store import Store
+from pipeline.store import ShardCorruptError, Store
 from pipeline.write_back import write_back, written_back
 from schemas.store import CacheKey, Manifest
 from serve.pending import PENDING
@@ -92,9 +92,15 @@ class LazyTier:
         key = CacheKey.parse(pending.key)
         row = written_back(self.store, key)
         if row is not None:
-            with self._lock:
-                self.stats.from_store += 1
-            return self.store.load_kv(row), entry_of(row), "lazy_stored"
+            try:
+                kv = self.store.load_kv(row)
+            except ShardCorruptError as error:  # torn or lost since: compile it again, and write it over
+                log.warning("written-back %s is unreadable (%s); compiling it again", pending.key, error)
+                self.store.blobs.delete(row["shard_path"])  # shards are content-named: a rewrite would keep it
+            else:
+                with self._lock:
+                    self.stats.from_store += 1
+                return kv, entry_of(row), "lazy_stored"
         kv, sizes_px = self.compile_entry(chunk, pending)
         with self._lock:
             self.stats.compiled += 1

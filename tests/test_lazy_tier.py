@@ -30,7 +30,7 @@ from serve.loader import CacheLoader, to_wire
 from serve.pending import is_pending
 from serve.plan import LoadedKV
 from serve.router import Router
-from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, serving_store  # noqa: F401
+from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, corrupt_entry, serving_store  # noqa: F401
 from tests.test_batched_compile import query_logits
 
 QUERY = "When does part XK-4471-B ship?"
@@ -200,3 +200,17 @@ def test_recompile_keeps_the_store_lazy_and_its_written_back_entries(lazy_root, 
     eager_only = {new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)}
     Store.open(uri).compact(keep_fingerprints=eager_only)  # negative control: what keeping jobs' slots alone drops
     assert Store.open(uri).has_entries([key]) == set()
+
+
+def test_an_unreadable_write_back_is_compiled_again(lazy_root, serving_store, tmp_path):
+    uri = copy_of(lazy_root, tmp_path)
+    router, generator = serving(uri, serving_store)
+    plan = asyncio.run(router.plan(REQUEST))
+    first = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    key = CacheKey.parse(next(c.entry.key for c in plan.chunks if c.tier == "high"))
+    corrupt_entry(Path(uri), written_back(Store.open(uri), key))
+    other = Generator(GeneratorConfig(store=uri, model=serving_store.model))
+    calls = counting(other)
+    again = other.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    assert calls == [key.to_str()] and again.text == first.text and again.report.fallbacks == []
+    assert Store.open(uri).load_kv(written_back(Store.open(uri), key)) is not None  # written over: readable again
