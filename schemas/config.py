@@ -230,7 +230,7 @@ class EngineSpec(Frozen):
     max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
     max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers
     max_waiting: int = Field(64, ge=1)  # requests queued for a row beyond the running ones
-    # Prompt tokens (contexts assembled and queries prefilled, or full prefills) admitted per step: joins
+    # Tokens forwarded by the requests admitted per step (queries prefilled on linked contexts, full prefills): joins
     # are spread over steps, so the requests joining first get their first token sooner and the running
     # ones keep decoding between them. A request larger than this still joins, alone.
     max_prefill_tokens: int = Field(8192, ge=1)
