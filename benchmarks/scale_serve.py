@@ -107,7 +107,9 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
                 "grid_thw": pages if image else empty, "image_sizes_px": pages if image else empty,
                 "vision_tokens": pa.array(np.full(n, tokens if image else 0), pa.int32()),
                 "dtype": ["float32"] * n, "shard_path": [shard.shard_path] * n, "tensor_key": [shard.tensor_key] * n,
-                "nbytes": pa.array(np.full(n, shard.nbytes), pa.int64()), "checksum": [shard.checksum] * n}))
+                "nbytes": pa.array(np.full(n, shard.nbytes), pa.int64()), "checksum": [shard.checksum] * n,
+                "byte_offset": pa.array(np.full(n, shard.byte_offset), pa.int64()),
+                "shape": pa.array([list(shard.shape)] * n, pa.list_(pa.int64()))}))
         # one part with every slot: schemas/store.py's tier rule rejects a part of text entries alone
         store.publish_index(pa.concat_tables(tables))
     return stats

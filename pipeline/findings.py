@@ -49,10 +49,12 @@ class Finding:
 class Evidence:
     """What `--repair` needs, collected by the scans (only bad things: small on a healthy store)."""
 
-    bad_rows: dict[str, set[tuple[str, str]]] = field(default_factory=dict)  # index part -> {(shard, tensor key)}
+    bad_rows: dict[str, set[tuple[str, str]]] = field(default_factory=dict)  # part -> torn/corrupt (shard, key)
     missing_shards: set[str] = field(default_factory=set)
+    parts_with_missing_shards: set[str] = field(default_factory=set)  # index parts with rows naming one
     orphan_files: list[str] = field(default_factory=list)  # store-relative
     lost_index_parts: int = 0
+    lost_chunk_parts: int = 0
     num_orphan_shards: int = 0
 
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from pipeline.catalog import CATALOG, ENTRIES, RowFile
 from pipeline.entries import entry_slots
-from pipeline.findings import DEFAULT_GRACE_S, Check, Evidence, Report, Severity
+from pipeline.findings import DEFAULT_GRACE_S, MAX_EXAMPLES, Check, Evidence, Report, Severity
 from pipeline.generations import current_generation_number, parts_checks, protected_shards, read_generation
 from pipeline.key_ranges import key_ranges, read_range
 from pipeline.part_log import PART_PREFIX, PART_SUFFIX
@@ -97,18 +97,18 @@ def check_parts(store: Store, report: Report, deep: bool) -> None:
     for check in parts_checks(store):
         recorded.update({f"{check.table}/{r.name}": r.num_rows for r in check.recorded})
         report.counts[f"{check.table}_parts"] = check.num_present
-        if check.generation is None:
-            report.add(Check.GENERATION, 1, f"{check.table} parts unchecked: the current generation records no "
-                       "parts (none yet, or published before parts were recorded; `qvpic publish` records them)",
-                       severity=Severity.NOTE)
+        if check.generation is None and "generation" in report.counts:
+            report.add(Check.GENERATION, 1, "parts unchecked: the current generation was published before "
+                       "generations recorded their parts (`qvpic publish` records them)", severity=Severity.NOTE)
         missing = [f"{check.table}/{r.name} ({r.num_rows} rows)" for r in check.missing]
         restore = ("rows restored from the current generation's entries (those whose shard exists)"
-                   if check.table == "index" else "")
+                   if check.table == "index" else "rows restored from the current generation's chunk snapshot")
         report.add(Check.MISSING_PART, len(missing), f"{check.table} parts generation {check.generation} was built "
-                   "from are gone (the next publish would silently serve less)"
-                   + ("" if restore else "; re-ingest their documents (ingest skips what is stored)"), missing, restore)
+                   "from are gone (the next publish would silently serve less)", missing, restore)
         if check.table == "index":
             report.evidence.lost_index_parts = len(check.missing)
+        else:
+            report.evidence.lost_chunk_parts = len(check.missing)
         report.add(Check.CHANGED_PART, len(check.changed), f"{check.table} parts changed size since generation "
                    f"{check.generation} (parts are written once)", [f"{check.table}/{r.name}" for r, _ in check.changed])
         if check.generation is not None:
@@ -153,7 +153,9 @@ def check_index_rows(store: Store, report: Report, shards: dict[str, pafs.FileIn
     sizes = pa.array([i.size for i in shards.values()], pa.int64())
     referenced: set[str] = set()
     evidence: Evidence = report.evidence
-    rows = missing = torn = corrupt = 0
+    rows = missing = num_torn = num_corrupt = 0
+    torn: list[str] = []  # examples, "shard tensor_key"
+    corrupt: list[str] = []
     for rel in store.tables["index"].part_paths():
         try:
             with store.fs.open_input_file(store.blobs.path(rel)) as f:
@@ -164,15 +166,21 @@ def check_index_rows(store: Store, report: Report, shards: dict[str, pafs.FileIn
                     absent = pc.is_null(where)
                     ends = pc.add(batch["byte_offset"], batch["nbytes"])
                     past_end = pc.fill_null(pc.greater(ends, pc.take(sizes, where)), False)
-                    bad = batch.filter(pc.or_(absent, past_end))
-                    for shard, key in zip(bad["shard_path"].to_pylist(), bad["tensor_key"].to_pylist()):
-                        evidence.bad_rows.setdefault(rel, set()).add((shard, key))
                     gone = batch.filter(absent)["shard_path"]
-                    evidence.missing_shards.update(pc.unique(gone).to_pylist())
-                    missing, torn = missing + len(gone), torn + bad.num_rows - len(gone)
+                    if len(gone):  # repair drops rows by shard: nothing per row to keep here
+                        evidence.missing_shards.update(pc.unique(gone).to_pylist())
+                        evidence.parts_with_missing_shards.add(rel)
+                    missing += len(gone)
+                    short = batch.filter(past_end)
+                    pairs = set(zip(short["shard_path"].to_pylist(), short["tensor_key"].to_pylist()))
+                    evidence.bad_rows.setdefault(rel, set()).update(pairs)
+                    num_torn += len(pairs)
+                    torn += [f"{s} {k}" for s, k in sorted(pairs)[:MAX_EXAMPLES - len(torn)]]
                     if deep:
-                        corrupt += _verify_bytes(store, batch.filter(pc.invert(pc.or_(absent, past_end))),
-                                                 evidence.bad_rows.setdefault(rel, set()))
+                        failed = _verify_bytes(store, batch.filter(pc.invert(pc.or_(absent, past_end))))
+                        evidence.bad_rows.setdefault(rel, set()).update(failed)
+                        num_corrupt += len(failed)
+                        corrupt += [f"{s} {k}" for s, k in sorted(failed)[:MAX_EXAMPLES - len(corrupt)]]
         except FileNotFoundError:
             continue  # compacted meanwhile: its rows are in a newer part, which the listing may have missed
         except (OSError, pa.ArrowException) as e:
@@ -182,20 +190,18 @@ def check_index_rows(store: Store, report: Report, shards: dict[str, pafs.FileIn
     drop = "index rows dropped (their parts rewritten), so `qvpic recompile` rebuilds them"
     report.add(Check.MISSING_SHARD, missing, f"index rows point at {len(evidence.missing_shards)} missing shard(s)",
                sorted(evidence.missing_shards), drop)
-    report.add(Check.TORN_ENTRY, torn, "index rows whose byte range runs past their shard's end",
-               [f"{s} {k}" for part in evidence.bad_rows.values() for s, k in sorted(part) if s in shards][:5], drop)
-    report.add(Check.CORRUPT_ENTRY, corrupt, "entries whose bytes fail their checksum",
-               [f"{s} {k}" for part in evidence.bad_rows.values() for s, k in sorted(part) if s in shards][:5], drop)
+    report.add(Check.TORN_ENTRY, num_torn, "index rows whose byte range runs past their shard's end", torn, drop)
+    report.add(Check.CORRUPT_ENTRY, num_corrupt, "entries whose bytes fail their checksum", corrupt, drop)
     return referenced
 
 
-def _verify_bytes(store: Store, batch: pa.RecordBatch | pa.Table, bad: set[tuple[str, str]]) -> int:
+def _verify_bytes(store: Store, batch: pa.RecordBatch | pa.Table) -> set[tuple[str, str]]:
     """Read and checksum every entry of `batch` (each shard's entries with coalesced ranged reads);
-    adds the failures to `bad` and returns how many there were."""
+    returns the (shard, tensor key) of those that fail."""
     by_shard: dict[str, list[dict]] = defaultdict(list)
     for row in batch.to_pylist():
         by_shard[row["shard_path"]].append(row)
-    failures = 0
+    failures: set[tuple[str, str]] = set()
     for shard, rows in by_shard.items():
         try:
             store.shards.load_many(rows)
@@ -206,8 +212,7 @@ def _verify_bytes(store: Store, batch: pa.RecordBatch | pa.Table, bad: set[tuple
             try:
                 store.shards.load_many([row])
             except ShardCorruptError:
-                bad.add((shard, row["tensor_key"]))
-                failures += 1
+                failures.add((shard, row["tensor_key"]))
     return failures
 
 
@@ -216,8 +221,9 @@ def check_coverage(store: Store, manifest: Manifest, report: Report) -> None:
     content keys at a time (pipeline/key_ranges.py)."""
     slots = entry_slots(manifest, manifest.variants)
     required = pa.array(sorted({f"{t or '-'}/{v.value}/{manifest.entry_fingerprint(v, t)}" for t, v in slots}))
+    fingerprints = pa.array(sorted({manifest.entry_fingerprint(v, t) for t, v in slots}))
     try:
-        lacking, examples = _lacking(store, required, report.counts.get("index_rows", 0))
+        lacking, examples = _lacking(store, required, fingerprints, report.counts.get("index_rows", 0))
     except (OSError, pa.ArrowException) as e:  # an unreadable part, reported by the part and row checks
         report.add(Check.MISSING_ENTRIES, 1, f"not checked: a part is unreadable ({e})", severity=Severity.NOTE)
         return
@@ -226,13 +232,16 @@ def check_coverage(store: Store, manifest: Manifest, report: Report) -> None:
                "none here: run `qvpic recompile --store …`")
 
 
-def _lacking(store: Store, required: pa.Array, num_index_rows: int) -> tuple[int, list[str]]:
+def _lacking(store: Store, required: pa.Array, fingerprints: pa.Array,
+             num_index_rows: int) -> tuple[int, list[str]]:
     lacking, examples = 0, []
     for lo, hi in key_ranges(num_index_rows):
         chunk_keys = pc.unique(read_range(store, "chunks", ["chunk_key"], lo, hi)["chunk_key"])
-        index = read_range(store, "index", ["chunk_key", "tier", "variant", "fingerprint"], lo, hi)
+        index = read_range(store, "index", ["chunk_key", "tier", "variant", "fingerprint"], lo, hi,
+                           where=lambda b: pc.is_in(b["fingerprint"], value_set=fingerprints))  # stale rows: never held
         slot = pc.binary_join_element_wise(pc.fill_null(index["tier"], "-"), index["variant"], index["fingerprint"], "/")
         held = pa.table({"chunk_key": index["chunk_key"], "slot": slot}).filter(pc.is_in(slot, value_set=required))
+        del index, slot
         counts = held.group_by("chunk_key").aggregate([("slot", "count_distinct")])
         complete = counts.filter(pc.equal(counts["slot_count_distinct"], len(required)))["chunk_key"]
         short = chunk_keys.filter(pc.invert(pc.is_in(chunk_keys, value_set=complete)))

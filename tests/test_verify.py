@@ -8,16 +8,18 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
-
 
 from jobs.verify import main as verify_main
 from pipeline.compile import compile_in_process
 from pipeline.generations import parts_checks, publish_generation
 from pipeline.part_record import PartRecord, compare_parts
 from pipeline.store import Store, StoreError
+from schemas.store import StoreSpec
 from serve.app import AppArgs, preflight
+from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import corrupt_entry, serving_store  # noqa: F401  (pytest fixture)
 
 OLD_NS = 1_000_000_000 * 1_000_000_000  # an mtime far in the past (2001), past any grace period
@@ -79,6 +81,27 @@ def test_a_deleted_index_part_is_found_refused_at_start_up_and_restored(store_co
     publish_generation(Store.open(str(store_copy)), "tests")
 
 
+def test_a_deleted_chunk_part_is_restored_from_the_generation(store_copy, serving_store, capsys):
+    store = Store.open(str(store_copy))
+    before = store.chunks().sort_by("chunk_id")
+    lost = store.tables["chunks"].part_paths()[0]
+    (store_copy / lost).unlink()
+
+    code, report = run_verify(capsys, store_copy)
+    assert code == 1 and lost.split("/")[1] in problems(report)["missing_part"]["examples"][0]
+    with pytest.raises(StoreError, match=lost.split("/")[1]):
+        preflight(AppArgs(store={"uri": str(store_copy)}, model=serving_store.model))
+
+    code, report = run_verify(capsys, store_copy, "--repair")
+    assert code == 0, report
+    after = Store.open(str(store_copy)).chunks().sort_by("chunk_id")
+    exact = [c for c in before.column_names if c not in ("embedding", "source")]
+    assert after.select(exact).equals(before.select(exact))
+    as_served = np.array(before["embedding"].to_pylist(), np.float16).astype(np.float32)  # what search reads
+    assert np.array_equal(np.array(after["embedding"].to_pylist(), np.float32), as_served)
+    publish_generation(Store.open(str(store_copy)), "tests")
+
+
 def test_a_deleted_shard_is_found_its_rows_dropped_and_a_recompile_makes_it_clean(store_copy, serving_store, capsys):
     store = Store.open(str(store_copy))
     shard = store.index()["shard_path"][0].as_py()
@@ -117,6 +140,22 @@ def test_a_corrupt_byte_is_found_by_deep_verify_and_repaired(store_copy, serving
     rebuild_missing(Store.open(str(store_copy)), serving_store)
     code, report = run_verify(capsys, store_copy, "--deep")
     assert code == 0, report
+
+
+def test_a_truncated_shard_is_found_without_reading_it_and_repaired(store_copy, capsys):
+    store = Store.open(str(store_copy))
+    rows = store.index().to_pylist()
+    shard = max(rows, key=lambda r: r["byte_offset"] + r["nbytes"])["shard_path"]  # its last entry is cut
+    path = store_copy / shard
+    path.write_bytes(path.read_bytes()[:-1])
+    torn = [r for r in rows if r["shard_path"] == shard and r["byte_offset"] + r["nbytes"] > path.stat().st_size]
+
+    code, report = run_verify(capsys, store_copy)  # shallow: the listing's size tells
+    found = problems(report)
+    assert code == 1 and found["torn_entry"]["count"] == len(torn) == 1
+    assert found["torn_entry"]["examples"] == [f"{shard} {torn[0]['tensor_key']}"]
+    code, report = run_verify(capsys, store_copy, "--repair")
+    assert set(problems(report)) == {"missing_entries"}, report
 
 
 def test_orphans_are_found_past_the_grace_period_and_removed(store_copy, capsys):
@@ -185,3 +224,28 @@ def test_compacted_runs_explain_their_parts_and_nothing_else():
     check = compare_parts("index", 7, recorded, [pafs.FileInfo(f"/s/index/{r.name}", pafs.FileType.File, size=11)
                                                  for r in recorded])
     assert len(check.changed) == 5 and not check.ok
+
+
+def test_verify_and_repair_on_s3(serving_store, s3_server, s3_bucket, capsys):
+    """The same checks and restores on an object store (moto on loopback): listings, ranged reads, the
+    generation's snapshot downloaded to restore chunk rows."""
+    uri = f"s3://{s3_bucket}/store"
+    for part in ("manifest.json", "index", "chunks", "shards"):
+        pafs.copy_files(f"{serving_store.uri}/{part}", f"{s3_bucket}/store/{part}",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3_server.filesystem())
+    store = Store.open(StoreSpec(uri=uri, endpoint_url=s3_server.endpoint_url))
+    publish_generation(store, "s3")
+    before = (store.index().num_rows, store.chunks().num_rows)
+    flags = ["--store", uri, "--s3-endpoint", s3_server.endpoint_url, "--json"]
+    assert verify_main(flags) == 0 and json.loads(capsys.readouterr().out)["ok"]  # negative control
+    lost = [store.tables["index"].part_paths()[0], store.tables["chunks"].part_paths()[0]]
+    for rel in lost:
+        store.fs.delete_file(store.blobs.path(rel))
+
+    assert verify_main(flags) == 1
+    examples = problems(json.loads(capsys.readouterr().out))["missing_part"]["examples"]
+    assert sorted(e.split(" ")[0] for e in examples) == sorted(lost)
+    assert verify_main([*flags, "--repair"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    store = Store.open(StoreSpec(uri=uri, endpoint_url=s3_server.endpoint_url))
+    assert (store.index().num_rows, store.chunks().num_rows) == before
