@@ -188,6 +188,8 @@ class PartLog:
             for start in range(0, table.num_rows, target_rows):
                 self._put(f"{base}-c{token}-{written:04d}{PART_SUFFIX}", table.slice(start, target_rows))
                 written += 1
+        if not written:  # every row filtered out: an empty part still says these parts were replaced
+            self._put(f"{base}-c{token}-0000{PART_SUFFIX}", self.schema.empty_table())
         for rel in paths:  # only once every replacement exists
             self.blobs.delete(rel)
         return len(paths)
