@@ -78,7 +78,10 @@ def drop_rows(store: Store, parts: set[str], bad_rows: dict[str, set[tuple[str, 
             bad = pc.or_(pc.is_in(name, value_set=names), pc.is_in(table["shard_path"], value_set=gone))
             return table.filter(pc.invert(bad))
 
-        dropped += store.tables["index"].rewrite(rel, keep)
+        try:
+            dropped += store.tables["index"].rewrite(rel, keep)
+        except FileNotFoundError:  # compacted since the scan: its rows moved to a newer part a rerun finds
+            continue
     return dropped
 
 
