@@ -99,18 +99,22 @@ def questions_table(client, questions: list[dict], top_k: int):
     return table
 
 
-def modes_table(client, question: dict, modes: list[str], repeats: int):
+def modes_table(client, question: dict, modes: list[str], repeats: int, lowest_tier: str | None = None):
     """The same request in every mode: one warm-up round, then `repeats` rounds, modes interleaved in each
     round so that drift of a busy machine hits them alike; medians."""
     from rich.table import Table
 
     body = {"query": question["question"], "doc_ids": question["doc_ids"], "max_new_tokens": 1}
-    replies: dict[str, list[dict]] = {mode: [] for mode in modes}
+    # `uniform` defaults to the highest tier, where it equals `uniform_high`: shown at the lowest instead
+    requests = {("uniform · " + lowest_tier if mode == "uniform" and lowest_tier else mode):
+                {**body, "mode": mode, **({"tier": lowest_tier} if mode == "uniform" and lowest_tier else {})}
+                for mode in modes}
+    replies: dict[str, list[dict]] = {label: [] for label in requests}
     for round_index in range(repeats + 1):
-        for mode in modes:
-            reply = ask(client, {**body, "mode": mode})
+        for label, request in requests.items():
+            reply = ask(client, request)
             if round_index:
-                replies[mode].append(reply)
+                replies[label].append(reply)
     ttft = {mode: statistics.median(ttft_ms(r) for r in runs) for mode, runs in replies.items()}
     prefill = {mode: statistics.median(r["timings"]["prefill_ms"] for r in runs) for mode, runs in replies.items()}
     base = ttft.get("qvpic")
@@ -196,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("3. ask over HTTP")
             console.print(questions_table(client, questions, args.top_k))
             console.rule("4. what qvpic buys: the same request in every mode")
-            modes = client.get("/v1/store").json()["modes"]
-            console.print(modes_table(client, questions[0], modes, args.repeats))
+            store = client.get("/v1/store").json()
+            tiers = sorted((store.get("tiers") or {}).items(), key=lambda item: item[1])  # (name, dpi), lowest first
+            console.print(modes_table(client, questions[0], store["modes"], args.repeats,
+                                      tiers[0][0] if tiers else None))
             console.print(cache_hit_line(client, questions[0], args.top_k))
     except (RuntimeError, httpx.HTTPError) as error:
         console.print(f"[red]qvpic demo: {error}[/red]")

@@ -88,6 +88,10 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
         table.add_row(label, str(value))
     console = Console()
     console.print(table)
+    if summary.unchanged_since:
+        console.print(f"nothing to do: the corpus, the settings and the store are unchanged since job "
+                      f"{summary.unchanged_since} (`--force` runs the pipeline anyway)")
+        return
     if not summary.groups:
         reason = ("the store already holds the KV entries of every chunk" if summary.num_chunks
                   else "the corpus yielded no chunks")
@@ -112,13 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", type=Variant, default=list(Variant), choices=list(Variant))
     resource_args(parser)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
+    parser.add_argument("--force", action="store_true",
+                        help="run the pipeline even when the corpus and the store are unchanged since the last ingest "
+                             "(by default such a rerun is a no-op: it hashes the corpus and stops)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     logs.add_verbose_flag(parser)
     args = parser.parse_args(argv)
     logs.configure(args.verbose)
     from jobs.cluster import init_ray
     from jobs.failure import explain, report
-    from pipeline.ingest import IngestConfig, ingest
+    from pipeline.ingest import IngestConfig, ingest, unchanged
     from pipeline.lease import StoreBusyError
     from pipeline.resources import ResourceError
     from schemas.store import StoreSpec
@@ -129,14 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
             resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
-            stall_timeout_s=args.stall_timeout_s,
+            stall_timeout_s=args.stall_timeout_s, force=args.force,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)
         return 2
-    init_ray(quiet=args.json)
     try:
-        summary = ingest(cfg)
+        key, summary = unchanged(cfg)  # a rerun with nothing to do stops here, before Ray starts
+        if summary is None:
+            init_ray(quiet=args.json)
+            summary = ingest(cfg, key)
     except (StoreBusyError, ResourceError) as e:  # refused before any work: nothing to trace
         print(explain(e, "ingest", args.store), file=sys.stderr)
         return 1

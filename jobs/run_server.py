@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generator-replicas", type=int, help="generator replicas")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
+    p.add_argument("--router-search-threads", type=int,
+                   help="threads one query's exhaustive vector scan may use (its index files scanned in parallel)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
@@ -89,7 +91,8 @@ def app_args(ns: argparse.Namespace):
              "max_context_tokens": ns.max_context_tokens, "default_top_k": ns.top_k,
              "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
              "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
-             "engine.max_batch_size": ns.max_batch_size, "request_timeout_s": ns.request_timeout_s}
+             "engine.max_batch_size": ns.max_batch_size, "request_timeout_s": ns.request_timeout_s,
+             "router_search_threads": ns.router_search_threads}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)

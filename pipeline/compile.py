@@ -87,8 +87,15 @@ class CompileStage:
     def __init__(self, plan: CompilePlan, vlm: VLM | None = None):
         self.plan = plan
         self.manifest = Manifest.from_json(plan.manifest_json)
-        self.vlm = vlm or VLM(plan.model)  # in-process callers may share a loaded model
+        self._vlm = vlm  # in-process callers may share a loaded model
         self.store = Store.open(plan.store)
+
+    @property
+    def vlm(self) -> VLM:
+        """Loaded on the first batch with work: a rerun over a store that holds everything loads no model."""
+        if self._vlm is None:
+            self._vlm = VLM(self.plan.model)
+        return self._vlm
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         work, rest = units_to_build(batch, "slots_json")

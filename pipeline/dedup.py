@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import ray.data
 
 from pipeline.duplicates import DocRef, near_duplicate_images
-from pipeline.entries import slot_name
+from pipeline.slots import slot_name
 from pipeline.resources import StagePlan
 from pipeline.rows import Kind, conform_rows, not_of_kind, of_kind, rows_table
 from pipeline.store import Store

@@ -15,7 +15,6 @@ from pipeline.chunker import Chunker
 from pipeline.duplicates import DocRef, source_order_key
 from pipeline.readers import read_file
 from pipeline.rows import Kind, not_of_kind, of_kind, rows_table
-from pipeline.runtime.model import resolve_path
 from schemas.config import ModelSpec
 from schemas.corpus import Document, MetaKey, ReaderSpec, RejectReason, Rejection
 
@@ -48,6 +47,8 @@ class ChunkStage:
 
     def __init__(self, model: ModelSpec, chunk_tokens: int):
         from transformers import AutoTokenizer
+
+        from pipeline.runtime.model import resolve_path  # here, not at import: `read_files` tasks stay torch-free
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_path(model), local_files_only=True)
 

@@ -97,7 +97,14 @@ class EmbedStage:
     whose key the store already embedded (same embedder: the manifest pins it) are not re-embedded."""
 
     def __init__(self, model_dir: str | None = None) -> None:
-        self.embedder = Embedder(model_dir)
+        self.model_dir = model_dir
+        self._embedder: Embedder | None = None  # loaded on the first batch that needs it: a no-op rerun loads none
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = Embedder(self.model_dir)
+        return self._embedder
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         work, rest = units_to_build(batch, "needs_embedding")

@@ -19,7 +19,8 @@ from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM
 from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
-from schemas.store import CacheKey, Manifest, ShardEntry
+from pipeline.slots import entry_slots, required_keys, slot_name  # noqa: F401  (re-exported)
+from schemas.store import Manifest, ShardEntry
 
 Source = str | Sequence[Image.Image]  # a text, or one chunk's pages in order
 TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compiled from the chunk's text, not its pages
@@ -27,28 +28,6 @@ TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compile
 
 class PageImageError(ValueError):
     """A chunk's page image cannot be read here."""
-
-
-def entry_slots(manifest: Manifest, variants: Sequence[Variant]) -> list[tuple[str | None, Variant]]:
-    """(tier, variant) of every entry a chunk needs: templated pages at every tier, the baselines'
-    pages (plain, dummy prefix) at the lowest, each text variant once."""
-    slots: list[tuple[str | None, Variant]] = []
-    lowest = manifest.render.lowest_tier.name
-    for variant in variants:
-        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
-            variant, [t.name for t in manifest.tiers])
-        slots += [(tier, variant) for tier in tiers]
-    return slots
-
-
-def slot_name(tier: str | None, variant: Variant | str) -> str:
-    """`<tier or ->/<variant>`: how pipeline rows name an entry slot."""
-    return f"{tier or CacheKey.NO_TIER}/{Variant(variant).value}"
-
-
-def required_keys(manifest: Manifest, chunk_key: str, variants: Sequence[Variant]) -> list[CacheKey]:
-    return [CacheKey(chunk_key, tier, variant, manifest.entry_fingerprint(variant, tier))
-            for tier, variant in entry_slots(manifest, variants)]
 
 
 def compile_entries(vlm: VLM, variant: Variant, sources: Sequence[Source]) -> list[ChunkKV]:

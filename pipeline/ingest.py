@@ -24,7 +24,8 @@ from pipeline.dedup import check_ids, dedup, stored_embeddings, stored_entries
 from pipeline.documents import ChunkStage, read_files, rejected_row
 from pipeline.embed import Embedder, EmbedStage
 from pipeline.entries import entry_slots, required_keys  # noqa: F401  (re-exported: callers build stores with them)
-from pipeline.generations import publish_generation
+from pipeline.generations import current_generation_number, publish_generation
+from pipeline.ingest_record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.lease import StoreLease
 from pipeline.publish import write
 from pipeline.readers import discover
@@ -56,6 +57,7 @@ class IngestConfig:
     job_id: str = field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
     resource_wait_s: float = 60.0  # how long to wait for the cluster to free what the job needs
     stall_timeout_s: float = 1800.0  # a job in which no block moves for this long fails instead of hanging
+    force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 16:
@@ -170,8 +172,27 @@ def finish(spec: StoreSpec, job_id: str) -> None:
     publish_generation(store, job_id)
 
 
-def ingest(cfg: IngestConfig) -> IngestSummary:
+def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
+    """(this run's key, the no-op summary when the store holds this corpus read this way and has not
+    changed since; None when the pipeline must run). Needs no Ray: a no-op rerun never starts one."""
+    started = time.perf_counter()
+    store = Store.open(cfg.store, create=True)
+    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg))
+    record = None if cfg.force else unchanged_since(store, key, current_generation_number(store))
+    if record is None:
+        return key, None
+    summary = skipped_summary(cfg.job_id, record)
+    summary.wall_s = time.perf_counter() - started
+    return key, summary
+
+
+def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
+    """Run the job (`key`: what `unchanged(cfg)` returned, when the caller asked it first)."""
     started, stamp_ns = time.perf_counter(), time.time_ns()
+    if key is None:
+        key, skipped = unchanged(cfg)
+        if skipped is not None:
+            return skipped
     store = Store.open(cfg.store, create=True)
     plan = plan_stages(cfg.resources, wait_s=cfg.resource_wait_s)  # or a clear refusal, before any write
     plan.apply(cfg.stall_timeout_s)
@@ -195,6 +216,9 @@ def ingest(cfg: IngestConfig) -> IngestSummary:
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
         in_a_task(finish, plan, store.spec, cfg.job_id)
+        generation = current_generation_number(store)
+        if generation is not None:  # under the lease: nothing else published in between
+            write_record(store, key, summary, generation)
     summary.wall_s = time.perf_counter() - started
     return summary
 

@@ -11,28 +11,38 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-import torch
 
 from pipeline.blobs import TMP_PREFIX, Blobs, StoreError, resolve_filesystem
 from pipeline.part_log import PartLog
-from pipeline.shards import ShardCorruptError, ShardReader, tensor_sha256, write_shard
 from schemas.config import Variant
 from schemas.store import (
     CHUNKS_SCHEMA, INDEX_SCHEMA, QUARANTINE_SCHEMA, CacheKey, GroupStats, Manifest, ManifestError, RowsError,
     ShardEntry, StoreSpec, StoreStats, check_chunk_rows, check_index_rows, conform,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Store", "StoreError", "ShardCorruptError", "tensor_sha256", "resolve_filesystem", "KEY_COLUMNS", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 KEY_COLUMNS = ("chunk_key", "tier", "variant", "fingerprint")
 Rows = Iterable[Mapping[str, Any]] | pa.Table
+
+
+def __getattr__(name: str):
+    """`ShardCorruptError` and `tensor_sha256` stay importable from here, without importing torch with the store."""
+    if name in ("ShardCorruptError", "tensor_sha256"):
+        from pipeline import shards
+
+        return getattr(shards, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Store:
@@ -46,9 +56,17 @@ class Store:
             "chunks": PartLog(blobs, "chunks", CHUNKS_SCHEMA, ["chunk_id"]),
             "quarantine": PartLog(blobs, "quarantine", QUARANTINE_SCHEMA),
         }
-        self.shards = ShardReader(blobs)
+        self._shards = None  # the shard reader, made on first use: tasks that only read tables never import torch
         self._index_keys: tuple[pa.Table, frozenset[tuple]] | None = None
         self._chunk_rows: tuple[pa.Table, dict[str, int]] | None = None
+
+    @property
+    def shards(self):
+        if self._shards is None:
+            from pipeline.shards import ShardReader
+
+            self._shards = ShardReader(self.blobs)
+        return self._shards
 
     @classmethod
     def open(cls, uri: str | StoreSpec, filesystem: pafs.FileSystem | None = None, create: bool = False) -> "Store":
@@ -85,6 +103,8 @@ class Store:
     # ---- writes --------------------------------------------------------------------------------
     def write_shard(self, tensors: Mapping[str, torch.Tensor]) -> list[ShardEntry]:
         """Write KV tensors ([layers, 2, kv_heads, tokens, head_dim]) packed in one content-named shard."""
+        from pipeline.shards import write_shard
+
         return write_shard(self.blobs, tensors)
 
     def publish_index(self, rows: Rows, stamp_ns: int | None = None, token: str | None = None) -> int:

@@ -47,6 +47,7 @@ class IngestSummary:
     num_chunks_published: int = 0  # chunk rows written by this job (new or changed)
     groups: dict[str, dict[str, int]] = field(default_factory=dict)  # per entry group compiled by this job
     wall_s: float = 0.0
+    unchanged_since: str | None = None  # a no-op: the job that read the same corpus into the store as it is now
 
     @classmethod
     def from_tallies(cls, job_id: str, tallies: Iterable[pa.Table]) -> "IngestSummary":

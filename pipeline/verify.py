@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.catalog import CATALOG, ENTRIES, RowFile
-from pipeline.entries import entry_slots
+from pipeline.slots import entry_slots
 from pipeline.findings import DEFAULT_GRACE_S, MAX_EXAMPLES, Check, Evidence, Report, Severity
 from pipeline.generations import current_generation_number, parts_checks, protected_shards, read_generation
 from pipeline.key_ranges import key_ranges, read_range

@@ -119,3 +119,15 @@ def test_real_size_checkpoints_keep_the_public_shapes_and_build_on_the_device(tm
     assert first.model is second.model and next(first.model.parameters()).device.type == "cpu"
     page = Image.new("RGB", (120, 60), "white")
     assert first.prefill_query(first.assemble([first.compile_images([page])]), "hi").logits.isfinite().all()
+
+
+def test_scale_serve_runs_end_to_end_on_a_small_store(tmp_path):
+    """The serving-scale benchmark writes a store through the Store API, publishes it and measures a router
+    on it: a store-schema change that breaks its synthetic rows fails here, not an hour into a 1M run."""
+    from benchmarks.scale_serve import SEARCH_THREADS, run_size, section
+
+    result = run_size(1_000, "random", tmp_path)
+    assert result["num_chunks"] == 1_000 and result["search"]["kind"] == "flat"
+    assert result["recall_at_8"] == 1.0  # exhaustive scan + float16 rerank is exact
+    assert set(result["route_ms"]) == {f"p{q}_t{t}" for t in SEARCH_THREADS for q in (50, 99)}
+    assert "| 1,000 | random | flat |" in section([result])

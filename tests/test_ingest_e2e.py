@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+from pipeline.generations import publish_generation
 from pipeline.ingest import IngestConfig, entry_slots, ingest
 from pipeline.lease import StoreBusyError
 from pipeline.recompile import RecompileConfig, recompile
@@ -120,11 +121,16 @@ def test_store_is_compacted_and_shards_are_packed(ingested):
 
 
 def test_reingest_is_a_noop(ingested):
-    cfg, _ = ingested
+    cfg, first = ingested
     store_dir = Path(cfg.store.uri)
     parts = {d: sorted(os.listdir(store_dir / d)) for d in ("index", "chunks")}
-    again = ingest(IngestConfig(corpus=cfg.corpus, store=cfg.store, chunk_tokens=cfg.chunk_tokens))
-    assert again.balanced and again.num_chunks_compiled == 0
+    # unchanged corpus, settings and store: the recorded job's accounting, without running the pipeline
+    skipped = ingest(IngestConfig(corpus=cfg.corpus, store=cfg.store, chunk_tokens=cfg.chunk_tokens))
+    assert skipped.unchanged_since == first.job_id and skipped.balanced
+    assert (skipped.inputs, skipped.indexed, skipped.num_chunks) == (first.inputs, first.indexed, first.num_chunks)
+    # forced through the pipeline, content keys still find every chunk stored
+    again = ingest(IngestConfig(corpus=cfg.corpus, store=cfg.store, chunk_tokens=cfg.chunk_tokens, force=True))
+    assert again.unchanged_since is None and again.balanced and again.num_chunks_compiled == 0
     assert again.num_chunks_embedded == 0 and again.num_chunks_published == 0  # nothing re-embedded or rewritten
     assert {d: sorted(os.listdir(store_dir / d)) for d in ("index", "chunks")} == parts
 
@@ -148,6 +154,16 @@ def test_only_new_and_changed_documents_cost_model_work(ray_session, tmp_path):
     store = Store.open(spec)
     assert_complete(store)
     assert store.chunks_for(doc_ids=["cobalt"]).column("text").to_pylist()[0].endswith("Revised.")
+    # the record of the last run decides a rerun: by content (a touched file is unchanged) ...
+    os.utime(corpus / "b.jsonl", (0, 0))
+    assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64)).unchanged_since == second.job_id
+    assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32)).unchanged_since is None  # settings
+    # ... and only while the store serves what that run published (another job published since: run again)
+    publish_generation(store, "another-job")
+    third = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32))
+    assert third.unchanged_since is None and third.num_chunks_compiled == 0
+    (corpus / "b.jsonl").write_text(json.dumps({"doc_id": "eel", "text": "Eel valve EV-204 holds 16 bar."}) + "\n")
+    assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32)).unchanged_since is None  # content
 
 
 def test_second_ingest_into_a_busy_store_refuses_naming_the_first(ray_session, corpus, tmp_path):
