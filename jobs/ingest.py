@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     render_args(parser)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--variants", nargs="+", type=Variant, default=list(Variant), choices=list(Variant))
+    parser.add_argument("--lazy-high-tier", action="store_true",
+                        help="compile only the lowest tier now; each chunk's highest tier is compiled by the "
+                             "generator on its first promotion and written back to the store (recorded in the manifest)")
+    parser.add_argument("--legibility", action="store_true",
+                        help="OCR every page at every tier (tesseract) and store its character accuracy in the index: "
+                             "what `qvpic serve --hybrid` uses to serve illegible chunks as text")
     resource_args(parser)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--force", action="store_true",
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
             resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
-            stall_timeout_s=args.stall_timeout_s, force=args.force,
+            stall_timeout_s=args.stall_timeout_s, force=args.force, lazy_high_tier=args.lazy_high_tier,
+            legibility=args.legibility,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from jobs import logs
 from jobs.help import HelpFormatter
-from schemas.config import DType
+from schemas.config import DType, RecomputeKind
 
 DEFAULT_PORT = 8000
 APP_NAME = "qvpic"
@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
     p.add_argument("--tau", type=float, help="default cumulative relevance share promoted to the high tier")
     p.add_argument("--max-high-res", type=int, help="default budget B of promoted chunks")
+    p.add_argument("--hybrid", action="store_true", default=None,
+                   help="qvpic mode serves a chunk as its text entry where text is cheaper than its pages, or its "
+                        "pages scored illegible at ingest (`qvpic ingest --legibility`)")
     p.add_argument("--cache-nbytes", type=int, help="host-memory KV cache per loader replica, bytes")
     p.add_argument("--max-chunks", type=int, help="most chunks one request may put in context")
     p.add_argument("--max-context-tokens", type=int, help="context limit (default: the model's)")
@@ -55,6 +58,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generator-replicas", type=int, help="generator replicas")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
+    p.add_argument("--recompute", choices=[k.value for k in RecomputeKind],
+                   help="selective recompute of linked chunks before the query: leading (EPIC: the first "
+                        "--recompute-tokens of every chunk) or deviation (CacheBlend: the --recompute-fraction of "
+                        "each chunk's tokens whose layer-1 KV deviate most); default none")
+    p.add_argument("--recompute-tokens", type=int, help="leading recompute: tokens per chunk (default 16)")
+    p.add_argument("--recompute-fraction", type=float, help="deviation recompute: share of each chunk's tokens, "
+                                                            "in (0, 1] (default 0.15)")
     p.add_argument("--router-search-threads", type=int,
                    help="threads one query's exhaustive vector scan may use (its index files scanned in parallel)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
@@ -87,11 +97,13 @@ def app_args(ns: argparse.Namespace):
         args = dict(applications[0].get("args") or {})
     flags = {"store.uri": ns.store, "store.endpoint_url": ns.endpoint_url, "model.path": ns.model,
              "model.revision": ns.revision, "model.dtype": ns.dtype, "model.device": ns.device, "router.tau": ns.tau,
-             "router.max_high_res": ns.max_high_res, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
+             "router.max_high_res": ns.max_high_res, "router.hybrid.enabled": ns.hybrid, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
              "max_context_tokens": ns.max_context_tokens, "default_top_k": ns.top_k,
              "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
              "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
              "engine.max_batch_size": ns.max_batch_size, "request_timeout_s": ns.request_timeout_s,
+             "recompute.kind": ns.recompute, "recompute.leading_num_tokens": ns.recompute_tokens,
+             "recompute.deviation_fraction": ns.recompute_fraction,
              "router_search_threads": ns.router_search_threads}
     for path, value in flags.items():
         if value is not None:

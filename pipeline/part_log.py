@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.blobs import Blobs, StoreError
+from schemas.store import with_optional
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TARGET_ROWS = 250_000  # per compacted part: a 1M-chunk store's index (4 entries a chunk) is 16 files
@@ -91,7 +92,8 @@ class PartLog:
 
     def _read_part(self, rel: str) -> pa.Table:
         try:
-            return pq.read_table(pa.BufferReader(self.blobs.get(rel))).select(self.schema.names).cast(self.schema)
+            table = with_optional(pq.read_table(pa.BufferReader(self.blobs.get(rel))), self.schema)
+            return table.select(self.schema.names).cast(self.schema)
         except (KeyError, pa.ArrowException) as e:
             raise StoreError(f"part {self.blobs.path(rel)} does not match the {self.directory} schema: {e}") from e
 

@@ -93,6 +93,15 @@ class Mode(str, Enum):
         return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC)
 
 
+class RecomputeKind(str, Enum):
+    """Which tokens of every linked chunk are recomputed with attention to the context before them
+    (pipeline/runtime/recompute.py): a repair of what position-independent caching drops."""
+
+    NONE = "none"  # link the cached KV as it is
+    LEADING = "leading"  # EPIC: the first `leading_num_tokens` tokens of every chunk
+    DEVIATION = "deviation"  # CacheBlend: the `deviation_fraction` of each chunk's tokens whose layer-1 K/V deviate most
+
+
 class ScoreNormalisation(str, Enum):
     """How the router turns cosine relevances into the shares that τ is compared against."""
 
@@ -195,6 +204,23 @@ class ModelSpec(Frozen):
     min_pixels: int = Field(3136, gt=0)
 
 
+class HybridSpec(Frozen):
+    """Hybrid representation per chunk (`qvpic serve --hybrid`): in `qvpic` mode the router serves a chunk
+    as its text entry instead of its pages where this declared rule says so (serve/hybrid.py):
+
+    1. cheaper as text: text tokens ≤ `text_cost_ratio` × the tokens of its pages — at the lowest tier
+       before promotion (such a chunk is text and takes no promotion), then at the tier it was routed to;
+    2. illegible: its pages at the routed tier scored below `min_legibility` at ingest (`qvpic ingest
+       --legibility`; unmeasured counts as legible) and its text costs at most
+       `illegible_text_cost_ratio` × their tokens, within the request's token room (most relevant first).
+    """
+
+    enabled: bool = False
+    text_cost_ratio: float = Field(1.0, gt=0.0, le=16.0)
+    min_legibility: float = Field(0.97, ge=0.0, le=1.0)
+    illegible_text_cost_ratio: float = Field(2.0, gt=0.0, le=16.0)
+
+
 class RouterSpec(Frozen):
     """Defaults of the relevance router; τ and B can be overridden per request."""
 
@@ -202,6 +228,20 @@ class RouterSpec(Frozen):
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
     normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR
     temperature: float = Field(0.05, gt=0.0, le=10.0)  # of the softmax normalisation; unused by linear
+    hybrid: HybridSpec = HybridSpec()  # text instead of pages per chunk, by a declared rule (off by default)
+
+
+class RecomputeSpec(Frozen):
+    """Selective recompute of linked chunks before the query is prefilled; off by default. Each chunk's
+    tokens are rebuilt from its stored source (text, or pages rendered again) at serve time."""
+
+    kind: RecomputeKind = RecomputeKind.NONE
+    leading_num_tokens: int = Field(16, ge=1)  # LEADING: k tokens per chunk (a chunk shorter than k: all of it)
+    deviation_fraction: float = Field(0.15, gt=0.0, le=1.0)  # DEVIATION: r, the share of each chunk's tokens
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind is not RecomputeKind.NONE
 
 
 class EngineSpec(Frozen):
@@ -212,7 +252,7 @@ class EngineSpec(Frozen):
     max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
     max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers
     max_waiting: int = Field(64, ge=1)  # requests queued for a row beyond the running ones
-    # Prompt tokens (contexts assembled and queries prefilled, or full prefills) admitted per step: joins
+    # Tokens forwarded by the requests admitted per step (queries prefilled on linked contexts, full prefills): joins
     # are spread over steps, so the requests joining first get their first token sooner and the running
     # ones keep decoding between them. A request larger than this still joins, alone.
     max_prefill_tokens: int = Field(8192, ge=1)

@@ -33,7 +33,7 @@ class RouterReplica(BatchingRouter):
 
     def __init__(self, config: RouterConfig):
         super().__init__(config.store, config.model, config.defaults, config.max_chunks, config.max_context_tokens,
-                         config.embedder_dir, config.reload, config.search_threads)
+                         config.embedder_dir, config.reload, config.search_threads, config.carry_sources)
 
 
 class LoaderReplica(CacheLoader):

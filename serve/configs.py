@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, StoreInfo
-from schemas.config import EngineSpec, Frozen, ModelSpec, RouterSpec
+from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
 from serve.governance import GovernanceArgs
@@ -61,6 +61,7 @@ class RouterConfig(StoreBound):
     embedder_dir: str | None = None
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
     search_threads: int = Field(1, ge=1, le=256)  # threads one query's exhaustive scan may use
+    carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
 
 
 class LoaderConfig(StoreBound):
@@ -71,6 +72,7 @@ class LoaderConfig(StoreBound):
 class GeneratorConfig(StoreBound):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
+    recompute: RecomputeSpec = RecomputeSpec()  # linked chunks' tokens recomputed on the context (off by default)
 
 
 class ApiSettings(BaseModel):
@@ -109,6 +111,7 @@ class AppArgs(Frozen):
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
     router_search_threads: int = Field(1, ge=1, le=256)  # per query, over an exhaustive index's shards
+    recompute: RecomputeSpec = RecomputeSpec()  # selective recompute across linked chunks (off by default)
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppArgs:
@@ -119,13 +122,14 @@ class AppArgs(Frozen):
     def router_config(self) -> RouterConfig:
         return RouterConfig(store=self.store, model=self.model, defaults=self.router, max_chunks=self.max_chunks,
                             max_context_tokens=self.max_context_tokens, embedder_dir=self.embedder_dir,
-                            reload=self.reload, search_threads=self.router_search_threads)
+                            reload=self.reload, search_threads=self.router_search_threads,
+                            carry_sources=self.recompute.enabled)
 
     def loader_config(self) -> LoaderConfig:
         return LoaderConfig(store=self.store, max_nbytes=self.cache_max_nbytes, reload=self.reload)
 
     def generator_config(self) -> GeneratorConfig:
-        return GeneratorConfig(store=self.store, model=self.model, engine=self.engine)
+        return GeneratorConfig(store=self.store, model=self.model, engine=self.engine, recompute=self.recompute)
 
     def ingress_config(self, settings: ApiSettings) -> IngressConfig:
         return IngressConfig(settings=settings, governance=self.governance, request_timeout_s=self.request_timeout_s)

@@ -5,7 +5,8 @@ bf16 torch tensor crossing as-is is ~10x slower. Checksums are verified by the s
 from it; what sits in the LRU was verified when it was read. An entry whose shard is missing or corrupt
 is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
 the generator rebuilds the entry from the chunk's source, or serves the backup and reports the
-fallback, or refuses the request (503) — never a silent gap in the context.
+fallback, or refuses the request (503) — never a silent gap in the context. A pending entry (a lazily
+compiled tier, serve/pending.py) is handed on the same way, unread: the generator compiles it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
 from serve.lru import ByteLRU
 from serve.metrics import serve_metrics
+from serve.pending import is_pending
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, Unreadable
 from serve.reload import LeaseKeeper
 
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
          torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
+LAZY_REASON = "not compiled yet: its tier is compiled on first promotion"  # the generator compiles it
 _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 
 
@@ -98,8 +101,8 @@ class CacheLoader:
                     found[entry.key] = item
         report.hits += len(found)
         report.misses += len(missing)
-        failed: dict[str, str] = {}
-        tensors = self._read(list(missing.values()), failed)
+        failed: dict[str, str] = {key: LAZY_REASON for key, entry in missing.items() if is_pending(entry)}
+        tensors = self._read([e for key, e in missing.items() if key not in failed], failed)
         with self._lock:
             for key, tensor in tensors.items():
                 array, dtype = to_wire(tensor)

@@ -40,7 +40,7 @@ class PlannedChunk:
     position_span: int
     entry: Entry | None  # KV to link; None in the online (full_*) modes
     fallback: Entry | None = None  # low-tier entry the loader uses when `entry`'s shard is unreadable
-    text: str | None = None  # source text, carried only for the full_* modes
+    text: str | None = None  # source text, carried for the full_* modes (and linked ones when recompute is on)
     image_path: str | None = None  # full_image of a scanned page: its original image, as ingest compiled it
 
 

@@ -11,6 +11,7 @@ generation it was routed against, and every entry in it comes from that generati
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +30,7 @@ from schemas.config import ModelSpec, RouterSpec
 from schemas.generation import ReloadSpec
 from schemas.store import Manifest, ManifestError, StoreSpec
 from serve.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
+from serve.pending import lazy_planner
 from serve.plan import Plan
 from serve.reload import GenerationWatcher, LeaseKeeper, acquire_current
 from serve.retrieval import Snapshot, open_snapshot
@@ -65,8 +67,9 @@ def check_store(manifest: Manifest, spec: ModelSpec) -> None:
 class Router:
     def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
                  max_context_tokens: int | None = None, embedder_dir: str | None = None,
-                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1):
+                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1, carry_sources: bool = False):
         self.store = Store.open(store)
+        self.carry_sources = carry_sources  # linked plans carry the chunks' text too (selective recompute)
         self.search_threads = search_threads  # threads one query's exhaustive scan may use
         self.model = model
         self.prompt = PromptTemplate.load(model)
@@ -128,13 +131,18 @@ class Router:
             snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
             self.defaults.tau if request.tau is None else request.tau,
             self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
-            self.defaults.normalisation, self.defaults.temperature)
+            self.defaults.normalisation, self.defaults.temperature, lazy_planner(snapshot.manifest, self.model),
+            self.defaults.hybrid)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
                 f"request needs {needed} tokens (prefix {prefix_tokens} + chunks {needed - fixed_tokens} + "
                 f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
                 f"the context holds {self.max_context_tokens}")
+        if self.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
+            chunks = [c if c.text is not None else
+                      dataclasses.replace(c, text=source["text"], image_path=source["image_path"] or None)
+                      for c, source in zip(chunks, catalog.texts(rows))]
         route_ms = (time.perf_counter() - started) * 1e3
         return Plan(request.mode, request.query, tuple(chunks), prefix_tokens, query_tokens, tuple(fallbacks),
                     route_ms, query_vector, snapshot.generation, request.instruction, request.query_prompt)

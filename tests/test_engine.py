@@ -205,10 +205,18 @@ def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_
     assert calls[-1] == [5]
 
 
-def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks):
+def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):
     context = linked(vlm, chunks[:2], "When?")
     prompt = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids)
-    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=2 * prompt))
+    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=prompt))  # one context's worth: five queries fit
+    seqs = [rec.submit(context, 4) for _ in range(5)]
+    rec.engine.step()
+    assert not rec.engine.scheduler.waiting and all(s.status is not Status.WAITING for s in seqs)
+
+
+def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks):
+    context = linked(vlm, chunks[:2], "When?")
+    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=2 * len(context.query_ids)))
     seqs = [rec.submit(context, 4) for _ in range(5)]
     joined = []
     while rec.engine.scheduler.waiting:

@@ -28,6 +28,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, Prefill
+from pipeline.runtime.recompute import ChunkInputs, recompute
+from schemas.config import RecomputeSpec
 
 
 class SlabLayer(CacheLayerMixin):
@@ -180,6 +182,7 @@ class Slab(Cache):
 @torch.inference_mode()
 def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Sequence[list[int]],
                     reserves: Sequence[int], instructions: Sequence[str] | None = None,
+                    recomputes: Sequence[tuple[RecomputeSpec, list[ChunkInputs]] | None] | None = None,
                     ) -> tuple[Slab, torch.Tensor, list[float]]:
     """Assemble every context straight into its row of a new slab, then prefill every query on top of its
     own context in one forward.
@@ -188,6 +191,8 @@ def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Se
     `[0, C_j)` (no instruction when not given; see VLM.serving_prefix) and its query right after,
     left-padded to the longest query (so every row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
     logits `[rows, vocab]` and each row's assembly time (ms).
+    `recomputes[j]` (spec, chunk inputs): recompute row j's selected chunk tokens after its assembly (its time
+    counts as prefill, not assembly; see pipeline/runtime/recompute.py).
     """
     num_rows, longest = len(queries), max(len(q) for q in queries)
     instructions = list(instructions) if instructions is not None else [""] * len(contexts)
@@ -203,6 +208,8 @@ def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Se
         slab.valid[row, :context.num_tokens] = True
         slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
         assembly_ms.append(_ms_since(started, vlm.device))
+        if recomputes is not None and recomputes[row] is not None:
+            recompute(vlm, context, chunks, recomputes[row][1], recomputes[row][0])
     pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
     ids = torch.full((num_rows, longest), pad, dtype=torch.long, device=vlm.device)
     real = torch.zeros(num_rows, longest, dtype=torch.bool, device=vlm.device)

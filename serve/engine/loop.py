@@ -23,7 +23,8 @@ from PIL import Image
 from pipeline.runtime.batch import Slab, decode_step, prefill_queries
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, select_token
-from schemas.config import EngineSpec
+from pipeline.runtime.recompute import ChunkInputs
+from schemas.config import EngineSpec, RecomputeSpec
 from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import End, Sequence, Status
 from serve.metrics import serve_metrics
@@ -37,6 +38,7 @@ class LinkedContext:
     chunks: list[ChunkKV]
     query_ids: list[int]
     instruction: str = ""
+    recompute: tuple[RecomputeSpec, list[ChunkInputs]] | None = None  # chunk tokens to recompute, and their sources
 
 
 @dataclass
@@ -174,7 +176,8 @@ class Engine:
         slab, logits, assembly_ms = prefill_queries(self.vlm, [s.context.chunks for s in seqs],
                                                     [s.context.query_ids for s in seqs],
                                                     [s.sampling.max_new_tokens - 1 for s in seqs],
-                                                    [s.context.instruction for s in seqs])
+                                                    [s.context.instruction for s in seqs],
+                                                    [s.context.recompute for s in seqs])
         for seq, reanchor_ms in zip(seqs, assembly_ms):
             seq.reanchor_ms = reanchor_ms
             seq.num_prompt_tokens = (self.vlm.serving_prefix(seq.context.instruction).num_tokens

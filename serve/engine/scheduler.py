@@ -6,8 +6,11 @@ ever fill (prompt, its query's pad slots, every decoded token but the last), and
 its widest row, so the projection is rows × widest reservation × bytes per column. A request that
 cannot fit even alone is refused at once (413); when the queue itself is full the request is refused
 with 503 and Retry-After, so Serve's own queue (the generator's `max_ongoing_requests`) holds the rest
-instead of this replica's memory. Joins are also spread over steps (`max_prefill_tokens` per step, and
-one full prefill), so a burst of arrivals does not stall the running rows for one long prefill.
+instead of this replica's memory. Joins are also spread over steps (`max_prefill_tokens` forwarded per
+step, and one full prefill), so a burst of arrivals does not stall the running rows for one long prefill.
+A linked request counts its query tokens only: its context's KV is copied into the slab, not computed,
+so a burst of linked requests joins in one step (counting contexts held 16 concurrent requests of 1k
+context tokens to 7 a step and doubled their TTFT).
 """
 
 from __future__ import annotations
@@ -49,11 +52,11 @@ class Scheduler:
             online = sum(map(is_online, joining))
             if is_online(candidate) and online >= ONLINE_PREFILLS_PER_STEP:
                 break
-            if joining and prompt_tokens + candidate.num_prompt_tokens > self.spec.max_prefill_tokens:
+            if joining and prompt_tokens + candidate.num_prefill_tokens > self.spec.max_prefill_tokens:
                 break
             if not self._fits(joining + [candidate], is_online):
                 break
-            prompt_tokens += candidate.num_prompt_tokens
+            prompt_tokens += candidate.num_prefill_tokens
             joining.append(self.waiting.popleft())
         return joining
 

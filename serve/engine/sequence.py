@@ -64,6 +64,12 @@ class Sequence:
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens its join runs through the model: its query on a linked context (the context's KV is
+        copied, not computed), its whole prompt when prefilled alone."""
+        return self.num_query_tokens or self.num_prompt_tokens
+
+    @property
     def max_columns(self) -> int:
         """The most KV columns it can ever hold: prompt, then every token but the last (never fed back)."""
         return self.num_prompt_tokens + self.sampling.max_new_tokens - 1
