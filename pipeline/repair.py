@@ -112,7 +112,7 @@ def restore_index_rows(store: Store) -> int:
         existing = pa.array([p for p, ok in zip(shard_paths, store.blobs.exists(shard_paths)) if ok], pa.string())
         rows = rows.filter(pc.is_in(rows["shard_path"], value_set=existing))
         stamp = pa.array([record.published_at] * rows.num_rows, INDEX_SCHEMA.field("created_at").type)
-        rows = rows.select(list(ENTRY_COLUMNS)).append_column("created_at", stamp).cast(INDEX_SCHEMA)
+        rows = conform(rows.select(list(ENTRY_COLUMNS)).append_column("created_at", stamp), INDEX_SCHEMA, "index")
     return _put_in_place(store, "index", lost, rows)
 
 
