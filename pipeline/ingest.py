@@ -181,7 +181,8 @@ def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
     changed since; None when the pipeline must run). Needs no Ray: a no-op rerun never starts one."""
     started = time.perf_counter()
     store = Store.open(cfg.store, create=True)
-    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg))
+    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg),
+                  {"legibility": cfg.legibility})
     record = None if cfg.force else unchanged_since(store, key, current_generation_number(store))
     if record is None:
         return key, None
