@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from schemas.api import CacheReport, CacheStats
 from schemas.config import DType
 from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
+from serve.lru import ByteLRU
 from serve.metrics import serve_metrics
 from serve.pending import is_pending
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, Unreadable
@@ -52,56 +52,11 @@ def from_wire(array: np.ndarray, dtype: DType) -> torch.Tensor:
     return torch.from_dlpack(array).view(_TORCH[dtype])
 
 
-class ByteLRU:
-    """Least-recently-used map of arrays whose summed `nbytes` never exceeds `max_nbytes`.
-
-    An array larger than the whole cap is returned to its caller but not kept. Not thread-safe on its
-    own; `CacheLoader` serialises access.
-    """
-
-    def __init__(self, max_nbytes: int):
-        if max_nbytes < 0:
-            raise ValueError(f"max_nbytes must be >= 0, got {max_nbytes}")
-        self.max_nbytes = max_nbytes
-        self.nbytes = 0
-        self.hits = self.misses = self.evictions = 0
-        self._items: OrderedDict[str, tuple[np.ndarray, DType]] = OrderedDict()
-
-    def keys(self) -> list[str]:
-        """Cached keys, least recently used first (the next to be evicted)."""
-        return list(self._items)
-
-    def get(self, key: str) -> tuple[np.ndarray, DType] | None:
-        item = self._items.get(key)
-        if item is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(key)
-        self.hits += 1
-        return item
-
-    def put(self, key: str, array: np.ndarray, dtype: DType) -> None:
-        if key in self._items:
-            self.nbytes -= self._items.pop(key)[0].nbytes
-        if array.nbytes > self.max_nbytes:
-            return
-        while self.nbytes + array.nbytes > self.max_nbytes:
-            _, (evicted, _) = self._items.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-            self.evictions += 1
-        self._items[key] = (array, dtype)
-        self.nbytes += array.nbytes
-
-    def stats(self) -> CacheStats:
-        return CacheStats(entries=len(self._items), nbytes=self.nbytes, max_nbytes=self.max_nbytes,
-                          hits=self.hits, misses=self.misses, evictions=self.evictions)
-
-
 class CacheLoader:
     def __init__(self, store: StoreSpec | str, max_nbytes: int, reload: ReloadSpec = ReloadSpec()):
         self.shards = ShardReader.open(store)  # the loader reads shards, nothing else of the store
 
-        self.lru = ByteLRU(max_nbytes)
+        self.lru: ByteLRU[tuple[np.ndarray, DType]] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
         self.metrics = serve_metrics()  # created here, inside the replica, so Ray tags it with the replica
         # Plans carry their index rows, so the loader holds no generation state of its own; it leases each
@@ -151,7 +106,7 @@ class CacheLoader:
         with self._lock:
             for key, tensor in tensors.items():
                 array, dtype = to_wire(tensor)
-                self.lru.put(key, array, dtype)
+                self.lru.put(key, (array, dtype))
                 found[key] = (array, dtype)
                 report.nbytes_from_store += array.nbytes
         return found, failed
