@@ -57,12 +57,13 @@ def chunk_texts(model: ModelSpec, chunk_tokens: int, num_chunks: int, seed: int)
 
 
 def build(uri: str, model: ModelSpec, render: RenderSpec, chunk_tokens: int, num_chunks: int,
-          seed: int = 0) -> BenchStore:
-    """Compile every variant of `num_chunks` chunks into a fresh store at `uri`."""
+          seed: int = 0, lazy_high_tier: bool = False) -> BenchStore:
+    """Compile every variant of `num_chunks` chunks into a fresh store at `uri` (`lazy_high_tier`: all but
+    the highest tier's templated entries, as `qvpic ingest --lazy-high-tier`)."""
     texts, counts, query = chunk_texts(model, chunk_tokens, num_chunks, seed)
     embedder = Embedder()
     cfg = IngestConfig(corpus="(in-process)", store=StoreSpec(uri=uri), model=model, render=render,
-                       chunk_tokens=chunk_tokens)
+                       chunk_tokens=chunk_tokens, lazy_high_tier=lazy_high_tier)
     store, manifest = open_store(cfg)
     chunks = [Chunk.build(f"bench/{i:03d}", 0, text, n) for i, (text, n) in enumerate(zip(texts, counts))]
     errors = compile_in_process(store, manifest, VLM(model), [(c.chunk_key, c.text, None) for c in chunks])

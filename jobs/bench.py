@@ -32,6 +32,8 @@ SUITES: tuple[Suite, ...] = (
           ("--quick",)),
     Suite("batching", "benchmarks.batching", "batched vs serialised engine: tokens/s and TTFT at 1/4/16 clients, "
           "device hot tier", ("--quick",)),
+    Suite("store-check", "benchmarks.store_check", "start-up parts check and `qvpic verify` cost vs parts and rows",
+          ("--quick",)),
     Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost",
           ("--dtypes", "bfloat16", "--repeats", "3")),
     Suite("ingest", "benchmarks.ingest", "Ray Data compile throughput per model and actor count", None),

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "ingest": ("jobs.ingest", "corpus → chunks → renders → embeddings → KV shards + Parquet index"),
     "recompile": ("jobs.recompile", "rebuild stale or missing KV entries after a model/template/renderer change"),
     "publish": ("jobs.publish", "snapshot a store into a new serving generation (running services switch to it)"),
+    "verify": ("jobs.verify", "check a store's consistency (parts, index rows, shards, orphans); --repair fixes"),
     "serve": ("jobs.run_server", "run the Ray Serve application over a store"),
     "eval": ("jobs.evaluate", "quality and TTFT of every mode on LongBench-format data"),
     "bench": ("jobs.bench", "benchmark suites (default: the fast ones); each writes docs/BENCHMARKS.md"),

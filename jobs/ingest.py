@@ -118,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="how KV entries are stored: none (the model's dtype), int8 or fp8 (KIVI layout: keys "
                              "per channel, values per token, ~0.5x the bytes of bf16). Default: the store's own, "
                              "none for a new store; changing it is `qvpic recompile --kv-quant`")
+    parser.add_argument("--lazy-high-tier", action="store_true",
+                        help="compile only the lowest tier now; each chunk's highest tier is compiled by the "
+                             "generator on its first promotion and written back to the store (recorded in the manifest)")
+    parser.add_argument("--legibility", action="store_true",
+                        help="OCR every page at every tier (tesseract) and store its character accuracy in the index: "
+                             "what `qvpic serve --hybrid` uses to serve illegible chunks as text")
     resource_args(parser)
     parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--force", action="store_true",
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
             resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
             stall_timeout_s=args.stall_timeout_s, kv_quant=args.kv_quant, force=args.force,
+            lazy_high_tier=args.lazy_high_tier, legibility=args.legibility,
         )
     except (ValueError, ValidationError) as e:
         print(f"qvpic ingest: {e}", file=sys.stderr)

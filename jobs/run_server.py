@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
     p.add_argument("--tau", type=float, help="default cumulative relevance share promoted to the high tier")
     p.add_argument("--max-high-res", type=int, help="default budget B of promoted chunks")
+    p.add_argument("--hybrid", action="store_true", default=None,
+                   help="qvpic mode serves a chunk as its text entry where text is cheaper than its pages, or its "
+                        "pages scored illegible at ingest (`qvpic ingest --legibility`)")
     p.add_argument("--cache-nbytes", type=int, help="host-memory KV cache per loader replica, bytes")
     p.add_argument("--max-chunks", type=int, help="most chunks one request may put in context")
     p.add_argument("--max-context-tokens", type=int, help="context limit (default: the model's)")
@@ -94,7 +97,7 @@ def app_args(ns: argparse.Namespace):
         args = dict(applications[0].get("args") or {})
     flags = {"store.uri": ns.store, "store.endpoint_url": ns.endpoint_url, "model.path": ns.model,
              "model.revision": ns.revision, "model.dtype": ns.dtype, "model.device": ns.device, "router.tau": ns.tau,
-             "router.max_high_res": ns.max_high_res, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
+             "router.max_high_res": ns.max_high_res, "router.hybrid.enabled": ns.hybrid, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
              "max_context_tokens": ns.max_context_tokens, "default_top_k": ns.top_k,
              "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
              "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,

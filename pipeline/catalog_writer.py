@@ -35,7 +35,7 @@ from pipeline.store import Store, StoreError
 from pipeline.vector_index import build_index
 from schemas.config import Variant
 from schemas.generation import SearchInfo, SearchSpec
-from schemas.store import CHUNKS_SCHEMA, INDEX_SCHEMA
+from schemas.store import CHUNKS_SCHEMA, INDEX_SCHEMA, optional_names, with_optional
 
 LAYOUT_VERSION = "2"  # part of every snapshot's name: a new layout never reuses an old snapshot
 BUCKET_ROWS = 65_536  # rows per bucket, about: what a pass holds in memory at once
@@ -68,11 +68,13 @@ def _read(store: Store, parts: list[pafs.FileInfo], schema: pa.Schema) -> Iterat
     for part in parts:
         with store.fs.open_input_file(part.path) as f:
             try:
-                batches = pq.ParquetFile(f).iter_batches(batch_size=_READ_ROWS, columns=schema.names)
-                for batch in batches:
+                parquet = pq.ParquetFile(f)
+                present = set(parquet.schema_arrow.names)  # an optional column may postdate the part
+                columns = [n for n in schema.names if n in present or n not in optional_names(schema)]
+                for batch in parquet.iter_batches(batch_size=_READ_ROWS, columns=columns):
                     if batch.num_rows:
-                        yield pa.Table.from_batches([batch]).select(schema.names).cast(schema).combine_chunks() \
-                            .to_batches()[0]
+                        table = with_optional(pa.Table.from_batches([batch]), schema)
+                        yield table.select(schema.names).cast(schema).combine_chunks().to_batches()[0]
             except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
                 raise StoreError(f"part {part.path} does not fit {schema.names}: {e}") from e
 

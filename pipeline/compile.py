@@ -22,6 +22,7 @@ from pipeline.entries import (
     TEXT_SOURCED, compile_entries, decode_png, encode_png, index_row, page_images,
 )
 from pipeline.kv_quant import check_device, stored
+from pipeline.legibility_score import page_legibility
 from pipeline.render import Renderer
 from pipeline.rows import PAGES_TYPE, units_to_build, with_columns
 from pipeline.runtime.kv import ChunkKV
@@ -72,6 +73,7 @@ class CompilePlan:
     batch_size: int = 8  # chunks per forward
     stamp_ns: int = 0  # the job's start: orders its index parts after earlier jobs'
     job_id: str = ""
+    legibility: bool = False  # OCR each image entry's pages into its row (pipeline/legibility_score.py)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class CompileStage:
                 sizes = [[image.width, image.height] for image in images]
                 slots[(tier, variant)].append(_Item(unit["chunk_key"], images, sizes, sum(w * h for w, h in sizes)))
         rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        legibility = self.legibility(units, slots) if self.plan.legibility else {}
         for (tier, variant), items in slots.items():
             items.sort(key=lambda item: item.cost)
             for start in range(0, len(items), self.plan.batch_size):
@@ -138,7 +141,8 @@ class CompileStage:
                                                  stored(kv.kv, self.manifest.kv_quant) for i, kv in built})
                 for (item, kv), shard in zip(built, shards):
                     rows[item.chunk_key].append(
-                        index_row(self.manifest, item.chunk_key, tier, variant, kv, item.sizes_px, shard))
+                        index_row(self.manifest, item.chunk_key, tier, variant, kv, item.sizes_px, shard,
+                                  legibility.get((item.chunk_key, tier))))
         published = [r for key, entries in rows.items() if key not in errors for r in entries]
         if published:
             digest = hashlib.sha256("\n".join(sorted(r["chunk_key"] + r["variant"] + (r["tier"] or "") for r in published))
@@ -148,6 +152,20 @@ class CompileStage:
                         "vision_tokens": r["vision_tokens"], "pages": len(r["image_sizes_px"])} for r in entries]
                  for key, entries in rows.items() if key not in errors}
         return errors, stats
+
+    def legibility(self, units: list[dict[str, Any]], slots: dict[tuple[str | None, Variant], list[_Item]]
+                   ) -> dict[tuple[str, str], float]:
+        """OCR score of each (chunk key, tier) whose pages this batch compiles: once per tier, whatever the variants."""
+        texts = {u["chunk_key"]: u["text"] for u in units}
+        scores: dict[tuple[str, str], float] = {}
+        for (tier, variant), items in slots.items():
+            if variant in TEXT_SOURCED:
+                continue
+            dpi = self.manifest.render.tier(tier).dpi
+            for item in items:
+                if (item.chunk_key, tier) not in scores and item.source:
+                    scores[(item.chunk_key, tier)] = page_legibility(texts[item.chunk_key], item.source, dpi)
+        return scores
 
     def compile(self, variant: Variant, items: list[_Item], errors: dict[str, str]) -> list[ChunkKV | None]:
         """One batched forward; when it fails, each item alone, so one bad chunk fails only itself."""
@@ -163,7 +181,7 @@ class CompileStage:
 
 
 def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list[tuple[str, str, str | None]],
-                       batch_size: int = 8) -> dict[str, str]:
+                       batch_size: int = 8, legibility: bool = False) -> dict[str, str]:
     """Render and compile the entries the manifest needs and the store lacks for `(chunk_key, text,
     image_path)` sources in this process, through the pipeline's own stages (tests and benchmarks that
     build stores without Ray). Returns the errors by chunk key."""
@@ -180,6 +198,6 @@ def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list
                           "image_path": image_path, "slots_json": json.dumps(slots), "error": ""})
     if not units:
         return {}
-    plan = CompilePlan(vlm.spec, store.spec, manifest.to_json(), batch_size)
+    plan = CompilePlan(vlm.spec, store.spec, manifest.to_json(), batch_size, legibility=legibility)
     built = CompileStage(plan, vlm=vlm)(RenderStage(manifest.render)(rows_table(units)))
     return {row["chunk_key"]: row["error"] for row in built.select(["chunk_key", "error"]).to_pylist() if row["error"]}

@@ -72,10 +72,16 @@ def page_images(renderer: Renderer, text: str, image_path: str | None, tier: Tie
 def build_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
                 variant: Variant) -> ChunkKV:
     """One entry from its chunk's stored source, exactly as ingest builds it."""
+    return build_sized_entry(vlm, renderer, text, image_path, tier, variant)[0]
+
+
+def build_sized_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
+                      variant: Variant) -> tuple[ChunkKV, list[list[int]]]:
+    """`build_entry` and the [width, height] of each page it compiled (its index row's `image_sizes_px`)."""
     if variant in TEXT_SOURCED:
-        return compile_entries(vlm, variant, [text])[0]
+        return compile_entries(vlm, variant, [text])[0], []
     pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))
-    return compile_entries(vlm, variant, [pages])[0]
+    return compile_entries(vlm, variant, [pages])[0], [[p.width, p.height] for p in pages]
 
 
 def encode_png(image: Image.Image) -> bytes:
@@ -89,12 +95,13 @@ def decode_png(data: bytes) -> Image.Image:
 
 
 def index_row(manifest: Manifest, chunk_key: str, tier: str | None, variant: Variant, kv: ChunkKV,
-              sizes_px: list[list[int]], shard: ShardEntry) -> dict[str, Any]:
-    """The index row of one written entry (created_at is stamped at publish)."""
+              sizes_px: list[list[int]], shard: ShardEntry, legibility: float | None = None) -> dict[str, Any]:
+    """The index row of one written entry (created_at is stamped at publish; `legibility`: its pages'
+    OCR score, pipeline/legibility_score.py, when the job measured it)."""
     return {
         "chunk_key": chunk_key, "tier": tier, "variant": variant.value,
         "fingerprint": manifest.entry_fingerprint(variant, tier), "kind": kv.kind.value,
         "num_tokens": kv.num_tokens, "position_span": kv.position_span, "compile_start": kv.compile_start,
         "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes_px,
-        "vision_tokens": kv.vision_tokens, **shard.index_fields(),
+        "vision_tokens": kv.vision_tokens, "legibility": legibility, **shard.index_fields(),
     }

@@ -31,10 +31,11 @@ import pyarrow.fs as pafs
 
 from pipeline.catalog import CATALOG, COUNTS, ENTRIES, SEARCH
 from pipeline.catalog_writer import parts_digest, table_parts, write_chunks_dir, write_entries_dir
+from pipeline.part_record import PartsCheck, compare_parts, describe, read_parts_record, write_parts_record
 from pipeline.serving_blobs import (
     COMPLETE, STAGING_PREFIX, abs_path, is_complete, publish_dir, read_json, staging_dir, write_json,
 )
-from pipeline.store import Store
+from pipeline.store import Store, StoreError
 from schemas.config import Variant
 from schemas.generation import (
     CHUNKS_DIR, CURRENT, ENTRIES_DIR, GENERATIONS_DIR, LEASES_DIR, SERVING_DIR, Generation, Lease, SearchInfo,
@@ -76,6 +77,7 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
     bucket of rows at any store size) and reused while the parts are unchanged, so a recompile rebuilds
     only the entry table, and a rerun that changed nothing rebuilds nothing."""
     manifest = store.load_manifest_or_raise()
+    require_recorded_parts(store, "not publishing (the new generation would silently serve less)")
     for attempt in range(_PART_RETRIES):
         try:
             chunks_rel, chunk_counts = _chunks_snapshot(store, manifest, spec)
@@ -103,6 +105,7 @@ def _chunks_snapshot(store: Store, manifest: Manifest, spec: SearchSpec) -> tupl
 
     def write(out: Path) -> dict:
         _, num_chunks, num_documents = write_chunks_dir(store, parts, manifest.embedding_dim, spec, out)
+        write_parts_record(store, parts, out)
         return {"num_chunks": num_chunks, "num_documents": num_documents}
 
     return rel, _snapshot(store, rel, write)
@@ -119,6 +122,7 @@ def _entries_snapshot(store: Store, manifest: Manifest, chunks_rel: str) -> tupl
             source = stack.enter_context(store.fs.open_input_file(abs_path(store, f"{chunks_rel}/{CATALOG}")))
             catalog = pa.ipc.open_file(source)
             num_entries = write_entries_dir(store, parts, lambda t, v: served_fingerprint(manifest, t, v), catalog, out)
+        write_parts_record(store, parts, out)
         return {"num_entries": num_entries}
 
     return rel, _snapshot(store, rel, write)
@@ -139,6 +143,29 @@ def _snapshot(store: Store, rel: str, write: Callable[[Path], dict]) -> dict:
     if counts is None:
         raise FileNotFoundError(f"snapshot {rel} of store {store.uri} has no {COUNTS}")
     return counts
+
+
+def parts_checks(store: Store) -> list[PartsCheck]:
+    """The index and chunk parts now listed against those the current generation was built from: one
+    listing per table and two small reads (pipeline/part_record.py). Unchecked (generation None) when
+    no generation exists or it predates part records."""
+    record = current_generation(store)
+    checks = []
+    for table, rel in (("index", record and record.entries_dir), ("chunks", record and record.chunks_dir)):
+        recorded = read_parts_record(store, rel) if rel else None
+        listed = [p for p in table_parts(store, table) if p.type == pafs.FileType.File]  # not compacted away meanwhile
+        checks.append(compare_parts(table, record.generation if recorded is not None else None, recorded, listed))
+    return checks
+
+
+def require_recorded_parts(store: Store, refusal: str) -> None:
+    """Raise `StoreError` naming every missing or changed part (`parts_checks`), with `refusal` and the fix."""
+    damaged = [check for check in parts_checks(store) if not check.ok]
+    if damaged:  # list once more: a compaction between a listing and its file infos looks like a loss
+        damaged = [check for check in parts_checks(store) if not check.ok]
+    if damaged:
+        raise StoreError(f"store {store.uri}: {describe(damaged)}; {refusal}. Run `qvpic verify --store {store.uri} "
+                         "--repair`: it restores lost index rows from the current generation")
 
 
 def ensure_generation(store: Store, spec: SearchSpec = SearchSpec()) -> int:

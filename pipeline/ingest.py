@@ -58,6 +58,8 @@ class IngestConfig:
     resource_wait_s: float = 60.0  # how long to wait for the cluster to free what the job needs
     stall_timeout_s: float = 1800.0  # a job in which no block moves for this long fails instead of hanging
     kv_quant: KVQuant | None = None  # how entries are stored; None: the store's own (none for a new store)
+    lazy_high_tier: bool = False  # compile the highest tier on first promotion, not here (`--lazy-high-tier`)
+    legibility: bool = False  # OCR every image entry's pages into its index row (`--legibility`)
     force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
 
     def __post_init__(self) -> None:
@@ -68,13 +70,15 @@ class IngestConfig:
 
 
 def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, ...], embedder_name: str,
-                 embedding_dim: int, job_id: str, kv_quant: KVQuant = KVQuant.NONE) -> Manifest:
+                 embedding_dim: int, job_id: str, lazy_high_tier: bool = False,
+                 kv_quant: KVQuant = KVQuant.NONE) -> Manifest:
     model_id, revision, family, template_prefix = model_identity(model)
     now = datetime.now(timezone.utc)
     return Manifest.create(
         StoredModel(id=model_id, revision=revision, dtype=model.dtype, family=family), template_prefix,
         render=render, variants=variants, embedder=embedder_name, embedding_dim=embedding_dim, kv_quant=kv_quant,
         created_at=now, updated_at=now, job_ids=(job_id,),
+        lazy_tiers=(render.highest_tier.name,) if lazy_high_tier and len(render.tiers) > 1 else (),
     )
 
 
@@ -82,7 +86,7 @@ def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
     """The store's manifest extended by this job; refuses a store built for another model, page layout or embedder."""
     embedder = Embedder(cfg.embedder_dir)  # its name and width go into the manifest
     fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder.model_name, embedder.dim, cfg.job_id,
-                         cfg.kv_quant or KVQuant.NONE)
+                         cfg.lazy_high_tier, cfg.kv_quant or KVQuant.NONE)
     manifest = store.read_manifest()
     if manifest is None:
         return fresh
@@ -96,7 +100,7 @@ def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
                          f"run `qvpic recompile --kv-quant {cfg.kv_quant.value}` to convert it")
     return manifest.model_copy(update={
         "variants": tuple(dict.fromkeys(manifest.variants + cfg.variants)), "updated_at": fresh.updated_at,
-        "job_ids": manifest.job_ids + (cfg.job_id,)})
+        "job_ids": manifest.job_ids + (cfg.job_id,), "lazy_tiers": fresh.lazy_tiers})  # this job's choice
 
 
 def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:
@@ -182,7 +186,8 @@ def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
     changed since; None when the pipeline must run). Needs no Ray: a no-op rerun never starts one."""
     started = time.perf_counter()
     store = Store.open(cfg.store, create=True)
-    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg))
+    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg),
+                  {"legibility": cfg.legibility})
     record = None if cfg.force else unchanged_since(store, key, current_generation_number(store))
     if record is None:
         return key, None
@@ -206,7 +211,7 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         store.write_manifest(manifest)
         slots = entry_slots(manifest, manifest.variants)
         compile_plan = CompilePlan(cfg.model, store.spec, manifest.to_json(), cfg.resources.batch_size, stamp_ns,
-                                   cfg.job_id)
+                                   cfg.job_id, cfg.legibility)
 
         rows = read(cfg.corpus, cfg.reader, plan)
         rows = check_ids(rows, plan)

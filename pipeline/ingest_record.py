@@ -55,11 +55,13 @@ def corpus_digest(corpus: str) -> str:
 
 
 def run_key(corpus: str, reader: ReaderSpec, chunk_tokens: int, variants: tuple[Variant, ...],
-            manifest: Manifest) -> str:
-    """What a job reads and how it builds: equal keys over an unchanged store produce the same store."""
+            manifest: Manifest, options: dict[str, Any]) -> str:
+    """What a job reads and how it builds: equal keys over an unchanged store produce the same store.
+    `options`: the job's other switches that change what it writes (e.g. legibility scores)."""
     slots = {slot_name(t, v): manifest.entry_fingerprint(v, t) for t, v in entry_slots(manifest, variants)}
     spec = {"corpus": corpus_digest(corpus), "reader": reader.model_dump(mode="json"), "chunk_tokens": chunk_tokens,
-            "slots": slots, "embedder": [manifest.embedder, manifest.embedding_dim]}
+            "slots": slots, "lazy_tiers": list(manifest.lazy_tiers), "embedder": [manifest.embedder, manifest.embedding_dim],
+            "options": options}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

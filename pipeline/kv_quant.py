@@ -132,8 +132,13 @@ def dequantize(q: QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def stored(kv: torch.Tensor, quant: KVQuant) -> torch.Tensor | QuantizedKV:
-    """What a store keeps of a compiled entry: the tensor itself, or its quantised record."""
+def stored(kv: torch.Tensor | QuantizedKV, quant: KVQuant) -> torch.Tensor | QuantizedKV:
+    """What a store keeps of a compiled entry: the tensor itself, or its quantised record (a record
+    read from the store already is one)."""
+    if isinstance(kv, QuantizedKV):
+        if kv.quant is not quant:
+            raise ValueError(f"a {kv.quant.value} record in a store of {quant.value} KV")
+        return kv
     return kv if quant is KVQuant.NONE else quantize(kv, quant)
 
 

@@ -28,11 +28,22 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.blobs import Blobs, StoreError
+from schemas.store import with_optional
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TARGET_ROWS = 250_000  # per compacted part: a 1M-chunk store's index (4 entries a chunk) is 16 files
 _LIST_RETRIES = 5
 _COMPACTED = re.compile(r"-c\d{20}-\d{4}$")  # the suffix a compacted part adds to the name it takes
+
+
+def part_stem(name: str) -> str:
+    """A part's name without its compaction suffix: a compacted part has the stem of the newest part it
+    replaced, so parts sort by stem in the order their rows were written."""
+    return _COMPACTED.sub("", name.removesuffix(PART_SUFFIX))
+
+
+def is_compacted(name: str) -> bool:
+    return bool(_COMPACTED.search(name.removesuffix(PART_SUFFIX)))
 
 
 def newest_per_key(table: pa.Table, keys: Sequence[str], time_column: str | None) -> pa.Table:
@@ -81,7 +92,8 @@ class PartLog:
 
     def _read_part(self, rel: str) -> pa.Table:
         try:
-            return pq.read_table(pa.BufferReader(self.blobs.get(rel))).select(self.schema.names).cast(self.schema)
+            table = with_optional(pq.read_table(pa.BufferReader(self.blobs.get(rel))), self.schema)
+            return table.select(self.schema.names).cast(self.schema)
         except (KeyError, pa.ArrowException) as e:
             raise StoreError(f"part {self.blobs.path(rel)} does not match the {self.directory} schema: {e}") from e
 
@@ -110,6 +122,37 @@ class PartLog:
         if self._current is None or self._current[0] is not raw:
             self._current = (raw, newest_per_key(raw, self.keys, self.time_column))
         return self._current[1]
+
+    def distinct(self, column: str) -> set:
+        """Distinct values of `column` over every part, read one part and one column at a time."""
+        for _ in range(_LIST_RETRIES):
+            values: set = set()
+            try:
+                for rel in self.part_paths():
+                    with self.blobs.fs.open_input_file(self.blobs.path(rel)) as f:
+                        values.update(pc.unique(pq.read_table(f, columns=[column])[column]).to_pylist())
+                return values
+            except FileNotFoundError:  # a compaction replaced a part we listed: list again
+                continue
+        raise StoreError(f"{self.blobs.path(self.directory)} kept changing under {_LIST_RETRIES} reads")
+
+    # ---- repair --------------------------------------------------------------------------------
+    def put_in_place_of(self, stem: str, table: pa.Table) -> str:
+        """Write `table` as a part named like a compaction of the part(s) with `stem`: it sorts where their
+        rows were written, and a reader or checker tells it replaced them. Returns its name."""
+        name = f"{stem}-c{time.time_ns():020d}-0000{PART_SUFFIX}"
+        self._put(name, table)
+        return name
+
+    def rewrite(self, rel: str, keep: Callable[[pa.Table], pa.Table]) -> int:
+        """Replace part `rel` by the rows `keep` keeps, the new part written before the old is deleted (a
+        reader sees either, or both deduped). Returns the number of rows dropped."""
+        table = self._read_part(rel)
+        kept = keep(table)
+        if kept.num_rows != table.num_rows:
+            self.put_in_place_of(part_stem(rel.rsplit("/", 1)[1]), kept)
+            self.blobs.delete(rel)
+        return table.num_rows - kept.num_rows
 
     # ---- compaction ----------------------------------------------------------------------------
     def compact(self, full: bool = False, keep: Callable[[pa.Table], pa.Table] | None = None,
@@ -141,12 +184,14 @@ class PartLog:
 
     def _replace(self, paths: list[str], tables: Iterator[pa.Table], target_rows: int) -> int:
         """Write `tables` as parts named after the newest of `paths`, then delete `paths`."""
-        base = _COMPACTED.sub("", paths[-1].rsplit("/", 1)[1].removesuffix(PART_SUFFIX))
+        base = part_stem(paths[-1].rsplit("/", 1)[1])
         token, written = f"{time.time_ns():020d}", 0
         for table in tables:
             for start in range(0, table.num_rows, target_rows):
                 self._put(f"{base}-c{token}-{written:04d}{PART_SUFFIX}", table.slice(start, target_rows))
                 written += 1
+        if not written:  # every row filtered out: an empty part still says these parts were replaced
+            self._put(f"{base}-c{token}-0000{PART_SUFFIX}", self.schema.empty_table())
         for rel in paths:  # only once every replacement exists
             self.blobs.delete(rel)
         return len(paths)

@@ -68,8 +68,12 @@ class RecompileSummary:
 def target_manifest(old: Manifest, cfg: RecompileConfig) -> tuple[Manifest, ModelSpec]:
     model = cfg.model or ModelSpec(path=old.model.id, dtype=old.model.dtype)
     fresh = new_manifest(model, cfg.render or old.render, cfg.variants or old.variants, old.embedder,
-                         old.embedding_dim, cfg.job_id, old.kv_quant if cfg.kv_quant is None else cfg.kv_quant)
-    return fresh.model_copy(update={"created_at": old.created_at, "job_ids": old.job_ids + (cfg.job_id,)}), model
+                         old.embedding_dim, cfg.job_id,
+                         kv_quant=old.kv_quant if cfg.kv_quant is None else cfg.kv_quant)
+    above_lowest = {t.name for t in fresh.tiers} - {fresh.render.lowest_tier.name}
+    lazy_tiers = tuple(t for t in old.lazy_tiers if t in above_lowest)  # a lazy store stays lazy
+    return fresh.model_copy(update={"created_at": old.created_at, "job_ids": old.job_ids + (cfg.job_id,),
+                                    "lazy_tiers": lazy_tiers}), model
 
 
 def _chunk_rows(batch: pa.Table) -> pa.Table:
@@ -123,7 +127,8 @@ def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: f
     store.write_manifest(new)  # the switch: atomic, and only once every new entry exists
     publish_generation(store, job_id)
     before = store.index().num_rows
-    store.compact(keep_fingerprints={new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)})
+    store.compact(keep_fingerprints={new.entry_fingerprint(v, t)
+                                      for t, v in entry_slots(new, new.variants, include_lazy=True)})
     return before - store.index().num_rows, store.remove_orphans(older_than_s=orphan_grace_s)
 
 

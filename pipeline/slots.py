@@ -9,15 +9,18 @@ from schemas.config import Variant
 from schemas.store import CacheKey, Manifest
 
 
-def entry_slots(manifest: Manifest, variants: Sequence[Variant]) -> list[tuple[str | None, Variant]]:
+def entry_slots(manifest: Manifest, variants: Sequence[Variant],
+                include_lazy: bool = False) -> list[tuple[str | None, Variant]]:
     """(tier, variant) of every entry a chunk needs: templated pages at every tier, the baselines'
-    pages (plain, dummy prefix) at the lowest, each text variant once."""
+    pages (plain, dummy prefix) at the lowest, each text variant once. Slots the manifest compiles
+    lazily (on first promotion, see serve/lazy_tier.py) are left out unless `include_lazy`: jobs do
+    not build them, but keep what serving wrote back."""
     slots: list[tuple[str | None, Variant]] = []
     lowest = manifest.render.lowest_tier.name
     for variant in variants:
         tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
             variant, [t.name for t in manifest.tiers])
-        slots += [(tier, variant) for tier in tiers]
+        slots += [(tier, variant) for tier in tiers if include_lazy or not manifest.is_lazy(tier, variant)]
     return slots
 
 

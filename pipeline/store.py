@@ -225,7 +225,7 @@ class Store:
         older than `older_than_s` (a grace period for jobs between writing a shard and publishing its
         rows). Rows hidden by a newer duplicate still protect their shard until compaction drops them, and
         shards of a serving generation still live (current or leased) are never removed."""
-        referenced = set(pc.unique(self.tables["index"].raw()["shard_path"]).to_pylist())
+        referenced = self.tables["index"].distinct("shard_path")  # streamed: a part and a column at a time
         from pipeline.generations import protected_shards  # (imports this module)
 
         referenced |= protected_shards(self)  # what a live service may still read

@@ -216,6 +216,23 @@ class ModelSpec(Frozen):
     min_pixels: int = Field(3136, gt=0)
 
 
+class HybridSpec(Frozen):
+    """Hybrid representation per chunk (`qvpic serve --hybrid`): in `qvpic` mode the router serves a chunk
+    as its text entry instead of its pages where this declared rule says so (serve/hybrid.py):
+
+    1. cheaper as text: text tokens ≤ `text_cost_ratio` × the tokens of its pages — at the lowest tier
+       before promotion (such a chunk is text and takes no promotion), then at the tier it was routed to;
+    2. illegible: its pages at the routed tier scored below `min_legibility` at ingest (`qvpic ingest
+       --legibility`; unmeasured counts as legible) and its text costs at most
+       `illegible_text_cost_ratio` × their tokens, within the request's token room (most relevant first).
+    """
+
+    enabled: bool = False
+    text_cost_ratio: float = Field(1.0, gt=0.0, le=16.0)
+    min_legibility: float = Field(0.97, ge=0.0, le=1.0)
+    illegible_text_cost_ratio: float = Field(2.0, gt=0.0, le=16.0)
+
+
 class RouterSpec(Frozen):
     """Defaults of the relevance router; τ and B can be overridden per request."""
 
@@ -223,6 +240,7 @@ class RouterSpec(Frozen):
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
     normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR
     temperature: float = Field(0.05, gt=0.0, le=10.0)  # of the softmax normalisation; unused by linear
+    hybrid: HybridSpec = HybridSpec()  # text instead of pages per chunk, by a declared rule (off by default)
 
 
 class RecomputeSpec(Frozen):

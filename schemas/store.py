@@ -43,6 +43,7 @@ TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")  # TierSpec.name's pattern
 SHARD_PATH = re.compile(r"shards/[0-9a-f]{2}/[0-9a-f]{64}\.safetensors")  # named by sha256 of its bytes
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
 _PAGES = pa.list_(pa.list_(pa.int32()))  # one [t, h, w] or [w, h] per page
+OPTIONAL = b"qvpic.optional"  # field metadata: a nullable column added later, absent from older parts and rows
 
 CHUNKS_SCHEMA = pa.schema([
     pa.field("chunk_id", pa.string(), nullable=False),
@@ -76,6 +77,10 @@ INDEX_SCHEMA = pa.schema([
     pa.field("shape", pa.list_(pa.int64()), nullable=False),  # [layers, 2, kv_heads, tokens, head_dim]
     pa.field("checksum", pa.string(), nullable=False),  # sha256 hex of the tensor's raw bytes
     pa.field("created_at", _TIMESTAMP, nullable=False),
+    # OCR character accuracy of the entry's pages against the chunk's text, in [0, 1] (`qvpic ingest
+    # --legibility`); null when not measured, and for text entries. Optional: parts written before the
+    # column existed read it as null.
+    pa.field("legibility", pa.float32(), nullable=True, metadata={OPTIONAL: b"1"}),
 ])
 
 QUARANTINE_SCHEMA = pa.schema([
@@ -92,9 +97,26 @@ class RowsError(ValueError):
     """Rows do not match a store table's schema."""
 
 
+def optional_names(schema: pa.Schema) -> set[str]:
+    return {f.name for f in schema if f.metadata and f.metadata.get(OPTIONAL)}
+
+
+def with_optional(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with every optional column of `schema` it lacks added as nulls (a part written before it existed)."""
+    for name in optional_names(schema) - set(table.column_names):
+        table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
+    return table
+
+
 def conform(rows: Iterable[Mapping[str, Any]] | pa.Table, schema: pa.Schema, what: str) -> pa.Table:
     """Rows (dicts or a Table) as a Table of exactly `schema`; missing, extra or null-in-required
-    columns raise `RowsError` instead of becoming silent nulls."""
+    columns raise `RowsError` instead of becoming silent nulls. Optional columns (see `OPTIONAL`) may be
+    left out: they are null."""
+    optional = optional_names(schema)
+    if isinstance(rows, pa.Table):
+        rows = with_optional(rows, schema)
+    elif optional:
+        rows = [{**{name: None for name in optional}, **row} for row in rows]
     if isinstance(rows, pa.Table):
         missing = set(schema.names) - set(rows.column_names)
         extra = set(rows.column_names) - set(schema.names)
@@ -150,6 +172,9 @@ def check_index_rows(table: pa.Table) -> None:
     _require(pc.all(pc.equal(is_text, pc.is_null(table["tier"]))), "tier must be null exactly for the text variants")
     _require(_all_match(pc.drop_null(table["tier"]), TIER_NAME), "index tier is not a tier name")
     _require(_all_match(table["shard_path"], SHARD_PATH), "index shard_path must come from write_shard")
+    legibility = pc.drop_null(table["legibility"])
+    outside = pc.or_(pc.less(legibility, 0.0), pc.greater(legibility, 1.0))
+    _require(pa.scalar(not pc.any(outside).as_py()), "index legibility must lie in [0, 1]")
 
 
 def check_chunk_rows(table: pa.Table, embedding_dim: int | None) -> None:
@@ -305,6 +330,9 @@ class Manifest(Frozen):
     created_at: datetime
     updated_at: datetime
     job_ids: tuple[str, ...] = ()
+    # Tiers whose templated entries are compiled on first promotion, by the generator that needs them,
+    # instead of at ingest (`qvpic ingest --lazy-high-tier`); never the lowest tier, which backs them up.
+    lazy_tiers: tuple[str, ...] = ()
 
     @field_validator("schema_version")
     @classmethod
@@ -318,7 +346,15 @@ class Manifest(Frozen):
         expected = model_fingerprint(self.model.id, self.model.revision, self.model.dtype, self.template_prefix)
         if self.fingerprint != expected:
             raise ValueError(f"manifest fingerprint {self.fingerprint!r} does not match its model and template prefix")
+        names = {t.name for t in self.render.tiers}
+        for tier in self.lazy_tiers:
+            if tier not in names or tier == self.render.lowest_tier.name:
+                raise ValueError(f"lazy tier {tier!r} must be one of the store's tiers above the lowest, {sorted(names)}")
         return self
+
+    def is_lazy(self, tier: str | None, variant: Variant) -> bool:
+        """Whether the (tier, variant) entry is compiled on first use rather than at ingest."""
+        return Variant(variant) is Variant.TEMPLATE and tier in self.lazy_tiers
 
     @classmethod
     def create(cls, model: StoredModel, template_prefix: str, **fields: Any) -> "Manifest":

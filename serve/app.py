@@ -12,7 +12,7 @@ from typing import Any
 
 from ray import serve
 
-from pipeline.generations import ensure_generation, read_generation
+from pipeline.generations import ensure_generation, read_generation, require_recorded_parts
 from pipeline.store import Store
 from schemas.api import StoreInfo
 from serve.configs import (  # noqa: F401  (AppArgs, DeploymentArgs: re-exported for callers of this module)
@@ -57,10 +57,12 @@ def api_settings(args: AppArgs) -> ApiSettings:
 
 
 def preflight(args: AppArgs) -> None:
-    """Fail fast, before any replica starts, when the store was compiled for another model; publish a
-    serving generation once when no job has (so replicas never race to build one)."""
+    """Fail fast, before any replica starts, when the store was compiled for another model or has lost
+    table parts since its current generation (a listing per table, O(parts)); publish a serving
+    generation once when no job has (so replicas never race to build one)."""
     store = Store.open(args.store)
     check_store(store.load_manifest_or_raise(), args.model)
+    require_recorded_parts(store, "not serving (docs/RELIABILITY.md: a store one publish away from losing entries)")
     ensure_generation(store)
 
 

@@ -19,7 +19,8 @@ An entry the loader could not read (missing or corrupt shard) is rebuilt here be
 ingest built it: the chunk's stored source text (or page image), rendered with the store's RenderSpec
 and compiled by this model — the same bytes on the same hardware. Only when that is impossible (a
 page image this replica cannot read) does the request take the loader's lower-tier backup, reported
-as a fallback, or fail with 503. Each outcome is counted in `qvpic_kv_recompiles`.
+as a fallback, or fail with 503. Each outcome is counted in `qvpic_kv_recompiles`. A pending entry of
+a lazily compiled tier takes the same path, through serve/lazy_tier.py: compiled once, written back.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import pyarrow.compute as pc
 from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.entries import PageImageError, build_entry, page_images
+from pipeline.entries import PageImageError, build_sized_entry, page_images
 from pipeline.kv_quant import check_device, stored
 from pipeline.render import Renderer
 from pipeline.runtime.kv import ChunkKV
@@ -62,8 +63,10 @@ from serve.detokenizer import Detokenizer
 from serve.engine.loop import Engine, EngineStats, LinkedContext, OnlineContext
 from serve.engine.sequence import End, Finished, Sequence
 from serve.hot_tier import HotTier
+from serve.lazy_tier import LazyTier
 from serve.loader import CacheLoader, kv_tensor, to_wire
 from serve.metrics import serve_metrics
+from serve.pending import is_pending
 from serve.plan import Answer, Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 from serve.router import check_store
 
@@ -99,6 +102,7 @@ class Generator:
         self.hot = HotTier(config.engine.hot_tier_nbytes)
         self.engine = Engine(self.vlm, config.engine)
         self.metrics = serve_metrics()
+        self.lazy = LazyTier(self.store, manifest, self.compile_entry)  # a lazily compiled tier's entries
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
                        loaded: LoadResult | None = None, loader: CacheLoader | None = None) -> Answer:
@@ -123,8 +127,9 @@ class Generator:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         num_query = len(context.prefill.query_ids) if isinstance(context.prefill, LinkedContext) else 0
-        num_prompt = (self.prefix_tokens + self.instruction_tokens(plan.instruction)
-                      + sum(c.num_tokens for c in plan.chunks) + (num_query or plan.query_tokens))
+        num_prompt = (self.prefix_tokens + self.instruction_tokens(plan.instruction)  # as served: a lazily compiled
+                      + sum((s or c).num_tokens for c, s in zip(plan.chunks, context.served))  # entry's own count
+                      + (num_query or plan.query_tokens))
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
         self.engine.submit(seq)
@@ -237,7 +242,9 @@ class Generator:
         for item in loaded.unreadable:
             chunk = plan.chunks[item.position]
             try:
-                array, dtype = to_wire(stored(self.recompile(chunk, item.entry).kv, self.kv_quant))
+                tensor, entry, outcome = (self.lazy.promote(chunk, item.entry) if is_pending(item.entry)  # lazy tier
+                                          else (self.recompile(chunk, item.entry).kv, item.entry, "recompiled"))
+                array, dtype = to_wire(stored(tensor, self.kv_quant))  # as the store keeps it
             except ValueError as error:  # UnservableError: e.g. a page image this replica cannot read
                 outcome = "unservable" if item.backup is None else "backup"
                 self.metrics.kv_recompiles.inc(outcome=outcome)
@@ -249,23 +256,27 @@ class Generator:
                                                 served_tier=item.backup.entry.tier or "-",
                                                 reason=f"{item.reason}; not rebuilt: {error}"))
                 continue
-            self.metrics.kv_recompiles.inc(outcome="recompiled")
-            kvs[item.position] = LoadedKV(array, dtype, item.entry)  # exact: no fallback to report
+            self.metrics.kv_recompiles.inc(outcome=outcome)
+            kvs[item.position] = LoadedKV(array, dtype, entry)  # exact: no fallback to report
         if unservable:
             raise UnservableError(f"KV entries unreadable and not rebuildable here: {unservable[:5]}")
         load_ms = loaded.load_ms + (time.perf_counter() - started) * 1e3
         return dataclasses.replace(loaded, kvs=tuple(kvs), fallbacks=tuple(fallbacks), unreadable=(), load_ms=load_ms)
 
     def recompile(self, chunk: PlannedChunk, entry: Entry) -> ChunkKV:
-        """`entry` compiled again from its source as ingest compiled it: the text of the first chunk (by
-        id) with its content key, which is the one ingest compiled, rendered at the entry's tier."""
+        return self.compile_entry(chunk, entry)[0]
+
+    def compile_entry(self, chunk: PlannedChunk, entry: Entry) -> tuple[ChunkKV, list[list[int]]]:
+        """`entry` compiled (again) as ingest compiles it, and its pages' sizes: the text of the first chunk
+        (by id) with its content key, which is the one ingest compiled, rendered at the entry's tier."""
         table = self.store.chunks()
         rows = table.filter(pc.equal(table["chunk_key"], entry.row["chunk_key"]))
         if rows.num_rows == 0:
             raise UnservableError(f"chunk {chunk.chunk_id} has no source text in the store")
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
         with self.engine.model_lock:  # between engine steps
-            return build_entry(self.vlm, self.renderer, source["text"], source["image_path"], entry.tier, entry.variant)
+            return build_sized_entry(self.vlm, self.renderer, source["text"], source["image_path"], entry.tier,
+                                     entry.variant)
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""

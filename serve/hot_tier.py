@@ -15,66 +15,50 @@ copies what arrives onto its device here.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 
 from pipeline.runtime.kv import ChunkKV
 from schemas.api import CacheStats
+from serve.lru import ByteLRU
 from serve.plan import Entry
 
 
 class HotTier:
-    """Least-recently-used map of entry key → (device KV, the entry); summed KV bytes ≤ `max_nbytes`.
-
-    A KV larger than the whole cap is not kept. Thread-safe (requests share it).
-    """
+    """Least-recently-used map of entry key → (device KV, the entry); summed KV bytes ≤ `max_nbytes`
+    (serve/lru.py, the loader's policy too). A KV larger than the whole cap is not kept. Thread-safe
+    (requests share it)."""
 
     def __init__(self, max_nbytes: int):
-        if max_nbytes < 0:
-            raise ValueError(f"max_nbytes must be >= 0, got {max_nbytes}")
-        self.max_nbytes, self.nbytes = max_nbytes, 0
-        self.hits = self.misses = self.evictions = 0
-        self._items: OrderedDict[str, tuple[ChunkKV, Entry]] = OrderedDict()
+        self._lru: ByteLRU[tuple[ChunkKV, Entry]] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
         self._lock = threading.Lock()
+
+    @property
+    def max_nbytes(self) -> int:
+        return self._lru.max_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
 
     def get_many(self, keys: Iterable[str]) -> dict[str, tuple[ChunkKV, Entry]]:
         """The resident ones among `keys` (each counted as a hit or a miss once)."""
-        found = {}
         with self._lock:
-            for key in dict.fromkeys(keys):
-                item = self._items.get(key)
-                if item is None:
-                    self.misses += 1
-                    continue
-                self._items.move_to_end(key)
-                self.hits += 1
-                found[key] = item
-        return found
+            found = {key: self._lru.get(key) for key in dict.fromkeys(keys)}
+        return {key: item for key, item in found.items() if item is not None}
 
     def put(self, key: str, kv: ChunkKV, entry: Entry) -> None:
         with self._lock:
-            if key in self._items:
-                self.nbytes -= self._items.pop(key)[0].nbytes
-            if kv.nbytes > self.max_nbytes:
-                return
-            while self.nbytes + kv.nbytes > self.max_nbytes:
-                _, (evicted, _) = self._items.popitem(last=False)
-                self.nbytes -= evicted.nbytes
-                self.evictions += 1
-            self._items[key] = (kv, entry)
-            self.nbytes += kv.nbytes
+            self._lru.put(key, (kv, entry))
 
     def keys(self) -> list[str]:
         """Resident keys, least recently used first."""
         with self._lock:
-            return list(self._items)
+            return self._lru.keys()
 
     def clear(self) -> None:
         with self._lock:
-            self._items.clear()
-            self.nbytes = 0
+            self._lru.clear()
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(entries=len(self._items), nbytes=self.nbytes, max_nbytes=self.max_nbytes,
-                              hits=self.hits, misses=self.misses, evictions=self.evictions)
+            return self._lru.stats()

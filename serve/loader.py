@@ -4,17 +4,17 @@ KV leaves this deployment as numpy (bf16 as a uint16 view): Ray moves numpy buff
 bf16 torch tensor crossing as-is is ~10x slower. A quantised store's entries (pipeline/kv_quant.py) stay
 quantised here — in the LRU (twice the entries per byte) and on the wire (half the bytes) — and are
 dequantised on the generator's device as they enter its hot tier (`kv_tensor`). Checksums are
-verified by the store on every read from it; what sits in the LRU was verified when it was read. An entry whose shard is missing or corrupt
-is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
+verified by the store on every read from it; what sits in the LRU was verified when it was read. An
+entry whose shard is missing or corrupt is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
 the generator rebuilds the entry from the chunk's source, or serves the backup and reports the
-fallback, or refuses the request (503) — never a silent gap in the context.
+fallback, or refuses the request (503) — never a silent gap in the context. A pending entry (a lazily
+compiled tier, serve/pending.py) is handed on the same way, unread: the generator compiles it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -26,12 +26,15 @@ from schemas.api import CacheReport, CacheStats
 from schemas.config import DType, KVQuant
 from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
+from serve.lru import ByteLRU
 from serve.metrics import serve_metrics
+from serve.pending import is_pending
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, Unreadable
 from serve.reload import LeaseKeeper
 
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
          torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
+LAZY_REASON = "not compiled yet: its tier is compiled on first promotion"  # the generator compiles it
 _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 
 
@@ -69,56 +72,11 @@ def kv_tensor(kv: LoadedKV, device: torch.device | str, dtype: torch.dtype, copy
     return tensor.to(device, copy=copy)
 
 
-class ByteLRU:
-    """Least-recently-used map of arrays whose summed `nbytes` never exceeds `max_nbytes`.
-
-    An array larger than the whole cap is returned to its caller but not kept. Not thread-safe on its
-    own; `CacheLoader` serialises access.
-    """
-
-    def __init__(self, max_nbytes: int):
-        if max_nbytes < 0:
-            raise ValueError(f"max_nbytes must be >= 0, got {max_nbytes}")
-        self.max_nbytes = max_nbytes
-        self.nbytes = 0
-        self.hits = self.misses = self.evictions = 0
-        self._items: OrderedDict[str, tuple[np.ndarray, DType | KVQuant]] = OrderedDict()
-
-    def keys(self) -> list[str]:
-        """Cached keys, least recently used first (the next to be evicted)."""
-        return list(self._items)
-
-    def get(self, key: str) -> tuple[np.ndarray, DType | KVQuant] | None:
-        item = self._items.get(key)
-        if item is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(key)
-        self.hits += 1
-        return item
-
-    def put(self, key: str, array: np.ndarray, dtype: DType | KVQuant) -> None:
-        if key in self._items:
-            self.nbytes -= self._items.pop(key)[0].nbytes
-        if array.nbytes > self.max_nbytes:
-            return
-        while self.nbytes + array.nbytes > self.max_nbytes:
-            _, (evicted, _) = self._items.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-            self.evictions += 1
-        self._items[key] = (array, dtype)
-        self.nbytes += array.nbytes
-
-    def stats(self) -> CacheStats:
-        return CacheStats(entries=len(self._items), nbytes=self.nbytes, max_nbytes=self.max_nbytes,
-                          hits=self.hits, misses=self.misses, evictions=self.evictions)
-
-
 class CacheLoader:
     def __init__(self, store: StoreSpec | str, max_nbytes: int, reload: ReloadSpec = ReloadSpec()):
         self.shards = ShardReader.open(store)  # the loader reads shards, nothing else of the store
 
-        self.lru = ByteLRU(max_nbytes)
+        self.lru: ByteLRU[tuple[np.ndarray, DType | KVQuant]] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
         self.metrics = serve_metrics()  # created here, inside the replica, so Ray tags it with the replica
         # Plans carry their index rows, so the loader holds no generation state of its own; it leases each
@@ -163,12 +121,12 @@ class CacheLoader:
                     found[entry.key] = item
         report.hits += len(found)
         report.misses += len(missing)
-        failed: dict[str, str] = {}
-        tensors = self._read(list(missing.values()), failed)
+        failed: dict[str, str] = {key: LAZY_REASON for key, entry in missing.items() if is_pending(entry)}
+        tensors = self._read([e for key, e in missing.items() if key not in failed], failed)
         with self._lock:
             for key, tensor in tensors.items():
                 array, dtype = to_wire(tensor)
-                self.lru.put(key, array, dtype)
+                self.lru.put(key, (array, dtype))
                 found[key] = (array, dtype)
                 report.nbytes_from_store += array.nbytes
         return found, failed

@@ -91,7 +91,9 @@ class ServeMetrics:
         self.kv_loaded_bytes = counter("qvpic_kv_loaded_bytes", "Bytes of KV read from the store (LRU misses)")
         self.corrupt_shards = counter("qvpic_corrupt_shards", "KV entries whose shard was missing or failed its checksum")
         self.kv_recompiles = counter("qvpic_kv_recompiles", "Unreadable KV entries by what the generator did: "
-                                     "recompiled, backup (a lower tier) or unservable (503)", "outcome")
+                                     "recompiled, backup (a lower tier) or unservable (503); a lazily compiled "
+                                     "tier's pending entries: lazy_compiled or lazy_stored (found written back)",
+                                     "outcome")
         self.engine_running = gauge("qvpic_engine_running", "Requests decoding in the generator's batch")
         self.engine_waiting = gauge("qvpic_engine_waiting", "Requests queued for a row of the generator's batch")
         self.engine_kv_bytes = gauge("qvpic_engine_kv_bytes", "Bytes of the generator's batch KV slab")

@@ -14,8 +14,11 @@ from typing import Any
 import numpy as np
 
 from schemas.api import FallbackReport, UnknownTierError, UnservableError
-from schemas.config import ChunkKind, Mode, ScoreNormalisation, TierSpec, Variant
+from schemas.config import ChunkKind, HybridSpec, Mode, ScoreNormalisation, TierSpec, Variant
 from schemas.store import CacheKey
+from serve.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text
+from serve.hybrid import as_text as hybrid_text
+from serve.pending import Planner
 from serve.plan import Entry, PlannedChunk
 
 # Each mode is a choice of stored variant and of tiers. Routed modes promote chunks from the lowest tier
@@ -112,6 +115,10 @@ def entry_of(row: dict[str, Any]) -> Entry:
     return Entry(key, row["tier"], variant, row["num_tokens"], row["vision_tokens"], row["position_span"], row)
 
 
+def _pending(pending: Planner | None, low: Entry | None, tier: str | None) -> Entry | None:
+    return None if pending is None or tier == (low.tier if low else None) else pending(low, tier)
+
+
 def find(slots: EntrySlots, tier: str | None, variant: Variant) -> Entry | None:
     row = slots.get((tier, variant))
     return None if row is None else entry_of(row)
@@ -130,11 +137,14 @@ def require(chunks: list[dict], slots: list[EntrySlots], tier: str | None, varia
 def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: list[float],
           texts: Callable[[], list[dict]], low: TierSpec, tier: str | None, tau: float, max_high_res: int,
           room_tokens: int, normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
-          temperature: float = 0.05) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+          temperature: float = 0.05, pending: Planner | None = None,
+          hybrid: HybridSpec | None = None) -> tuple[list[PlannedChunk], list[FallbackReport]]:
     """Planned chunks (request order) for `chunks` (catalog rows), each chunk's entry `slots` and
     relevance. `tier` is `mode_tier`'s: the one tier a uniform mode serves, the one a routed mode
     promotes to from `low`. `texts()` fetches the chunks' text and image path; only the online modes call
-    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low."""
+    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low.
+    `pending` (serve/pending.py) stands in for entries of a lazily compiled tier not compiled yet;
+    `hybrid` (enabled) serves qvpic chunks as text by its rule (serve/hybrid.py)."""
     if mode is Mode.FULL_TEXT:
         planned = []
         for chunk, entries, rel, source in zip(chunks, slots, relevance, texts()):
@@ -144,20 +154,27 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
                                         None, text=source["text"]))
         return planned, []
     variant = PRICED_VARIANT[mode]
+    hybrid_on = hybrid is not None and hybrid.enabled and mode is Mode.QVPIC
     if mode in ROUTED_MODES:  # price every promotion from the index, then allocate
         lows = require(chunks, slots, low.name, variant, mode)
-        highs = [find(s, tier, variant) for s in slots]
-        costs = [h.num_tokens - lo.num_tokens if h else 0 for lo, h in zip(lows, highs)]
-        budget = room_tokens - sum(lo.num_tokens for lo in lows)
+        highs = [find(s, tier, variant) or _pending(pending, lo, tier) for s, lo in zip(slots, lows)]
+        text_entries = [find(s, None, TEXT_VARIANT) for s in slots] if hybrid_on else [None] * len(chunks)
+        text_first = cheaper_as_text(hybrid, text_entries, lows) if hybrid_on else [False] * len(chunks)
+        budget = room_tokens - sum(t.num_tokens if first else lo.num_tokens
+                                   for t, lo, first in zip(text_entries, lows, text_first))
+        # a chunk served as text is no promotion candidate: priced past any budget, allocate skips it
+        costs = [max(budget, 0) + 1 if first else h.num_tokens - lo.num_tokens if h else 0
+                 for lo, h, first in zip(lows, highs, text_first)]
         promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0), normalisation, temperature)
         wanted = [tier if p else low.name for p in promoted]
     else:
         wanted = [tier] * len(chunks)
+        text_entries, text_first = [None] * len(chunks), [False] * len(chunks)
     online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
     sources = texts() if online else [None] * len(chunks)
     planned, fallbacks = [], []
     for chunk, entries, rel, wanted_tier, source in zip(chunks, slots, relevance, wanted, sources):
-        entry = find(entries, wanted_tier, variant)
+        entry = find(entries, wanted_tier, variant) or _pending(pending, find(entries, low.name, variant), wanted_tier)
         # The lowest tier backs a templated entry up (not compiled yet, or unreadable); a baseline asked
         # for at a tier fails loudly instead, so a sweep never measures a silently swapped tier.
         backup = find(entries, low.name, variant) \
@@ -173,4 +190,7 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
                                     entry.vision_tokens, entry.position_span, None if online else entry,
                                     None if online else backup, source["text"] if online else None,
                                     (source["image_path"] or None) if online else None))
+    if hybrid_on:
+        planned = [hybrid_text(c, t) if first else c for c, t, first in zip(planned, text_entries, text_first)]
+        planned = apply_rule(hybrid, planned, text_entries, room_tokens)
     return planned, fallbacks

@@ -30,6 +30,7 @@ from schemas.config import ModelSpec, RouterSpec
 from schemas.generation import ReloadSpec
 from schemas.store import Manifest, ManifestError, StoreSpec
 from serve.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
+from serve.pending import lazy_planner
 from serve.plan import Plan
 from serve.reload import GenerationWatcher, LeaseKeeper, acquire_current
 from serve.retrieval import Snapshot, open_snapshot
@@ -130,7 +131,8 @@ class Router:
             snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
             self.defaults.tau if request.tau is None else request.tau,
             self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
-            self.defaults.normalisation, self.defaults.temperature)
+            self.defaults.normalisation, self.defaults.temperature, lazy_planner(snapshot.manifest, self.model),
+            self.defaults.hybrid)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(

@@ -38,16 +38,19 @@ DOCUMENTS: dict[str, list[str]] = {
 
 def build_store(root: Path, vlm: VLM, embedder: Embedder, documents: dict[str, list[str]] = DOCUMENTS,
                 render: RenderSpec | None = None, variants: tuple[Variant, ...] = ALL_VARIANTS,
+                lazy_high_tier: bool = False, legibility: bool = False,
                 kv_quant: KVQuant = KVQuant.NONE) -> Store:
     """The ingest job's own render and compile stages, run in-process without Ray."""
     render = render or RenderSpec()
     store = Store.open(str(root), create=True)
-    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests", kv_quant)
+    manifest = new_manifest(vlm.spec, render, variants, embedder.model_name, embedder.dim, "tests", lazy_high_tier,
+                            kv_quant=kv_quant)
     store.write_manifest(manifest)
     chunks = [Chunk.build(doc_id, order, text, len(vlm.adapter.encode(text)))
               for doc_id, texts in documents.items() for order, text in enumerate(texts)]
     first = {c.chunk_key: c for c in reversed(sorted(chunks, key=lambda c: c.chunk_id))}  # as ingest picks
-    errors = compile_in_process(store, manifest, vlm, [(c.chunk_key, c.text, None) for c in first.values()])
+    errors = compile_in_process(store, manifest, vlm, [(c.chunk_key, c.text, None) for c in first.values()],
+                                legibility=legibility)
     assert not errors, errors
     embeddings = embedder.embed([c.text for c in chunks])
     store.publish_chunks([dict(chunk.model_dump(), embedding=vector.tolist(), source=f"tests/{chunk.doc_id}",

@@ -18,7 +18,8 @@ from serve.configs import GeneratorConfig
 from serve.generator import Generator
 from serve.hot_tier import HotTier
 from serve.plan import Answer, Plan
-from serve.loader import ByteLRU, CacheLoader, from_wire, to_wire
+from serve.loader import CacheLoader, from_wire, to_wire
+from serve.lru import ByteLRU
 from serve.router import Router
 from tests.store_factory import Roles, build_store, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
 
@@ -47,12 +48,12 @@ def collect(events) -> list:
 def test_lru_never_exceeds_its_cap_and_evicts_least_recent(seed):
     rng = random.Random(seed)
     cap = rng.randrange(100, 4000)
-    lru, model = ByteLRU(cap), {}  # model: key -> nbytes, in recency order (dicts keep insertion order)
+    lru, model = ByteLRU(cap, lambda item: item[0].nbytes), {}  # model: key -> nbytes, in recency order (dicts keep insertion order)
     for _ in range(500):
         key = f"k{rng.randrange(40)}"
         if rng.random() < 0.5:
             nbytes = rng.choice([rng.randrange(1, cap // 3 + 2), rng.randrange(1, 2 * cap)])
-            lru.put(key, np.zeros(nbytes, dtype=np.uint8), DType.FLOAT32)
+            lru.put(key, (np.zeros(nbytes, dtype=np.uint8), DType.FLOAT32))
             model.pop(key, None)
             if nbytes <= cap:
                 while sum(model.values()) + nbytes > cap:

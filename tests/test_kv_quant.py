@@ -140,7 +140,8 @@ def test_shard_round_trip_keeps_the_record_and_checks_it(tmp_path, quant):
 def manifest(kv_quant: KVQuant) -> Manifest:
     from pipeline.runtime.model import model_identity  # noqa: F401  (tiny model files are built on demand)
     from schemas.config import ModelSpec
-    return new_manifest(ModelSpec(device="cpu"), RenderSpec(), (Variant.TEMPLATE, Variant.TEXT), "minilm", 384, "t", kv_quant)
+    return new_manifest(ModelSpec(device="cpu"), RenderSpec(), (Variant.TEMPLATE, Variant.TEXT), "minilm", 384, "t",
+                        kv_quant=kv_quant)
 
 
 def test_every_entry_fingerprint_depends_on_the_kv_format_and_unquantised_ones_are_unchanged():
