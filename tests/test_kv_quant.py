@@ -216,3 +216,27 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
         logits[name] = vlm.prefill_query(vlm.assemble(chunks), request.query).logits[0, -1].float()
     gap = float((logits["int8"] - logits["none"]).norm() / logits["none"].norm())
     assert 0 < gap < LOGIT_BOUND, gap
+
+
+def test_a_lazy_int8_store_writes_back_int8_and_serves_the_same_answer_from_it(serving_store, tmp_path):
+    """A lazily compiled tier's first promotion is written back in the store's format, and the request that
+    compiled it is served what the store now keeps: the answer equals the one served from the written-back entry."""
+    from pipeline.write_back import written_back
+    from schemas.config import Mode
+    from schemas.sampling import Sampling
+    from schemas.store import CacheKey
+    from serve.pending import is_pending
+    build_store(tmp_path, serving_store.vlm, serving_store.embedder, lazy_high_tier=True, kv_quant=KVQuant.INT8)
+    uri, model = str(tmp_path), serving_store.model
+    router = Router(uri, model, RouterSpec(), 4)
+    request = AnswerRequest(query="When does part XK-4471-B ship?", chunk_ids=["invoices#00000", "manual#00001"],
+                            mode=Mode.QVPIC, tau=0.5, max_high_res=1, max_new_tokens=6)
+    plan = asyncio.run(router.plan(request))
+    (pending,) = [c.entry for c in plan.chunks if is_pending(c.entry)]
+    first = Generator(GeneratorConfig(store=uri, model=model))
+    compiled = first.generate_blocking(plan, Sampling(max_new_tokens=6), loader=CacheLoader(uri, 1 << 20))
+    row = written_back(Store.open(uri), CacheKey.parse(pending.key))
+    assert row is not None and row["dtype"] == "int8"
+    other = Generator(GeneratorConfig(store=uri, model=model))  # another replica reads the written-back entry
+    from_store = other.generate_blocking(plan, Sampling(max_new_tokens=6), loader=CacheLoader(uri, 1 << 20))
+    assert other.lazy.stats.from_store == 1 and from_store.text == compiled.text
