@@ -172,7 +172,8 @@ def run_ingest(corpus: Path, store: Path, batch_size: int, *flags: str) -> dict:
     out, _ = proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"ingest of {corpus} failed ({proc.returncode})")
-    summary = json.loads(out[out.index("{"):])
+    # the summary object; Ray may forward worker log lines to the driver's stdout around it
+    summary, _ = json.JSONDecoder().raw_decode(out, out.index('{\n  "job_id"'))
     assert summary["balanced"], summary
     return summary | {"driver_peak_rss_nbytes": peak, "process_s": time.perf_counter() - started}
 
