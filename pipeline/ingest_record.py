@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +44,17 @@ def corpus_digest(corpus: str) -> str:
         content = hashlib.sha256()
         size = 0
         try:
-            with open(f.path, "rb") as stream:
-                while block := stream.read(_READ_NBYTES):
-                    content.update(block)
-                    size += len(block)
-        except OSError as e:  # unreadable here: the pipeline quarantines it; the digest records why
+            if os.path.islink(f.path):  # where it points decides what the reader does with it
+                content.update(f"link: {os.readlink(f.path)}".encode())
+            mode = os.stat(f.path).st_mode
+            if not stat.S_ISREG(mode):  # a FIFO, socket or device: opening it could block; the reader rejects it
+                content.update(f"not a regular file: {stat.S_IFMT(mode)}".encode())
+            else:
+                with open(f.path, "rb") as stream:
+                    while block := stream.read(_READ_NBYTES):
+                        content.update(block)
+                        size += len(block)
+        except OSError as e:  # unreadable here (a dangling link, no permission): the pipeline quarantines it
             content.update(f"unreadable: {type(e).__name__}".encode())
         digest.update(json.dumps([f.relpath, size, content.hexdigest()]).encode())
     for r in refused:
