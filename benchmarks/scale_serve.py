@@ -56,12 +56,13 @@ def unit_rows(rng: np.random.Generator, n: int, distribution: str, centres: np.n
 def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -> dict:
     """A store of `num_chunks` chunks (3 entries each) written in parts, never whole in memory; returns
     what the distribution's statistics say (realistic only)."""
+    import torch
+
     from pipeline.embed import Embedder
     from pipeline.ingest import new_manifest
     from pipeline.store import Store
     from schemas.config import ModelSpec, RenderSpec, Variant
-    from schemas.store import INDEX_SCHEMA
-    import torch
+    from schemas.tables import INDEX_SCHEMA
 
     store = Store.open(str(root), create=True)
     embedder_name = Embedder().model_name

@@ -6,6 +6,11 @@ assembly and re-anchoring, the Serve hops, HTTP, JSON) is measured as a share of
 `1 − prefill_ms / client_ms` per request, with `prefill_ms` the query prefill's forward as the generator
 timed it, in the same request. One new token per request, so the client's wait is the time to the
 first token.
+
+Next to it, in the same run, the limit the Serve graph allows: the same request body through no-op
+deployments of the same topology (HTTP → a FastAPI ingress → "router" → ingress → "generator", each
+replying at once), and the query embedding timed alone in this process. Their sum with the re-anchor
+is the fixed cost no engine work removes on this machine.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from dataclasses import dataclass
 
 import httpx
 import torch
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
 
+from schemas.api import AnswerRequest  # module level: FastAPI resolves the handler's annotation here
 from schemas.config import Mode, ModelSpec
 
 APP_NAME = "qvpic-ttft"
@@ -34,6 +43,15 @@ class HttpTtft:
     prefill_ms: float
     overhead_share: float  # median of 1 − prefill_ms / client_ms
     context_tokens: int
+    serve_floor_ms: float  # the same hops through no-op deployments, HTTP and JSON included
+    embed_ms: float  # the query's embedding alone (the router's model, one thread)
+
+    @property
+    def floor_share(self) -> float:
+        """The share the online path would have if it cost only the Serve hops, the query embedding
+        and the re-anchor: what this machine allows with this graph."""
+        fixed = self.serve_floor_ms + self.embed_ms + self.reanchor_ms
+        return fixed / (fixed + self.prefill_ms)
 
 
 def loopback_port() -> int:
@@ -67,15 +85,20 @@ def measure(store_uri: str, model: ModelSpec, chunk_ids: list[str], query: str, 
             "governance": {"response_cache": {"levels": []}}}
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     body = {"query": query, "chunk_ids": chunk_ids, "mode": mode.value, "max_new_tokens": 1}
+    serve.run(floor_app(), name=FLOOR_APP, route_prefix=FLOOR_PREFIX)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
             for _ in range(2):  # warm-up: the LRU fills, first-call costs are paid
                 _post(client, body)
-            runs = []
-            for _ in range(repeats):
+                client.post(FLOOR_PREFIX + "/", json=body).raise_for_status()
+            runs, floor = [], []
+            for _ in range(repeats):  # interleaved: both see the same machine
                 started = time.perf_counter()
                 reply = _post(client, body)
                 runs.append(((time.perf_counter() - started) * 1e3, reply))
+                started = time.perf_counter()
+                client.post(FLOOR_PREFIX + "/", json=body).raise_for_status()
+                floor.append((time.perf_counter() - started) * 1e3)
     finally:
         serve.shutdown()
         if started_ray:
@@ -87,7 +110,67 @@ def measure(store_uri: str, model: ModelSpec, chunk_ids: list[str], query: str, 
     return HttpTtft(len(chunk_ids), mode, statistics.median(ms for ms, _ in runs), median("route_ms"),
                     median("load_ms"), median("reanchor_ms"), median("prefill_ms"),
                     statistics.median(1 - reply["timings"]["prefill_ms"] / ms for ms, reply in runs),
-                    runs[-1][1]["usage"]["context_tokens"])
+                    runs[-1][1]["usage"]["context_tokens"], statistics.median(floor), embed_alone_ms(query, repeats))
+
+
+def embed_alone_ms(query: str, repeats: int) -> float:
+    from pipeline.embed import Embedder
+
+    embedder, threads = Embedder(), torch.get_num_threads()
+    torch.set_num_threads(1)  # what the router replica gets (Ray sets OMP_NUM_THREADS=1 below one CPU)
+    try:
+        times = []
+        for _ in range(repeats + 2):
+            started = time.perf_counter()
+            embedder.embed([query])
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times[2:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- the limit: the same topology with deployments that do nothing -------------------------------------
+FLOOR_APP, FLOOR_PREFIX = "qvpic-ttft-floor", "/floor"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class NoopRouter:
+    async def plan(self, request: AnswerRequest) -> dict:
+        return {"query": request.query, "chunk_ids": request.chunk_ids}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class NoopGenerator:
+    async def generate(self, plan: dict) -> dict:
+        return {"answer": "", "chunks": len(plan["chunk_ids"])}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+@serve.ingress()
+class NoopIngress:
+    """Built like serve/ingress.py (the app made in the replica), validating the same request model."""
+
+    def __init__(self, router: DeploymentHandle, generator: DeploymentHandle):
+        self.router, self.generator = router, generator
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return floor_api(self.router, self.generator)
+
+
+def floor_api(router: DeploymentHandle, generator: DeploymentHandle) -> FastAPI:
+    """A module-level builder, as serve/ingress.py's `make_api`: the decorated class is pickled by value,
+    and a handler defined in it would lose the module globals its string annotations name."""
+    api = FastAPI()
+
+    @api.post("/")
+    async def answer(request: AnswerRequest) -> dict:
+        return await generator.generate.remote(await router.plan.remote(request))
+
+    return api
+
+
+def floor_app():
+    return NoopIngress.bind(NoopRouter.bind(), NoopGenerator.bind())
 
 
 def _post(client: httpx.Client, body: dict) -> dict:

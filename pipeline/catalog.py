@@ -28,6 +28,7 @@ import hashlib
 import json
 import mmap
 import threading
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,14 +73,21 @@ class RowFile:
         self._lock = threading.Lock()
 
     def rows(self, rows: list[int], columns: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-        """`columns` (default: all) of `rows`, in their order."""
-        loaded: dict[int, pa.RecordBatch] = {}
-        for batch in sorted({row // self.batch_rows for row in rows}):
+        """`columns` (default: all) of `rows`, in their order. One read and one conversion per record batch
+        (converting row by row cost ~40 µs a row: 4 ms of a 16-chunk route went on entry rows alone)."""
+        positions: dict[int, list[int]] = defaultdict(list)  # record batch -> positions in `rows`
+        for position, row in enumerate(rows):
+            positions[row // self.batch_rows].append(position)
+        out: list[dict[str, Any]] = [{}] * len(rows)
+        for batch, where in sorted(positions.items()):
             with self._lock:  # one reader, one file position on object stores
-                loaded[batch] = self.reader.get_batch(batch)
+                record = self.reader.get_batch(batch)
             if columns is not None:
-                loaded[batch] = loaded[batch].select(list(columns))
-        return [loaded[row // self.batch_rows].slice(row % self.batch_rows, 1).to_pylist()[0] for row in rows]
+                record = record.select(list(columns))
+            offsets = pa.array([rows[p] % self.batch_rows for p in where], pa.int64())
+            for position, values in zip(where, record.take(offsets).to_pylist()):
+                out[position] = values
+        return out
 
     def range(self, start: int, count: int) -> list[dict[str, Any]]:
         return self.rows(list(range(start, start + count))) if count else []
@@ -131,19 +139,19 @@ class Catalog:
                           "doc_id")
 
     def _find(self, ids: list[str], lookup: np.ndarray, rows_of: Callable, column: str) -> tuple[list[int], list[str]]:
-        found, missing = [], []
         hashes = id_hashes(ids)
         lefts = np.searchsorted(lookup["hash"], hashes, "left")
         rights = np.searchsorted(lookup["hash"], hashes, "right")
-        for wanted, left, right in zip(ids, lefts, rights):
-            for entry in lookup[left:right]:  # usually one; more only on a 64-bit hash collision
-                rows = rows_of(entry)
-                if self.catalog.rows(rows[:1], (column,))[0][column] == wanted:
-                    found += rows
-                    break
-            else:
-                missing.append(wanted)
-        return found, missing
+        # usually one candidate an id; more only on a 64-bit hash collision. Their ids are read in one call.
+        candidates = [(i, rows) for i, (left, right) in enumerate(zip(lefts, rights))
+                      for rows in map(rows_of, lookup[left:right]) if rows]
+        names = self.catalog.rows([rows[0] for _, rows in candidates], (column,))
+        matched: dict[int, list[int]] = {}
+        for (i, rows), name in zip(candidates, names):
+            if name[column] == ids[i]:
+                matched.setdefault(i, rows)
+        found = [row for i in range(len(ids)) for row in matched.get(i, ())]
+        return found, [wanted for i, wanted in enumerate(ids) if i not in matched]
 
     def chunk_rows(self, rows: list[int]) -> list[dict[str, Any]]:
         """CATALOG_COLUMNS of `rows`, in their order."""
@@ -155,11 +163,12 @@ class Catalog:
 
     def entries_of(self, rows: list[int]) -> list[dict[tuple[str | None, Variant], dict[str, Any]]]:
         """Each row's current entries keyed by (tier, variant), with their full index rows."""
-        out = []
-        for row in rows:
-            start, count = int(self.ranges[row, 0]), int(self.ranges[row, 1])
-            group = self.entries.range(start, count)
-            out.append({(e["tier"], Variant(e["variant"])): e for e in group})
+        spans = np.asarray(self.ranges[np.asarray(rows, dtype=np.int64)]).reshape(-1, 2).tolist()  # [(start, count)]
+        flat = self.entries.rows([i for start, count in spans for i in range(start, start + count)])
+        out, at = [], 0
+        for _, count in spans:
+            out.append({(e["tier"], Variant(e["variant"])): e for e in flat[at:at + count]})
+            at += count
         return out
 
 

@@ -26,8 +26,18 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.catalog import (
-    BATCH_ROWS, CATALOG, CATALOG_COLUMNS, CHUNK_IDS, DOC_IDS, EMBEDDINGS, ENTRIES, RANGES, SEARCH, TEXT_COLUMNS,
-    TEXTS, id_hashes,
+    BATCH_ROWS,
+    CATALOG,
+    CATALOG_COLUMNS,
+    CHUNK_IDS,
+    DOC_IDS,
+    EMBEDDINGS,
+    ENTRIES,
+    RANGES,
+    SEARCH,
+    TEXT_COLUMNS,
+    TEXTS,
+    id_hashes,
 )
 from pipeline.embedding_rows import EmbeddingRows
 from pipeline.spill import ExactBatches, NpyRows, Spill, bucket_of, newest
@@ -35,7 +45,7 @@ from pipeline.store import Store, StoreError
 from pipeline.vector_index import build_index
 from schemas.config import Variant
 from schemas.generation import SearchInfo, SearchSpec
-from schemas.store import CHUNKS_SCHEMA, INDEX_SCHEMA, optional_names, with_optional
+from schemas.tables import CHUNKS_SCHEMA, INDEX_SCHEMA, optional_names, with_optional
 
 LAYOUT_VERSION = "2"  # part of every snapshot's name: a new layout never reuses an old snapshot
 BUCKET_ROWS = 65_536  # rows per bucket, about: what a pass holds in memory at once

@@ -9,10 +9,12 @@ the cluster has free (pipeline/resources.py), and ends by compacting what it app
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import lru_cache
 from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
@@ -82,10 +84,26 @@ def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, 
     )
 
 
+def embedder_identity(model_dir: str | None) -> tuple[str, int]:
+    """(name, width) of the embedder, which go into the manifest. Loaded once per process and directory
+    state: a job asks twice (for its rerun key, then under the store's lease); a directory whose files
+    changed since is loaded again (its name is a fingerprint of those files)."""
+    stamp = None if model_dir is None else tuple(
+        (os.path.join(folder, name), os.stat(os.path.join(folder, name)).st_mtime_ns)
+        for folder, _, names in sorted(os.walk(model_dir)) for name in sorted(names))
+    return _embedder_identity(model_dir, stamp)
+
+
+@lru_cache(maxsize=4)
+def _embedder_identity(model_dir: str | None, stamp: object) -> tuple[str, int]:
+    embedder = Embedder(model_dir)
+    return embedder.model_name, embedder.dim
+
+
 def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
     """The store's manifest extended by this job; refuses a store built for another model, page layout or embedder."""
-    embedder = Embedder(cfg.embedder_dir)  # its name and width go into the manifest
-    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder.model_name, embedder.dim, cfg.job_id,
+    embedder_name, embedding_dim = embedder_identity(cfg.embedder_dir)
+    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder_name, embedding_dim, cfg.job_id,
                          cfg.lazy_high_tier, cfg.kv_quant or KVQuant.NONE)
     manifest = store.read_manifest()
     if manifest is None:
@@ -93,8 +111,8 @@ def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
     manifest.check_model(fresh.model.id, fresh.model.revision, fresh.model.dtype, fresh.template_prefix)
     if manifest.render != cfg.render:
         raise ValueError("the store was rendered with another page layout or tiers: run `qvpic recompile`")
-    if manifest.embedder != embedder.model_name:
-        raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder.model_name}")
+    if manifest.embedder != embedder_name:
+        raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder_name}")
     if cfg.kv_quant is not None and cfg.kv_quant is not manifest.kv_quant:  # its entries would mix two formats
         raise ValueError(f"the store keeps its KV as {manifest.kv_quant.value}, not {cfg.kv_quant.value}: "
                          f"run `qvpic recompile --kv-quant {cfg.kv_quant.value}` to convert it")

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.blobs import Blobs, StoreError
-from schemas.store import with_optional
+from schemas.tables import with_optional
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TARGET_ROWS = 250_000  # per compacted part: a 1M-chunk store's index (4 entries a chunk) is 16 files

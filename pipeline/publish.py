@@ -26,7 +26,8 @@ from pipeline.resources import StagePlan
 from pipeline.rows import Kind, conform_rows, not_of_kind, of_kind
 from pipeline.store import Store
 from pipeline.summary import TALLY_SCHEMA, entry_groups
-from schemas.store import CHUNKS_SCHEMA, StoreSpec
+from schemas.store import StoreSpec
+from schemas.tables import CHUNKS_SCHEMA
 
 _OCCURRENCE_FIELDS = ("chunk_id", "doc_id", "order", "text", "num_text_tokens", "source", "image_path")
 _UNIT_FIELDS = ("chunk_key", "embedding", "error", "entries_json", "needs_embedding", "slots_json")

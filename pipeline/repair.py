@@ -35,7 +35,7 @@ from pipeline.lease import StoreLease
 from pipeline.part_log import part_stem
 from pipeline.serving_blobs import abs_path, local_copy
 from pipeline.store import KEY_COLUMNS, Store
-from schemas.store import CHUNKS_SCHEMA, INDEX_SCHEMA, conform
+from schemas.tables import CHUNKS_SCHEMA, INDEX_SCHEMA, conform
 
 
 def repair(store: Store, report: Report, grace_s: float) -> list[str]:

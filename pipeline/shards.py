@@ -28,7 +28,8 @@ from pipeline.blobs import Blobs, StoreError
 from pipeline.dtypes import DTYPE_OF, TORCH_DTYPES, StoredFormat, stored_format
 from pipeline.kv_quant import QuantizedKV, record_nbytes
 from schemas.config import DType, KVQuant
-from schemas.store import SHARD_PATH, ShardEntry, StoreSpec
+from schemas.store import ShardEntry, StoreSpec
+from schemas.tables import SHARD_PATH
 
 TENSOR_KEY = re.compile(r"[A-Za-z0-9._:\-]{1,200}")
 _COALESCE_GAP_NBYTES = 1 << 20  # ranges of one shard closer than this are fetched with one read

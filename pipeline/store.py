@@ -21,9 +21,15 @@ import pyarrow.fs as pafs
 from pipeline.blobs import TMP_PREFIX, Blobs, StoreError, resolve_filesystem
 from pipeline.part_log import PartLog
 from schemas.config import Variant
-from schemas.store import (
-    CHUNKS_SCHEMA, INDEX_SCHEMA, QUARANTINE_SCHEMA, CacheKey, GroupStats, Manifest, ManifestError, RowsError,
-    ShardEntry, StoreSpec, StoreStats, check_chunk_rows, check_index_rows, conform,
+from schemas.store import CacheKey, GroupStats, Manifest, ManifestError, ShardEntry, StoreSpec, StoreStats
+from schemas.tables import (
+    CHUNKS_SCHEMA,
+    INDEX_SCHEMA,
+    QUARANTINE_SCHEMA,
+    RowsError,
+    check_chunk_rows,
+    check_index_rows,
+    conform,
 )
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from pipeline.entries import index_row
 from pipeline.kv_quant import stored
 from pipeline.runtime.kv import ChunkKV
 from pipeline.store import Store
-from schemas.store import INDEX_SCHEMA, CacheKey, Manifest, with_optional
+from schemas.store import CacheKey, Manifest
+from schemas.tables import INDEX_SCHEMA, with_optional
 
 WRITE_BACK_STAMP_NS = 0  # fixed, so the part name is the key's alone; rows still order by created_at
 

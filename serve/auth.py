@@ -14,8 +14,9 @@ from collections.abc import Mapping
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
-from schemas.api import InvalidHeaderError, Label, UnauthorizedError
+from schemas.api import Label
 from schemas.config import Frozen
+from schemas.errors import InvalidHeaderError, UnauthorizedError
 
 Sha256Hex = str  # 64 lowercase hex digits, checked by AuthArgs
 _LABEL = TypeAdapter(Label)

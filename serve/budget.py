@@ -26,8 +26,9 @@ from enum import Enum
 
 from pydantic import Field
 
-from schemas.api import BudgetExceededError, InvalidHeaderError, Label, RateLimitedError
+from schemas.api import Label
 from schemas.config import Frozen
+from schemas.errors import BudgetExceededError, InvalidHeaderError, RateLimitedError
 from serve.metrics import serve_metrics
 
 MAX_TOKEN_BUDGET_HEADER = re.compile(r"[0-9]{1,18}")  # X-Max-Token-Budget: a positive integer that fits int64

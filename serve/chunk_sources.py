@@ -15,7 +15,7 @@ from pipeline.entries import TEXT_SOURCED, PageImageError, page_images
 from pipeline.render import Renderer
 from pipeline.runtime.model import VLM
 from pipeline.runtime.recompute import ChunkInputs, chunk_inputs
-from schemas.api import UnservableError
+from schemas.errors import UnservableError
 from serve.plan import Entry, PlannedChunk
 
 

@@ -47,14 +47,13 @@ from schemas.api import (
     CacheReport,
     CacheStats,
     ChunkReport,
-    DeadlineExceededError,
     FallbackReport,
     FinishReason,
     Timings,
     TokenUsage,
-    UnservableError,
 )
 from schemas.config import Mode
+from schemas.errors import DeadlineExceededError, UnservableError
 from schemas.sampling import Sampling
 from serve.backend import cancelling
 from serve.chunk_sources import recompute_inputs

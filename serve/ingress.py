@@ -20,7 +20,6 @@ from ray.serve.handle import DeploymentHandle
 from schemas.api import (
     AnswerRequest,
     AnswerResponse,
-    ApiError,
     BudgetErrorBody,
     ErrorBody,
     EstimateResponse,
@@ -30,6 +29,7 @@ from schemas.api import (
     StreamDone,
     StreamError,
 )
+from schemas.errors import ApiError
 from schemas.sampling import Sampling
 from serve import openai_api
 from serve.backend import Backend, HandleBackend, api_error, error_cause, sse

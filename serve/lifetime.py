@@ -18,7 +18,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from schemas.api import MAX_TIMEOUT_S, ApiError, DeadlineExceededError, InvalidHeaderError
+from schemas.api import MAX_TIMEOUT_S
+from schemas.errors import ApiError, DeadlineExceededError, InvalidHeaderError
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 STREAM_GRACE_S = 1.0

@@ -17,12 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from schemas.sampling import Sampling
-from schemas.api import (
-    AnswerReport,
-    AnswerRequest,
-    UnknownModelError,
-)
+from schemas.api import AnswerReport, AnswerRequest
 from schemas.chat import (
     AssistantMessage,
     ChatChoice,
@@ -38,6 +33,8 @@ from schemas.chat import (
     OpenAIErrorBody,
     PromptTokensDetails,
 )
+from schemas.errors import UnknownModelError
+from schemas.sampling import Sampling
 from serve.backend import Backend, api_error, sse
 from serve.configs import ApiSettings
 from serve.governance import Governor, Route

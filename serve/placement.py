@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from schemas.api import FallbackReport, UnknownTierError, UnservableError
+from schemas.api import FallbackReport
 from schemas.config import ChunkKind, HybridSpec, Mode, ScoreNormalisation, TierSpec, Variant
+from schemas.errors import UnknownTierError, UnservableError
 from schemas.store import CacheKey
 from serve.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text
 from serve.hybrid import as_text as hybrid_text

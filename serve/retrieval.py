@@ -20,8 +20,9 @@ from pipeline.catalog import TEXTS, Catalog
 from pipeline.generations import read_generation
 from pipeline.serving_blobs import local_copy
 from pipeline.store import Store
-from schemas.api import AnswerRequest, UnknownIdsError
+from schemas.api import AnswerRequest
 from schemas.config import TierSpec
+from schemas.errors import UnknownIdsError
 from schemas.generation import Generation
 from schemas.store import Manifest
 

@@ -25,12 +25,13 @@ from pipeline.generations import ensure_generation
 from pipeline.runtime.adapters import ChatTemplate
 from pipeline.runtime.model import model_identity, resolve_path
 from pipeline.store import Store
-from schemas.api import AnswerRequest, TooLargeError
+from schemas.api import AnswerRequest
 from schemas.config import ModelSpec, RouterSpec
+from schemas.errors import TooLargeError
 from schemas.generation import ReloadSpec
 from schemas.store import Manifest, ManifestError, StoreSpec
-from serve.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
 from serve.pending import lazy_planner
+from serve.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
 from serve.plan import Plan
 from serve.reload import GenerationWatcher, LeaseKeeper, acquire_current
 from serve.retrieval import Snapshot, open_snapshot

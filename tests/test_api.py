@@ -14,8 +14,9 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from jobs import run_server
-from schemas.api import AnswerRequest, CacheStats, UnservableError
+from schemas.api import AnswerRequest, CacheStats
 from schemas.config import ModelSpec
+from schemas.errors import UnservableError
 from schemas.store import ManifestError
 from serve.app import AppArgs, api_settings, make_api, preflight
 from serve.backend import InProcessBackend

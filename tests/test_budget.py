@@ -10,7 +10,7 @@ import uuid
 import pytest
 from fastapi import FastAPI
 
-from schemas.api import BudgetExceededError, RateLimitedError
+from schemas.errors import BudgetExceededError, RateLimitedError
 from serve.app import AppArgs, api_settings, make_api
 from serve.backend import InProcessBackend
 from serve.budget import Limit, LimitsArgs, RateLimiter, TenantPolicy, TokenBucket

@@ -13,10 +13,11 @@ import pyarrow.compute as pc
 import pytest
 
 import pipeline.catalog_writer as catalog_writer
+from pipeline.catalog import RowFile
 from pipeline.generations import publish_generation
 from pipeline.store import Store
 from schemas.config import Variant
-from schemas.store import CHUNKS_SCHEMA
+from schemas.tables import CHUNKS_SCHEMA
 from serve.retrieval import open_snapshot
 from tests.test_store import NOW, index_row, kv, make_manifest, sha
 
@@ -121,3 +122,17 @@ def test_text_batches_hold_exactly_their_rows_across_buckets(tmp_path, monkeypat
     assert texts == [f"chunk {int(r['doc_id'][3:])} {r['order']}" for r in catalog.chunk_rows(every)]
     assert sorted(texts) == sorted(text for _, _, text in rows)
     assert all(count == 0 for _, count in catalog.ranges)  # no index rows: every range empty
+
+
+def test_row_file_returns_rows_in_request_order_across_batches(tmp_path):
+    """Rows are read one record batch at a time; what comes back follows the request: order, repeats, columns."""
+    table = pa.table({"n": list(range(10)), "s": [f"r{i}" for i in range(10)]})
+    with pa.ipc.new_file(tmp_path / "t.arrow", table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=4):  # batches of 4, 4, 2 rows
+            writer.write_batch(batch)
+    rows = RowFile(tmp_path / "t.arrow")
+    wanted = [9, 0, 4, 4, 3, 8, 5]
+    assert rows.num_rows == 10 and rows.batch_rows == 4
+    assert rows.rows(wanted) == [{"n": i, "s": f"r{i}"} for i in wanted]
+    assert rows.rows(wanted, ("s",)) == [{"s": f"r{i}"} for i in wanted]
+    assert rows.range(3, 3) == [{"n": i, "s": f"r{i}"} for i in (3, 4, 5)] and rows.rows([]) == rows.range(7, 0) == []

@@ -16,8 +16,17 @@ import pytest
 
 from pipeline.duplicates import DocRef, cross_file_rejections
 from pipeline.readers import CorpusError, discover, read_corpus, read_file
-from schemas.corpus import (Chunk, Document, FileFormat, MetaKey, ReaderSpec, RejectReason, Rejection, chunk_key,
-                            normalise_chunk_text)
+from schemas.corpus import (
+    Chunk,
+    Document,
+    FileFormat,
+    MetaKey,
+    ReaderSpec,
+    Rejection,
+    RejectReason,
+    chunk_key,
+    normalise_chunk_text,
+)
 
 DATA = Path(__file__).resolve().parent.parent / "jobs" / "data"
 R = RejectReason
@@ -41,7 +50,7 @@ def test_chunk_key_normalises_composition_trailing_space_and_blank_edges() -> No
 
 
 def test_rows_round_trip_and_rejections_match_the_quarantine_columns() -> None:
-    from schemas.store import QUARANTINE_SCHEMA
+    from schemas.tables import QUARANTINE_SCHEMA
 
     doc = Document(doc_id="d", text="t\u200b", source="f.jsonl#L1", metadata={"k": "v", "b": "\u202e"})
     assert Document.from_row(doc.to_row()) == doc

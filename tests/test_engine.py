@@ -14,8 +14,8 @@ from transformers import DynamicCache
 from pipeline.runtime import batch
 from pipeline.runtime.kv import RotationTable
 from pipeline.runtime.model import VLM
-from schemas.api import BusyError, TooLargeError
 from schemas.config import CompilePrefix, EngineSpec
+from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
 from serve.engine.loop import Engine, LinkedContext, OnlineContext, column_nbytes
 from serve.engine.sequence import End, Finished, Sequence, Status

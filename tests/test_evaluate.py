@@ -39,9 +39,10 @@ from pipeline.eval.paper import PAPER_TIERS, SWEEP_PNG, paper_grid
 from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
 from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
-from schemas.api import AnswerRequest, TooLargeError
+from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
 from schemas.corpus import Document
+from schemas.errors import TooLargeError
 from schemas.store import StoreSpec
 from serve.app import AppArgs, api_settings, make_api
 from serve.backend import InProcessBackend

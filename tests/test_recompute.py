@@ -18,8 +18,9 @@ from pydantic import ValidationError
 
 from jobs import run_server
 from pipeline.runtime.recompute import chunk_inputs, input_embeddings, recompute
-from schemas.api import AnswerRequest, UnservableError
+from schemas.api import AnswerRequest
 from schemas.config import Mode, RecomputeKind, RecomputeSpec, RouterSpec
+from schemas.errors import UnservableError
 from schemas.sampling import Sampling
 from serve.configs import AppArgs, GeneratorConfig
 from serve.generator import Generator

@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from schemas.api import AnswerRequest, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
+from schemas.api import AnswerRequest
 from schemas.config import Mode, ScoreNormalisation, Variant
+from schemas.errors import TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
 from serve.placement import allocate, relevance_shares
-from serve.router import Router
 from serve.plan import Plan
+from serve.router import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 

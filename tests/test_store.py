@@ -17,9 +17,16 @@ import torch
 from pipeline.store import ShardCorruptError, Store, StoreError
 from schemas.config import ChunkKind, DType, ModelFamily, RenderSpec, TierSpec, Variant
 from schemas.store import (
-    INDEX_SCHEMA, SCHEMA_VERSION, CacheKey, CacheKeyError, Manifest, ManifestError, RowsError, StoredModel, conform,
-    entry_fingerprint, model_fingerprint,
+    SCHEMA_VERSION,
+    CacheKey,
+    CacheKeyError,
+    Manifest,
+    ManifestError,
+    StoredModel,
+    entry_fingerprint,
+    model_fingerprint,
 )
+from schemas.tables import INDEX_SCHEMA, RowsError, conform
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 
 MODEL = StoredModel(id="tiny-qwen", revision="local", dtype=DType.BFLOAT16, family=ModelFamily.QWEN2_5_VL)

@@ -37,8 +37,9 @@ from tqdm import tqdm
 from pipeline.eval.longbench import QAItem, QATask
 from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
-from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, ApiError, StreamEventType
+from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, StreamEventType
 from schemas.config import Mode, RenderSpec, Variant
+from schemas.errors import ApiError
 
 MODE_CONTEXT: dict[Mode, str] = {
     Mode.FULL_TEXT: "every chunk's source text, prefilled online with the query in one forward pass",

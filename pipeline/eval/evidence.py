@@ -19,10 +19,11 @@ from tqdm import tqdm
 from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
 from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
 from pipeline.eval.longbench import QAItem
-from pipeline.render import Renderer
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
-from schemas.api import AnswerRequest, ApiError
+from pipeline.render import Renderer
+from schemas.api import AnswerRequest
 from schemas.config import Mode
+from schemas.errors import ApiError
 
 
 def serving_configs(grid: Sequence[tuple[float, int]]) -> list[ServingConfig]:

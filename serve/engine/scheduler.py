@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from schemas.api import BusyError, TooLargeError
 from schemas.config import EngineSpec
+from schemas.errors import BusyError, TooLargeError
 from serve.engine.sequence import Sequence
 
 ONLINE_PREFILLS_PER_STEP = 1  # a full prefill (online modes) is long: one per step keeps decode moving

@@ -1,0 +1,107 @@
+"""Errors of the online API: each maps to one HTTP status, raised anywhere on the request path (the
+ingress turns them into responses; schemas/api.py holds their bodies)."""
+
+from __future__ import annotations
+
+import math
+
+
+class ApiError(ValueError):
+    """A request the server understood but cannot serve; `status_code` is the HTTP answer."""
+
+    status_code = 400
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the error response carries."""
+        return {}
+
+    def body_fields(self) -> dict[str, int]:
+        """Machine-readable fields the error body carries beside its message."""
+        return {}
+
+
+class InvalidHeaderError(ApiError):
+    """A governance header (X-Tenant, X-Task-Type, X-Max-Token-Budget) with a malformed value."""
+
+
+class UnauthorizedError(ApiError):
+    """No API key, or an unknown one, on a server that maps keys to tenants."""
+
+    status_code = 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class RetryLaterError(ApiError):
+    """An error the client should retry after `retry_after_s` (sent as Retry-After, whole seconds, at least 1)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # crosses Serve handles: keep the delay
+        return type(self), (str(self), self.retry_after_s)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class RateLimitedError(RetryLaterError):
+    """The tenant's request or token rate is spent; `retry_after_s` is when it will have refilled enough."""
+
+    status_code = 429
+
+
+class UnknownIdsError(ApiError):
+    """Chunk or document ids that are not in the store (the message names them)."""
+
+    status_code = 404
+
+
+class UnknownModelError(ApiError):
+    status_code = 404
+
+
+class TooLargeError(ApiError):
+    """Too many chunks, or more tokens than the model's context holds (the message gives the limit)."""
+
+    status_code = 413
+
+
+class BudgetExceededError(TooLargeError):
+    """Even the cheapest placement of the request's chunks that its mode allows (qvpic: every chunk at its
+    lowest tier) exceeds the request's context-token budget; `min_context_tokens` is what it needs at least."""
+
+    def __init__(self, message: str, min_context_tokens: int, budget_tokens: int):
+        super().__init__(message)
+        self.min_context_tokens, self.budget_tokens = min_context_tokens, budget_tokens
+
+    def __reduce__(self):
+        return type(self), (str(self), self.min_context_tokens, self.budget_tokens)
+
+    def body_fields(self) -> dict[str, int]:
+        return {"min_context_tokens": self.min_context_tokens, "budget_tokens": self.budget_tokens}
+
+
+class UnknownTierError(UnknownIdsError):
+    """A `tier` the store does not have (the message names the ones it has)."""
+
+
+class UnservableError(ApiError):
+    """The store lacks the KV entries a mode needs (not compiled, or every stored copy is corrupt)."""
+
+    status_code = 503
+
+
+class BusyError(RetryLaterError):
+    """The generator's batch and queue are full (its KV or batch cap): retry after `retry_after_s`."""
+
+    status_code = 503
+
+
+class DeadlineExceededError(ApiError):
+    """The request ran past its deadline (`timeout_s`, header X-Request-Timeout, or the server's default);
+    its work was stopped."""
+
+    status_code = 504
