@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.report import markdown_table, write_section
+from schemas.corpus import chunk_key
 
 CHUNK_TOKENS = 256
 CHARS_PER_CHUNK = 420  # tiny-qwen's tokenizer: ~0.55 tokens a character, chunks fill ~85% of 256 tokens
@@ -44,13 +45,11 @@ MAX_DOC_CHARS = 60_000  # no one document dominates
 
 def real_texts() -> Iterator[tuple[str, str]]:
     """(doc_id, text) of real prose on this machine, deterministic order, no text twice."""
-    from schemas.corpus import chunk_key  # the pipeline's document key: a text it would deduplicate is skipped here
-
     seen: set[str] = set()
 
     def fresh(doc_id: str, text: str) -> Iterator[tuple[str, str]]:
         text = text.strip()[:MAX_DOC_CHARS]
-        digest = chunk_key(text)
+        digest = chunk_key(text)  # the pipeline's document key: a text it would deduplicate is skipped
         if len(text) >= 200 and digest not in seen:
             seen.add(digest)
             yield doc_id, text

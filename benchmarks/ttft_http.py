@@ -64,7 +64,6 @@ def loopback_port() -> int:
 def measure(store_uri: str, model: ModelSpec, chunk_ids: list[str], query: str, repeats: int,
             mode: Mode = Mode.QVPIC) -> HttpTtft:
     import ray
-    from ray import serve
 
     from jobs.cluster import init_ray
     from serve.app import build_app

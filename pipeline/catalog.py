@@ -89,9 +89,6 @@ class RowFile:
                 out[position] = values
         return out
 
-    def range(self, start: int, count: int) -> list[dict[str, Any]]:
-        return self.rows(list(range(start, start + count))) if count else []
-
     def close(self) -> None:
         self.file.close()
 
