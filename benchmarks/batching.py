@@ -33,17 +33,17 @@ from collections.abc import AsyncIterator
 import torch
 
 from benchmarks import ttft_store
-from benchmarks.report import markdown_table, write_section
-from pipeline.runtime.model import resolve_device
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import resolve_device
 from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec, RouterSpec
 from schemas.sampling import Sampling
-from serve.configs import GeneratorConfig
-from serve.detokenizer import Detokenizer
-from serve.generator import Generator
-from serve.loader import CacheLoader
+from serve.config import GeneratorConfig
+from serve.engine import Detokenizer
+from serve.engine import Generator
+from serve.kv import CacheLoader
 from serve.plan import Plan
-from serve.router import Router
+from serve.routing import Router
 
 TARGET_AT_16 = 1.3  # batched / serialised tokens/s on this CPU (issue 13)
 

@@ -1,6 +1,6 @@
 """Which calibration queries predict the recall real queries get from an IVF index.
 
-An IVF's `nprobe` is calibrated on synthetic queries (pipeline/ann_calibration.py); the choice is only
+An IVF's `nprobe` is calibrated on synthetic queries (pipeline/store/catalog/ann_calibration.py); the choice is only
 as good as their recall curve is close to real queries'. On a realistic store (MiniLM embeddings of
 real sentences synthesised to N rows, benchmarks/realistic_vectors.py), this measures recall@8 against
 exact search at several `nprobe` for: held-out real sentences (the stand-in for real questions),
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 
 NPROBES = (2, 5, 10, 20, 40, 80)
 COSINES = (0.5, 0.4, 0.3, 0.2)
@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     import faiss
 
     from benchmarks.realistic_vectors import Synthesizer, embedded
-    from pipeline.ann_calibration import calibration_queries, exact_top_k, recall_at_k
-    from pipeline.embedding_rows import EmbeddingRows
-    from pipeline.vector_index import _ivf, code_scale
+    from pipeline.store.catalog import calibration_queries, exact_top_k, recall_at_k
+    from pipeline.store.catalog import EmbeddingRows
+    from pipeline.store.catalog.vector_index import _ivf
+    from pipeline.store.catalog import code_scale
     from schemas.generation import SearchSpec
 
     started = time.perf_counter()

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import markdown_table
-from pipeline.compile import CompilePlan, CompileStage, RenderStage
-from pipeline.documents import ChunkStage
-from pipeline.entries import entry_slots
+from pipeline.eval import markdown_table
+from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
+from pipeline.ingest.stages import ChunkStage
+from pipeline.store import entry_slots
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.rows import Kind, rows_table
-from pipeline.runtime.model import VLM
+from pipeline.ingest import Kind, rows_table
+from pipeline.runtime import VLM
 from schemas.config import DType, ModelSpec
 from schemas.corpus import Document
 from schemas.store import StoreSpec

@@ -26,13 +26,13 @@ from tqdm import tqdm
 
 from jobs.evaluate import FIXTURES
 from jobs.help import HelpFormatter
-from pipeline.chunker import Chunker
+from pipeline.ingest import Chunker
 from pipeline.eval import synthetic
-from pipeline.eval.fidelity import METRICS, Fidelity, answer_token_ids, compare, trace_full, trace_linked
-from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.eval.markdown import markdown_table, write_section
-from pipeline.render import Renderer
-from pipeline.runtime.model import VLM
+from pipeline.eval import METRICS, Fidelity, answer_token_ids, compare, trace_full, trace_linked
+from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import Renderer
+from pipeline.runtime import VLM
 from schemas.config import DType, ModelSpec, RenderSpec, Variant
 from schemas.corpus import Document
 

@@ -29,16 +29,17 @@ from pathlib import Path
 import httpx
 
 from benchmarks import ttft_store
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 from schemas.config import ModelSpec, RenderSpec, RouterSpec
-from serve.app import AppArgs, api_settings, make_api
-from serve.auth import key_digest
-from serve.backend import InProcessBackend
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.governance import key_digest
+from serve.http import InProcessBackend
+from serve.config import GeneratorConfig
+from serve.engine import Generator
 from serve.governance import Governor
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.kv import CacheLoader
+from serve.routing import Router
 
 API_KEY = "bench-key"
 UNLIMITED = {"requests_per_s": 1e6, "tokens_per_s": 1e9}
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             backend = InProcessBackend(router, CacheLoader(bench.uri, 1 << 30), generator)
             apps, governors = {}, []
             for name, governance in configs(Path(workdir), server.url if server else None).items():
-                app_args = AppArgs(store={"uri": bench.uri}, model=model, max_chunks=args.chunks,
+                app_args = AppConfig(store={"uri": bench.uri}, model=model, max_chunks=args.chunks,
                                    default_top_k=min(8, args.chunks), governance=governance)
                 settings = api_settings(app_args)
                 governors.append(Governor(app_args.governance, settings.store))

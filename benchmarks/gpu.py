@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 
 from benchmarks import batching, real_size, ttft_store
-from benchmarks.report import markdown_table
+from pipeline.eval import markdown_table
 from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec, RouterSpec
 from schemas.sampling import Sampling
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader
+from serve.routing import Router
 
 MODES = (Mode.QVPIC, Mode.FULL_IMAGE, Mode.TEXT_PIC)
 REAL = ("qwen2.5-vl-7b", "glm-4.1v-9b")

@@ -24,7 +24,7 @@ if ! "$PY" -c "import ray.serve, transformers, sentence_transformers, gt_all_min
   echo "gpu.sh: installing the repository's requirements (pip install -e .)" >&2
   "$PY" -m pip install -q -e .
 fi
-"$PY" -c "from pipeline.render import resolve_font; resolve_font('DejaVuSans.ttf')" \
+"$PY" -c "from pipeline.runtime.render import resolve_font; resolve_font('DejaVuSans.ttf')" \
   || { echo "gpu.sh: the renderer needs fonts-dejavu-core (apt-get install fonts-dejavu-core)" >&2; exit 3; }
 
 # Compile chunks/s by batch size first (≤ 2 min), next to the TTFT table; its failure does not stop TTFT.

@@ -22,20 +22,20 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import write_section
-from pipeline.compile import compile_in_process
-from pipeline.documents import ChunkStage
-from pipeline.embed import Embedder
-from pipeline.eval.legibility import answer_recoverable
-from pipeline.eval.synthetic import evidence_chunks, generate
+from pipeline.eval import write_section
+from pipeline.ingest.stages import compile_in_process
+from pipeline.ingest.stages import ChunkStage
+from pipeline.runtime import Embedder
+from pipeline.eval import answer_recoverable
+from pipeline.eval import evidence_chunks, generate
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.render import Renderer
-from pipeline.runtime.model import VLM
+from pipeline.runtime import Renderer
+from pipeline.runtime import VLM
 from schemas.api import AnswerRequest
 from schemas.config import HybridSpec, Mode, ModelSpec, RenderSpec, RouterSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec
-from serve.router import Router
+from serve.routing import Router
 
 COMMAND = "python -m benchmarks.hybrid --quick"
 CONFIGS = {"qvpic": None, "hybrid (defaults)": HybridSpec(enabled=True),

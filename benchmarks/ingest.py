@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 from jobs.cluster import init_ray
 from pipeline.ingest import CompileResources, IngestConfig, ingest
 from schemas.config import ModelSpec

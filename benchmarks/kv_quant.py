@@ -13,7 +13,7 @@ source text (the text entry) — and written to one store per format with the co
 
 - bytes/chunk: mean stored bytes of an entry (record incl. scales), and its ratio to bf16;
 - load ms/chunk: median of a cold `ShardReader.load_many` (ranged reads + sha256) plus dequantisation
-  into the model dtype (`serve.loader.kv_tensor`, what the generator runs on its device);
+  into the model dtype (`serve.kv.loader.kv_tensor`, what the generator runs on its device);
 - TTFT ms: median of load + assemble (re-anchoring) + the query prefill to the first token's logits,
   in-process (no Serve hop), `--repeats` passes per request; formats interleaved in every pass (first
   place rotating), so machine noise hits all alike;
@@ -34,19 +34,19 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 from benchmarks.ttft_store import chunk_texts
 from jobs.help import HelpFormatter
-from pipeline.blobs import Blobs
-from pipeline.eval.fidelity import compare, trace_full, trace_linked
-from pipeline.kv_quant import stored
-from pipeline.render import Renderer
-from pipeline.runtime.kv import ChunkKV
-from pipeline.runtime.model import VLM
-from pipeline.shards import ShardReader, write_shard
+from pipeline.store import Blobs
+from pipeline.eval import compare, trace_full, trace_linked
+from pipeline.store import stored
+from pipeline.runtime import Renderer
+from pipeline.runtime import ChunkKV
+from pipeline.runtime import VLM
+from pipeline.store import ShardReader, write_shard
 from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.store import StoreSpec
-from serve.loader import kv_tensor, to_wire
+from serve.kv import kv_tensor, to_wire
 from serve.plan import Entry, LoadedKV
 
 FORMATS = tuple(KVQuant)

@@ -24,22 +24,22 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import write_section
+from pipeline.eval import write_section
 from benchmarks.ttft_store import chunk_texts
-from pipeline.compile import compile_in_process
-from pipeline.embed import Embedder
+from pipeline.ingest.stages import compile_in_process
+from pipeline.runtime import Embedder
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.runtime.model import VLM
+from pipeline.runtime import VLM
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
 from schemas.corpus import Chunk
 from schemas.sampling import Sampling
 from schemas.store import StoreSpec
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader
+from serve.routing import Router
 
 COMMAND = "python -m benchmarks.lazy_tier --quick"
 ROUNDS = 3  # ingest rounds per store kind

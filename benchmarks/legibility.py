@@ -20,9 +20,9 @@ import time
 import pytesseract
 from PIL import Image
 
-from benchmarks.report import markdown_table, write_section
-from pipeline.render import Renderer
-from pipeline.tokens import vision_tokens
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import Renderer
+from pipeline.runtime import vision_tokens
 from schemas.config import ModelFamily, ModelSpec, RenderSpec, TierSpec
 
 FONT_SIZES_PT = (6, 8, 9, 10, 12)

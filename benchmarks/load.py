@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from benchmarks.report import markdown_table, write_section
+    from pipeline.eval import markdown_table, write_section
     from jobs.cluster import init_ray
     from pipeline.ingest import IngestConfig, ingest
     from schemas.config import ModelSpec

@@ -55,7 +55,7 @@ def sentences(limit: int, seed: int = 0) -> list[str]:
 
 def embedded(num_base: int, num_queries: int) -> tuple[np.ndarray, np.ndarray, str]:
     """(base [num_base, 384], queries [num_queries, 384]) unit float32 embeddings, cached; and the embedder name."""
-    from pipeline.embed import Embedder
+    from pipeline.runtime import Embedder
 
     texts = sentences(num_base + num_queries)
     if len(texts) < num_base + num_queries:

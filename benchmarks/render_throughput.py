@@ -13,8 +13,8 @@ import statistics
 import time
 
 from benchmarks.legibility import reference_text
-from benchmarks.report import markdown_table, write_section
-from pipeline.render import Renderer
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import Renderer
 from schemas.config import RenderSpec, TierSpec
 
 DPIS = (72, 96, 120)

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from benchmarks.report import markdown_table, write_section
-from pipeline.runtime.model import VLM
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import VLM
 from schemas.config import DType, ModelSpec
 
 FILLER = (

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 from schemas.corpus import chunk_key
 
 CHUNK_TOKENS = 256
@@ -108,13 +108,13 @@ def stage_costs(corpus: Path, batch_size: int, sample: int) -> dict[str, float]:
     """Seconds per chunk of render, embed and compile, each alone on one core, over `sample` chunks."""
     import torch
 
-    from pipeline.compile import CompilePlan, CompileStage, RenderStage
-    from pipeline.documents import ChunkStage
-    from pipeline.embed import Embedder
-    from pipeline.entries import entry_slots
+    from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
+    from pipeline.ingest.stages import ChunkStage
+    from pipeline.runtime import Embedder
+    from pipeline.store import entry_slots
     from pipeline.ingest import IngestConfig, open_store
-    from pipeline.rows import Kind, rows_table
-    from pipeline.runtime.model import VLM
+    from pipeline.ingest import Kind, rows_table
+    from pipeline.runtime import VLM
     from schemas.config import ModelSpec
     from schemas.corpus import Document
     from schemas.store import StoreSpec

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 
 DIM = 384
 CHUNKS_PER_DOC = 10
@@ -58,7 +58,7 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
     what the distribution's statistics say (realistic only)."""
     import torch
 
-    from pipeline.embed import Embedder
+    from pipeline.runtime import Embedder
     from pipeline.ingest import new_manifest
     from pipeline.store import Store
     from schemas.config import ModelSpec, RenderSpec, Variant
@@ -126,7 +126,7 @@ def rss_mib() -> dict[str, float]:
 
 def publish(uri: str, job_id: str) -> dict:
     """Runs in a fresh process: the job's last step, its time and its peak resident memory."""
-    from pipeline.generations import publish_generation
+    from pipeline.store import publish_generation
     from pipeline.store import Store
 
     before = rss_mib()["rss"]
@@ -140,13 +140,13 @@ def publish(uri: str, job_id: str) -> dict:
 def measure(uri: str, seed: int = 1) -> dict:
     """Runs in a fresh process: everything the router costs, in order."""
     started = time.perf_counter()
-    from pipeline.generations import current_generation_number
+    from pipeline.store import current_generation_number
     from pipeline.store import Store
-    from pipeline.vector_index import exact_top_k, recall_at_k
+    from pipeline.store.catalog import exact_top_k, recall_at_k
     from schemas.api import AnswerRequest
     from schemas.config import ModelSpec, RouterSpec
     from schemas.generation import ReloadSpec
-    from serve.router import Router
+    from serve.routing import Router
 
     imported = time.perf_counter()
     router = Router(uri, ModelSpec(path="tiny-qwen", device="cpu"), RouterSpec(), max_chunks=64,
@@ -195,7 +195,7 @@ def measure(uri: str, seed: int = 1) -> dict:
 
 
 def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
-    from pipeline.generations import publish_generation
+    from pipeline.store import publish_generation
     from pipeline.store import Store
 
     root = work / f"store-{distribution}-{num_chunks}"

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import markdown_table, write_section
-from pipeline.blobs import Blobs
-from pipeline.shards import ShardReader, write_shard
+from pipeline.eval import markdown_table, write_section
+from pipeline.store import Blobs
+from pipeline.store import ShardReader, write_shard
 from schemas.store import StoreSpec
 
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 from benchmarks import scale_serve
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 
 
 def build(root: Path, num_chunks: int, num_parts: int) -> None:
-    from pipeline.generations import publish_generation
+    from pipeline.store import publish_generation
     from pipeline.store import Store
 
     scale_serve.PART_ROWS = -(-num_chunks // num_parts)  # the writer appends one part per PART_ROWS chunks
@@ -48,10 +48,10 @@ PROBE_RANGE_ROWS = 25_000  # key range of the memory probe: small, so the runs s
 
 PEAK_PROBE = """
 import json, sys, time
-import pipeline.key_ranges
-from pipeline.store import Store
-from pipeline.verify import verify
-pipeline.key_ranges.RANGE_ROWS = int(sys.argv[3])
+import pipeline.store.check.key_ranges
+from pipeline.store.store import Store
+from pipeline.store.check.checks import verify
+pipeline.store.check.key_ranges.RANGE_ROWS = int(sys.argv[3])
 verify(Store.open(sys.argv[4]))  # warm: lazy imports and kernel set-up are not the store's cost
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current size
 before = {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(("VmRSS", "VmHWM"))}
@@ -72,9 +72,9 @@ def peak_growth_mib(root: Path, deep: bool, warm_root: Path) -> float:
 
 
 def measure(root: Path, repeats: int, warm_root: Path) -> dict:
-    from pipeline.generations import parts_checks
+    from pipeline.store import parts_checks
     from pipeline.store import Store
-    from pipeline.verify import verify
+    from pipeline.store.check import verify
 
     store = Store.open(str(root))
     checks = parts_checks(store)

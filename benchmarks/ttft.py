@@ -27,9 +27,9 @@ from itertools import product
 import torch
 
 from benchmarks import ttft_http, ttft_store
-from benchmarks.report import markdown_table, write_section
+from pipeline.eval import markdown_table, write_section
 from jobs.eval_serving import InProcessAnswerer
-from pipeline.runtime.model import resolve_device
+from pipeline.runtime import resolve_device
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec

@@ -113,7 +113,7 @@ def measure(store_uri: str, model: ModelSpec, chunk_ids: list[str], query: str, 
 
 
 def embed_alone_ms(query: str, repeats: int) -> float:
-    from pipeline.embed import Embedder
+    from pipeline.runtime import Embedder
 
     embedder, threads = Embedder(), torch.get_num_threads()
     torch.set_num_threads(1)  # what the router replica gets (Ray sets OMP_NUM_THREADS=1 below one CPU)
@@ -147,7 +147,7 @@ class NoopGenerator:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 @serve.ingress()
 class NoopIngress:
-    """Built like serve/ingress.py (the app made in the replica), validating the same request model."""
+    """Built like serve/http/ingress.py (the app made in the replica), validating the same request model."""
 
     def __init__(self, router: DeploymentHandle, generator: DeploymentHandle):
         self.router, self.generator = router, generator
@@ -157,7 +157,7 @@ class NoopIngress:
 
 
 def floor_api(router: DeploymentHandle, generator: DeploymentHandle) -> FastAPI:
-    """A module-level builder, as serve/ingress.py's `make_api`: the decorated class is pickled by value,
+    """A module-level builder, as serve/http/ingress.py's `make_api`: the decorated class is pickled by value,
     and a handler defined in it would lose the module globals its string annotations name."""
     api = FastAPI()
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.compile import compile_in_process
-from pipeline.documents import ChunkStage
-from pipeline.embed import Embedder
-from pipeline.eval.synthetic import evidence_chunks, generate
+from pipeline.ingest.stages import compile_in_process
+from pipeline.ingest.stages import ChunkStage
+from pipeline.runtime import Embedder
+from pipeline.eval import evidence_chunks, generate
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.runtime.model import VLM
+from pipeline.runtime import VLM
 from schemas.config import ModelSpec, RenderSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec

@@ -1,4 +1,4 @@
-"""`qvpic cost-report`: who spent what, from the serving request log (serve/request_log.py).
+"""`qvpic cost-report`: who spent what, from the serving request log (serve/governance/request_log.py).
 
     qvpic cost-report --log /var/log/qvpic/requests
     qvpic cost-report --log s3://bucket/qvpic/requests --endpoint-url http://minio:9000 --since 2026-01-01
@@ -57,7 +57,7 @@ def load_log(spec: StoreSpec, since: datetime | None = None) -> pa.Table:
     import pyarrow.dataset as ds
 
     from pipeline.store import resolve_filesystem
-    from serve.request_log import REQUEST_LOG_SCHEMA
+    from serve.governance import REQUEST_LOG_SCHEMA
 
     fs, root = resolve_filesystem(spec, None)
     table = ds.dataset(root, format="parquet", filesystem=fs, schema=REQUEST_LOG_SCHEMA).to_table()

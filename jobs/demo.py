@@ -183,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from serve.app import AppArgs, build_app
+    from serve.app import AppConfig, build_app
 
     console.rule("2. start the Serve application")
     console.print("four deployments — ingress (HTTP), router, cache loader, generator — on the local Ray …")
     started = time.perf_counter()
     logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(AppArgs(store=StoreSpec(uri=args.store), model=ModelSpec(path=args.model))),
+    serve.run(build_app(AppConfig(store=StoreSpec(uri=args.store), model=ModelSpec(path=args.model))),
               name=APP_NAME, route_prefix="/")
     moved = "" if port == args.port else f" (port {args.port} was taken)"
     console.print(f"serving at http://127.0.0.1:{port}{moved} (OpenAPI at /docs) after "

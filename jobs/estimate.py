@@ -20,8 +20,8 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.render import Renderer
-from pipeline.tokens import vision_grid, vision_tokens
+from pipeline.runtime import Renderer
+from pipeline.runtime import vision_grid, vision_tokens
 from schemas.config import ModelFamily, ModelSpec, RenderSpec, TierSpec
 
 DEFAULT_TOKENIZER_MODEL = "tiny-qwen"
@@ -90,7 +90,7 @@ def _count_text_tokens(text: str, tokenizer_dir: Path | None) -> tuple[int, str]
     from transformers import AutoTokenizer
 
     if tokenizer_dir is None:
-        from pipeline.runtime.tiny import ensure_model
+        from pipeline.runtime import ensure_model
 
         tokenizer_dir = ensure_model(DEFAULT_TOKENIZER_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)

@@ -9,19 +9,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from pipeline.eval.evaluation import Answered, ServingConfig, StoreView, item_request
-from pipeline.eval.evidence import Planner, RoutedChunk
-from pipeline.eval.fidelity import Trace, answer_token_ids, trace_full, trace_linked
-from pipeline.eval.longbench import QAItem
-from pipeline.runtime.kv import ChunkKV
+from pipeline.eval import Answered, ServingConfig, StoreView, item_request
+from pipeline.eval import Planner, RoutedChunk
+from pipeline.eval import Trace, answer_token_ids, trace_full, trace_linked
+from pipeline.eval import QAItem
+from pipeline.runtime import ChunkKV
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import ChunkKind, ModelSpec, RouterSpec
 from schemas.sampling import Sampling
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader, kv_tensor
-from serve.placement import PRICED_VARIANT
-from serve.router import Router
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader, kv_tensor
+from serve.routing import PRICED_VARIANT
+from serve.routing import Router
 
 LRU_NBYTES = 4 << 30
 

@@ -27,20 +27,14 @@ from pydantic import ValidationError
 from jobs import logs
 from jobs.help import HelpFormatter
 from jobs.ingest import model_args, parse_tiers, render_args, render_spec
-from pipeline.eval.longbench import (
-    LONGBENCH_QA_TASKS,
-    QAItem,
-    QATask,
-    load_generic,
-    load_tasks,
-)
-from pipeline.eval.paper import DEFAULT_BUDGETS, DEFAULT_TAUS, PAPER_TIERS
+from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
+from pipeline.eval import DEFAULT_BUDGETS, DEFAULT_TAUS, PAPER_TIERS
 from schemas.config import Mode, ModelSpec, RouterSpec, ScoreNormalisation, Variant
 
 # The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
 # imported where used, so that `qvpic eval --help` answers at once.
 if TYPE_CHECKING:
-    from pipeline.eval.evaluation import ServingConfig, StoreView
+    from pipeline.eval import ServingConfig, StoreView
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "longbench_fixture"
 DEFAULT_GRID = ((0.3, 1), (0.5, 4), (0.9, 8))
@@ -130,7 +124,7 @@ def load_items(args: argparse.Namespace) -> tuple[list[QAItem], str]:
 
 def ingest_documents(items: list[QAItem], store: str, model: ModelSpec, args: argparse.Namespace) -> None:
     from jobs.cluster import init_ray
-    from pipeline.eval.evaluation import corpus_documents, write_corpus
+    from pipeline.eval import corpus_documents, write_corpus
     from pipeline.ingest import IngestConfig, ingest
     from schemas.store import StoreSpec
 
@@ -156,8 +150,8 @@ class EvalOutcome:
 
 def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[ServingConfig], object | None]:
     """What to run: the paper's grid over the store's tiers, or the chosen modes with the server's routing."""
-    from pipeline.eval.evaluation import ServingConfig
-    from pipeline.eval.paper import paper_grid
+    from pipeline.eval import ServingConfig
+    from pipeline.eval import paper_grid
 
     if not args.paper:
         return [ServingConfig.of(m) for m in args.modes], None
@@ -167,30 +161,14 @@ def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[Serv
 
 def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
-    from pipeline.eval.evaluation import HttpAnswerer, StoreView, run, summarize
-    from pipeline.eval.evidence import (
-        OcrJudge,
-        judge_items,
-        serving_configs,
-        summarize_evidence,
-    )
-    from pipeline.eval.fidelity import REFERENCE_MODE, run_fidelity, summarize_fidelity
-    from pipeline.eval.paper import (
-        SWEEP_PNG,
-        dpi_table,
-        paper_table,
-        sweep_png,
-        tau_budget_table,
-    )
-    from pipeline.eval.report import (
-        REPORT_MD,
-        legibility_markdown,
-        summary_markdown,
-        write_report,
-    )
+    from pipeline.eval import HttpAnswerer, StoreView, run, summarize
+    from pipeline.eval import OcrJudge, judge_items, serving_configs, summarize_evidence
+    from pipeline.eval import REFERENCE_MODE, run_fidelity, summarize_fidelity
+    from pipeline.eval import SWEEP_PNG, dpi_table, paper_table, sweep_png, tau_budget_table
+    from pipeline.eval import REPORT_MD, legibility_markdown, summary_markdown, write_report
     from pipeline.store import Store
     from schemas.api import MAX_IDS_PER_REQUEST
-    from serve.router import Router
+    from serve.routing import Router
 
     started = time.perf_counter()
     items, source = load_items(args)
@@ -264,7 +242,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
 
 
 def fidelity_markdown(summaries) -> str:
-    from pipeline.eval.paper import fidelity_table
+    from pipeline.eval import fidelity_table
 
     return ("Each cached configuration against the uncached reference built from the same pieces (full_image at "
             "the tiers it served, or full_text), the same gold answer tokens teacher-forced after the query: median "
@@ -289,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     except httpx.HTTPError as error:
         print(f"qvpic eval: the service at {args.url} is unreachable: {error}", file=sys.stderr)
         return 1
-    from pipeline.eval.markdown import write_section
+    from pipeline.eval import write_section
 
     command, meta = "qvpic eval " + " ".join(argv), outcome.meta
     if args.write_benchmarks and outcome.legibility_md is not None:

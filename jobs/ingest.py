@@ -11,11 +11,11 @@ from pydantic import ValidationError
 
 from jobs import logs
 from jobs.help import HelpFormatter
-from pipeline.resources import CompileResources  # a dataclass: imports no Ray until a job plans its stages
+from pipeline.ingest import CompileResources
 from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, TierSpec, Variant
 
 if TYPE_CHECKING:  # imported where used: Ray and pyarrow would make `--help` take seconds
-    from pipeline.summary import IngestSummary
+    from pipeline.ingest import IngestSummary
 
 
 def parse_tiers(values: list[str]) -> tuple[TierSpec, ...]:
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.cluster import init_ray
     from jobs.failure import explain, report
     from pipeline.ingest import IngestConfig, ingest, unchanged
-    from pipeline.lease import StoreBusyError
-    from pipeline.resources import ResourceError
+    from pipeline.store import StoreBusyError
+    from pipeline.ingest import ResourceError
     from schemas.store import StoreSpec
 
     try:

@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.verbose)
     from jobs.cluster import init_ray  # Ray, pyarrow and the model runtime: after `--help` has answered
     from jobs.failure import explain, report
-    from pipeline.lease import StoreBusyError
-    from pipeline.recompile import RecompileConfig, recompile
-    from pipeline.resources import ResourceError
+    from pipeline.store import StoreBusyError
+    from pipeline.ingest import RecompileConfig, recompile
+    from pipeline.ingest import ResourceError
     from schemas.store import StoreSpec
 
     try:

@@ -88,8 +88,8 @@ def _set(tree: dict[str, Any], path: str, value: Any) -> None:
 
 
 def app_args(ns: argparse.Namespace):
-    """The AppArgs the flags (over the config file, when given) describe."""
-    from serve.app import AppArgs
+    """The AppConfig the flags (over the config file, when given) describe."""
+    from serve.app import AppConfig
 
     args: dict[str, Any] = {}
     if ns.config is not None:
@@ -108,7 +108,7 @@ def app_args(ns: argparse.Namespace):
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
-    return AppArgs.model_validate(args)
+    return AppConfig.model_validate(args)
 
 
 class Stopped(BaseException):
@@ -146,7 +146,7 @@ def deploy(application, local: bool, stop: StopSignals, poll_s: float = 2.0) -> 
     has no node that can host a deployment (nothing will ever join it)."""
     from ray import serve
 
-    from serve.health import fetch_readiness
+    from serve.http import fetch_readiness
 
     serve.run_many([serve.RunTarget(application, name=APP_NAME, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)

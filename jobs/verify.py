@@ -21,7 +21,7 @@ import json
 import sys
 
 from jobs.help import HelpFormatter
-from pipeline.findings import DEFAULT_GRACE_S  # (imports nothing heavy)
+from pipeline.store.check import DEFAULT_GRACE_S
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,8 +62,8 @@ def print_report(report, repaired: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipeline.store import Store, StoreError  # the store stack: after `--help`
-    from pipeline.verify import verify
+    from pipeline.store import Store, StoreError
+    from pipeline.store.check import verify
     from schemas.store import StoreSpec
 
     try:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         report = verify(store, args.deep, args.grace_s)
         repaired: list[str] = []
         if args.repair and report.problems:
-            from pipeline.repair import repair
+            from pipeline.store.check import repair
 
             repaired = repair(store, report, args.grace_s)
             report = verify(store, args.deep, args.grace_s)  # what is left

@@ -1,0 +1,15 @@
+"""Data contracts only: nothing here imports the rest of qvpic, torch or Ray. Import a contract from the
+module that states it — each module is one kind of contract:
+
+    config.py      model, renderer, tiers, variants, modes, router/engine/recompute specs
+    corpus.py      documents, chunks, chunk keys, rejection reasons
+    store.py       the manifest, cache keys, shard entries, store statistics
+    tables.py      Arrow schemas of the index, chunk and quarantine tables and their row rules
+    generation.py  serving generations, leases, search and reload specs
+    api.py         the native HTTP API's request and response models
+    chat.py        the OpenAI-compatible models
+    errors.py      API errors and their HTTP status
+    health.py      readiness
+    sampling.py    sampling parameters
+    wire.py        what crosses between deployments
+"""

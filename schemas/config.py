@@ -35,7 +35,7 @@ class KVQuant(str, Enum):
 
     The quantised formats follow KIVI: keys per channel (one scale per layer, head and channel, over
     the entry's tokens — key outliers live in fixed channels), values per token (one scale per layer,
-    head and token, over the channels). See pipeline/kv_quant.py."""
+    head and token, over the channels). See pipeline/store/kv_quant.py."""
 
     NONE = "none"  # the model's dtype, as compiled
     INT8 = "int8"  # symmetric int8, absmax scales
@@ -84,7 +84,7 @@ _VARIANT_PREFIX = {Variant.TEMPLATE: CompilePrefix.TEMPLATE, Variant.PLAIN: Comp
 class Mode(str, Enum):
     """How the engine builds the context of a request; every mode is served side by side.
 
-    A mode is a choice of stored variant and of tiers (see serve/placement.py `PRICED_VARIANT`); the
+    A mode is a choice of stored variant and of tiers (see serve/routing/placement.py `PRICED_VARIANT`); the
     uniform ones serve every chunk at one tier, the request's `tier` or the mode's default.
     """
 
@@ -107,7 +107,7 @@ class Mode(str, Enum):
 
 class RecomputeKind(str, Enum):
     """Which tokens of every linked chunk are recomputed with attention to the context before them
-    (pipeline/runtime/recompute.py): a repair of what position-independent caching drops."""
+    (pipeline/runtime/selective_recompute.py): a repair of what position-independent caching drops."""
 
     NONE = "none"  # link the cached KV as it is
     LEADING = "leading"  # EPIC: the first `leading_num_tokens` tokens of every chunk
@@ -218,7 +218,7 @@ class ModelSpec(Frozen):
 
 class HybridSpec(Frozen):
     """Hybrid representation per chunk (`qvpic serve --hybrid`): in `qvpic` mode the router serves a chunk
-    as its text entry instead of its pages where this declared rule says so (serve/hybrid.py):
+    as its text entry instead of its pages where this declared rule says so (serve/routing/hybrid.py):
 
     1. cheaper as text: text tokens ≤ `text_cost_ratio` × the tokens of its pages — at the lowest tier
        before promotion (such a chunk is text and takes no promotion), then at the tier it was routed to;

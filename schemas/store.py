@@ -10,9 +10,9 @@ On-disk layout of a store (a local directory or an object-store prefix; every fi
     shards/<2 hex>/<sha256>.safetensors   KV tensors [layers, 2, kv_heads, tokens, head_dim] (or, in a
                                    store with `kv_quant`, their quantised records); many entries per
                                    file, each found by (byte_offset, nbytes) in its index row
-    leases/<job_id>.json           the write lease of the job writing the store (pipeline/lease.py)
+    leases/<job_id>.json           the write lease of the job writing the store (pipeline/store/lease.py)
 
-Tables are append-only part logs (pipeline/part_log.py): readers take the newest row per key, and
+Tables are append-only part logs (pipeline/store/part_log.py): readers take the newest row per key, and
 every job ends by compacting what it appended into parts of ≤250k rows.
 
 Fingerprints are sha256 over canonical JSON (sorted keys, no whitespace) so they are identical in
@@ -54,7 +54,7 @@ class ShardEntry:
     shard_path: str  # relative to the store root
     nbytes: int
     checksum: str  # sha256 hex of the tensor's raw bytes
-    dtype: DType | KVQuant  # a float tensor, or a quantised record (pipeline/kv_quant.py)
+    dtype: DType | KVQuant  # a float tensor, or a quantised record (pipeline/store/kv_quant.py)
     byte_offset: int  # of the tensor's bytes from the start of the shard file
     shape: tuple[int, ...]  # the KV's logical shape (a quantised record's is its KV's, not the record's)
 
@@ -187,7 +187,7 @@ class Manifest(Frozen):
     variants: tuple[Variant, ...] = Field(min_length=1)
     embedder: str = Field(min_length=1)
     embedding_dim: int = Field(gt=0)
-    kv_quant: KVQuant = KVQuant.NONE  # how every entry's KV is stored (pipeline/kv_quant.py)
+    kv_quant: KVQuant = KVQuant.NONE  # how every entry's KV is stored (pipeline/store/kv_quant.py)
     created_at: datetime
     updated_at: datetime
     job_ids: tuple[str, ...] = ()

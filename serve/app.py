@@ -1,8 +1,8 @@
-"""The Serve application's builder: ingress (serve/ingress.py) → router, generator (→ cache loader).
+"""The Serve application's builder: ingress (serve/http/ingress.py) → router, generator (→ cache loader).
 
-`build_app` (`import_path: serve.app:build_app`) validates `AppArgs`, checks the store against the
+`build_app` (`import_path: serve.app:build_app`) validates `AppConfig`, checks the store against the
 model before any replica starts, and binds each deployment by keyword with its own typed config
-(serve/configs.py). The generator holds the loader's handle and fetches from it only what its device
+(serve/config.py). The generator holds the loader's handle and fetches from it only what its device
 hot tier lacks; the ingress holds the loader's handle only for `/v1/store`'s cache statistics.
 """
 
@@ -12,20 +12,20 @@ from typing import Any
 
 from ray import serve
 
-from pipeline.generations import ensure_generation, read_generation, require_recorded_parts
+from pipeline.store import ensure_generation, read_generation, require_recorded_parts
 from pipeline.store import Store
 from schemas.api import StoreInfo
-from serve.configs import (  # noqa: F401  (AppArgs, DeploymentArgs: re-exported for callers of this module)
-    ApiSettings,
-    AppArgs,
-    DeploymentArgs,
+from serve.config import (  # noqa: F401  (AppConfig, DeploymentConfig: re-exported for callers of this module)
+    ApiSpec,
+    AppConfig,
+    DeploymentConfig,
     LoaderConfig,
     RouterConfig,
 )
-from serve.generator import Generator
-from serve.ingress import Ingress, make_api, respond  # noqa: F401  (make_api, respond: re-exported)
-from serve.loader import CacheLoader
-from serve.router import BatchingRouter, check_store, servable_modes
+from serve.engine import Generator
+from serve.http import Ingress, make_api, respond
+from serve.kv import CacheLoader
+from serve.routing import BatchingRouter, check_store, servable_modes
 
 
 class RouterReplica(BatchingRouter):
@@ -43,7 +43,7 @@ class LoaderReplica(CacheLoader):
         super().__init__(config.store, config.max_nbytes, config.reload)
 
 
-def api_settings(args: AppArgs) -> ApiSettings:
+def api_settings(args: AppConfig) -> ApiSpec:
     store = Store.open(args.store)
     generation = read_generation(store, ensure_generation(store))
     manifest = generation.manifest  # counts from the generation record: nothing re-reads the tables
@@ -52,11 +52,11 @@ def api_settings(args: AppArgs) -> ApiSettings:
                      embedder=manifest.embedder, num_chunks=generation.num_chunks,
                      num_documents=generation.num_documents, num_entries=generation.num_entries,
                      modes=servable_modes(manifest.variants), kv_quant=manifest.kv_quant)
-    return ApiSettings(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
+    return ApiSpec(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
                        created=int(manifest.created_at.timestamp()))
 
 
-def preflight(args: AppArgs) -> None:
+def preflight(args: AppConfig) -> None:
     """Fail fast, before any replica starts, when the store was compiled for another model or has lost
     table parts since its current generation (a listing per table, O(parts)); publish a serving
     generation once when no job has (so replicas never race to build one)."""
@@ -66,13 +66,13 @@ def preflight(args: AppArgs) -> None:
     ensure_generation(store)
 
 
-def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
+def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
     """Serve application builder. Serve passes YAML `args` as a dict (it only converts them itself for a
     non-string annotation), so they are validated here."""
-    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    args = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     preflight(args)
 
-    def deployment(cls: type, name: str, resources: DeploymentArgs):
+    def deployment(cls: type, name: str, resources: DeploymentConfig):
         return serve.deployment(cls, name=name).options(**resources.options(),
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 

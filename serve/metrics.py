@@ -10,7 +10,7 @@
   in-process and answers at once.
 
 Labels never carry tenants or queries (unbounded cardinality); per-tenant attribution is the request
-log's job (serve/request_log.py). Metrics are created once per process, inside the replica (so Ray
+log's job (serve/governance/request_log.py). Metrics are created once per process, inside the replica (so Ray
 adds the replica's tags): call `serve_metrics()`.
 """
 

@@ -3,7 +3,7 @@
 A request's plan, its loaded KV and its answer, as plain frozen dataclasses. This module imports
 nothing heavy (no torch, no transformers, no Ray), so the ingress and governance can hold and cache
 these types without loading the model stack. KV travels as numpy (bf16 as a uint16 view, see
-serve/loader.py): Ray moves numpy buffers zero-copy.
+serve/kv/loader.py): Ray moves numpy buffers zero-copy.
 """
 
 from __future__ import annotations

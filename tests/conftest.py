@@ -28,7 +28,7 @@ FAMILY_MODELS = ["tiny-qwen", "tiny-qwen2", "tiny-glm", "tiny-llava"]  # Qwen2.5
 @pytest.fixture(scope="session", params=FAMILY_MODELS)
 def vlm(request):
     """A float32 tiny VLM of each family, loaded through the real from_pretrained path."""
-    from pipeline.runtime.model import VLM
+    from pipeline.runtime import VLM
     from schemas.config import ModelSpec
 
     return VLM(ModelSpec(path=request.param, device="cpu"))
@@ -37,7 +37,7 @@ def vlm(request):
 @pytest.fixture(scope="session")
 def vlm_bf16(vlm):
     """`vlm`'s checkpoint in bfloat16, the serving dtype."""
-    from pipeline.runtime.model import VLM
+    from pipeline.runtime import VLM
     from schemas.config import DType
 
     return VLM(vlm.spec.model_copy(update={"dtype": DType.BFLOAT16}))

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.compile import compile_in_process
-from pipeline.embed import Embedder
-from pipeline.generations import publish_generation
+from pipeline.ingest.stages import compile_in_process
+from pipeline.runtime import Embedder
+from pipeline.store import publish_generation
 from pipeline.ingest import new_manifest
-from pipeline.runtime.model import VLM
+from pipeline.runtime import VLM
 from pipeline.store import Store
 from schemas.config import KVQuant, ModelSpec, RenderSpec, RouterSpec, Variant
 from schemas.corpus import Chunk
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader
+from serve.routing import Router
 
 ALL_VARIANTS = tuple(Variant)
 DOCUMENTS: dict[str, list[str]] = {

@@ -18,9 +18,10 @@ from schemas.api import AnswerRequest, CacheStats
 from schemas.config import ModelSpec
 from schemas.errors import UnservableError
 from schemas.store import ManifestError
-from serve.app import AppArgs, api_settings, make_api, preflight
-from serve.backend import InProcessBackend
-from serve.loader import CacheLoader
+from serve.app import AppConfig, api_settings, preflight
+from serve.http import make_api
+from serve.http import InProcessBackend
+from serve.kv import CacheLoader
 from tests.store_factory import MAX_CHUNKS, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ QUERY = "When does part XK-4471-B ship?"
 
 @pytest.fixture(scope="module")
 def app(roles, serving_store):
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_settings(args))
 
 
@@ -146,10 +147,10 @@ def test_chat_errors_in_openai_shape(app, body, status, fragment):
 
 
 def test_store_compiled_for_another_model_is_refused(serving_store):
-    preflight(AppArgs(store={"uri": serving_store.uri}, model=serving_store.model))
+    preflight(AppConfig(store={"uri": serving_store.uri}, model=serving_store.model))
     for other in (ModelSpec(path="tiny-qwen", dtype="bfloat16"), ModelSpec(path="tiny-glm")):
         with pytest.raises(ManifestError, match=rf"refusing to serve {other.path}@\w+ \({other.dtype.value}\)"):
-            preflight(AppArgs(store={"uri": serving_store.uri}, model=other))
+            preflight(AppConfig(store={"uri": serving_store.uri}, model=other))
     assert run_server.main(["--store", serving_store.uri, "--dtype", "bfloat16"]) == 2
 
 
@@ -174,7 +175,7 @@ def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_s
     shutil.copytree(serving_store.uri, root)
     planned = asyncio.run(roles.router.plan(AnswerRequest(query=QUERY, chunk_ids=["recipes#00000"], mode="text_pic")))
     corrupt_entry(root, planned.chunks[0].entry.row)
-    args = AppArgs(store={"uri": str(root)}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": str(root)}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     loader = CacheLoader(str(root), 1 << 20)
     broken = make_api(InProcessBackend(roles.router, loader, roles.generator), api_settings(args))
     body = {"query": QUERY, "chunk_ids": ["recipes#00000"], "mode": "text_pic"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.runtime.kv import ChunkKV
+from pipeline.runtime import ChunkKV
 from schemas.config import CompilePrefix
 from schemas.sampling import Sampling
 

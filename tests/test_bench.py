@@ -97,7 +97,7 @@ def test_real_size_checkpoints_keep_the_public_shapes_and_build_on_the_device(tm
     from transformers import AutoConfig
 
     from benchmarks.real_size import GLM_4_1V_9B, QWEN2_5_VL_7B, materialise, random_weights
-    from pipeline.runtime.model import VLM
+    from pipeline.runtime import VLM
     from schemas.config import ModelSpec
 
     full = AutoConfig.from_pretrained(materialise("glm-4.1v-9b", tmp_path))

@@ -11,9 +11,10 @@ import pytest
 from fastapi import FastAPI
 
 from schemas.errors import BudgetExceededError, RateLimitedError
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
-from serve.budget import Limit, LimitsArgs, RateLimiter, TenantPolicy, TokenBucket
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
+from serve.governance.budget import Limit, RateLimitConfig, RateLimiter, TenantPolicy, TokenBucket
 from serve.governance import Governor
 from tests.fixtures_redis import redis_url  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
@@ -25,8 +26,8 @@ NO_CACHE = {"response_cache": {"levels": []}}
 
 
 def governed_app(roles, serving_store, **governance) -> tuple[FastAPI, Governor]:
-    """The HTTP app over the in-process roles with these GovernanceArgs fields."""
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS,
+    """The HTTP app over the in-process roles with these GovernanceConfig fields."""
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS,
                    default_top_k=2, governance=governance)
     settings = api_settings(args)
     governor = Governor(args.governance, settings.store)
@@ -163,14 +164,14 @@ def test_token_bucket_never_admits_more_than_its_rate():
 
 
 def test_a_request_dearer_than_the_burst_waits_for_a_full_bucket():
-    limiter = RateLimiter(LimitsArgs(default=TenantPolicy(tokens_per_s=100, token_burst=50)), None)
+    limiter = RateLimiter(RateLimitConfig(default=TenantPolicy(tokens_per_s=100, token_burst=50)), None)
     asyncio.run(limiter.take("t", Limit.TOKENS, 500))  # full bucket: admitted, 450 tokens of debt
     with pytest.raises(RateLimitedError) as error:
         asyncio.run(limiter.take("t", Limit.TOKENS, 500))
     assert error.value.retry_after_s == pytest.approx(5.0, abs=0.05)  # refill to a full 50 from -450
     assert error.value.headers() == {"Retry-After": "5"}
     with pytest.raises(ValueError, match="need a redis_url"):
-        RateLimiter(LimitsArgs(backend="redis"), None)
+        RateLimiter(RateLimitConfig(backend="redis"), None)
 
 
 def test_governance_errors_survive_pickling():  # as they would crossing a Ray deployment boundary

@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-import pipeline.catalog_writer as catalog_writer
-from pipeline.catalog import RowFile
-from pipeline.generations import publish_generation
+import pipeline.store.catalog.writer as catalog_writer
+from pipeline.store.catalog import RowFile
+from pipeline.store import publish_generation
 from pipeline.store import Store
 from schemas.config import Variant
 from schemas.tables import CHUNKS_SCHEMA
-from serve.retrieval import open_snapshot
+from serve.routing.retrieval import open_snapshot
 from tests.test_store import NOW, index_row, kv, make_manifest, sha
 
 DIM = 4

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from pipeline.chunker import Chunker, ChunkingError
-from pipeline.readers import read_file
+from pipeline.ingest import Chunker
+from pipeline.ingest.chunker import ChunkingError
+from pipeline.ingest.corpus import read_file
 from schemas.corpus import Document, chunk_key
 
 DATA = Path(__file__).resolve().parent.parent / "jobs" / "data"

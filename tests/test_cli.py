@@ -17,7 +17,7 @@ from schemas.config import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 # Importing any of these takes seconds: `--help` must not need them.
-HEAVY_MODULES = ("ray", "torch", "transformers", "sentence_transformers", "matplotlib", "serve", "pipeline.store")
+HEAVY_MODULES = ("ray", "torch", "transformers", "sentence_transformers", "matplotlib", "serve", "pipeline.store.store")
 
 HELP_PROBE = """
 import contextlib, io, json, sys
@@ -132,7 +132,7 @@ def test_an_unknown_level_is_named_and_ignored():
 
 def test_a_rerun_says_nothing_to_compile(capsys):
     from jobs.ingest import print_summary
-    from pipeline.summary import IngestSummary
+    from pipeline.ingest import IngestSummary
 
     print_summary(IngestSummary("ingest-x", inputs=3, indexed=3, deduplicated=0, quarantined={}, num_chunks=5,
                                 num_chunk_texts=5, num_chunks_compiled=0, wall_s=1.0), as_json=False)

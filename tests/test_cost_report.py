@@ -13,8 +13,9 @@ from PIL import Image
 
 from jobs import cost_report
 from schemas.store import StoreSpec
-from serve.auth import AuthArgs, key_digest
-from serve.request_log import RequestLog, RequestLogArgs, RequestRecord
+from serve.governance.auth import AuthConfig
+from serve.governance import key_digest
+from serve.governance.request_log import RequestLog, RequestLogConfig, RequestRecord
 from tests.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call
@@ -42,7 +43,7 @@ def generated_records(num_rows: int, seed: int = 11) -> list[RequestRecord]:
 
 
 def write_log(spec: StoreSpec, records: list[RequestRecord], batch_rows: int) -> None:
-    log = RequestLog(RequestLogArgs(location=spec, batch_rows=batch_rows))
+    log = RequestLog(RequestLogConfig(location=spec, batch_rows=batch_rows))
     for record in records:
         log.append(record)
     log.close()
@@ -139,4 +140,4 @@ def test_tenants_come_from_api_keys_and_every_request_is_logged(roles, serving_s
 
 def test_auth_config_takes_digests_only():
     with pytest.raises(ValueError, match="64 lowercase hex"):
-        AuthArgs(api_key_sha256={"plain-key": "acme"})
+        AuthConfig(api_key_sha256={"plain-key": "acme"})

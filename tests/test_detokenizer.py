@@ -8,8 +8,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.runtime.tiny import ensure_model
-from serve.detokenizer import Detokenizer
+from pipeline.runtime import ensure_model
+from serve.engine import Detokenizer
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen", "tiny-glm", "wordpiece"])

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from pipeline.runtime import batch
 from pipeline.runtime.kv import RotationTable
-from pipeline.runtime.model import VLM
+from pipeline.runtime import VLM
 from schemas.config import CompilePrefix, EngineSpec
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling

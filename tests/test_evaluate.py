@@ -17,26 +17,17 @@ from PIL import Image
 from jobs import evaluate as evaluate_job
 from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
 from jobs.ingest import parse_tiers
-from pipeline.chunker import Chunker
+from pipeline.ingest import Chunker
 from pipeline.eval import synthetic
-from pipeline.eval.evaluation import (
-    EvalError,
-    HttpAnswerer,
-    ItemResult,
-    RequestFailed,
-    ServingConfig,
-    StoreView,
-    context_doc_id,
-    corpus_documents,
-    item_request,
-    run,
-    summarize,
-)
-from pipeline.eval.evidence import OcrJudge, find_evidence, judge_items, serving_configs, summarize_evidence
-from pipeline.eval.fidelity import REFERENCE_MODE, answer_token_ids, run_fidelity, summarize_fidelity
-from pipeline.eval.longbench import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.eval.paper import PAPER_TIERS, SWEEP_PNG, paper_grid
-from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, REPORT_MD, SCATTER_PNG, write_report
+from pipeline.eval.evaluation import EvalError, ItemResult, RequestFailed, context_doc_id
+from pipeline.eval import HttpAnswerer, ServingConfig, StoreView, corpus_documents, item_request, run, summarize
+from pipeline.eval import OcrJudge, judge_items, serving_configs, summarize_evidence
+from pipeline.eval.evidence import find_evidence
+from pipeline.eval import REFERENCE_MODE, answer_token_ids, run_fidelity, summarize_fidelity
+from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
+from pipeline.eval import PAPER_TIERS, SWEEP_PNG, paper_grid
+from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, SCATTER_PNG
+from pipeline.eval import REPORT_MD, write_report
 from pipeline.eval.scoring import qa_f1, score
 from pipeline.store import Store
 from schemas.api import AnswerRequest
@@ -44,8 +35,9 @@ from schemas.config import Mode, ModelSpec, RouterSpec
 from schemas.corpus import Document
 from schemas.errors import TooLargeError
 from schemas.store import StoreSpec
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
 from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
 from tests.store_factory import build_store
 
@@ -87,10 +79,10 @@ class FakeView:
 def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_path):
     """On the LongBench fixture with the real MiniLM: the router embeds the question alone, scores only
     the context's chunks, and neither the instruction nor the answer cue is anywhere among them."""
-    from pipeline.embed import Embedder
-    from pipeline.runtime.model import VLM
+    from pipeline.runtime import Embedder
+    from pipeline.runtime import VLM
     from schemas.config import Variant
-    from serve.router import Router
+    from serve.routing import Router
 
     items = fixture_items()
     model, embedder = ModelSpec(path="tiny-qwen", device="cpu"), Embedder()
@@ -131,8 +123,8 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
 @pytest.fixture(scope="module")
 def eval_store(tmp_path_factory, request):
     """Two synthetic items and one "unanswerable" qasper item, chunked at 64 tokens, every variant."""
-    from pipeline.embed import Embedder
-    from pipeline.runtime.model import VLM
+    from pipeline.runtime import Embedder
+    from pipeline.runtime import VLM
 
     folder = tmp_path_factory.mktemp("synthetic-items")
     synthetic.write_jsonl(synthetic.generate(2, context_words=150, num_distractors=1, seed=3), str(folder))
@@ -182,7 +174,7 @@ def test_every_mode_runs_and_is_scored(eval_store):
 def test_http_client_matches_in_process_and_records_errors(eval_store):
     uri, items, view, answerer = eval_store
     app = make_api(InProcessBackend(answerer.router, answerer.loader, answerer.generator),
-                   api_settings(AppArgs(store=StoreSpec(uri=uri))))
+                   api_settings(AppConfig(store=StoreSpec(uri=uri))))
     with TestClient(app) as client:
         http = HttpAnswerer("/v1/answer", client=client)
         local = run(items[:1], list(Mode), answerer, view, max_new_tokens=4, progress=False)

@@ -19,21 +19,22 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
-from pipeline.compile import compile_in_process
-from pipeline.generations import publish_generation
+from pipeline.ingest.stages import compile_in_process
+from pipeline.store import publish_generation
 from pipeline.ingest import IngestConfig, ingest
-from pipeline.render import resolve_font
+from pipeline.runtime.render import resolve_font
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, RouterSpec
 from schemas.corpus import Chunk
 from schemas.store import StoreSpec
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader
+from serve.routing import Router
 from tests.fixtures_redis import start_redis
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (pytest fixture)
 from tests.store_factory import MAX_CHUNKS, ServingStore, corrupt_entry, roles, serving_store  # noqa: F401
@@ -50,7 +51,7 @@ LINKED_MODES = (Mode.QVPIC, Mode.UNIFORM_HIGH, Mode.IMAGE_PIC, Mode.TEXT_PIC)
 
 # ---- a shard corrupted on disk ---------------------------------------------------------------------
 def in_process_app(store_uri: str, serving: ServingStore, router: Router, generator: Generator):
-    args = AppArgs(store={"uri": store_uri}, model=serving.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": store_uri}, model=serving.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     generator.hot.clear()  # cold, like the new loader: every entry is read from the store again
     return make_api(InProcessBackend(router, CacheLoader(store_uri, 1 << 20), generator), api_settings(args))
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pipeline.eval.fidelity import Trace, compare, trace_full, trace_linked
+from pipeline.eval import Trace, compare, trace_full, trace_linked
 from schemas.config import CompilePrefix
 from tests.test_runtime_exactness import page, random_text
 

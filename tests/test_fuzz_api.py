@@ -19,13 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import positive_data_acceptance
 
-from pipeline.runtime.model import select_token
+from pipeline.runtime import select_token
 from schemas.sampling import Sampling
 from schemas.api import MAX_IDS_PER_REQUEST, MAX_NEW_TOKENS, MAX_QUERY_CHARS, MAX_TIMEOUT_S
 from schemas.config import Mode
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
-from serve.limits import DEFAULT_MAX_BODY_NBYTES
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
+from serve.http.guards import DEFAULT_MAX_BODY_NBYTES
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 
@@ -48,7 +49,7 @@ def short(sampling):
 
 @pytest.fixture(scope="module")
 def app(roles, serving_store):
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     return make_api(ShortDecode(roles.router, roles.loader, roles.generator), api_settings(args))
 
 

@@ -13,22 +13,21 @@ import pyarrow.fs as pafs
 import pytest
 
 from jobs.publish import main
-from pipeline.compile import compile_in_process
-from pipeline.generations import (
-    collect_generations, current_generation, live_generations, protected_shards, publish_generation, read_generation,
-    write_lease,
-)
-from pipeline.entries import entry_slots
-from pipeline.recompile import RecompileConfig, target_manifest
+from pipeline.ingest.stages import compile_in_process
+from pipeline.store import collect_generations, publish_generation, read_generation
+from pipeline.store.generations import current_generation, live_generations, protected_shards, write_lease
+from pipeline.store import entry_slots
+from pipeline.ingest import RecompileConfig
+from pipeline.ingest.recompile_job import target_manifest
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import RenderSpec, RouterSpec, TierSpec
 from schemas.generation import LEASES_DIR, Generation, Lease, ReloadSpec
 from schemas.store import StoreSpec
-from serve.loader import CacheLoader
+from serve.kv import CacheLoader
 from serve.plan import Plan
-from serve.retrieval import open_snapshot
-from serve.router import Router
+from serve.routing.retrieval import open_snapshot
+from serve.routing import Router
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import MAX_CHUNKS, ServingStore, serving_store  # noqa: F401  (fixture)
 
@@ -44,7 +43,7 @@ def copy_store(serving: ServingStore, root: Path) -> Path:
 
 
 def recompile_in_process(root: Path, serving: ServingStore, render: RenderSpec) -> Generation:
-    """pipeline/recompile.py's steps without Ray Data: compile what the new manifest lacks, publish the
+    """pipeline/ingest/recompile_job.py's steps without Ray Data: compile what the new manifest lacks, publish the
     manifest and a generation, drop stale rows, collect orphan shards with no grace period."""
     store = Store.open(str(root))
     new, _ = target_manifest(store.load_manifest_or_raise(), RecompileConfig(store=store.spec, render=render))

@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.runtime.model import VLM
+from pipeline.runtime import VLM
 from schemas.sampling import Sampling
 from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec, RouterSpec
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.hot_tier import HotTier
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import HotTier
 from serve.plan import Answer, Plan
-from serve.loader import CacheLoader, from_wire, to_wire
-from serve.lru import ByteLRU
-from serve.router import Router
+from serve.kv import CacheLoader, to_wire
+from serve.kv.loader import from_wire
+from serve.kv.lru import ByteLRU
+from serve.routing import Router
 from tests.store_factory import Roles, build_store, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
 
 QUERY = "When does part XK-4471-B ship?"

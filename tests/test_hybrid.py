@@ -1,4 +1,4 @@
-"""Hybrid representation per chunk: the declared rule (serve/hybrid.py) picks text for a short chunk and for
+"""Hybrid representation per chunk: the declared rule (serve/routing/hybrid.py) picks text for a short chunk and for
 one whose pages read illegibly at ingest, pages otherwise; placement applies it only when enabled; ingest
 stores the OCR score; a hybrid context is served."""
 
@@ -8,19 +8,20 @@ import asyncio
 
 import pytest
 
-from pipeline.legibility_score import matched_share, page_legibility
-from pipeline.render import Renderer
+from pipeline.runtime.ocr import matched_share
+from pipeline.runtime import page_legibility
+from pipeline.runtime import Renderer
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import HybridSpec, Mode, RenderSpec, RouterSpec, Variant
 from schemas.sampling import Sampling
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.hybrid import Choice, choose
-from serve.loader import CacheLoader
-from serve.placement import place
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.routing.hybrid import Choice, choose
+from serve.kv import CacheLoader
+from serve.routing.placement import place
 from serve.plan import Entry
-from serve.router import Router
+from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, serving_store  # noqa: F401
 
 ON = HybridSpec(enabled=True)

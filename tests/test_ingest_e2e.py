@@ -16,12 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.generations import publish_generation
-from pipeline.ingest import IngestConfig, entry_slots, ingest
-from pipeline.lease import StoreBusyError
-from pipeline.recompile import RecompileConfig, recompile
-from pipeline.resources import CompileResources
-from pipeline.render import resolve_font
+from pipeline.store import publish_generation
+from pipeline.ingest import IngestConfig, ingest
+from pipeline.store import entry_slots
+from pipeline.store import StoreBusyError
+from pipeline.ingest import RecompileConfig, recompile
+from pipeline.ingest import CompileResources
+from pipeline.runtime.render import resolve_font
 from pipeline.store import Store
 from schemas.config import RenderSpec
 from schemas.store import StoreSpec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pipeline.ingest_record import corpus_digest
+from pipeline.ingest.record import corpus_digest
 
 
 def test_the_digest_follows_content_not_timestamps_and_never_opens_a_fifo(tmp_path):

@@ -7,21 +7,20 @@ import asyncio
 import pytest
 import torch
 
-from pipeline.dtypes import stored_format
+from pipeline.runtime import stored_format
 from pipeline.ingest import new_manifest
-from pipeline.kv_quant import (
-    QuantizedKV, absmax_scale, check_device, dequantize, quantize, record_nbytes, to_payload,
-)
-from pipeline.runtime.kv import ChunkKV
-from pipeline.shards import ShardCorruptError, ShardReader, write_shard
+from pipeline.store import QuantizedKV, check_device, dequantize
+from pipeline.store.kv_quant import absmax_scale, quantize, record_nbytes, to_payload
+from pipeline.runtime import ChunkKV
+from pipeline.store import ShardCorruptError, ShardReader, write_shard
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import DType, KVQuant, RenderSpec, RouterSpec, Variant
 from schemas.store import Manifest
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader, kv_tensor
-from serve.router import Router
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader, kv_tensor
+from serve.routing import Router
 from tests.store_factory import Roles, build_store, serving_store  # noqa: F401  (fixture)
 
 QUANTS = (KVQuant.INT8, KVQuant.FP8)
@@ -84,7 +83,7 @@ def test_negative_control_dropping_the_scales_fails_the_bound(quant):
 def test_the_device_probe_passes_here_and_names_the_format_when_a_cast_is_missing(monkeypatch):
     for quant in KVQuant:
         check_device(quant, "cpu")
-    import pipeline.kv_quant as kv_quant
+    import pipeline.store.kv_quant as kv_quant
 
     def no_fp8(*_args, **_kwargs):
         raise NotImplementedError("\"copy_\" not implemented for 'Float8_e4m3fn'")
@@ -138,7 +137,7 @@ def test_shard_round_trip_keeps_the_record_and_checks_it(tmp_path, quant):
 
 # ---- identity ----------------------------------------------------------------------------------------
 def manifest(kv_quant: KVQuant) -> Manifest:
-    from pipeline.runtime.model import model_identity  # noqa: F401  (tiny model files are built on demand)
+    from pipeline.runtime import model_identity
     from schemas.config import ModelSpec
     return new_manifest(ModelSpec(device="cpu"), RenderSpec(), (Variant.TEMPLATE, Variant.TEXT), "minilm", 384, "t",
                         kv_quant=kv_quant)
@@ -166,7 +165,8 @@ def test_ingest_keeps_a_stores_format_and_refuses_to_mix_two(tmp_path):
 
 
 def test_recompile_to_another_format_needs_every_entry_again():
-    from pipeline.recompile import RecompileConfig, target_manifest
+    from pipeline.ingest import RecompileConfig
+    from pipeline.ingest.recompile_job import target_manifest
     from schemas.store import StoreSpec
     old = manifest(KVQuant.INT8)
     kept, _ = target_manifest(old, RecompileConfig(store=StoreSpec(uri="x")))
@@ -201,9 +201,9 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
     assert reply.report.usage.completion_tokens > 0 and reply.report.cache.nbytes_from_store > 0
     assert quant.loader.stats().nbytes == reply.report.cache.nbytes_from_store  # the LRU keeps the records
     from serve.app import api_settings
-    from serve.configs import AppArgs
+    from serve.config import AppConfig
     from schemas.store import StoreSpec
-    assert api_settings(AppArgs(store=StoreSpec(uri=uri))).store.kv_quant is KVQuant.INT8  # GET /v1/store says so
+    assert api_settings(AppConfig(store=StoreSpec(uri=uri))).store.kv_quant is KVQuant.INT8  # GET /v1/store says so
 
     vlm = serving_store.vlm
     logits = {}
@@ -221,11 +221,11 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
 def test_a_lazy_int8_store_writes_back_int8_and_serves_the_same_answer_from_it(serving_store, tmp_path):
     """A lazily compiled tier's first promotion is written back in the store's format, and the request that
     compiled it is served what the store now keeps: the answer equals the one served from the written-back entry."""
-    from pipeline.write_back import written_back
+    from pipeline.store import written_back
     from schemas.config import Mode
     from schemas.sampling import Sampling
     from schemas.store import CacheKey
-    from serve.pending import is_pending
+    from serve.kv import is_pending
     build_store(tmp_path, serving_store.vlm, serving_store.embedder, lazy_high_tier=True, kv_quant=KVQuant.INT8)
     uri, model = str(tmp_path), serving_store.model
     router = Router(uri, model, RouterSpec(), 4)

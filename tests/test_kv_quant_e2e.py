@@ -8,18 +8,18 @@ import json
 import pytest
 
 from jobs.ingest import main as ingest_main
-from pipeline.entries import entry_slots
+from pipeline.store import entry_slots
 from pipeline.ingest import IngestConfig, ingest
-from pipeline.recompile import RecompileConfig, recompile
+from pipeline.ingest import RecompileConfig, recompile
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import KVQuant, ModelSpec, RouterSpec, Variant
 from schemas.sampling import Sampling
 from schemas.store import StoreSpec
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader
+from serve.routing import Router
 from tests.ray_fixtures import ray_session  # noqa: F401  (pytest fixture)
 
 pytestmark = pytest.mark.e2e

@@ -13,23 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.entries import entry_slots
+from pipeline.store import entry_slots
 from pipeline.ingest import new_manifest
-from pipeline.recompile import RecompileConfig, finish
-from pipeline.recompile import target_manifest as recompile_manifest
+from pipeline.ingest import RecompileConfig
+from pipeline.ingest.recompile_job import finish
+from pipeline.ingest.recompile_job import target_manifest as recompile_manifest
 from pipeline.store import Store
-from pipeline.write_back import written_back
+from pipeline.store import written_back
 from schemas.api import AnswerRequest
 from schemas.sampling import Sampling
 from schemas.config import Mode, RenderSpec, RouterSpec, Variant
 from schemas.store import CacheKey
-from serve.configs import GeneratorConfig
-from serve.generator import Generator
-from serve.lazy_tier import SingleFlight
-from serve.loader import CacheLoader, to_wire
-from serve.pending import is_pending
+from serve.config import GeneratorConfig
+from serve.engine import Generator
+from serve.kv.lazy_tier import SingleFlight
+from serve.kv import CacheLoader, to_wire
+from serve.kv import is_pending
 from serve.plan import LoadedKV
-from serve.router import Router
+from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, corrupt_entry, serving_store  # noqa: F401
 from tests.test_batched_compile import query_logits
 

@@ -11,8 +11,9 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from pipeline.blobs import Blobs
-from pipeline.lease import LeaseInfo, StoreBusyError, StoreLease
+from pipeline.store import Blobs
+from pipeline.store.lease import LeaseInfo
+from pipeline.store import StoreBusyError, StoreLease
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call, sse_events
 
@@ -28,7 +29,7 @@ SURFACES = [("/v1/answer", ANSWER), ("/v1/chat/completions", CHAT)]
 
 @pytest.fixture(scope="module")
 def app(roles, serving_store):
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_settings(args))
 
 
@@ -111,10 +112,10 @@ def test_the_timeout_field_wins_and_bad_headers_are_400(app):
 
 
 def test_the_ingress_never_imports_the_model_stack():
-    probe = "import sys, serve.ingress; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    probe = "import sys, serve.http.ingress; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]", done.stdout
     # negative control: the builder does (it binds the generator), so the probe can see it
-    probe = probe.replace("serve.ingress", "serve.app")
+    probe = probe.replace("serve.http.ingress", "serve.app")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert "torch" in done.stdout

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.eval.longbench import (LONGBENCH_QA_TASKS, MAX_NEW_TOKENS, PROMPT_TEMPLATES, DatasetError, QATask,
-                                load_generic, load_tasks, split_prompt)
+from pipeline.eval import LONGBENCH_QA_TASKS, QATask, load_generic, load_tasks
+from pipeline.eval.longbench import MAX_NEW_TOKENS, PROMPT_TEMPLATES, DatasetError, split_prompt
 from pipeline.eval.scoring import score
 
 FIXTURE = Path(__file__).resolve().parents[1] / "jobs" / "data" / "longbench_fixture"

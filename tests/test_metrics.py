@@ -16,10 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.api import AnswerRequest
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
 from serve.governance import Governor
-from serve.loader import CacheLoader
+from serve.kv import CacheLoader
 from serve.metrics import Counter, Gauge, serve_metrics
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, corrupt_entry, roles, serving_store  # noqa: F401
@@ -43,7 +44,7 @@ def metric(app, name: str, **labels: str) -> float:
 
 
 def app_over(roles, serving_store, loader: CacheLoader | None = None, **governance):
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2,
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2,
                    governance=governance)
     settings = api_settings(args)
     backend = InProcessBackend(roles.router, loader or roles.loader, roles.generator)
@@ -115,7 +116,7 @@ def test_crashes_are_counted_as_500(roles, serving_store):
         async def generate(self, plan, loaded, sampling):
             raise RuntimeError("generator crashed")
 
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     settings = api_settings(args)
     app = make_api(Crashing(roles.router, roles.loader, roles.generator), settings, Governor(args.governance, settings.store))
 

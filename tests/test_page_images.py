@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.duplicates import DocRef, cross_file_rejections
-from pipeline.page_images import OcrUnavailableError, perceptual_hash, phash_distance_bits
-from pipeline.readers import read_corpus, read_file
+from pipeline.ingest.corpus import DocRef
+from pipeline.ingest.corpus.repeats import cross_file_rejections
+from pipeline.ingest.corpus.page_images import OcrUnavailableError, perceptual_hash, phash_distance_bits
+from pipeline.ingest.corpus.readers import read_corpus
+from pipeline.ingest.corpus import read_file
 from schemas.corpus import Document, MetaKey, ReaderSpec, RejectReason
 
 FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"

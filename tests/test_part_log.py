@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.blobs import Blobs
-from pipeline.part_log import PartLog
+from pipeline.store import Blobs
+from pipeline.store.part_log import PartLog
 from schemas.store import StoreSpec
 
 SCHEMA = pa.schema([("key", pa.string()), ("value", pa.int64())])

@@ -14,9 +14,10 @@ from ray.serve._private.common import DeploymentStatus, ReplicaState
 from ray.serve.schema import ApplicationStatus
 
 from schemas.health import Readiness
-from serve.app import AppArgs, DeploymentArgs, api_settings, make_api
-from serve.backend import InProcessBackend
-from serve.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits, install_readiness
+from serve.app import AppConfig, DeploymentConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
+from serve.http.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits, install_readiness
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 
@@ -105,7 +106,7 @@ class FakeController:
 
 @pytest.fixture
 def gated(roles, serving_store):
-    args = AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
     app = make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_settings(args))
     controller, rejected = FakeController(), []
     install_readiness(app, ReadinessProbe("qvpic", controller, refresh_s=0.0),
@@ -178,10 +179,10 @@ def config_args(name: str) -> dict:
 
 def first_replicas_demand(args: dict) -> tuple[dict[str, float], list[dict[str, float]]]:
     """What the first replica of every deployment asks for, summed, and each deployment's per-replica demand."""
-    app = AppArgs.model_validate(args)
+    app = AppConfig.model_validate(args)
     total: dict[str, float] = {}
     per_replica = []
-    for deployment_args in (v for v in app.__dict__.values() if isinstance(v, DeploymentArgs)):
+    for deployment_args in (v for v in app.__dict__.values() if isinstance(v, DeploymentConfig)):
         options = deployment_args.options()
         replicas = (options["autoscaling_config"]["min_replicas"] if "autoscaling_config" in options
                     else options["num_replicas"])

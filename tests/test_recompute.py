@@ -1,4 +1,4 @@
-"""Selective recompute across linked chunks (pipeline/runtime/recompute.py) and its serving path.
+"""Selective recompute across linked chunks (pipeline/runtime/selective_recompute.py) and its serving path.
 
 The exactness anchor: recomputing every chunk token (leading k ≥ every chunk, or deviation r = 1) on the
 assembled context is the full prefill of the same pieces — logits within the exactness suite's tolerance,
@@ -17,15 +17,15 @@ import torch
 from pydantic import ValidationError
 
 from jobs import run_server
-from pipeline.runtime.recompute import chunk_inputs, input_embeddings, recompute
+from pipeline.runtime import chunk_inputs, input_embeddings, recompute
 from schemas.api import AnswerRequest
 from schemas.config import Mode, RecomputeKind, RecomputeSpec, RouterSpec
 from schemas.errors import UnservableError
 from schemas.sampling import Sampling
-from serve.configs import AppArgs, GeneratorConfig
-from serve.generator import Generator
-from serve.loader import CacheLoader
-from serve.router import Router
+from serve.config import AppConfig, GeneratorConfig
+from serve.engine import Generator
+from serve.kv import CacheLoader
+from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, serving_store  # noqa: F401  (fixture)
 from tests.test_runtime_exactness import QUERY, TOLERANCE, page, random_text
 
@@ -142,7 +142,7 @@ def test_spec_is_typed_and_off_by_default():
     args = run_server.app_args(ns)
     assert args.recompute == RecomputeSpec(kind=RecomputeKind.DEVIATION, deviation_fraction=0.3)
     assert args.router_config().carry_sources and args.generator_config().recompute == args.recompute
-    assert not AppArgs(store={"uri": "/s"}).router_config().carry_sources
+    assert not AppConfig(store={"uri": "/s"}).router_config().carry_sources
 
 
 def test_serving_with_full_recompute_equals_full_image(serving_store):

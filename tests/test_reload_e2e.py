@@ -10,13 +10,13 @@ import time
 import httpx
 import pytest
 
-from pipeline.generations import current_generation_number
+from pipeline.store import current_generation_number
 from pipeline.ingest import IngestConfig, ingest
-from pipeline.recompile import RecompileConfig, recompile
+from pipeline.ingest import RecompileConfig, recompile
 from pipeline.store import Store
 from schemas.config import ModelSpec, RenderSpec, TierSpec
 from schemas.store import StoreSpec
-from serve.retrieval import open_snapshot
+from serve.routing.retrieval import open_snapshot
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.store_factory import DOCUMENTS
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.render import REPLACEMENT_CHAR, Renderer, RenderError, pt_to_px
-from pipeline.tokens import vision_tokens
+from pipeline.runtime.render import REPLACEMENT_CHAR, RenderError, pt_to_px
+from pipeline.runtime import Renderer
+from pipeline.runtime import vision_tokens
 from schemas.config import ModelFamily, RenderSpec, TierSpec
 
 LOW, HIGH = TierSpec(name="low", dpi=72), TierSpec(name="high", dpi=120)
@@ -225,7 +226,7 @@ def test_png_bytes_are_identical_across_processes(renderer: Renderer) -> None:
     script = textwrap.dedent(f"""
         import json
 
-        from pipeline.render import Renderer
+        from pipeline.runtime.render import Renderer
         from schemas.config import RenderSpec
         from tests.test_render import png_digests
         chunks = Renderer(RenderSpec()).render_all_tiers({text!r})

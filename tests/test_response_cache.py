@@ -10,11 +10,12 @@ import uuid
 import pytest
 
 from schemas.api import ResponseCacheLevel
-from serve.app import AppArgs, api_settings, make_api
-from serve.backend import InProcessBackend
+from serve.app import AppConfig, api_settings
+from serve.http import make_api
+from serve.http import InProcessBackend
 from serve.governance import Governor
-from serve.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend, ResponseCacheArgs
-from serve.shared_state import RedisConnection, SharedStateUnavailable
+from serve.governance.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend, ResponseCacheConfig
+from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from tests.fixtures_redis import redis_url, start_redis  # noqa: F401  (fixture)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call, sse_events
@@ -176,7 +177,7 @@ def test_fingerprint_change_invalidates_everything(roles, serving_store, redis_u
     ask(app, query=query)
     assert level(ask(app, query=query)) == "l1"
     # the same store recompiled for another model/template: the same Redis, another namespace
-    settings = api_settings(AppArgs(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=4,
+    settings = api_settings(AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=4,
                                     default_top_k=2))
     recompiled = settings.store.model_copy(update={"fingerprint": "0" * 64})
     other = Governor(governor.args, recompiled)
@@ -239,7 +240,7 @@ def test_unreachable_redis_raises_once_then_fails_fast():
 
 
 def test_levels_config_is_validated():
-    args = ResponseCacheArgs(levels=["l1", "l2"], ttl_s={"l1": 5, "l2": 1})
+    args = ResponseCacheConfig(levels=["l1", "l2"], ttl_s={"l1": 5, "l2": 1})
     assert args.levels == {ResponseCacheLevel.L1, ResponseCacheLevel.L2}
     with pytest.raises(ValueError, match="positive ttl_s"):
-        ResponseCacheArgs(levels=["l3"], ttl_s={"l1": 5})
+        ResponseCacheConfig(levels=["l3"], ttl_s={"l1": 5})

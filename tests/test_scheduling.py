@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pipeline.recompile import RecompileConfig, recompile
-from pipeline.resources import CompileResources, ResourceError
+from pipeline.ingest import RecompileConfig, recompile
+from pipeline.ingest import CompileResources, ResourceError
 from pipeline.store import Store
 from schemas.config import RenderSpec
 from schemas.store import StoreSpec

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.eval.longbench import QAItem, QATask
+from pipeline.eval import QAItem, QATask
 from pipeline.eval.scoring import ScoringError, normalize_answer, qa_f1, score
 
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.ingest import IngestConfig, ingest
-from pipeline.render import resolve_font
+from pipeline.runtime.render import resolve_font
 from schemas.config import Mode, ModelSpec
 from schemas.store import StoreSpec
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.store import ShardCorruptError, Store, StoreError
+from pipeline.store import ShardCorruptError
+from pipeline.store import Store, StoreError
 from schemas.config import ChunkKind, DType, ModelFamily, RenderSpec, TierSpec, Variant
 from schemas.store import (
     SCHEMA_VERSION,
@@ -130,7 +131,7 @@ def test_fingerprints_are_stable_across_processes() -> None:
 def test_entry_slots_cover_every_variant() -> None:
     """What ingest and recompile build per chunk: templated pages at every tier, the baselines' pages at the
     lowest, each text variant once."""
-    from pipeline.ingest import entry_slots
+    from pipeline.store import entry_slots
 
     manifest = make_manifest(render=RenderSpec(tiers=(TierSpec(name="high", dpi=120), TierSpec(name="low", dpi=72))))
     assert entry_slots(manifest, tuple(Variant)) == [

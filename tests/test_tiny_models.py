@@ -6,8 +6,9 @@ import filecmp
 
 import pytest
 
-from pipeline.runtime.model import model_identity, resolve_path
-from pipeline.runtime.tiny import BUILTIN, build, ensure_model
+from pipeline.runtime import model_identity, resolve_path
+from pipeline.runtime.tiny import BUILTIN, build
+from pipeline.runtime import ensure_model
 from schemas.config import ModelFamily, ModelSpec
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.ann_calibration import calibration_queries
-from pipeline.embedding_rows import EmbeddingRows
-from pipeline.vector_index import VectorIndex, build_index, exact_top_k, recall_at_k
+from pipeline.store.catalog import calibration_queries
+from pipeline.store.catalog import EmbeddingRows
+from pipeline.store.catalog.vector_index import VectorIndex, build_index
+from pipeline.store.catalog import exact_top_k, recall_at_k
 from schemas.generation import SearchKind, SearchSpec
 
 

@@ -13,12 +13,12 @@ import pyarrow.fs as pafs
 import pytest
 
 from jobs.verify import main as verify_main
-from pipeline.compile import compile_in_process
-from pipeline.generations import parts_checks, publish_generation
-from pipeline.part_record import PartRecord, compare_parts
+from pipeline.ingest.stages import compile_in_process
+from pipeline.store import parts_checks, publish_generation
+from pipeline.store.part_record import PartRecord, compare_parts
 from pipeline.store import Store, StoreError
 from schemas.store import StoreSpec
-from serve.app import AppArgs, preflight
+from serve.app import AppConfig, preflight
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import corrupt_entry, serving_store  # noqa: F401  (pytest fixture)
 
@@ -68,7 +68,7 @@ def test_a_deleted_index_part_is_found_refused_at_start_up_and_restored(store_co
     code, report = run_verify(capsys, store_copy)
     assert code == 1 and lost.split("/")[1] in problems(report)["missing_part"]["examples"][0]
     with pytest.raises(StoreError, match=lost.split("/")[1]):  # serving start-up refuses, naming the part
-        preflight(AppArgs(store={"uri": str(store_copy)}, model=serving_store.model))
+        preflight(AppConfig(store={"uri": str(store_copy)}, model=serving_store.model))
     with pytest.raises(StoreError, match="not publishing"):  # and no job publishes the smaller store
         publish_generation(Store.open(str(store_copy)), "tests")
 
@@ -77,7 +77,7 @@ def test_a_deleted_index_part_is_found_refused_at_start_up_and_restored(store_co
     assert any("restored" in line for line in report["repaired"])
     after = Store.open(str(store_copy)).index().sort_by("checksum").select(before.column_names)
     assert after.equals(before)  # every served entry is back, bit for bit
-    preflight(AppArgs(store={"uri": str(store_copy)}, model=serving_store.model))  # starts again
+    preflight(AppConfig(store={"uri": str(store_copy)}, model=serving_store.model))  # starts again
     publish_generation(Store.open(str(store_copy)), "tests")
 
 
@@ -90,7 +90,7 @@ def test_a_deleted_chunk_part_is_restored_from_the_generation(store_copy, servin
     code, report = run_verify(capsys, store_copy)
     assert code == 1 and lost.split("/")[1] in problems(report)["missing_part"]["examples"][0]
     with pytest.raises(StoreError, match=lost.split("/")[1]):
-        preflight(AppArgs(store={"uri": str(store_copy)}, model=serving_store.model))
+        preflight(AppConfig(store={"uri": str(store_copy)}, model=serving_store.model))
 
     code, report = run_verify(capsys, store_copy, "--repair")
     assert code == 0, report
@@ -184,14 +184,14 @@ def test_the_start_up_check_is_a_listing_and_verify_reads_the_parts(store_copy, 
     """The start-up check never opens a part (O(parts), not O(rows)): parts zeroed to the same size pass it;
     a verify, which reads them, names every one."""
     store = Store.open(str(store_copy))
-    preflight(AppArgs(store={"uri": str(store_copy)}, model=serving_store.model))  # negative control: starts
+    preflight(AppConfig(store={"uri": str(store_copy)}, model=serving_store.model))  # negative control: starts
     parts = store.tables["index"].part_paths() + store.tables["chunks"].part_paths()
     for rel in parts:
         path = store_copy / rel
         path.write_bytes(bytes(path.stat().st_size))
     checks = parts_checks(Store.open(str(store_copy)))
     assert all(c.ok and c.num_recorded == c.num_present > 0 for c in checks)
-    preflight(AppArgs(store={"uri": str(store_copy)}, model=serving_store.model))
+    preflight(AppConfig(store={"uri": str(store_copy)}, model=serving_store.model))
     code, report = run_verify(capsys, store_copy, "--deep")
     assert code == 1 and problems(report)["unreadable_part"]["count"] >= len(parts), report
 

@@ -20,7 +20,7 @@ from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
 from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
 from pipeline.eval.longbench import QAItem
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
-from pipeline.render import Renderer
+from pipeline.runtime import Renderer
 from schemas.api import AnswerRequest
 from schemas.config import Mode
 from schemas.errors import ApiError

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from pipeline.eval.evaluation import ServingConfig
 from pipeline.eval.longbench import QAItem
-from pipeline.runtime.kv import AssembledContext
+from pipeline.runtime import AssembledContext
 from schemas.config import Mode
 
 

@@ -1,0 +1,26 @@
+"""The VLM runtime both paths share: loading a model (or building a tiny offline one), compiling a chunk's KV
+under the chat-template prefix, re-anchoring and assembling linked chunks (M-RoPE), batched prefill and
+decode, selective recompute; and what both paths compute beside the model — the page renderer, the
+vision-token estimator, the text embedder, OCR, and the one dtype map."""
+
+from pipeline.facade import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "adapters": ["ChatTemplate", "family_classes"],
+    "batch": ["Slab", "decode_step", "prefill_queries"],
+    "dtypes": [
+        "DTYPE_OF", "PAYLOAD_DTYPES", "PAYLOAD_MAX", "SCALE_DTYPE", "StoredFormat", "TORCH_DTYPES",
+        "stored_format"
+    ],
+    "embed": ["EmbedStage", "Embedder"],
+    "kv": ["AssembledContext", "ChunkKV"],
+    "model": ["VLM", "model_identity", "resolve_device", "resolve_path", "select_token"],
+    "ocr": ["page_legibility"],
+    "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
+    "render": ["Renderer"],
+    "tiny": [
+        "GLM_CHAT_TEMPLATE", "GLM_SPECIALS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIALS", "build_tokenizer",
+        "ensure_model"
+    ],
+    "tokens": ["MERGE_SIZE", "vision_grid", "vision_tokens"],
+})

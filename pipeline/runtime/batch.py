@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, Prefill
-from pipeline.runtime.recompute import ChunkInputs, recompute
+from pipeline.runtime.selective_recompute import ChunkInputs, recompute
 from schemas.config import RecomputeSpec
 
 
@@ -192,7 +192,7 @@ def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Se
     left-padded to the longest query (so every row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
     logits `[rows, vocab]` and each row's assembly time (ms).
     `recomputes[j]` (spec, chunk inputs): recompute row j's selected chunk tokens after its assembly (its time
-    counts as prefill, not assembly; see pipeline/runtime/recompute.py).
+    counts as prefill, not assembly; see pipeline/runtime/selective_recompute.py).
     """
     num_rows, longest = len(queries), max(len(q) for q in queries)
     instructions = list(instructions) if instructions is not None else [""] * len(contexts)

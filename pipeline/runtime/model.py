@@ -18,7 +18,7 @@ import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from pipeline.dtypes import TORCH_DTYPES
+from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.tiny import BUILTIN, ensure_model

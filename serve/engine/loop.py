@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from pipeline.runtime.batch import Slab, decode_step, prefill_queries
-from pipeline.runtime.kv import ChunkKV
-from pipeline.runtime.model import VLM, select_token
-from pipeline.runtime.recompute import ChunkInputs
+from pipeline.runtime import Slab, decode_step, prefill_queries
+from pipeline.runtime import ChunkKV
+from pipeline.runtime import VLM, select_token
+from pipeline.runtime import ChunkInputs
 from schemas.config import EngineSpec, RecomputeSpec
 from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import End, Sequence, Status

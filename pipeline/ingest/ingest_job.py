@@ -1,0 +1,252 @@
+"""The ingestion job: one streaming Ray Data pipeline, read → chunk → dedup → render → embed → compile → write.
+
+Stages overlap and Ray Data back-pressures between them; nothing is materialised on the driver, which
+only adds up one small tally per partition of the last stage. Whole-corpus checks (duplicate ids,
+repeated texts, what the store already holds) are hash-partitioned shuffles (pipeline/ingest/stages/dedup.py). The
+job holds the store's write lease throughout (pipeline/store/lease.py), sizes its resource requests to what
+the cluster has free (pipeline/ingest/resources.py), and ends by compacting what it appended.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from typing import Any, Callable, TypeVar
+
+import pyarrow as pa
+import ray.data
+from ray.data import ActorPoolStrategy
+
+from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
+from pipeline.ingest.stages import check_ids, deduplicate, stored_embeddings, stored_entries
+from pipeline.ingest.stages import ChunkStage, read_files, rejected_row
+from pipeline.runtime import Embedder, EmbedStage
+from pipeline.store import entry_slots, required_keys
+from pipeline.store import current_generation_number, publish_generation
+from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
+from pipeline.store import StoreLease
+from pipeline.ingest.stages import write_documents
+from pipeline.ingest.corpus import discover
+from pipeline.ingest.resources import CompileResources, StagePlan, plan_stages
+from pipeline.ingest.rows import Kind, rows_table
+from pipeline.runtime import model_identity
+from pipeline.store import Store
+from pipeline.ingest.summary import IngestSummary
+from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
+from schemas.corpus import ReaderSpec
+from schemas.store import Manifest, StoredModel, StoreSpec
+
+T = TypeVar("T")
+
+__all__ = ["CompileResources", "IngestConfig", "ingest", "entry_slots", "new_manifest"]
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    corpus: str
+    store: StoreSpec
+    model: ModelSpec = ModelSpec()
+    render: RenderSpec = RenderSpec()
+    chunk_tokens: int = 512
+    variants: tuple[Variant, ...] = tuple(Variant)  # every mode servable side by side (`qvpic ingest --variants`)
+    resources: CompileResources = CompileResources()
+    embedder_dir: str | None = None
+    reader: ReaderSpec = ReaderSpec()
+    job_id: str = field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
+    resource_wait_s: float = 60.0  # how long to wait for the cluster to free what the job needs
+    stall_timeout_s: float = 1800.0  # a job in which no block moves for this long fails instead of hanging
+    kv_quant: KVQuant | None = None  # how entries are stored; None: the store's own (none for a new store)
+    lazy_high_tier: bool = False  # compile the highest tier on first promotion, not here (`--lazy-high-tier`)
+    legibility: bool = False  # OCR every image entry's pages into its index row (`--legibility`)
+    force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 16:
+            raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
+        if Variant.TEMPLATE not in self.variants:
+            raise ValueError("the template variant (what qvpic serves) must be compiled")
+
+
+def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, ...], embedder_name: str,
+                 embedding_dim: int, job_id: str, lazy_high_tier: bool = False,
+                 kv_quant: KVQuant = KVQuant.NONE) -> Manifest:
+    model_id, revision, family, template_prefix = model_identity(model)
+    now = datetime.now(timezone.utc)
+    return Manifest.create(
+        StoredModel(id=model_id, revision=revision, dtype=model.dtype, family=family), template_prefix,
+        render=render, variants=variants, embedder=embedder_name, embedding_dim=embedding_dim, kv_quant=kv_quant,
+        created_at=now, updated_at=now, job_ids=(job_id,),
+        lazy_tiers=(render.highest_tier.name,) if lazy_high_tier and len(render.tiers) > 1 else (),
+    )
+
+
+def embedder_identity(model_dir: str | None) -> tuple[str, int]:
+    """(name, width) of the embedder, which go into the manifest. Loaded once per process and directory
+    state: a job asks twice (for its rerun key, then under the store's lease); a directory whose files
+    changed since is loaded again (its name is a fingerprint of those files)."""
+    stamp = None if model_dir is None else tuple(
+        (os.path.join(folder, name), os.stat(os.path.join(folder, name)).st_mtime_ns)
+        for folder, _, names in sorted(os.walk(model_dir)) for name in sorted(names))
+    return _embedder_identity(model_dir, stamp)
+
+
+@lru_cache(maxsize=4)
+def _embedder_identity(model_dir: str | None, stamp: object) -> tuple[str, int]:
+    embedder = Embedder(model_dir)
+    return embedder.model_name, embedder.dim
+
+
+def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
+    """The store's manifest extended by this job; refuses a store built for another model, page layout or embedder."""
+    embedder_name, embedding_dim = embedder_identity(cfg.embedder_dir)
+    fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder_name, embedding_dim, cfg.job_id,
+                         cfg.lazy_high_tier, cfg.kv_quant or KVQuant.NONE)
+    manifest = store.read_manifest()
+    if manifest is None:
+        return fresh
+    manifest.check_model(fresh.model.id, fresh.model.revision, fresh.model.dtype, fresh.template_prefix)
+    if manifest.render != cfg.render:
+        raise ValueError("the store was rendered with another page layout or tiers: run `qvpic recompile`")
+    if manifest.embedder != embedder_name:
+        raise ValueError(f"the store's chunks were embedded with {manifest.embedder}, not {embedder_name}")
+    if cfg.kv_quant is not None and cfg.kv_quant is not manifest.kv_quant:  # its entries would mix two formats
+        raise ValueError(f"the store keeps its KV as {manifest.kv_quant.value}, not {cfg.kv_quant.value}: "
+                         f"run `qvpic recompile --kv-quant {cfg.kv_quant.value}` to convert it")
+    return manifest.model_copy(update={
+        "variants": tuple(dict.fromkeys(manifest.variants + cfg.variants)), "updated_at": fresh.updated_at,
+        "job_ids": manifest.job_ids + (cfg.job_id,), "lazy_tiers": fresh.lazy_tiers})  # this job's choice
+
+
+def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:
+    """Open (or start) the store and write its manifest for this job (callers without a lease: tests, benchmarks)."""
+    store = Store.open(cfg.store, create=True)
+    manifest = target_manifest(store, cfg)
+    store.write_manifest(manifest)
+    return store, manifest
+
+
+# ---- the stages, each sized by the plan ---------------------------------------------------------------
+def read(corpus: str, reader: ReaderSpec, plan: StagePlan) -> ray.data.Dataset:
+    """Corpus files → documents, rejections and per-file record counts; names that cannot be files are refused."""
+    files, refused = discover(corpus)
+    table = pa.table({"path": [f.path for f in files], "root": [f.root for f in files], "relpath": [f.relpath for f in files]},
+                     schema=pa.schema([("path", pa.string()), ("root", pa.string()), ("relpath", pa.string())]))
+    per_block = max(1, -(-table.num_rows // 256))  # ≤ 256 blocks however many files; one read call per file
+    blocks = [table.slice(i, per_block) for i in range(0, table.num_rows, per_block)] or [table]
+    rows = ray.data.from_arrow(blocks).map_batches(read_files, fn_kwargs={"reader": reader}, batch_size=1,
+                                                   batch_format="pyarrow", num_cpus=plan.task_cpus)
+    if refused:
+        counted = [{"kind": Kind.FILE.value, "key": "", "source": r.source, "count": 1} for r in refused]
+        rows = rows.union(ray.data.from_arrow(rows_table([rejected_row(r) for r in refused] + counted)))
+    return rows
+
+
+def chunk(rows: ray.data.Dataset, cfg: IngestConfig, plan: StagePlan) -> ray.data.Dataset:
+    return rows.map_batches(ChunkStage, fn_constructor_kwargs={"model": cfg.model, "chunk_tokens": cfg.chunk_tokens},
+                            batch_format="pyarrow", batch_size=64, num_cpus=plan.chunk_cpus,
+                            compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
+
+
+def work_blocks(rows: ray.data.Dataset, batch_size: int) -> ray.data.Dataset:
+    """The units cut into small blocks (streaming, no shuffle), so render, embed and compile overlap
+    batch by batch instead of waiting on a shuffle partition each."""
+    return rows.repartition(target_num_rows_per_block=rows_per_batch(batch_size))
+
+
+def rows_per_batch(batch_size: int) -> int:
+    # Batches also carry rows that pass through (documents' markers); compile runs `batch_size` per forward.
+    return 4 * batch_size
+
+
+def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
+    return rows.map_batches(RenderStage, fn_constructor_kwargs={"render": manifest.render}, batch_format="pyarrow",
+                            batch_size=rows_per_batch(batch_size), num_cpus=plan.render_cpus,
+                            compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
+
+
+def embed(rows: ray.data.Dataset, embedder_dir: str | None, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
+    return rows.map_batches(EmbedStage, fn_constructor_kwargs={"model_dir": embedder_dir}, batch_format="pyarrow",
+                            batch_size=rows_per_batch(batch_size), num_cpus=plan.embed_cpus,
+                            compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
+
+
+def compile_kv(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePlan) -> ray.data.Dataset:
+    # Ray Data restarts a dead compile actor and retries its batch (its defaults: max_restarts=-1,
+    # max_task_retries=-1; there are no named parameters for them in Ray 2.60 and `**ray_remote_args`
+    # is deprecated). A retried batch rewrites the same shards and index part.
+    return rows.map_batches(CompileStage, fn_constructor_kwargs={"plan": compile_plan}, batch_format="pyarrow",
+                            batch_size=rows_per_batch(compile_plan.batch_size), num_cpus=plan.compile_cpus,
+                            num_gpus=plan.compile_gpus or None,
+                            compute=ActorPoolStrategy(min_size=1, max_size=plan.compile_workers))
+
+
+def in_a_task(fn: Callable[..., T], plan: StagePlan, *args: Any) -> T:
+    """`fn(*args)` in a Ray task. The steps that end a job read whole tables (the chunk table holds ~1.6 KB
+    of embedding a chunk: ~0.8 GiB of peak memory for 100k chunks in compaction and publish), so they
+    run on a worker; the driver, which may share the head node with the Serve controller, stays flat."""
+    return ray.get(ray.remote(fn).options(num_cpus=plan.task_cpus).remote(*args))
+
+
+def finish(spec: StoreSpec, job_id: str) -> None:
+    """Compact what the job appended, then publish the generation serving switches to (catalog, entries,
+    vector index). Both are idempotent: a retried task redoes them."""
+    store = Store.open(spec)
+    store.compact()
+    publish_generation(store, job_id)
+
+
+def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
+    """(this run's key, the no-op summary when the store holds this corpus read this way and has not
+    changed since; None when the pipeline must run). Needs no Ray: a no-op rerun never starts one."""
+    started = time.perf_counter()
+    store = Store.open(cfg.store, create=True)
+    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg),
+                  {"legibility": cfg.legibility})
+    record = None if cfg.force else unchanged_since(store, key, current_generation_number(store))
+    if record is None:
+        return key, None
+    summary = skipped_summary(cfg.job_id, record)
+    summary.wall_s = time.perf_counter() - started
+    return key, summary
+
+
+def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
+    """Run the job (`key`: what `unchanged(cfg)` returned, when the caller asked it first)."""
+    started, stamp_ns = time.perf_counter(), time.time_ns()
+    if key is None:
+        key, skipped = unchanged(cfg)
+        if skipped is not None:
+            return skipped
+    store = Store.open(cfg.store, create=True)
+    plan = plan_stages(cfg.resources, wait_s=cfg.resource_wait_s)  # or a clear refusal, before any write
+    plan.apply(cfg.stall_timeout_s)
+    with StoreLease(store.blobs, cfg.job_id):
+        manifest = target_manifest(store, cfg)
+        store.write_manifest(manifest)
+        slots = entry_slots(manifest, manifest.variants)
+        compile_plan = CompilePlan(cfg.model, store.spec, manifest.to_json(), cfg.resources.batch_size, stamp_ns,
+                                   cfg.job_id, cfg.legibility)
+
+        rows = read(cfg.corpus, cfg.reader, plan)
+        rows = check_ids(rows, plan)
+        rows = chunk(rows, cfg, plan)
+        stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
+        rows = deduplicate(rows, stored, slots, cfg.reader, plan)  # one unit per distinct chunk text
+        rows = work_blocks(rows, cfg.resources.batch_size)
+        rows = render(rows, manifest, plan, cfg.resources.batch_size)
+        rows = embed(rows, cfg.embedder_dir, plan, cfg.resources.batch_size)
+        rows = compile_kv(rows, compile_plan, plan)
+        tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole documents, or quarantined
+
+        summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
+        in_a_task(finish, plan, store.spec, cfg.job_id)
+        generation = current_generation_number(store)
+        if generation is not None:  # under the lease: nothing else published in between
+            write_record(store, key, summary, generation)
+    summary.wall_s = time.perf_counter() - started
+    return summary
+

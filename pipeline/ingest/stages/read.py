@@ -1,0 +1,84 @@
+"""Read and chunk stages of ingestion: corpus files → documents (and rejections) → chunk occurrences.
+
+Both are Ray Data batch UDFs over pipeline rows (pipeline/ingest/rows.py): a stage handles the kinds it owns
+and passes every other row on untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.ingest.chunker import Chunker
+from pipeline.ingest.corpus import DocRef, source_order_key
+from pipeline.ingest.corpus import read_file
+from pipeline.ingest.rows import Kind, not_of_kind, of_kind, rows_table
+from schemas.config import ModelSpec
+from schemas.corpus import Document, MetaKey, ReaderSpec, RejectReason, Rejection
+
+
+def rejected_row(rejection: Rejection) -> dict[str, Any]:
+    return {"kind": Kind.REJECTED.value, "key": rejection.doc_id or "", "doc_id": rejection.doc_id,
+            "source": rejection.source, "reason": RejectReason(rejection.reason).value, "detail": rejection.detail}
+
+
+def read_files(batch: pa.Table, reader: ReaderSpec) -> pa.Table:
+    """Each file → one row per input record (a document or a rejection) and one FILE row counting them."""
+    rows: list[dict[str, Any]] = []
+    for path, root, relpath in zip(*(batch[c].to_pylist() for c in ("path", "root", "relpath"))):
+        count = 0
+        for record in read_file(path, root, reader):
+            count += 1
+            if isinstance(record, Rejection):
+                rows.append(rejected_row(record))
+                continue
+            ref = DocRef.of(record)
+            rows.append({"kind": Kind.DOC.value, "key": record.doc_id, **record.to_row(),
+                         "order_key": source_order_key(record.source, record.doc_id), "text_key": ref.text_key,
+                         "image_phash": ref.image_phash, "image_path": record.image_path})
+        rows.append({"kind": Kind.FILE.value, "key": "", "source": relpath, "count": count})
+    return rows_table(rows)
+
+
+class ChunkStage:
+    """Each document → its chunk occurrences (bounded by the VLM tokenizer's token count) and one MARKER."""
+
+    def __init__(self, model: ModelSpec, chunk_tokens: int):
+        from transformers import AutoTokenizer
+
+        from pipeline.runtime import resolve_path
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(model), local_files_only=True)
+
+        # Repeated documents (and repeated pieces) are counted once: a corpus of 10^5 copies of one
+        # text would otherwise spend minutes in the tokenizer. Bounded: pieces are at most a few KB.
+        @functools.lru_cache(maxsize=4096)
+        def count_tokens(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+        self.chunker = Chunker(count_tokens, chunk_tokens)
+
+    def chunks(self, doc: Document) -> list[dict[str, Any]]:
+        # A page image is one chunk whatever its length: its pixels are what gets compiled.
+        pieces = self.chunker.chunk(doc)
+        if doc.image_path and pieces:
+            pieces = [pieces[0].build(doc.doc_id, 0, doc.text, sum(p.num_text_tokens for p in pieces))]
+        return [{"kind": Kind.CHUNK.value, "key": c.chunk_key, **c.model_dump(), "source": doc.source,
+                 "image_path": doc.image_path} for c in pieces]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows: list[dict[str, Any]] = []
+        for row in of_kind(batch, Kind.DOC).to_pylist():
+            doc = Document.from_row(row)
+            chunks = self.chunks(doc)
+            if not chunks:
+                rows.append(rejected_row(Rejection(source=doc.source, doc_id=doc.doc_id, reason=RejectReason.EMPTY_TEXT,
+                                                   detail="no chunk left after chunking")))
+                continue
+            rows += chunks
+            rows.append({"kind": Kind.MARKER.value, "key": row["text_key"], "doc_id": doc.doc_id, "source": doc.source,
+                         "order_key": row["order_key"], "text_key": row["text_key"],
+                         "image_phash": doc.metadata.get(MetaKey.IMAGE_PHASH.value), "image_path": doc.image_path})
+        return pa.concat_tables([not_of_kind(batch, Kind.DOC), rows_table(rows)])

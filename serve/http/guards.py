@@ -1,0 +1,143 @@
+"""Request limits and failure answers of the HTTP surface that no route handles itself.
+
+- A body over `max_body_nbytes` (1 MiB by default) is refused with 413 before it is parsed: at once when
+  its declared Content-Length is over, else as soon as the bytes streamed in (chunked, or a length that
+  lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
+- A replica that dies or cannot be reached while serving a request (Serve restarts it) answers 503 with
+  `Retry-After`, as JSON, instead of a bare 500.
+- A body that is not UTF-8, nests deeper than the JSON parser goes, or holds a number Python will not
+  parse (over 4300 digits) is a 422 like any malformed JSON (FastAPI answers those 400).
+- A 422 echoes the offending input as FastAPI does, spelled so JSON can carry it: `NaN`/`Infinity`
+  (Python's parser accepts them; `1e400` parses to infinity) as strings, lone surrogates (`"\\ud800"`)
+  escaped. FastAPI's own handler crashes on both, turning a bad request into a plain-text 500.
+- Anything else that escapes a route is a JSON 500 in the route's shape, never a plain-text page.
+- Every error here keeps FastAPI's `{"detail": …}` body, and takes OpenAI's error shape on the
+  OpenAI-compatible routes, like every other error there.
+
+Per-field limits (chunk count, query length, `max_new_tokens`, unknown fields, no paths or URIs) are
+in the request models of schemas/api.py, whose numbers and booleans take only what their JSON Schema
+says (schemas/wire.py); `max_chunks` and the context size are checked by the router.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray.serve.exceptions import RayServeException
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serve.http import openai_api
+from serve.http.backend import REPLICA_FAILURES, api_error
+
+DEFAULT_MAX_BODY_NBYTES = 1 << 20  # the largest valid request (1024 ids of 256 characters) is ~300 KB
+RETRY_AFTER_S = 1
+# bytes that are not UTF-8 (a ValueError), JSON nested past the parser, an integer of over 4300 digits
+UNPARSABLE = (ValueError, RecursionError)
+MAX_ECHO_DEPTH = 64  # nesting of an echoed input beyond which it is elided
+
+
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` (a request's parsed JSON, or a validation error holding it) in a form JSON can carry:
+    non-finite floats as the strings `NaN`, `Infinity` and `-Infinity`; lone surrogates backslash-escaped."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_ECHO_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        return {json_safe(str(k)): json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in value]
+    return value
+
+
+def validation_messages(error: RequestValidationError) -> str:
+    """One line naming every invalid field: `body.temperature: Input should be a finite number; ...`."""
+    return json_safe("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()))
+
+
+def error_response(request: Request, status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    if request.url.path.startswith(openai_api.PATH_PREFIX):
+        return openai_api.openai_error(status, detail, headers)
+    return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
+
+
+class DeclaredLengthLimit:
+    """413 for a body whose declared Content-Length is over the cap, before the app reads a byte (and
+    in the route's error shape: Starlette's middleware would answer plain text)."""
+
+    def __init__(self, app: ASGIApp, max_body_nbytes: int, on_error: Callable[[Request, int], None]):
+        self.app, self.max_body_nbytes, self.on_error = app, max_body_nbytes, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        declared = Headers(scope=scope).get("content-length", "") if scope["type"] == "http" else ""
+        if declared.isdigit() and int(declared) > self.max_body_nbytes:
+            request = Request(scope, receive)
+            self.on_error(request, 413)
+            detail = f"request body of {int(declared)} bytes is over the {self.max_body_nbytes}-byte limit"
+            await error_response(request, 413, detail)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    """422: FastAPI's body (`detail`: a list of errors, each echoing its input) natively, OpenAI's shape
+    (one message naming every field) on the OpenAI-compatible routes."""
+    if request.url.path.startswith(openai_api.PATH_PREFIX):
+        return openai_api.openai_error(422, validation_messages(error))
+    try:
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(json_safe(error.errors()))})
+    except (ValueError, TypeError, RecursionError):  # an input no encoder takes: name the fields, not the input
+        return JSONResponse(status_code=422, content={"detail": [
+            {"type": e["type"], "loc": json_safe(list(e["loc"])), "msg": json_safe(e["msg"])} for e in error.errors()]})
+
+
+def install_limits(app: FastAPI, on_error: Callable[[Request, int], None],
+                   max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES) -> None:
+    """Add the body cap and the handlers above to `app`; `on_error(request, status)` sees every error sent."""
+    if max_body_nbytes < 1:
+        raise ValueError(f"max_body_nbytes must be >= 1, got {max_body_nbytes}")
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)  # counts what arrives
+    app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)  # runs first
+
+    async def invalid(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)
+        on_error(request, 422)
+        return invalid_request(request, error)
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        if isinstance(error.__cause__, UNPARSABLE):
+            cause = error.__cause__
+            detail = f"body is not JSON: {type(cause).__name__}: {json_safe(str(cause))[:200]}"
+            return await invalid(request, RequestValidationError(
+                [{"type": "json_invalid", "loc": ("body",), "msg": detail, "input": {}}]))
+        on_error(request, error.status_code)
+        detail = (f"request body is over the {max_body_nbytes}-byte limit" if error.status_code == 413
+                  else str(error.detail))
+        return error_response(request, error.status_code, detail, error.headers)
+
+    async def replica_failed(request: Request, error: Exception) -> JSONResponse:
+        status, detail = api_error(error)
+        on_error(request, status)
+        return error_response(request, status, detail, {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
+
+    async def crashed(request: Request, error: Exception) -> JSONResponse:  # Starlette re-raises it to log
+        on_error(request, 500)
+        return error_response(request, 500, "internal server error")
+
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, crashed)
+    for failure in (*REPLICA_FAILURES, RayServeException):  # the latter: api_error finds a replica's death in it
+        app.add_exception_handler(failure, replica_failed)

@@ -1,0 +1,135 @@
+"""OpenAI-compatible surface: `/v1/chat/completions` (plain and streamed) and `/v1/models`.
+
+The chunk selection rides in the extension field `qvpic` (the official client sends it with
+`extra_body={"qvpic": {...}}`); without one, the user message retrieves the server's default top-k.
+`usage.prompt_tokens` counts the whole context (template prefix, every chunk, the query turn) and
+`prompt_tokens_details.cached_tokens` the part whose KV came from the store rather than a forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from schemas.api import AnswerReport, AnswerRequest
+from schemas.chat import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatUsage,
+    ChunkChoice,
+    ChunkDelta,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    OpenAIErrorBody,
+    PromptTokensDetails,
+)
+from schemas.errors import UnknownModelError
+from schemas.sampling import Sampling
+from serve.http.backend import Backend, api_error, sse
+from serve.config import ApiSpec
+from serve.governance import Governor, Route
+from serve.http.lifetime import Lifetime, request_timeout_s
+
+PATH_PREFIX = "/v1/chat/"
+
+
+def openai_error_body(status: int, message: str) -> OpenAIErrorBody:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return OpenAIErrorBody(error=OpenAIError(message=message, type=kind, code=status))
+
+
+def openai_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=openai_error_body(status, message).model_dump(), headers=headers)
+
+
+def chat_usage(report: AnswerReport) -> ChatUsage:
+    prompt_tokens = report.usage.context_tokens + report.usage.query_tokens
+    return ChatUsage(prompt_tokens=prompt_tokens, completion_tokens=report.usage.completion_tokens,
+                     total_tokens=prompt_tokens + report.usage.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=report.usage.cached_tokens))
+
+
+def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
+    options = request.qvpic
+    selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True)
+    try:
+        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, task_type=options.task_type,
+                             max_high_res=options.max_high_res, tier=options.tier, max_new_tokens=request.max_new_tokens,
+                             temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                             stream=request.stream, timeout_s=options.timeout_s,
+                             **(selection or {"top_k": default_top_k}))
+    except ValidationError as error:  # the chat request's own limits should already exclude this
+        raise RequestValidationError(error.errors()) from error
+
+
+def chunk_event(chunk: ChatCompletionChunk) -> str:
+    """A stream chunk as OpenAI sends it: deltas carry only the fields they set."""
+    data = chunk.model_dump(mode="json")
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
+
+
+def openai_routes(backend: Backend, settings: ApiSpec, governor: Governor, timeout_s: float) -> APIRouter:
+    routes = APIRouter(tags=["openai"])
+
+    @routes.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, created=settings.created, owned_by="qvpic")])
+
+    @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
+        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
+        **{status: {"model": OpenAIErrorBody} for status in (401, 404, 413, 422, 429, 503)}})
+    async def chat_completions(request: ChatCompletionRequest, http: Request, response: Response):
+        if request.model != settings.served_model_name:
+            available = [settings.served_model_name]
+            raise UnknownModelError(f"model {request.model!r} is not served here; available: {available}")
+        started, created = time.perf_counter(), int(time.time())
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        native = answer_request(request, settings.default_top_k)
+        sampling = Sampling.of(native)
+        turn = await governor.begin(http, native, Route.CHAT)
+        life = Lifetime(http, request_timeout_s(http, native.timeout_s, timeout_s))
+        hit = await life.run(turn.admit(backend, sampling))
+        if not request.stream:
+            response.headers.update(turn.headers)
+            answer = await life.run(turn.generate(backend, sampling, hit, life.remaining_s()))
+            report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
+            return ChatCompletion(
+                id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
+                choices=[ChatChoice(message=AssistantMessage(content=answer.text), finish_reason=report.finish_reason)])
+
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+        def chunk(**fields) -> str:
+            return chunk_event(ChatCompletionChunk(id=completion_id, created=created, model=request.model, **fields))
+
+        async def events() -> AsyncIterator[str]:
+            yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+            try:
+                async for event in life.stream(turn.stream(backend, sampling, hit, life.remaining_s())):
+                    if isinstance(event, str):
+                        yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
+                        continue
+                    report = event.report.with_total_ms((time.perf_counter() - started) * 1e3)
+                    finish = ChunkChoice(delta=ChunkDelta(), finish_reason=report.finish_reason)
+                    yield chunk(choices=[finish], qvpic=report)
+                    if include_usage:
+                        yield chunk(choices=[], usage=chat_usage(report))
+            except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
+                yield sse(openai_error_body(*api_error(error)))
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
+
+    return routes

@@ -1,0 +1,13 @@
+"""Cache loading: the loader deployment (host-memory LRU over the store), the generator's device hot tier,
+the lazily compiled tier and its pending entries, each chunk's source for recompute, and the wire codec
+that moves KV between deployments."""
+
+from pipeline.facade import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "chunk_sources": ["recompute_inputs"],
+    "hot_tier": ["HotTier"],
+    "lazy_tier": ["LazyTier"],
+    "loader": ["CacheLoader", "kv_tensor", "to_wire"],
+    "pending": ["Planner", "is_pending", "lazy_planner"],
+})

@@ -1,0 +1,37 @@
+"""Each linked chunk's source at serve time, as its served entry was compiled from it.
+
+Selective recompute (pipeline/runtime/selective_recompute.py) rebuilds some chunk tokens on the assembled context,
+so it needs their inputs: the chunk's text for a text entry, or its pages at the entry's tier — the
+stored text rendered again with the store's RenderSpec (or a scanned page's image scaled), exactly as
+ingest and the repair path make them. The router carries text and image path in the plan when recompute
+is on (`RouterConfig.carry_sources`); nothing else is stored for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.store import TEXT_SOURCED, PageImageError, page_images
+from pipeline.runtime import Renderer
+from pipeline.runtime import VLM
+from pipeline.runtime import ChunkInputs, chunk_inputs
+from schemas.errors import UnservableError
+from serve.plan import Entry, PlannedChunk
+
+
+def recompute_inputs(vlm: VLM, renderer: Renderer, chunks: Sequence[PlannedChunk],
+                     served: Sequence[Entry]) -> list[ChunkInputs]:
+    """The inputs of every linked chunk, from its planned source and the entry it is served from."""
+    if any(c.text is None for c in chunks):
+        raise UnservableError("recompute needs the chunks' text: the router must carry it (RouterConfig.carry_sources)")
+    inputs = []
+    for chunk, entry in zip(chunks, served):
+        if entry.variant in TEXT_SOURCED:
+            inputs.append(chunk_inputs(vlm, chunk.text))
+            continue
+        try:
+            pages = page_images(renderer, chunk.text, chunk.image_path, renderer.spec.tier(entry.tier or ""))[0]
+        except PageImageError as error:
+            raise UnservableError(f"cannot recompute chunk {chunk.chunk_id}: {error}") from error
+        inputs.append(chunk_inputs(vlm, pages))
+    return inputs

@@ -1,0 +1,9 @@
+"""Relevance routing: the router deployment, retrieval over a serving generation, placement (which chunks are
+promoted to the high tier under τ, B and the token budget) and the hybrid text/page rule."""
+
+from pipeline.facade import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "placement": ["PRICED_VARIANT", "entry_of", "servable_modes"],
+    "router": ["BatchingRouter", "Router", "check_store"],
+})

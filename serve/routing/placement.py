@@ -1,0 +1,197 @@
+"""Placement policy: which tier and variant each selected chunk is served at — pure functions over the
+rows retrieval selected and their stored entries; nothing here reads a store.
+
+`allocate` decides promotions from relevance alone (plus the budgets); `place` turns the decision
+into planned chunks, falling back to the low tier where a high-tier entry was never compiled and
+refusing (503) a mode whose entries are missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from schemas.api import FallbackReport
+from schemas.config import ChunkKind, HybridSpec, Mode, ScoreNormalisation, TierSpec, Variant
+from schemas.errors import UnknownTierError, UnservableError
+from schemas.store import CacheKey
+from serve.routing.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text
+from serve.routing.hybrid import as_text as hybrid_text
+from serve.kv import Planner
+from serve.plan import Entry, PlannedChunk
+
+# Each mode is a choice of stored variant and of tiers. Routed modes promote chunks from the lowest tier
+# to the request's `tier` (default: the highest); uniform modes serve every chunk at one tier.
+LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
+                  Mode.IMAGE_PIC: Variant.PLAIN, Mode.IMAGE_PIC_DUMMY: Variant.DUMMY, Mode.TEXT_PIC: Variant.TEXT,
+                  Mode.TEXT_PIC_PLAIN: Variant.TEXT_PLAIN}
+PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_image prices pages from TEMPLATE entries
+ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)
+UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
+EntrySlots = dict[tuple[str | None, Variant], dict[str, Any]]  # one chunk's index rows by (tier, variant)
+
+
+def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
+    """Modes a store compiled with `variants` can serve."""
+    return [m for m in Mode if m not in PRICED_VARIANT or PRICED_VARIANT[m] in variants]
+
+
+def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | None:
+    """The tier a request's mode serves (uniform modes) or promotes to (routed modes); None for text.
+
+    Raises `UnknownTierError` (404) for a tier the store does not have; a tier given to a mode without
+    tiers never gets here (the request model refuses it, 422).
+    """
+    if tier is not None and not mode.takes_tier:
+        raise ValueError(f"mode {mode.value!r} takes no tier")
+    if tier is not None and tier not in {t.name for t in tiers}:
+        raise UnknownTierError(f"unknown tier {tier!r}; the store has {[t.name for t in tiers]}")
+    if PRICED_VARIANT.get(mode, Variant.TEXT).kind is ChunkKind.TEXT:
+        return None
+    if tier is not None:
+        return tier
+    lowest, highest = min(tiers, key=lambda t: t.dpi), max(tiers, key=lambda t: t.dpi)
+    return lowest.name if mode in UNIFORM_LOWEST else highest.name
+
+
+def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
+                     temperature: float = 0.05) -> np.ndarray:
+    """Each chunk's share of the request's relevance: `[n]` float64 summing to 1, or all 0 (nothing relevant).
+
+    LINEAR clips negative cosines to 0 (an irrelevant chunk has no share, so it is never promoted) and
+    divides by the sum; SOFTMAX takes softmax(cosine / temperature), so every chunk has a share and a low
+    temperature concentrates the mass on the best chunks.
+    """
+    scores = np.asarray(relevance, dtype=np.float64)
+    if normalisation is ScoreNormalisation.SOFTMAX:
+        if scores.size == 0:
+            return scores
+        weights = np.exp((scores - scores.max()) / temperature)  # shifted: no overflow at small temperatures
+    else:
+        weights = np.clip(scores, 0.0, None)
+    total = float(weights.sum())
+    return weights / total if total > 0.0 else weights
+
+
+def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
+             promotion_costs: Sequence[int], budget_tokens: int | None,
+             normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR, temperature: float = 0.05) -> list[bool]:
+    """Which chunks to promote to the high tier; aligned with the input order, which never changes.
+
+    Chunks are ranked by relevance (ties: earlier chunk first) and given shares by `relevance_shares`.
+    A chunk is a candidate while the share of the chunks ranked above it is below `tau` and its own
+    share is positive. Candidates are promoted in rank order while fewer than `max_high_res` are.
+
+    Budget-skipped chunks: a candidate whose extra tokens exceed what is left of `budget_tokens` stays
+    low, is not counted toward `max_high_res`, and the walk goes on to the next candidates, which may be
+    smaller. Its share still counts toward the share above them: τ bounds how much of the relevance
+    mass is considered for promotion, so a tight budget cannot push promotion into the irrelevant tail.
+    """
+    if len(relevance) != len(promotion_costs):
+        raise ValueError(f"{len(relevance)} relevances but {len(promotion_costs)} promotion costs")
+    shares = relevance_shares(relevance, normalisation, temperature)
+    scores = np.asarray(relevance, dtype=np.float64)
+    promoted = [False] * len(shares)
+    remaining = budget_tokens
+    share_above, num_promoted = 0.0, 0
+    for i in sorted(range(len(shares)), key=lambda i: (-scores[i], i)):
+        if shares[i] <= 0.0 or share_above >= tau or num_promoted >= max_high_res:
+            break
+        share_above += shares[i]
+        if remaining is not None and promotion_costs[i] > remaining:
+            continue
+        promoted[i] = True
+        num_promoted += 1
+        if remaining is not None:
+            remaining -= promotion_costs[i]
+    return promoted
+
+
+def entry_of(row: dict[str, Any]) -> Entry:
+    """The one way an index row becomes an `Entry` the loader can fetch."""
+    variant = Variant(row["variant"])
+    key = CacheKey(row["chunk_key"], row["tier"], variant, row["fingerprint"]).to_str()
+    return Entry(key, row["tier"], variant, row["num_tokens"], row["vision_tokens"], row["position_span"], row)
+
+
+def _pending(pending: Planner | None, low: Entry | None, tier: str | None) -> Entry | None:
+    return None if pending is None or tier == (low.tier if low else None) else pending(low, tier)
+
+
+def find(slots: EntrySlots, tier: str | None, variant: Variant) -> Entry | None:
+    row = slots.get((tier, variant))
+    return None if row is None else entry_of(row)
+
+
+def require(chunks: list[dict], slots: list[EntrySlots], tier: str | None, variant: Variant,
+            mode: Mode) -> list[Entry]:
+    found = [find(s, tier, variant) for s in slots]
+    missing = [c["chunk_id"] for c, e in zip(chunks, found) if e is None]
+    if missing:
+        raise UnservableError(f"mode {mode.value!r} needs {variant.value} entries of tier {tier!r}, not compiled "
+                              f"for chunks {missing[:10]}; run `qvpic recompile` on the store")
+    return found
+
+
+def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: list[float],
+          texts: Callable[[], list[dict]], low: TierSpec, tier: str | None, tau: float, max_high_res: int,
+          room_tokens: int, normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
+          temperature: float = 0.05, pending: Planner | None = None,
+          hybrid: HybridSpec | None = None) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+    """Planned chunks (request order) for `chunks` (catalog rows), each chunk's entry `slots` and
+    relevance. `tier` is `mode_tier`'s: the one tier a uniform mode serves, the one a routed mode
+    promotes to from `low`. `texts()` fetches the chunks' text and image path; only the online modes call
+    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low.
+    `pending` (serve/kv/pending.py) stands in for entries of a lazily compiled tier not compiled yet;
+    `hybrid` (enabled) serves qvpic chunks as text by its rule (serve/routing/hybrid.py)."""
+    if mode is Mode.FULL_TEXT:
+        planned = []
+        for chunk, entries, rel, source in zip(chunks, slots, relevance, texts()):
+            text_entry = find(entries, None, Variant.TEXT)
+            num_tokens = text_entry.num_tokens if text_entry else chunk["num_text_tokens"]
+            planned.append(PlannedChunk(chunk["chunk_id"], chunk["doc_id"], rel, None, num_tokens, 0, num_tokens,
+                                        None, text=source["text"]))
+        return planned, []
+    variant = PRICED_VARIANT[mode]
+    hybrid_on = hybrid is not None and hybrid.enabled and mode is Mode.QVPIC
+    if mode in ROUTED_MODES:  # price every promotion from the index, then allocate
+        lows = require(chunks, slots, low.name, variant, mode)
+        highs = [find(s, tier, variant) or _pending(pending, lo, tier) for s, lo in zip(slots, lows)]
+        text_entries = [find(s, None, TEXT_VARIANT) for s in slots] if hybrid_on else [None] * len(chunks)
+        text_first = cheaper_as_text(hybrid, text_entries, lows) if hybrid_on else [False] * len(chunks)
+        budget = room_tokens - sum(t.num_tokens if first else lo.num_tokens
+                                   for t, lo, first in zip(text_entries, lows, text_first))
+        # a chunk served as text is no promotion candidate: priced past any budget, allocate skips it
+        costs = [max(budget, 0) + 1 if first else h.num_tokens - lo.num_tokens if h else 0
+                 for lo, h, first in zip(lows, highs, text_first)]
+        promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0), normalisation, temperature)
+        wanted = [tier if p else low.name for p in promoted]
+    else:
+        wanted = [tier] * len(chunks)
+        text_entries, text_first = [None] * len(chunks), [False] * len(chunks)
+    online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
+    sources = texts() if online else [None] * len(chunks)
+    planned, fallbacks = [], []
+    for chunk, entries, rel, wanted_tier, source in zip(chunks, slots, relevance, wanted, sources):
+        entry = find(entries, wanted_tier, variant) or _pending(pending, find(entries, low.name, variant), wanted_tier)
+        # The lowest tier backs a templated entry up (not compiled yet, or unreadable); a baseline asked
+        # for at a tier fails loudly instead, so a sweep never measures a silently swapped tier.
+        backup = find(entries, low.name, variant) \
+            if wanted_tier != low.name and variant is Variant.TEMPLATE else None
+        if entry is None and backup is not None:
+            fallbacks.append(FallbackReport(chunk_id=chunk["chunk_id"], requested_tier=wanted_tier,
+                                            served_tier=backup.tier,
+                                            reason=f"{variant.value} entry of tier {wanted_tier!r} is not compiled"))
+            entry, backup = backup, None
+        if entry is None:
+            require([chunk], [entries], wanted_tier, variant, mode)
+        planned.append(PlannedChunk(chunk["chunk_id"], chunk["doc_id"], rel, entry.tier, entry.num_tokens,
+                                    entry.vision_tokens, entry.position_span, None if online else entry,
+                                    None if online else backup, source["text"] if online else None,
+                                    (source["image_path"] or None) if online else None))
+    if hybrid_on:
+        planned = [hybrid_text(c, t) if first else c for c, t, first in zip(planned, text_entries, text_first)]
+        planned = apply_rule(hybrid, planned, text_entries, room_tokens)
+    return planned, fallbacks

@@ -1,0 +1,90 @@
+"""Retrieval: one serving generation opened for routing, and which of its chunks a request selects.
+
+A `Snapshot` is everything a plan reads about the store: the generation's manifest, its catalog
+(memory-mapped; texts read only for the selected rows) and vector index. It is immutable: the router
+swaps whole snapshots on hot reload, and a plan uses the one it started with throughout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from pipeline.store.catalog import TEXTS, Catalog
+from pipeline.store import read_generation
+from pipeline.store import local_copy
+from pipeline.store import Store
+from schemas.api import AnswerRequest
+from schemas.config import TierSpec
+from schemas.errors import UnknownIdsError
+from schemas.generation import Generation
+from schemas.store import Manifest
+
+SERVING_CACHE = Path(os.environ.get("QVPIC_SERVING_CACHE", Path.home() / ".cache" / "qvpic" / "serving"))
+
+
+def require_known(field: str, missing: list[str]) -> None:
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise UnknownIdsError(f"unknown {field}: {missing[:10]}{more}")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    record: Generation
+    catalog: Catalog
+
+    @property
+    def generation(self) -> int:
+        return self.record.generation
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.record.manifest
+
+    @property
+    def published_at(self) -> datetime:
+        return self.record.published_at
+
+    @property
+    def low(self) -> TierSpec:
+        return self.manifest.render.lowest_tier
+
+    @property
+    def high(self) -> TierSpec:
+        return self.manifest.render.highest_tier
+
+    def select(self, request: AnswerRequest, query_vector: np.ndarray) -> tuple[list[int], list[float]]:
+        """Catalog rows the request names (chunk_ids, or doc_ids' chunks in order) or retrieves (top_k,
+        best first, ties by catalog order), with their cosine relevance to the query."""
+        if request.chunk_ids is not None:
+            rows, missing = self.catalog.rows_of_chunks(list(request.chunk_ids))
+            require_known("chunk_ids", missing)
+        elif request.doc_ids is not None:
+            rows, missing = self.catalog.rows_of_docs(list(request.doc_ids))
+            require_known("doc_ids", missing)
+        else:
+            found, scores = self.catalog.vectors.search(query_vector, request.top_k)
+            return found.tolist(), scores.tolist()
+        scores = self.catalog.vectors.scores(np.asarray(rows, np.int64), query_vector) if rows else []
+        return rows, [float(s) for s in scores]
+
+
+def open_snapshot(store: Store, generation: int, cache_root: Path = SERVING_CACHE,
+                  rerank_candidates: int = 64, search_threads: int = 1) -> Snapshot:
+    """Open `generation` of `store` for routing (local stores in place; remote ones cached locally once,
+    texts read by range). `search_threads` > 1 scans an exhaustive index's shards in parallel."""
+    record = read_generation(store, generation)
+    chunks_dir = local_copy(store, record.chunks_dir, cache_root)
+    entries_dir = local_copy(store, record.entries_dir, cache_root)
+    if isinstance(store.fs, pafs.LocalFileSystem):
+        texts = pa.OSFile(str(chunks_dir / TEXTS))
+    else:
+        texts = store.fs.open_input_file(f"{store.root}/{record.chunks_dir}/{TEXTS}")
+    return Snapshot(record, Catalog(chunks_dir, entries_dir, texts, rerank_candidates, search_threads))

@@ -1,0 +1,171 @@
+"""Relevance router: which chunks, in which order, at which tier and variant — decided before any KV moves.
+
+`Router.plan` embeds the query (the deployed `BatchingRouter` batches concurrent queries with
+`@serve.batch`) and `route`s it against one serving generation: retrieval selects rows from the
+generation's memory-mapped catalog and vector index (serve/routing/retrieval.py), placement decides tiers
+from relevance and prices every choice from the entry table (serve/routing/placement.py). The router follows
+the store's published generations without a redeploy (pipeline/store/reload.py): a plan carries the
+generation it was routed against, and every entry in it comes from that generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from ray import serve
+from transformers import AutoConfig, AutoTokenizer
+
+from pipeline.runtime import Embedder
+from pipeline.store import ensure_generation
+from pipeline.runtime import ChatTemplate
+from pipeline.runtime import model_identity, resolve_path
+from pipeline.store import Store
+from schemas.api import AnswerRequest
+from schemas.config import ModelSpec, RouterSpec
+from schemas.errors import TooLargeError
+from schemas.generation import ReloadSpec
+from schemas.store import Manifest, ManifestError, StoreSpec
+from serve.kv import lazy_planner
+from serve.routing.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
+from serve.plan import Plan
+from pipeline.store import GenerationWatcher, LeaseKeeper, acquire_current
+from serve.routing.retrieval import Snapshot, open_snapshot
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """What the router needs of the model without loading its weights: token counts and limits."""
+
+    tokenizer: object
+    template: ChatTemplate
+    max_positions: int
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> PromptTemplate:
+        path = resolve_path(spec)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
+        text_config = getattr(config, "text_config", config)
+        return cls(tokenizer, template, int(text_config.max_position_embeddings))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def check_store(manifest: Manifest, spec: ModelSpec) -> None:
+    """Raise `ManifestError` unless the store was compiled for this model, dtype and template (the
+    identity ingest fingerprints with), read from the checkpoint without loading its weights."""
+    model_id, revision, _, template_prefix = model_identity(spec)
+    manifest.check_model(model_id, revision, spec.dtype, template_prefix)
+
+
+class Router:
+    def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
+                 max_context_tokens: int | None = None, embedder_dir: str | None = None,
+                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1, carry_sources: bool = False):
+        self.store = Store.open(store)
+        self.carry_sources = carry_sources  # linked plans carry the chunks' text too (selective recompute)
+        self.search_threads = search_threads  # threads one query's exhaustive scan may use
+        self.model = model
+        self.prompt = PromptTemplate.load(model)
+        self.embedder = Embedder(embedder_dir)
+        self.defaults, self.max_chunks = defaults, max_chunks
+        self.max_context_tokens = min(max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
+        self.count_tokens = lru_cache(maxsize=8)(self.prompt.count)  # template prefixes, one per generation
+        self.keeper = LeaseKeeper(self.store, "router", reload)
+        ensure_generation(self.store)  # a store no job published yet: snapshot it once, here
+        current = acquire_current(self.store, self.keeper)
+        self.snapshot: Snapshot = self.open_generation(current)  # swapped whole on reload
+        self.watcher = GenerationWatcher(self.store, self.keeper, reload, current, self.open_generation,
+                                         self._install)
+
+    def open_generation(self, generation: int) -> Snapshot:
+        """`generation` opened and checked against this router's model and embedder (`ManifestError`)."""
+        snapshot = open_snapshot(self.store, generation, search_threads=self.search_threads)
+        check_store(snapshot.manifest, self.model)
+        if self.embedder.model_name != snapshot.manifest.embedder:
+            raise ManifestError(f"store was embedded with {snapshot.manifest.embedder!r}, "
+                                f"the router loaded {self.embedder.model_name!r}")
+        self.count_tokens(snapshot.manifest.template_prefix)  # tokenised here, not on a request
+        return snapshot
+
+    def _install(self, generation: int, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot  # one reference: requests in flight keep the snapshot they started with
+
+    @property
+    def generation(self) -> int:
+        return self.snapshot.generation
+
+    async def embed_query(self, query: str) -> np.ndarray:
+        return (await asyncio.to_thread(self.embedder.embed, [query]))[0]  # [dim], off the event loop
+
+    async def plan(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
+        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made."""
+        started = time.perf_counter()
+        query_vector = await self.embed_query(request.query)
+        return self.route(request, query_vector, budget_tokens, started)
+
+    def route(self, request: AnswerRequest, query_vector: np.ndarray, budget_tokens: int | None = None,
+              started: float | None = None) -> Plan:
+        """The plan of `request` for an embedded query: retrieval and placement against one generation."""
+        started = time.perf_counter() if started is None else started
+        snapshot = self.snapshot
+        rows, relevance = snapshot.select(request, query_vector)
+        if len(rows) > self.max_chunks:
+            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.max_chunks} per request")
+        prefix_tokens = self.count_tokens(snapshot.manifest.template_prefix) + \
+            (self.prompt.count(request.instruction) if request.instruction else 0)
+        query_tokens = self.prompt.count(request.text_after_chunks) + self.count_tokens(self.prompt.template.turn_suffix)
+        fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
+        room_tokens = self.max_context_tokens - fixed_tokens
+        if budget_tokens is not None:
+            room_tokens = min(room_tokens, budget_tokens - prefix_tokens)
+        catalog = snapshot.catalog
+        chunks, fallbacks = place(
+            request.mode, catalog.chunk_rows(rows), catalog.entries_of(rows), relevance, lambda: catalog.texts(rows),
+            snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
+            self.defaults.tau if request.tau is None else request.tau,
+            self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
+            self.defaults.normalisation, self.defaults.temperature, lazy_planner(snapshot.manifest, self.model),
+            self.defaults.hybrid)
+        needed = fixed_tokens + sum(c.num_tokens for c in chunks)
+        if needed > self.max_context_tokens:
+            raise TooLargeError(
+                f"request needs {needed} tokens (prefix {prefix_tokens} + chunks {needed - fixed_tokens} + "
+                f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
+                f"the context holds {self.max_context_tokens}")
+        if self.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
+            chunks = [c if c.text is not None else
+                      dataclasses.replace(c, text=source["text"], image_path=source["image_path"] or None)
+                      for c, source in zip(chunks, catalog.texts(rows))]
+        route_ms = (time.perf_counter() - started) * 1e3
+        return Plan(request.mode, request.query, tuple(chunks), prefix_tokens, query_tokens, tuple(fallbacks),
+                    route_ms, query_vector, snapshot.generation, request.instruction, request.query_prompt)
+
+    def reload(self) -> bool:
+        """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""
+        return self.watcher.check()
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.keeper.close()
+
+    def __del__(self) -> None:  # Serve calls it on graceful shutdown: drop this replica's lease
+        if hasattr(self, "watcher"):
+            self.close()
+
+
+class BatchingRouter(Router):
+    """The deployed router: queries arriving together are embedded in one call (`@serve.batch` needs a
+    Serve replica, so the plain `Router` embeds one at a time)."""
+
+    # No waiting for company: a lone query pays nothing; queries arriving while one embeds form the next batch.
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
+    async def embed_query(self, queries: list[str]) -> list[np.ndarray]:
+        return list(await asyncio.to_thread(self.embedder.embed, queries))  # [n, dim] -> n x [dim]
