@@ -154,8 +154,8 @@ class Blobs:
 
     def put_dir(self, local: Path, rel: str, last: str) -> None:
         """Put local dir `local` (holding `last`, the file that says the dir is whole) at `rel`, which is
-        content-addressed: an existing complete `rel` is the same dir and stays. Locally one rename;
-        on an object store file by file, `last` last."""
+        content-addressed: an existing `rel` holds the same files. Locally one rename (a complete `rel`
+        already there stays); on an object store file by file, `last` last."""
         if self.is_local:
             install_dir(local, Path(self.path(rel)), last)
             return
