@@ -10,7 +10,7 @@ On-disk layout of a store (a local directory or an object-store prefix; every fi
     shards/<2 hex>/<sha256>.safetensors   KV tensors [layers, 2, kv_heads, tokens, head_dim] (or, in a
                                    store with `kv_quant`, their quantised records); many entries per
                                    file, each found by (byte_offset, nbytes) in its index row
-    leases/<job_id>.json           the write lease of the job writing the store (pipeline/store/lease.py)
+    leases/<job_id>.json           the write lease of the job writing the store (pipeline/store/leases.py)
 
 Tables are append-only part logs (pipeline/store/part_log.py): readers take the newest row per key, and
 every job ends by compacting what it appended into parts of ≤250k rows.

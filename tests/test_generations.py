@@ -14,8 +14,10 @@ import pytest
 
 from jobs.publish import main
 from pipeline.ingest.stages import compile_in_process
-from pipeline.store import collect_generations, publish_generation, read_generation
-from pipeline.store.generations import current_generation, live_generations, protected_shards, write_lease
+from pipeline.store import collect_generations, publish_generation, read_generation, remove_orphans
+from pipeline.store.gc import live_generations, protected_shards
+from pipeline.store.generations import current_generation
+from pipeline.store.leases import write_lease
 from pipeline.store import entry_slots
 from pipeline.ingest import RecompileConfig
 from pipeline.ingest.recompile_job import target_manifest
@@ -52,7 +54,7 @@ def recompile_in_process(root: Path, serving: ServingStore, render: RenderSpec) 
     store.write_manifest(new)
     generation = publish_generation(store, "recompile-test")
     store.compact(keep_fingerprints={new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)})
-    store.remove_orphans(older_than_s=0.0)
+    remove_orphans(store, older_than_s=0.0)
     return generation
 
 
@@ -141,7 +143,7 @@ def test_recompile_keeps_shards_a_live_router_serves(serving_store, tmp_path, le
     loader.keeper.renew()
     store = Store.open(str(root))
     collect_generations(store)
-    store.remove_orphans(older_than_s=0.0)
+    remove_orphans(store, older_than_s=0.0)
     assert not {p for p in old_shards if (root / p).exists()}  # collected once nothing can read them
     router.close()
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from pipeline.store import Blobs
-from pipeline.store.lease import LeaseInfo
+from pipeline.store.leases import LeaseInfo
 from pipeline.store import StoreBusyError, StoreLease
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
@@ -55,8 +55,7 @@ def test_heartbeat_keeps_a_long_job_live_and_silence_expires_it(blobs):
         time.sleep(1.5)  # past the ttl: only the heartbeat keeps the lease live
         with pytest.raises(StoreBusyError):
             StoreLease(blobs, "ingest-other").__enter__()
-        lease._stop.set()  # the holder goes silent (a partitioned or frozen driver)
-        lease._thread.join()
+        lease.heartbeat.stop()  # the holder goes silent (a partitioned or frozen driver)
         time.sleep(1.0)
         with StoreLease(blobs, "ingest-other"):
             assert leases(blobs) == ["ingest-other.json"]  # the silent holder's lease was expired and removed

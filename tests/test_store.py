@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.store import ShardCorruptError
-from pipeline.store import Store, StoreError
+from pipeline.store import Store, StoreError, remove_orphans
 from schemas.config import ChunkKind, DType, ModelFamily, RenderSpec, TierSpec, Variant
 from schemas.store import (
     SCHEMA_VERSION,
@@ -64,11 +64,9 @@ def kv(seed: int, dtype: torch.dtype = torch.bfloat16, num_tokens: int = 5) -> t
 
 
 def flip_byte(store: Store, rel: str, offset: int) -> None:
-    path = f"{store.root}/{rel}"
-    data = bytearray(store.fs.open_input_file(path).read())
+    data = bytearray(store.blobs.get(rel))
     data[offset] ^= 0xFF
-    with store.fs.open_output_stream(path) as out:
-        out.write(bytes(data))
+    store.blobs.put(rel, bytes(data))
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -212,18 +210,17 @@ def test_manifest_round_trip_and_open(store: Store) -> None:
     with pytest.raises(StoreError, match="has no manifest.json"):
         store.load_manifest_or_raise()
     with pytest.raises(StoreError, match="manifest.json is missing"):
-        Store.open(store.uri, filesystem=store.fs)
+        Store.open(store.uri, filesystem=store.blobs.fs)
     manifest = make_manifest()
     store.write_manifest(manifest)
     later = manifest.model_copy(update={"updated_at": NOW + timedelta(hours=1), "job_ids": ("job-1", "job-2")})
     store.write_manifest(later)
-    reopened = Store.open(store.uri, filesystem=store.fs)
+    reopened = Store.open(store.uri, filesystem=store.blobs.fs)
     assert reopened.load_manifest_or_raise() == later
     text = later.to_json().replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 99')
-    with store.fs.open_output_stream(f"{store.root}/manifest.json") as out:
-        out.write(text.encode())
+    store.blobs.put("manifest.json", text.encode())
     with pytest.raises(StoreError, match="schema version 99 is not supported"):
-        Store.open(store.uri, filesystem=store.fs)
+        Store.open(store.uri, filesystem=store.blobs.fs)
 
 
 def test_corrupted_shard_is_detected(store: Store) -> None:
@@ -243,7 +240,7 @@ def test_corrupted_shard_is_detected(store: Store) -> None:
 def test_missing_shard_is_detected(store: Store) -> None:
     row = index_row(store, kv(1), "a", "low")
     store.publish_index([row])
-    store.fs.delete_file(f"{store.root}/{row['shard_path']}")
+    store.blobs.delete(row["shard_path"])
     with pytest.raises(ShardCorruptError, match=f"{row['shard_path']} is missing"):
         store.load_kv(store.index().to_pylist()[0])
     with pytest.raises(StoreError, match="no valid shard_path"):
@@ -318,8 +315,8 @@ def test_crash_between_shard_and_publish_leaves_only_an_orphan(store: Store) -> 
     store.publish_index([kept])
     crashed = index_row(store, kv(2), "crashed", "low")  # shard written, job died before publishing
     assert store.index().num_rows == 1
-    assert store.remove_orphans() == 0  # inside the grace period for in-flight jobs
-    assert store.remove_orphans(older_than_s=0) == 1
+    assert remove_orphans(store) == 0  # inside the grace period for in-flight jobs
+    assert remove_orphans(store, older_than_s=0) == 1
     with pytest.raises(RowsError, match="missing shards"):
         store.publish_index([crashed])  # a row for the vanished shard is refused, never dangling
     assert store.index().num_rows == 1 and torch.equal(store.load_kv(store.index().to_pylist()[0]), kv(1))
@@ -355,9 +352,9 @@ def test_quarantine_stats_and_compact(store: Store) -> None:
         (None, Variant.TEXT, 3, 3 * nbytes), ("low", Variant.TEMPLATE, 3, 3 * nbytes)]
     before = store.index().sort_by("chunk_key").to_pylist()
     store.compact()
-    parts = store.fs.get_file_info(pa.fs.FileSelector(f"{store.root}/index"))
+    parts = store.blobs.list("index")
     assert len(parts) == 1 and store.index().sort_by("chunk_key").to_pylist() == before
-    assert store.remove_orphans(older_than_s=0) == 0  # the rerun wrote identical bytes: same shard
+    assert remove_orphans(store, older_than_s=0) == 0  # the rerun wrote identical bytes: same shard
 
 
 # ---- local-only: crash injection --------------------------------------------------------------
@@ -383,7 +380,7 @@ def test_torn_part_write_is_invisible_and_swept(tmp_path: Path) -> None:
     assert store.index().num_rows == 0
     store.publish_index([row])
     assert store.index().num_rows == 1
-    assert store.remove_orphans(older_than_s=0) == 1 and not (tmp_path / "index" / ".tmp-deadbeef").exists()
+    assert remove_orphans(store, older_than_s=0) == 1 and not (tmp_path / "index" / ".tmp-deadbeef").exists()
 
 
 def test_load_many_reads_each_shard_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

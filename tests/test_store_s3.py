@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.store import ShardCorruptError
-from pipeline.store import Store, StoreError
+from pipeline.store import Store, StoreError, remove_orphans
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 from tests.test_store import index_row, kv, make_manifest
@@ -47,7 +47,7 @@ def test_sibling_prefixes_are_isolated(s3_server: S3Server, s3_bucket: str) -> N
     a.publish_index([index_row(a, kv(1), "x", "low")])
     ab.publish_index([index_row(ab, kv(2), "y", "low"), index_row(ab, kv(3), "z", "low")])
     assert (a.index().num_rows, ab.index().num_rows) == (1, 2)
-    assert a.remove_orphans(older_than_s=0) == 0 and ab.load_many(ab.index())[1].shape == kv(3).shape
+    assert remove_orphans(a, older_than_s=0) == 0 and ab.load_many(ab.index())[1].shape == kv(3).shape
 
 
 def test_objects_replaced_by_another_writer_are_detected(s3_server: S3Server, s3_bucket: str) -> None:

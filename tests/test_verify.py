@@ -15,7 +15,7 @@ import pytest
 from jobs.verify import main as verify_main
 from pipeline.ingest.stages import compile_in_process
 from pipeline.store import parts_checks, publish_generation
-from pipeline.store.part_record import PartRecord, compare_parts
+from pipeline.store.parts import PartRecord, compare_parts
 from pipeline.store import Store, StoreError
 from schemas.store import StoreSpec
 from serve.app import AppConfig, preflight
@@ -240,7 +240,7 @@ def test_verify_and_repair_on_s3(serving_store, s3_server, s3_bucket, capsys):
     assert verify_main(flags) == 0 and json.loads(capsys.readouterr().out)["ok"]  # negative control
     lost = [store.tables["index"].part_paths()[0], store.tables["chunks"].part_paths()[0]]
     for rel in lost:
-        store.fs.delete_file(store.blobs.path(rel))
+        store.blobs.delete(rel)
 
     assert verify_main(flags) == 1
     examples = problems(json.loads(capsys.readouterr().out))["missing_part"]["examples"]

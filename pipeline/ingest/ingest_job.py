@@ -3,7 +3,7 @@
 Stages overlap and Ray Data back-pressures between them; nothing is materialised on the driver, which
 only adds up one small tally per partition of the last stage. Whole-corpus checks (duplicate ids,
 repeated texts, what the store already holds) are hash-partitioned shuffles (pipeline/ingest/stages/dedup.py). The
-job holds the store's write lease throughout (pipeline/store/lease.py), sizes its resource requests to what
+job holds the store's write lease throughout (pipeline/store/leases.py), sizes its resource requests to what
 the cluster has free (pipeline/ingest/resources.py), and ends by compacting what it appended.
 """
 

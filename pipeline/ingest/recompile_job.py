@@ -21,7 +21,7 @@ import ray.data
 from pipeline.ingest.stages import CompilePlan
 from pipeline.ingest.stages import deduplicate, read_parts, stored_entries
 from pipeline.store import entry_slots
-from pipeline.store import publish_generation
+from pipeline.store import publish_generation, remove_orphans
 from pipeline.ingest.ingest_job import compile_kv, in_a_task, new_manifest, render, work_blocks
 from pipeline.store import StoreLease
 from pipeline.ingest.resources import CompileResources, StagePlan, plan_stages
@@ -129,7 +129,7 @@ def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: f
     before = store.index().num_rows
     store.compact(keep_fingerprints={new.entry_fingerprint(v, t)
                                       for t, v in entry_slots(new, new.variants, include_lazy=True)})
-    return before - store.index().num_rows, store.remove_orphans(older_than_s=orphan_grace_s)
+    return before - store.index().num_rows, remove_orphans(store, older_than_s=orphan_grace_s)
 
 
 def recompile(cfg: RecompileConfig) -> RecompileSummary:

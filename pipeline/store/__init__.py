@@ -1,7 +1,8 @@
 """The KV store: one root on any pyarrow filesystem, every byte through `Blobs`. The manifest, three
 part-logged tables (index, chunks, quarantine), content-addressed safetensors shards and their KV formats,
-how an entry is built and named, serving generations (snapshots, leases, GC), the catalog routing reads
-(`catalog/`), and the consistency check and its repairs (`check/`)."""
+how an entry is built and named, serving generations (records, snapshot dirs, publishing, the part check),
+the write lease and serving leases, garbage collection, hot reload, the catalog routing reads (`catalog/`),
+and the consistency check and its repairs (`check/`)."""
 
 from pipeline.facade import lazy_exports
 
@@ -12,14 +13,14 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "index_row", "page_images"
     ],
     "filesystem": ["resolve_filesystem"],
-    "generations": [
-        "collect_generations", "current_generation_number", "ensure_generation", "parts_checks",
-        "publish_generation", "read_generation", "require_recorded_parts"
-    ],
+    "gc": ["collect_generations", "remove_orphans"],
+    "generations": ["current_generation_number", "read_generation"],
     "kv_quant": ["QuantizedKV", "check_device", "dequantize", "stored"],
-    "lease": ["StoreBusyError", "StoreLease"],
-    "reload": ["GenerationWatcher", "LeaseKeeper", "acquire_current"],
-    "serving_blobs": ["local_copy"],
+    "leases": ["LeaseKeeper", "StoreBusyError", "StoreLease"],
+    "parts": ["parts_checks", "require_recorded_parts"],
+    "publish": ["ensure_generation", "publish_generation"],
+    "reload": ["GenerationWatcher", "acquire_current"],
+    "snapshots": ["local_copy"],
     "shards": ["ShardCorruptError", "ShardReader", "write_shard"],
     "slots": ["entry_slots", "required_keys", "slot_name"],
     "store": ["Store"],

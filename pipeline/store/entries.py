@@ -4,7 +4,7 @@ An entry is one (tier, variant) of one chunk text. Its source is the chunk's tex
 tier (rendered from the text, or its scanned page image scaled to the page width); `compile_entries`
 is the single place that maps a variant to a runtime compile call, and `index_row` the single place
 that turns a compiled entry into its index row. Ingest compiles a batch of sources per call; the repair
-path compiles one through `build_entry`. Same source, same call, same bytes on the same hardware.
+path compiles one through `build_sized_entry`. Same source, same call, same bytes on the same hardware.
 """
 
 from __future__ import annotations
@@ -69,15 +69,10 @@ def page_images(renderer: Renderer, text: str, image_path: str | None, tier: Tie
         raise PageImageError(f"page image {image_path} is not readable here: {error}") from error
 
 
-def build_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
-                variant: Variant) -> ChunkKV:
-    """One entry from its chunk's stored source, exactly as ingest builds it."""
-    return build_sized_entry(vlm, renderer, text, image_path, tier, variant)[0]
-
-
 def build_sized_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
                       variant: Variant) -> tuple[ChunkKV, list[list[int]]]:
-    """`build_entry` and the [width, height] of each page it compiled (its index row's `image_sizes_px`)."""
+    """One entry from its chunk's stored source, exactly as ingest builds it, and the [width, height] of each
+    page it compiled (its index row's `image_sizes_px`)."""
     if variant in TEXT_SOURCED:
         return compile_entries(vlm, variant, [text])[0], []
     pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))

@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.store.blobs import Blobs, StoreError
@@ -84,11 +85,20 @@ class PartLog:
         self.blobs.put(f"{self.directory}/{name}", sink.getvalue().to_pybytes())
 
     # ---- reads ---------------------------------------------------------------------------------
+    def parts(self) -> list[pafs.FileInfo]:
+        """The live parts (one listing: names and sizes), in write order."""
+        infos = [i for i in self.blobs.list(self.directory)
+                 if i.base_name.startswith(PART_PREFIX) and i.base_name.endswith(PART_SUFFIX)]
+        return sorted(infos, key=lambda i: i.base_name)
+
     def part_paths(self) -> list[str]:
         """Store-relative paths of the live parts, in write order."""
-        names = sorted(i.base_name for i in self.blobs.list(self.directory)
-                       if i.base_name.startswith(PART_PREFIX) and i.base_name.endswith(PART_SUFFIX))
-        return [f"{self.directory}/{n}" for n in names]
+        return [f"{self.directory}/{i.base_name}" for i in self.parts()]
+
+    def num_rows(self, rel: str) -> int:
+        """Rows of part `rel`, from its footer (a ranged read or two on S3)."""
+        with self.blobs.open_input(rel) as f:
+            return pq.ParquetFile(f).metadata.num_rows
 
     def _read_part(self, rel: str) -> pa.Table:
         try:
@@ -129,7 +139,7 @@ class PartLog:
             values: set = set()
             try:
                 for rel in self.part_paths():
-                    with self.blobs.fs.open_input_file(self.blobs.path(rel)) as f:
+                    with self.blobs.open_input(rel) as f:
                         values.update(pc.unique(pq.read_table(f, columns=[column])[column]).to_pylist())
                 return values
             except FileNotFoundError:  # a compaction replaced a part we listed: list again
@@ -170,17 +180,13 @@ class PartLog:
             return self._replace(paths, self._full_tables(paths, keep, target_rows), target_rows) if paths else 0
         replaced, run = 0, []
         for path in paths + [None]:
-            if path is not None and self._num_rows(path) < target_rows // 2:
+            if path is not None and self.num_rows(path) < target_rows // 2:
                 run.append(path)
                 continue
             if len(run) > 1:
                 replaced += self._replace(run, self._run_tables(run, target_rows), target_rows)
             run = []
         return replaced
-
-    def _num_rows(self, rel: str) -> int:
-        with self.blobs.fs.open_input_file(self.blobs.path(rel)) as f:  # the footer only: ranged reads
-            return pq.ParquetFile(f).metadata.num_rows
 
     def _replace(self, paths: list[str], tables: Iterator[pa.Table], target_rows: int) -> int:
         """Write `tables` as parts named after the newest of `paths`, then delete `paths`."""

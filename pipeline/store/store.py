@@ -3,13 +3,12 @@
 The layout is documented once, in schemas/store.py. The pieces live in their own modules: atomic blob
 I/O (pipeline/store/blobs.py), the append-only Parquet part log the tables use (pipeline/store/part_log.py) and
 the shard format with its checksums (pipeline/store/shards.py). A shard is always written before the index
-row that points at it, so a crash leaves at worst an orphan shard (`remove_orphans`), never a row that
-points at nothing. Parts are append-only and readers dedupe, so reruns never duplicate entries.
+row that points at it, so a crash leaves at worst an orphan shard (`pipeline/store/gc.py` sweeps them), never
+a row that points at nothing. Parts are append-only and readers dedupe, so reruns never duplicate entries.
 """
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -18,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from pipeline.store.blobs import TMP_PREFIX, Blobs, StoreError, resolve_filesystem
+from pipeline.store.blobs import Blobs, StoreError
 from pipeline.store.part_log import PartLog
 from schemas.config import Variant
 from schemas.store import CacheKey, GroupStats, Manifest, ManifestError, ShardEntry, StoreSpec, StoreStats
@@ -48,7 +47,7 @@ class Store:
 
     def __init__(self, blobs: Blobs) -> None:
         self.blobs = blobs
-        self.fs, self.root, self.spec = blobs.fs, blobs.root, blobs.spec
+        self.spec = blobs.spec
         self.tables = {
             "index": PartLog(blobs, "index", INDEX_SCHEMA, KEY_COLUMNS, "created_at"),
             "chunks": PartLog(blobs, "chunks", CHUNKS_SCHEMA, ["chunk_id"]),
@@ -157,7 +156,8 @@ class Store:
         return table if job_id is None else table.filter(pc.equal(table["job_id"], job_id))
 
     def part_paths(self, table: str) -> list[str]:
-        """Filesystem paths (on `self.fs`) of a table's live parts, for readers that scan them in parallel."""
+        """Filesystem paths (on `self.blobs.fs`) of a table's live parts, for readers that scan them in parallel
+        (Ray Data)."""
         return [self.blobs.path(rel) for rel in self.tables[table].part_paths()]
 
     def lookup(self, chunk_keys: Sequence[str] | None = None, tiers: Iterable[str | None] | None = None,
@@ -216,26 +216,6 @@ class Store:
         return self.shards.load_many(rows)
 
     # ---- maintenance ---------------------------------------------------------------------------
-    def remove_orphans(self, older_than_s: float = 3600.0) -> int:
-        """Delete shards no index row references, and temp files left by crashed writes, that are
-        older than `older_than_s` (a grace period for jobs between writing a shard and publishing its
-        rows). Rows hidden by a newer duplicate still protect their shard until compaction drops them, and
-        shards of a serving generation still live (current or leased) are never removed."""
-        referenced = self.tables["index"].distinct("shard_path")  # streamed: a part and a column at a time
-        from pipeline.store.generations import protected_shards  # (imports this module)
-
-        referenced |= protected_shards(self)  # what a live service may still read
-        cutoff_ns = time.time_ns() - int(older_than_s * 1e9)
-        removed = 0
-        for info in self.blobs.list("", recursive=True):
-            rel = self.blobs.rel(info.path)
-            is_temp = info.base_name.startswith(TMP_PREFIX)
-            is_orphan = rel.startswith("shards/") and rel not in referenced
-            if (is_temp or is_orphan) and (info.mtime_ns or 0) <= cutoff_ns:
-                self.blobs.delete(rel)
-                removed += 1
-        return removed
-
     def compact(self, keep_fingerprints: set[str] | None = None, full: bool | None = None) -> int:
         """Compact every table (see `PartLog.compact`): by default the parts jobs appended; `full`
         (implied by `keep_fingerprints`) rewrites everything, dropping index rows of other

@@ -7,7 +7,7 @@ replica that compiled it at the same time — rewrites that same part atomically
 table never holds two parts for one entry. The part is also where any replica looks for the entry
 before compiling it (`written_back`: one read of one small object, no scan of the index).
 
-Serving does not take the store's job lease (pipeline/store/lease.py) for this: the lease serialises jobs
+Serving does not take the store's write lease (pipeline/store/leases.py) for this: the lease serialises jobs
 that rewrite the tables, and a replica that held it would make an ingest refuse to start. Nothing here
 needs it — a job's compaction deletes only the parts it listed (a part written meanwhile survives it,
 and a compacted part keeps the row), and orphan collection spares shards younger than its grace period.

@@ -2,7 +2,7 @@
 
 A request that promotes a chunk whose tier the store compiles lazily (serve/kv/pending.py) gets the entry
 here, in order of preference: written back already (by this replica or another: one small read, see
-pipeline/store/writeback.py), or compiled now by the generator's model through `build_entry` — the one
+pipeline/store/writeback.py), or compiled now by the generator's model through `build_sized_entry` — the one
 function that builds an entry, so it is what ingest would have stored — and written back. Concurrent
 requests for one entry share one compile (`SingleFlight`); the generator's hot tier then serves it to
 the requests that follow, and the next published generation lets every router plan it as stored.

@@ -13,8 +13,6 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
 
 from pipeline.store.catalog import TEXTS, Catalog
 from pipeline.store import read_generation
@@ -83,8 +81,5 @@ def open_snapshot(store: Store, generation: int, cache_root: Path = SERVING_CACH
     record = read_generation(store, generation)
     chunks_dir = local_copy(store, record.chunks_dir, cache_root)
     entries_dir = local_copy(store, record.entries_dir, cache_root)
-    if isinstance(store.fs, pafs.LocalFileSystem):
-        texts = pa.OSFile(str(chunks_dir / TEXTS))
-    else:
-        texts = store.fs.open_input_file(f"{store.root}/{record.chunks_dir}/{TEXTS}")
+    texts = store.blobs.open_input(f"{record.chunks_dir}/{TEXTS}")
     return Snapshot(record, Catalog(chunks_dir, entries_dir, texts, rerank_candidates, search_threads))

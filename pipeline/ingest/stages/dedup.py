@@ -134,7 +134,7 @@ def read_parts(store: Store, table: str, columns: list[str], plan: StagePlan, **
     paths = store.part_paths(table)
     if not paths:
         return None
-    return ray.data.read_parquet(paths, filesystem=store.fs, columns=columns, num_cpus=plan.task_cpus, **options)
+    return ray.data.read_parquet(paths, filesystem=store.blobs.fs, columns=columns, num_cpus=plan.task_cpus, **options)
 
 
 def _entry_rows(batch: pa.Table, required: list[str]) -> pa.Table:

@@ -12,5 +12,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "TEXTS"
     ],
     "vector_index": ["code_scale"],
-    "writer": ["ENTRY_COLUMNS", "parts_digest", "table_parts", "write_chunks_dir", "write_entries_dir"],
+    "writer": ["ENTRY_COLUMNS", "parts_digest", "write_chunks_dir", "write_entries_dir"],
 })

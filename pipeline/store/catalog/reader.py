@@ -25,7 +25,6 @@ r // BATCH_ROWS, so a reader finds it without reading anything else.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import threading
 from collections import defaultdict
@@ -167,7 +166,3 @@ class Catalog:
             out.append({(e["tier"], Variant(e["variant"])): e for e in flat[at:at + count]})
             at += count
         return out
-
-
-def read_search_info(chunks_dir: Path) -> SearchInfo:
-    return SearchInfo.model_validate(json.loads((chunks_dir / SEARCH).read_text()))

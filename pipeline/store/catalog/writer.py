@@ -8,7 +8,8 @@ then each bucket is read back alone, deduplicated, sorted and appended to the sn
 catalog is therefore sorted by (document hash, document, order, chunk id): each document's chunks
 are one contiguous range, as lookups need.
 
-`table_parts` is the one function that knows how the store lays out its parts.
+The parts come from the table's part log (`PartLog.parts`), listed once by the caller: the snapshot's
+name is a digest of that same listing.
 """
 
 from __future__ import annotations
@@ -52,21 +53,10 @@ LAYOUT_VERSION = "2"  # part of every snapshot's name: a new layout never reuses
 BUCKET_ROWS = 65_536  # rows per bucket, about: what a pass holds in memory at once
 _MAX_BUCKETS = 512
 _READ_ROWS = 16_384
-_BLOCK_ROWS = 65_536
 ENTRY_COLUMNS = tuple(n for n in INDEX_SCHEMA.names if n != "created_at")
 
 
 # ---- the store's parts ---------------------------------------------------------------------------
-def table_parts(store: Store, table: str) -> list[pafs.FileInfo]:
-    """The live part files of `table` ("chunks" or "index"), in write order."""
-    if hasattr(store, "part_paths"):  # a store that names its own parts
-        return list(store.fs.get_file_info(store.part_paths(table)))
-    selector = pafs.FileSelector(f"{store.root}/{table}", allow_not_found=True)
-    infos = [i for i in store.fs.get_file_info(selector) if i.type == pafs.FileType.File
-             and i.base_name.startswith("part-") and i.base_name.endswith(".parquet")]
-    return sorted(infos, key=lambda i: i.base_name)
-
-
 def parts_digest(parts: list[pafs.FileInfo], salt: str) -> str:
     """Identity of a table's content: parts are immutable and uniquely named, so equal lists of part
     names and sizes hold equal rows (a compaction renames them: the next publish rebuilds once)."""
@@ -77,7 +67,7 @@ def parts_digest(parts: list[pafs.FileInfo], salt: str) -> str:
 def _read(store: Store, parts: list[pafs.FileInfo], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     """Non-empty record batches of `schema`'s columns of every part, in write order."""
     for part in parts:
-        with store.fs.open_input_file(part.path) as f:
+        with store.blobs.open_input(store.blobs.rel(part.path)) as f:
             try:
                 parquet = pq.ParquetFile(f)
                 present = set(parquet.schema_arrow.names)  # an optional column may postdate the part
@@ -90,11 +80,8 @@ def _read(store: Store, parts: list[pafs.FileInfo], schema: pa.Schema) -> Iterat
                 raise StoreError(f"part {part.path} does not fit {schema.names}: {e}") from e
 
 
-def _bucket_count(parts: list[pafs.FileInfo], store: Store) -> int:
-    rows = 0
-    for part in parts:
-        with store.fs.open_input_file(part.path) as f:  # the footer only
-            rows += pq.ParquetFile(f).metadata.num_rows
+def _bucket_count(parts: list[pafs.FileInfo], store: Store, table: str) -> int:
+    rows = sum(store.tables[table].num_rows(store.blobs.rel(part.path)) for part in parts)  # footers only
     return int(min(max(1, -(-rows // BUCKET_ROWS)), _MAX_BUCKETS))
 
 
@@ -110,7 +97,7 @@ def write_chunks_dir(store: Store, parts: list[pafs.FileInfo], dim: int, spec: S
                          *[CHUNKS_SCHEMA.field(c) for c in TEXT_COLUMNS], pa.field("embedding", pa.binary(2 * dim))])
     work = Path(tempfile.mkdtemp(prefix="spill-", dir=out))
     try:
-        spill = Spill(work, _bucket_count(parts, store))
+        spill = Spill(work, _bucket_count(parts, store, "chunks"))
         owners: list[np.ndarray] = []  # per spilled row: 128-bit chunk id hash, doc hash, seq
         seq = 0
         for batch in _read(store, parts, read_schema):
@@ -226,7 +213,7 @@ def write_entries_dir(store: Store, parts: list[pafs.FileInfo], fingerprint_of: 
     served: dict[tuple[str | None, str], str | None] = {}
     work = Path(tempfile.mkdtemp(prefix="spill-", dir=out))
     try:
-        spill, seq = Spill(work, _bucket_count(parts, store)), 0
+        spill, seq = Spill(work, _bucket_count(parts, store, "index")), 0
         for batch in _read(store, parts, schema):
             slots = list(zip(batch["tier"].to_pylist(), batch["variant"].to_pylist()))
             for slot in set(slots) - set(served):

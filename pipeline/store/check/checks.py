@@ -4,7 +4,7 @@ The checks, cheapest first; each streams, so memory holds a record batch (or one
 never a whole table:
   generation   the current generation's record, snapshot dirs and row counts (footers only)
   parts        every part the current generation was built from is still listed, unchanged
-               (pipeline/store/part_record.py: the check serving runs at start-up); --deep reads each footer
+               (pipeline/store/parts.py: the check serving runs at start-up); --deep reads each footer
   orphans      files in table dirs no reader reads; shards no index row and no live generation references
   index rows   every row's shard exists and holds its byte range (one bulk listing of shards/);
                --deep reads every entry's bytes and verifies its checksum
@@ -26,10 +26,12 @@ import pyarrow.parquet as pq
 from pipeline.store.catalog import CATALOG, ENTRIES, RowFile
 from pipeline.store.slots import entry_slots
 from pipeline.store.check.findings import DEFAULT_GRACE_S, MAX_EXAMPLES, Check, Evidence, Report, Severity
-from pipeline.store.generations import current_generation_number, parts_checks, protected_shards, read_generation
+from pipeline.store.gc import protected_shards
+from pipeline.store.generations import current_generation_number, read_generation
 from pipeline.store.check.key_ranges import key_ranges, read_range
 from pipeline.store.part_log import PART_PREFIX, PART_SUFFIX
-from pipeline.store.serving_blobs import abs_path, is_complete
+from pipeline.store.parts import parts_checks
+from pipeline.store.snapshots import is_complete
 from pipeline.store.shards import ShardCorruptError
 from pipeline.store.store import Store
 from schemas.store import Manifest
@@ -60,7 +62,7 @@ def verify(store: Store, deep: bool = False, grace_s: float = DEFAULT_GRACE_S) -
                      if rel not in referenced and rel not in served and (info.mtime_ns or 0) <= cutoff_ns)
     report.evidence.num_orphan_shards = len(orphans)
     report.add(Check.ORPHAN_SHARD, len(orphans), f"shards older than {grace_s:g} s that no index row and no live "
-               "generation references", orphans, "deleted (Store.remove_orphans, the recompile's own sweep)")
+               "generation references", orphans, "deleted (remove_orphans, the recompile's own sweep)")
     return report
 
 
@@ -84,7 +86,7 @@ def check_generation(store: Store, report: Report) -> None:
                        "none: `qvpic publish` publishes a new one")
             continue
         try:
-            rows = RowFile(store.fs.open_input_file(abs_path(store, f"{rel}/{name}"))).num_rows
+            rows = RowFile(store.blobs.open_input(f"{rel}/{name}")).num_rows
         except (OSError, pa.ArrowException) as e:
             rows = f"unreadable ({e})"
         if rows != claimed:
@@ -119,8 +121,7 @@ def check_parts(store: Store, report: Report, deep: bool) -> None:
         for table in TABLES:
             for rel in store.tables[table].part_paths():
                 try:
-                    with store.fs.open_input_file(store.blobs.path(rel)) as f:
-                        rows = pq.ParquetFile(f).metadata.num_rows
+                    rows = store.tables[table].num_rows(rel)
                 except FileNotFoundError:
                     continue  # compacted meanwhile
                 except (OSError, pa.ArrowException) as e:
@@ -158,7 +159,7 @@ def check_index_rows(store: Store, report: Report, shards: dict[str, pafs.FileIn
     corrupt: list[str] = []
     for rel in store.tables["index"].part_paths():
         try:
-            with store.fs.open_input_file(store.blobs.path(rel)) as f:
+            with store.blobs.open_input(rel) as f:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=_READ_ROWS, columns=_DEEP if deep else _SCAN):
                     rows += batch.num_rows
                     referenced.update(pc.unique(batch["shard_path"]).to_pylist())

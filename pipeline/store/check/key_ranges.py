@@ -49,18 +49,10 @@ def read_range(store: Store, table: str, columns: Sequence[str], lo: str | None,
 def _filtered(store: Store, table: str, columns: Sequence[str], lo: str | None, hi: str | None,
               key: str, where: Callable[[pa.RecordBatch], pa.Array] | None) -> Iterator[pa.Table]:
     for rel in store.tables[table].part_paths():
-        with store.fs.open_input_file(store.blobs.path(rel)) as f:
+        with store.blobs.open_input(rel) as f:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=READ_ROWS, columns=list(columns)):
                 mask = in_range(batch[key], lo, hi)
                 kept = pa.Table.from_batches([batch]).filter(mask if where is None else pc.and_(mask, where(batch)))
                 if kept.num_rows:
                     yield kept
 
-
-def num_rows(store: Store, table: str) -> int:
-    """Rows in `table`'s parts, from their footers (duplicates included)."""
-    total = 0
-    for rel in store.tables[table].part_paths():
-        with store.fs.open_input_file(store.blobs.path(rel)) as f:
-            total += pq.ParquetFile(f).metadata.num_rows
-    return total

@@ -1,4 +1,4 @@
-"""`qvpic verify --repair`: the safe fixes, under the store's write lease (pipeline/store/lease.py), so no job
+"""`qvpic verify --repair`: the safe fixes, under the store's write lease (pipeline/store/leases.py), so no job
 writes meanwhile. Nothing a live generation references is ever deleted.
 
   missing index parts   the lost rows are restored from the current generation's entry snapshot (the
@@ -9,8 +9,8 @@ writes meanwhile. Nothing a live generation references is ever deleted.
                         `qvpic recompile` rebuilds exactly them; the shard files stay (a live generation
                         may still read the good entries in them) until the orphan sweep may take them
   orphan files          files in table dirs no reader reads, older than the grace period: deleted
-  orphan shards         `Store.remove_orphans(grace)`, the sweep recompiles run (it keeps every shard an
-                        index row or a live generation references)
+  orphan shards         `remove_orphans(store, grace)` (pipeline/store/gc.py), the sweep recompiles run (it
+                        keeps every shard an index row or a live generation references)
   missing chunk parts    the lost chunk rows are restored from the current generation's catalog, texts
                         and embeddings: ids, text, page image path exactly; the embedding as the
                         float16 serving searches with (widened to float32); `source` names the restore
@@ -29,11 +29,13 @@ import pyarrow.compute as pc
 from pipeline.store.catalog import CATALOG, CATALOG_COLUMNS, EMBEDDINGS, ENTRIES, TEXTS
 from pipeline.store.catalog import ENTRY_COLUMNS
 from pipeline.store.check.findings import Report
-from pipeline.store.generations import current_generation, parts_checks
+from pipeline.store.gc import remove_orphans
+from pipeline.store.generations import current_generation
 from pipeline.store.check.key_ranges import in_range, key_ranges, read_range
-from pipeline.store.lease import StoreLease
+from pipeline.store.leases import StoreLease
 from pipeline.store.part_log import part_stem
-from pipeline.store.serving_blobs import abs_path, local_copy
+from pipeline.store.parts import parts_checks
+from pipeline.store.snapshots import local_copy
 from pipeline.store.store import KEY_COLUMNS, Store
 from schemas.tables import CHUNKS_SCHEMA, INDEX_SCHEMA, conform
 
@@ -61,7 +63,7 @@ def repair(store: Store, report: Report, grace_s: float) -> list[str]:
         if evidence.orphan_files:
             done.append(f"deleted {len(evidence.orphan_files)} orphan file(s) in table dirs")
         if evidence.num_orphan_shards:
-            done.append(f"deleted {store.remove_orphans(older_than_s=grace_s)} orphan shard(s) and temp file(s)")
+            done.append(f"deleted {remove_orphans(store, older_than_s=grace_s)} orphan shard(s) and temp file(s)")
     return done
 
 
@@ -94,7 +96,7 @@ def restore_index_rows(store: Store) -> int:
     if record is None or not lost:
         return 0
     restored = []
-    with store.fs.open_input_file(abs_path(store, f"{record.entries_dir}/{ENTRIES}")) as f:
+    with store.blobs.open_input(f"{record.entries_dir}/{ENTRIES}") as f:
         reader = pa.ipc.open_file(f)
         for lo, hi in key_ranges(record.num_entries):  # one pass over the snapshot a range: memory holds one
             wanted = [b.filter(in_range(b["chunk_key"], lo, hi)) for b in map(reader.get_batch,
@@ -126,7 +128,7 @@ def restore_chunk_rows(store: Store) -> int:
     present = pa.array(sorted(store.tables["chunks"].distinct("chunk_id")), pa.string())
     restored = []
     with tempfile.TemporaryDirectory(prefix="qvpic-repair-") as tmp, \
-            store.fs.open_input_file(abs_path(store, f"{record.chunks_dir}/{TEXTS}")) as texts_file:
+            store.blobs.open_input(f"{record.chunks_dir}/{TEXTS}") as texts_file:
         local = local_copy(store, record.chunks_dir, Path(tmp))  # itself for a local store
         catalog, texts = pa.ipc.open_file(local / CATALOG), pa.ipc.open_file(texts_file)
         embeddings = np.load(local / EMBEDDINGS, mmap_mode="r", allow_pickle=False)  # [rows, dim] float16
@@ -154,7 +156,7 @@ def restore_chunk_rows(store: Store) -> int:
 
 def _put_in_place(store: Store, table: str, lost: list[str], rows: pa.Table | None) -> int:
     """`rows` in place of the newest lost part, an empty part in place of each older one: every lost part
-    then reads as replaced (pipeline/store/part_record.py)."""
+    then reads as replaced (pipeline/store/parts.py)."""
     log = store.tables[table]
     for name in lost[:-1]:
         log.put_in_place_of(part_stem(name), log.schema.empty_table())

@@ -11,6 +11,9 @@ their replacement first, named with the stem of the newest part it replaces plus
 suffix (`part_stem`). A recorded part that is gone is therefore *explained* when a part that is not in
 the record and is compacted has a stem at or after it, with no surviving recorded part in between
 (a compaction replaces a consecutive run of parts). Anything else is a missing part.
+
+`parts_checks` runs that check against the current generation: `qvpic serve` and every publish refuse a
+store that lost parts (`require_recorded_parts`), and `qvpic verify` reports them.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
-from pipeline.store.part_log import is_compacted, part_stem
-from pipeline.store.serving_blobs import read_json
+from pipeline.store.blobs import StoreError
+from pipeline.store.generations import current_generation
+from pipeline.store.part_log import PartLog, is_compacted, part_stem
 from pipeline.store.store import Store
 
 PARTS = "parts.json"  # in a snapshot dir: the table parts it was built from
@@ -55,19 +58,41 @@ class PartsCheck:
         return not self.missing and not self.changed
 
 
-def write_parts_record(store: Store, parts: list[pafs.FileInfo], out: Path) -> None:
-    """Record `parts` (with the row count from each footer: one small ranged read a part) in snapshot dir `out`."""
-    records = []
-    for part in parts:
-        with store.fs.open_input_file(part.path) as f:
-            records.append({"name": part.base_name, "size": part.size, "num_rows": pq.ParquetFile(f).metadata.num_rows})
+def write_parts_record(log: PartLog, parts: list[pafs.FileInfo], out: Path) -> None:
+    """Record `parts` of `log` (with the row count from each footer: one small ranged read a part) in
+    snapshot dir `out`."""
+    records = [{"name": part.base_name, "size": part.size, "num_rows": log.num_rows(f"{log.directory}/{part.base_name}")}
+               for part in parts]
     (out / PARTS).write_text(json.dumps({"parts": records}))
 
 
 def read_parts_record(store: Store, snapshot_rel: str) -> list[PartRecord] | None:
     """The parts snapshot dir `snapshot_rel` was built from; None for a dir written before they were recorded."""
-    payload = read_json(store, f"{snapshot_rel}/{PARTS}")
+    payload = store.blobs.get_json(f"{snapshot_rel}/{PARTS}")
     return None if payload is None else [PartRecord(**p) for p in payload["parts"]]
+
+
+def parts_checks(store: Store) -> list[PartsCheck]:
+    """The index and chunk parts now listed against those the current generation was built from: one
+    listing per table and two small reads. Unchecked (generation None) when no generation exists or it
+    predates part records."""
+    record = current_generation(store)
+    checks = []
+    for table, rel in (("index", record and record.entries_dir), ("chunks", record and record.chunks_dir)):
+        recorded = read_parts_record(store, rel) if rel else None
+        listed = store.tables[table].parts()
+        checks.append(compare_parts(table, record.generation if recorded is not None else None, recorded, listed))
+    return checks
+
+
+def require_recorded_parts(store: Store, refusal: str) -> None:
+    """Raise `StoreError` naming every missing or changed part (`parts_checks`), with `refusal` and the fix."""
+    damaged = [check for check in parts_checks(store) if not check.ok]
+    if damaged:  # list once more: a compaction during a listing (paginated on S3) can look like a loss
+        damaged = [check for check in parts_checks(store) if not check.ok]
+    if damaged:
+        raise StoreError(f"store {store.uri}: {describe(damaged)}; {refusal}. Run `qvpic verify --store {store.uri} "
+                         "--repair`: it restores lost index rows from the current generation")
 
 
 def compare_parts(table: str, generation: int | None, recorded: list[PartRecord] | None,
