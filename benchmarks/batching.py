@@ -56,7 +56,7 @@ class SerialisedEngine:
 
     async def stream(self, plan: Plan, sampling: Sampling, loader: CacheLoader) -> AsyncIterator[str]:
         vlm = self.generator.vlm
-        context = await self.generator.context(plan, None, loader)
+        context = await self.generator.contexts.build(plan, None, loader)
 
         def prefill():
             with self.lock:
@@ -193,7 +193,7 @@ def hot_tier_ttft(generator: Generator, loader: CacheLoader, plan: Plan, repeats
     for _ in range(repeats):
         for resident, into in ((False, miss), (True, hit)):
             if not resident:
-                generator.hot.clear()
+                generator.contexts.hot.clear()
             started = time.perf_counter()
             generator.generate_blocking(plan, one, loader=loader)
             into.append((time.perf_counter() - started) * 1e3)

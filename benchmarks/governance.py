@@ -31,11 +31,11 @@ import httpx
 from benchmarks import ttft_store
 from pipeline.eval import markdown_table, write_section
 from schemas.config import ModelSpec, RenderSpec, RouterSpec
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
 from serve.http import make_api
 from serve.governance import key_digest
 from serve.http import InProcessBackend
-from serve.config import GeneratorConfig
+from serve.config import AppConfig, GeneratorConfig
 from serve.engine import Generator
 from serve.governance import Governor
 from serve.kv import CacheLoader
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             backend = InProcessBackend(router, CacheLoader(bench.uri, 1 << 30), generator)
             apps, governors = {}, []
             for name, governance in configs(Path(workdir), server.url if server else None).items():
-                app_args = AppConfig(store={"uri": bench.uri}, model=model, max_chunks=args.chunks,
-                                   default_top_k=min(8, args.chunks), governance=governance)
-                settings = api_settings(app_args)
-                governors.append(Governor(app_args.governance, settings.store))
+                app_args = AppConfig(store={"uri": bench.uri}, model=model, router={"max_chunks": args.chunks},
+                                     ingress={"default_top_k": min(8, args.chunks), "governance": governance})
+                settings = api_spec(app_args)
+                governors.append(Governor(app_args.ingress.governance, settings.store))
                 apps[name] = make_api(backend, settings, governors[-1])
             samples = measure(apps, list(bench.chunk_ids), bench.query, args.rounds)
             for governor in governors:

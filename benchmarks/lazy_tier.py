@@ -90,7 +90,7 @@ def promotions(sides: dict[str, Side], chunk_ids: list[str], query: str) -> dict
             for name, side in sides.items():
                 times.setdefault((name, kind), []).append(side.ttft_ms(chunk_id, query))
         for name, side in sides.items():
-            side.generator.hot.clear()
+            side.generator.contexts.hot.clear()
             times.setdefault((name, "store"), []).append(side.ttft_ms(chunk_id, query, fresh_loader=True))
     return times
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         sides = {name: Side(str(root), model) for name, root in roots.items()}
         chunk_ids = [f"bench/{i:03d}#00000" for i in range(timed)]
         times = promotions(sides, chunk_ids, query)
-        compiled = sides["lazy"].generator.lazy.stats.compiled
+        compiled = sides["lazy"].generator.repairer.lazy.stats.compiled
         after_bytes = shard_bytes(roots["lazy"])
         eager_stats = Store.open(str(roots["eager"])).stats()
         for side in sides.values():

@@ -42,7 +42,7 @@ PART_ROWS = 250_000
 QUERIES = 300
 RECALL_QUERIES = 100
 REALISTIC_BASE = 5_000  # real sentences the realistic rows are synthesised around (embedded once, cached)
-SEARCH_THREADS = (1, 2)  # route timed with the exhaustive scan on one thread and on two (`router_search_threads`)
+SEARCH_THREADS = (1, 2)  # route timed with the exhaustive scan on one thread and on two (`router.search_threads`)
 QUERY_FILE = "bench-queries.npy"  # beside the store: the queries a realistic store is measured with
 
 
@@ -243,7 +243,7 @@ def section(results: list[dict]) -> str:
         f"sentences {s['real']['nn1']:.3f} / {s['real']['nn8']:.3f} / {s['real']['random']:.3f}"
         for r in results if (s := r.get("statistics")))
     return (f"{table}\n\nRoute = retrieval + placement for an embedded query (top-8, qvpic), after 20 warm-up "
-            "queries, with the exhaustive scan on one thread and on two (`router_search_threads: 2`, "
+            "queries, with the exhaustive scan on one thread and on two (`router.search_threads: 2`, "
             "`qvpic serve --router-search-threads 2`; give the router deployment `num_cpus: 2` to match), "
             "the two interleaved query by query; the query embedding (MiniLM, one query) is timed apart. Start-up = `Router(...)` in a fresh "
             "process (tokenizer, embedder, the generation's catalog and index opened), imports apart. Publish runs "

@@ -81,7 +81,7 @@ def measure(store_uri: str, model: ModelSpec, chunk_ids: list[str], query: str, 
     # No response cache: repeats of one request must each run the KV path, which is what is measured.
     args = {"store": {"uri": store_uri}, "model": model.model_dump(mode="json"),
             "generator_deployment": {"num_gpus": gpus, "num_cpus": num_cpus},
-            "governance": {"response_cache": {"levels": []}}}
+            "ingress": {"governance": {"response_cache": {"levels": []}}}}
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     body = {"query": query, "chunk_ids": chunk_ids, "mode": mode.value, "max_new_tokens": 1}
     serve.run(floor_app(), name=FLOOR_APP, route_prefix=FLOOR_PREFIX)

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from serve.app import AppConfig, build_app
+    from serve.app import build_app
+    from serve.config import AppConfig
 
     console.rule("2. start the Serve application")
     console.print("four deployments — ingress (HTTP), router, cache loader, generator — on the local Ray …")

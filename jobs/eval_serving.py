@@ -69,7 +69,7 @@ class ServedTraces:
         router, loader, generator = self.answerer.router, self.answerer.loader, self.answerer.generator
         vlm = generator.vlm
         plan = asyncio.run(router.plan(item_request(item, self.view, config)))
-        loaded = generator.repair(plan, loader.load(plan))
+        loaded = generator.repairer.repair(plan, loader.load(plan))
         chunks = [ChunkKV(kv_tensor(kv, vlm.device, vlm.dtype, copy=False), kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
                   for kv in loaded.kvs]
         answer = answer_token_ids(vlm, item, self.num_answer_tokens)
@@ -79,7 +79,7 @@ class ServedTraces:
         tiers = tuple(kv.entry.tier for kv in loaded.kvs)  # as served, after any fallback
         key = (item.task, item.id, tiers)
         if key not in self._references:
-            pieces = [self.view.text_of[c.chunk_id] if text else generator.pages(dataclasses.replace(
+            pieces = [self.view.text_of[c.chunk_id] if text else generator.contexts.pages(dataclasses.replace(
                 c, tier=tier, text=self.view.text_of[c.chunk_id], image_path=self.view.image_path_of.get(c.chunk_id)))
                 for c, tier in zip(plan.chunks, tiers)]
             instruction = [plan.instruction] if plan.instruction else []

@@ -89,22 +89,23 @@ def _set(tree: dict[str, Any], path: str, value: Any) -> None:
 
 def app_args(ns: argparse.Namespace):
     """The AppConfig the flags (over the config file, when given) describe."""
-    from serve.app import AppConfig
+    from serve.config import AppConfig
 
     args: dict[str, Any] = {}
     if ns.config is not None:
         applications = (yaml.safe_load(ns.config.read_text()) or {}).get("applications") or [{}]
         args = dict(applications[0].get("args") or {})
     flags = {"store.uri": ns.store, "store.endpoint_url": ns.endpoint_url, "model.path": ns.model,
-             "model.revision": ns.revision, "model.dtype": ns.dtype, "model.device": ns.device, "router.tau": ns.tau,
-             "router.max_high_res": ns.max_high_res, "router.hybrid.enabled": ns.hybrid, "cache_max_nbytes": ns.cache_nbytes, "max_chunks": ns.max_chunks,
-             "max_context_tokens": ns.max_context_tokens, "default_top_k": ns.top_k,
-             "served_model_name": ns.served_model_name, "generator_deployment.num_gpus": ns.generator_gpus,
-             "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
-             "engine.max_batch_size": ns.max_batch_size, "request_timeout_s": ns.request_timeout_s,
-             "recompute.kind": ns.recompute, "recompute.leading_num_tokens": ns.recompute_tokens,
-             "recompute.deviation_fraction": ns.recompute_fraction,
-             "router_search_threads": ns.router_search_threads}
+             "model.revision": ns.revision, "model.dtype": ns.dtype, "model.device": ns.device,
+             "router.defaults.tau": ns.tau, "router.defaults.max_high_res": ns.max_high_res,
+             "router.defaults.hybrid.enabled": ns.hybrid, "router.max_chunks": ns.max_chunks,
+             "router.max_context_tokens": ns.max_context_tokens, "router.search_threads": ns.router_search_threads,
+             "loader.max_nbytes": ns.cache_nbytes, "generator.engine.max_batch_size": ns.max_batch_size,
+             "generator.recompute.kind": ns.recompute, "generator.recompute.leading_num_tokens": ns.recompute_tokens,
+             "generator.recompute.deviation_fraction": ns.recompute_fraction,
+             "ingress.default_top_k": ns.top_k, "ingress.served_model_name": ns.served_model_name,
+             "ingress.request_timeout_s": ns.request_timeout_s, "generator_deployment.num_gpus": ns.generator_gpus,
+             "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)

@@ -1,8 +1,8 @@
 """The Serve application's builder: ingress (serve/http/ingress.py) → router, generator (→ cache loader).
 
 `build_app` (`import_path: serve.app:build_app`) validates `AppConfig`, checks the store against the
-model before any replica starts, and binds each deployment by keyword with its own typed config
-(serve/config.py). The generator holds the loader's handle and fetches from it only what its device
+model before any replica starts, and binds each deployment by keyword with its own typed config, the
+one nested in `AppConfig` (serve/config.py). The generator holds the loader's handle and fetches from it only what its device
 hot tier lacks; the ingress holds the loader's handle only for `/v1/store`'s cache statistics.
 """
 
@@ -15,15 +15,9 @@ from ray import serve
 from pipeline.store import ensure_generation, read_generation, require_recorded_parts
 from pipeline.store import Store
 from schemas.api import StoreInfo
-from serve.config import (  # noqa: F401  (AppConfig, DeploymentConfig: re-exported for callers of this module)
-    ApiSpec,
-    AppConfig,
-    DeploymentConfig,
-    LoaderConfig,
-    RouterConfig,
-)
+from serve.config import ApiSpec, AppConfig, DeploymentConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
-from serve.http import Ingress, make_api, respond
+from serve.http import Ingress
 from serve.kv import CacheLoader
 from serve.routing import BatchingRouter, check_store, servable_modes
 
@@ -43,7 +37,8 @@ class LoaderReplica(CacheLoader):
         super().__init__(config.store, config.max_nbytes, config.reload)
 
 
-def api_settings(args: AppConfig) -> ApiSpec:
+def api_spec(args: AppConfig) -> ApiSpec:
+    """What the ingress states about itself and the store, read here so its replica never opens the store."""
     store = Store.open(args.store)
     generation = read_generation(store, ensure_generation(store))
     manifest = generation.manifest  # counts from the generation record: nothing re-reads the tables
@@ -52,8 +47,8 @@ def api_settings(args: AppConfig) -> ApiSpec:
                      embedder=manifest.embedder, num_chunks=generation.num_chunks,
                      num_documents=generation.num_documents, num_entries=generation.num_entries,
                      modes=servable_modes(manifest.variants), kv_quant=manifest.kv_quant)
-    return ApiSpec(served_model_name=args.served_model_name, default_top_k=args.default_top_k, store=info,
-                       created=int(manifest.created_at.timestamp()))
+    return ApiSpec(served_model_name=args.ingress.served_model_name, default_top_k=args.ingress.default_top_k,
+                   store=info, created=int(manifest.created_at.timestamp()))
 
 
 def preflight(args: AppConfig) -> None:
@@ -76,9 +71,8 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
         return serve.deployment(cls, name=name).options(**resources.options(),
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 
-    router = deployment(RouterReplica, "Router", args.router_deployment).bind(config=args.router_config())
-    loader = deployment(LoaderReplica, "CacheLoader", args.loader_deployment).bind(config=args.loader_config())
-    generator = deployment(Generator, "Generator", args.generator_deployment).bind(
-        config=args.generator_config(), loader=loader)
+    router = deployment(RouterReplica, "Router", args.router_deployment).bind(config=args.router)
+    loader = deployment(LoaderReplica, "CacheLoader", args.loader_deployment).bind(config=args.loader)
+    generator = deployment(Generator, "Generator", args.generator_deployment).bind(config=args.generator, loader=loader)
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(
-        router=router, loader=loader, generator=generator, config=args.ingress_config(api_settings(args)))
+        router=router, loader=loader, generator=generator, config=args.ingress, api=api_spec(args))

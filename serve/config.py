@@ -1,22 +1,27 @@
 """Typed configuration of the Serve application: one config per deployment, bound by keyword.
 
-`AppConfig` is what `qvpic serve` flags and serve/config.yaml `args` fill in; the builder (serve/app.py)
-splits it into `RouterConfig`, `LoaderConfig`, `GeneratorConfig` and `IngressConfig`, and binds each
-deployment as `Deployment.bind(config=…, <handles>=…)`, Ray Serve LLM's builder style. This module
-imports no model stack, so the ingress replica can hold its own config without loading torch.
+`AppConfig` is what `qvpic serve` flags and serve/config.yaml `args` fill in. It nests one config per
+role — `router`, `loader`, `generator`, `ingress` — and the builder (serve/app.py) hands each to its
+deployment whole, as `Deployment.bind(config=…, <handles>=…)`, Ray Serve LLM's builder style. What
+several roles share (`store`, `model`, `reload`) is set once, at the top, and copied into the roles
+that use it. The ingress's governance (auth, budgets and rate limits, response caches, request log)
+is configured here too, so these types sit below everything that serves. This module imports no model
+stack, so the ingress replica can hold its own config without loading torch.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from schemas.api import MAX_TIMEOUT_S, StoreInfo
+from schemas.api import MAX_TIMEOUT_S, Label, ResponseCacheLevel, StoreInfo
 from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import ReloadSpec
 from schemas.store import StoreSpec
-from serve.governance import GovernanceConfig
 
 
 class DeploymentConfig(Frozen):
@@ -53,83 +58,202 @@ class StoreBound(Frozen):
         return {"uri": store} if isinstance(store, str) else store
 
 
+# ---- the ingress's governance ---------------------------------------------------------------------------
+
+class StateBackend(str, Enum):
+    MEMORY = "memory"  # per ingress replica
+    REDIS = "redis"  # shared by every ingress replica (needs `redis_url`)
+
+
+class Limit(str, Enum):
+    REQUESTS = "requests"
+    TOKENS = "tokens"
+
+
+class TenantPolicy(Frozen):
+    token_budget: int | None = Field(None, ge=1, description="default cap on context tokens per request")
+    requests_per_s: float | None = Field(None, gt=0)
+    request_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
+    tokens_per_s: float | None = Field(None, gt=0, description="context + query + max_new_tokens per second")
+    token_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
+
+    def rate(self, limit: Limit) -> tuple[float, float] | None:
+        """(refill per second, capacity) of one bucket, or None when that rate is unlimited."""
+        rate, burst = ((self.requests_per_s, self.request_burst) if limit is Limit.REQUESTS
+                       else (self.tokens_per_s, self.token_burst))
+        return None if rate is None else (rate, float(burst or max(1, math.ceil(rate))))
+
+
+class RateLimitConfig(Frozen):
+    """Token budgets and rate limits per tenant (serve/governance/budget.py)."""
+
+    default: TenantPolicy = TenantPolicy()
+    tenants: dict[Label, TenantPolicy] = Field(default_factory=dict, description=(
+        "a tenant listed here gets exactly this policy instead of `default` (unset fields: unlimited)"))
+    backend: StateBackend = StateBackend.MEMORY
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        return self.tenants.get(tenant, self.default)
+
+
+class ResponseCacheConfig(Frozen):
+    """Response caches (serve/governance/response_cache.py)."""
+
+    levels: frozenset[ResponseCacheLevel] = frozenset({ResponseCacheLevel.L1})
+    backend: StateBackend = StateBackend.MEMORY
+    max_entries: int = Field(4096, ge=1, description="memory backend: entries per ingress replica (LRU)")
+    ttl_s: dict[ResponseCacheLevel, float] = Field(
+        default_factory=lambda: {ResponseCacheLevel.L1: 3600.0, ResponseCacheLevel.L2: 600.0,
+                                 ResponseCacheLevel.L3: 86400.0})
+    l2_threshold: float = Field(0.95, gt=0.0, le=1.0, description="least cosine of query embeddings for an l2 hit")
+    l2_candidates: int = Field(32, ge=1, le=1024, description="(query, answer) pairs kept per l2 context")
+    per_tenant: bool = Field(False, description="key entries by tenant too, so that no answer (nor the fact that "
+                             "a question was asked) crosses tenants; shared by default, as the store is")
+
+    @model_validator(mode="after")
+    def _every_level_has_a_ttl(self) -> ResponseCacheConfig:
+        missing = [level.value for level in self.levels if level not in self.ttl_s]
+        if missing or any(ttl <= 0 for ttl in self.ttl_s.values()):
+            raise ValueError(f"every enabled level needs a positive ttl_s; missing or non-positive: {missing}")
+        return self
+
+
+class RequestLogConfig(Frozen):
+    """The request log (serve/governance/request_log.py)."""
+
+    location: StoreSpec | None = Field(None, description="directory or s3:// prefix of the part files; null = off")
+    batch_rows: int = Field(256, ge=1)
+    flush_interval_s: float = Field(30.0, gt=0)
+
+
+Sha256Hex = str  # 64 lowercase hex digits, checked by AuthConfig
+
+
+class AuthConfig(Frozen):
+    """API-key auth (serve/governance/auth.py): sha256 hex digests of the keys, never the keys."""
+
+    api_key_sha256: dict[Sha256Hex, Label] = Field(
+        default_factory=dict, description="sha256 hex of an API key -> its tenant; empty = no auth")
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _digests(cls, keys: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in keys if len(k) != 64 or k.strip("0123456789abcdef")]
+        if bad:
+            raise ValueError(f"api_key_sha256 keys must be 64 lowercase hex digits (sha256 of the key), got {bad[:3]}")
+        return keys
+
+
+class GovernanceConfig(Frozen):
+    """Defaults keep an ungoverned server's behaviour: in-process l1 cache only, no limits, no log, no auth."""
+
+    default_tenant: Label = "anonymous"
+    redis_url: str | None = Field(None, pattern=r"^rediss?://", description="shared state for backend: redis")
+    limits: RateLimitConfig = RateLimitConfig()
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    request_log: RequestLogConfig = RequestLogConfig()
+    auth: AuthConfig = AuthConfig()
+
+    @model_validator(mode="after")
+    def _redis_when_used(self) -> GovernanceConfig:
+        uses = [name for name, backend in (("limits", self.limits.backend), ("response_cache", self.response_cache.backend))
+                if backend is StateBackend.REDIS]
+        if uses and self.redis_url is None:
+            raise ValueError(f"{uses} use backend 'redis' but redis_url is not set")
+        return self
+
+
+# ---- one config per role ----------------------------------------------------------------------------------
+
 class RouterConfig(StoreBound):
     model: ModelSpec
-    defaults: RouterSpec = RouterSpec()
-    max_chunks: int = Field(64, ge=1)
-    max_context_tokens: int | None = Field(None, ge=1)
-    embedder_dir: str | None = None
+    defaults: RouterSpec = RouterSpec()  # a request's τ, B, normalisation, hybrid rule unless it sets them
+    max_chunks: int = Field(64, ge=1)  # per request, after doc_ids expand (413 beyond)
+    max_context_tokens: int | None = Field(None, ge=1)  # default: the model's max_position_embeddings
+    embedder_dir: str | None = None  # default: the packaged all-MiniLM-L6-v2
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
     search_threads: int = Field(1, ge=1, le=256)  # threads one query's exhaustive scan may use
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
 
 
 class LoaderConfig(StoreBound):
-    max_nbytes: int = Field(2 << 30, ge=0)  # host-memory LRU
+    max_nbytes: int = Field(2 << 30, ge=0)  # host-memory LRU per loader replica
     reload: ReloadSpec = ReloadSpec()
 
 
 class GeneratorConfig(StoreBound):
     model: ModelSpec
-    engine: EngineSpec = EngineSpec()
+    engine: EngineSpec = EngineSpec()  # the batch: caps, queue, device hot tier
     recompute: RecomputeSpec = RecomputeSpec()  # linked chunks' tokens recomputed on the context (off by default)
 
 
-class ApiSpec(BaseModel):
+class IngressConfig(Frozen):
+    served_model_name: str = Field("qvpic", min_length=1, max_length=256)  # model id of /v1/models and chat requests
+    default_top_k: int = Field(8, ge=1)  # chat requests that name no chunks retrieve this many
+    request_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)  # deadline of a request that sets none (504)
+    governance: GovernanceConfig = GovernanceConfig()
+
+
+class ApiSpec(Frozen):
+    """What the HTTP surface states: the ingress's model name and default top-k, and the store it serves
+    (read by the builder, so the ingress replica never opens the store)."""
+
     served_model_name: str
     default_top_k: int
     store: StoreInfo
     created: int  # unix seconds: when the store was created
 
 
-class IngressConfig(Frozen):
-    settings: ApiSpec  # what the HTTP surface says about the store, read by the builder
-    governance: GovernanceConfig = GovernanceConfig()
-    request_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)  # deadline of a request that sets none
+# The top-level fields each role gets a copy of; a role section may not set them itself.
+SHARED = {"router": ("store", "model", "reload"), "loader": ("store", "reload"), "generator": ("store", "model")}
+DERIVED = {"router": ("carry_sources",)}  # router.carry_sources = generator.recompute.enabled
 
 
-class AppConfig(Frozen):
+class AppConfig(StoreBound):
     """Typed arguments of `build_app`: what `qvpic serve` flags and serve/config.yaml `args` fill in."""
 
-    store: StoreSpec
     model: ModelSpec = ModelSpec()
-    router: RouterSpec = RouterSpec()
-    cache_max_nbytes: int = Field(2 << 30, ge=0)  # host-memory LRU per loader replica
-    max_chunks: int = Field(64, ge=1)  # per request, after doc_ids expand (413 beyond)
-    max_context_tokens: int | None = Field(None, ge=1)  # default: the model's max_position_embeddings
-    default_top_k: int = Field(8, ge=1)  # chat requests that name no chunks retrieve this many
-    served_model_name: str = Field("qvpic", min_length=1, max_length=256)
-    embedder_dir: str | None = None  # default: the packaged all-MiniLM-L6-v2
-    engine: EngineSpec = EngineSpec()  # the generator's batch: caps, queue, device hot tier
-    request_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)  # default deadline (504 past it)
+    reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
+    router: RouterConfig
+    loader: LoaderConfig
+    generator: GeneratorConfig
+    ingress: IngressConfig = IngressConfig()
+    drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     ingress_deployment: DeploymentConfig = DeploymentConfig()
     router_deployment: DeploymentConfig = DeploymentConfig()
     loader_deployment: DeploymentConfig = DeploymentConfig()
     # Serve holds what the engine cannot take yet: a full batch plus its queue
     generator_deployment: DeploymentConfig = DeploymentConfig(max_ongoing_requests=80)
-    governance: GovernanceConfig = GovernanceConfig()  # budgets, rate limits, response caches, request log, auth
-    drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
-    reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
-    router_search_threads: int = Field(1, ge=1, le=256)  # per query, over an exhaustive index's shards
-    recompute: RecomputeSpec = RecomputeSpec()  # selective recompute across linked chunks (off by default)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share(cls, data: Any) -> Any:
+        """Each role section, completed with the shared fields (and what is derived from other roles)."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        shared = {name: data[name] if name in data else cls.model_fields[name].get_default(call_default_factory=True)
+                  for name in ("model", "reload")} | ({"store": data["store"]} if "store" in data else {})
+        sections = {role: data.get(role) or {} for role in SHARED}
+        if not all(isinstance(section, Mapping) for section in sections.values()):
+            return data  # pydantic names the section that is not a mapping
+        try:
+            recompute = RecomputeSpec.model_validate(sections["generator"].get("recompute", RecomputeSpec()))
+        except ValidationError:
+            recompute = RecomputeSpec()  # the generator section's own validation reports it
+        derived = {"carry_sources": recompute.enabled}
+        for role, section in sections.items():
+            if repeated := sorted(set(section) & set(SHARED[role])):
+                raise ValueError(f"{role}: set {repeated} once, at the top level, for every role")
+            if repeated := sorted(set(section) & set(DERIVED.get(role, ()))):
+                raise ValueError(f"{role}: {repeated} follow generator.recompute; set that instead")
+            data[role] = {**section, **{n: shared[n] for n in SHARED[role] if n in shared},
+                          **{n: derived[n] for n in DERIVED.get(role, ())}}
+        return data
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> AppConfig:
-        if self.default_top_k > self.max_chunks:
-            raise ValueError(f"default_top_k {self.default_top_k} exceeds max_chunks {self.max_chunks}")
+        if self.ingress.default_top_k > self.router.max_chunks:
+            raise ValueError(f"ingress.default_top_k {self.ingress.default_top_k} exceeds router.max_chunks "
+                             f"{self.router.max_chunks}")
         return self
-
-    def router_config(self) -> RouterConfig:
-        return RouterConfig(store=self.store, model=self.model, defaults=self.router, max_chunks=self.max_chunks,
-                            max_context_tokens=self.max_context_tokens, embedder_dir=self.embedder_dir,
-                            reload=self.reload, search_threads=self.router_search_threads,
-                            carry_sources=self.recompute.enabled)
-
-    def loader_config(self) -> LoaderConfig:
-        return LoaderConfig(store=self.store, max_nbytes=self.cache_max_nbytes, reload=self.reload)
-
-    def generator_config(self) -> GeneratorConfig:
-        return GeneratorConfig(store=self.store, model=self.model, engine=self.engine, recompute=self.recompute)
-
-    def ingress_config(self, settings: ApiSpec) -> IngressConfig:
-        return IngressConfig(settings=settings, governance=self.governance, request_timeout_s=self.request_timeout_s)

@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import pytest
 import yaml
+from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from jobs import run_server
@@ -18,7 +19,8 @@ from schemas.api import AnswerRequest, CacheStats
 from schemas.config import ModelSpec
 from schemas.errors import UnservableError
 from schemas.store import ManifestError
-from serve.app import AppConfig, api_settings, preflight
+from serve.app import api_spec, preflight
+from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from serve.kv import CacheLoader
@@ -30,8 +32,9 @@ QUERY = "When does part XK-4471-B ship?"
 
 @pytest.fixture(scope="module")
 def app(roles, serving_store):
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_settings(args))
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
+    return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_spec(args))
 
 
 def call(app, method: str, path: str, **kwargs) -> httpx.Response:
@@ -160,24 +163,45 @@ def test_server_flags_override_the_serve_config():
     ns = run_server.parser().parse_args(["--config", str(REPO / "serve" / "config.yaml"), "--store", "/data/store",
                                          "--tau", "0.25", "--generator-gpus", "0"])
     args = run_server.app_args(ns)
-    assert args.store.uri == "/data/store" and args.router.tau == 0.25 and args.router.max_high_res == 4
+    assert args.store.uri == "/data/store" and args.router.defaults.tau == 0.25 and args.router.defaults.max_high_res == 4
     assert args.generator_deployment.num_gpus == 0 and args.generator_deployment.autoscaling_config["max_replicas"] == 8
     assert run_server.main(["--store", "/data/store", "--top-k", "100"]) == 2  # default_top_k above max_chunks
     assert run_server.main(["--store", "/data/store", "--detach"]) == 2  # nothing to detach from
 
 
+
+def test_each_flag_lands_in_its_role_and_shared_fields_are_set_once():
+    ns = run_server.parser().parse_args([
+        "--store", "/s", "--model", "tiny-glm", "--cache-nbytes", "1024", "--max-chunks", "9", "--top-k", "3",
+        "--max-context-tokens", "512", "--router-search-threads", "2", "--max-batch-size", "4",
+        "--request-timeout-s", "7", "--served-model-name", "m", "--hybrid", "--recompute", "leading"])
+    args = run_server.app_args(ns)
+    assert (args.loader.max_nbytes, args.router.max_chunks, args.router.max_context_tokens) == (1024, 9, 512)
+    assert (args.router.search_threads, args.generator.engine.max_batch_size) == (2, 4)
+    assert (args.ingress.default_top_k, args.ingress.request_timeout_s, args.ingress.served_model_name) == (3, 7, "m")
+    assert args.router.defaults.hybrid.enabled and args.router.carry_sources  # carry_sources follows recompute
+    for role in (args.router, args.loader, args.generator):  # the shared fields, copied from the top
+        assert role.store == args.store and getattr(role, "model", args.model) == args.model
+    assert args.router.reload == args.loader.reload == args.reload
+    for bad in ({"router": {"store": "/t"}}, {"generator": {"model": {"path": "tiny-glm"}}},
+                {"router": {"carry_sources": True}},
+                {"cache_max_nbytes": 1}, {"max_chunks": 4}, {"engine": {}}, {"governance": {}}):  # flat keys: gone
+        with pytest.raises(ValidationError):
+            AppConfig.model_validate({"store": "/s", **bad})
+
 def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_store, tmp_path, monkeypatch):
     def cannot_rebuild(chunk, entry):  # e.g. a scanned page whose image this replica cannot read
         raise UnservableError(f"page image of chunk {chunk.chunk_id} is not readable on this replica")
 
-    monkeypatch.setattr(roles.generator, "recompile", cannot_rebuild)
+    monkeypatch.setattr(roles.generator.repairer, "recompile", cannot_rebuild)
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = asyncio.run(roles.router.plan(AnswerRequest(query=QUERY, chunk_ids=["recipes#00000"], mode="text_pic")))
     corrupt_entry(root, planned.chunks[0].entry.row)
-    args = AppConfig(store={"uri": str(root)}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
+    args = AppConfig(store={"uri": str(root)}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
     loader = CacheLoader(str(root), 1 << 20)
-    broken = make_api(InProcessBackend(roles.router, loader, roles.generator), api_settings(args))
+    broken = make_api(InProcessBackend(roles.router, loader, roles.generator), api_spec(args))
     body = {"query": QUERY, "chunk_ids": ["recipes#00000"], "mode": "text_pic"}
     plain = call(broken, "POST", "/v1/answer", json=body)
     assert plain.status_code == 503 and "recipes#00000" in plain.json()["detail"]

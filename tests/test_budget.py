@@ -11,10 +11,11 @@ import pytest
 from fastapi import FastAPI
 
 from schemas.errors import BudgetExceededError, RateLimitedError
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig, Limit, RateLimitConfig, TenantPolicy
 from serve.http import make_api
 from serve.http import InProcessBackend
-from serve.governance.budget import Limit, RateLimitConfig, RateLimiter, TenantPolicy, TokenBucket
+from serve.governance.budget import RateLimiter, TokenBucket
 from serve.governance import Governor
 from tests.fixtures_redis import redis_url  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
@@ -27,10 +28,10 @@ NO_CACHE = {"response_cache": {"levels": []}}
 
 def governed_app(roles, serving_store, **governance) -> tuple[FastAPI, Governor]:
     """The HTTP app over the in-process roles with these GovernanceConfig fields."""
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS,
-                   default_top_k=2, governance=governance)
-    settings = api_settings(args)
-    governor = Governor(args.governance, settings.store)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2, "governance": governance})
+    settings = api_spec(args)
+    governor = Governor(args.ingress.governance, settings.store)
     return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), settings, governor), governor
 
 

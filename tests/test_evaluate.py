@@ -35,7 +35,8 @@ from schemas.config import Mode, ModelSpec, RouterSpec
 from schemas.corpus import Document
 from schemas.errors import TooLargeError
 from schemas.store import StoreSpec
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
@@ -174,7 +175,7 @@ def test_every_mode_runs_and_is_scored(eval_store):
 def test_http_client_matches_in_process_and_records_errors(eval_store):
     uri, items, view, answerer = eval_store
     app = make_api(InProcessBackend(answerer.router, answerer.loader, answerer.generator),
-                   api_settings(AppConfig(store=StoreSpec(uri=uri))))
+                   api_spec(AppConfig(store=StoreSpec(uri=uri))))
     with TestClient(app) as client:
         http = HttpAnswerer("/v1/answer", client=client)
         local = run(items[:1], list(Mode), answerer, view, max_new_tokens=4, progress=False)

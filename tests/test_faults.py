@@ -28,10 +28,10 @@ from schemas.api import AnswerRequest
 from schemas.config import Mode, RouterSpec
 from schemas.corpus import Chunk
 from schemas.store import StoreSpec
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
 from serve.http import make_api
 from serve.http import InProcessBackend
-from serve.config import GeneratorConfig
+from serve.config import AppConfig, GeneratorConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader
 from serve.routing import Router
@@ -51,9 +51,10 @@ LINKED_MODES = (Mode.QVPIC, Mode.UNIFORM_HIGH, Mode.IMAGE_PIC, Mode.TEXT_PIC)
 
 # ---- a shard corrupted on disk ---------------------------------------------------------------------
 def in_process_app(store_uri: str, serving: ServingStore, router: Router, generator: Generator):
-    args = AppConfig(store={"uri": store_uri}, model=serving.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    generator.hot.clear()  # cold, like the new loader: every entry is read from the store again
-    return make_api(InProcessBackend(router, CacheLoader(store_uri, 1 << 20), generator), api_settings(args))
+    args = AppConfig(store={"uri": store_uri}, model=serving.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
+    generator.contexts.hot.clear()  # cold, like the new loader: every entry is read from the store again
+    return make_api(InProcessBackend(router, CacheLoader(store_uri, 1 << 20), generator), api_spec(args))
 
 
 def test_corrupt_entries_are_rebuilt_exactly_as_ingest_built_them(roles, serving_store, tmp_path):
@@ -71,7 +72,7 @@ def test_corrupt_entries_are_rebuilt_exactly_as_ingest_built_them(roles, serving
     clean_store = Store.open(serving_store.uri)
     for chunk, entry in entries.values():
         corrupt_entry(root, entry.row)
-        rebuilt = roles.generator.recompile(chunk, entry)  # what ingest wrote, up to its batch's float rounding
+        rebuilt = roles.generator.repairer.recompile(chunk, entry)  # what ingest wrote, up to its batch's float rounding
         original = clean_store.load_kv(entry.row)
         assert rebuilt.kv.dtype == original.dtype and rebuilt.kv.shape == original.shape
         assert float((rebuilt.kv - original).abs().max()) <= 1e-5  # ingest compiles in padded batches
@@ -196,8 +197,9 @@ def served(ray_session, serving_store):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
-            "max_chunks": MAX_CHUNKS, "default_top_k": 2,
-            "governance": {"redis_url": redis.url, "response_cache": {"backend": "redis"}}}
+            "router": {"max_chunks": MAX_CHUNKS},
+            "ingress": {"default_top_k": 2,
+                        "governance": {"redis_url": redis.url, "response_cache": {"backend": "redis"}}}}
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     yield f"http://127.0.0.1:{port}", redis
     serve.shutdown()

@@ -23,7 +23,8 @@ from pipeline.runtime import select_token
 from schemas.sampling import Sampling
 from schemas.api import MAX_IDS_PER_REQUEST, MAX_NEW_TOKENS, MAX_QUERY_CHARS, MAX_TIMEOUT_S
 from schemas.config import Mode
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from serve.http.guards import DEFAULT_MAX_BODY_NBYTES
@@ -49,8 +50,9 @@ def short(sampling):
 
 @pytest.fixture(scope="module")
 def app(roles, serving_store):
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    return make_api(ShortDecode(roles.router, roles.loader, roles.generator), api_settings(args))
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
+    return make_api(ShortDecode(roles.router, roles.loader, roles.generator), api_spec(args))
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,7 @@ class CountingLoader(CacheLoader):
 
 
 def test_hot_chunks_cross_to_the_device_once_and_misses_fetch_only_what_is_missing(roles, serving_store):
-    roles.generator.hot.clear()
+    roles.generator.contexts.hot.clear()
     loader = CountingLoader(serving_store.uri, 1 << 20)
     first = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.TEXT_PIC, max_new_tokens=4)
     second = plan(roles, chunk_ids=["manual#00000", "recipes#00000", "invoices#00000"], mode=Mode.TEXT_PIC,
@@ -224,13 +224,13 @@ def test_the_hot_tier_keeps_its_byte_cap(roles, serving_store):
         planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC)
         sizes[chunk_id] = planned.chunks[0].entry.row["nbytes"]
     generator = roles.generator
-    saved = generator.hot
-    generator.hot = HotTier(sizes["invoices#00000"] + sizes["manual#00000"])
+    saved = generator.contexts.hot
+    generator.contexts.hot = HotTier(sizes["invoices#00000"] + sizes["manual#00000"])
     try:
         for chunk_id in sizes:
             planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC, max_new_tokens=2)
             generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=roles.loader)
-            assert generator.hot.nbytes <= generator.hot.max_nbytes
-        assert len(generator.hot.keys()) == 2 and generator.hot.stats().evictions >= 1
+            assert generator.contexts.hot.nbytes <= generator.contexts.hot.max_nbytes
+        assert len(generator.contexts.hot.keys()) == 2 and generator.contexts.hot.stats().evictions >= 1
     finally:
-        generator.hot = saved
+        generator.contexts.hot = saved

@@ -200,10 +200,10 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
                                               loader=quant.loader)
     assert reply.report.usage.completion_tokens > 0 and reply.report.cache.nbytes_from_store > 0
     assert quant.loader.stats().nbytes == reply.report.cache.nbytes_from_store  # the LRU keeps the records
-    from serve.app import api_settings
+    from serve.app import api_spec
     from serve.config import AppConfig
     from schemas.store import StoreSpec
-    assert api_settings(AppConfig(store=StoreSpec(uri=uri))).store.kv_quant is KVQuant.INT8  # GET /v1/store says so
+    assert api_spec(AppConfig(store=StoreSpec(uri=uri))).store.kv_quant is KVQuant.INT8  # GET /v1/store says so
 
     vlm = serving_store.vlm
     logits = {}
@@ -239,4 +239,4 @@ def test_a_lazy_int8_store_writes_back_int8_and_serves_the_same_answer_from_it(s
     assert row is not None and row["dtype"] == "int8"
     other = Generator(GeneratorConfig(store=uri, model=model))  # another replica reads the written-back entry
     from_store = other.generate_blocking(plan, Sampling(max_new_tokens=6), loader=CacheLoader(uri, 1 << 20))
-    assert other.lazy.stats.from_store == 1 and from_store.text == compiled.text
+    assert other.repairer.lazy.stats.from_store == 1 and from_store.text == compiled.text

@@ -59,14 +59,14 @@ def serving(uri: str, serving_store) -> tuple[Router, Generator]:
 
 def counting(generator: Generator, delay_s: float = 0.0) -> list[str]:
     """Record every compile the lazy tier asks the generator for (after `delay_s`, to overlap callers)."""
-    calls, compile_entry = [], generator.lazy.compile_entry
+    calls, compile_entry = [], generator.repairer.lazy.compile_entry
 
     def counted(chunk, entry):
         calls.append(entry.key)
         time.sleep(delay_s)
         return compile_entry(chunk, entry)
 
-    generator.lazy.compile_entry = counted
+    generator.repairer.lazy.compile_entry = counted
     return calls
 
 
@@ -114,15 +114,15 @@ def test_first_promotion_compiles_once_writes_back_and_later_requests_hit(lazy_r
 
     second = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
     assert calls == [key.to_str()] and second.text == first.text and second.report.cache.device_hits == 2
-    generator.hot.clear()  # evicted from the device: the written-back entry is read, not compiled
+    generator.contexts.hot.clear()  # evicted from the device: the written-back entry is read, not compiled
     third = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
     assert calls == [key.to_str()] and third.text == first.text
-    assert generator.lazy.stats.from_store == 1 and generator.lazy.stats.compiled == 1
+    assert generator.repairer.lazy.stats.from_store == 1 and generator.repairer.lazy.stats.compiled == 1
 
     other = Generator(GeneratorConfig(store=uri, model=serving_store.model))  # another replica
     other_calls = counting(other)
     assert other.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20)).text == first.text
-    assert other_calls == [] and other.lazy.stats.from_store == 1
+    assert other_calls == [] and other.repairer.lazy.stats.from_store == 1
 
 
 def concurrent_promotions(uri: str, serving_store) -> tuple[list[str], Generator]:
@@ -133,7 +133,7 @@ def concurrent_promotions(uri: str, serving_store) -> tuple[list[str], Generator
     results = [None, None]
 
     def promote(i: int) -> None:
-        results[i] = generator.repair(plan, loaded[i])
+        results[i] = generator.repairer.repair(plan, loaded[i])
 
     threads = [threading.Thread(target=promote, args=(i,)) for i in range(2)]
     for thread in threads:
@@ -147,7 +147,7 @@ def concurrent_promotions(uri: str, serving_store) -> tuple[list[str], Generator
 
 def test_concurrent_first_promotions_compile_once(lazy_root, serving_store, tmp_path):
     calls, generator = concurrent_promotions(copy_of(lazy_root, tmp_path), serving_store)
-    assert len(calls) == 1 and generator.lazy.stats.shared == 1
+    assert len(calls) == 1 and generator.repairer.lazy.stats.shared == 1
 
 
 def test_negative_control_without_single_flight_both_compile(lazy_root, serving_store, tmp_path, monkeypatch):
@@ -171,8 +171,8 @@ def test_lazy_answer_equals_the_eager_store(lazy_root, serving_store, tmp_path):
 
     vlm = serving_store.vlm
     lazy_store, eager_store = Store.open(uri), Store.open(serving_store.uri)
-    lazy_kvs = [lazy_generator.hot.get_many([c.entry.key])[c.entry.key][0] for c in lazy_plan.chunks]
-    eager_kvs = [eager_generator.hot.get_many([c.entry.key])[c.entry.key][0] for c in eager_plan.chunks]
+    lazy_kvs = [lazy_generator.contexts.hot.get_many([c.entry.key])[c.entry.key][0] for c in lazy_plan.chunks]
+    eager_kvs = [eager_generator.contexts.hot.get_many([c.entry.key])[c.entry.key][0] for c in eager_plan.chunks]
     high = next(i for i, c in enumerate(eager_plan.chunks) if c.tier == "high")
     stored_lazy = lazy_store.load_kv(written_back(lazy_store, CacheKey.parse(lazy_plan.chunks[high].entry.key)))
     assert float((stored_lazy - eager_store.load_kv(eager_plan.chunks[high].entry.row)).abs().max()) <= 1e-5
@@ -182,7 +182,7 @@ def test_lazy_answer_equals_the_eager_store(lazy_root, serving_store, tmp_path):
     assert float((lazy_logits - eager_logits).abs().max()) <= 1e-5
     fallback = lazy_plan.chunks[high].fallback  # negative control: the low tier in the promoted chunk's place
     swapped = list(eager_kvs)
-    swapped[high] = eager_generator._chunk(LoadedKV(*to_wire(eager_store.load_kv(fallback.row)), fallback), copy=True)
+    swapped[high] = eager_generator.contexts._chunk(LoadedKV(*to_wire(eager_store.load_kv(fallback.row)), fallback), copy=True)
     assert float((query_logits(vlm, swapped)[0] - eager_logits).abs().max()) > 1e-3
 
 

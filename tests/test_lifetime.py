@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
@@ -29,8 +30,9 @@ SURFACES = [("/v1/answer", ANSWER), ("/v1/chat/completions", CHAT)]
 
 @pytest.fixture(scope="module")
 def app(roles, serving_store):
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_settings(args))
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
+    return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_spec(args))
 
 
 async def request_then_leave(app, path: str, body: dict, generator) -> list[dict]:

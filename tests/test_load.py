@@ -31,10 +31,11 @@ def base_url(ray_session, serving_store):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
-            "max_chunks": MAX_CHUNKS, "default_top_k": 2, "cache_max_nbytes": LRU_MAX_NBYTES,
+            "router": {"max_chunks": MAX_CHUNKS}, "ingress": {"default_top_k": 2},
+            "loader": {"max_nbytes": LRU_MAX_NBYTES},
             # no device hot tier: it would hold the whole store after the warm-up, and the loader's LRU,
             # what this test bounds, would then see repeats only when two requests race for an entry
-            "engine": {"hot_tier_nbytes": 0}}
+            "generator": {"engine": {"hot_tier_nbytes": 0}}}
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

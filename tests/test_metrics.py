@@ -16,7 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.api import AnswerRequest
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from serve.governance import Governor
@@ -44,11 +45,11 @@ def metric(app, name: str, **labels: str) -> float:
 
 
 def app_over(roles, serving_store, loader: CacheLoader | None = None, **governance):
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2,
-                   governance=governance)
-    settings = api_settings(args)
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2, "governance": governance})
+    settings = api_spec(args)
     backend = InProcessBackend(roles.router, loader or roles.loader, roles.generator)
-    return make_api(backend, settings, Governor(args.governance, settings.store))
+    return make_api(backend, settings, Governor(args.ingress.governance, settings.store))
 
 
 def test_requests_are_counted_by_mode_tier_and_outcome(roles, serving_store):
@@ -116,9 +117,10 @@ def test_crashes_are_counted_as_500(roles, serving_store):
         async def generate(self, plan, loaded, sampling):
             raise RuntimeError("generator crashed")
 
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    settings = api_settings(args)
-    app = make_api(Crashing(roles.router, roles.loader, roles.generator), settings, Governor(args.governance, settings.store))
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
+    settings = api_spec(args)
+    app = make_api(Crashing(roles.router, roles.loader, roles.generator), settings, Governor(args.ingress.governance, settings.store))
 
     async def crash() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -151,8 +153,9 @@ def test_serve_exports_metrics_and_flushes_the_request_log(ray_session, serving_
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
-            "max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS, "default_top_k": 2,
-            "governance": {"request_log": {"location": {"uri": str(log_dir)}, "batch_rows": 1000}}}
+            "router": {"max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS},
+            "ingress": {"default_top_k": 2,
+                        "governance": {"request_log": {"location": {"uri": str(log_dir)}, "batch_rows": 1000}}}}
     try:
         serve.run(build_app(args), name="qvpic-governance", route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:

@@ -14,7 +14,8 @@ from ray.serve._private.common import DeploymentStatus, ReplicaState
 from ray.serve.schema import ApplicationStatus
 
 from schemas.health import Readiness
-from serve.app import AppConfig, DeploymentConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig, DeploymentConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from serve.http.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits, install_readiness
@@ -106,8 +107,9 @@ class FakeController:
 
 @pytest.fixture
 def gated(roles, serving_store):
-    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    app = make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_settings(args))
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2})
+    app = make_api(InProcessBackend(roles.router, roles.loader, roles.generator), api_spec(args))
     controller, rejected = FakeController(), []
     install_readiness(app, ReadinessProbe("qvpic", controller, refresh_s=0.0),
                       lambda request, status: rejected.append((request.url.path, status)))

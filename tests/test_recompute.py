@@ -140,9 +140,9 @@ def test_spec_is_typed_and_off_by_default():
             RecomputeSpec(**bad)
     ns = run_server.parser().parse_args(["--store", "/s", "--recompute", "deviation", "--recompute-fraction", "0.3"])
     args = run_server.app_args(ns)
-    assert args.recompute == RecomputeSpec(kind=RecomputeKind.DEVIATION, deviation_fraction=0.3)
-    assert args.router_config().carry_sources and args.generator_config().recompute == args.recompute
-    assert not AppConfig(store={"uri": "/s"}).router_config().carry_sources
+    assert args.generator.recompute == RecomputeSpec(kind=RecomputeKind.DEVIATION, deviation_fraction=0.3)
+    assert args.router.carry_sources
+    assert not AppConfig(store={"uri": "/s"}).router.carry_sources
 
 
 def test_serving_with_full_recompute_equals_full_image(serving_store):

@@ -10,11 +10,12 @@ import uuid
 import pytest
 
 from schemas.api import ResponseCacheLevel
-from serve.app import AppConfig, api_settings
+from serve.app import api_spec
+from serve.config import AppConfig, ResponseCacheConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from serve.governance import Governor
-from serve.governance.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend, ResponseCacheConfig
+from serve.governance.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from tests.fixtures_redis import redis_url, start_redis  # noqa: F401  (fixture)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
@@ -177,10 +178,10 @@ def test_fingerprint_change_invalidates_everything(roles, serving_store, redis_u
     ask(app, query=query)
     assert level(ask(app, query=query)) == "l1"
     # the same store recompiled for another model/template: the same Redis, another namespace
-    settings = api_settings(AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, max_chunks=4,
-                                    default_top_k=2))
+    settings = api_spec(AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": 4},
+                                     ingress={"default_top_k": 2}))
     recompiled = settings.store.model_copy(update={"fingerprint": "0" * 64})
-    other = Governor(governor.args, recompiled)
+    other = Governor(governor.config, recompiled)
     other_app = make_api(InProcessBackend(roles.router, roles.loader, roles.generator), settings, other)
     assert other.cache.namespace != governor.cache.namespace
     assert level(ask(other_app, query=query)) is None

@@ -56,7 +56,7 @@ def base_url(store_uri):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     args = {"store": {"uri": store_uri}, "model": MODEL.model_dump(mode="json"),
-            "max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS, "default_top_k": 2,
+            "router": {"max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS}, "ingress": {"default_top_k": 2},
             "generator_deployment": {"num_gpus": 1}}  # placed on the (logical) GPU; the model stays on MODEL.device
     serve.run(build_app(args), name="qvpic", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

@@ -59,7 +59,7 @@ def test_a_deployment_that_cannot_be_placed_fails_requests_fast_until_it_can(bas
     from serve.app import build_app
 
     args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
-            "max_chunks": MAX_CHUNKS, "default_top_k": 1,
+            "router": {"max_chunks": MAX_CHUNKS}, "ingress": {"default_top_k": 1},
             "generator_deployment": {"num_gpus": 2}}  # the test Ray has one (logical) GPU
     # serve.run would wait for every deployment to run: forever, here
     serve.run_many([serve.RunTarget(build_app(args), name="unplaceable", route_prefix="/")],

@@ -18,7 +18,8 @@ from pipeline.store import parts_checks, publish_generation
 from pipeline.store.parts import PartRecord, compare_parts
 from pipeline.store import Store, StoreError
 from schemas.store import StoreSpec
-from serve.app import AppConfig, preflight
+from serve.app import preflight
+from serve.config import AppConfig
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import corrupt_entry, serving_store  # noqa: F401  (pytest fixture)
 

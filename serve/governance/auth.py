@@ -12,27 +12,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
+from pydantic import TypeAdapter, ValidationError
 
 from schemas.api import Label
-from schemas.config import Frozen
 from schemas.errors import InvalidHeaderError, UnauthorizedError
+from serve.config import AuthConfig, Sha256Hex
 
-Sha256Hex = str  # 64 lowercase hex digits, checked by AuthConfig
 _LABEL = TypeAdapter(Label)
-
-
-class AuthConfig(Frozen):
-    api_key_sha256: dict[Sha256Hex, Label] = Field(
-        default_factory=dict, description="sha256 hex of an API key -> its tenant; empty = no auth")
-
-    @field_validator("api_key_sha256")
-    @classmethod
-    def _digests(cls, keys: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in keys if len(k) != 64 or k.strip("0123456789abcdef")]
-        if bad:
-            raise ValueError(f"api_key_sha256 keys must be 64 lowercase hex digits (sha256 of the key), got {bad[:3]}")
-        return keys
 
 
 def key_digest(api_key: str) -> Sha256Hex:
@@ -51,8 +37,8 @@ def header_label(headers: Mapping[str, str], name: str) -> str | None:
 
 
 class Authenticator:
-    def __init__(self, args: AuthConfig, default_tenant: str):
-        self.tenant_of_digest = dict(args.api_key_sha256)
+    def __init__(self, config: AuthConfig, default_tenant: str):
+        self.tenant_of_digest = dict(config.api_key_sha256)
         self.default_tenant = default_tenant
 
     @property

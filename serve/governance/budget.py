@@ -16,55 +16,21 @@ is unreachable, the replica-local buckets take over until it is back.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 
-from pydantic import Field
-
-from schemas.api import Label
-from schemas.config import Frozen
 from schemas.errors import BudgetExceededError, InvalidHeaderError, RateLimitedError
+from serve.config import Limit, RateLimitConfig, StateBackend, TenantPolicy
+from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.metrics import serve_metrics
+from serve.plan import Plan
 
 MAX_TOKEN_BUDGET_HEADER = re.compile(r"[0-9]{1,18}")  # X-Max-Token-Budget: a positive integer that fits int64
-from serve.plan import Plan
-from serve.governance.shared_state import RedisConnection, SharedStateUnavailable, StateBackend
 
 MAX_LOCAL_BUCKETS = 65_536  # tenants tracked per replica; the least recently seen is forgotten (= a full bucket)
-
-
-class Limit(str, Enum):
-    REQUESTS = "requests"
-    TOKENS = "tokens"
-
-
-class TenantPolicy(Frozen):
-    token_budget: int | None = Field(None, ge=1, description="default cap on context tokens per request")
-    requests_per_s: float | None = Field(None, gt=0)
-    request_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
-    tokens_per_s: float | None = Field(None, gt=0, description="context + query + max_new_tokens per second")
-    token_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
-
-    def rate(self, limit: Limit) -> tuple[float, float] | None:
-        """(refill per second, capacity) of one bucket, or None when that rate is unlimited."""
-        rate, burst = ((self.requests_per_s, self.request_burst) if limit is Limit.REQUESTS
-                       else (self.tokens_per_s, self.token_burst))
-        return None if rate is None else (rate, float(burst or max(1, math.ceil(rate))))
-
-
-class RateLimitConfig(Frozen):
-    default: TenantPolicy = TenantPolicy()
-    tenants: dict[Label, TenantPolicy] = Field(default_factory=dict, description=(
-        "a tenant listed here gets exactly this policy instead of `default` (unset fields: unlimited)"))
-    backend: StateBackend = StateBackend.MEMORY
-
-    def policy(self, tenant: str) -> TenantPolicy:
-        return self.tenants.get(tenant, self.default)
 
 
 @dataclass(frozen=True)
@@ -152,17 +118,17 @@ return tostring(wait)
 
 
 class RateLimiter:
-    def __init__(self, args: RateLimitConfig, redis: RedisConnection | None, key_prefix: str = "qvpic:rl"):
-        if args.backend is StateBackend.REDIS and redis is None:
+    def __init__(self, config: RateLimitConfig, redis: RedisConnection | None, key_prefix: str = "qvpic:rl"):
+        if config.backend is StateBackend.REDIS and redis is None:
             raise ValueError("rate limits with backend 'redis' need a redis_url")
-        self.args, self.key_prefix = args, key_prefix
-        self.redis = redis if args.backend is StateBackend.REDIS else None
+        self.config, self.key_prefix = config, key_prefix
+        self.redis = redis if config.backend is StateBackend.REDIS else None
         self._script = self.redis.client.register_script(_TAKE_LUA) if self.redis else None
         self._local: OrderedDict[tuple[str, Limit], TokenBucket] = OrderedDict()
 
     async def take(self, tenant: str, limit: Limit, cost: float) -> None:
         """Charge `cost` to the tenant's `limit` bucket, or raise `RateLimitedError` (429 + Retry-After)."""
-        rate = self.args.policy(tenant).rate(limit)
+        rate = self.config.policy(tenant).rate(limit)
         if rate is None:
             return
         rate_per_s, capacity = rate

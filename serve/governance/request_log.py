@@ -22,11 +22,8 @@ from datetime import datetime, timezone
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from pydantic import Field
-
 from pipeline.store import resolve_filesystem
-from schemas.config import Frozen
-from schemas.store import StoreSpec
+from serve.config import RequestLogConfig
 from serve.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -53,12 +50,6 @@ REQUEST_LOG_SCHEMA = pa.schema([
 ])
 
 
-class RequestLogConfig(Frozen):
-    location: StoreSpec | None = Field(None, description="directory or s3:// prefix of the part files; null = off")
-    batch_rows: int = Field(256, ge=1)
-    flush_interval_s: float = Field(30.0, gt=0)
-
-
 @dataclass
 class RequestRecord:
     time: datetime
@@ -82,11 +73,11 @@ class RequestRecord:
 
 
 class RequestLog:
-    def __init__(self, args: RequestLogConfig):
-        if args.location is None:
+    def __init__(self, config: RequestLogConfig):
+        if config.location is None:
             raise ValueError("RequestLog needs a location")
-        self.args = args
-        self.fs, self.root = resolve_filesystem(args.location, None)
+        self.config = config
+        self.fs, self.root = resolve_filesystem(config.location, None)
         self._local = isinstance(self.fs, pafs.LocalFileSystem)
         if self._local:
             os.makedirs(self.root, exist_ok=True)
@@ -102,8 +93,8 @@ class RequestLog:
             if not self._rows:
                 self._oldest_s = time.monotonic()
             self._rows.append(record)
-            due = (len(self._rows) >= self.args.batch_rows
-                   or time.monotonic() - self._oldest_s >= self.args.flush_interval_s)
+            due = (len(self._rows) >= self.config.batch_rows
+                   or time.monotonic() - self._oldest_s >= self.config.flush_interval_s)
         if due:
             self.flush()
 

@@ -35,33 +35,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel
 
 from schemas.sampling import Sampling
 from schemas.api import AnswerReport, ResponseCacheLevel
-from schemas.config import Frozen
+from serve.config import ResponseCacheConfig
+from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.plan import Answer, Plan
-from serve.governance.shared_state import RedisConnection, SharedStateUnavailable, StateBackend
-
-
-class ResponseCacheConfig(Frozen):
-    levels: frozenset[ResponseCacheLevel] = frozenset({ResponseCacheLevel.L1})
-    backend: StateBackend = StateBackend.MEMORY
-    max_entries: int = Field(4096, ge=1, description="memory backend: entries per ingress replica (LRU)")
-    ttl_s: dict[ResponseCacheLevel, float] = Field(
-        default_factory=lambda: {ResponseCacheLevel.L1: 3600.0, ResponseCacheLevel.L2: 600.0,
-                                 ResponseCacheLevel.L3: 86400.0})
-    l2_threshold: float = Field(0.95, gt=0.0, le=1.0, description="least cosine of query embeddings for an l2 hit")
-    l2_candidates: int = Field(32, ge=1, le=1024, description="(query, answer) pairs kept per l2 context")
-    per_tenant: bool = Field(False, description="key entries by tenant too, so that no answer (nor the fact that "
-                             "a question was asked) crosses tenants; shared by default, as the store is")
-
-    @model_validator(mode="after")
-    def _every_level_has_a_ttl(self) -> ResponseCacheConfig:
-        missing = [level.value for level in self.levels if level not in self.ttl_s]
-        if missing or any(ttl <= 0 for ttl in self.ttl_s.values()):
-            raise ValueError(f"every enabled level needs a positive ttl_s; missing or non-positive: {missing}")
-        return self
 
 
 class CachedAnswer(BaseModel):
@@ -227,22 +207,22 @@ class CacheHit:
 
 
 class ResponseCache:
-    def __init__(self, args: ResponseCacheConfig, namespace: str, backend: CacheBackend):
-        self.args, self.namespace, self.backend = args, namespace, backend
+    def __init__(self, config: ResponseCacheConfig, namespace: str, backend: CacheBackend):
+        self.config, self.namespace, self.backend = config, namespace, backend
 
     def keys(self, plan: Plan, sampling: Sampling, task_type: str | None, tenant: str) -> CacheKeys | None:
         """The request's keys, or None when nothing may be cached for it (no level on, or sampled)."""
-        if not self.args.levels or not cacheable(sampling):
+        if not self.config.levels or not cacheable(sampling):
             return None
         context = context_material(plan, sampling)
-        prefix = f"qvpic:rc:{self.namespace}" + (f":t:{tenant}" if self.args.per_tenant else "")
+        prefix = f"qvpic:rc:{self.namespace}" + (f":t:{tenant}" if self.config.per_tenant else "")
         return CacheKeys(l1=f"{prefix}:l1:{_digest(context, normalise_query(plan.query))}",
                          l2=f"{prefix}:l2:{_digest(context)}",
                          l3=f"{prefix}:l3:{_digest(context, task_type)}" if task_type else None)
 
     async def lookup(self, keys: CacheKeys, query_embedding: np.ndarray | None) -> CacheHit | None:
         """The first hit in l1, l3, l2 order; a backend failure is a miss (counted by the connection)."""
-        levels = self.args.levels
+        levels = self.config.levels
         exact = [(level, key) for level, key in ((ResponseCacheLevel.L1, keys.l1), (ResponseCacheLevel.L3, keys.l3))
                  if level in levels and key is not None]
         members_key = keys.l2 if ResponseCacheLevel.L2 in levels and query_embedding is not None else None
@@ -261,7 +241,7 @@ class ResponseCache:
         candidates = np.stack([l2_embedding(m) for m in members])  # [members, dim], rows unit-norm
         cosines = candidates @ (query_embedding / np.linalg.norm(query_embedding))
         best = int(np.argmax(cosines))
-        if cosines[best] < self.args.l2_threshold:
+        if cosines[best] < self.config.l2_threshold:
             return None
         return CacheHit(ResponseCacheLevel.L2, l2_answer(members[best]), float(cosines[best]))
 
@@ -269,13 +249,13 @@ class ResponseCache:
         if answer.report.fallbacks:
             return
         value = CachedAnswer(text=answer.text, report=answer.report).model_dump_json().encode()
-        levels, ttl = self.args.levels, self.args.ttl_s
+        levels, ttl = self.config.levels, self.config.ttl_s
         puts = [Put(key, value, ttl[level]) for level, key in ((ResponseCacheLevel.L1, keys.l1),
                                                                 (ResponseCacheLevel.L3, keys.l3))
                 if level in levels and key is not None]
         if ResponseCacheLevel.L2 in levels and query_embedding is not None:
             member = l2_member(query_embedding / np.linalg.norm(query_embedding), value)
-            puts.append(Put(keys.l2, member, ttl[ResponseCacheLevel.L2], self.args.l2_candidates))
+            puts.append(Put(keys.l2, member, ttl[ResponseCacheLevel.L2], self.config.l2_candidates))
         try:
             await self.backend.write(puts)
         except SharedStateUnavailable:

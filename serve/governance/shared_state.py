@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from enum import Enum
 from typing import TypeVar
 
 import redis
@@ -22,11 +21,6 @@ from serve.metrics import serve_metrics
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-class StateBackend(str, Enum):
-    MEMORY = "memory"  # per ingress replica
-    REDIS = "redis"  # shared by every ingress replica (needs `redis_url`)
 
 
 class SharedStateUnavailable(RuntimeError):

@@ -1,11 +1,11 @@
 """The HTTP surface of the Serve application: the FastAPI ingress (native and OpenAI-compatible routes),
-request guards and error answers, readiness, request lifetimes (deadline, disconnect), and the backend
-interface the handlers call the serving roles through."""
+the governed request turn both answer through, request guards and error answers, readiness, request
+lifetimes (deadline, disconnect), and the backend interface the handlers call the serving roles through."""
 
 from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "backend": ["Backend", "InProcessBackend", "api_error", "cancelling"],
+    "backend": ["Backend", "InProcessBackend", "api_error"],
     "health": ["fetch_readiness"],
     "ingress": ["Ingress", "make_api", "respond"],
 })

@@ -6,16 +6,14 @@ whose chunks are hot moves none at all. `InProcessBackend` runs the same calls o
 Ray), which is how the HTTP surface is tested without a cluster. This module imports no model stack.
 
 A call that is abandoned (the client went away, or the request's deadline passed) is cancelled
-downstream: awaiting a Serve response in a task that gets cancelled does not cancel the response by
-itself, so both paths cancel it explicitly, and the generator drops the request at its next step.
+downstream (serve/handles.py), and the generator drops the request at its next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
@@ -24,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
+from serve.handles import cancelling
 from serve.plan import Answer, Plan
 
 if TYPE_CHECKING:  # the in-process roles; the ingress never imports them
@@ -67,15 +66,6 @@ class HandleBackend:
 
     async def device_cache_stats(self) -> CacheStats:
         return await self.generator.hot_tier_stats.remote()
-
-
-async def cancelling(response: Any) -> Any:
-    """Await a Serve response; cancel it downstream when this task is cancelled."""
-    try:
-        return await response
-    except asyncio.CancelledError:
-        response.cancel()
-        raise
 
 
 class InProcessBackend:

@@ -1,4 +1,4 @@
-"""Request limits and failure answers of the HTTP surface that no route handles itself.
+"""Request guards of the HTTP surface: body limits and the failure answers no route gives itself.
 
 - A body over `max_body_nbytes` (1 MiB by default) is refused with 413 before it is parsed: at once when
   its declared Content-Length is over, else as soon as the bytes streamed in (chunked, or a length that
@@ -102,7 +102,7 @@ def invalid_request(request: Request, error: RequestValidationError) -> JSONResp
             {"type": e["type"], "loc": json_safe(list(e["loc"])), "msg": json_safe(e["msg"])} for e in error.errors()]})
 
 
-def install_limits(app: FastAPI, on_error: Callable[[Request, int], None],
+def install_guards(app: FastAPI, on_error: Callable[[Request, int], None],
                    max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES) -> None:
     """Add the body cap and the handlers above to `app`; `on_error(request, status)` sees every error sent."""
     if max_body_nbytes < 1:

@@ -1,7 +1,8 @@
 """The ingress: the HTTP surface (FastAPI) of the Serve application and the deployment that serves it.
 
-Each request reads as route → generate (see serve/http/backend.py for how the roles are reached), within
-its lifetime (serve/http/lifetime.py: a deadline, and cancellation when the client goes away). This module
+Each request reads as route → generate (see serve/http/backend.py for how the roles are reached), as one
+governed turn (serve/http/exchange.py) within its lifetime (serve/http/lifetime.py: a deadline, and
+cancellation when the client goes away); the OpenAI surface (serve/http/openai_api.py) runs the same turn. This module
 and everything it imports stay clear of the model stack (no torch, no transformers): the ingress
 replica is a light web server; serve/app.py builds the application.
 """
@@ -30,26 +31,24 @@ from schemas.api import (
     StreamError,
 )
 from schemas.errors import ApiError
-from schemas.sampling import Sampling
+from serve.config import ApiSpec, IngressConfig
+from serve.governance import Governor, Route
 from serve.http import openai_api
 from serve.http.backend import Backend, HandleBackend, api_error, error_cause, sse
-from serve.config import ApiSpec, IngressConfig
-from serve.governance import GovernanceConfig, Governor, Route
+from serve.http.exchange import Turns
+from serve.http.guards import install_guards
 from serve.http.health import ReadinessProbe, install_readiness
-from serve.http.lifetime import Lifetime, request_timeout_s
-from serve.http.guards import install_limits
-from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.http.openai_api import openai_error, openai_routes
+from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
 
-DEFAULT_TIMEOUT_S = 300.0
 
-
-def make_api(backend: Backend, settings: ApiSpec, governor: Governor | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> FastAPI:
-    """The HTTP surface; `governor` defaults to GovernanceConfig() (in-process l1 response cache only);
-    `timeout_s` is the deadline of a request that sets none."""
-    governor = governor or Governor(GovernanceConfig(), settings.store)
+def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
+             config: IngressConfig = IngressConfig()) -> FastAPI:
+    """The HTTP surface; `governor` defaults to one of `config.governance` (by default, an in-process l1
+    response cache only)."""
+    governor = governor or Governor(config.governance, api.store)
+    turns = Turns(backend, governor, config.request_timeout_s)
     app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.")
 
     @app.exception_handler(ApiError)
@@ -69,7 +68,7 @@ def make_api(backend: Backend, settings: ApiSpec, governor: Governor | None = No
 
     @app.get("/v1/store")
     async def store_status() -> StoreStatus:
-        return StoreStatus(**settings.store.model_dump(), cache=await backend.cache_stats(),
+        return StoreStatus(**api.store.model_dump(), cache=await backend.cache_stats(),
                            device_cache=await backend.device_cache_stats())
 
     @app.get("/metrics", include_in_schema=False)
@@ -81,10 +80,10 @@ def make_api(backend: Backend, settings: ApiSpec, governor: Governor | None = No
               responses={status: {"model": ErrorBody} for status in (401, 404, 413, 429, 503)})
     async def estimate(request: AnswerRequest, http: Request, response: Response):
         """Route only: what the request would put in context and whether it fits its budget. No KV is loaded."""
-        turn = await governor.begin(http, request, Route.ESTIMATE)
-        await Lifetime(http, request_timeout_s(http, request.timeout_s, timeout_s)).run(turn.route(backend))
-        response.headers.update(turn.headers)
-        return turn.estimate()
+        exchange = await turns.begin(http, request, Route.ESTIMATE)
+        await exchange.route()
+        response.headers.update(exchange.headers)
+        return exchange.turn.estimate()
 
     @app.post("/v1/answer", response_model=AnswerResponse,
               responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
@@ -93,18 +92,14 @@ def make_api(backend: Backend, settings: ApiSpec, governor: Governor | None = No
     async def answer(request: AnswerRequest, http: Request, response: Response):
         started = time.perf_counter()
         answer_id = f"ans-{uuid.uuid4().hex}"
-        sampling = Sampling.of(request)
-        turn = await governor.begin(http, request, Route.ANSWER)
-        life = Lifetime(http, request_timeout_s(http, request.timeout_s, timeout_s))
-        hit = await life.run(turn.admit(backend, sampling))
+        exchange = await turns.begin(http, request, Route.ANSWER)
+        await exchange.admit()
         if not request.stream:
-            response.headers.update(turn.headers)
-            answer = await life.run(turn.generate(backend, sampling, hit, life.remaining_s()))
-            return respond(answer_id, answer, started)
+            return respond(answer_id, await exchange.answer(response), started)
 
         async def events() -> AsyncIterator[str]:
             try:
-                async for event in life.stream(turn.stream(backend, sampling, hit, life.remaining_s())):
+                async for event in exchange.stream():
                     if isinstance(event, str):
                         yield sse(StreamDelta(text=event))
                     else:
@@ -113,10 +108,10 @@ def make_api(backend: Backend, settings: ApiSpec, governor: Governor | None = No
                 status, detail = api_error(error)
                 yield sse(StreamError(status_code=status, detail=detail))
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
+        return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
 
-    app.include_router(openai_routes(backend, settings, governor, timeout_s))
-    install_limits(app, governor.rejected)  # 413 over 1 MiB, JSON 422 for any input, 503 when a replica dies
+    app.include_router(openai_routes(turns, api))
+    install_guards(app, governor.rejected)  # 413 over 1 MiB, JSON 422 for any input, 503 when a replica dies
     return app
 
 
@@ -128,14 +123,14 @@ def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
 @serve.ingress()
 class Ingress:
     def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle,
-                 config: IngressConfig):
+                 config: IngressConfig, api: ApiSpec):
         self.backend = HandleBackend(router, loader, generator)
-        self.config = config
-        self.governor = Governor(config.governance, config.settings.store)
+        self.config, self.api = config, api
+        self.governor = Governor(config.governance, api.store)
         self.readiness = ReadinessProbe(serve.get_replica_context().app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = make_api(self.backend, self.config.settings, self.governor, self.config.request_timeout_s)
+        app = make_api(self.backend, self.api, self.governor, self.config)
         install_readiness(app, self.readiness, self.governor.rejected)  # GET /readyz; 503 while a deployment is pending
         return app
 

@@ -34,11 +34,10 @@ from schemas.chat import (
     PromptTokensDetails,
 )
 from schemas.errors import UnknownModelError
-from schemas.sampling import Sampling
-from serve.http.backend import Backend, api_error, sse
 from serve.config import ApiSpec
-from serve.governance import Governor, Route
-from serve.http.lifetime import Lifetime, request_timeout_s
+from serve.governance import Route
+from serve.http.backend import api_error, sse
+from serve.http.exchange import Turns
 
 PATH_PREFIX = "/v1/chat/"
 
@@ -80,30 +79,26 @@ def chunk_event(chunk: ChatCompletionChunk) -> str:
     return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
 
 
-def openai_routes(backend: Backend, settings: ApiSpec, governor: Governor, timeout_s: float) -> APIRouter:
+def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
     routes = APIRouter(tags=["openai"])
 
     @routes.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.served_model_name, created=settings.created, owned_by="qvpic")])
+        return ModelList(data=[ModelCard(id=api.served_model_name, created=api.created, owned_by="qvpic")])
 
     @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
         **{status: {"model": OpenAIErrorBody} for status in (401, 404, 413, 422, 429, 503)}})
     async def chat_completions(request: ChatCompletionRequest, http: Request, response: Response):
-        if request.model != settings.served_model_name:
-            available = [settings.served_model_name]
+        if request.model != api.served_model_name:
+            available = [api.served_model_name]
             raise UnknownModelError(f"model {request.model!r} is not served here; available: {available}")
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        native = answer_request(request, settings.default_top_k)
-        sampling = Sampling.of(native)
-        turn = await governor.begin(http, native, Route.CHAT)
-        life = Lifetime(http, request_timeout_s(http, native.timeout_s, timeout_s))
-        hit = await life.run(turn.admit(backend, sampling))
+        exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT)
+        await exchange.admit()
         if not request.stream:
-            response.headers.update(turn.headers)
-            answer = await life.run(turn.generate(backend, sampling, hit, life.remaining_s()))
+            answer = await exchange.answer(response)
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
@@ -117,7 +112,7 @@ def openai_routes(backend: Backend, settings: ApiSpec, governor: Governor, timeo
         async def events() -> AsyncIterator[str]:
             yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
             try:
-                async for event in life.stream(turn.stream(backend, sampling, hit, life.remaining_s())):
+                async for event in exchange.stream():
                     if isinstance(event, str):
                         yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
                         continue
@@ -130,6 +125,6 @@ def openai_routes(backend: Backend, settings: ApiSpec, governor: Governor, timeo
                 yield sse(openai_error_body(*api_error(error)))
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=turn.headers)
+        return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
 
     return routes

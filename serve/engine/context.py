@@ -1,0 +1,128 @@
+"""What one request puts in context, built from its plan.
+
+Linked modes place each chunk's loaded KV after the serving prefix: it comes from the device hot tier
+(serve/kv/hot_tier.py), its misses from the loader, an unreadable or pending entry rebuilt first
+(serve/engine/repair.py); with recompute on, the chunks' sources are tokenised (and pages rendered) too.
+The online modes carry the chunks' source instead, the instruction first: full_text their text,
+full_image their pages — rendered with the store's RenderSpec (or, for a scanned page, its own image
+scaled) at the tier the router chose, the pages and tiers qvpic links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from PIL import Image
+from ray.serve.handle import DeploymentHandle
+
+from pipeline.runtime import VLM, ChunkKV, Renderer
+from pipeline.store import PageImageError, page_images
+from schemas.api import CacheReport, FallbackReport
+from schemas.config import Mode, RecomputeSpec, RenderSpec
+from schemas.errors import UnservableError
+from serve.engine.loop import LinkedContext, OnlineContext
+from serve.engine.repair import Repairer
+from serve.handles import cancelling
+from serve.kv import CacheLoader, HotTier, kv_tensor, recompute_inputs
+from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
+
+ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
+
+
+@dataclass
+class Context:
+    """What one request puts in context, and where it came from."""
+
+    prefill: LinkedContext | OnlineContext
+    served: list[Entry | None]  # aligned with plan.chunks: the entry each linked chunk was served from
+    cache: CacheReport
+    fallbacks: tuple[FallbackReport, ...]
+    load_ms: float = 0.0
+    render_ms: float = 0.0
+
+
+class ContextBuilder:
+    def __init__(self, vlm: VLM, renderer: Renderer, render_spec: RenderSpec, hot: HotTier, recompute: RecomputeSpec,
+                 repairer: Repairer):
+        self.vlm, self.renderer, self.render_spec, self.recompute = vlm, renderer, render_spec, recompute
+        self.hot = hot  # chunk KV resident on the device
+        self.repairer = repairer
+
+    async def build(self, plan: Plan, loaded: LoadResult | None, loader: DeploymentHandle | CacheLoader | None
+                    ) -> Context:
+        """`loaded`: use this KV as it is (the hot tier is neither read nor filled); else the hot tier, and
+        `loader` for its misses."""
+        if plan.mode in ONLINE_MODES:
+            return await self._online(plan)
+        context = await self._linked(plan, loaded, loader)
+        if self.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
+            started = time.perf_counter()
+            inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, plan.chunks, context.served)
+            context.prefill.recompute = (self.recompute, inputs)
+            context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
+        return context
+
+    async def _linked(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
+        query_ids = self.vlm.query_turn_ids(plan.text_after_chunks)  # the query prompt, or the query
+        if loaded is not None:
+            loaded = await self.repairer.repaired(plan, loaded)
+            chunks = [self._chunk(kv, copy=False) for kv in loaded.kvs]
+            return Context(LinkedContext(chunks, query_ids, plan.instruction), [kv.entry for kv in loaded.kvs],
+                           loaded.cache, loaded.fallbacks, loaded.load_ms)
+        started = time.perf_counter()
+        hot = self.hot.get_many(c.entry.key for c in plan.chunks)
+        missing = dataclasses.replace(plan, chunks=tuple(
+            c if c.entry.key not in hot else dataclasses.replace(c, entry=None, fallback=None) for c in plan.chunks))
+        fetched = None
+        if len(hot) < len(plan.chunks):
+            fetched = await self.repairer.repaired(missing, await self._load(missing, loader))
+        chunks, served = [], []
+        for position, planned in enumerate(plan.chunks):
+            if planned.entry.key in hot:
+                kv, entry = hot[planned.entry.key]
+            else:  # onto the device once; every later request re-anchors it there
+                loaded_kv = fetched.kvs[position]
+                kv, entry = self._chunk(loaded_kv, copy=True), loaded_kv.entry
+                self.hot.put(entry.key, kv, entry)
+            chunks.append(kv)
+            served.append(entry)
+        report = fetched.cache if fetched is not None else CacheReport(hits=0, misses=0, nbytes_from_store=0)
+        report = report.model_copy(update={"device_hits": sum(c.entry.key in hot for c in plan.chunks)})
+        fallbacks = fetched.fallbacks if fetched is not None else plan.fallbacks
+        return Context(LinkedContext(chunks, query_ids, plan.instruction), served, report, fallbacks,
+                       (time.perf_counter() - started) * 1e3)
+
+    async def _online(self, plan: Plan) -> Context:
+        report, render_ms = CacheReport(hits=0, misses=0, nbytes_from_store=0), 0.0
+        if plan.mode is Mode.FULL_TEXT:
+            pieces = [c.text for c in plan.chunks]
+        else:
+            started = time.perf_counter()
+            pieces = await asyncio.to_thread(lambda: [self.pages(c) for c in plan.chunks])
+            render_ms = (time.perf_counter() - started) * 1e3
+        instruction = [plan.instruction] if plan.instruction else []  # prompt text before the chunks, never a chunk
+        return Context(OnlineContext(instruction + pieces, plan.text_after_chunks), [None] * len(plan.chunks), report,
+                       plan.fallbacks, render_ms=render_ms)
+
+    async def _load(self, plan: Plan, loader) -> LoadResult:
+        if loader is None:
+            raise RuntimeError("this generator has no loader to fetch KV from")
+        if isinstance(loader, DeploymentHandle):
+            return await cancelling(loader.load.remote(plan))
+        return await asyncio.to_thread(loader.load, plan)
+
+    def _chunk(self, kv: LoadedKV, copy: bool) -> ChunkKV:
+        # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer; a quantised
+        # entry is dequantised on the device, so the hot tier holds KV ready to re-anchor.
+        tensor = kv_tensor(kv, self.vlm.device, self.vlm.dtype, copy)
+        return ChunkKV(tensor, kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
+
+    def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
+        """A chunk's pages at its tier, made the way ingest made the ones it compiled."""
+        try:
+            return page_images(self.renderer, chunk.text, chunk.image_path, self.render_spec.tier(chunk.tier))[0]
+        except PageImageError as error:
+            raise UnservableError(f"chunk {chunk.chunk_id}: {error}") from error

@@ -1,0 +1,188 @@
+"""One governed request: its price, its response-cache verdict, and its record.
+
+A turn reads, in the HTTP handlers (serve/http/exchange.py), as
+    begin (tenant, requests/s: `Governor.begin`) → priced (the routed plan's price) → prepare (413 budget,
+    response cache unless `Cache-Control: no-cache`, tokens/s) → first_token … answered (cache fill) →
+    finish (metrics + one log row)
+and `/v1/estimate` stops after priced. The turn is handed each result: it never calls a serving role.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from schemas.api import (
+    AnswerRequest,
+    CacheReport,
+    ChunkReport,
+    EstimateResponse,
+    ResponseCacheReport,
+    Timings,
+    TokenEstimate,
+)
+from schemas.config import Mode
+from schemas.sampling import Sampling
+from serve.config import Limit
+from serve.governance.budget import Price, check_budget
+from serve.governance.request_log import RequestRecord
+from serve.governance.response_cache import CacheDirectives, CacheHit, CacheKeys
+from serve.plan import Answer, Plan
+
+if TYPE_CHECKING:
+    from serve.governance.governor import Governor
+
+
+class Turn:
+    """One governed request, from `Governor.begin` to `finish`."""
+
+    def __init__(self, governor: Governor, request: AnswerRequest, record: RequestRecord, started: float,
+                 directives: CacheDirectives = CacheDirectives()):
+        self.governor, self.request, self.record, self.started = governor, request, record, started
+        self.directives = directives
+        self.cache_status: str | None = None  # RFC 9211 Cache-Status, once the cache was consulted
+        self.lookup_ms: float | None = None
+        self.budget_tokens: int | None = None
+        self.plan: Plan | None = None
+        self.price: Price | None = None
+        self.keys: CacheKeys | None = None
+        self.hit: Answer | None = None  # the response cache's answer, once `prepare` found one
+        self.ttft_ms: float | None = None
+        self.finished = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers: the request id, the plan's price once it is routed, the cache's verdict once asked."""
+        status = {"Cache-Status": self.cache_status} if self.cache_status else {}
+        return {"X-Request-Id": self.record.request_id, **(self.price.headers() if self.price else {}), **status}
+
+    def _elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1e3
+
+    def priced(self, plan: Plan) -> Plan:
+        """The routed plan, priced from the index alone and recorded."""
+        self.plan = plan
+        self.price = price = Price.of(plan, self.governor.high_tier)
+        record = self.record
+        record.num_chunks, record.high_res_chunks = price.num_chunks, price.high_res_chunks
+        record.context_tokens, record.vision_tokens = price.context_tokens, price.vision_tokens
+        record.text_tokens, record.query_tokens = price.text_tokens, price.query_tokens
+        return plan
+
+    def estimate(self) -> EstimateResponse:
+        plan, price = self.plan, self.price
+        chunks = [ChunkReport(chunk_id=c.chunk_id, doc_id=c.doc_id, relevance=c.relevance, tier=c.tier,
+                              variant=c.entry.variant if c.entry else None, num_tokens=c.num_tokens,
+                              vision_tokens=c.vision_tokens, position_span=c.position_span) for c in plan.chunks]
+        usage = TokenEstimate(context_tokens=price.context_tokens, context_vision_tokens=price.vision_tokens,
+                              context_text_tokens=price.text_tokens, query_tokens=price.query_tokens,
+                              max_new_tokens=self.request.max_new_tokens)
+        within = self.budget_tokens is None or price.context_tokens <= self.budget_tokens
+        self.finish(200)
+        return EstimateResponse(mode=plan.mode, chunks=chunks, usage=usage, high_res_chunks=price.high_res_chunks,
+                                budget_tokens=self.budget_tokens, within_budget=within)
+
+    async def prepare(self, sampling: Sampling) -> Answer | None:
+        """The cached answer (also kept as `hit`), or None once the budget holds and the tenant's token rate
+        admitted the work."""
+        governor = self.governor
+        check_budget(self.price, self.budget_tokens)
+        self.keys = governor.cache.keys(self.plan, sampling, self.record.task_type, self.record.tenant)
+        hit, self.lookup_ms = None, None
+        if self.keys is None:
+            result, self.cache_status = "bypass", "qvpic; fwd=bypass"  # nothing cacheable: no level on, or sampled
+        elif not self.directives.lookup:
+            result, self.cache_status = "no_cache", "qvpic; fwd=request"  # the client asked for a computed answer
+        else:
+            started = time.perf_counter()
+            hit = await governor.cache.lookup(self.keys, self.plan.query_embedding)
+            self.lookup_ms = (time.perf_counter() - started) * 1e3
+            result = hit.level.value if hit else "miss"
+            self.cache_status = f"qvpic; hit; detail={result}" if hit else "qvpic; fwd=uri-miss"
+        governor.metrics.response_cache.inc(result=result)
+        if hit is not None:
+            self.hit = self._from_cache(hit)
+            return self.hit
+        cost = self.price.context_tokens + self.price.query_tokens + sampling.max_new_tokens
+        await governor.limits.take(self.record.tenant, Limit.TOKENS, cost)
+        return None
+
+    def _from_cache(self, hit: CacheHit) -> Answer:
+        """The cached answer with this request's own timings: routed and looked up; no model phase ran, so
+        none is reported (null, not a 0 that would read as a measurement). Its latency is `total_ms`."""
+        timings = Timings(route_ms=self.plan.route_ms, load_ms=None, render_ms=None, queue_ms=None,
+                          reanchor_ms=None, prefill_ms=None, decode_ms=None, total_ms=0.0)
+        report = hit.answer.report.model_copy(update={
+            "timings": timings, "cache": CacheReport(hits=0, misses=0, nbytes_from_store=0), "cache_hit": True,
+            "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity,
+                                                  lookup_ms=self.lookup_ms)})
+        return Answer(hit.answer.text, report)
+
+    def first_token(self) -> None:
+        """A streamed delta was sent: the first one sets the time to first token."""
+        self.ttft_ms = self._elapsed_ms() if self.ttft_ms is None else self.ttft_ms
+
+    async def answered(self, answer: Answer) -> Answer:
+        """The answer as sent: a computed one with its (missed) lookup's time, stored in the response cache
+        unless the request said `no-store`; the turn finishes with 200."""
+        if self.hit is None:
+            if self.lookup_ms is not None:
+                answer = Answer(answer.text, answer.report.model_copy(
+                    update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)}))
+            if self.keys is not None and self.directives.store:
+                await self.governor.cache.store(self.keys, answer, self.plan.query_embedding)
+        self.finish(200, answer)
+        return answer
+
+    def finish(self, status: int, answer: Answer | None = None) -> None:
+        """Record the turn's metrics and log row; only the first call counts."""
+        if self.finished:
+            return
+        self.finished = True
+        metrics, record, route = self.governor.metrics, self.record, self.record.route
+        record.status, record.total_ms = status, self._elapsed_ms()
+        if status >= 400:
+            metrics.errors.inc(route=route, status=str(status))
+        if answer is not None:
+            self._record_answer(answer)
+        if self.governor.log is not None:
+            self.governor.log.append(record)
+
+    def _record_answer(self, answer: Answer) -> None:
+        metrics, record, report = self.governor.metrics, self.record, answer.report
+        level = report.response_cache.level
+        mode = report.mode.value
+        usage = report.usage
+        record.cache_level = level.value if level else None
+        record.context_tokens, record.vision_tokens = usage.context_tokens, usage.context_vision_tokens
+        record.text_tokens, record.query_tokens = usage.context_text_tokens, usage.query_tokens
+        record.completion_tokens, record.kv_loaded_bytes = usage.completion_tokens, report.cache.nbytes_from_store
+        # unstreamed: the generator's decode time is what came after the first token
+        decode_ms = report.timings.decode_ms or 0.0  # null on a response-cache hit
+        record.ttft_ms = self.ttft_ms if self.ttft_ms is not None else record.total_ms - decode_ms
+        cache = "hit" if level else "miss"
+        metrics.ttft_ms.observe(record.ttft_ms, mode=mode, cache=cache)
+        metrics.latency_ms.observe(record.total_ms, mode=mode, cache=cache)
+        if level is not None:
+            return  # no model work: the rest describes work done
+        metrics.context_tokens.observe(usage.context_tokens, mode=mode)
+        for chunk in report.chunks:
+            metrics.chunks.inc(mode=mode, tier=chunk.tier or "text")
+        if report.mode is Mode.QVPIC:
+            metrics.promotions.inc(sum(c.tier == self.governor.high_tier for c in report.chunks))
+        metrics.kv_lookups.inc(report.cache.hits, outcome="hit")
+        metrics.kv_lookups.inc(report.cache.misses, outcome="miss")
+        for tier, count in (("device", report.cache.device_hits), ("host", report.cache.hits),
+                            ("store", report.cache.misses)):
+            metrics.kv_tier_hits.inc(count, tier=tier)
+        metrics.kv_loaded_bytes.inc(report.cache.nbytes_from_store)
+        metrics.tier_fallbacks.inc(len(report.fallbacks))
+
+
+async def replay(hit: Answer) -> AsyncIterator[str | Answer]:
+    """A cached answer as a stream of the shape a computed one has: a delta per word, then the answer."""
+    for piece in re.findall(r"\S+\s*|\s+", hit.text):
+        yield piece
+    yield hit

@@ -1,0 +1,93 @@
+"""The governed request turn every answering route runs: govern → answer → record.
+
+`Turns.begin` opens a request's governance turn (serve/governance/turn.py) within its lifetime
+(serve/http/lifetime.py: a deadline, and cancellation when the client goes away). The `Exchange` it
+returns routes, answers — from the response cache, or through the backend's generator — and hands each
+result to the turn, for the native `/v1/answer` and the OpenAI `/v1/chat/completions` alike: only
+their wire formats differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request, Response
+
+from schemas.api import AnswerRequest
+from schemas.sampling import Sampling
+from serve.governance import Governor, Route, Turn, replay
+from serve.http.backend import Backend, api_error
+from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
+from serve.plan import Answer, Plan
+
+
+@dataclass
+class Turns:
+    backend: Backend
+    governor: Governor
+    timeout_s: float  # the deadline of a request that sets none
+
+    async def begin(self, http: Request, request: AnswerRequest, route: Route) -> Exchange:
+        """Authenticated and rate-checked (401, 400, 429 before any work), with its deadline set."""
+        turn = await self.governor.begin(http, request, route)
+        life = Lifetime(http, request_timeout_s(http, request.timeout_s, self.timeout_s))
+        return Exchange(self.backend, turn, life, Sampling.of(request))
+
+
+@dataclass
+class Exchange:
+    backend: Backend
+    turn: Turn
+    life: Lifetime
+    sampling: Sampling
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.turn.headers
+
+    async def route(self) -> Plan:
+        """Routed and priced, within the request's lifetime (all `/v1/estimate` does)."""
+        return await self.life.run(self._route())
+
+    async def admit(self) -> None:
+        """Routed, then prepared: the budget checked, the response cache asked, the token rate charged."""
+        await self.life.run(self._admit())
+
+    async def answer(self, response: Response) -> Answer:
+        """The whole answer; `response` carries the turn's headers."""
+        response.headers.update(self.headers)
+        return await self.life.run(self._answer(self.life.remaining_s()))
+
+    def stream(self) -> AsyncIterator[str | Answer]:
+        """Text deltas, then the answer, within the request's lifetime."""
+        return self.life.stream(self._stream(self.life.remaining_s()))
+
+    async def _route(self) -> Plan:
+        return self.turn.priced(await self.backend.route(self.turn.request, self.turn.budget_tokens))
+
+    async def _admit(self) -> None:
+        await self._route()
+        await self.turn.prepare(self.sampling)
+
+    async def _answer(self, timeout_s: float) -> Answer:
+        turn = self.turn
+        answer = turn.hit if turn.hit is not None else await self.backend.generate(turn.plan, self.sampling, timeout_s)
+        return await turn.answered(answer)
+
+    async def _stream(self, timeout_s: float) -> AsyncIterator[str | Answer]:
+        turn = self.turn
+        try:
+            events = (replay(turn.hit) if turn.hit is not None
+                      else self.backend.stream(turn.plan, self.sampling, timeout_s))
+            async for event in events:
+                if isinstance(event, str):
+                    turn.first_token()
+                else:
+                    event = await turn.answered(event)
+                yield event
+        except Exception as error:
+            turn.finish(api_error(error)[0])
+            raise
+        finally:
+            turn.finish(ClientClosedError.status_code)  # only if nothing above finished it: the client stopped reading
