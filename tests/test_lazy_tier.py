@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.store import entry_slots
 from pipeline.ingest import new_manifest
@@ -32,12 +33,18 @@ from serve.kv import is_pending
 from serve.plan import LoadedKV
 from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, corrupt_entry, serving_store  # noqa: F401
-from tests.test_batched_compile import query_logits
+from tests.test_batched_compile import QUERY
 
 QUERY = "When does part XK-4471-B ship?"
 REQUEST = AnswerRequest(query=QUERY, chunk_ids=["invoices#00000", "manual#00001"], mode=Mode.QVPIC, tau=0.5,
                         max_high_res=1, max_new_tokens=6)
 SAMPLING = Sampling(max_new_tokens=6)
+
+
+def query_logits(vlm, chunks) -> tuple[torch.Tensor, list[int]]:
+    """Logits of every query token prefilled on the linked chunks, and 6 greedy tokens after them."""
+    state = vlm.prefill_query(vlm.assemble(chunks), QUERY, all_logits=True)
+    return state.logits[0].clone(), vlm.generate(state, Sampling(max_new_tokens=6))
 
 
 @pytest.fixture(scope="module")
