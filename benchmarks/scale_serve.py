@@ -147,10 +147,11 @@ def measure(uri: str, seed: int = 1) -> dict:
     from schemas.config import ModelSpec, RouterSpec
     from schemas.generation import ReloadSpec
     from serve.routing import Router
+    from serve.config import RouterConfig
 
     imported = time.perf_counter()
-    router = Router(uri, ModelSpec(path="tiny-qwen", device="cpu"), RouterSpec(), max_chunks=64,
-                    reload=ReloadSpec(poll_s=0.05))
+    router = Router(RouterConfig(store=uri, model=ModelSpec(path="tiny-qwen", device="cpu"), max_chunks=64,
+                                 reload=ReloadSpec(poll_s=0.05)))
     ready = time.perf_counter()
     out = {"import_s": imported - started, "startup_s": ready - imported, "rss_startup": rss_mib(),
            "search": router.snapshot.catalog.vectors.info.model_dump(mode="json")}
@@ -167,7 +168,7 @@ def measure(uri: str, seed: int = 1) -> dict:
             router.route(request, query)
             if i >= 20:  # warm-up: the first searches page the index in
                 times[threads].append((time.perf_counter() - t) * 1e3)
-    vectors.set_search_threads(router.search_threads)
+    vectors.set_search_threads(router.config.scan.search_threads)
     out["route_ms"] = {f"{stat}_t{threads}": float(np.percentile(times[threads], q))
                        for threads in SEARCH_THREADS for stat, q in (("p50", 50), ("p99", 99))}
     out["rss_routed"] = rss_mib()

@@ -19,28 +19,11 @@ from serve.config import (  # noqa: F401  (AppConfig, DeploymentConfig: re-expor
     ApiSpec,
     AppConfig,
     DeploymentConfig,
-    LoaderConfig,
-    RouterConfig,
 )
 from serve.engine import Generator
 from serve.http import Ingress, make_api, respond
 from serve.kv import CacheLoader
 from serve.routing import BatchingRouter, check_store, servable_modes
-
-
-class RouterReplica(BatchingRouter):
-    """The deployed router, built from its typed config."""
-
-    def __init__(self, config: RouterConfig):
-        super().__init__(config.store, config.model, config.defaults, config.max_chunks, config.max_context_tokens,
-                         config.embedder_dir, config.reload, config.search_threads, config.carry_sources)
-
-
-class LoaderReplica(CacheLoader):
-    """The deployed cache loader, built from its typed config."""
-
-    def __init__(self, config: LoaderConfig):
-        super().__init__(config.store, config.max_nbytes, config.reload)
 
 
 def api_settings(args: AppConfig) -> ApiSpec:
@@ -76,8 +59,8 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
         return serve.deployment(cls, name=name).options(**resources.options(),
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 
-    router = deployment(RouterReplica, "Router", args.router_deployment).bind(config=args.router_config())
-    loader = deployment(LoaderReplica, "CacheLoader", args.loader_deployment).bind(config=args.loader_config())
+    router = deployment(BatchingRouter, "Router", args.router_deployment).bind(config=args.router_config())
+    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader_config())
     generator = deployment(Generator, "Generator", args.generator_deployment).bind(
         config=args.generator_config(), loader=loader)
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, StoreInfo
 from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
-from schemas.generation import ReloadSpec
+from schemas.generation import ReloadSpec, ScanSpec
 from schemas.store import StoreSpec
 from serve.governance import GovernanceConfig
 
@@ -60,7 +60,7 @@ class RouterConfig(StoreBound):
     max_context_tokens: int | None = Field(None, ge=1)
     embedder_dir: str | None = None
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
-    search_threads: int = Field(1, ge=1, le=256)  # threads one query's exhaustive scan may use
+    scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
 
 
@@ -122,7 +122,7 @@ class AppConfig(Frozen):
     def router_config(self) -> RouterConfig:
         return RouterConfig(store=self.store, model=self.model, defaults=self.router, max_chunks=self.max_chunks,
                             max_context_tokens=self.max_context_tokens, embedder_dir=self.embedder_dir,
-                            reload=self.reload, search_threads=self.router_search_threads,
+                            reload=self.reload, scan=ScanSpec(search_threads=self.router_search_threads),
                             carry_sources=self.recompute.enabled)
 
     def loader_config(self) -> LoaderConfig:

@@ -21,8 +21,8 @@ from schemas.store import ManifestError
 from serve.app import AppConfig, api_settings, preflight
 from serve.http import make_api
 from serve.http import InProcessBackend
-from serve.kv import CacheLoader
-from tests.store_factory import MAX_CHUNKS, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
+from serve.kv import store_row
+from tests.store_factory import MAX_CHUNKS, corrupt_entry, loader_of, roles, serving_store  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 QUERY = "When does part XK-4471-B ship?"
@@ -174,9 +174,9 @@ def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_s
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = asyncio.run(roles.router.plan(AnswerRequest(query=QUERY, chunk_ids=["recipes#00000"], mode="text_pic")))
-    corrupt_entry(root, planned.chunks[0].entry.row)
+    corrupt_entry(root, store_row(planned.chunks[0].entry.row))
     args = AppConfig(store={"uri": str(root)}, model=serving_store.model, max_chunks=MAX_CHUNKS, default_top_k=2)
-    loader = CacheLoader(str(root), 1 << 20)
+    loader = loader_of(str(root))
     broken = make_api(InProcessBackend(roles.router, loader, roles.generator), api_settings(args))
     body = {"query": QUERY, "chunk_ids": ["recipes#00000"], "mode": "text_pic"}
     plain = call(broken, "POST", "/v1/answer", json=body)

@@ -220,14 +220,14 @@ class Turn:
             "timings": timings, "cache": CacheReport(hits=0, misses=0, nbytes_from_store=0), "cache_hit": True,
             "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity,
                                                   lookup_ms=self.lookup_ms)})
-        return Answer(hit.answer.text, report)
+        return Answer(text=hit.answer.text, report=report)
 
     def _computed(self, answer: Answer) -> Answer:
         """A computed answer, with the time its response-cache lookup (a miss) took, if there was one."""
         if self.lookup_ms is None:
             return answer
         report = answer.report.model_copy(update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)})
-        return Answer(answer.text, report)
+        return Answer(text=answer.text, report=report)
 
     async def generate(self, backend: Backend, sampling: Sampling, hit: Answer | None,
                        timeout_s: float | None = None) -> Answer:
