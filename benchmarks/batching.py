@@ -36,9 +36,9 @@ from benchmarks import ttft_store
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec, RouterSpec
+from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Detokenizer
 from serve.engine import Generator
 from serve.kv import CacheLoader
@@ -150,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(uri: str, spec: ModelSpec, chunk_ids: list[str] | None, query: str | None, args, rounds: int) -> str:
-    router = Router(uri, spec, RouterSpec(), max(64, args.chunks))
+    router = Router(RouterConfig(store=uri, model=spec, max_chunks=max(64, args.chunks)))
     chunk_ids = chunk_ids or [r["chunk_id"] for r in router.chunk_rows[:args.chunks]]
     query = query or "What does the document say?"
-    loader = CacheLoader(uri, 4 << 30)
+    loader = CacheLoader(LoaderConfig(store=uri, max_nbytes=4 << 30))
     generator = Generator(GeneratorConfig(store=uri, model=spec))
     serial = SerialisedEngine(generator)
     sampling = Sampling(max_new_tokens=args.new_tokens)

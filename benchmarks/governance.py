@@ -30,12 +30,11 @@ import httpx
 
 from benchmarks import ttft_store
 from pipeline.eval import markdown_table, write_section
-from schemas.config import ModelSpec, RenderSpec, RouterSpec
+from schemas.config import ModelSpec, RenderSpec
 from serve.app import api_spec
-from serve.http import make_api
+from serve.config import AppConfig, GeneratorConfig, LoaderConfig, RouterConfig
 from serve.governance import key_digest
-from serve.http import InProcessBackend
-from serve.config import AppConfig, GeneratorConfig
+from serve.http import InProcessBackend, make_api
 from serve.engine import Generator
 from serve.governance import Governor
 from serve.kv import CacheLoader
@@ -113,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="qvpic-governance-") as workdir:
             bench = ttft_store.build(f"{workdir}/store", model, RenderSpec(), args.chunk_tokens, args.chunks)
-            router = Router(bench.uri, model, RouterSpec(), max_chunks=args.chunks)
+            router = Router(RouterConfig(store=bench.uri, model=model, max_chunks=args.chunks))
             generator = Generator(GeneratorConfig(store=bench.uri, model=model))
-            backend = InProcessBackend(router, CacheLoader(bench.uri, 1 << 30), generator)
+            loader = CacheLoader(LoaderConfig(store=bench.uri, max_nbytes=1 << 30))
+            backend = InProcessBackend(router, loader, generator)
             apps, governors = {}, []
             for name, governance in configs(Path(workdir), server.url if server else None).items():
                 app_args = AppConfig(store={"uri": bench.uri}, model=model, router={"max_chunks": args.chunks},

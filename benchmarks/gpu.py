@@ -26,9 +26,9 @@ import torch
 from benchmarks import batching, real_size, ttft_store
 from pipeline.eval import markdown_table
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec, RouterSpec
+from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader
 from serve.routing import Router
@@ -42,8 +42,8 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
     started = time.perf_counter()
     store = ttft_store.build(f"{workdir}/{name}-store", spec, RenderSpec(), 256, args.chunks)
     built_s = time.perf_counter() - started
-    router = Router(store.uri, spec, RouterSpec(), max(64, args.chunks))
-    loader = CacheLoader(store.uri, 8 << 30)
+    router = Router(RouterConfig(store=store.uri, model=spec, max_chunks=max(64, args.chunks)))
+    loader = CacheLoader(LoaderConfig(store=store.uri, max_nbytes=8 << 30))
     generator = Generator(GeneratorConfig(store=store.uri, model=spec))
     ids, one = list(store.chunk_ids), Sampling(max_new_tokens=1)
 

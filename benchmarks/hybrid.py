@@ -36,6 +36,7 @@ from schemas.config import HybridSpec, Mode, ModelSpec, RenderSpec, RouterSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec
 from serve.routing import Router
+from serve.config import RouterConfig
 
 COMMAND = "python -m benchmarks.hybrid --quick"
 CONFIGS = {"qvpic": None, "hybrid (defaults)": HybridSpec(enabled=True),
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         plain_s = ingest(str(Path(work) / "plain"), model, vlm, embedder, chunks, False)
         uri = str(Path(work) / "legible")
         legible_s = ingest(uri, model, vlm, embedder, chunks, True)
-        routers = {name: Router(uri, model, RouterSpec(hybrid=spec or HybridSpec()), 64) for name, spec in CONFIGS.items()}
+        routers = {name: Router(RouterConfig(store=uri, model=model, defaults=RouterSpec(hybrid=spec or HybridSpec()),
+                                             max_chunks=64)) for name, spec in CONFIGS.items()}
         results = {name: [] for name in CONFIGS}
         for record, doc_chunks in docs:
             request = AnswerRequest(query=record.input, doc_ids=[doc_chunks[0].doc_id], mode=Mode.QVPIC,

@@ -47,7 +47,7 @@ from pipeline.store import ShardReader, write_shard
 from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.store import StoreSpec
 from serve.kv import kv_tensor, to_wire
-from serve.plan import Entry, LoadedKV
+from serve.plan import Entry, EntryRow, KVLocation, LoadedKV
 
 FORMATS = tuple(KVQuant)
 TIERS = (("low", Variant.TEMPLATE), ("high", Variant.TEMPLATE), (None, Variant.TEXT))
@@ -63,13 +63,22 @@ def compile_tier(vlm: VLM, renderer: Renderer, texts: list[str], tier: str | Non
     return [vlm.compile_variant(variant, pages=renderer.render(t, renderer.spec.tier(tier)).pages) for t in texts]
 
 
+def placed(row: dict) -> Entry:
+    """The entry of a bare shard row (no chunk behind it): what `kv_tensor` reads is its location."""
+    location = KVLocation(**{f: row[f] for f in ("shard_path", "tensor_key", "byte_offset", "nbytes", "checksum",
+                                                 "dtype")}, shape=tuple(row["shape"]))
+    variant = Variant(row["variant"])
+    entry_row = EntryRow(kind=variant.kind, compile_start=0, grid_thw=(), image_sizes_px=(), stored=location)
+    return Entry(key="k", tier=row["tier"], variant=variant, num_tokens=row["shape"][3], vision_tokens=0,
+                 position_span=1, row=entry_row)
+
+
 def load(reader: ShardReader, rows: list[dict], vlm: VLM) -> list[torch.Tensor]:
     """What the loader and generator do to a miss: verified ranged reads, then onto the device in the model dtype."""
     out = []
     for row, entry in zip(rows, reader.load_many(rows)):
         array, dtype = to_wire(entry)
-        placed = Entry("k", row["tier"], Variant(row["variant"]), row["shape"][3], 0, 1, row)
-        out.append(kv_tensor(LoadedKV(array, dtype, placed), vlm.device, vlm.dtype, copy=True))
+        out.append(kv_tensor(LoadedKV(array=array, dtype=dtype, entry=placed(row)), vlm.device, vlm.dtype, copy=True))
     return out
 
 

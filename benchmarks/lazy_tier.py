@@ -32,11 +32,11 @@ from pipeline.ingest import IngestConfig, open_store
 from pipeline.runtime import VLM
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec, RouterSpec
+from schemas.config import Mode, ModelSpec
 from schemas.corpus import Chunk
 from schemas.sampling import Sampling
 from schemas.store import StoreSpec
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader
 from serve.routing import Router
@@ -68,8 +68,11 @@ class Side:
     """One store's serving roles, in-process."""
 
     def __init__(self, uri: str, model: ModelSpec):
-        self.uri, self.router = uri, Router(uri, model, RouterSpec(), 8)
-        self.generator, self.loader = Generator(GeneratorConfig(store=uri, model=model)), CacheLoader(uri, 1 << 30)
+        self.uri, self.router = uri, Router(RouterConfig(store=uri, model=model, max_chunks=8))
+        self.generator, self.loader = Generator(GeneratorConfig(store=uri, model=model)), self.fresh_loader()
+
+    def fresh_loader(self) -> CacheLoader:
+        return CacheLoader(LoaderConfig(store=self.uri, max_nbytes=1 << 30))
 
     def ttft_ms(self, chunk_id: str, query: str, fresh_loader: bool = False) -> float:
         """Wall time of a request serving one chunk at the high tier, decoding one token."""
@@ -77,7 +80,7 @@ class Side:
         started = time.perf_counter()
         plan = asyncio.run(self.router.plan(request))
         answer = self.generator.generate_blocking(plan, Sampling(max_new_tokens=1),
-                                                  loader=CacheLoader(self.uri, 1 << 30) if fresh_loader else self.loader)
+                                                  loader=self.fresh_loader() if fresh_loader else self.loader)
         assert answer.report.chunks[0].tier == "high", f"{chunk_id} was served at {answer.report.chunks[0].tier}"
         return (time.perf_counter() - started) * 1e3
 

@@ -42,7 +42,7 @@ PART_ROWS = 250_000
 QUERIES = 300
 RECALL_QUERIES = 100
 REALISTIC_BASE = 5_000  # real sentences the realistic rows are synthesised around (embedded once, cached)
-SEARCH_THREADS = (1, 2)  # route timed with the exhaustive scan on one thread and on two (`router.search_threads`)
+SEARCH_THREADS = (1, 2)  # route timed with the exhaustive scan on one thread and on two (`router.scan.search_threads`)
 QUERY_FILE = "bench-queries.npy"  # beside the store: the queries a realistic store is measured with
 
 
@@ -147,10 +147,11 @@ def measure(uri: str, seed: int = 1) -> dict:
     from schemas.config import ModelSpec, RouterSpec
     from schemas.generation import ReloadSpec
     from serve.routing import Router
+    from serve.config import RouterConfig
 
     imported = time.perf_counter()
-    router = Router(uri, ModelSpec(path="tiny-qwen", device="cpu"), RouterSpec(), max_chunks=64,
-                    reload=ReloadSpec(poll_s=0.05))
+    router = Router(RouterConfig(store=uri, model=ModelSpec(path="tiny-qwen", device="cpu"), max_chunks=64,
+                                 reload=ReloadSpec(poll_s=0.05)))
     ready = time.perf_counter()
     out = {"import_s": imported - started, "startup_s": ready - imported, "rss_startup": rss_mib(),
            "search": router.snapshot.catalog.vectors.info.model_dump(mode="json")}
@@ -167,7 +168,7 @@ def measure(uri: str, seed: int = 1) -> dict:
             router.route(request, query)
             if i >= 20:  # warm-up: the first searches page the index in
                 times[threads].append((time.perf_counter() - t) * 1e3)
-    vectors.set_search_threads(router.search_threads)
+    vectors.set_search_threads(router.config.scan.search_threads)
     out["route_ms"] = {f"{stat}_t{threads}": float(np.percentile(times[threads], q))
                        for threads in SEARCH_THREADS for stat, q in (("p50", 50), ("p99", 99))}
     out["rss_routed"] = rss_mib()
@@ -243,7 +244,7 @@ def section(results: list[dict]) -> str:
         f"sentences {s['real']['nn1']:.3f} / {s['real']['nn8']:.3f} / {s['real']['random']:.3f}"
         for r in results if (s := r.get("statistics")))
     return (f"{table}\n\nRoute = retrieval + placement for an embedded query (top-8, qvpic), after 20 warm-up "
-            "queries, with the exhaustive scan on one thread and on two (`router.search_threads: 2`, "
+            "queries, with the exhaustive scan on one thread and on two (`router.scan.search_threads: 2`, "
             "`qvpic serve --router-search-threads 2`; give the router deployment `num_cpus: 2` to match), "
             "the two interleaved query by query; the query embedding (MiniLM, one query) is timed apart. Start-up = `Router(...)` in a fresh "
             "process (tokenizer, embedder, the generation's catalog and index opened), imports apart. Publish runs "

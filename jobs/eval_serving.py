@@ -17,7 +17,7 @@ from pipeline.runtime import ChunkKV
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import ChunkKind, ModelSpec, RouterSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader, kv_tensor
 from serve.routing import PRICED_VARIANT
@@ -35,7 +35,8 @@ class InProcessAnswerer:
 
     @classmethod
     def open(cls, store: str, model: ModelSpec, router: RouterSpec | None = None) -> InProcessAnswerer:
-        return cls(Router(store, model, router or RouterSpec(), MAX_IDS_PER_REQUEST), CacheLoader(store, LRU_NBYTES),
+        config = RouterConfig(store=store, model=model, defaults=router or RouterSpec(), max_chunks=MAX_IDS_PER_REQUEST)
+        return cls(Router(config), CacheLoader(LoaderConfig(store=store, max_nbytes=LRU_NBYTES)),
                    Generator(GeneratorConfig(store=store, model=model)))
 
     def __call__(self, request: AnswerRequest) -> Answered:

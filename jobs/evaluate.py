@@ -169,6 +169,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     from pipeline.store import Store
     from schemas.api import MAX_IDS_PER_REQUEST
     from serve.routing import Router
+    from serve.config import RouterConfig
 
     started = time.perf_counter()
     items, source = load_items(args)
@@ -197,7 +198,8 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     fidelity_summaries = summarize_fidelity(fidelity)
     evidence, evidence_results, num_unlocated = [], [], 0
     if not args.no_legibility:
-        router = local.router if local else Router(store_uri, model, router_spec, MAX_IDS_PER_REQUEST)
+        router = local.router if local else Router(RouterConfig(store=store_uri, model=model, defaults=router_spec,
+                                                                max_chunks=MAX_IDS_PER_REQUEST))
         evidence_results, num_unlocated = judge_items(items, view, planner(router), serving_configs(args.legibility_grid),
                                                       OcrJudge(view), progress=not args.quiet)
         evidence = summarize_evidence(evidence_results, view.high_tier) if evidence_results else []

@@ -99,7 +99,7 @@ def app_args(ns: argparse.Namespace):
              "model.revision": ns.revision, "model.dtype": ns.dtype, "model.device": ns.device,
              "router.defaults.tau": ns.tau, "router.defaults.max_high_res": ns.max_high_res,
              "router.defaults.hybrid.enabled": ns.hybrid, "router.max_chunks": ns.max_chunks,
-             "router.max_context_tokens": ns.max_context_tokens, "router.search_threads": ns.router_search_threads,
+             "router.max_context_tokens": ns.max_context_tokens, "router.scan.search_threads": ns.router_search_threads,
              "loader.max_nbytes": ns.cache_nbytes, "generator.engine.max_batch_size": ns.max_batch_size,
              "generator.recompute.kind": ns.recompute, "generator.recompute.leading_num_tokens": ns.recompute_tokens,
              "generator.recompute.deviation_fraction": ns.recompute_fraction,

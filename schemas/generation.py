@@ -71,6 +71,13 @@ class SearchSpec(Frozen):
     calibration_sample_rows: int = Field(100_000, ge=1_000)  # calibrated first; rejected there: IVF never built
 
 
+class ScanSpec(Frozen):
+    """How a router searches a generation's vector index, per query (pipeline/store/catalog/vector_index.py)."""
+
+    search_threads: int = Field(1, ge=1, le=256)  # threads one query's exhaustive scan may use, one per shard group
+    rerank_candidates: int = Field(64, ge=1)  # int8 candidates rescored in float16 (at least 8 x k), as calibrated
+
+
 class CalibrationPoint(Frozen):
     nprobe: int
     scan_fraction: float  # share of the rows whose codes the search reads

@@ -15,26 +15,11 @@ from ray import serve
 from pipeline.store import ensure_generation, read_generation, require_recorded_parts
 from pipeline.store import Store
 from schemas.api import StoreInfo
-from serve.config import ApiSpec, AppConfig, DeploymentConfig, LoaderConfig, RouterConfig
+from serve.config import ApiSpec, AppConfig, DeploymentConfig
 from serve.engine import Generator
 from serve.http import Ingress
 from serve.kv import CacheLoader
 from serve.routing import BatchingRouter, check_store, servable_modes
-
-
-class RouterReplica(BatchingRouter):
-    """The deployed router, built from its typed config."""
-
-    def __init__(self, config: RouterConfig):
-        super().__init__(config.store, config.model, config.defaults, config.max_chunks, config.max_context_tokens,
-                         config.embedder_dir, config.reload, config.search_threads, config.carry_sources)
-
-
-class LoaderReplica(CacheLoader):
-    """The deployed cache loader, built from its typed config."""
-
-    def __init__(self, config: LoaderConfig):
-        super().__init__(config.store, config.max_nbytes, config.reload)
 
 
 def api_spec(args: AppConfig) -> ApiSpec:
@@ -71,8 +56,8 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
         return serve.deployment(cls, name=name).options(**resources.options(),
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 
-    router = deployment(RouterReplica, "Router", args.router_deployment).bind(config=args.router)
-    loader = deployment(LoaderReplica, "CacheLoader", args.loader_deployment).bind(config=args.loader)
+    router = deployment(BatchingRouter, "Router", args.router_deployment).bind(config=args.router)
+    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader)
     generator = deployment(Generator, "Generator", args.generator_deployment).bind(config=args.generator, loader=loader)
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(
         router=router, loader=loader, generator=generator, config=args.ingress, api=api_spec(args))

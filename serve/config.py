@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, Label, ResponseCacheLevel, StoreInfo
 from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
-from schemas.generation import ReloadSpec
+from schemas.generation import ReloadSpec, ScanSpec
 from schemas.store import StoreSpec
 
 
@@ -172,7 +172,7 @@ class RouterConfig(StoreBound):
     max_context_tokens: int | None = Field(None, ge=1)  # default: the model's max_position_embeddings
     embedder_dir: str | None = None  # default: the packaged all-MiniLM-L6-v2
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
-    search_threads: int = Field(1, ge=1, le=256)  # threads one query's exhaustive scan may use
+    scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
 
 

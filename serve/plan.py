@@ -3,17 +3,51 @@
 A request's plan, its loaded KV and its answer, as plain frozen dataclasses. This module imports
 nothing heavy (no torch, no transformers, no Ray), so the ingress and governance can hold and cache
 these types without loading the model stack. KV travels as numpy (bf16 as a uint16 view, see
-serve/kv/loader.py): Ray moves numpy buffers zero-copy.
+serve/kv/wire.py): Ray moves numpy buffers zero-copy. An entry carries the part of its index row the
+serving path reads, typed (`EntryRow`, built by `entry_of`): a plan is pickled at every hop between
+deployments, and a row dict pickled every key name and the columns nothing reads. The rows are named
+tuples, not slotted dataclasses: those pickle through Python-level `__getstate__`/`__setstate__`, which
+made a 16-chunk plan 2.5x slower to pickle than with dicts; tuples pickle in C.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from schemas.api import AnswerReport, CacheReport, FallbackReport
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
+from schemas.store import CacheKey
+
+Pages = tuple[tuple[int, ...], ...]  # one tuple per page: [t, h, w] grids, [width, height] sizes
+
+
+class KVLocation(NamedTuple):
+    """Where a compiled entry's KV lies in the store, and what its bytes must be (checked on every read)."""
+
+    shard_path: str  # relative to the store root
+    tensor_key: str
+    byte_offset: int
+    nbytes: int
+    checksum: str  # sha256 hex of the stored bytes
+    shape: tuple[int, ...]  # [layers, 2, kv_heads, tokens, head_dim], also of a quantised record's KV
+    dtype: str  # DType value, or the KVQuant format of a quantised record
+
+
+class EntryRow(NamedTuple):
+    """What the serving path reads of an entry's index row besides `Entry`'s own fields (its chunk key and
+    fingerprint are in the entry's cache key)."""
+
+    kind: ChunkKind
+    compile_start: int  # first position the KV was compiled at
+    grid_thw: Pages  # [t, h, w] per page; empty for text
+    image_sizes_px: Pages  # [width, height] per page; empty for text
+    stored: KVLocation | None  # None: not in the store (pending, or compiled and not written back)
+    legibility: float | None = None  # OCR score of the pages, where ingest measured it
+    pending: bool = False  # planned before it exists: a lazily compiled tier's entry (serve/kv/pending.py)
 
 
 @dataclass(frozen=True)
@@ -26,7 +60,25 @@ class Entry:
     num_tokens: int
     vision_tokens: int
     position_span: int
-    row: dict  # the index row (shard_path, tensor_key, nbytes, checksum, compile_start, kind, grid_thw, dtype)
+    row: EntryRow
+
+    @property
+    def cache_key(self) -> CacheKey:
+        return CacheKey.parse(self.key)
+
+
+def entry_of(row: Mapping[str, Any]) -> Entry:
+    """The one way an index row (INDEX_SCHEMA, as the catalog or the store reads it) becomes an `Entry`."""
+    variant = Variant(row["variant"])
+    key = CacheKey(row["chunk_key"], row["tier"], variant, row["fingerprint"]).to_str()
+    stored = KVLocation(shard_path=row["shard_path"], tensor_key=row["tensor_key"], byte_offset=row["byte_offset"],
+                        nbytes=row["nbytes"], checksum=row["checksum"], shape=tuple(row["shape"]), dtype=row["dtype"])
+    typed = EntryRow(kind=ChunkKind(row["kind"]), compile_start=row["compile_start"],
+                     grid_thw=tuple(map(tuple, row["grid_thw"])),
+                     image_sizes_px=tuple(map(tuple, row["image_sizes_px"])), stored=stored,
+                     legibility=row.get("legibility"))
+    return Entry(key=key, tier=row["tier"], variant=variant, num_tokens=row["num_tokens"],
+                 vision_tokens=row["vision_tokens"], position_span=row["position_span"], row=typed)
 
 
 @dataclass(frozen=True)
@@ -68,20 +120,20 @@ class LoadedKV:
     """One chunk's KV as it travels to the generator, with what is needed to place it."""
 
     array: np.ndarray  # [layers, 2, kv_heads, tokens, head_dim], or a quantised entry's uint8 record
-    dtype: DType | KVQuant  # a KVQuant: `array` is the record of a KV of shape entry.row["shape"]
+    dtype: DType | KVQuant  # a KVQuant: `array` is the record of a KV of shape entry.row.stored.shape
     entry: Entry  # the entry actually served (the fallback's when one was used)
 
     @property
     def compile_start(self) -> int:
-        return self.entry.row["compile_start"]
+        return self.entry.row.compile_start
 
     @property
     def kind(self) -> ChunkKind:
-        return ChunkKind(self.entry.row["kind"])
+        return self.entry.row.kind
 
     @property
     def grid_thw(self) -> list[tuple[int, int, int]]:
-        return [tuple(g) for g in self.entry.row["grid_thw"]]
+        return list(self.entry.row.grid_thw)
 
 
 @dataclass(frozen=True)

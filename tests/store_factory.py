@@ -19,9 +19,9 @@ from pipeline.store import publish_generation
 from pipeline.ingest import new_manifest
 from pipeline.runtime import VLM
 from pipeline.store import Store
-from schemas.config import KVQuant, ModelSpec, RenderSpec, RouterSpec, Variant
+from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import Chunk
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader
 from serve.routing import Router
@@ -98,8 +98,14 @@ class Roles:
     generator: Generator
 
 
+def loader_of(uri: str, max_nbytes: int = 1 << 20) -> CacheLoader:
+    """A cache loader over the store at `uri`, as a test builds one in-process."""
+    return CacheLoader(LoaderConfig(store=uri, max_nbytes=max_nbytes))
+
+
 @pytest.fixture(scope="session")
 def roles(serving_store: ServingStore) -> Roles:
     """The three serving roles in-process (no Ray) over `serving_store`."""
-    router = Router(serving_store.uri, serving_store.model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS)
-    return Roles(router, CacheLoader(serving_store.uri, 1 << 20), Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))
+    router = Router(RouterConfig(store=serving_store.uri, model=serving_store.model, max_chunks=MAX_CHUNKS,
+                                 max_context_tokens=MAX_CONTEXT_TOKENS))
+    return Roles(router, loader_of(serving_store.uri), Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))

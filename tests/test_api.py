@@ -23,8 +23,8 @@ from serve.app import api_spec, preflight
 from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
-from serve.kv import CacheLoader
-from tests.store_factory import MAX_CHUNKS, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
+from serve.kv import store_row
+from tests.store_factory import MAX_CHUNKS, corrupt_entry, loader_of, roles, serving_store  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 QUERY = "When does part XK-4471-B ship?"
@@ -177,7 +177,7 @@ def test_each_flag_lands_in_its_role_and_shared_fields_are_set_once():
         "--request-timeout-s", "7", "--served-model-name", "m", "--hybrid", "--recompute", "leading"])
     args = run_server.app_args(ns)
     assert (args.loader.max_nbytes, args.router.max_chunks, args.router.max_context_tokens) == (1024, 9, 512)
-    assert (args.router.search_threads, args.generator.engine.max_batch_size) == (2, 4)
+    assert (args.router.scan.search_threads, args.generator.engine.max_batch_size) == (2, 4)
     assert (args.ingress.default_top_k, args.ingress.request_timeout_s, args.ingress.served_model_name) == (3, 7, "m")
     assert args.router.defaults.hybrid.enabled and args.router.carry_sources  # carry_sources follows recompute
     for role in (args.router, args.loader, args.generator):  # the shared fields, copied from the top
@@ -197,10 +197,10 @@ def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_s
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = asyncio.run(roles.router.plan(AnswerRequest(query=QUERY, chunk_ids=["recipes#00000"], mode="text_pic")))
-    corrupt_entry(root, planned.chunks[0].entry.row)
+    corrupt_entry(root, store_row(planned.chunks[0].entry.row))
     args = AppConfig(store={"uri": str(root)}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
                      ingress={"default_top_k": 2})
-    loader = CacheLoader(str(root), 1 << 20)
+    loader = loader_of(str(root))
     broken = make_api(InProcessBackend(roles.router, loader, roles.generator), api_spec(args))
     body = {"query": QUERY, "chunk_ids": ["recipes#00000"], "mode": "text_pic"}
     plain = call(broken, "POST", "/v1/answer", json=body)

@@ -84,6 +84,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
     from pipeline.runtime import VLM
     from schemas.config import Variant
     from serve.routing import Router
+    from serve.config import RouterConfig
 
     items = fixture_items()
     model, embedder = ModelSpec(path="tiny-qwen", device="cpu"), Embedder()
@@ -93,7 +94,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
                  for doc_id, text in corpus_documents(items).items()}
     build_store(tmp_path, vlm, embedder, documents, variants=(Variant.TEMPLATE,))
     view = StoreView(Store.open(str(tmp_path)))
-    router = Router(str(tmp_path), model, RouterSpec(), 256)
+    router = Router(RouterConfig(store=str(tmp_path), model=model, max_chunks=256))
     embedded: list[str] = []
     embed_query = router.embed_query
 

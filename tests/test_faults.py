@@ -25,19 +25,19 @@ from pipeline.ingest import IngestConfig, ingest
 from pipeline.runtime.render import resolve_font
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, RouterSpec
+from schemas.config import Mode
 from schemas.corpus import Chunk
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.http import make_api
 from serve.http import InProcessBackend
-from serve.config import AppConfig, GeneratorConfig
+from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
+from serve.kv import store_row
 from serve.routing import Router
 from tests.fixtures_redis import start_redis
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (pytest fixture)
-from tests.store_factory import MAX_CHUNKS, ServingStore, corrupt_entry, roles, serving_store  # noqa: F401
+from tests.store_factory import MAX_CHUNKS, ServingStore, corrupt_entry, loader_of, roles, serving_store  # noqa: F401
 from tests.test_api import call, sse_events
 from tests.test_ingest_e2e import assert_complete
 from tests.test_metrics import metric
@@ -54,7 +54,7 @@ def in_process_app(store_uri: str, serving: ServingStore, router: Router, genera
     args = AppConfig(store={"uri": store_uri}, model=serving.model, router={"max_chunks": MAX_CHUNKS},
                      ingress={"default_top_k": 2})
     generator.contexts.hot.clear()  # cold, like the new loader: every entry is read from the store again
-    return make_api(InProcessBackend(router, CacheLoader(store_uri, 1 << 20), generator), api_spec(args))
+    return make_api(InProcessBackend(router, loader_of(store_uri), generator), api_spec(args))
 
 
 def test_corrupt_entries_are_rebuilt_exactly_as_ingest_built_them(roles, serving_store, tmp_path):
@@ -71,13 +71,13 @@ def test_corrupt_entries_are_rebuilt_exactly_as_ingest_built_them(roles, serving
                 for mode, r in requests.items()}
     clean_store = Store.open(serving_store.uri)
     for chunk, entry in entries.values():
-        corrupt_entry(root, entry.row)
+        corrupt_entry(root, store_row(entry.row))
         rebuilt = roles.generator.repairer.recompile(chunk, entry)  # what ingest wrote, up to its batch's float rounding
-        original = clean_store.load_kv(entry.row)
+        original = clean_store.load_kv(store_row(entry.row))
         assert rebuilt.kv.dtype == original.dtype and rebuilt.kv.shape == original.shape
         assert float((rebuilt.kv - original).abs().max()) <= 1e-5  # ingest compiles in padded batches
         assert (rebuilt.num_tokens, rebuilt.position_span, rebuilt.compile_start) == (
-            entry.num_tokens, entry.position_span, entry.row["compile_start"])
+            entry.num_tokens, entry.position_span, entry.row.compile_start)
 
     app = in_process_app(str(root), serving_store, roles.router, roles.generator)  # a cold loader: every read fails
     before = (metric(app, "qvpic_corrupt_shards_total"), metric(app, "qvpic_kv_recompiles_total", outcome="recompiled"))
@@ -113,7 +113,7 @@ def test_unrebuildable_entries_take_their_backup_or_are_a_clean_503(serving_stor
     shutil.copytree(serving_store.uri, root)
     image_path = tmp_path / "scan.png"
     scan = add_scanned_page(root, serving_store, image_path)
-    router = Router(str(root), serving_store.model, RouterSpec(), MAX_CHUNKS)
+    router = Router(RouterConfig(store=str(root), model=serving_store.model, max_chunks=MAX_CHUNKS))
     generator = Generator(GeneratorConfig(store=str(root), model=serving_store.model))
     body = {"query": "When does the Glacier order ship?", "chunk_ids": [scan], "mode": "qvpic", "tau": 1.0,
             "max_new_tokens": 4}
@@ -124,7 +124,7 @@ def test_unrebuildable_entries_take_their_backup_or_are_a_clean_503(serving_stor
     assert call(app, "POST", "/v1/answer", json=body).json()["chunks"][0]["tier"] == "high"
 
     image_path.unlink()  # the page image is gone from this replica: the entry cannot be rebuilt
-    corrupt_entry(root, high.row)
+    corrupt_entry(root, store_row(high.row))
     app = in_process_app(str(root), serving_store, router, generator)
     before = metric(app, "qvpic_kv_recompiles_total", outcome="backup")
     reply = call(app, "POST", "/v1/answer", json=body).json()
@@ -134,7 +134,7 @@ def test_unrebuildable_entries_take_their_backup_or_are_a_clean_503(serving_stor
     assert "checksum" in fallback["reason"] and "not readable" in fallback["reason"]
     assert metric(app, "qvpic_kv_recompiles_total", outcome="backup") - before == 1
 
-    corrupt_entry(root, low.row)  # now nothing readable is left: refused, never a gap in the context
+    corrupt_entry(root, store_row(low.row))  # now nothing readable is left: refused, never a gap in the context
     app = in_process_app(str(root), serving_store, router, generator)
     before = metric(app, "qvpic_kv_recompiles_total", outcome="unservable")
     refused = call(app, "POST", "/v1/answer", json=body)

@@ -23,15 +23,16 @@ from pipeline.ingest import RecompileConfig
 from pipeline.ingest.recompile_job import target_manifest
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import RenderSpec, RouterSpec, TierSpec
+from schemas.config import RenderSpec, TierSpec
 from schemas.generation import LEASES_DIR, Generation, Lease, ReloadSpec
 from schemas.store import StoreSpec
 from serve.kv import CacheLoader
+from serve.config import LoaderConfig, RouterConfig
 from serve.plan import Plan
 from serve.routing.retrieval import open_snapshot
 from serve.routing import Router
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
-from tests.store_factory import MAX_CHUNKS, ServingStore, serving_store  # noqa: F401  (fixture)
+from tests.store_factory import MAX_CHUNKS, ServingStore, loader_of, serving_store  # noqa: F401  (fixture)
 
 QUERY = "When does part XK-4471-B ship?"
 NEW_RENDER = RenderSpec(tiers=(TierSpec(name="low", dpi=72), TierSpec(name="high", dpi=100)))  # high tier changes
@@ -69,7 +70,7 @@ def assert_one_generation(root: Path, planned: Plan) -> None:
     for chunk in planned.chunks:
         for entry in (chunk.entry, chunk.fallback):
             if entry is not None:
-                assert entry.row["fingerprint"] == manifest.entry_fingerprint(entry.variant, entry.tier)
+                assert entry.cache_key.fingerprint == manifest.entry_fingerprint(entry.variant, entry.tier)
 
 
 def test_publish_snapshots_what_the_store_serves(serving_store, tmp_path):
@@ -87,8 +88,9 @@ def test_publish_snapshots_what_the_store_serves(serving_store, tmp_path):
 
 def test_router_switches_generations_and_every_plan_uses_one(serving_store, tmp_path):
     root = copy_store(serving_store, tmp_path / "store")
-    router = Router(str(root), serving_store.model, RouterSpec(), MAX_CHUNKS, reload=ReloadSpec(enabled=False))
-    loader = CacheLoader(str(root), 1 << 20)
+    router = Router(RouterConfig(store=str(root), model=serving_store.model, max_chunks=MAX_CHUNKS,
+                                 reload=ReloadSpec(enabled=False)))
+    loader = loader_of(str(root))
     before = router.generation
     plans: list[Plan] = []
     stop = threading.Event()
@@ -124,10 +126,10 @@ def test_recompile_keeps_shards_a_live_router_serves(serving_store, tmp_path, le
     """`recompile --orphan-grace-s 0` under a live router: its generation's shards stay until it moves
     on. Without the lease (the negative control) they are deleted under it, as they used to be."""
     root = copy_store(serving_store, tmp_path / "store")
-    router = Router(str(root), serving_store.model, RouterSpec(), MAX_CHUNKS, reload=NO_POLL)
-    loader = CacheLoader(str(root), 0, reload=NO_POLL)  # no LRU: every load reads the shards
+    router = Router(RouterConfig(store=str(root), model=serving_store.model, max_chunks=MAX_CHUNKS, reload=NO_POLL))
+    loader = CacheLoader(LoaderConfig(store=str(root), max_nbytes=0, reload=NO_POLL))  # no LRU: every load reads the shards
     old_plan = plan(router)
-    old_shards = {c.entry.row["shard_path"] for c in old_plan.chunks if c.tier == "high"}
+    old_shards = {c.entry.row.stored.shard_path for c in old_plan.chunks if c.tier == "high"}
     assert old_shards
     if not leased:
         router.close()  # a replica that serves without leasing
@@ -168,7 +170,7 @@ def test_expired_and_torn_leases_protect_nothing(serving_store, tmp_path):
 
 def test_a_generation_this_router_cannot_serve_is_refused_and_the_old_one_kept(serving_store, tmp_path):
     root = copy_store(serving_store, tmp_path / "store")
-    router = Router(str(root), serving_store.model, RouterSpec(), MAX_CHUNKS, reload=NO_POLL)
+    router = Router(RouterConfig(store=str(root), model=serving_store.model, max_chunks=MAX_CHUNKS, reload=NO_POLL))
     store = Store.open(str(root))
     manifest = store.load_manifest_or_raise()
     store.write_manifest(manifest.model_copy(update={"embedder": "another-embedder"}))

@@ -13,16 +13,15 @@ import torch
 from pipeline.runtime import VLM
 from schemas.sampling import Sampling
 from schemas.api import AnswerRequest, FinishReason
-from schemas.config import DType, Mode, ModelSpec, RouterSpec
-from serve.config import GeneratorConfig
+from schemas.config import DType, Mode, ModelSpec
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import HotTier
 from serve.plan import Answer, Plan
-from serve.kv import CacheLoader, to_wire
-from serve.kv.loader import from_wire
+from serve.kv import CacheLoader, from_wire, store_row, to_wire
 from serve.kv.lru import ByteLRU
 from serve.routing import Router
-from tests.store_factory import Roles, build_store, corrupt_entry, roles, serving_store  # noqa: F401  (fixtures)
+from tests.store_factory import Roles, build_store, corrupt_entry, loader_of, roles, serving_store  # noqa: F401  (fixtures)
 
 QUERY = "When does part XK-4471-B ship?"
 DOCUMENT = "Invoice 4471: part XK-4471-B ships on 12 March. The total is $1,093.40."
@@ -81,11 +80,11 @@ def test_wire_round_trip_keeps_bits():
 
 # ---- loader ---------------------------------------------------------------------------------------
 def test_loader_counts_hits_and_misses(roles, serving_store):
-    loader = CacheLoader(serving_store.uri, 1 << 20)
+    loader = loader_of(serving_store.uri)
     planned = plan(roles, doc_ids=["invoices", "manual"], mode=Mode.TEXT_PIC)
     first, second = loader.load(planned), loader.load(planned)
     assert (first.cache.hits, first.cache.misses) == (0, 4)
-    assert first.cache.nbytes_from_store == sum(c.entry.row["nbytes"] for c in planned.chunks)
+    assert first.cache.nbytes_from_store == sum(c.entry.row.stored.nbytes for c in planned.chunks)
     assert (second.cache.hits, second.cache.misses, second.cache.nbytes_from_store) == (4, 0, 0)
     assert [kv.entry.key for kv in second.kvs] == [c.entry.key for c in planned.chunks]
 
@@ -95,8 +94,8 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
     shutil.copytree(serving_store.uri, root)
     planned = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.UNIFORM_HIGH)
     clean = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loader=roles.loader)
-    corrupt_entry(root, planned.chunks[0].entry.row)
-    result = CacheLoader(str(root), 1 << 20).load(planned)
+    corrupt_entry(root, store_row(planned.chunks[0].entry.row))
+    result = loader_of(str(root)).load(planned)
     (unreadable,) = result.unreadable
     assert (unreadable.position, unreadable.entry.tier, unreadable.backup.entry.tier) == (0, "high", "low")
     assert result.kvs[0] is None and result.kvs[1].entry.tier == "high" and "checksum" in unreadable.reason
@@ -105,8 +104,8 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
     assert reply.text == clean.text
 
     low_only = plan(roles, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC)
-    corrupt_entry(root, low_only.chunks[0].entry.row)
-    result = CacheLoader(str(root), 1 << 20).load(low_only)
+    corrupt_entry(root, store_row(low_only.chunks[0].entry.row))
+    result = loader_of(str(root)).load(low_only)
     assert result.kvs == (None,) and result.unreadable[0].backup is None
     assert roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4), loaded=result).text == \
         roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4), loader=roles.loader).text
@@ -180,7 +179,7 @@ def test_other_families_linked_answers_equal_online_answers(serving_store, tmp_p
     model = ModelSpec(path=name, device="cpu")
     build_store(tmp_path, VLM(model), serving_store.embedder, {"invoices": [DOCUMENT]})
     uri = str(tmp_path)
-    glm = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 20),
+    glm = Roles(Router(RouterConfig(store=uri, model=model, max_chunks=4)), loader_of(uri),
                 Generator(GeneratorConfig(store=uri, model=model)))
     for linked, online in ((Mode.QVPIC, Mode.FULL_IMAGE), (Mode.TEXT_PIC, Mode.FULL_TEXT)):
         fields = {"chunk_ids": ["invoices#00000"], "tau": 1.0, "max_new_tokens": 16}
@@ -191,8 +190,8 @@ def test_other_families_linked_answers_equal_online_answers(serving_store, tmp_p
 class CountingLoader(CacheLoader):
     """A loader that records which entries each call asked for."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, config: LoaderConfig):
+        super().__init__(config)
         self.asked: list[list[str]] = []
 
     def load(self, plan):
@@ -202,7 +201,7 @@ class CountingLoader(CacheLoader):
 
 def test_hot_chunks_cross_to_the_device_once_and_misses_fetch_only_what_is_missing(roles, serving_store):
     roles.generator.contexts.hot.clear()
-    loader = CountingLoader(serving_store.uri, 1 << 20)
+    loader = CountingLoader(LoaderConfig(store=serving_store.uri, max_nbytes=1 << 20))
     first = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.TEXT_PIC, max_new_tokens=4)
     second = plan(roles, chunk_ids=["manual#00000", "recipes#00000", "invoices#00000"], mode=Mode.TEXT_PIC,
                   max_new_tokens=4)
@@ -222,7 +221,7 @@ def test_the_hot_tier_keeps_its_byte_cap(roles, serving_store):
     sizes = {}
     for chunk_id in ("invoices#00000", "manual#00000", "recipes#00000"):
         planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC)
-        sizes[chunk_id] = planned.chunks[0].entry.row["nbytes"]
+        sizes[chunk_id] = planned.chunks[0].entry.row.stored.nbytes
     generator = roles.generator
     saved = generator.contexts.hot
     generator.contexts.hot = HotTier(sizes["invoices#00000"] + sizes["manual#00000"])

@@ -15,14 +15,13 @@ from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import HybridSpec, Mode, RenderSpec, RouterSpec, Variant
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
 from serve.routing.hybrid import Choice, choose
-from serve.kv import CacheLoader
-from serve.routing.placement import place
-from serve.plan import Entry
+from serve.plan import Entry, entry_of
+from serve.routing import PlacementSpec, Selection, place
 from serve.routing import Router
-from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, serving_store  # noqa: F401
+from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, loader_of, serving_store  # noqa: F401
 
 ON = HybridSpec(enabled=True)
 LOW, HIGH = RenderSpec().tiers
@@ -31,21 +30,25 @@ PROSE = ("To reset the router, hold the button for ten seconds until the light b
          "years of normal use and excludes water damage.")
 
 
+def index_row(variant: Variant, tier: str | None, num_tokens: int, legibility: float | None) -> dict:
+    """An index row as placement reads it (its shard never read here)."""
+    return {"chunk_key": "0" * 64, "tier": tier, "variant": variant.value, "fingerprint": "f" * 64,
+            "kind": "text" if tier is None else "image", "num_tokens": num_tokens, "compile_start": 0,
+            "vision_tokens": 0 if tier is None else num_tokens, "position_span": num_tokens, "grid_thw": [],
+            "image_sizes_px": [], "dtype": "float32", "shard_path": "shards/x.safetensors", "tensor_key": "x",
+            "nbytes": 0, "byte_offset": 0, "shape": [1, 2, 1, num_tokens, 8], "checksum": "0" * 64,
+            "legibility": legibility}
+
+
 def entry(variant: Variant, tier: str | None, num_tokens: int, legibility: float | None = None) -> Entry:
-    row = {"chunk_key": "0" * 64, "tier": tier, "variant": variant.value, "legibility": legibility}
-    return Entry(f"{tier}/{variant.value}", tier, variant, num_tokens, 0 if tier is None else num_tokens, num_tokens, row)
+    return entry_of(index_row(variant, tier, num_tokens, legibility))
 
 
 def chunk_slots(text_tokens: int, low_tokens: int, high_tokens: int, low_legibility: float | None) -> dict:
     """One chunk's index rows as placement reads them: text, low and high templated (the high tier legible)."""
-    def row(variant: Variant, tier: str | None, tokens: int, legibility: float | None) -> dict:
-        return {"chunk_key": "0" * 64, "tier": tier, "variant": variant.value, "fingerprint": "f" * 64,
-                "num_tokens": tokens, "vision_tokens": 0 if tier is None else tokens, "position_span": tokens,
-                "legibility": legibility}
-
-    return {(None, Variant.TEXT): row(Variant.TEXT, None, text_tokens, None),
-            ("low", Variant.TEMPLATE): row(Variant.TEMPLATE, "low", low_tokens, low_legibility),
-            ("high", Variant.TEMPLATE): row(Variant.TEMPLATE, "high", high_tokens, 1.0)}
+    return {(None, Variant.TEXT): index_row(Variant.TEXT, None, text_tokens, None),
+            ("low", Variant.TEMPLATE): index_row(Variant.TEMPLATE, "low", low_tokens, low_legibility),
+            ("high", Variant.TEMPLATE): index_row(Variant.TEMPLATE, "high", high_tokens, 1.0)}
 
 
 # (text, low, high tokens, low legibility): a short chunk, a digit table 72 DPI blurs, legible prose
@@ -55,8 +58,10 @@ SHORT, DIGITS, PROSE_CHUNK = (6, 13, 38, 0.99), (24, 14, 40, 0.80), (60, 20, 56,
 def placed(hybrid: HybridSpec | None, chunks=(SHORT, DIGITS, PROSE_CHUNK), relevance=(0.9, 0.5, 0.4),
            max_high_res: int = 1, room_tokens: int = 10_000):
     catalog = [{"chunk_id": f"c{i}", "doc_id": "d", "num_text_tokens": c[0]} for i, c in enumerate(chunks)]
-    planned, _ = place(Mode.QVPIC, catalog, [chunk_slots(*c) for c in chunks], list(relevance), lambda: [], LOW,
-                       "high", 1.0, max_high_res, room_tokens, hybrid=hybrid)
+    slots = [chunk_slots(*c) for c in chunks]
+    rows = Selection(chunks=catalog, slots=slots, relevance=list(relevance), texts=lambda: [])
+    policy = RouterSpec(tau=1.0, max_high_res=max_high_res, hybrid=hybrid or HybridSpec())
+    planned, _ = place(Mode.QVPIC, rows, PlacementSpec(policy=policy, low=LOW, tier="high"), room_tokens)
     return [(c.tier, c.entry.variant.value, c.num_tokens) for c in planned]
 
 
@@ -115,16 +120,17 @@ def test_ingest_stores_legibility_and_a_hybrid_context_is_served(legible_store, 
     texts = sorted((r["num_tokens"], r["chunk_key"]) for r in index if r["variant"] == "text")
     lows = {r["chunk_key"]: r["num_tokens"] for r in index if r["variant"] == "template" and r["tier"] == "low"}
     ratio = min(t / lows[k] for t, k in texts) * 1.001
-    router = Router(legible_store, serving_store.model, RouterSpec(hybrid=HybridSpec(enabled=True, text_cost_ratio=ratio,
-                                                                                       min_legibility=0.0)),
-                    MAX_CHUNKS, MAX_CONTEXT_TOKENS)
-    plain = Router(legible_store, serving_store.model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS)
+    hybrid = RouterSpec(hybrid=HybridSpec(enabled=True, text_cost_ratio=ratio, min_legibility=0.0))
+    router = Router(RouterConfig(store=legible_store, model=serving_store.model, defaults=hybrid, max_chunks=MAX_CHUNKS,
+                                 max_context_tokens=MAX_CONTEXT_TOKENS))
+    plain = Router(RouterConfig(store=legible_store, model=serving_store.model, max_chunks=MAX_CHUNKS,
+                                max_context_tokens=MAX_CONTEXT_TOKENS))
     hybrid_plan, plain_plan = asyncio.run(router.plan(request)), asyncio.run(plain.plan(request))
     kinds = [c.entry.variant for c in hybrid_plan.chunks]
     assert Variant.TEXT in kinds and Variant.TEMPLATE in kinds
     assert all(c.entry.variant is Variant.TEMPLATE for c in plain_plan.chunks)  # off: pure qvpic
     generator = Generator(GeneratorConfig(store=legible_store, model=serving_store.model))
-    answer = generator.generate_blocking(hybrid_plan, Sampling(max_new_tokens=4), loader=CacheLoader(legible_store, 1 << 20))
+    answer = generator.generate_blocking(hybrid_plan, Sampling(max_new_tokens=4), loader=loader_of(legible_store))
     assert [c.variant for c in answer.report.chunks] == kinds and answer.report.fallbacks == []
     assert answer.report.usage.context_text_tokens > generator.generate_blocking(
-        plain_plan, Sampling(max_new_tokens=4), loader=CacheLoader(legible_store, 1 << 20)).report.usage.context_text_tokens
+        plain_plan, Sampling(max_new_tokens=4), loader=loader_of(legible_store)).report.usage.context_text_tokens

@@ -15,13 +15,13 @@ from pipeline.runtime import ChunkKV
 from pipeline.store import ShardCorruptError, ShardReader, write_shard
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import DType, KVQuant, RenderSpec, RouterSpec, Variant
+from schemas.config import DType, KVQuant, RenderSpec, Variant
 from schemas.store import Manifest
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader, kv_tensor
+from serve.kv import kv_tensor
 from serve.routing import Router
-from tests.store_factory import Roles, build_store, serving_store  # noqa: F401  (fixture)
+from tests.store_factory import Roles, build_store, loader_of, serving_store  # noqa: F401  (fixture)
 
 QUANTS = (KVQuant.INT8, KVQuant.FP8)
 # Worst relative L2 error of any key channel / value token (over its own axis): int8's step is absmax/127,
@@ -190,8 +190,9 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
     assert sum(index["nbytes"].to_pylist()) < 0.3 * sum(plain_index["nbytes"].to_pylist())  # of float32
 
     model, uri = serving_store.model, str(tmp_path)
-    quant = Roles(Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 24), Generator(GeneratorConfig(store=uri, model=model)))
-    plain = Roles(Router(serving_store.uri, model, RouterSpec(), 4), CacheLoader(serving_store.uri, 1 << 24),
+    quant = Roles(Router(RouterConfig(store=uri, model=model, max_chunks=4)), loader_of(uri, 1 << 24),
+                  Generator(GeneratorConfig(store=uri, model=model)))
+    plain = Roles(Router(RouterConfig(store=serving_store.uri, model=model, max_chunks=4)), loader_of(serving_store.uri, 1 << 24),
                   Generator(GeneratorConfig(store=serving_store.uri, model=model)))
     request = AnswerRequest(query="When does part XK-4471-B ship?", chunk_ids=["invoices#00000", "manual#00001"],
                             tau=1.0, max_new_tokens=8)
@@ -228,15 +229,15 @@ def test_a_lazy_int8_store_writes_back_int8_and_serves_the_same_answer_from_it(s
     from serve.kv import is_pending
     build_store(tmp_path, serving_store.vlm, serving_store.embedder, lazy_high_tier=True, kv_quant=KVQuant.INT8)
     uri, model = str(tmp_path), serving_store.model
-    router = Router(uri, model, RouterSpec(), 4)
+    router = Router(RouterConfig(store=uri, model=model, max_chunks=4))
     request = AnswerRequest(query="When does part XK-4471-B ship?", chunk_ids=["invoices#00000", "manual#00001"],
                             mode=Mode.QVPIC, tau=0.5, max_high_res=1, max_new_tokens=6)
     plan = asyncio.run(router.plan(request))
     (pending,) = [c.entry for c in plan.chunks if is_pending(c.entry)]
     first = Generator(GeneratorConfig(store=uri, model=model))
-    compiled = first.generate_blocking(plan, Sampling(max_new_tokens=6), loader=CacheLoader(uri, 1 << 20))
+    compiled = first.generate_blocking(plan, Sampling(max_new_tokens=6), loader=loader_of(uri))
     row = written_back(Store.open(uri), CacheKey.parse(pending.key))
     assert row is not None and row["dtype"] == "int8"
     other = Generator(GeneratorConfig(store=uri, model=model))  # another replica reads the written-back entry
-    from_store = other.generate_blocking(plan, Sampling(max_new_tokens=6), loader=CacheLoader(uri, 1 << 20))
+    from_store = other.generate_blocking(plan, Sampling(max_new_tokens=6), loader=loader_of(uri))
     assert other.repairer.lazy.stats.from_store == 1 and from_store.text == compiled.text

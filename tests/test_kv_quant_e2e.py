@@ -13,10 +13,10 @@ from pipeline.ingest import IngestConfig, ingest
 from pipeline.ingest import RecompileConfig, recompile
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import KVQuant, ModelSpec, RouterSpec, Variant
+from schemas.config import KVQuant, ModelSpec, Variant
 from schemas.sampling import Sampling
 from schemas.store import StoreSpec
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader
 from serve.routing import Router
@@ -30,7 +30,8 @@ VARIANTS = (Variant.TEMPLATE, Variant.TEXT)
 
 def answer(uri: str) -> str:
     model = ModelSpec(device="cpu")
-    router, loader = Router(uri, model, RouterSpec(), 4), CacheLoader(uri, 1 << 24)
+    router = Router(RouterConfig(store=uri, model=model, max_chunks=4))
+    loader = CacheLoader(LoaderConfig(store=uri, max_nbytes=1 << 24))
     generator = Generator(GeneratorConfig(store=uri, model=model))
     plan = asyncio.run(router.plan(AnswerRequest(query="Where is the vault code?", top_k=2, max_new_tokens=4)))
     return generator.generate_blocking(plan, Sampling(max_new_tokens=4), loader=loader).text

@@ -23,16 +23,16 @@ from pipeline.store import Store
 from pipeline.store import written_back
 from schemas.api import AnswerRequest
 from schemas.sampling import Sampling
-from schemas.config import Mode, RenderSpec, RouterSpec, Variant
+from schemas.config import Mode, RenderSpec, Variant
 from schemas.store import CacheKey
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv.lazy_tier import SingleFlight
-from serve.kv import CacheLoader, to_wire
+from serve.kv import store_row, to_wire
 from serve.kv import is_pending
 from serve.plan import LoadedKV
 from serve.routing import Router
-from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, corrupt_entry, serving_store  # noqa: F401
+from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, corrupt_entry, loader_of, serving_store  # noqa: F401
 from tests.test_batched_compile import QUERY
 
 QUERY = "When does part XK-4471-B ship?"
@@ -60,7 +60,8 @@ def copy_of(root: Path, tmp_path: Path) -> str:
 
 
 def serving(uri: str, serving_store) -> tuple[Router, Generator]:
-    router = Router(uri, serving_store.model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS)
+    router = Router(RouterConfig(store=uri, model=serving_store.model, max_chunks=MAX_CHUNKS,
+                                 max_context_tokens=MAX_CONTEXT_TOKENS))
     return router, Generator(GeneratorConfig(store=uri, model=serving_store.model))
 
 
@@ -108,7 +109,7 @@ def test_first_promotion_compiles_once_writes_back_and_later_requests_hit(lazy_r
     key = CacheKey.parse(pending[0].entry.key)
     assert written_back(Store.open(uri), key) is None
 
-    first = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    first = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
     assert calls == [key.to_str()] and first.report.fallbacks == []
     assert [c.tier for c in first.report.chunks] == [c.tier for c in plan.chunks]
     row = written_back(Store.open(uri), key)
@@ -119,16 +120,16 @@ def test_first_promotion_compiles_once_writes_back_and_later_requests_hit(lazy_r
     # proportional): close, and the served counts are the compiled entry's own.
     assert abs(pending[0].num_tokens - row["num_tokens"]) <= 0.1 * row["num_tokens"]
 
-    second = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    second = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
     assert calls == [key.to_str()] and second.text == first.text and second.report.cache.device_hits == 2
     generator.contexts.hot.clear()  # evicted from the device: the written-back entry is read, not compiled
-    third = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    third = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
     assert calls == [key.to_str()] and third.text == first.text
     assert generator.repairer.lazy.stats.from_store == 1 and generator.repairer.lazy.stats.compiled == 1
 
     other = Generator(GeneratorConfig(store=uri, model=serving_store.model))  # another replica
     other_calls = counting(other)
-    assert other.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20)).text == first.text
+    assert other.generate_blocking(plan, SAMPLING, loader=loader_of(uri)).text == first.text
     assert other_calls == [] and other.repairer.lazy.stats.from_store == 1
 
 
@@ -136,7 +137,7 @@ def concurrent_promotions(uri: str, serving_store) -> tuple[list[str], Generator
     router, generator = serving(uri, serving_store)
     calls = counting(generator, delay_s=0.5)
     plan = asyncio.run(router.plan(REQUEST))
-    loaded = [CacheLoader(uri, 1 << 20).load(plan) for _ in range(2)]
+    loaded = [loader_of(uri).load(plan) for _ in range(2)]
     results = [None, None]
 
     def promote(i: int) -> None:
@@ -169,9 +170,9 @@ def test_lazy_answer_equals_the_eager_store(lazy_root, serving_store, tmp_path):
     eager_router, eager_generator = serving(serving_store.uri, serving_store)
     lazy_plan, eager_plan = asyncio.run(lazy_router.plan(REQUEST)), asyncio.run(eager_router.plan(REQUEST))
     assert [c.tier for c in lazy_plan.chunks] == [c.tier for c in eager_plan.chunks]
-    lazy = lazy_generator.generate_blocking(lazy_plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    lazy = lazy_generator.generate_blocking(lazy_plan, SAMPLING, loader=loader_of(uri))
     eager = eager_generator.generate_blocking(eager_plan, SAMPLING,
-                                              loader=CacheLoader(serving_store.uri, 1 << 20))
+                                              loader=loader_of(serving_store.uri))
     assert lazy.text == eager.text
     assert [(c.tier, c.num_tokens, c.position_span) for c in lazy.report.chunks] == \
         [(c.tier, c.num_tokens, c.position_span) for c in eager.report.chunks]
@@ -182,14 +183,15 @@ def test_lazy_answer_equals_the_eager_store(lazy_root, serving_store, tmp_path):
     eager_kvs = [eager_generator.contexts.hot.get_many([c.entry.key])[c.entry.key][0] for c in eager_plan.chunks]
     high = next(i for i, c in enumerate(eager_plan.chunks) if c.tier == "high")
     stored_lazy = lazy_store.load_kv(written_back(lazy_store, CacheKey.parse(lazy_plan.chunks[high].entry.key)))
-    assert float((stored_lazy - eager_store.load_kv(eager_plan.chunks[high].entry.row)).abs().max()) <= 1e-5
+    assert float((stored_lazy - eager_store.load_kv(store_row(eager_plan.chunks[high].entry.row))).abs().max()) <= 1e-5
     lazy_logits, lazy_tokens = query_logits(vlm, lazy_kvs)
     eager_logits, eager_tokens = query_logits(vlm, eager_kvs)
     assert lazy_tokens == eager_tokens
     assert float((lazy_logits - eager_logits).abs().max()) <= 1e-5
     fallback = lazy_plan.chunks[high].fallback  # negative control: the low tier in the promoted chunk's place
     swapped = list(eager_kvs)
-    swapped[high] = eager_generator.contexts._chunk(LoadedKV(*to_wire(eager_store.load_kv(fallback.row)), fallback), copy=True)
+    array, dtype = to_wire(eager_store.load_kv(store_row(fallback.row)))
+    swapped[high] = eager_generator.contexts._chunk(LoadedKV(array=array, dtype=dtype, entry=fallback), copy=True)
     assert float((query_logits(vlm, swapped)[0] - eager_logits).abs().max()) > 1e-3
 
 
@@ -197,7 +199,7 @@ def test_recompile_keeps_the_store_lazy_and_its_written_back_entries(lazy_root, 
     uri = copy_of(lazy_root, tmp_path)
     router, generator = serving(uri, serving_store)
     plan = asyncio.run(router.plan(REQUEST))
-    generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
     key = CacheKey.parse(next(c.entry.key for c in plan.chunks if c.tier == "high"))
     store = Store.open(uri)
     new, _ = recompile_manifest(store.load_manifest_or_raise(), RecompileConfig(store=store.spec,
@@ -214,11 +216,11 @@ def test_an_unreadable_write_back_is_compiled_again(lazy_root, serving_store, tm
     uri = copy_of(lazy_root, tmp_path)
     router, generator = serving(uri, serving_store)
     plan = asyncio.run(router.plan(REQUEST))
-    first = generator.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    first = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
     key = CacheKey.parse(next(c.entry.key for c in plan.chunks if c.tier == "high"))
     corrupt_entry(Path(uri), written_back(Store.open(uri), key))
     other = Generator(GeneratorConfig(store=uri, model=serving_store.model))
     calls = counting(other)
-    again = other.generate_blocking(plan, SAMPLING, loader=CacheLoader(uri, 1 << 20))
+    again = other.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
     assert calls == [key.to_str()] and again.text == first.text and again.report.fallbacks == []
     assert Store.open(uri).load_kv(written_back(Store.open(uri), key)) is not None  # written over: readable again

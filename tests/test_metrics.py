@@ -21,10 +21,10 @@ from serve.config import AppConfig
 from serve.http import make_api
 from serve.http import InProcessBackend
 from serve.governance import Governor
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, store_row
 from serve.metrics import Counter, Gauge, serve_metrics
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
-from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, corrupt_entry, roles, serving_store  # noqa: F401
+from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, corrupt_entry, loader_of, roles, serving_store  # noqa: F401
 from tests.test_api import call
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,8 +99,8 @@ def test_corrupt_shards_and_online_recompiles_are_counted(roles, serving_store, 
     estimate = call(app_over(roles, serving_store), "POST", "/v1/estimate", json=body).json()
     assert estimate["chunks"][0]["tier"] == "high"
     plan = asyncio.run(roles.router.plan(AnswerRequest(**body)))
-    corrupt_entry(root, plan.chunks[0].entry.row)  # the high-tier entry; its low tier stays readable
-    app = app_over(roles, serving_store, loader=CacheLoader(str(root), 1 << 20))
+    corrupt_entry(root, store_row(plan.chunks[0].entry.row))  # the high-tier entry; its low tier stays readable
+    app = app_over(roles, serving_store, loader=loader_of(str(root)))
 
     def counts() -> tuple[float, ...]:
         return (metric(app, "qvpic_corrupt_shards_total"), metric(app, "qvpic_tier_fallbacks_total"),

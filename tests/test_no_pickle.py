@@ -20,12 +20,11 @@ from pipeline.runtime import VLM
 from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec, RouterSpec
-from serve.config import GeneratorConfig
+from schemas.config import Mode, ModelSpec
+from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
 from serve.routing import Router
-from tests.store_factory import MAX_CHUNKS, serving_store  # noqa: F401  (pytest fixture)
+from tests.store_factory import MAX_CHUNKS, loader_of, serving_store  # noqa: F401  (pytest fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("schemas", "pipeline", "serve", "jobs", "benchmarks")
@@ -152,8 +151,8 @@ def test_load_paths_never_unpickle(serving_store):
         store.chunks(), store.quarantined()
         model = ModelSpec(path=serving_store.model.path, device="cpu")
         VLM(model)
-        router = Router(serving_store.uri, model, RouterSpec(), MAX_CHUNKS)
-        loader = CacheLoader(serving_store.uri, 1 << 20)
+        router = Router(RouterConfig(store=serving_store.uri, model=model, max_chunks=MAX_CHUNKS))
+        loader = loader_of(serving_store.uri)
         generator = Generator(GeneratorConfig(store=serving_store.uri, model=model))
         for mode in (Mode.QVPIC, Mode.TEXT_PIC, Mode.FULL_IMAGE):
             plan = asyncio.run(router.plan(AnswerRequest(query="When does part XK-4471-B ship?", top_k=2, mode=mode,

@@ -19,14 +19,13 @@ from pydantic import ValidationError
 from jobs import run_server
 from pipeline.runtime import chunk_inputs, input_embeddings, recompute
 from schemas.api import AnswerRequest
-from schemas.config import Mode, RecomputeKind, RecomputeSpec, RouterSpec
+from schemas.config import Mode, RecomputeKind, RecomputeSpec
 from schemas.errors import UnservableError
 from schemas.sampling import Sampling
-from serve.config import AppConfig, GeneratorConfig
+from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
 from serve.routing import Router
-from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, serving_store  # noqa: F401  (fixture)
+from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, loader_of, serving_store  # noqa: F401  (fixture)
 from tests.test_runtime_exactness import QUERY, TOLERANCE, page, random_text
 
 EVERY_TOKEN = {RecomputeKind.LEADING: RecomputeSpec(kind=RecomputeKind.LEADING, leading_num_tokens=1 << 20),
@@ -149,8 +148,9 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
     """Through router → loader → generator → engine: qvpic over several chunks with every token recomputed
     gives full_image's logits (first token and every decoded one); without recompute it does not."""
     uri, model = serving_store.uri, serving_store.model
-    router = Router(uri, model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS, carry_sources=True)
-    loader = CacheLoader(uri, 1 << 20)
+    router = Router(RouterConfig(store=uri, model=model, max_chunks=MAX_CHUNKS, max_context_tokens=MAX_CONTEXT_TOKENS,
+                                 carry_sources=True))
+    loader = loader_of(uri)
     every = Generator(GeneratorConfig(store=uri, model=model, recompute=EVERY_TOKEN[RecomputeKind.DEVIATION]))
     plain = Generator(GeneratorConfig(store=uri, model=model))
 
@@ -174,8 +174,8 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
 def test_recompute_without_carried_sources_is_a_clear_error(serving_store):
     """A generator set to recompute behind a router that does not carry the chunks' text refuses (503)."""
     uri, model = serving_store.uri, serving_store.model
-    router = Router(uri, model, RouterSpec(), MAX_CHUNKS, MAX_CONTEXT_TOKENS)
+    router = Router(RouterConfig(store=uri, model=model, max_chunks=MAX_CHUNKS, max_context_tokens=MAX_CONTEXT_TOKENS))
     generator = Generator(GeneratorConfig(store=uri, model=model, recompute=EVERY_TOKEN[RecomputeKind.LEADING]))
     planned = asyncio.run(router.plan(AnswerRequest(query=QUERY, chunk_ids=["invoices#00000"], max_new_tokens=2)))
     with pytest.raises(UnservableError, match="carry_sources"):
-        generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=CacheLoader(uri, 1 << 20))
+        generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=loader_of(uri))

@@ -136,9 +136,9 @@ def test_plan_keeps_request_order_and_one_version_per_chunk(roles):
     assert {c.chunk_id for c in best_two} == {cid for cid, t in tiers.items() if t == "high"}
     for chunk in forward.chunks:
         assert chunk.entry.tier == chunk.tier and chunk.entry.variant is Variant.TEMPLATE
-        row = chunk.entry.row
+        entry = chunk.entry
         assert (chunk.num_tokens, chunk.position_span, chunk.vision_tokens) == (
-            row["num_tokens"], row["position_span"], row["vision_tokens"])
+            entry.num_tokens, entry.position_span, entry.vision_tokens)
 
 
 def test_selection_by_docs_and_by_retrieval(roles):

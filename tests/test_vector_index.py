@@ -10,7 +10,7 @@ from pipeline.store.catalog import calibration_queries
 from pipeline.store.catalog import EmbeddingRows
 from pipeline.store.catalog.vector_index import VectorIndex, build_index
 from pipeline.store.catalog import exact_top_k, recall_at_k
-from schemas.generation import SearchKind, SearchSpec
+from schemas.generation import ScanSpec, SearchKind, SearchSpec
 
 
 def unit(rows: np.ndarray) -> np.ndarray:
@@ -29,11 +29,11 @@ def clustered_unit(n: int, dim: int, clusters: int, seed: int) -> np.ndarray:
     return unit(centres[rng.integers(0, clusters, n)] + 0.5 * rng.standard_normal((n, dim)) / np.sqrt(dim))
 
 
-def build(tmp_path, embeddings: np.ndarray, search_threads: int = 1, **spec) -> VectorIndex:
+def build(tmp_path, embeddings: np.ndarray, **spec) -> VectorIndex:
     stored = embeddings.astype(np.float16)
     np.save(tmp_path / "e.npy", stored)
     info = build_index(EmbeddingRows(path=tmp_path / "e.npy"), SearchSpec(**spec), tmp_path)
-    return VectorIndex(tmp_path, EmbeddingRows(path=tmp_path / "e.npy"), info, search_threads=search_threads)
+    return VectorIndex(tmp_path, EmbeddingRows(path=tmp_path / "e.npy"), info, ScanSpec())
 
 
 def search_all(index: VectorIndex, queries: np.ndarray, k: int) -> np.ndarray:
@@ -99,7 +99,7 @@ def test_index_is_checked_against_its_record(tmp_path):
     embeddings = random_unit(100, 16, seed=6)
     index = build(tmp_path, embeddings)
     with pytest.raises(ValueError, match="do not match the index"):
-        VectorIndex(tmp_path, EmbeddingRows(array=np.zeros((99, 16), np.float16)), index.info)
+        VectorIndex(tmp_path, EmbeddingRows(array=np.zeros((99, 16), np.float16)), index.info, ScanSpec())
 
 
 def test_exact_top_k_excludes_the_query_row():

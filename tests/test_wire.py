@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SETUP = """
 import numpy as np, torch
-from serve.kv.loader import from_wire, to_wire
+from serve.kv import from_wire, to_wire
 tensor = torch.randn(2, 2, 1, 5, 4).to(torch.bfloat16)
 array, dtype = to_wire(tensor)
 assert not array.flags.writeable

@@ -105,8 +105,8 @@ class Generator:
             if piece := detokenizer.flush():
                 pieces.append(piece)
                 yield piece
-            yield Answer("".join(pieces), answer_report(plan, context, seq,
-                                                          self.query_tokens(plan.text_after_chunks)))
+            yield Answer(text="".join(pieces), report=answer_report(plan, context, seq,
+                                                                    self.query_tokens(plan.text_after_chunks)))
         finally:
             self.engine.cancel(seq)  # a no-op once finished; else the caller went away: the row leaves
 

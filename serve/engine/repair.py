@@ -65,7 +65,7 @@ class Repairer:
                                                 reason=f"{item.reason}; not rebuilt: {error}"))
                 continue
             self.metrics.kv_recompiles.inc(outcome=outcome)
-            kvs[item.position] = LoadedKV(array, dtype, entry)  # exact: no fallback to report
+            kvs[item.position] = LoadedKV(array=array, dtype=dtype, entry=entry)  # exact: no fallback to report
         if unservable:
             raise UnservableError(f"KV entries unreadable and not rebuildable here: {unservable[:5]}")
         load_ms = loaded.load_ms + (time.perf_counter() - started) * 1e3
@@ -78,7 +78,7 @@ class Repairer:
         """`entry` compiled (again) as ingest compiles it, and its pages' sizes: the text of the first chunk
         (by id) with its content key, which is the one ingest compiled, rendered at the entry's tier."""
         table = self.store.chunks()
-        rows = table.filter(pc.equal(table["chunk_key"], entry.row["chunk_key"]))
+        rows = table.filter(pc.equal(table["chunk_key"], entry.cache_key.chunk_key))
         if rows.num_rows == 0:
             raise UnservableError(f"chunk {chunk.chunk_id} has no source text in the store")
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])

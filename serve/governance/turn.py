@@ -118,7 +118,7 @@ class Turn:
             "timings": timings, "cache": CacheReport(hits=0, misses=0, nbytes_from_store=0), "cache_hit": True,
             "response_cache": ResponseCacheReport(level=hit.level, similarity=hit.similarity,
                                                   lookup_ms=self.lookup_ms)})
-        return Answer(hit.answer.text, report)
+        return Answer(text=hit.answer.text, report=report)
 
     def first_token(self) -> None:
         """A streamed delta was sent: the first one sets the time to first token."""
@@ -129,7 +129,7 @@ class Turn:
         unless the request said `no-store`; the turn finishes with 200."""
         if self.hit is None:
             if self.lookup_ms is not None:
-                answer = Answer(answer.text, answer.report.model_copy(
+                answer = Answer(text=answer.text, report=answer.report.model_copy(
                     update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)}))
             if self.keys is not None and self.directives.store:
                 await self.governor.cache.store(self.keys, answer, self.plan.query_embedding)

@@ -8,6 +8,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "chunk_sources": ["recompute_inputs"],
     "hot_tier": ["HotTier"],
     "lazy_tier": ["LazyTier"],
-    "loader": ["CacheLoader", "kv_tensor", "to_wire"],
-    "pending": ["Planner", "is_pending", "lazy_planner"],
+    "loader": ["CacheLoader", "store_row"],
+    "pending": ["PendingPlanner", "is_pending", "lazy_planner"],
+    "wire": ["from_wire", "kv_tensor", "to_wire"],
 })

@@ -10,6 +10,7 @@ the requests that follow, and the next published generation lets every router pl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -24,9 +25,7 @@ from pipeline.store import ShardCorruptError
 from pipeline.store import Store
 from pipeline.store import write_back, written_back
 from schemas.store import CacheKey, Manifest
-from serve.kv.pending import PENDING
-from serve.routing import entry_of
-from serve.plan import Entry, PlannedChunk
+from serve.plan import Entry, PlannedChunk, entry_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,7 +116,7 @@ class LazyTier:
     @staticmethod
     def _entry(pending: Entry, kv: ChunkKV, sizes_px: list[list[int]]) -> Entry:
         """The entry as compiled (its counts, not the router's estimate), for a KV that was not written back."""
-        row = {**pending.row, "num_tokens": kv.num_tokens, "vision_tokens": kv.vision_tokens,
-               "position_span": kv.position_span, "compile_start": kv.compile_start,
-               "grid_thw": [list(g) for g in kv.grid_thw], "image_sizes_px": sizes_px, PENDING: False}
-        return Entry(pending.key, pending.tier, pending.variant, kv.num_tokens, kv.vision_tokens, kv.position_span, row)
+        row = pending.row._replace(compile_start=kv.compile_start, grid_thw=tuple(map(tuple, kv.grid_thw)),
+                                   image_sizes_px=tuple(map(tuple, sizes_px)), pending=False)
+        return dataclasses.replace(pending, num_tokens=kv.num_tokens, vision_tokens=kv.vision_tokens,
+                                   position_span=kv.position_span, row=row)

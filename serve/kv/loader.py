@@ -1,87 +1,65 @@
 """Cache loader: a plan's KV entries from a byte-bounded host-memory LRU, misses read through the store.
 
-KV leaves this deployment as numpy (bf16 as a uint16 view): Ray moves numpy buffers zero-copy, while a
-bf16 torch tensor crossing as-is is ~10x slower. A quantised store's entries (pipeline/store/kv_quant.py) stay
-quantised here — in the LRU (twice the entries per byte) and on the wire (half the bytes) — and are
-dequantised on the generator's device as they enter its hot tier (`kv_tensor`). Checksums are
-verified by the store on every read from it; what sits in the LRU was verified when it was read. An
-entry whose shard is missing or corrupt is handed on as `LoadResult.unreadable`, with its low-tier entry loaded as a backup when there is one:
-the generator rebuilds the entry from the chunk's source, or serves the backup and reports the
-fallback, or refuses the request (503) — never a silent gap in the context. A pending entry (a lazily
-compiled tier, serve/kv/pending.py) is handed on the same way, unread: the generator compiles it.
+KV leaves this deployment in the wire codec's form (serve/kv/wire.py: numpy, zero-copy through Ray). A
+quantised store's entries (pipeline/store/kv_quant.py) stay quantised here — in the LRU (twice the entries
+per byte) and on the wire (half the bytes) — and are dequantised on the generator's device as they enter
+its hot tier. Plans carry typed rows (`EntryRow`); `store_row` turns one back into the mapping the store's
+reads take. Checksums are verified by the store on every read from it; what sits in the LRU was verified
+when it was read. An entry whose shard is missing or corrupt is handed on as `LoadResult.unreadable`, with
+its low-tier entry loaded as a backup when there is one: the generator rebuilds the entry from the chunk's
+source, or serves the backup and reports the fallback, or refuses the request (503) — never a silent gap
+in the context. A pending entry (a lazily compiled tier, serve/kv/pending.py) is handed on the same way,
+unread: the generator compiles it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-from pipeline.store import QuantizedKV, dequantize
+from pipeline.store import QuantizedKV
 from pipeline.store import ShardCorruptError, ShardReader
 from pipeline.store import Store
 from schemas.api import CacheReport, CacheStats
 from schemas.config import DType, KVQuant
-from schemas.generation import ReloadSpec
-from schemas.store import StoreSpec
+from serve.config import LoaderConfig
 from serve.kv.lru import ByteLRU
-from serve.metrics import serve_metrics
 from serve.kv.pending import is_pending
-from serve.plan import Entry, LoadedKV, LoadResult, Plan, Unreadable
+from serve.kv.wire import to_wire
+from serve.metrics import serve_metrics
+from serve.plan import Entry, EntryRow, LoadedKV, LoadResult, Plan, Unreadable
 from pipeline.store import LeaseKeeper
 
-_WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
-         torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
 LAZY_REASON = "not compiled yet: its tier is compiled on first promotion"  # the generator compiles it
-_TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 
 
-def to_wire(tensor: torch.Tensor | QuantizedKV) -> tuple[np.ndarray, DType | KVQuant]:
-    """A float KV as numpy of its bits, or a quantised entry as its uint8 record (its format as the dtype)."""
-    if isinstance(tensor, QuantizedKV):
-        array, dtype = tensor.record.cpu().numpy(), tensor.quant
-    else:
-        dtype, carrier = _WIRE[tensor.dtype]
-        array = tensor.contiguous().view(carrier).numpy()
-    array.flags.writeable = False  # shared by every request that hits it
-    return array, dtype
+def store_row(row: EntryRow) -> dict[str, Any]:
+    """The index-row fields the store's verified reads take (`Store.load_kv`/`ShardReader.load_many`)."""
+    if row.stored is None:  # pending, or compiled and not written back: nothing to read
+        raise ValueError("the entry is not in the store")
+    return row.stored._asdict()
 
 
-def from_wire(array: np.ndarray, dtype: DType | KVQuant) -> torch.Tensor:
-    """A tensor over `array`'s memory, no copy; read it, never write it.
-
-    Arrays that arrive through Ray's object store, and those the LRU shares between requests, are
-    read-only, and assembly only reads them. DLPack carries that read-only flag across (numpy >= 2.1),
-    so the tensor is made without `torch.from_numpy`'s warning about non-writable arrays and without
-    copying a context's worth of KV per request. A quantised entry comes back as its uint8 record."""
-    return torch.from_dlpack(array).view(torch.uint8 if isinstance(dtype, KVQuant) else _TORCH[dtype])
-
-
-def kv_tensor(kv: LoadedKV, device: torch.device | str, dtype: torch.dtype, copy: bool) -> torch.Tensor:
-    """A loaded entry as KV `[layers, 2, kv_heads, tokens, head_dim]` on `device`.
-
-    A quantised record crosses to the device as it is stored (half the bytes of bf16) and is
-    dequantised there into `dtype`, a new tensor; a float entry is moved (copied when `copy`, which
-    detaches it from the object store's or the LRU's buffer) and keeps its stored dtype."""
-    tensor = from_wire(kv.array, kv.dtype)
-    if isinstance(kv.dtype, KVQuant):
-        record = QuantizedKV(kv.dtype, tuple(kv.entry.row["shape"]), tensor.to(device))
-        return dequantize(record, dtype)
-    return tensor.to(device, copy=copy)
+def loaded(found: dict[str, tuple[np.ndarray, DType | KVQuant]], entry: Entry) -> LoadedKV:
+    array, dtype = found[entry.key]
+    return LoadedKV(array=array, dtype=dtype, entry=entry)
 
 
 class CacheLoader:
-    def __init__(self, store: StoreSpec | str, max_nbytes: int, reload: ReloadSpec = ReloadSpec()):
-        self.shards = ShardReader.open(store)  # the loader reads shards, nothing else of the store
-
-        self.lru: ByteLRU[tuple[np.ndarray, DType | KVQuant]] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
+    def __init__(self, config: LoaderConfig):
+        self.config = config
+        self.shards = ShardReader.open(config.store)  # the loader reads shards, nothing else of the store
+        self.lru: ByteLRU[tuple[np.ndarray, DType | KVQuant]] = ByteLRU(config.max_nbytes,
+                                                                         lambda item: item[0].nbytes)
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
         self.metrics = serve_metrics()  # created here, inside the replica, so Ray tags it with the replica
         # Plans carry their index rows, so the loader holds no generation state of its own; it leases each
         # plan's generation so the shards it reads outlive a switch for as long as it may still read them.
-        self.keeper = LeaseKeeper(Store.open(store), "loader", reload)
+        self.keeper = LeaseKeeper(Store.open(config.store), "loader", config.reload)
 
     def load(self, plan: Plan) -> LoadResult:
         started = time.perf_counter()
@@ -98,12 +76,12 @@ class CacheLoader:
         for position, chunk in enumerate(plan.chunks):
             if chunk.entry is not None and chunk.entry.key in failed:
                 backup = chunk.fallback if chunk.fallback is not None and chunk.fallback.key in found else None
-                unreadable.append(Unreadable(position, chunk.entry, failed[chunk.entry.key],
-                                             backup and LoadedKV(*found[backup.key], backup)))
-            kvs.append(None if chunk.entry is None or chunk.entry.key in failed
-                       else LoadedKV(*found[chunk.entry.key], chunk.entry))
+                unreadable.append(Unreadable(position=position, entry=chunk.entry, reason=failed[chunk.entry.key],
+                                             backup=backup and loaded(found, backup)))
+            kvs.append(None if chunk.entry is None or chunk.entry.key in failed else loaded(found, chunk.entry))
         load_ms = (time.perf_counter() - started) * 1e3
-        return LoadResult(tuple(kvs), tuple(plan.fallbacks), report, load_ms, tuple(unreadable))
+        return LoadResult(kvs=tuple(kvs), fallbacks=tuple(plan.fallbacks), cache=report, load_ms=load_ms,
+                          unreadable=tuple(unreadable))
 
     def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType | KVQuant]],
                                                                          dict[str, str]]:
@@ -135,13 +113,13 @@ class CacheLoader:
         """One batched read; when it hits a bad shard, each entry is retried alone to isolate it."""
         if len(entries) > 1:
             try:
-                return dict(zip((e.key for e in entries), self.shards.load_many([e.row for e in entries])))
+                return dict(zip((e.key for e in entries), self.shards.load_many([store_row(e.row) for e in entries])))
             except ShardCorruptError:
                 pass
         out = {}
         for entry in entries:
             try:
-                (out[entry.key],) = self.shards.load_many([entry.row])
+                (out[entry.key],) = self.shards.load_many([store_row(entry.row)])
             except ShardCorruptError as e:
                 failed[entry.key] = str(e)
                 self.metrics.corrupt_shards.inc()

@@ -4,6 +4,6 @@ promoted to the high tier under τ, B and the token budget) and the hybrid text/
 from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "placement": ["PRICED_VARIANT", "entry_of", "servable_modes"],
+    "placement": ["PRICED_VARIANT", "PlacementSpec", "Selection", "place", "servable_modes"],
     "router": ["BatchingRouter", "Router", "check_store"],
 })

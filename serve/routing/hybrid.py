@@ -33,7 +33,7 @@ def choose(spec: HybridSpec, text: Entry | None, image: Entry) -> Choice:
         return Choice.IMAGE
     if text.num_tokens <= spec.text_cost_ratio * image.num_tokens:
         return Choice.TEXT_CHEAPER
-    legibility = image.row.get("legibility")
+    legibility = image.row.legibility
     if legibility is not None and legibility < spec.min_legibility and \
             text.num_tokens <= spec.illegible_text_cost_ratio * image.num_tokens:
         return Choice.TEXT_LEGIBLE

@@ -3,24 +3,25 @@ rows retrieval selected and their stored entries; nothing here reads a store.
 
 `allocate` decides promotions from relevance alone (plus the budgets); `place` turns the decision
 into planned chunks, falling back to the low tier where a high-tier entry was never compiled and
-refusing (503) a mode whose entries are missing.
+refusing (503) a mode whose entries are missing. `place` reads what retrieval selected (`Selection`)
+under one request's policy (`PlacementSpec`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from schemas.api import FallbackReport
-from schemas.config import ChunkKind, HybridSpec, Mode, ScoreNormalisation, TierSpec, Variant
+from schemas.config import ChunkKind, Mode, RouterSpec, ScoreNormalisation, TierSpec, Variant
 from schemas.errors import UnknownTierError, UnservableError
-from schemas.store import CacheKey
+from serve.kv import PendingPlanner
+from serve.plan import Entry, PlannedChunk, entry_of
 from serve.routing.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text
 from serve.routing.hybrid import as_text as hybrid_text
-from serve.kv import Planner
-from serve.plan import Entry, PlannedChunk
 
 # Each mode is a choice of stored variant and of tiers. Routed modes promote chunks from the lowest tier
 # to the request's `tier` (default: the highest); uniform modes serve every chunk at one tier.
@@ -31,6 +32,27 @@ PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_i
 ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)
 UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
 EntrySlots = dict[tuple[str | None, Variant], dict[str, Any]]  # one chunk's index rows by (tier, variant)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What retrieval selected, aligned by position: catalog rows (CATALOG_COLUMNS), each one's entry rows
+    and its relevance. `texts()` reads their text and image path; only the online modes call it."""
+
+    chunks: list[dict[str, Any]]
+    slots: list[EntrySlots]
+    relevance: list[float]
+    texts: Callable[[], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """The policy one request is placed under."""
+
+    policy: RouterSpec  # τ, B, score normalisation, hybrid rule: the router's, with the request's τ and B
+    low: TierSpec  # the generation's lowest tier, which routed modes promote from
+    tier: str | None  # `mode_tier`'s: the tier a uniform mode serves, the one a routed mode promotes to
+    pending: PendingPlanner | None = None  # stands in for a lazily compiled tier's entries (serve/kv/pending.py)
 
 
 def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
@@ -109,25 +131,30 @@ def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
     return promoted
 
 
-def entry_of(row: dict[str, Any]) -> Entry:
-    """The one way an index row becomes an `Entry` the loader can fetch."""
-    variant = Variant(row["variant"])
-    key = CacheKey(row["chunk_key"], row["tier"], variant, row["fingerprint"]).to_str()
-    return Entry(key, row["tier"], variant, row["num_tokens"], row["vision_tokens"], row["position_span"], row)
-
-
-def _pending(pending: Planner | None, low: Entry | None, tier: str | None) -> Entry | None:
+def _pending(pending: PendingPlanner | None, low: Entry | None, tier: str | None) -> Entry | None:
     return None if pending is None or tier == (low.tier if low else None) else pending(low, tier)
 
 
-def find(slots: EntrySlots, tier: str | None, variant: Variant) -> Entry | None:
-    row = slots.get((tier, variant))
-    return None if row is None else entry_of(row)
+class ChunkEntries:
+    """One chunk's entries, each made from its index row once: placement looks a chunk's low-tier entry up
+    to four times, and `entry_of` is most of what placement costs."""
+
+    __slots__ = ("rows", "made")
+
+    def __init__(self, rows: EntrySlots):
+        self.rows, self.made = rows, {}
+
+    def find(self, tier: str | None, variant: Variant) -> Entry | None:
+        key = (tier, variant)
+        if key not in self.made:
+            row = self.rows.get(key)
+            self.made[key] = None if row is None else entry_of(row)
+        return self.made[key]
 
 
-def require(chunks: list[dict], slots: list[EntrySlots], tier: str | None, variant: Variant,
+def require(chunks: list[dict], slots: list[ChunkEntries], tier: str | None, variant: Variant,
             mode: Mode) -> list[Entry]:
-    found = [find(s, tier, variant) for s in slots]
+    found = [s.find(tier, variant) for s in slots]
     missing = [c["chunk_id"] for c, e in zip(chunks, found) if e is None]
     if missing:
         raise UnservableError(f"mode {mode.value!r} needs {variant.value} entries of tier {tier!r}, not compiled "
@@ -135,50 +162,49 @@ def require(chunks: list[dict], slots: list[EntrySlots], tier: str | None, varia
     return found
 
 
-def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: list[float],
-          texts: Callable[[], list[dict]], low: TierSpec, tier: str | None, tau: float, max_high_res: int,
-          room_tokens: int, normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
-          temperature: float = 0.05, pending: Planner | None = None,
-          hybrid: HybridSpec | None = None) -> tuple[list[PlannedChunk], list[FallbackReport]]:
-    """Planned chunks (request order) for `chunks` (catalog rows), each chunk's entry `slots` and
-    relevance. `tier` is `mode_tier`'s: the one tier a uniform mode serves, the one a routed mode
-    promotes to from `low`. `texts()` fetches the chunks' text and image path; only the online modes call
-    it. `room_tokens` is what the context holds for chunks: promotions that would not fit stay low.
-    `pending` (serve/kv/pending.py) stands in for entries of a lazily compiled tier not compiled yet;
-    `hybrid` (enabled) serves qvpic chunks as text by its rule (serve/routing/hybrid.py)."""
+def place(mode: Mode, rows: Selection, spec: PlacementSpec,
+          room_tokens: int) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+    """Planned chunks (request order) for the selected `rows` under `spec`. `room_tokens` is what the
+    context holds for chunks: promotions that would not fit stay low. The hybrid rule (when enabled)
+    serves qvpic chunks as text (serve/routing/hybrid.py)."""
+    chunks, slots, relevance = rows.chunks, [ChunkEntries(s) for s in rows.slots], rows.relevance
+    low, tier, pending, hybrid = spec.low, spec.tier, spec.pending, spec.policy.hybrid
     if mode is Mode.FULL_TEXT:
         planned = []
-        for chunk, entries, rel, source in zip(chunks, slots, relevance, texts()):
-            text_entry = find(entries, None, Variant.TEXT)
+        for chunk, entries, rel, source in zip(chunks, slots, relevance, rows.texts()):
+            text_entry = entries.find(None, Variant.TEXT)
             num_tokens = text_entry.num_tokens if text_entry else chunk["num_text_tokens"]
-            planned.append(PlannedChunk(chunk["chunk_id"], chunk["doc_id"], rel, None, num_tokens, 0, num_tokens,
-                                        None, text=source["text"]))
+            planned.append(PlannedChunk(chunk_id=chunk["chunk_id"], doc_id=chunk["doc_id"], relevance=rel, tier=None,
+                                        num_tokens=num_tokens, vision_tokens=0, position_span=num_tokens, entry=None,
+                                        text=source["text"]))
         return planned, []
     variant = PRICED_VARIANT[mode]
-    hybrid_on = hybrid is not None and hybrid.enabled and mode is Mode.QVPIC
+    hybrid_on = hybrid.enabled and mode is Mode.QVPIC
     if mode in ROUTED_MODES:  # price every promotion from the index, then allocate
         lows = require(chunks, slots, low.name, variant, mode)
-        highs = [find(s, tier, variant) or _pending(pending, lo, tier) for s, lo in zip(slots, lows)]
-        text_entries = [find(s, None, TEXT_VARIANT) for s in slots] if hybrid_on else [None] * len(chunks)
+        highs = [s.find(tier, variant) or _pending(pending, lo, tier) for s, lo in zip(slots, lows)]
+        text_entries = [s.find(None, TEXT_VARIANT) for s in slots] if hybrid_on else [None] * len(chunks)
         text_first = cheaper_as_text(hybrid, text_entries, lows) if hybrid_on else [False] * len(chunks)
         budget = room_tokens - sum(t.num_tokens if first else lo.num_tokens
                                    for t, lo, first in zip(text_entries, lows, text_first))
         # a chunk served as text is no promotion candidate: priced past any budget, allocate skips it
         costs = [max(budget, 0) + 1 if first else h.num_tokens - lo.num_tokens if h else 0
                  for lo, h, first in zip(lows, highs, text_first)]
-        promoted = allocate(relevance, tau, max_high_res, costs, max(budget, 0), normalisation, temperature)
+        policy = spec.policy
+        promoted = allocate(relevance, policy.tau, policy.max_high_res, costs, max(budget, 0), policy.normalisation,
+                            policy.temperature)
         wanted = [tier if p else low.name for p in promoted]
     else:
         wanted = [tier] * len(chunks)
         text_entries, text_first = [None] * len(chunks), [False] * len(chunks)
     online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
-    sources = texts() if online else [None] * len(chunks)
+    sources = rows.texts() if online else [None] * len(chunks)
     planned, fallbacks = [], []
     for chunk, entries, rel, wanted_tier, source in zip(chunks, slots, relevance, wanted, sources):
-        entry = find(entries, wanted_tier, variant) or _pending(pending, find(entries, low.name, variant), wanted_tier)
+        entry = entries.find(wanted_tier, variant) or _pending(pending, entries.find(low.name, variant), wanted_tier)
         # The lowest tier backs a templated entry up (not compiled yet, or unreadable); a baseline asked
         # for at a tier fails loudly instead, so a sweep never measures a silently swapped tier.
-        backup = find(entries, low.name, variant) \
+        backup = entries.find(low.name, variant) \
             if wanted_tier != low.name and variant is Variant.TEMPLATE else None
         if entry is None and backup is not None:
             fallbacks.append(FallbackReport(chunk_id=chunk["chunk_id"], requested_tier=wanted_tier,
@@ -187,10 +213,11 @@ def place(mode: Mode, chunks: list[dict], slots: list[EntrySlots], relevance: li
             entry, backup = backup, None
         if entry is None:
             require([chunk], [entries], wanted_tier, variant, mode)
-        planned.append(PlannedChunk(chunk["chunk_id"], chunk["doc_id"], rel, entry.tier, entry.num_tokens,
-                                    entry.vision_tokens, entry.position_span, None if online else entry,
-                                    None if online else backup, source["text"] if online else None,
-                                    (source["image_path"] or None) if online else None))
+        planned.append(PlannedChunk(chunk_id=chunk["chunk_id"], doc_id=chunk["doc_id"], relevance=rel, tier=entry.tier,
+                                    num_tokens=entry.num_tokens, vision_tokens=entry.vision_tokens,
+                                    position_span=entry.position_span, entry=None if online else entry,
+                                    fallback=None if online else backup, text=source["text"] if online else None,
+                                    image_path=(source["image_path"] or None) if online else None))
     if hybrid_on:
         planned = [hybrid_text(c, t) if first else c for c, t, first in zip(planned, text_entries, text_first)]
         planned = apply_rule(hybrid, planned, text_entries, room_tokens)

@@ -21,7 +21,7 @@ from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import TierSpec
 from schemas.errors import UnknownIdsError
-from schemas.generation import Generation
+from schemas.generation import Generation, ScanSpec
 from schemas.store import Manifest
 
 SERVING_CACHE = Path(os.environ.get("QVPIC_SERVING_CACHE", Path.home() / ".cache" / "qvpic" / "serving"))
@@ -74,12 +74,12 @@ class Snapshot:
         return rows, [float(s) for s in scores]
 
 
-def open_snapshot(store: Store, generation: int, cache_root: Path = SERVING_CACHE,
-                  rerank_candidates: int = 64, search_threads: int = 1) -> Snapshot:
+def open_snapshot(store: Store, generation: int, scan: ScanSpec = ScanSpec(),
+                  cache_root: Path = SERVING_CACHE) -> Snapshot:
     """Open `generation` of `store` for routing (local stores in place; remote ones cached locally once,
-    texts read by range). `search_threads` > 1 scans an exhaustive index's shards in parallel."""
+    texts read by range), its vector index searched as `scan` says."""
     record = read_generation(store, generation)
     chunks_dir = local_copy(store, record.chunks_dir, cache_root)
     entries_dir = local_copy(store, record.entries_dir, cache_root)
     texts = store.blobs.open_input(f"{record.chunks_dir}/{TEXTS}")
-    return Snapshot(record, Catalog(chunks_dir, entries_dir, texts, rerank_candidates, search_threads))
+    return Snapshot(record, Catalog(chunks_dir, entries_dir, texts, scan))

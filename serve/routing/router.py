@@ -1,10 +1,11 @@
 """Relevance router: which chunks, in which order, at which tier and variant — decided before any KV moves.
 
-`Router.plan` embeds the query (the deployed `BatchingRouter` batches concurrent queries with
-`@serve.batch`) and `route`s it against one serving generation: retrieval selects rows from the
-generation's memory-mapped catalog and vector index (serve/routing/retrieval.py), placement decides tiers
-from relevance and prices every choice from the entry table (serve/routing/placement.py). The router follows
-the store's published generations without a redeploy (pipeline/store/reload.py): a plan carries the
+`Router(config)` reads what it needs of its `RouterConfig` (serve/config.py). `Router.plan` embeds the
+query (the deployed `BatchingRouter` batches concurrent queries with `@serve.batch`) and `route`s it
+against one serving generation: retrieval selects rows from the generation's memory-mapped catalog and
+vector index (serve/routing/retrieval.py), placement decides tiers from relevance and prices every choice
+from the entry table (serve/routing/placement.py). The router follows the store's published generations
+without a redeploy (pipeline/store/reload.py): a plan carries the
 generation it was routed against, and every entry in it comes from that generation.
 """
 
@@ -26,12 +27,12 @@ from pipeline.runtime import ChatTemplate
 from pipeline.runtime import model_identity, resolve_path
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import ModelSpec, RouterSpec
+from schemas.config import ModelSpec
 from schemas.errors import TooLargeError
-from schemas.generation import ReloadSpec
-from schemas.store import Manifest, ManifestError, StoreSpec
+from schemas.store import Manifest, ManifestError
+from serve.config import RouterConfig
 from serve.kv import lazy_planner
-from serve.routing.placement import LINKED_VARIANT, allocate, mode_tier, place, servable_modes  # noqa: F401  (re-exported)
+from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
 from serve.plan import Plan
 from pipeline.store import GenerationWatcher, LeaseKeeper, acquire_current
 from serve.routing.retrieval import Snapshot, open_snapshot
@@ -66,29 +67,24 @@ def check_store(manifest: Manifest, spec: ModelSpec) -> None:
 
 
 class Router:
-    def __init__(self, store: StoreSpec | str, model: ModelSpec, defaults: RouterSpec, max_chunks: int,
-                 max_context_tokens: int | None = None, embedder_dir: str | None = None,
-                 reload: ReloadSpec = ReloadSpec(), search_threads: int = 1, carry_sources: bool = False):
-        self.store = Store.open(store)
-        self.carry_sources = carry_sources  # linked plans carry the chunks' text too (selective recompute)
-        self.search_threads = search_threads  # threads one query's exhaustive scan may use
-        self.model = model
-        self.prompt = PromptTemplate.load(model)
-        self.embedder = Embedder(embedder_dir)
-        self.defaults, self.max_chunks = defaults, max_chunks
-        self.max_context_tokens = min(max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.store = Store.open(config.store)
+        self.prompt = PromptTemplate.load(config.model)
+        self.embedder = Embedder(config.embedder_dir)
+        self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
         self.count_tokens = lru_cache(maxsize=8)(self.prompt.count)  # template prefixes, one per generation
-        self.keeper = LeaseKeeper(self.store, "router", reload)
+        self.keeper = LeaseKeeper(self.store, "router", config.reload)
         ensure_generation(self.store)  # a store no job published yet: snapshot it once, here
         current = acquire_current(self.store, self.keeper)
         self.snapshot: Snapshot = self.open_generation(current)  # swapped whole on reload
-        self.watcher = GenerationWatcher(self.store, self.keeper, reload, current, self.open_generation,
+        self.watcher = GenerationWatcher(self.store, self.keeper, config.reload, current, self.open_generation,
                                          self._install)
 
     def open_generation(self, generation: int) -> Snapshot:
         """`generation` opened and checked against this router's model and embedder (`ManifestError`)."""
-        snapshot = open_snapshot(self.store, generation, search_threads=self.search_threads)
-        check_store(snapshot.manifest, self.model)
+        snapshot = open_snapshot(self.store, generation, self.config.scan)
+        check_store(snapshot.manifest, self.config.model)
         if self.embedder.model_name != snapshot.manifest.embedder:
             raise ManifestError(f"store was embedded with {snapshot.manifest.embedder!r}, "
                                 f"the router loaded {self.embedder.model_name!r}")
@@ -117,8 +113,9 @@ class Router:
         started = time.perf_counter() if started is None else started
         snapshot = self.snapshot
         rows, relevance = snapshot.select(request, query_vector)
-        if len(rows) > self.max_chunks:
-            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.max_chunks} per request")
+        if len(rows) > self.config.max_chunks:
+            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.config.max_chunks} "
+                                "per request")
         prefix_tokens = self.count_tokens(snapshot.manifest.template_prefix) + \
             (self.prompt.count(request.instruction) if request.instruction else 0)
         query_tokens = self.prompt.count(request.text_after_chunks) + self.count_tokens(self.prompt.template.turn_suffix)
@@ -126,27 +123,29 @@ class Router:
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:
             room_tokens = min(room_tokens, budget_tokens - prefix_tokens)
-        catalog = snapshot.catalog
-        chunks, fallbacks = place(
-            request.mode, catalog.chunk_rows(rows), catalog.entries_of(rows), relevance, lambda: catalog.texts(rows),
-            snapshot.low, mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
-            self.defaults.tau if request.tau is None else request.tau,
-            self.defaults.max_high_res if request.max_high_res is None else request.max_high_res, room_tokens,
-            self.defaults.normalisation, self.defaults.temperature, lazy_planner(snapshot.manifest, self.model),
-            self.defaults.hybrid)
+        catalog, defaults = snapshot.catalog, self.config.defaults
+        overrides = {"tau": request.tau, "max_high_res": request.max_high_res}
+        spec = PlacementSpec(policy=defaults.model_copy(update={k: v for k, v in overrides.items() if v is not None}),
+                             low=snapshot.low, tier=mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
+                             pending=lazy_planner(snapshot.manifest, self.config.model))
+        selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
+                             texts=lambda: catalog.texts(rows))
+        chunks, fallbacks = place(request.mode, selected, spec, room_tokens)
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
                 f"request needs {needed} tokens (prefix {prefix_tokens} + chunks {needed - fixed_tokens} + "
                 f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
                 f"the context holds {self.max_context_tokens}")
-        if self.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
+        if self.config.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
             chunks = [c if c.text is not None else
                       dataclasses.replace(c, text=source["text"], image_path=source["image_path"] or None)
                       for c, source in zip(chunks, catalog.texts(rows))]
         route_ms = (time.perf_counter() - started) * 1e3
-        return Plan(request.mode, request.query, tuple(chunks), prefix_tokens, query_tokens, tuple(fallbacks),
-                    route_ms, query_vector, snapshot.generation, request.instruction, request.query_prompt)
+        return Plan(mode=request.mode, query=request.query, chunks=tuple(chunks), prefix_tokens=prefix_tokens,
+                    query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
+                    query_embedding=query_vector, generation=snapshot.generation, instruction=request.instruction,
+                    query_prompt=request.query_prompt)
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""

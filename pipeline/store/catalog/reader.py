@@ -37,7 +37,7 @@ import pyarrow as pa
 from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from pipeline.store.catalog.vector_index import VectorIndex
 from schemas.config import Variant
-from schemas.generation import SearchInfo
+from schemas.generation import ScanSpec, SearchInfo
 
 CATALOG, TEXTS, EMBEDDINGS = "catalog.arrow", "texts.arrow", "embeddings.npy"
 CHUNK_IDS, DOC_IDS, SEARCH = "chunk_ids.npy", "doc_ids.npy", "search.json"
@@ -106,14 +106,12 @@ class Catalog:
     store); everything else lives in `chunks_dir` / `entries_dir` on local disk.
     """
 
-    def __init__(self, chunks_dir: Path, entries_dir: Path, texts: pa.NativeFile,
-                 rerank_candidates: int = 64, search_threads: int = 1):
+    def __init__(self, chunks_dir: Path, entries_dir: Path, texts: pa.NativeFile, scan: ScanSpec):
         self.catalog = RowFile(chunks_dir / CATALOG)
         self.chunk_lookup = _npy(chunks_dir / CHUNK_IDS)
         self.doc_lookup = _npy(chunks_dir / DOC_IDS)
         info = SearchInfo.model_validate_json((chunks_dir / SEARCH).read_text())
-        self.vectors = VectorIndex(chunks_dir, EmbeddingRows(path=chunks_dir / EMBEDDINGS), info, rerank_candidates,
-                                   search_threads)
+        self.vectors = VectorIndex(chunks_dir, EmbeddingRows(path=chunks_dir / EMBEDDINGS), info, scan)
         self.entries = RowFile(entries_dir / ENTRIES)
         self.ranges = _npy(entries_dir / RANGES)
         self.text_rows = RowFile(texts)

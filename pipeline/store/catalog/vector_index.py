@@ -37,7 +37,7 @@ import numpy as np
 
 from pipeline.store.catalog.ann_calibration import calibrate, choose, exact_top_k, recall_at_k  # noqa: F401  (re-exported)
 from pipeline.store.catalog.embedding_rows import EmbeddingRows
-from schemas.generation import SearchInfo, SearchKind, SearchSpec
+from schemas.generation import ScanSpec, SearchInfo, SearchKind, SearchSpec
 
 _DIRECT_INT8 = faiss.ScalarQuantizer.QT_8bit_direct_signed  # code = value + 128, value floored: we round first
 _ADD_ROWS = 16_384  # rows converted to codes at a time while building: ~4 float32 copies of a block
@@ -129,12 +129,11 @@ def write_flat(embeddings: EmbeddingRows, scale: float, out: Path) -> tuple[str,
 class VectorIndex:
     """A persisted index opened for search: memory-mapped, read-only, safe to share between threads.
 
-    `search_threads` > 1 scans a flat index's shards on that many threads (faiss releases the GIL);
+    `scan.search_threads` > 1 scans a flat index's shards on that many threads (faiss releases the GIL);
     one query per search either way: concurrency across requests comes from concurrent requests.
     """
 
-    def __init__(self, directory: Path, embeddings: EmbeddingRows, info: SearchInfo, rerank_candidates: int = 64,
-                 search_threads: int = 1):
+    def __init__(self, directory: Path, embeddings: EmbeddingRows, info: SearchInfo, scan: ScanSpec):
         if embeddings.shape != (info.num_rows, info.dim):
             raise ValueError(f"embeddings {embeddings.shape} do not match the index ({info.num_rows}, {info.dim})")
         self.info, self.embeddings = info, embeddings  # [rows, dim] float16
@@ -143,13 +142,13 @@ class VectorIndex:
         self.offsets = np.cumsum([0] + [s.ntotal for s in self.shards])
         if self.offsets[-1] != info.num_rows:
             raise ValueError(f"index {directory} holds {self.offsets[-1]} rows, its record says {info.num_rows}")
-        self.rerank_candidates = rerank_candidates
+        self.rerank_candidates = scan.rerank_candidates
         # OpenMP's fan-out of a single query over busy cores costs more in barrier spinning than it
         # saves (20-47 ms vs 0.3 ms for a 10^4-row scan on a loaded 2-core box); threads, where asked
         # for, are ours, one per group of shards. Process-wide, as faiss's setting is.
         faiss.omp_set_num_threads(1)
         self.pool = None
-        self.set_search_threads(search_threads)
+        self.set_search_threads(scan.search_threads)
         self.params = faiss.SearchParametersIVF(nprobe=info.nprobe) if info.kind is SearchKind.IVF else None
 
     def __len__(self) -> int:

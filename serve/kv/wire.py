@@ -1,0 +1,53 @@
+"""The wire codec: KV as it moves between deployments (loader → generator) and sits in the loader's LRU.
+
+KV crosses as numpy (bf16 as a uint16 view): Ray moves numpy buffers zero-copy, while a bf16 torch
+tensor crossing as-is is ~10x slower. A quantised store's entries (pipeline/store/kv_quant.py) stay
+quantised on the wire (half the bytes) and are dequantised on the generator's device (`kv_tensor`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.store import QuantizedKV, dequantize
+from schemas.config import DType, KVQuant
+from serve.plan import LoadedKV
+
+_WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
+         torch.bfloat16: (DType.BFLOAT16, torch.uint16)}  # numpy has no bf16: ship its bits as uint16
+_TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
+
+
+def to_wire(tensor: torch.Tensor | QuantizedKV) -> tuple[np.ndarray, DType | KVQuant]:
+    """A float KV as numpy of its bits, or a quantised entry as its uint8 record (its format as the dtype)."""
+    if isinstance(tensor, QuantizedKV):
+        array, dtype = tensor.record.cpu().numpy(), tensor.quant
+    else:
+        dtype, carrier = _WIRE[tensor.dtype]
+        array = tensor.contiguous().view(carrier).numpy()
+    array.flags.writeable = False  # shared by every request that hits it
+    return array, dtype
+
+
+def from_wire(array: np.ndarray, dtype: DType | KVQuant) -> torch.Tensor:
+    """A tensor over `array`'s memory, no copy; read it, never write it.
+
+    Arrays that arrive through Ray's object store, and those the LRU shares between requests, are
+    read-only, and assembly only reads them. DLPack carries that read-only flag across (numpy >= 2.1),
+    so the tensor is made without `torch.from_numpy`'s warning about non-writable arrays and without
+    copying a context's worth of KV per request. A quantised entry comes back as its uint8 record."""
+    return torch.from_dlpack(array).view(torch.uint8 if isinstance(dtype, KVQuant) else _TORCH[dtype])
+
+
+def kv_tensor(kv: LoadedKV, device: torch.device | str, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+    """A loaded entry as KV `[layers, 2, kv_heads, tokens, head_dim]` on `device`.
+
+    A quantised record crosses to the device as it is stored (half the bytes of bf16) and is
+    dequantised there into `dtype`, a new tensor; a float entry is moved (copied when `copy`, which
+    detaches it from the object store's or the LRU's buffer) and keeps its stored dtype."""
+    tensor = from_wire(kv.array, kv.dtype)
+    if isinstance(kv.dtype, KVQuant):
+        record = QuantizedKV(kv.dtype, kv.entry.row.stored.shape, tensor.to(device))
+        return dequantize(record, dtype)
+    return tensor.to(device, copy=copy)
