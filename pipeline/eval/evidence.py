@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
-from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
+from pipeline.eval.legibility import best_window_distance
 from pipeline.eval.longbench import QAItem
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
-from pipeline.runtime import Renderer
+from pipeline.runtime import Renderer, normalise, read_text
 from schemas.api import AnswerRequest
 from schemas.config import Mode
 from schemas.errors import ApiError
@@ -66,17 +66,18 @@ class OcrJudge:
 
     def text(self, chunk_id: str, tier: str) -> str:
         if (chunk_id, tier) not in self._texts:
-            pages = self.renderer.render(self.view.text_of[chunk_id], self.view.render.tier(tier)).pages
-            self._texts[(chunk_id, tier)] = "\n".join(ocr(page) for page in pages)
+            spec = self.view.render.tier(tier)
+            pages = self.renderer.render(self.view.text_of[chunk_id], spec).pages
+            self._texts[(chunk_id, tier)] = "\n".join(read_text(page, dpi=spec.dpi) for page in pages)
         return self._texts[(chunk_id, tier)]
 
     def judge(self, chunk_ids: Sequence[str], tiers: Sequence[str], answers: Sequence[str]) -> tuple[bool, float]:
         """(recovered, char accuracy) of the best gold answer in the OCR text of the chunks, in order
         (an answer cut between two chunks is read across the cut)."""
-        haystack = normalize_text(" ".join(self.text(c, t) for c, t in zip(chunk_ids, tiers)))
+        haystack = normalise(" ".join(self.text(c, t) for c, t in zip(chunk_ids, tiers)))
         best = 0.0
         for answer in answers:
-            needle = normalize_text(answer)
+            needle = normalise(answer)
             if not needle:
                 continue
             if needle in haystack:

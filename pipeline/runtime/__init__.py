@@ -15,7 +15,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "embed": ["EmbedStage", "Embedder"],
     "kv": ["AssembledContext", "ChunkKV"],
     "model": ["VLM", "model_identity", "resolve_device", "resolve_path", "select_token"],
-    "ocr": ["page_legibility"],
+    "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
     "render": ["Renderer"],
     "tiny": [
@@ -23,4 +23,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "ensure_model"
     ],
     "tokens": ["MERGE_SIZE", "vision_grid", "vision_tokens"],
+    "timing": ["ms_since"],
 })
