@@ -21,15 +21,14 @@ import pyarrow as pa
 import ray.data
 from ray.data import ActorPoolStrategy
 
-from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
-from pipeline.ingest.stages import check_ids, deduplicate, stored_embeddings, stored_entries
-from pipeline.ingest.stages import ChunkStage, read_files, rejected_row
-from pipeline.runtime import Embedder, EmbedStage
+from pipeline.ingest.stages import (ChunkStage, CompilePlan, CompileStage, EmbedStage, RenderStage, check_ids,
+                                    deduplicate, read_files, rejected_row, stored_embeddings, stored_entries,
+                                    write_documents)
+from pipeline.runtime import Embedder
 from pipeline.store import entry_slots, required_keys
 from pipeline.store import current_generation_number, publish_generation
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.store import StoreLease
-from pipeline.ingest.stages import write_documents
 from pipeline.ingest.corpus import discover
 from pipeline.ingest.resources import CompileResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, rows_table

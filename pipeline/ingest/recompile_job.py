@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray.data
 
-from pipeline.ingest.stages import CompilePlan
-from pipeline.ingest.stages import deduplicate, read_parts, stored_entries
+from pipeline.ingest.shuffle import read_parts
+from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
 from pipeline.store import entry_slots
 from pipeline.store import publish_generation
 from pipeline.ingest.ingest_job import compile_kv, in_a_task, new_manifest, render, work_blocks

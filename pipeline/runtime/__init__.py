@@ -12,7 +12,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "DTYPE_OF", "PAYLOAD_DTYPES", "PAYLOAD_MAX", "SCALE_DTYPE", "StoredFormat", "TORCH_DTYPES",
         "stored_format"
     ],
-    "embed": ["EmbedStage", "Embedder"],
+    "embed": ["Embedder"],
     "kv": ["AssembledContext", "ChunkKV"],
     "model": ["VLM", "model_identity", "resolve_device", "resolve_path", "select_token"],
     "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
