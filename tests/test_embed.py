@@ -75,7 +75,6 @@ def test_local_directory_loads_without_network_and_is_named_by_content(
 
 
 def test_embed_stage_embeds_the_units_that_need_it_and_names_a_missing_column(embedder: Embedder) -> None:
-    import pyarrow as pa
 
     from pipeline.ingest.rows import Kind, rows_table
     from pipeline.ingest.stages import EmbedStage

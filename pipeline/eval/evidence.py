@@ -3,7 +3,7 @@
 With random-weight models F1 says nothing about resolution; OCR of the served pixels does. For each
 item the chunk holding the answer is located in the context (`synthetic.evidence_chunks`: the evidence
 sentence when the dataset gives one, else a gold answer string), each serving configuration is routed
-exactly as the server routes it (the `Planner` is the real router), and the evidence chunk is rendered
+exactly as the server routes it (the `RoutePlanner` is the real router), and the evidence chunk is rendered
 at the tier that configuration serves it at, with the store's own RenderSpec, and read with Tesseract.
 Text modes are not judged: their context holds the answer verbatim by construction.
 """
@@ -40,7 +40,7 @@ class RoutedChunk:
     vision_tokens: int
 
 
-Planner = Callable[[AnswerRequest], Sequence[RoutedChunk]]  # the router's plan, no KV moved
+RoutePlanner = Callable[[AnswerRequest], Sequence[RoutedChunk]]  # the router's plan, no KV moved
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def find_evidence(item: QAItem, view: StoreView) -> list[str] | None:
     return None
 
 
-def judge_items(items: Sequence[QAItem], view: StoreView, plan: Planner, configs: Sequence[ServingConfig],
+def judge_items(items: Sequence[QAItem], view: StoreView, plan: RoutePlanner, configs: Sequence[ServingConfig],
                 judge: OcrJudge, progress: bool = True) -> tuple[list[EvidenceResult], int]:
     """Results per (item with located evidence, config), and how many items had no evidence to judge."""
     results, num_unlocated = [], 0

@@ -25,7 +25,7 @@ from pipeline.ingest.stages import (ChunkStage, CompilePlan, CompileStage, Embed
                                     deduplicate, read_files, rejected_row, stored_embeddings, stored_entries,
                                     write_documents)
 from pipeline.runtime import Embedder
-from pipeline.store import entry_slots, required_keys
+from pipeline.store import entry_slots
 from pipeline.store import current_generation_number, publish_generation
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.store import StoreLease
