@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 
 from pipeline.eval import Answered, ServingConfig, StoreView, item_request
-from pipeline.eval import Planner, RoutedChunk
+from pipeline.eval import RoutePlanner, RoutedChunk
 from pipeline.eval import Trace, answer_token_ids, trace_full, trace_linked
 from pipeline.eval import QAItem
 from pipeline.runtime import ChunkKV
@@ -46,7 +46,7 @@ class InProcessAnswerer:
         return Answered(answer.text, answer.report, t.route_ms + t.load_ms + t.render_ms + t.reanchor_ms + t.prefill_ms)
 
 
-def planner(router: Router) -> Planner:
+def planner(router: Router) -> RoutePlanner:
     """The router's plan of a request, reduced to what the legibility check reads (no KV moves)."""
     def plan(request: AnswerRequest) -> list[RoutedChunk]:
         return [RoutedChunk(c.chunk_id, c.tier, c.vision_tokens) for c in asyncio.run(router.plan(request)).chunks]

@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
-
-from pydantic import ValidationError
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jobs import logs
 from jobs.help import HelpFormatter
-from pipeline.ingest import CompileResources
+from pipeline.ingest import CompileResources, JobResources
 from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, TierSpec, Variant
 
 if TYPE_CHECKING:  # imported where used: Ray and pyarrow would make `--help` take seconds
     from pipeline.ingest import IngestSummary
+    from schemas.store import StoreSpec
+
+T = TypeVar("T")
 
 
 def parse_tiers(values: list[str]) -> tuple[TierSpec, ...]:
@@ -29,11 +31,30 @@ def parse_tiers(values: list[str]) -> tuple[TierSpec, ...]:
     return tuple(tiers)
 
 
+# ---- the argument builders `qvpic ingest` and `qvpic recompile` share --------------------------------
+def store_args(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    parser.add_argument("--store", required=True, help=help)
+    parser.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, …)")
+
+
+def store_spec(args: argparse.Namespace) -> StoreSpec:
+    from schemas.store import StoreSpec
+
+    return StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint)
+
+
 def model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-qwen", help="local checkpoint dir or built-in tiny-qwen|tiny-glm|bench-qwen|bench-glm")
     parser.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--revision", default="local")
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec | None:
+    """The model the arguments name (None where `--model` was left unset and has no default)."""
+    if args.model is None:
+        return None
+    return ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision)
 
 
 def render_args(parser: argparse.ArgumentParser) -> None:
@@ -54,19 +75,53 @@ def render_spec(args: argparse.Namespace) -> RenderSpec:
     return RenderSpec(**{k: v for k, v in fields.items() if v is not None})
 
 
+def variant_args(parser: argparse.ArgumentParser, default: list[Variant] | None, kv_quant_help: str) -> None:
+    parser.add_argument("--variants", nargs="+", type=Variant, default=default, choices=list(Variant))
+    parser.add_argument("--kv-quant", type=KVQuant, default=None, choices=list(KVQuant), help=kv_quant_help)
+
+
 def resource_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile-workers", type=int, default=1, help="compile actors (each holds one VLM)")
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
-    parser.add_argument("--compile-batch-size", type=int, default=CompileResources().batch_size,
-                        help="chunks per compile forward")
-    parser.add_argument("--resource-wait-s", type=float, default=60.0,
+    pool, limits = CompileResources(), JobResources()
+    parser.add_argument("--compile-workers", type=int, default=pool.workers, help="compile actors (each holds one VLM)")
+    parser.add_argument("--gpus-per-worker", type=float, default=pool.gpus_per_worker)
+    parser.add_argument("--compile-batch-size", type=int, default=pool.batch_size, help="chunks per compile forward")
+    parser.add_argument("--resource-wait-s", type=float, default=limits.resource_wait_s,
                         help="how long to wait for the cluster to free what the job needs before failing")
-    parser.add_argument("--stall-timeout-s", type=float, default=1800.0,
+    parser.add_argument("--stall-timeout-s", type=float, default=limits.stall_timeout_s,
                         help="fail (instead of hanging) when no data moves through the pipeline for this long")
 
 
-def compile_resources(args: argparse.Namespace) -> CompileResources:
-    return CompileResources(args.compile_workers, args.gpus_per_worker, batch_size=args.compile_batch_size)
+def job_resources(args: argparse.Namespace) -> dict[str, Any]:
+    """The JobResources fields of a job config, from `resource_args`' arguments."""
+    return {"resources": CompileResources(workers=args.compile_workers, gpus_per_worker=args.gpus_per_worker,
+                                          batch_size=args.compile_batch_size),
+            "resource_wait_s": args.resource_wait_s, "stall_timeout_s": args.stall_timeout_s}
+
+
+def configured(command: str, build: Callable[[], T]) -> T | None:
+    """`build()` (a job config), or None after printing why the arguments make none (exit status 2)."""
+    try:
+        return build()
+    except ValueError as e:  # pydantic's ValidationError is one
+        print(f"qvpic {command}: {e}", file=sys.stderr)
+        return None
+
+
+def run_job(command: str, store_uri: str, job: Callable[[], T]) -> T | None:
+    """`job()`, or None after printing why it did not complete (exit status 1)."""
+    from jobs.failure import explain, report
+    from pipeline.ingest import ResourceError
+    from pipeline.store import StoreBusyError
+
+    try:
+        return job()
+    except (StoreBusyError, ResourceError) as e:  # refused before any work: nothing to trace
+        print(explain(e, command, store_uri), file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # could not run at all: bad corpus root, mismatched store
+        print(f"qvpic {command}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001  any failure mid-job: the traceback, then what it means
+        report(e, command, store_uri)
+    return None
 
 
 def print_summary(summary: IngestSummary, as_json: bool) -> None:
@@ -108,16 +163,14 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qvpic ingest", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--corpus", required=True, help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages")
-    parser.add_argument("--store", required=True, help="local directory or s3://bucket/prefix")
-    parser.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, …)")
+    store_args(parser, help="local directory or s3://bucket/prefix")
     model_args(parser)
     render_args(parser)
     parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--variants", nargs="+", type=Variant, default=list(Variant), choices=list(Variant))
-    parser.add_argument("--kv-quant", type=KVQuant, default=None, choices=list(KVQuant),
-                        help="how KV entries are stored: none (the model's dtype), int8 or fp8 (KIVI layout: keys "
-                             "per channel, values per token, ~0.5x the bytes of bf16). Default: the store's own, "
-                             "none for a new store; changing it is `qvpic recompile --kv-quant`")
+    variant_args(parser, list(Variant),
+                 kv_quant_help="how KV entries are stored: none (the model's dtype), int8 or fp8 (KIVI layout: keys "
+                               "per channel, values per token, ~0.5x the bytes of bf16). Default: the store's own, "
+                               "none for a new store; changing it is `qvpic recompile --kv-quant`")
     parser.add_argument("--lazy-high-tier", action="store_true",
                         help="compile only the lowest tier now; each chunk's highest tier is compiled by the "
                              "generator on its first promotion and written back to the store (recorded in the manifest)")
@@ -134,37 +187,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.configure(args.verbose)
     from jobs.cluster import init_ray
-    from jobs.failure import explain, report
     from pipeline.ingest import IngestConfig, ingest, unchanged
-    from pipeline.store import StoreBusyError
-    from pipeline.ingest import ResourceError
-    from schemas.store import StoreSpec
 
-    try:
-        cfg = IngestConfig(
-            corpus=args.corpus, store=StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint),
-            model=ModelSpec(path=args.model, dtype=args.dtype, device=args.device, revision=args.revision),
-            render=render_spec(args), chunk_tokens=args.chunk_tokens, variants=tuple(args.variants),
-            resources=compile_resources(args), embedder_dir=args.embedder_dir, resource_wait_s=args.resource_wait_s,
-            stall_timeout_s=args.stall_timeout_s, kv_quant=args.kv_quant, force=args.force,
-            lazy_high_tier=args.lazy_high_tier, legibility=args.legibility,
-        )
-    except (ValueError, ValidationError) as e:
-        print(f"qvpic ingest: {e}", file=sys.stderr)
+    cfg = configured("ingest", lambda: IngestConfig(
+        corpus=args.corpus, store=store_spec(args), model=model_spec(args), render=render_spec(args),
+        chunk_tokens=args.chunk_tokens, variants=tuple(args.variants), embedder_dir=args.embedder_dir,
+        kv_quant=args.kv_quant, force=args.force, lazy_high_tier=args.lazy_high_tier, legibility=args.legibility,
+        **job_resources(args)))
+    if cfg is None:
         return 2
-    try:
+
+    def run() -> IngestSummary:
         key, summary = unchanged(cfg)  # a rerun with nothing to do stops here, before Ray starts
         if summary is None:
             init_ray(quiet=args.json)
             summary = ingest(cfg, key)
-    except (StoreBusyError, ResourceError) as e:  # refused before any work: nothing to trace
-        print(explain(e, "ingest", args.store), file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError) as e:  # could not run at all: bad corpus root, mismatched store
-        print(f"qvpic ingest: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001  any failure mid-job: the traceback, then what it means
-        report(e, "ingest", args.store)
+        return summary
+
+    summary = run_job("ingest", args.store, run)
+    if summary is None:
         return 1
     print_summary(summary, args.json)
     return 0

@@ -72,3 +72,22 @@ def test_local_directory_loads_without_network_and_is_named_by_content(
         Embedder(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="batch_size"):
         Embedder(batch_size=0)
+
+
+def test_embed_stage_embeds_the_units_that_need_it_and_names_a_missing_column(embedder: Embedder) -> None:
+
+    from pipeline.ingest.rows import Kind, rows_table
+    from pipeline.ingest.stages import EmbedStage
+    from pipeline.ingest.stages.embed import NEEDS
+
+    stage = EmbedStage()
+    stage._embedder = embedder  # the module's model, not a second load
+    rows = rows_table([{"kind": Kind.UNIT.value, "key": "a", "text": TEXTS[0], "needs_embedding": True, "error": ""},
+                       {"kind": Kind.UNIT.value, "key": "b", "text": TEXTS[1], "needs_embedding": False, "error": ""},
+                       {"kind": Kind.MARKER.value, "key": "d"}])
+    out = {r["key"]: r["embedding"] for r in stage(rows).to_pylist()}
+    np.testing.assert_allclose(out["a"], embedder.embed(TEXTS[:1])[0], atol=1e-6)
+    assert out["b"] is None and out["d"] is None
+    assert "needs_embedding" in NEEDS
+    with pytest.raises(ValueError, match=r"the embed stage needs columns \['needs_embedding'\]"):
+        EmbedStage()(rows.drop_columns(["needs_embedding"]))

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.eval.legibility import LegibilityError, best_window_distance, normalize_text
+from pipeline.eval.legibility import LegibilityError, best_window_distance
+from pipeline.runtime import normalise
 from pipeline.eval import answer_recoverable
 
 EVIDENCE = "Invoice 88213 was paid on 14 March 2024 by Marta Oyelaran.\nThe access code for vault 7 is QX-5581-K."
@@ -24,7 +25,7 @@ def _render(text: str, font_px: int) -> Image.Image:
 def test_large_text_is_recovered_and_tiny_text_loses_characters():
     large = answer_recoverable(_render(EVIDENCE, 28), "QX-5581-K")
     assert large.recovered and large.char_accuracy == 1.0
-    assert "qx-5581-k" in normalize_text(large.ocr_text)
+    assert "qx-5581-k" in normalise(large.ocr_text)
     tiny = answer_recoverable(_render(EVIDENCE, 7), "QX-5581-K")
     assert not tiny.recovered and tiny.char_accuracy < large.char_accuracy
     assert 0.0 <= tiny.char_accuracy < 1.0

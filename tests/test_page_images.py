@@ -10,7 +10,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.ingest.corpus import DocRef
 from pipeline.ingest.corpus.repeats import cross_file_rejections
-from pipeline.ingest.corpus.page_images import OcrUnavailableError, perceptual_hash, phash_distance_bits
+from pipeline.ingest.corpus.page_images import perceptual_hash, phash_distance_bits
+from pipeline.runtime import OcrUnavailable
 from pipeline.ingest.corpus.readers import read_corpus
 from pipeline.ingest.corpus import read_file
 from schemas.corpus import Document, MetaKey, ReaderSpec, RejectReason
@@ -78,8 +79,8 @@ def test_a_missing_ocr_engine_stops_the_read_instead_of_quarantining(tmp_path: P
 
     pages["other"].save(tmp_path / "page.png")
     monkeypatch.setattr(pytesseract.pytesseract, "tesseract_cmd", str(tmp_path / "no-tesseract"))
-    with pytest.raises(OcrUnavailableError, match="not installed"):
+    with pytest.raises(OcrUnavailable, match="not installed"):
         list(read_file(str(tmp_path / "page.png"), str(tmp_path)))
     monkeypatch.undo()
-    with pytest.raises(OcrUnavailableError, match="klingon"):
+    with pytest.raises(OcrUnavailable, match="klingon"):
         list(read_file(str(tmp_path / "page.png"), str(tmp_path), ReaderSpec(ocr_lang="klingon")))

@@ -154,13 +154,19 @@ def test_cjk_and_mixed_text_wrap_per_character(renderer: Renderer) -> None:
     assert "".join(mixed).replace(" ", "") == ("English words 和中文混合 " * 40).replace(" ", "")
 
 
+def font_for(renderer: Renderer, ch: str) -> Path | None:
+    """The configured font that draws character `ch`, or None when `ch` is a missing glyph."""
+    glyph = renderer._glyph(ch)
+    return None if glyph.missing else renderer.font_paths[glyph.font]
+
+
 def test_font_fallback_chain(renderer: Renderer) -> None:
-    assert renderer.font_for("A").name == "DejaVuSans.ttf"
-    assert renderer.font_for("中").name == "NotoSansCJK-Regular.ttc"
-    assert renderer.font_for("한").name == "NotoSansCJK-Regular.ttc"
-    assert renderer.font_for("\u0915") is None  # Devanagari: none of the three fonts has it
-    assert renderer.font_for("\x07") is None
-    assert all(renderer.font_for(chr(c)) is not None for c in range(0x21, 0x7F))
+    assert font_for(renderer, "A").name == "DejaVuSans.ttf"
+    assert font_for(renderer, "中").name == "NotoSansCJK-Regular.ttc"
+    assert font_for(renderer, "한").name == "NotoSansCJK-Regular.ttc"
+    assert font_for(renderer, "\u0915") is None  # Devanagari: none of the three fonts has it
+    assert font_for(renderer, "\x07") is None
+    assert all(font_for(renderer, chr(c)) is not None for c in range(0x21, 0x7F))
 
 
 def test_missing_glyphs_are_counted_and_drawn_as_replacement(renderer: Renderer) -> None:
@@ -190,9 +196,9 @@ def test_glyph_text_handling_and_fonts_by_path(renderer: Renderer) -> None:
     """As Glyph's renderer: soft hyphens and zero-width spaces are dropped. A font can be named by its
     absolute path (how a Glyph deployment points at Verdana.ttf), also from the command line."""
     assert renderer.layout("soft\xadhyphen zero\u200bwidth", LOW) == ["softhyphen zerowidth"]
-    path = renderer.font_for("A")
+    path = font_for(renderer, "A")
     by_path = Renderer(RenderSpec(font_names=(str(path),)))
-    assert by_path.font_for("A") == path
+    assert font_for(by_path, "A") == path
     assert np.array_equal(np.asarray(by_path.render(INVOICE, LOW).pages[0]),
                           np.asarray(Renderer(RenderSpec(font_names=(path.name,))).render(INVOICE, LOW).pages[0]))
     import argparse

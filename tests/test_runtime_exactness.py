@@ -181,7 +181,8 @@ def test_reanchored_keys_match_keys_compiled_there(vlm, seed):
                        lambda offset: vlm.compile_text(text, position_offset=offset)):
         at_base, at_target = compile_at(base), compile_at(base + delta)
         assert at_target.compile_start == at_base.compile_start + delta
-        moved = vlm.adapter.rotate_keys(at_base.kv[:, 0], torch.full((at_base.num_tokens,), delta))
+        moved = at_base.kv[:, 0].clone()  # rotate_keys_ works in place
+        vlm.adapter.rotate_keys_(moved, torch.full((at_base.num_tokens,), delta))
         assert relative_error(moved, at_target.kv[:, 0]) <= 1e-4
         assert relative_error(at_base.kv[:, 1], at_target.kv[:, 1]) <= 1e-4  # values carry no position
 

@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "Answered", "HttpAnswerer", "ServingConfig", "StoreView", "corpus_documents", "item_request", "run",
         "summarize", "write_corpus"
     ],
-    "evidence": ["OcrJudge", "Planner", "RoutedChunk", "judge_items", "serving_configs", "summarize_evidence"],
+    "evidence": ["OcrJudge", "RoutePlanner", "RoutedChunk", "judge_items", "serving_configs", "summarize_evidence"],
     "fidelity": [
         "Fidelity", "METRICS", "REFERENCE_MODE", "Trace", "answer_token_ids", "compare", "run_fidelity",
         "summarize_fidelity", "trace_full", "trace_linked"

@@ -3,7 +3,7 @@
 With random-weight models F1 says nothing about resolution; OCR of the served pixels does. For each
 item the chunk holding the answer is located in the context (`synthetic.evidence_chunks`: the evidence
 sentence when the dataset gives one, else a gold answer string), each serving configuration is routed
-exactly as the server routes it (the `Planner` is the real router), and the evidence chunk is rendered
+exactly as the server routes it (the `RoutePlanner` is the real router), and the evidence chunk is rendered
 at the tier that configuration serves it at, with the store's own RenderSpec, and read with Tesseract.
 Text modes are not judged: their context holds the answer verbatim by construction.
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
-from pipeline.eval.legibility import best_window_distance, normalize_text, ocr
+from pipeline.eval.legibility import best_window_distance
 from pipeline.eval.longbench import QAItem
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
-from pipeline.runtime import Renderer
+from pipeline.runtime import Renderer, normalise, read_text
 from schemas.api import AnswerRequest
 from schemas.config import Mode
 from schemas.errors import ApiError
@@ -40,7 +40,7 @@ class RoutedChunk:
     vision_tokens: int
 
 
-Planner = Callable[[AnswerRequest], Sequence[RoutedChunk]]  # the router's plan, no KV moved
+RoutePlanner = Callable[[AnswerRequest], Sequence[RoutedChunk]]  # the router's plan, no KV moved
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,18 @@ class OcrJudge:
 
     def text(self, chunk_id: str, tier: str) -> str:
         if (chunk_id, tier) not in self._texts:
-            pages = self.renderer.render(self.view.text_of[chunk_id], self.view.render.tier(tier)).pages
-            self._texts[(chunk_id, tier)] = "\n".join(ocr(page) for page in pages)
+            spec = self.view.render.tier(tier)
+            pages = self.renderer.render(self.view.text_of[chunk_id], spec).pages
+            self._texts[(chunk_id, tier)] = "\n".join(read_text(page, dpi=spec.dpi) for page in pages)
         return self._texts[(chunk_id, tier)]
 
     def judge(self, chunk_ids: Sequence[str], tiers: Sequence[str], answers: Sequence[str]) -> tuple[bool, float]:
         """(recovered, char accuracy) of the best gold answer in the OCR text of the chunks, in order
         (an answer cut between two chunks is read across the cut)."""
-        haystack = normalize_text(" ".join(self.text(c, t) for c, t in zip(chunk_ids, tiers)))
+        haystack = normalise(" ".join(self.text(c, t) for c, t in zip(chunk_ids, tiers)))
         best = 0.0
         for answer in answers:
-            needle = normalize_text(answer)
+            needle = normalise(answer)
             if not needle:
                 continue
             if needle in haystack:
@@ -98,7 +99,7 @@ def find_evidence(item: QAItem, view: StoreView) -> list[str] | None:
     return None
 
 
-def judge_items(items: Sequence[QAItem], view: StoreView, plan: Planner, configs: Sequence[ServingConfig],
+def judge_items(items: Sequence[QAItem], view: StoreView, plan: RoutePlanner, configs: Sequence[ServingConfig],
                 judge: OcrJudge, progress: bool = True) -> tuple[list[EvidenceResult], int]:
     """Results per (item with located evidence, config), and how many items had no evidence to judge."""
     results, num_unlocated = [], 0

@@ -1,8 +1,8 @@
 """Evidence legibility: can the answer still be read off a served page image?
 
-Tesseract reads the image as served (no upscaling), so the result tracks what the resolution tier
-leaves legible: at 72 DPI, 12 pt text survives and 8 pt digits start to go. Both sides are
-lower-cased with whitespace collapsed. `char_accuracy` is 1 − (edit distance of the answer to its
+Tesseract reads the image as served (no upscaling; `pipeline/runtime/ocr.py`, as ingest reads it), so the
+result tracks what the resolution tier leaves legible: at 72 DPI, 12 pt text survives and 8 pt digits start
+to go. Both sides are lower-cased with whitespace collapsed. `char_accuracy` is 1 − (edit distance of the answer to its
 best-matching window of the OCR text) / (answer length), floored at 0; `recovered` asks for the
 answer as an exact substring.
 """
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytesseract
 from PIL import Image
+
+from pipeline.runtime import normalise, read_text
 
 
 class LegibilityError(ValueError):
-    """An empty answer, or no Tesseract to read with."""
+    """An answer that is empty after normalisation."""
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,6 @@ class LegibilityResult:
     recovered: bool  # the normalised answer occurs verbatim in the normalised OCR text
     char_accuracy: float  # in [0, 1]; 1.0 iff recovered
     ocr_text: str  # Tesseract's raw output
-
-
-def normalize_text(text: str) -> str:
-    return " ".join(text.lower().split())
 
 
 def best_window_distance(needle: str, haystack: str) -> int:
@@ -50,20 +47,14 @@ def best_window_distance(needle: str, haystack: str) -> int:
     return best
 
 
-def ocr(image: Image.Image) -> str:
-    try:
-        return pytesseract.image_to_string(image.convert("RGB"), lang="eng")
-    except pytesseract.TesseractNotFoundError:
-        raise LegibilityError("tesseract is not installed (Debian: apt-get install tesseract-ocr "
-                              "tesseract-ocr-eng)") from None
-
-
-def answer_recoverable(image: Image.Image, answer: str) -> LegibilityResult:
-    needle = normalize_text(answer)
+def answer_recoverable(image: Image.Image, answer: str, dpi: int | None = None) -> LegibilityResult:
+    """Whether `answer` can be read off `image` (`dpi`: its resolution when known; raises OcrUnavailable
+    without Tesseract)."""
+    needle = normalise(answer)
     if not needle:
         raise LegibilityError("answer is empty after whitespace normalisation")
-    ocr_text = ocr(image)
-    haystack = normalize_text(ocr_text)
+    ocr_text = read_text(image, dpi=dpi)
+    haystack = normalise(ocr_text)
     if needle in haystack:
         return LegibilityResult(recovered=True, char_accuracy=1.0, ocr_text=ocr_text)
     distance = best_window_distance(needle, haystack)

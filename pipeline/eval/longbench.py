@@ -92,13 +92,6 @@ class QAItem:
     length_words: int | None = None  # LongBench's `length` field: words of the context
     evidence: str | None = None  # the sentence holding the answer, where the dataset knows it
 
-    @property
-    def full_prompt(self) -> str:
-        """The whole prompt for full-text serving; needs the context as text."""
-        if self.context is None:
-            raise DatasetError(f"{self.task.value}/{self.id} names chunks, not a context to put in a prompt")
-        return self.prompt_before_context + self.context + self.query_after_context
-
 
 def split_prompt(task: QATask, question: str) -> tuple[str, str]:
     """(text before the context, query after it) of `task`'s template with `question` filled in."""

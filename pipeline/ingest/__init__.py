@@ -8,7 +8,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "chunker": ["Chunker"],
     "ingest_job": ["IngestConfig", "ingest", "new_manifest", "open_store", "unchanged"],
     "recompile_job": ["RecompileConfig", "recompile"],
-    "resources": ["CompileResources", "ResourceError"],
+    "resources": ["CompileResources", "JobResources", "ResourceError"],
     "rows": ["Kind", "rows_table", "units_to_build", "with_columns"],
     "summary": ["IngestSummary"],
 })

@@ -12,26 +12,25 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
 import ray.data
+from pydantic import Field, field_validator
 from ray.data import ActorPoolStrategy
 
-from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
-from pipeline.ingest.stages import check_ids, deduplicate, stored_embeddings, stored_entries
-from pipeline.ingest.stages import ChunkStage, read_files, rejected_row
-from pipeline.runtime import Embedder, EmbedStage
-from pipeline.store import entry_slots, required_keys
+from pipeline.ingest.stages import (ChunkStage, CompilePlan, CompileStage, EmbedStage, RenderStage, check_ids,
+                                    deduplicate, read_files, rejected_row, stored_embeddings, stored_entries,
+                                    write_documents)
+from pipeline.runtime import Embedder
+from pipeline.store import entry_slots
 from pipeline.store import current_generation_number, publish_generation
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.store import StoreLease
-from pipeline.ingest.stages import write_documents
 from pipeline.ingest.corpus import discover
-from pipeline.ingest.resources import CompileResources, StagePlan, plan_stages
+from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, rows_table
 from pipeline.runtime import model_identity
 from pipeline.store import Store
@@ -42,33 +41,27 @@ from schemas.store import Manifest, StoredModel, StoreSpec
 
 T = TypeVar("T")
 
-__all__ = ["CompileResources", "IngestConfig", "ingest", "entry_slots", "new_manifest"]
-
-
-@dataclass(frozen=True)
-class IngestConfig:
+class IngestConfig(JobResources):
     corpus: str
     store: StoreSpec
     model: ModelSpec = ModelSpec()
     render: RenderSpec = RenderSpec()
-    chunk_tokens: int = 512
+    chunk_tokens: int = Field(512, ge=16)
     variants: tuple[Variant, ...] = tuple(Variant)  # every mode servable side by side (`qvpic ingest --variants`)
-    resources: CompileResources = CompileResources()
     embedder_dir: str | None = None
     reader: ReaderSpec = ReaderSpec()
-    job_id: str = field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
-    resource_wait_s: float = 60.0  # how long to wait for the cluster to free what the job needs
-    stall_timeout_s: float = 1800.0  # a job in which no block moves for this long fails instead of hanging
+    job_id: str = Field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
     kv_quant: KVQuant | None = None  # how entries are stored; None: the store's own (none for a new store)
     lazy_high_tier: bool = False  # compile the highest tier on first promotion, not here (`--lazy-high-tier`)
     legibility: bool = False  # OCR every image entry's pages into its index row (`--legibility`)
     force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
 
-    def __post_init__(self) -> None:
-        if self.chunk_tokens < 16:
-            raise ValueError(f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
-        if Variant.TEMPLATE not in self.variants:
+    @field_validator("variants")
+    @classmethod
+    def _serves_template(cls, variants: tuple[Variant, ...]) -> tuple[Variant, ...]:
+        if Variant.TEMPLATE not in variants:
             raise ValueError("the template variant (what qvpic serves) must be compiled")
+        return variants
 
 
 def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, ...], embedder_name: str,
@@ -222,7 +215,7 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         if skipped is not None:
             return skipped
     store = Store.open(cfg.store, create=True)
-    plan = plan_stages(cfg.resources, wait_s=cfg.resource_wait_s)  # or a clear refusal, before any write
+    plan = plan_stages(cfg.resources, cfg.resource_wait_s)  # or a clear refusal, before any write
     plan.apply(cfg.stall_timeout_s)
     with StoreLease(store.blobs, cfg.job_id):
         manifest = target_manifest(store, cfg)

@@ -13,18 +13,19 @@ import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 import ray.data
+from pydantic import Field
 
-from pipeline.ingest.stages import CompilePlan
-from pipeline.ingest.stages import deduplicate, read_parts, stored_entries
+from pipeline.ingest.shuffle import read_parts
+from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
 from pipeline.store import entry_slots
 from pipeline.store import publish_generation, remove_orphans
 from pipeline.ingest.ingest_job import compile_kv, in_a_task, new_manifest, render, work_blocks
 from pipeline.store import StoreLease
-from pipeline.ingest.resources import CompileResources, StagePlan, plan_stages
+from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, conform_rows, of_kind
 from pipeline.store import Store
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
@@ -36,17 +37,13 @@ _TALLY = pa.schema([("units", pa.int64()), ("compiled", pa.int64()), ("nbytes", 
                     ("failures_json", pa.string())])
 
 
-@dataclass(frozen=True)
-class RecompileConfig:
+class RecompileConfig(JobResources):
     store: StoreSpec
     model: ModelSpec | None = None  # None: the store's own model (built-in names only)
     render: RenderSpec | None = None  # None: the store's page layout and tiers
     variants: tuple[Variant, ...] | None = None
-    resources: CompileResources = CompileResources()
-    orphan_grace_s: float = 3600.0  # shards younger than this may belong to a job still running
-    job_id: str = field(default_factory=lambda: f"recompile-{uuid.uuid4().hex[:12]}")
-    resource_wait_s: float = 60.0
-    stall_timeout_s: float = 1800.0
+    orphan_grace_s: float = Field(3600.0, ge=0)  # shards younger than this may belong to a job still running
+    job_id: str = Field(default_factory=lambda: f"recompile-{uuid.uuid4().hex[:12]}")
     kv_quant: KVQuant | None = None  # None: the store's own KV format; another one rebuilds every entry
 
 
@@ -135,7 +132,7 @@ def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: f
 def recompile(cfg: RecompileConfig) -> RecompileSummary:
     started, stamp_ns = time.perf_counter(), time.time_ns()
     store = Store.open(cfg.store)
-    plan = plan_stages(cfg.resources, stages=("render",), wait_s=cfg.resource_wait_s)  # or a clear refusal
+    plan = plan_stages(cfg.resources, cfg.resource_wait_s, stages=("render",))  # or a clear refusal
     plan.apply(cfg.stall_timeout_s)
     with StoreLease(store.blobs, cfg.job_id):
         old = store.load_manifest_or_raise()

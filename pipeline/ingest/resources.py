@@ -16,6 +16,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from pydantic import Field
+
+from schemas.config import Frozen
+
 
 TASK_CPUS = 1.0  # Ray Data's shuffle map and reduce tasks each take one CPU; not configurable
 MIN_ACTOR_CPUS = 0.01
@@ -26,18 +30,22 @@ class ResourceError(RuntimeError):
     """The cluster cannot give a job what it needs to make progress."""
 
 
-@dataclass(frozen=True)
-class CompileResources:
+class CompileResources(Frozen):
     """The compile actor pool: one VLM per actor; GPUs per actor 0 = CPU; `batch_size` chunks per forward."""
 
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    batch_size: int = 8
+    workers: int = Field(1, ge=1)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    batch_size: int = Field(8, ge=1)
 
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.gpus_per_worker < 0 or self.cpus_per_worker <= 0 or self.batch_size < 1:
-            raise ValueError("workers >= 1, gpus_per_worker >= 0, cpus_per_worker > 0 and batch_size >= 1 are required")
+
+class JobResources(Frozen):
+    """What an offline job (ingest, recompile) asks of the cluster, and how long it waits: the fields both
+    job configs share."""
+
+    resources: CompileResources = CompileResources()
+    resource_wait_s: float = Field(60.0, ge=0)  # how long to wait for the cluster to free what the job needs
+    stall_timeout_s: float = Field(1800.0, gt=0)  # a job in which no block moves for this long fails instead of hanging
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,8 @@ class StagePlan:
         ctx.execution_no_progress_timeout_s = stall_timeout_s
 
 
-def plan_stages(resources: CompileResources, stages: tuple[str, ...] = ("chunk", "render", "embed"),
-                wait_s: float = 60.0) -> StagePlan:
+def plan_stages(resources: CompileResources, wait_s: float,
+                stages: tuple[str, ...] = ("chunk", "render", "embed")) -> StagePlan:
     """The requests of a pipeline with `stages` actor pools (besides compile) on this cluster now."""
     import ray
 

@@ -3,7 +3,8 @@
 One streaming Ray Data job carries everything an input can become, so nothing has to come back to
 the driver between stages: documents, the rejections they turn into, per-file read counts, chunk
 occurrences, one `UNIT` per distinct chunk text (the work: render → embed → compile) and, joined in
-from the store, what it already holds. Each stage reads the kinds it owns and passes the others on.
+from the store, what it already holds. Each stage reads the kinds it owns and passes the others on; each stage module declares the columns it
+needs (`NEEDS`, checked on every batch) and the ones it fills in (`ADDS`).
 `key` is the column the next shuffle partitions on.
 """
 
@@ -67,6 +68,14 @@ def conform_rows(table: pa.Table) -> pa.Table:
         else:
             columns.append(pa.nulls(table.num_rows, field.type))
     return pa.Table.from_arrays(columns, schema=ROW_SCHEMA)
+
+
+def require_columns(table: pa.Table, needed: Iterable[str], stage: str) -> None:
+    """Raise a ValueError naming the columns of `needed` that `table` lacks (`stage`: who needs them)."""
+    missing = [name for name in needed if name not in table.column_names]
+    if missing:
+        raise ValueError(f"the {stage} stage needs columns {missing}, which its input rows lack "
+                         f"(they have {table.column_names})")
 
 
 def of_kind(table: pa.Table, *kinds: Kind) -> pa.Table:

@@ -12,10 +12,11 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "DTYPE_OF", "PAYLOAD_DTYPES", "PAYLOAD_MAX", "SCALE_DTYPE", "StoredFormat", "TORCH_DTYPES",
         "stored_format"
     ],
-    "embed": ["EmbedStage", "Embedder"],
+    "embed": ["Embedder"],
     "kv": ["AssembledContext", "ChunkKV"],
-    "model": ["VLM", "model_identity", "resolve_device", "resolve_path", "select_token"],
-    "ocr": ["page_legibility"],
+    "checkpoint": ["model_identity", "resolve_device", "resolve_path"],
+    "model": ["VLM", "select_token"],
+    "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
     "render": ["Renderer"],
     "tiny": [
@@ -23,4 +24,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "ensure_model"
     ],
     "tokens": ["MERGE_SIZE", "vision_grid", "vision_tokens"],
+    "timing": ["ms_since"],
 })

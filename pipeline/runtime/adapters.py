@@ -215,12 +215,6 @@ class Adapter:
         self.rotate_keys_(basis.unsqueeze(0), deltas.repeat_interleave(head_dim))
         return basis.view(deltas.numel(), head_dim, head_dim)
 
-    def rotate_keys(self, keys: torch.Tensor, delta_per_token: torch.Tensor) -> torch.Tensor:
-        """Out-of-place `rotate_keys_`."""
-        out = keys.clone()
-        self.rotate_keys_(out, delta_per_token)
-        return out
-
 
 def _llava_token_counter(config, image_processor):
     """(height, width) of a page → its image tokens, by LLaVA-OneVision's own processor code (AnyRes tiles,

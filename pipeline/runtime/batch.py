@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from pipeline.runtime.kv import ChunkKV
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
+from pipeline.runtime.timing import ms_since
 from schemas.config import RecomputeSpec
 
 
@@ -207,7 +208,7 @@ def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Se
         context = vlm.assemble(chunks, instruction, out=slab.kv[:, :, row])
         slab.valid[row, :context.num_tokens] = True
         slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
-        assembly_ms.append(_ms_since(started, vlm.device))
+        assembly_ms.append(ms_since(started, vlm.device))
         if recomputes is not None and recomputes[row] is not None:
             recompute(vlm, context, chunks, recomputes[row][1], recomputes[row][0])
     pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
@@ -234,9 +235,3 @@ def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torc
                     logits_to_keep=1)
     slab.advance(real)
     return out.logits[:, -1]
-
-
-def _ms_since(started: float, device: torch.device) -> float:
-    if device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - started) * 1e3

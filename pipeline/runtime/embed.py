@@ -14,9 +14,6 @@ from importlib.metadata import version
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-
-from pipeline.ingest import units_to_build, with_columns
 
 TEXT_COLUMN = "text"
 EMBEDDING_COLUMN = "embedding"
@@ -89,28 +86,3 @@ class Embedder:
         if TEXT_COLUMN not in batch:
             raise EmbeddingInputError(f"batch has no {TEXT_COLUMN!r} column; columns: {sorted(batch)}")
         return {**batch, EMBEDDING_COLUMN: self.embed(list(batch[TEXT_COLUMN]))}
-
-
-
-class EmbedStage:
-    """Ray Data stage over pipeline rows: each UNIT that needs one gets the embedding of its text; units
-    whose key the store already embedded (same embedder: the manifest pins it) are not re-embedded."""
-
-    def __init__(self, model_dir: str | None = None) -> None:
-        self.model_dir = model_dir
-        self._embedder: Embedder | None = None  # loaded on the first batch that needs it: a no-op rerun loads none
-
-    @property
-    def embedder(self) -> Embedder:
-        if self._embedder is None:
-            self._embedder = Embedder(self.model_dir)
-        return self._embedder
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        work, rest = units_to_build(batch, "needs_embedding")
-        if work.num_rows == 0:
-            return batch
-        vectors = self.embedder.embed(work["text"].to_pylist())  # [units, dim] float32
-        offsets = pa.array(np.arange(0, vectors.size + 1, vectors.shape[1], dtype=np.int32))
-        embeddings = pa.ListArray.from_arrays(offsets, pa.array(vectors.reshape(-1), pa.float32()))
-        return pa.concat_tables([rest, with_columns(work, embedding=embeddings)])

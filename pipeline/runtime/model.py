@@ -1,4 +1,5 @@
-"""The VLM runtime shared by compile (offline) and serve (online): load, compile, prefill, decode.
+"""The VLM runtime shared by compile (offline) and serve (online): load, compile, prefill, decode (where the
+checkpoint is and what it is: pipeline/runtime/checkpoint.py).
 
 Positions are always passed explicitly, kept as `(axes, 1, L)` (3 for M-RoPE, 1 for 1-D RoPE) and
 handed to the model in its own layout by the adapter; the models' stateful `rope_deltas` is never
@@ -7,10 +8,8 @@ relied on.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -18,11 +17,11 @@ import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
+from pipeline.runtime.adapters import Adapter, family_classes
+from pipeline.runtime.checkpoint import resolve_device, resolve_path
 from pipeline.runtime.dtypes import TORCH_DTYPES
-from pipeline.runtime.adapters import Adapter, ChatTemplate, family_classes
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
-from pipeline.runtime.tiny import BUILTIN, ensure_model
-from schemas.config import ChunkKind, CompilePrefix, ModelFamily, ModelSpec, Variant
+from schemas.config import ChunkKind, CompilePrefix, ModelSpec, Variant
 from schemas.sampling import Sampling
 
 PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)
@@ -35,45 +34,6 @@ class Prefill:
     logits: torch.Tensor  # [1, new_tokens, vocab] of the prefilled tokens
     cache: DynamicCache
     next_position: int
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_path(spec: ModelSpec) -> Path:
-    """A built-in name becomes its materialised local checkpoint; anything else must be a directory."""
-    if spec.path in BUILTIN:
-        return ensure_model(spec.path)
-    path = Path(spec.path).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model path {path} is not a local checkpoint directory (no config.json)")
-    return path
-
-
-def model_identity(spec: ModelSpec) -> tuple[str, str, ModelFamily, str]:
-    """(model id, revision, family, template prefix) that fingerprint a store, without loading weights.
-
-    Built-ins are named; a local checkpoint is identified by its directory name and, unless the spec
-    pins a revision, a hash of its config and weight-file sizes (stable across machines and mounts).
-    """
-    path = resolve_path(spec)
-    load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
-    config = AutoConfig.from_pretrained(path, **load)
-    tokenizer = AutoTokenizer.from_pretrained(path, **load)
-    template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
-    if spec.path in BUILTIN:
-        model_id, revision = spec.path, path.name.rsplit("-", 1)[-1]
-    else:
-        model_id, revision = path.name, spec.revision
-        if revision == "local":
-            digest = hashlib.sha256((path / "config.json").read_bytes())
-            for weights in sorted(path.glob("*.safetensors")):
-                digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-            revision = digest.hexdigest()[:16]
-    return model_id, revision, family_classes(config.model_type).family, template.prefix
 
 
 class VLM:

@@ -139,11 +139,6 @@ class Renderer:
         for t in spec.tiers:
             self._tier_fonts(t.dpi)
 
-    def font_for(self, ch: str) -> Path | None:
-        """The configured font that draws character `ch`, or None when `ch` is a missing glyph."""
-        g = self._glyph(ch)
-        return None if g.missing else self.font_paths[g.font]
-
     def layout(self, text: str, tier: TierSpec) -> list[str]:
         """The lines `render` draws for `text` at `tier` (after wrapping, before paging)."""
         lines, _ = self._layout(self._normalize(text), self._tier_fonts(tier.dpi))

@@ -36,6 +36,7 @@ from PIL import Image
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.kv import AssembledContext, ChunkKV
+from pipeline.runtime.timing import ms_since
 from schemas.config import RecomputeKind, RecomputeSpec
 
 
@@ -201,13 +202,7 @@ def recompute(vlm, context: AssembledContext, chunks: Sequence[ChunkKV], inputs:
             offset += n
         keep = torch.cat(keep).sort().values  # in context order: causal within the selection
         embeds, positions, columns = embeds[keep], positions[:, :, keep], columns[keep]
-    selected = _ms_since(started, vlm.device)
+    selected = ms_since(started, vlm.device)
     started = time.perf_counter()
     _forward(vlm, [_ColumnsLayer(k, v, columns, write=True) for k, v in context.layers], embeds, positions, columns)
-    return RecomputeReport(int(columns.numel()), selected, _ms_since(started, vlm.device))
-
-
-def _ms_since(started: float, device: torch.device) -> float:
-    if device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - started) * 1e3
+    return RecomputeReport(int(columns.numel()), selected, ms_since(started, vlm.device))

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pytesseract
 from PIL import Image, UnidentifiedImageError
 
+from pipeline.runtime import OcrUnavailable, PageLayout, read_text
 from schemas.corpus import ReaderSpec
 
 _HASH_SIDE_PX = 32  # the image is reduced to 32x32 grey before the DCT
@@ -29,10 +29,6 @@ def _dct_matrix(n: int) -> np.ndarray:
 
 
 _DCT = _dct_matrix(_HASH_SIDE_PX)
-
-
-class OcrUnavailableError(RuntimeError):
-    """The OCR engine is missing or misconfigured: a setup problem, so the job stops."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ def read_page_image(path: str, spec: ReaderSpec) -> PageImage | str:
 
     The pixel budget is checked from the header before any pixel is decoded, so a decompression bomb
     costs nothing; truncated files fail at `load()` because Pillow's LOAD_TRUNCATED_IMAGES stays off.
-    A missing tesseract binary or language pack raises `OcrUnavailableError`: a broken setup is not
+    A missing tesseract binary or language pack raises `OcrUnavailable`: a broken setup is not
     a bad input, and quarantining every page for it would hide the problem.
     """
     try:
@@ -76,11 +72,10 @@ def read_page_image(path: str, spec: ReaderSpec) -> PageImage | str:
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     try:
-        text = pytesseract.image_to_string(rgb, lang=spec.ocr_lang, timeout=spec.ocr_timeout_s)
-    except pytesseract.TesseractNotFoundError as exc:  # an OSError: must not pass for an unreadable file
-        raise OcrUnavailableError("tesseract is not installed (Debian: tesseract-ocr tesseract-ocr-eng)") from exc
-    except pytesseract.TesseractError as exc:  # e.g. a language pack that is not installed
-        raise OcrUnavailableError(f"tesseract failed for language {spec.ocr_lang!r}: {exc}") from exc
+        # A scan's layout (columns, figures, margins) is nobody's choice: Tesseract segments it itself.
+        text = read_text(rgb, layout=PageLayout.AUTO, lang=spec.ocr_lang, timeout_s=spec.ocr_timeout_s)
+    except OcrUnavailable:
+        raise
     except RuntimeError as exc:  # pytesseract's timeout
         return f"OCR failed: {exc}"
     return PageImage(ocr_text=text, phash=perceptual_hash(rgb))

@@ -1,7 +1,7 @@
-"""Render and compile stages of ingestion: each distinct chunk text (a UNIT row) in, its KV entries out.
+"""The compile stage: each distinct chunk text (a UNIT row, rendered upstream) in, its KV entries written out.
 
-Both are Ray Data callable classes (heavy init once per actor) over pipeline rows; rows that are not
-units with work to do pass through. The compile stage batches: the entries of one (tier, variant)
+A Ray Data callable class (the VLM loads once per actor) over pipeline rows (pipeline/ingest/rows.py);
+rows that are not units with work to do pass through. It batches: the entries of one (tier, variant)
 slot across the units of a batch compile `batch_size` chunks per forward and land in one packed shard
 (pipeline/store/shards.py). Shards are written first, then the batch's index rows are published as one part
 named by the job and the batch's keys — a killed actor leaves at most orphan shards, and a retried batch
@@ -18,47 +18,17 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.store import TEXT_SOURCED, compile_entries, decode_png, encode_png, index_row, page_images
-from pipeline.store import check_device, stored
-from pipeline.runtime import page_legibility
-from pipeline.runtime import Renderer
-from pipeline.ingest.rows import PAGES_TYPE, units_to_build, with_columns
-from pipeline.runtime import ChunkKV
-from pipeline.runtime import VLM
-from pipeline.store import Store
-from schemas.config import ModelSpec, RenderSpec, Variant
+from pipeline.ingest.rows import PAGES_TYPE, Kind, require_columns, rows_table, units_to_build, with_columns
+from pipeline.ingest.stages.render import RenderStage
+from pipeline.runtime import VLM, ChunkKV, page_legibility
+from pipeline.store import (TEXT_SOURCED, Store, check_device, compile_entries, decode_png, index_row, required_keys,
+                            stored)
+from schemas.config import ModelSpec, Variant
 from schemas.corpus import RejectReason
 from schemas.store import Manifest, StoreSpec
 
-
-class RenderStage:
-    """Units → the same units with the pages (PNG per page, per tier) their missing slots need."""
-
-    def __init__(self, render: RenderSpec):
-        self.renderer = Renderer(render)
-
-    def pages(self, unit: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
-        tiers = {tier for tier, variant in json.loads(unit["slots_json"]) if Variant(variant) not in TEXT_SOURCED}
-        out, missing = [], 0
-        for tier in (t for t in self.renderer.spec.tiers if t.name in tiers):
-            pages, lacking = page_images(self.renderer, unit["text"], unit["image_path"], tier)
-            out.append({"tier": tier.name, "png": [encode_png(p) for p in pages]})
-            missing = max(missing, lacking)
-        return out, missing
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        work, rest = units_to_build(batch, "slots_json")
-        if work.num_rows == 0:
-            return batch
-        pages, missing, errors = [], [], []
-        for unit in work.select(["text", "image_path", "slots_json"]).to_pylist():
-            try:
-                rendered, lacking = self.pages(unit)
-                pages.append(rendered), missing.append(lacking), errors.append("")
-            except (ValueError, OSError) as e:  # RenderError and PageImageError are ValueErrors
-                pages.append([]), missing.append(0), errors.append(f"{RejectReason.RENDER_FAILED.value}: {e}")
-        work = with_columns(work, pages=pa.array(pages, PAGES_TYPE), missing_glyphs=missing, error=errors)
-        return pa.concat_tables([rest, work])
+NEEDS = ("kind", "error", "chunk_key", "text", "slots_json", "pages")
+ADDS = ("entries_json", "error")  # and `pages` emptied: they are done with
 
 
 @dataclass(frozen=True)
@@ -100,6 +70,7 @@ class CompileStage:
         return self._vlm
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        require_columns(batch, NEEDS, "compile")
         work, rest = units_to_build(batch, "slots_json")
         if work.num_rows == 0:
             return batch
@@ -183,9 +154,6 @@ def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list
     """Render and compile the entries the manifest needs and the store lacks for `(chunk_key, text,
     image_path)` sources in this process, through the pipeline's own stages (tests and benchmarks that
     build stores without Ray). Returns the errors by chunk key."""
-    from pipeline.store import required_keys
-    from pipeline.ingest.rows import Kind, rows_table
-
     units = []
     for key, text, image_path in dict.fromkeys(sources):
         keys = required_keys(manifest, key, manifest.variants)

@@ -20,22 +20,22 @@ import pyarrow.compute as pc
 import ray.data
 
 from pipeline.ingest.corpus import DocRef, near_duplicate_images
-from pipeline.store import slot_name
 from pipeline.ingest.resources import StagePlan
-from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind, rows_table
-from pipeline.store import Store
+from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind, require_columns, rows_table
+from pipeline.ingest.shuffle import read_parts, shuffle
+from pipeline.store import Store, slot_name
 from schemas.config import Variant
 from schemas.corpus import ReaderSpec, RejectReason
 from schemas.store import CacheKey, Manifest
 
-
-def shuffle(rows: ray.data.Dataset, plan: StagePlan) -> ray.data.Dataset:
-    """Rows hash-partitioned on `key`: every row of one key lands in one block (Ray keeps key partitions whole)."""
-    return rows.repartition(plan.num_partitions, keys=["key"])
+NEEDS = ("kind", "key", "doc_id", "source", "order_key", "text_key", "image_phash", "image_path", "chunk_id",
+         "chunk_key", "text", "order", "num_text_tokens", "slot", "embedding")
+ADDS = ("duplicate", "occurrences", "slots_json", "needs_embedding", "error")
 
 
 def first_per_id(batch: pa.Table) -> pa.Table:
     """One partition: of the documents sharing an id, the first in source order stays; the rest are rejected."""
+    require_columns(batch, NEEDS, "dedup")
     docs = of_kind(batch, Kind.DOC)
     if docs.num_rows < 2:
         return batch
@@ -68,6 +68,7 @@ class ContentUnits:
         self.reader = reader
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        require_columns(batch, NEEDS, "dedup")
         markers, rejected, dropped_docs = self.markers(of_kind(batch, Kind.MARKER))
         present: dict[str, set[str]] = defaultdict(set)
         entries = of_kind(batch, Kind.STORED_ENTRY)
@@ -130,13 +131,6 @@ def _content_units(batch: pa.Table, units: ContentUnits) -> pa.Table:
 
 
 # ---- what the store already holds, as pipeline rows ----------------------------------------------------
-def read_parts(store: Store, table: str, columns: list[str], plan: StagePlan, **options: Any) -> ray.data.Dataset | None:
-    paths = store.part_paths(table)
-    if not paths:
-        return None
-    return ray.data.read_parquet(paths, filesystem=store.blobs.fs, columns=columns, num_cpus=plan.task_cpus, **options)
-
-
 def _entry_rows(batch: pa.Table, required: list[str]) -> pa.Table:
     tier = pc.fill_null(batch["tier"], CacheKey.NO_TIER)
     slot = pc.binary_join_element_wise(tier, batch["variant"], "/")

@@ -1,22 +1,22 @@
-"""Read and chunk stages of ingestion: corpus files → documents (and rejections) → chunk occurrences.
+"""The read stage: corpus files → one row per input record (a document or a rejection) and one FILE row each.
 
-Both are Ray Data batch UDFs over pipeline rows (pipeline/ingest/rows.py): a stage handles the kinds it owns
-and passes every other row on untouched.
+A Ray Data batch UDF over file rows (`path`, `root`, `relpath`) whose output is pipeline rows
+(pipeline/ingest/rows.py).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pyarrow as pa
 
-from pipeline.ingest.chunker import Chunker
-from pipeline.ingest.corpus import DocRef, source_order_key
-from pipeline.ingest.corpus import read_file
-from pipeline.ingest.rows import Kind, not_of_kind, of_kind, rows_table
-from schemas.config import ModelSpec
-from schemas.corpus import Document, MetaKey, ReaderSpec, RejectReason, Rejection
+from pipeline.ingest.corpus import DocRef, read_file, source_order_key
+from pipeline.ingest.rows import Kind, require_columns, rows_table
+from schemas.corpus import ReaderSpec, RejectReason, Rejection
+
+NEEDS = ("path", "root", "relpath")
+ADDS = ("kind", "key", "doc_id", "source", "order_key", "text", "metadata_json", "text_key", "image_phash",
+        "image_path", "reason", "detail", "count")
 
 
 def rejected_row(rejection: Rejection) -> dict[str, Any]:
@@ -26,8 +26,9 @@ def rejected_row(rejection: Rejection) -> dict[str, Any]:
 
 def read_files(batch: pa.Table, reader: ReaderSpec) -> pa.Table:
     """Each file → one row per input record (a document or a rejection) and one FILE row counting them."""
+    require_columns(batch, NEEDS, "read")
     rows: list[dict[str, Any]] = []
-    for path, root, relpath in zip(*(batch[c].to_pylist() for c in ("path", "root", "relpath"))):
+    for path, root, relpath in zip(*(batch[c].to_pylist() for c in NEEDS)):
         count = 0
         for record in read_file(path, root, reader):
             count += 1
@@ -40,45 +41,3 @@ def read_files(batch: pa.Table, reader: ReaderSpec) -> pa.Table:
                          "image_phash": ref.image_phash, "image_path": record.image_path})
         rows.append({"kind": Kind.FILE.value, "key": "", "source": relpath, "count": count})
     return rows_table(rows)
-
-
-class ChunkStage:
-    """Each document → its chunk occurrences (bounded by the VLM tokenizer's token count) and one MARKER."""
-
-    def __init__(self, model: ModelSpec, chunk_tokens: int):
-        from transformers import AutoTokenizer
-
-        from pipeline.runtime import resolve_path
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_path(model), local_files_only=True)
-
-        # Repeated documents (and repeated pieces) are counted once: a corpus of 10^5 copies of one
-        # text would otherwise spend minutes in the tokenizer. Bounded: pieces are at most a few KB.
-        @functools.lru_cache(maxsize=4096)
-        def count_tokens(text: str) -> int:
-            return len(tokenizer(text, add_special_tokens=False).input_ids)
-
-        self.chunker = Chunker(count_tokens, chunk_tokens)
-
-    def chunks(self, doc: Document) -> list[dict[str, Any]]:
-        # A page image is one chunk whatever its length: its pixels are what gets compiled.
-        pieces = self.chunker.chunk(doc)
-        if doc.image_path and pieces:
-            pieces = [pieces[0].build(doc.doc_id, 0, doc.text, sum(p.num_text_tokens for p in pieces))]
-        return [{"kind": Kind.CHUNK.value, "key": c.chunk_key, **c.model_dump(), "source": doc.source,
-                 "image_path": doc.image_path} for c in pieces]
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows: list[dict[str, Any]] = []
-        for row in of_kind(batch, Kind.DOC).to_pylist():
-            doc = Document.from_row(row)
-            chunks = self.chunks(doc)
-            if not chunks:
-                rows.append(rejected_row(Rejection(source=doc.source, doc_id=doc.doc_id, reason=RejectReason.EMPTY_TEXT,
-                                                   detail="no chunk left after chunking")))
-                continue
-            rows += chunks
-            rows.append({"kind": Kind.MARKER.value, "key": row["text_key"], "doc_id": doc.doc_id, "source": doc.source,
-                         "order_key": row["order_key"], "text_key": row["text_key"],
-                         "image_phash": doc.metadata.get(MetaKey.IMAGE_PHASH.value), "image_path": doc.image_path})
-        return pa.concat_tables([not_of_kind(batch, Kind.DOC), rows_table(rows)])

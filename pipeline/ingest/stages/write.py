@@ -21,21 +21,25 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from pipeline.ingest.stages.dedup import read_parts, shuffle
 from pipeline.ingest.resources import StagePlan
-from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind
-from pipeline.store import Store
+from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind, require_columns
+from pipeline.ingest.shuffle import read_parts, shuffle
 from pipeline.ingest.summary import TALLY_SCHEMA, entry_groups
+from pipeline.store import Store
 from schemas.store import StoreSpec
 from schemas.tables import CHUNKS_SCHEMA
 
 _OCCURRENCE_FIELDS = ("chunk_id", "doc_id", "order", "text", "num_text_tokens", "source", "image_path")
 _UNIT_FIELDS = ("chunk_key", "embedding", "error", "entries_json", "needs_embedding", "slots_json")
+NEEDS = ("kind", "key", "occurrences", "count", "reason", "detail", "duplicate", *_OCCURRENCE_FIELDS,
+         *_UNIT_FIELDS)
+ADDS = ("representative", "stored_at")  # and the partition's tally (summary.TALLY_SCHEMA) in place of its rows
 
 
 def explode_units(batch: pa.Table) -> pa.Table:
     """Each UNIT → one OCCURRENCE per chunk occurrence, keyed by its document; the first (the unit's
     representative) also carries what the job built for the unit."""
+    require_columns(batch, NEEDS, "write")
     units = of_kind(batch, Kind.UNIT)
     if units.num_rows == 0:
         return batch
@@ -72,6 +76,7 @@ class DocumentWriter:
         return hashlib.sha256("\n".join([self.job_id, what, *sorted(names)]).encode()).hexdigest()[:16]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        require_columns(batch, NEEDS, "write")
         inputs = pc.sum(of_kind(batch, Kind.FILE)["count"]).as_py() or 0
         quarantine = [{k: r[k] for k in ("source", "doc_id", "reason", "detail")}
                       for r in of_kind(batch, Kind.REJECTED).select(["source", "doc_id", "reason", "detail"]).to_pylist()]

@@ -1,0 +1,64 @@
+"""The chunk stage: documents → chunk occurrences (bounded by the VLM tokenizer's token count) and one MARKER each.
+
+A Ray Data callable class (the tokenizer loads once per actor) over pipeline rows (pipeline/ingest/rows.py):
+it takes the DOC rows and passes every other row on untouched. A document that yields no chunk is rejected.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.ingest.chunker import Chunker
+from pipeline.ingest.rows import Kind, not_of_kind, of_kind, require_columns, rows_table
+from pipeline.ingest.stages.read import rejected_row
+from schemas.config import ModelSpec
+from schemas.corpus import Document, MetaKey, RejectReason, Rejection
+
+NEEDS = ("kind", "doc_id", "source", "text", "metadata_json", "order_key", "text_key", "image_path")
+ADDS = ("chunk_id", "order", "chunk_key", "num_text_tokens")
+
+
+class ChunkStage:
+    """Each document → its chunk occurrences and one MARKER (its whole-text key, for dedup)."""
+
+    def __init__(self, model: ModelSpec, chunk_tokens: int):
+        from transformers import AutoTokenizer
+
+        from pipeline.runtime import resolve_path
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(model), local_files_only=True)
+
+        # Repeated documents (and repeated pieces) are counted once: a corpus of 10^5 copies of one
+        # text would otherwise spend minutes in the tokenizer. Bounded: pieces are at most a few KB.
+        @functools.lru_cache(maxsize=4096)
+        def count_tokens(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+        self.chunker = Chunker(count_tokens, chunk_tokens)
+
+    def chunks(self, doc: Document) -> list[dict[str, Any]]:
+        # A page image is one chunk whatever its length: its pixels are what gets compiled.
+        pieces = self.chunker.chunk(doc)
+        if doc.image_path and pieces:
+            pieces = [pieces[0].build(doc.doc_id, 0, doc.text, sum(p.num_text_tokens for p in pieces))]
+        return [{"kind": Kind.CHUNK.value, "key": c.chunk_key, **c.model_dump(), "source": doc.source,
+                 "image_path": doc.image_path} for c in pieces]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        require_columns(batch, NEEDS, "chunk")
+        rows: list[dict[str, Any]] = []
+        for row in of_kind(batch, Kind.DOC).to_pylist():
+            doc = Document.from_row(row)
+            chunks = self.chunks(doc)
+            if not chunks:
+                rows.append(rejected_row(Rejection(source=doc.source, doc_id=doc.doc_id, reason=RejectReason.EMPTY_TEXT,
+                                                   detail="no chunk left after chunking")))
+                continue
+            rows += chunks
+            rows.append({"kind": Kind.MARKER.value, "key": row["text_key"], "doc_id": doc.doc_id, "source": doc.source,
+                         "order_key": row["order_key"], "text_key": row["text_key"],
+                         "image_phash": doc.metadata.get(MetaKey.IMAGE_PHASH.value), "image_path": doc.image_path})
+        return pa.concat_tables([not_of_kind(batch, Kind.DOC), rows_table(rows)])

@@ -1,0 +1,54 @@
+"""Where a model's checkpoint is and what it is, without loading its weights: the device it runs on, its
+local directory (a built-in tiny model is materialised on first use), and the identity that fingerprints a
+store (pipeline/runtime/model.py loads it; the router and the ingest driver only identify it)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from pipeline.runtime.adapters import ChatTemplate, family_classes
+from pipeline.runtime.tiny import BUILTIN, ensure_model
+from schemas.config import ModelFamily, ModelSpec
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_path(spec: ModelSpec) -> Path:
+    """A built-in name becomes its materialised local checkpoint; anything else must be a directory."""
+    if spec.path in BUILTIN:
+        return ensure_model(spec.path)
+    path = Path(spec.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {path} is not a local checkpoint directory (no config.json)")
+    return path
+
+
+def model_identity(spec: ModelSpec) -> tuple[str, str, ModelFamily, str]:
+    """(model id, revision, family, template prefix) that fingerprint a store, without loading weights.
+
+    Built-ins are named; a local checkpoint is identified by its directory name and, unless the spec
+    pins a revision, a hash of its config and weight-file sizes (stable across machines and mounts).
+    """
+    path = resolve_path(spec)
+    load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    config = AutoConfig.from_pretrained(path, **load)
+    tokenizer = AutoTokenizer.from_pretrained(path, **load)
+    template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
+    if spec.path in BUILTIN:
+        model_id, revision = spec.path, path.name.rsplit("-", 1)[-1]
+    else:
+        model_id, revision = path.name, spec.revision
+        if revision == "local":
+            digest = hashlib.sha256((path / "config.json").read_bytes())
+            for weights in sorted(path.glob("*.safetensors")):
+                digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+            revision = digest.hexdigest()[:16]
+    return model_id, revision, family_classes(config.model_type).family, template.prefix
