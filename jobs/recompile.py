@@ -16,6 +16,7 @@ from jobs import logs
 from jobs.help import HelpFormatter
 from jobs.ingest import (configured, job_resources, model_args, model_spec, render_args, render_spec, resource_args,
                          run_job, store_args, store_spec, variant_args)
+from schemas.store import ORPHAN_GRACE_S
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     variant_args(parser, None,
                  kv_quant_help="store KV as none/int8/fp8 (default: keep the store's); a change rebuilds every entry")
     resource_args(parser)
-    parser.add_argument("--orphan-grace-s", type=float, default=3600.0)
+    parser.add_argument("--orphan-grace-s", type=float, default=ORPHAN_GRACE_S)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     logs.add_verbose_flag(parser)
     args = parser.parse_args(argv)

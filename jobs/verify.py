@@ -21,7 +21,7 @@ import json
 import sys
 
 from jobs.help import HelpFormatter
-from pipeline.store.check import DEFAULT_GRACE_S
+from schemas.store import ORPHAN_GRACE_S
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deep", action="store_true", help="also read every entry's bytes and verify its checksum "
                         "(reads the whole store, streaming) and every part's footer")
     parser.add_argument("--repair", action="store_true", help="apply the safe fixes, then verify again")
-    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+    parser.add_argument("--grace-s", type=float, default=ORPHAN_GRACE_S,
                         help="orphans younger than this may belong to a job still writing: not reported, not deleted")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     args = parser.parse_args(argv)

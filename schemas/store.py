@@ -44,6 +44,7 @@ from schemas.config import (
 )
 
 SCHEMA_VERSION = 2  # 2: entries packed in shards, found by byte_offset + shape
+ORPHAN_GRACE_S = 3600.0  # a file younger than this may belong to a job still writing: never an orphan yet
 HEX64 = re.compile(r"[0-9a-f]{64}")
 TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")  # TierSpec.name's pattern
 @dataclass(frozen=True)

@@ -13,13 +13,14 @@ from typing import Any
 from ray import serve
 
 from pipeline.store import ensure_generation, read_generation, require_recorded_parts
+from pipeline.runtime import check_store
 from pipeline.store import Store
 from schemas.api import StoreInfo
 from serve.config import ApiSpec, AppConfig, DeploymentConfig
 from serve.engine import Generator
 from serve.http import Ingress
 from serve.kv import CacheLoader
-from serve.routing import BatchingRouter, check_store, servable_modes
+from serve.routing import BatchingRouter, servable_modes
 
 
 def api_spec(args: AppConfig) -> ApiSpec:

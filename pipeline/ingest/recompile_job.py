@@ -30,7 +30,7 @@ from pipeline.ingest.rows import Kind, conform_rows, of_kind
 from pipeline.store import Store
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
-from schemas.store import Manifest, StoreSpec
+from schemas.store import ORPHAN_GRACE_S, Manifest, StoreSpec
 
 MAX_LISTED_FAILURES = 100  # in the summary; every failure is in the quarantine table
 _TALLY = pa.schema([("units", pa.int64()), ("compiled", pa.int64()), ("nbytes", pa.int64()),
@@ -42,7 +42,7 @@ class RecompileConfig(JobResources):
     model: ModelSpec | None = None  # None: the store's own model (built-in names only)
     render: RenderSpec | None = None  # None: the store's page layout and tiers
     variants: tuple[Variant, ...] | None = None
-    orphan_grace_s: float = Field(3600.0, ge=0)  # shards younger than this may belong to a job still running
+    orphan_grace_s: float = Field(ORPHAN_GRACE_S, ge=0)  # shards younger than this may belong to a job still running
     job_id: str = Field(default_factory=lambda: f"recompile-{uuid.uuid4().hex[:12]}")
     kv_quant: KVQuant | None = None  # None: the store's own KV format; another one rebuilds every entry
 

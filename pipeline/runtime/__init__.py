@@ -14,7 +14,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ],
     "embed": ["Embedder"],
     "kv": ["AssembledContext", "ChunkKV"],
-    "checkpoint": ["model_identity", "resolve_device", "resolve_path"],
+    "checkpoint": ["check_store", "model_identity", "resolve_device", "resolve_path"],
     "model": ["VLM", "select_token"],
     "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],

@@ -1,6 +1,7 @@
 """Where a model's checkpoint is and what it is, without loading its weights: the device it runs on, its
 local directory (a built-in tiny model is materialised on first use), and the identity that fingerprints a
-store (pipeline/runtime/model.py loads it; the router and the ingest driver only identify it)."""
+store, checked against a store's manifest (pipeline/runtime/model.py loads it; the router, the generator
+and the app builder check it; the ingest driver only identifies it)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 from pipeline.runtime.adapters import ChatTemplate, family_classes
 from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ModelFamily, ModelSpec
+from schemas.store import Manifest
 
 
 def resolve_device(device: str) -> torch.device:
@@ -52,3 +54,10 @@ def model_identity(spec: ModelSpec) -> tuple[str, str, ModelFamily, str]:
                 digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
             revision = digest.hexdigest()[:16]
     return model_id, revision, family_classes(config.model_type).family, template.prefix
+
+
+def check_store(manifest: Manifest, spec: ModelSpec) -> None:
+    """Raise `ManifestError` unless the store was compiled for this model, dtype and template (the
+    identity ingest fingerprints with), read from the checkpoint without loading its weights."""
+    model_id, revision, _, template_prefix = model_identity(spec)
+    manifest.check_model(model_id, revision, spec.dtype, template_prefix)

@@ -27,6 +27,7 @@ from pipeline.store.leases import drop_expired_leases, read_leases
 from pipeline.store.snapshots import COMPLETE
 from pipeline.store.store import Store
 from schemas.generation import CHUNKS_DIR, ENTRIES_DIR, SERVING_DIR, generation_path
+from schemas.store import ORPHAN_GRACE_S
 
 STAGING_GRACE_S = 3600.0  # staging dirs older than this were left by a crashed job
 
@@ -56,7 +57,7 @@ def protected_shards(store: Store) -> set[str]:
     return shards
 
 
-def remove_orphans(store: Store, older_than_s: float = 3600.0) -> int:
+def remove_orphans(store: Store, older_than_s: float = ORPHAN_GRACE_S) -> int:
     """Delete shards no index row references, and temp files left by crashed writes, that are older than
     `older_than_s` (a grace period for jobs between writing a shard and publishing its rows). Rows hidden
     by a newer duplicate still protect their shard until compaction drops them, and shards of a live

@@ -43,7 +43,7 @@ from serve.engine.report import answer_report
 from serve.engine.sequence import End, Finished, Sequence
 from serve.kv import CacheLoader, HotTier
 from serve.plan import Answer, LoadResult, Plan
-from serve.routing import check_store
+from pipeline.runtime import check_store
 
 
 class Generator:

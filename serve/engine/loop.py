@@ -22,7 +22,7 @@ from PIL import Image
 
 from pipeline.runtime import Slab, decode_step, prefill_queries
 from pipeline.runtime import ChunkKV
-from pipeline.runtime import VLM, select_token
+from pipeline.runtime import VLM, ms_since, select_token
 from pipeline.runtime import ChunkInputs
 from schemas.config import EngineSpec, RecomputeSpec
 from serve.engine.scheduler import Scheduler
@@ -202,7 +202,7 @@ class Engine:
               decode_started: float | None = None) -> None:
         """Each sequence's next token from its logits row `[vocab]`: emitted, or the sequence ends."""
         greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
-        elapsed_ms = self._ms_since(prefill_started if prefill_started is not None else decode_started)
+        elapsed_ms = ms_since(prefill_started if prefill_started is not None else decode_started, self.vlm.device)
         for seq, row, best in zip(seqs, logits, greedy):
             if prefill_started is not None:
                 seq.prefill_ms, seq.status = elapsed_ms, Status.RUNNING
@@ -251,8 +251,3 @@ class Engine:
     @staticmethod
     def _online(seq: Sequence) -> bool:
         return isinstance(seq.context, OnlineContext)
-
-    def _ms_since(self, started: float) -> float:
-        if self.vlm.device.type == "cuda":  # kernels run asynchronously: wait for the phase's work to finish
-            torch.cuda.synchronize(self.vlm.device)
-        return (time.perf_counter() - started) * 1e3

@@ -5,5 +5,5 @@ from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "placement": ["PRICED_VARIANT", "PlacementSpec", "Selection", "place", "servable_modes"],
-    "router": ["BatchingRouter", "Router", "check_store"],
+    "router": ["BatchingRouter", "Router"],
 })

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoTokenizer
 from pipeline.runtime import Embedder
 from pipeline.store import ensure_generation
 from pipeline.runtime import ChatTemplate
-from pipeline.runtime import model_identity, resolve_path
+from pipeline.runtime import check_store, resolve_path
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import ModelSpec
@@ -57,13 +57,6 @@ class PromptTemplate:
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def check_store(manifest: Manifest, spec: ModelSpec) -> None:
-    """Raise `ManifestError` unless the store was compiled for this model, dtype and template (the
-    identity ingest fingerprints with), read from the checkpoint without loading its weights."""
-    model_id, revision, _, template_prefix = model_identity(spec)
-    manifest.check_model(model_id, revision, spec.dtype, template_prefix)
 
 
 class Router:

@@ -4,7 +4,6 @@ shards), and the safe fixes, under the store's write lease."""
 from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "findings": ["DEFAULT_GRACE_S"],
     "repairs": ["repair"],
     "checks": ["verify"],
 })

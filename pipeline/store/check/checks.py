@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from pipeline.store.catalog import CATALOG, ENTRIES, RowFile
 from pipeline.store.slots import entry_slots
-from pipeline.store.check.findings import DEFAULT_GRACE_S, MAX_EXAMPLES, Check, Evidence, Report, Severity
+from pipeline.store.check.findings import MAX_EXAMPLES, Check, Evidence, Report, Severity
 from pipeline.store.gc import protected_shards
 from pipeline.store.generations import current_generation_number, read_generation
 from pipeline.store.check.key_ranges import key_ranges, read_range
@@ -34,7 +34,7 @@ from pipeline.store.parts import parts_checks
 from pipeline.store.snapshots import is_complete
 from pipeline.store.shards import ShardCorruptError
 from pipeline.store.store import Store
-from schemas.store import Manifest
+from schemas.store import ORPHAN_GRACE_S, Manifest
 
 TABLES = ("index", "chunks", "quarantine")
 _READ_ROWS = 16_384
@@ -42,7 +42,7 @@ _SCAN = ["shard_path", "tensor_key", "byte_offset", "nbytes"]
 _DEEP = [*_SCAN, "dtype", "shape", "checksum"]
 
 
-def verify(store: Store, deep: bool = False, grace_s: float = DEFAULT_GRACE_S) -> Report:
+def verify(store: Store, deep: bool = False, grace_s: float = ORPHAN_GRACE_S) -> Report:
     report = Report(store=store.uri, deep=deep)
     manifest = store.load_manifest_or_raise()
     check_generation(store, report)

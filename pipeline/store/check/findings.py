@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 MAX_EXAMPLES = 5  # named in a finding; counts are always complete
-DEFAULT_GRACE_S = 3600.0  # files younger than this may belong to a job still writing (as `qvpic recompile`)
 
 
 class Check(str, Enum):
