@@ -39,8 +39,7 @@ from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
-from serve.engine import Detokenizer
-from serve.engine import Generator
+from serve.engine import Detokenizer, Generator
 from serve.kv import CacheLoader
 from serve.plan import Plan
 from serve.routing import Router

@@ -38,10 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     import faiss
 
     from benchmarks.realistic_vectors import Synthesizer, embedded
-    from pipeline.store.catalog import calibration_queries, exact_top_k, recall_at_k
-    from pipeline.store.catalog import EmbeddingRows
+    from pipeline.store.catalog import EmbeddingRows, calibration_queries, code_scale, exact_top_k, recall_at_k
     from pipeline.store.catalog.vector_index import _ivf
-    from pipeline.store.catalog import code_scale
     from schemas.generation import SearchSpec
 
     started = time.perf_counter()

@@ -23,12 +23,10 @@ from pathlib import Path
 import torch
 
 from pipeline.eval import markdown_table
-from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
-from pipeline.ingest.stages import ChunkStage
-from pipeline.store import entry_slots
-from pipeline.ingest import IngestConfig, open_store
-from pipeline.ingest import Kind, rows_table
+from pipeline.ingest import IngestConfig, Kind, open_store, rows_table
+from pipeline.ingest.stages import ChunkStage, CompilePlan, CompileStage, RenderStage
 from pipeline.runtime import VLM
+from pipeline.store import entry_slots
 from schemas.config import DType, ModelSpec
 from schemas.corpus import Document
 from schemas.store import StoreSpec

@@ -26,13 +26,23 @@ from tqdm import tqdm
 
 from jobs.evaluate import FIXTURES
 from jobs.help import HelpFormatter
+from pipeline.eval import (
+    LONGBENCH_QA_TASKS,
+    METRICS,
+    Fidelity,
+    QAItem,
+    QATask,
+    answer_token_ids,
+    compare,
+    load_tasks,
+    markdown_table,
+    synthetic,
+    trace_full,
+    trace_linked,
+    write_section,
+)
 from pipeline.ingest import Chunker
-from pipeline.eval import synthetic
-from pipeline.eval import METRICS, Fidelity, answer_token_ids, compare, trace_full, trace_linked
-from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.eval import markdown_table, write_section
-from pipeline.runtime import Renderer
-from pipeline.runtime import VLM
+from pipeline.runtime import VLM, Renderer
 from schemas.config import DType, ModelSpec, RenderSpec, Variant
 from schemas.corpus import Document
 

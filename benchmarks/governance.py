@@ -33,10 +33,9 @@ from pipeline.eval import markdown_table, write_section
 from schemas.config import ModelSpec, RenderSpec
 from serve.app import api_spec
 from serve.config import AppConfig, GeneratorConfig, LoaderConfig, RouterConfig
-from serve.governance import key_digest
-from serve.http import InProcessBackend, make_api
 from serve.engine import Generator
-from serve.governance import Governor
+from serve.governance import Governor, key_digest
+from serve.http import InProcessBackend, make_api
 from serve.kv import CacheLoader
 from serve.routing import Router
 

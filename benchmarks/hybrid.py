@@ -22,21 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.eval import write_section
-from pipeline.ingest.stages import compile_in_process
-from pipeline.ingest.stages import ChunkStage
-from pipeline.runtime import Embedder
-from pipeline.eval import answer_recoverable
-from pipeline.eval import evidence_chunks, generate
+from pipeline.eval import answer_recoverable, evidence_chunks, generate, write_section
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.runtime import Renderer
-from pipeline.runtime import VLM
+from pipeline.ingest.stages import ChunkStage, compile_in_process
+from pipeline.runtime import VLM, Embedder, Renderer
 from schemas.api import AnswerRequest
 from schemas.config import HybridSpec, Mode, ModelSpec, RenderSpec, RouterSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec
-from serve.routing import Router
 from serve.config import RouterConfig
+from serve.routing import Router
 
 COMMAND = "python -m benchmarks.hybrid --quick"
 CONFIGS = {"qvpic": None, "hybrid (defaults)": HybridSpec(enabled=True),

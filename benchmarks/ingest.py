@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.eval import markdown_table, write_section
 from jobs.cluster import init_ray
+from pipeline.eval import markdown_table, write_section
 from pipeline.ingest import CompileResources, IngestConfig, ingest
 from schemas.config import ModelSpec
 from schemas.store import StoreSpec

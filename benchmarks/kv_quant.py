@@ -34,16 +34,11 @@ import time
 import numpy as np
 import torch
 
-from pipeline.eval import markdown_table, write_section
 from benchmarks.ttft_store import chunk_texts
 from jobs.help import HelpFormatter
-from pipeline.store import Blobs
-from pipeline.eval import compare, trace_full, trace_linked
-from pipeline.store import stored
-from pipeline.runtime import Renderer
-from pipeline.runtime import ChunkKV
-from pipeline.runtime import VLM
-from pipeline.store import ShardReader, write_shard
+from pipeline.eval import compare, markdown_table, trace_full, trace_linked, write_section
+from pipeline.runtime import VLM, ChunkKV, Renderer
+from pipeline.store import Blobs, ShardReader, stored, write_shard
 from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.store import StoreSpec
 from serve.kv import kv_tensor, to_wire

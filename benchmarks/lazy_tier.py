@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.eval import write_section
 from benchmarks.ttft_store import chunk_texts
-from pipeline.ingest.stages import compile_in_process
-from pipeline.runtime import Embedder
+from pipeline.eval import write_section
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.runtime import VLM
+from pipeline.ingest.stages import compile_in_process
+from pipeline.runtime import VLM, Embedder
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec

@@ -21,8 +21,7 @@ import pytesseract
 from PIL import Image
 
 from pipeline.eval import markdown_table, write_section
-from pipeline.runtime import Renderer
-from pipeline.runtime import vision_tokens
+from pipeline.runtime import Renderer, vision_tokens
 from schemas.config import ModelFamily, ModelSpec, RenderSpec, TierSpec
 
 FONT_SIZES_PT = (6, 8, 9, 10, 12)

@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from pipeline.eval import markdown_table, write_section
     from jobs.cluster import init_ray
+    from pipeline.eval import markdown_table, write_section
     from pipeline.ingest import IngestConfig, ingest
     from schemas.config import ModelSpec
     from schemas.store import StoreSpec

@@ -25,8 +25,14 @@ from pathlib import Path
 import torch
 import transformers
 
-from pipeline.runtime import family_classes
-from pipeline.runtime import GLM_CHAT_TEMPLATE, GLM_SPECIALS, QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, build_tokenizer
+from pipeline.runtime import (
+    GLM_CHAT_TEMPLATE,
+    GLM_SPECIALS,
+    QWEN_CHAT_TEMPLATE,
+    QWEN_SPECIALS,
+    build_tokenizer,
+    family_classes,
+)
 
 QWEN2_5_VL_7B = {
     "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],

@@ -32,14 +32,21 @@ from tqdm import tqdm
 
 from benchmarks.real_size import REAL_SIZE
 from jobs.evaluate import FIXTURES
+from pipeline.eval import (
+    LONGBENCH_QA_TASKS,
+    QAItem,
+    QATask,
+    answer_token_ids,
+    compare,
+    load_tasks,
+    markdown_table,
+    synthetic,
+    trace_full,
+    trace_linked,
+    write_section,
+)
 from pipeline.ingest import Chunker
-from pipeline.eval import synthetic
-from pipeline.eval import answer_token_ids, compare, trace_full, trace_linked
-from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.eval import markdown_table, write_section
-from pipeline.runtime import Renderer
-from pipeline.runtime import VLM
-from pipeline.runtime import chunk_inputs, input_embeddings, recompute
+from pipeline.runtime import VLM, Renderer, chunk_inputs, input_embeddings, recompute
 from schemas.config import DType, ModelSpec, RecomputeKind, RecomputeSpec, RenderSpec
 from schemas.corpus import Document
 

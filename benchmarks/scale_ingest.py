@@ -108,13 +108,10 @@ def stage_costs(corpus: Path, batch_size: int, sample: int) -> dict[str, float]:
     """Seconds per chunk of render, embed and compile, each alone on one core, over `sample` chunks."""
     import torch
 
-    from pipeline.ingest.stages import CompilePlan, CompileStage, RenderStage
-    from pipeline.ingest.stages import ChunkStage
-    from pipeline.runtime import Embedder
+    from pipeline.ingest import IngestConfig, Kind, open_store, rows_table
+    from pipeline.ingest.stages import ChunkStage, CompilePlan, CompileStage, RenderStage
+    from pipeline.runtime import VLM, Embedder
     from pipeline.store import entry_slots
-    from pipeline.ingest import IngestConfig, open_store
-    from pipeline.ingest import Kind, rows_table
-    from pipeline.runtime import VLM
     from schemas.config import ModelSpec
     from schemas.corpus import Document
     from schemas.store import StoreSpec

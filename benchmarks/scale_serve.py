@@ -58,8 +58,8 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
     what the distribution's statistics say (realistic only)."""
     import torch
 
-    from pipeline.runtime import Embedder
     from pipeline.ingest import new_manifest
+    from pipeline.runtime import Embedder
     from pipeline.store import Store
     from schemas.config import ModelSpec, RenderSpec, Variant
     from schemas.tables import INDEX_SCHEMA
@@ -126,8 +126,7 @@ def rss_mib() -> dict[str, float]:
 
 def publish(uri: str, job_id: str) -> dict:
     """Runs in a fresh process: the job's last step, its time and its peak resident memory."""
-    from pipeline.store import publish_generation
-    from pipeline.store import Store
+    from pipeline.store import Store, publish_generation
 
     before = rss_mib()["rss"]
     started = time.perf_counter()
@@ -140,14 +139,13 @@ def publish(uri: str, job_id: str) -> dict:
 def measure(uri: str, seed: int = 1) -> dict:
     """Runs in a fresh process: everything the router costs, in order."""
     started = time.perf_counter()
-    from pipeline.store import current_generation_number
-    from pipeline.store import Store
+    from pipeline.store import Store, current_generation_number
     from pipeline.store.catalog import exact_top_k, recall_at_k
     from schemas.api import AnswerRequest
-    from schemas.config import ModelSpec, RouterSpec
+    from schemas.config import ModelSpec
     from schemas.generation import ReloadSpec
-    from serve.routing import Router
     from serve.config import RouterConfig
+    from serve.routing import Router
 
     imported = time.perf_counter()
     router = Router(RouterConfig(store=uri, model=ModelSpec(path="tiny-qwen", device="cpu"), max_chunks=64,
@@ -196,8 +194,7 @@ def measure(uri: str, seed: int = 1) -> dict:
 
 
 def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
-    from pipeline.store import publish_generation
-    from pipeline.store import Store
+    from pipeline.store import Store, publish_generation
 
     root = work / f"store-{distribution}-{num_chunks}"
     t = time.perf_counter()

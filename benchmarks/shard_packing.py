@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from pipeline.eval import markdown_table, write_section
-from pipeline.store import Blobs
-from pipeline.store import ShardReader, write_shard
+from pipeline.store import Blobs, ShardReader, write_shard
 from schemas.store import StoreSpec
 
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",

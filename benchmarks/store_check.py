@@ -27,8 +27,7 @@ from pipeline.eval import markdown_table, write_section
 
 
 def build(root: Path, num_chunks: int, num_parts: int) -> None:
-    from pipeline.store import publish_generation
-    from pipeline.store import Store
+    from pipeline.store import Store, publish_generation
 
     scale_serve.PART_ROWS = -(-num_chunks // num_parts)  # the writer appends one part per PART_ROWS chunks
     scale_serve.write_store(root, num_chunks, "random")
@@ -72,8 +71,7 @@ def peak_growth_mib(root: Path, deep: bool, warm_root: Path) -> float:
 
 
 def measure(root: Path, repeats: int, warm_root: Path) -> dict:
-    from pipeline.store import parts_checks
-    from pipeline.store import Store
+    from pipeline.store import Store, parts_checks
     from pipeline.store.check import verify
 
     store = Store.open(str(root))

@@ -27,8 +27,8 @@ from itertools import product
 import torch
 
 from benchmarks import ttft_http, ttft_store
-from pipeline.eval import markdown_table, write_section
 from jobs.eval_serving import InProcessAnswerer
+from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
 from pipeline.store import Store
 from schemas.api import AnswerRequest

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.ingest.stages import compile_in_process
-from pipeline.ingest.stages import ChunkStage
-from pipeline.runtime import Embedder
 from pipeline.eval import evidence_chunks, generate
 from pipeline.ingest import IngestConfig, open_store
-from pipeline.runtime import VLM
+from pipeline.ingest.stages import ChunkStage, compile_in_process
+from pipeline.runtime import VLM, Embedder
 from schemas.config import ModelSpec, RenderSpec
 from schemas.corpus import Chunk, Document
 from schemas.store import StoreSpec

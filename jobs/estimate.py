@@ -20,8 +20,7 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.runtime import Renderer
-from pipeline.runtime import vision_grid, vision_tokens
+from pipeline.runtime import Renderer, vision_grid, vision_tokens
 from schemas.config import ModelFamily, ModelSpec, RenderSpec, TierSpec
 
 DEFAULT_TOKENIZER_MODEL = "tiny-qwen"

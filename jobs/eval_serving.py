@@ -9,10 +9,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from pipeline.eval import Answered, ServingConfig, StoreView, item_request
-from pipeline.eval import RoutePlanner, RoutedChunk
-from pipeline.eval import Trace, answer_token_ids, trace_full, trace_linked
-from pipeline.eval import QAItem
+from pipeline.eval import (
+    Answered,
+    QAItem,
+    RoutedChunk,
+    RoutePlanner,
+    ServingConfig,
+    StoreView,
+    Trace,
+    answer_token_ids,
+    item_request,
+    trace_full,
+    trace_linked,
+)
 from pipeline.runtime import ChunkKV
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import ChunkKind, ModelSpec, RouterSpec
@@ -20,8 +29,7 @@ from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader, kv_tensor
-from serve.routing import PRICED_VARIANT
-from serve.routing import Router
+from serve.routing import PRICED_VARIANT, Router
 
 LRU_NBYTES = 4 << 30
 

@@ -27,8 +27,16 @@ from pydantic import ValidationError
 from jobs import logs
 from jobs.help import HelpFormatter
 from jobs.ingest import model_args, parse_tiers, render_args, render_spec
-from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_generic, load_tasks
-from pipeline.eval import DEFAULT_BUDGETS, DEFAULT_TAUS, PAPER_TIERS
+from pipeline.eval import (
+    DEFAULT_BUDGETS,
+    DEFAULT_TAUS,
+    LONGBENCH_QA_TASKS,
+    PAPER_TIERS,
+    QAItem,
+    QATask,
+    load_generic,
+    load_tasks,
+)
 from schemas.config import Mode, ModelSpec, RouterSpec, ScoreNormalisation, Variant
 
 # The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
@@ -150,8 +158,7 @@ class EvalOutcome:
 
 def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[ServingConfig], object | None]:
     """What to run: the paper's grid over the store's tiers, or the chosen modes with the server's routing."""
-    from pipeline.eval import ServingConfig
-    from pipeline.eval import paper_grid
+    from pipeline.eval import ServingConfig, paper_grid
 
     if not args.paper:
         return [ServingConfig.of(m) for m in args.modes], None
@@ -161,15 +168,32 @@ def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[Serv
 
 def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
-    from pipeline.eval import HttpAnswerer, StoreView, run, summarize
-    from pipeline.eval import OcrJudge, judge_items, serving_configs, summarize_evidence
-    from pipeline.eval import REFERENCE_MODE, run_fidelity, summarize_fidelity
-    from pipeline.eval import SWEEP_PNG, dpi_table, paper_table, sweep_png, tau_budget_table
-    from pipeline.eval import REPORT_MD, legibility_markdown, summary_markdown, write_report
+    from pipeline.eval import (
+        REFERENCE_MODE,
+        REPORT_MD,
+        SWEEP_PNG,
+        HttpAnswerer,
+        OcrJudge,
+        StoreView,
+        dpi_table,
+        judge_items,
+        legibility_markdown,
+        paper_table,
+        run,
+        run_fidelity,
+        serving_configs,
+        summarize,
+        summarize_evidence,
+        summarize_fidelity,
+        summary_markdown,
+        sweep_png,
+        tau_budget_table,
+        write_report,
+    )
     from pipeline.store import Store
     from schemas.api import MAX_IDS_PER_REQUEST
-    from serve.routing import Router
     from serve.config import RouterConfig
+    from serve.routing import Router
 
     started = time.perf_counter()
     items, source = load_items(args)

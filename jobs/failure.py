@@ -14,9 +14,8 @@ import sys
 import traceback
 from collections.abc import Iterator
 
-from pipeline.store import StoreError
-from pipeline.store import StoreBusyError
 from pipeline.ingest import ResourceError
+from pipeline.store import StoreBusyError, StoreError
 
 _ERRNO = re.compile(r"\[Errno (\d+)\][^:'\n]*(?:: '([^'\n]+)')?")
 _AWS = re.compile(r"AWS Error|S3 error|Unable to connect to endpoint|NoSuchBucket|AccessDenied|InvalidAccessKeyId",

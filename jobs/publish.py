@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-recall", type=float, default=SearchSpec().target_recall)
     parser.add_argument("--collect", action="store_true", help="collect unused generations only")
     args = parser.parse_args(argv)
-    from pipeline.store import collect_generations, publish_generation
-    from pipeline.store import Store, StoreError
+    from pipeline.store import Store, StoreError, collect_generations, publish_generation
     from schemas.store import StoreSpec
 
     try:

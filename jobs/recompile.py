@@ -14,8 +14,19 @@ from dataclasses import asdict
 
 from jobs import logs
 from jobs.help import HelpFormatter
-from jobs.ingest import (configured, job_resources, model_args, model_spec, render_args, render_spec, resource_args,
-                         run_job, store_args, store_spec, variant_args)
+from jobs.ingest import (
+    configured,
+    job_resources,
+    model_args,
+    model_spec,
+    render_args,
+    render_spec,
+    resource_args,
+    run_job,
+    store_args,
+    store_spec,
+    variant_args,
+)
 from schemas.store import ORPHAN_GRACE_S
 
 

@@ -13,8 +13,8 @@ facade name to its defining module without importing anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import importlib.util
+from collections.abc import Callable
 from importlib import import_module
 from typing import Any
 

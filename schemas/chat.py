@@ -10,13 +10,13 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from schemas.api import (
-    AnswerReport,
-    Attribution,
-    FinishReason,
     MAX_NEW_TOKENS,
     MAX_QUERY_CHARS,
     MAX_SEED,
     MAX_TIMEOUT_S,
+    AnswerReport,
+    Attribution,
+    FinishReason,
     Query,
     Routing,
     Selection,

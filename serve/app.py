@@ -12,9 +12,8 @@ from typing import Any
 
 from ray import serve
 
-from pipeline.store import ensure_generation, read_generation, require_recorded_parts
 from pipeline.runtime import check_store
-from pipeline.store import Store
+from pipeline.store import Store, ensure_generation, read_generation, require_recorded_parts
 from schemas.api import StoreInfo
 from serve.config import ApiSpec, AppConfig, DeploymentConfig
 from serve.engine import Generator

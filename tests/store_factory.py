@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ingest.stages import compile_in_process
-from pipeline.runtime import Embedder
-from pipeline.store import publish_generation
 from pipeline.ingest import new_manifest
-from pipeline.runtime import VLM
-from pipeline.store import Store
+from pipeline.ingest.stages import compile_in_process
+from pipeline.runtime import VLM, Embedder
+from pipeline.store import Store, publish_generation
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import Chunk
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig

@@ -86,7 +86,7 @@ def test_gpu_script_cpu_fallback_runs_the_gpu_benchmark(tmp_path):
                    if row.startswith("| ") and row.split("|")[1].strip().isdigit()]
         assert clients == ["1", "4"]
         assert "Device hot tier: TTFT" in section
-    compile_rows = [l.split("|")[1].strip() for l in (tmp_path / "compile_batch_gpu.md").read_text().splitlines()
+    compile_rows = [line.split("|")[1].strip() for line in (tmp_path / "compile_batch_gpu.md").read_text().splitlines()
                     if l.startswith("|")]
     assert [cell for cell in compile_rows if cell.isdigit()] == ["1", "4"]  # chunks/s by compile batch size
 

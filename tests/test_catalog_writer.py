@@ -13,9 +13,8 @@ import pyarrow.compute as pc
 import pytest
 
 import pipeline.store.catalog.writer as catalog_writer
+from pipeline.store import Store, publish_generation
 from pipeline.store.catalog import RowFile
-from pipeline.store import publish_generation
-from pipeline.store import Store
 from schemas.config import Variant
 from schemas.tables import CHUNKS_SCHEMA
 from serve.routing.retrieval import open_snapshot

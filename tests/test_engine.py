@@ -11,9 +11,8 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import DynamicCache
 
-from pipeline.runtime import batch
+from pipeline.runtime import VLM, batch
 from pipeline.runtime.kv import RotationTable
-from pipeline.runtime import VLM
 from schemas.config import CompilePrefix, EngineSpec
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling

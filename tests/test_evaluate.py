@@ -17,18 +17,38 @@ from PIL import Image
 from jobs import evaluate as evaluate_job
 from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
 from jobs.ingest import parse_tiers
-from pipeline.ingest import Chunker
-from pipeline.eval import synthetic
+from pipeline.eval import (
+    LONGBENCH_QA_TASKS,
+    PAPER_TIERS,
+    REFERENCE_MODE,
+    REPORT_MD,
+    SWEEP_PNG,
+    HttpAnswerer,
+    OcrJudge,
+    QAItem,
+    QATask,
+    ServingConfig,
+    StoreView,
+    answer_token_ids,
+    corpus_documents,
+    item_request,
+    judge_items,
+    load_tasks,
+    paper_grid,
+    run,
+    run_fidelity,
+    serving_configs,
+    summarize,
+    summarize_evidence,
+    summarize_fidelity,
+    synthetic,
+    write_report,
+)
 from pipeline.eval.evaluation import EvalError, ItemResult, RequestFailed, context_doc_id
-from pipeline.eval import HttpAnswerer, ServingConfig, StoreView, corpus_documents, item_request, run, summarize
-from pipeline.eval import OcrJudge, judge_items, serving_configs, summarize_evidence
 from pipeline.eval.evidence import find_evidence
-from pipeline.eval import REFERENCE_MODE, answer_token_ids, run_fidelity, summarize_fidelity
-from pipeline.eval import LONGBENCH_QA_TASKS, QAItem, QATask, load_tasks
-from pipeline.eval import PAPER_TIERS, SWEEP_PNG, paper_grid
 from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, SCATTER_PNG
-from pipeline.eval import REPORT_MD, write_report
 from pipeline.eval.scoring import qa_f1, score
+from pipeline.ingest import Chunker
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RouterSpec
@@ -37,8 +57,7 @@ from schemas.errors import TooLargeError
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig
-from serve.http import make_api
-from serve.http import InProcessBackend
+from serve.http import InProcessBackend, make_api
 from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
 from tests.store_factory import build_store
 
@@ -80,11 +99,10 @@ class FakeView:
 def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_path):
     """On the LongBench fixture with the real MiniLM: the router embeds the question alone, scores only
     the context's chunks, and neither the instruction nor the answer cue is anywhere among them."""
-    from pipeline.runtime import Embedder
-    from pipeline.runtime import VLM
+    from pipeline.runtime import VLM, Embedder
     from schemas.config import Variant
-    from serve.routing import Router
     from serve.config import RouterConfig
+    from serve.routing import Router
 
     items = fixture_items()
     model, embedder = ModelSpec(path="tiny-qwen", device="cpu"), Embedder()
@@ -125,8 +143,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
 @pytest.fixture(scope="module")
 def eval_store(tmp_path_factory, request):
     """Two synthetic items and one "unanswerable" qasper item, chunked at 64 tokens, every variant."""
-    from pipeline.runtime import Embedder
-    from pipeline.runtime import VLM
+    from pipeline.runtime import VLM, Embedder
 
     folder = tmp_path_factory.mktemp("synthetic-items")
     synthetic.write_jsonl(synthetic.generate(2, context_words=150, num_distractors=1, seed=3), str(folder))

@@ -19,20 +19,18 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
-from pipeline.ingest.stages import compile_in_process
-from pipeline.store import publish_generation
 from pipeline.ingest import IngestConfig, ingest
+from pipeline.ingest.stages import compile_in_process
 from pipeline.runtime.render import resolve_font
-from pipeline.store import Store
+from pipeline.store import Store, publish_generation
 from schemas.api import AnswerRequest
 from schemas.config import Mode
 from schemas.corpus import Chunk
 from schemas.store import StoreSpec
 from serve.app import api_spec
-from serve.http import make_api
-from serve.http import InProcessBackend
 from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator
+from serve.http import InProcessBackend, make_api
 from serve.kv import store_row
 from serve.routing import Router
 from tests.fixtures_redis import start_redis

@@ -20,13 +20,12 @@ from hypothesis import strategies as st
 from schemathesis.checks import positive_data_acceptance
 
 from pipeline.runtime import select_token
-from schemas.sampling import Sampling
 from schemas.api import MAX_IDS_PER_REQUEST, MAX_NEW_TOKENS, MAX_QUERY_CHARS, MAX_TIMEOUT_S
 from schemas.config import Mode
+from schemas.sampling import Sampling
 from serve.app import api_spec
 from serve.config import AppConfig
-from serve.http import make_api
-from serve.http import InProcessBackend
+from serve.http import InProcessBackend, make_api
 from serve.http.guards import DEFAULT_MAX_BODY_NBYTES
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call

@@ -13,24 +13,22 @@ import pyarrow.fs as pafs
 import pytest
 
 from jobs.publish import main
+from pipeline.ingest import RecompileConfig
+from pipeline.ingest.recompile_job import target_manifest
 from pipeline.ingest.stages import compile_in_process
-from pipeline.store import collect_generations, publish_generation, read_generation, remove_orphans
+from pipeline.store import Store, collect_generations, entry_slots, publish_generation, read_generation, remove_orphans
 from pipeline.store.gc import live_generations, protected_shards
 from pipeline.store.generations import current_generation
 from pipeline.store.leases import write_lease
-from pipeline.store import entry_slots
-from pipeline.ingest import RecompileConfig
-from pipeline.ingest.recompile_job import target_manifest
-from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import RenderSpec, TierSpec
 from schemas.generation import LEASES_DIR, Generation, Lease, ReloadSpec
 from schemas.store import StoreSpec
-from serve.kv import CacheLoader
 from serve.config import LoaderConfig, RouterConfig
+from serve.kv import CacheLoader
 from serve.plan import Plan
-from serve.routing.retrieval import open_snapshot
 from serve.routing import Router
+from serve.routing.retrieval import open_snapshot
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import MAX_CHUNKS, ServingStore, loader_of, serving_store  # noqa: F401  (fixture)
 

@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from pipeline.runtime import VLM
-from schemas.sampling import Sampling
 from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec
+from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import HotTier
-from serve.plan import Answer, Plan
-from serve.kv import CacheLoader, from_wire, store_row, to_wire
+from serve.kv import CacheLoader, HotTier, from_wire, store_row, to_wire
 from serve.kv.lru import ByteLRU
+from serve.plan import Answer, Plan
 from serve.routing import Router
 from tests.store_factory import Roles, build_store, corrupt_entry, loader_of, roles, serving_store  # noqa: F401  (fixtures)
 

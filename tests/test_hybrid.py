@@ -8,19 +8,17 @@ import asyncio
 
 import pytest
 
+from pipeline.runtime import Renderer, page_legibility
 from pipeline.runtime.ocr import matched_share
-from pipeline.runtime import page_legibility
-from pipeline.runtime import Renderer
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import HybridSpec, Mode, RenderSpec, RouterSpec, Variant
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.routing.hybrid import Choice, choose
 from serve.plan import Entry, entry_of
-from serve.routing import PlacementSpec, Selection, place
-from serve.routing import Router
+from serve.routing import PlacementSpec, Router, Selection, place
+from serve.routing.hybrid import Choice, choose
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, loader_of, serving_store  # noqa: F401
 
 ON = HybridSpec(enabled=True)

@@ -16,14 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.store import publish_generation
-from pipeline.ingest import IngestConfig, ingest
-from pipeline.store import entry_slots
-from pipeline.store import StoreBusyError
-from pipeline.ingest import RecompileConfig, recompile
-from pipeline.ingest import CompileResources
+from pipeline.ingest import CompileResources, IngestConfig, RecompileConfig, ingest, recompile
 from pipeline.runtime.render import resolve_font
-from pipeline.store import Store
+from pipeline.store import Store, StoreBusyError, entry_slots, publish_generation
 from schemas.config import RenderSpec
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)

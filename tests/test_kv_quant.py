@@ -7,13 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from pipeline.runtime import stored_format
 from pipeline.ingest import new_manifest
-from pipeline.store import QuantizedKV, check_device, dequantize
+from pipeline.runtime import ChunkKV, stored_format
+from pipeline.store import QuantizedKV, ShardCorruptError, ShardReader, Store, check_device, dequantize, write_shard
 from pipeline.store.kv_quant import absmax_scale, quantize, record_nbytes, to_payload
-from pipeline.runtime import ChunkKV
-from pipeline.store import ShardCorruptError, ShardReader, write_shard
-from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import DType, KVQuant, RenderSpec, Variant
 from schemas.store import Manifest
@@ -137,7 +134,6 @@ def test_shard_round_trip_keeps_the_record_and_checks_it(tmp_path, quant):
 
 # ---- identity ----------------------------------------------------------------------------------------
 def manifest(kv_quant: KVQuant) -> Manifest:
-    from pipeline.runtime import model_identity
     from schemas.config import ModelSpec
     return new_manifest(ModelSpec(device="cpu"), RenderSpec(), (Variant.TEMPLATE, Variant.TEXT), "minilm", 384, "t",
                         kv_quant=kv_quant)
@@ -201,9 +197,9 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
                                               loader=quant.loader)
     assert reply.report.usage.completion_tokens > 0 and reply.report.cache.nbytes_from_store > 0
     assert quant.loader.stats().nbytes == reply.report.cache.nbytes_from_store  # the LRU keeps the records
+    from schemas.store import StoreSpec
     from serve.app import api_spec
     from serve.config import AppConfig
-    from schemas.store import StoreSpec
     assert api_spec(AppConfig(store=StoreSpec(uri=uri))).store.kv_quant is KVQuant.INT8  # GET /v1/store says so
 
     vlm = serving_store.vlm

@@ -8,10 +8,8 @@ import json
 import pytest
 
 from jobs.ingest import main as ingest_main
-from pipeline.store import entry_slots
-from pipeline.ingest import IngestConfig, ingest
-from pipeline.ingest import RecompileConfig, recompile
-from pipeline.store import Store
+from pipeline.ingest import IngestConfig, RecompileConfig, ingest, recompile
+from pipeline.store import Store, entry_slots
 from schemas.api import AnswerRequest
 from schemas.config import KVQuant, ModelSpec, Variant
 from schemas.sampling import Sampling

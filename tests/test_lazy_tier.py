@@ -14,22 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.store import entry_slots
-from pipeline.ingest import new_manifest
-from pipeline.ingest import RecompileConfig
+from pipeline.ingest import RecompileConfig, new_manifest
 from pipeline.ingest.recompile_job import finish
 from pipeline.ingest.recompile_job import target_manifest as recompile_manifest
-from pipeline.store import Store
-from pipeline.store import written_back
+from pipeline.store import Store, entry_slots, written_back
 from schemas.api import AnswerRequest
-from schemas.sampling import Sampling
 from schemas.config import Mode, RenderSpec, Variant
+from schemas.sampling import Sampling
 from schemas.store import CacheKey
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
+from serve.kv import is_pending, store_row, to_wire
 from serve.kv.lazy_tier import SingleFlight
-from serve.kv import store_row, to_wire
-from serve.kv import is_pending
 from serve.plan import LoadedKV
 from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, corrupt_entry, loader_of, serving_store  # noqa: F401

@@ -11,9 +11,8 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from pipeline.store import Blobs
+from pipeline.store import Blobs, StoreBusyError, StoreLease
 from pipeline.store.leases import LeaseInfo
-from pipeline.store import StoreBusyError, StoreLease
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 

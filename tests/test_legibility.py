@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw, ImageFont
 
+from pipeline.eval import answer_recoverable
 from pipeline.eval.legibility import LegibilityError, best_window_distance
 from pipeline.runtime import normalise
-from pipeline.eval import answer_recoverable
 
 EVIDENCE = "Invoice 88213 was paid on 14 March 2024 by Marta Oyelaran.\nThe access code for vault 7 is QX-5581-K."
 

@@ -18,9 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from schemas.api import AnswerRequest
 from serve.app import api_spec
 from serve.config import AppConfig
-from serve.http import make_api
-from serve.http import InProcessBackend
 from serve.governance import Governor
+from serve.http import InProcessBackend, make_api
 from serve.kv import CacheLoader, store_row
 from serve.metrics import Counter, Gauge, serve_metrics
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)

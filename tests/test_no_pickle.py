@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.runtime import VLM
-from schemas.sampling import Sampling
 from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec
+from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
 from serve.routing import Router

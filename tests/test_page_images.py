@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.ingest.corpus import DocRef
-from pipeline.ingest.corpus.repeats import cross_file_rejections
+from pipeline.ingest.corpus import DocRef, read_file
 from pipeline.ingest.corpus.page_images import perceptual_hash, phash_distance_bits
-from pipeline.runtime import OcrUnavailable
 from pipeline.ingest.corpus.readers import read_corpus
-from pipeline.ingest.corpus import read_file
+from pipeline.ingest.corpus.repeats import cross_file_rejections
+from pipeline.runtime import OcrUnavailable
 from schemas.corpus import Document, MetaKey, ReaderSpec, RejectReason
 
 FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"

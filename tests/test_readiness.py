@@ -16,8 +16,7 @@ from ray.serve.schema import ApplicationStatus
 from schemas.health import Readiness
 from serve.app import api_spec
 from serve.config import AppConfig, DeploymentConfig
-from serve.http import make_api
-from serve.http import InProcessBackend
+from serve.http import InProcessBackend, make_api
 from serve.http.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits, install_readiness
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call

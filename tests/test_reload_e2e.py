@@ -10,10 +10,8 @@ import time
 import httpx
 import pytest
 
-from pipeline.store import current_generation_number
-from pipeline.ingest import IngestConfig, ingest
-from pipeline.ingest import RecompileConfig, recompile
-from pipeline.store import Store
+from pipeline.ingest import IngestConfig, RecompileConfig, ingest, recompile
+from pipeline.store import Store, current_generation_number
 from schemas.config import ModelSpec, RenderSpec, TierSpec
 from schemas.store import StoreSpec
 from serve.routing.retrieval import open_snapshot

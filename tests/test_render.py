@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.runtime import Renderer, vision_tokens
 from pipeline.runtime.render import REPLACEMENT_CHAR, RenderError, pt_to_px
-from pipeline.runtime import Renderer
-from pipeline.runtime import vision_tokens
 from schemas.config import ModelFamily, RenderSpec, TierSpec
 
 LOW, HIGH = TierSpec(name="low", dpi=72), TierSpec(name="high", dpi=120)

@@ -12,11 +12,10 @@ import pytest
 from schemas.api import ResponseCacheLevel
 from serve.app import api_spec
 from serve.config import AppConfig, ResponseCacheConfig
-from serve.http import make_api
-from serve.http import InProcessBackend
 from serve.governance import Governor
 from serve.governance.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
+from serve.http import InProcessBackend, make_api
 from tests.fixtures_redis import redis_url, start_redis  # noqa: F401  (fixture)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call, sse_events

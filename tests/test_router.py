@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ScoreNormalisation, Variant
 from schemas.errors import TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
-from serve.routing.placement import allocate, relevance_shares
 from serve.plan import Plan
 from serve.routing import Router
+from serve.routing.placement import allocate, relevance_shares
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 

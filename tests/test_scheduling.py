@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from pipeline.ingest import RecompileConfig, recompile
-from pipeline.ingest import CompileResources, ResourceError
+from pipeline.ingest import CompileResources, RecompileConfig, ResourceError, recompile
 from pipeline.store import Store
 from schemas.config import RenderSpec
 from schemas.store import StoreSpec

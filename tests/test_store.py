@@ -14,8 +14,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.store import ShardCorruptError
-from pipeline.store import Store, StoreError, remove_orphans
+from pipeline.store import ShardCorruptError, Store, StoreError, remove_orphans
 from schemas.config import ChunkKind, DType, ModelFamily, RenderSpec, TierSpec, Variant
 from schemas.store import (
     SCHEMA_VERSION,

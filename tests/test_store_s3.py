@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.store import ShardCorruptError
-from pipeline.store import Store, StoreError, remove_orphans
+from pipeline.store import ShardCorruptError, Store, StoreError, remove_orphans
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 from tests.test_store import index_row, kv, make_manifest

@@ -7,10 +7,9 @@ from dataclasses import asdict
 
 import pytest
 
-from pipeline.eval import QATask, load_tasks
+from pipeline.eval import QATask, evidence_chunks, generate, load_tasks
 from pipeline.eval.scoring import qa_f1
 from pipeline.eval.synthetic import FactKind, SyntheticError, filler_sentences, write_jsonl
-from pipeline.eval import evidence_chunks, generate
 
 _FACT_PATTERNS = {
     FactKind.ACCESS_CODE: r"The access code for vault \d+ is [A-Z]{2}-\d{4}-[A-Z]\.",

@@ -8,9 +8,8 @@ import shutil
 
 import pytest
 
-from pipeline.runtime import model_identity, resolve_path
+from pipeline.runtime import ensure_model, model_identity, resolve_path
 from pipeline.runtime.tiny import BUILTIN, build
-from pipeline.runtime import ensure_model
 from schemas.config import ModelFamily, ModelSpec
 
 

@@ -17,8 +17,8 @@ from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOn
 from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from pipeline.runtime.tokens import DEFAULT_PIXEL_BOUNDS, LLAVA_GRID_PINPOINTS, TokenEstimateError, resized_size
 from pipeline.runtime import vision_grid, vision_tokens
+from pipeline.runtime.tokens import DEFAULT_PIXEL_BOUNDS, LLAVA_GRID_PINPOINTS, TokenEstimateError, resized_size
 from schemas.config import ModelFamily, ModelSpec
 
 NUM_SIZES = 200

@@ -6,10 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.store.catalog import calibration_queries
-from pipeline.store.catalog import EmbeddingRows
+from pipeline.store.catalog import EmbeddingRows, calibration_queries, exact_top_k, recall_at_k
 from pipeline.store.catalog.vector_index import VectorIndex, build_index
-from pipeline.store.catalog import exact_top_k, recall_at_k
 from schemas.generation import ScanSpec, SearchKind, SearchSpec
 
 

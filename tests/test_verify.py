@@ -14,9 +14,8 @@ import pytest
 
 from jobs.verify import main as verify_main
 from pipeline.ingest.stages import compile_in_process
-from pipeline.store import parts_checks, publish_generation
+from pipeline.store import Store, StoreError, parts_checks, publish_generation
 from pipeline.store.parts import PartRecord, compare_parts
-from pipeline.store import Store, StoreError
 from schemas.store import StoreSpec
 from serve.app import preflight
 from serve.config import AppConfig

@@ -169,7 +169,8 @@ def summarize_fidelity(results: Sequence[FidelityResult]) -> list[FidelitySummar
                 continue
             ok = [r.fidelity for r in group if r.fidelity is not None]
             values = {m: [getattr(f, m) for f in ok] for m in METRICS}
-            pick = lambda q: {m: float(np.percentile(v, q)) if v else float("nan") for m, v in values.items()}  # noqa: E731
+            pick = lambda q, values=values: {m: float(np.percentile(v, q)) if v else float("nan")  # noqa: E731
+                                             for m, v in values.items()}
             rows.append(FidelitySummary(task, config, group[0].mode, group[0].reference, len(group),
                                         len(group) - len(ok), pick(50), pick(10), pick(90)))
     return rows

@@ -19,7 +19,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-
 from pydoc_data.topics import topics
 
 from pipeline.eval.longbench import QATask

@@ -21,20 +21,27 @@ import ray.data
 from pydantic import Field, field_validator
 from ray.data import ActorPoolStrategy
 
-from pipeline.ingest.stages import (ChunkStage, CompilePlan, CompileStage, EmbedStage, RenderStage, check_ids,
-                                    deduplicate, read_files, rejected_row, stored_embeddings, stored_entries,
-                                    write_documents)
-from pipeline.runtime import Embedder
-from pipeline.store import entry_slots
-from pipeline.store import current_generation_number, publish_generation
-from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
-from pipeline.store import StoreLease
 from pipeline.ingest.corpus import discover
+from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, rows_table
-from pipeline.runtime import model_identity
-from pipeline.store import Store
+from pipeline.ingest.stages import (
+    ChunkStage,
+    CompilePlan,
+    CompileStage,
+    EmbedStage,
+    RenderStage,
+    check_ids,
+    deduplicate,
+    read_files,
+    rejected_row,
+    stored_embeddings,
+    stored_entries,
+    write_documents,
+)
 from pipeline.ingest.summary import IngestSummary
+from pipeline.runtime import Embedder, model_identity
+from pipeline.store import Store, StoreLease, current_generation_number, entry_slots, publish_generation
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest, StoredModel, StoreSpec

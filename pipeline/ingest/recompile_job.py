@@ -19,15 +19,12 @@ import pyarrow as pa
 import ray.data
 from pydantic import Field
 
-from pipeline.ingest.shuffle import read_parts
-from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
-from pipeline.store import entry_slots
-from pipeline.store import publish_generation, remove_orphans
 from pipeline.ingest.ingest_job import compile_kv, in_a_task, new_manifest, render, work_blocks
-from pipeline.store import StoreLease
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, conform_rows, of_kind
-from pipeline.store import Store
+from pipeline.ingest.shuffle import read_parts
+from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
+from pipeline.store import Store, StoreLease, entry_slots, publish_generation, remove_orphans
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import ORPHAN_GRACE_S, Manifest, StoreSpec

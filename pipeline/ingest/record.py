@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.ingest.corpus import discover
-from pipeline.store import entry_slots, slot_name
-from pipeline.store import Store
 from pipeline.ingest.summary import IngestSummary
+from pipeline.store import Store, entry_slots, slot_name
 from schemas.config import Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest

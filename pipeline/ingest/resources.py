@@ -20,7 +20,6 @@ from pydantic import Field
 
 from schemas.config import Frozen
 
-
 TASK_CPUS = 1.0  # Ray Data's shuffle map and reduce tasks each take one CPU; not configurable
 MIN_ACTOR_CPUS = 0.01
 _POLL_S = 1.0

@@ -174,7 +174,11 @@ LLAVA_TILE_PX = 56  # SigLIP tile side of the tiny LLaVA (real: 384): 4x4 patche
 
 def _llava_model(size: TinySize, tok):
     """LLaVA-OneVision: SigLIP tiles (AnyRes up to `anyres_max_9`) projected into a Qwen2 LLM with 1-D RoPE."""
-    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessorPil,
+    )
 
     ids = tok.convert_tokens_to_ids
     pinpoints = [[LLAVA_TILE_PX * i, LLAVA_TILE_PX * j] for i in range(1, 7) for j in range(1, 7)]

@@ -15,11 +15,9 @@ from typing import Any
 
 from PIL import Image
 
-from pipeline.runtime import Renderer
-from pipeline.runtime import ChunkKV
-from pipeline.runtime import VLM
-from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
+from pipeline.runtime import VLM, ChunkKV, Renderer
 from pipeline.store.slots import entry_slots, required_keys, slot_name  # noqa: F401  (re-exported)
+from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
 from schemas.store import Manifest, ShardEntry
 
 Source = str | Sequence[Image.Image]  # a text, or one chunk's pages in order

@@ -24,8 +24,8 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save as safetensors_save
 
-from pipeline.store.blobs import Blobs, StoreError
 from pipeline.runtime import DTYPE_OF, TORCH_DTYPES, StoredFormat, stored_format
+from pipeline.store.blobs import Blobs, StoreError
 from pipeline.store.kv_quant import QuantizedKV, record_nbytes
 from schemas.config import DType, KVQuant
 from schemas.store import ShardEntry, StoreSpec

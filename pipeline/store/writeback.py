@@ -22,9 +22,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.runtime import ChunkKV
 from pipeline.store.entries import index_row
 from pipeline.store.kv_quant import stored
-from pipeline.runtime import ChunkKV
 from pipeline.store.store import Store
 from schemas.store import CacheKey, Manifest
 from schemas.tables import INDEX_SCHEMA, with_optional

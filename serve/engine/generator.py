@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.runtime import VLM, Renderer
+from pipeline.runtime import VLM, Renderer, check_store
 from pipeline.store import Store, check_device
 from schemas.api import CacheStats
 from schemas.errors import DeadlineExceededError
@@ -43,7 +43,6 @@ from serve.engine.report import answer_report
 from serve.engine.sequence import End, Finished, Sequence
 from serve.kv import CacheLoader, HotTier
 from serve.plan import Answer, LoadResult, Plan
-from pipeline.runtime import check_store
 
 
 class Generator:

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from pipeline.runtime import Slab, decode_step, prefill_queries
-from pipeline.runtime import ChunkKV
-from pipeline.runtime import VLM, ms_since, select_token
-from pipeline.runtime import ChunkInputs
+from pipeline.runtime import VLM, ChunkInputs, ChunkKV, Slab, decode_step, ms_since, prefill_queries, select_token
 from schemas.config import EngineSpec, RecomputeSpec
 from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import End, Sequence, Status

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
 from pipeline.store import resolve_filesystem
 from serve.config import RequestLogConfig
 from serve.metrics import serve_metrics

@@ -37,8 +37,8 @@ from typing import Protocol
 import numpy as np
 from pydantic import BaseModel
 
-from schemas.sampling import Sampling
 from schemas.api import AnswerReport, ResponseCacheLevel
+from schemas.sampling import Sampling
 from serve.config import ResponseCacheConfig
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.plan import Answer, Plan

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipeline.runtime import VLM, ChunkInputs, Renderer, chunk_inputs
 from pipeline.store import TEXT_SOURCED, PageImageError, page_images
-from pipeline.runtime import Renderer
-from pipeline.runtime import VLM
-from pipeline.runtime import ChunkInputs, chunk_inputs
 from schemas.errors import UnservableError
 from serve.plan import Entry, PlannedChunk
 

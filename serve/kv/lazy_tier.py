@@ -21,9 +21,7 @@ from typing import Generic, TypeVar
 import torch
 
 from pipeline.runtime import ChunkKV
-from pipeline.store import ShardCorruptError
-from pipeline.store import Store
-from pipeline.store import write_back, written_back
+from pipeline.store import ShardCorruptError, Store, write_back, written_back
 from schemas.store import CacheKey, Manifest
 from serve.plan import Entry, PlannedChunk, entry_of
 

@@ -21,9 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.store import QuantizedKV
-from pipeline.store import ShardCorruptError, ShardReader
-from pipeline.store import Store
+from pipeline.store import LeaseKeeper, QuantizedKV, ShardCorruptError, ShardReader, Store
 from schemas.api import CacheReport, CacheStats
 from schemas.config import DType, KVQuant
 from serve.config import LoaderConfig
@@ -32,7 +30,6 @@ from serve.kv.pending import is_pending
 from serve.kv.wire import to_wire
 from serve.metrics import serve_metrics
 from serve.plan import Entry, EntryRow, LoadedKV, LoadResult, Plan, Unreadable
-from pipeline.store import LeaseKeeper
 
 LAZY_REASON = "not compiled yet: its tier is compiled on first promotion"  # the generator compiles it
 

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.store import Store, local_copy, read_generation
 from pipeline.store.catalog import TEXTS, Catalog
-from pipeline.store import read_generation
-from pipeline.store import local_copy
-from pipeline.store import Store
 from schemas.api import AnswerRequest
 from schemas.config import TierSpec
 from schemas.errors import UnknownIdsError

@@ -21,20 +21,16 @@ import numpy as np
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
-from pipeline.runtime import Embedder
-from pipeline.store import ensure_generation
-from pipeline.runtime import ChatTemplate
-from pipeline.runtime import check_store, resolve_path
-from pipeline.store import Store
+from pipeline.runtime import ChatTemplate, Embedder, check_store, resolve_path
+from pipeline.store import GenerationWatcher, LeaseKeeper, Store, acquire_current, ensure_generation
 from schemas.api import AnswerRequest
 from schemas.config import ModelSpec
 from schemas.errors import TooLargeError
-from schemas.store import Manifest, ManifestError
+from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
-from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
 from serve.plan import Plan
-from pipeline.store import GenerationWatcher, LeaseKeeper, acquire_current
+from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
 from serve.routing.retrieval import Snapshot, open_snapshot
 
 

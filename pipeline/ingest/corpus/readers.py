@@ -20,7 +20,7 @@ from pipeline.ingest.corpus.page_images import read_page_image
 from pipeline.ingest.corpus.record_files import read_jsonl, read_parquet
 from pipeline.ingest.corpus.records import SURROGATES, document, file_doc_id, reject
 from pipeline.ingest.corpus.repeats import DocRef, cross_file_rejections
-from schemas.corpus import CorpusFile, Document, FileFormat, MetaKey, ReaderSpec, RejectReason, Rejection
+from schemas.corpus import CorpusFile, Document, FileFormat, MetaKey, ReaderSpec, Rejection, RejectReason
 
 _FORMATS = {".jsonl": FileFormat.JSONL, ".ndjson": FileFormat.JSONL, ".parquet": FileFormat.PARQUET,
             ".txt": FileFormat.TEXT, ".md": FileFormat.TEXT, ".markdown": FileFormat.TEXT,

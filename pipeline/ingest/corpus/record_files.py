@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.ingest.corpus.records import parse_record, reject, unique_ids
-from schemas.corpus import Document, ReaderSpec, RejectReason, Rejection
+from schemas.corpus import Document, ReaderSpec, Rejection, RejectReason
 
 _SKIP_CHUNK_NBYTES = 1 << 20
 

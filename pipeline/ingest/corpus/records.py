@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from schemas.corpus import RESERVED_META_PREFIX, Document, MetaKey, ReaderSpec, RejectReason, Rejection
+from schemas.corpus import RESERVED_META_PREFIX, Document, MetaKey, ReaderSpec, Rejection, RejectReason
 
 NEWLINES = re.compile(r"\r\n?|\f")
 CONTROLS = re.compile(r"[\x01-\x08\x0b\x0e-\x1f\x7f-\x9f]")  # keeps \t \n; \r \f are rewritten first

@@ -15,7 +15,7 @@ from pipeline.ingest.chunker import Chunker
 from pipeline.ingest.rows import Kind, not_of_kind, of_kind, require_columns, rows_table
 from pipeline.ingest.stages.read import rejected_row
 from schemas.config import ModelSpec
-from schemas.corpus import Document, MetaKey, RejectReason, Rejection
+from schemas.corpus import Document, MetaKey, Rejection, RejectReason
 
 NEEDS = ("kind", "doc_id", "source", "text", "metadata_json", "order_key", "text_key", "image_path")
 ADDS = ("chunk_id", "order", "chunk_key", "num_text_tokens")

@@ -21,8 +21,16 @@ import pyarrow as pa
 from pipeline.ingest.rows import PAGES_TYPE, Kind, require_columns, rows_table, units_to_build, with_columns
 from pipeline.ingest.stages.render import RenderStage
 from pipeline.runtime import VLM, ChunkKV, page_legibility
-from pipeline.store import (TEXT_SOURCED, Store, check_device, compile_entries, decode_png, index_row, required_keys,
-                            stored)
+from pipeline.store import (
+    TEXT_SOURCED,
+    Store,
+    check_device,
+    compile_entries,
+    decode_png,
+    index_row,
+    required_keys,
+    stored,
+)
 from schemas.config import ModelSpec, Variant
 from schemas.corpus import RejectReason
 from schemas.store import Manifest, StoreSpec

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from pipeline.ingest.corpus import DocRef, read_file, source_order_key
 from pipeline.ingest.rows import Kind, require_columns, rows_table
-from schemas.corpus import ReaderSpec, RejectReason, Rejection
+from schemas.corpus import ReaderSpec, Rejection, RejectReason
 
 NEEDS = ("path", "root", "relpath")
 ADDS = ("kind", "key", "doc_id", "source", "order_key", "text", "metadata_json", "text_key", "image_phash",

@@ -26,6 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.store.blobs import StoreError
+from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from pipeline.store.catalog.reader import (
     BATCH_ROWS,
     CATALOG,
@@ -40,11 +42,9 @@ from pipeline.store.catalog.reader import (
     TEXTS,
     id_hashes,
 )
-from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from pipeline.store.catalog.spill import ExactBatches, NpyRows, Spill, bucket_of, newest
-from pipeline.store.blobs import StoreError
-from pipeline.store.store import Store
 from pipeline.store.catalog.vector_index import build_index
+from pipeline.store.store import Store
 from schemas.config import Variant
 from schemas.generation import SearchInfo, SearchSpec
 from schemas.tables import CHUNKS_SCHEMA, INDEX_SCHEMA, optional_names, with_optional

@@ -24,15 +24,15 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.store.catalog import CATALOG, ENTRIES, RowFile
-from pipeline.store.slots import entry_slots
 from pipeline.store.check.findings import MAX_EXAMPLES, Check, Evidence, Report, Severity
+from pipeline.store.check.key_ranges import key_ranges, read_range
 from pipeline.store.gc import protected_shards
 from pipeline.store.generations import current_generation_number, read_generation
-from pipeline.store.check.key_ranges import key_ranges, read_range
 from pipeline.store.part_log import PART_PREFIX, PART_SUFFIX
 from pipeline.store.parts import parts_checks
-from pipeline.store.snapshots import is_complete
 from pipeline.store.shards import ShardCorruptError
+from pipeline.store.slots import entry_slots
+from pipeline.store.snapshots import is_complete
 from pipeline.store.store import Store
 from schemas.store import ORPHAN_GRACE_S, Manifest
 

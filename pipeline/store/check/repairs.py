@@ -26,12 +26,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.store.catalog import CATALOG, CATALOG_COLUMNS, EMBEDDINGS, ENTRIES, TEXTS
-from pipeline.store.catalog import ENTRY_COLUMNS
+from pipeline.store.catalog import CATALOG, CATALOG_COLUMNS, EMBEDDINGS, ENTRIES, ENTRY_COLUMNS, TEXTS
 from pipeline.store.check.findings import Report
+from pipeline.store.check.key_ranges import in_range, key_ranges, read_range
 from pipeline.store.gc import remove_orphans
 from pipeline.store.generations import current_generation
-from pipeline.store.check.key_ranges import in_range, key_ranges, read_range
 from pipeline.store.leases import StoreLease
 from pipeline.store.part_log import part_stem
 from pipeline.store.parts import parts_checks
