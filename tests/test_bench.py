@@ -87,7 +87,7 @@ def test_gpu_script_cpu_fallback_runs_the_gpu_benchmark(tmp_path):
         assert clients == ["1", "4"]
         assert "Device hot tier: TTFT" in section
     compile_rows = [line.split("|")[1].strip() for line in (tmp_path / "compile_batch_gpu.md").read_text().splitlines()
-                    if l.startswith("|")]
+                    if line.startswith("|")]
     assert [cell for cell in compile_rows if cell.isdigit()] == ["1", "4"]  # chunks/s by compile batch size
 
 
