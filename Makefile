@@ -26,7 +26,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev demo test test-fast bench lock clean
+.PHONY: help system install install-dev demo lint test test-fast bench lock clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -66,7 +66,10 @@ install-dev: system $(VENV)/.installed-dev  ## the same plus the test tools
 demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTTP (~3 min on 2 cores)
 	$(BIN)/qvpic demo
 
-test: install-dev  ## the whole test suite, as CI runs it (~15 min on 2 cores)
+lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
+	$(BIN)/ruff check .
+
+test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~25 min on 2 cores)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
