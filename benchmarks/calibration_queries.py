@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for nprobe in NPROBES:
             _, found = ivf.search(queries * scale, CANDIDATES + 1, params=faiss.SearchParametersIVF(nprobe=nprobe))
-            answers = np.stack([rows.rerank(q, f[(f >= 0) & (f != x)], K)[0] for q, f, x in zip(queries, found, exclude)])
+            answers = np.stack([rows.rerank(q, f[(f >= 0) & (f != x)], K)[0]
+                                for q, f, x in zip(queries, found, exclude)])
             out.append(recall_at_k(answers, truth))
         return out
 
@@ -66,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     table += [[f"stored rows moved to cosine {c}", *curve(calibration_queries(stored, c, rng))] for c in COSINES]
     default = SearchSpec().calibration_query_cosine
     body = (f"{len(rows):,} realistic rows (MiniLM embeddings of 5,000 real sentences, synthesised), IVF of "
-            f"{ivf.nlist} lists with int8 codes, {NUM_QUERIES} queries a row; recall@{K} against exact search after the "
-            f"float16 rerank of {CANDIDATES} candidates, by `nprobe`:\n\n"
+            f"{ivf.nlist} lists with int8 codes, {NUM_QUERIES} queries a row; recall@{K} against exact search "
+            f"after the float16 rerank of {CANDIDATES} candidates, by `nprobe`:\n\n"
             + markdown_table(["queries", *(f"nprobe {n}" for n in NPROBES)], table)
-            + f"\n\nThe calibration's default is cosine {default}: the curve closest to the real sentences' and not above "
-              "it, so the `nprobe` it picks for a target recall serves at least about that recall. Stored rows held out "
-              "of their answers overstate it most: a synthesised row has near-copies. Wall time "
+            + f"\n\nThe calibration's default is cosine {default}: the curve closest to the real sentences' and "
+              "not above it, so the `nprobe` it picks for a target recall serves at least about that recall. Stored "
+              "rows held out of their answers overstate it most: a synthesised row has near-copies. Wall time "
               f"{time.perf_counter() - started:.0f} s.\n")
     print(body)
     if not args.no_write:

@@ -50,7 +50,8 @@ IMAGE_VARIANTS = (Variant.TEMPLATE, Variant.PLAIN, Variant.DUMMY)
 TEXT_VARIANTS = (Variant.TEXT, Variant.TEXT_PLAIN)
 LOWER_IS_CLOSER = {"hidden_rel_l2": True, "kl": True, "top1_agreement": False, "top5_overlap": False}
 LABEL = {Variant.TEMPLATE: "pages, template prefix", Variant.PLAIN: "pages, prefix-free",
-         Variant.DUMMY: "pages, dummy prefix", Variant.TEXT: "text, template prefix", Variant.TEXT_PLAIN: "text, prefix-free"}
+         Variant.DUMMY: "pages, dummy prefix", Variant.TEXT: "text, template prefix",
+         Variant.TEXT_PLAIN: "text, prefix-free"}
 
 
 def items_for(num_synthetic: int, limit: int | None) -> list[QAItem]:
@@ -59,7 +60,8 @@ def items_for(num_synthetic: int, limit: int | None) -> list[QAItem]:
         items = [i for t in LONGBENCH_QA_TASKS for i in [x for x in items if x.task is t][:limit]]
     if num_synthetic:
         with tempfile.TemporaryDirectory() as folder:
-            synthetic.write_jsonl(synthetic.generate(num_synthetic, context_words=220, num_distractors=2, seed=11), folder)
+            synthetic.write_jsonl(synthetic.generate(num_synthetic, context_words=220, num_distractors=2, seed=11),
+                                  folder)
             items += load_tasks(folder, [QATask.SYNTHETIC])
     return items
 
@@ -81,7 +83,8 @@ def measure(vlm: VLM, item: QAItem, chunker: Chunker, renderer: Renderer, render
     return out
 
 
-def paired(results: list[dict[Variant, Fidelity]], base: Variant, other: Variant, metric: str) -> tuple[float, float, float]:
+def paired(results: list[dict[Variant, Fidelity]], base: Variant, other: Variant,
+           metric: str) -> tuple[float, float, float]:
     """(share of requests where `base` is closer, share of ties, median ratio other/base) for one metric."""
     a = np.array([getattr(r[base], metric) for r in results])
     b = np.array([getattr(r[other], metric) for r in results])
@@ -116,10 +119,12 @@ def report(results: list[dict[Variant, Fidelity]], items: list[QAItem]) -> str:
     weak = [m for m, ok in verdict.items() if not ok] or ["none"]
     tasks = list(dict.fromkeys(i.task for i in items))
     per_task = markdown_table(
-        ["task", "requests"] + [f"KL {LABEL[v]}" for v in IMAGE_VARIANTS] + [f"rel-L2 {LABEL[v]}" for v in IMAGE_VARIANTS],
+        ["task", "requests"] + [f"KL {LABEL[v]}" for v in IMAGE_VARIANTS]
+        + [f"rel-L2 {LABEL[v]}" for v in IMAGE_VARIANTS],
         [[t.value, sum(i.task is t for i in items)]
          + [statistics.median(r[v].kl for r, i in zip(results, items) if i.task is t) for v in IMAGE_VARIANTS]
-         + [statistics.median(r[v].hidden_rel_l2 for r, i in zip(results, items) if i.task is t) for v in IMAGE_VARIANTS]
+         + [statistics.median(r[v].hidden_rel_l2 for r, i in zip(results, items) if i.task is t)
+            for v in IMAGE_VARIANTS]
          for t in tasks])
     return ("Median [p10, p90] over requests:\n\n" + overall + "\n\nPaired, request by request (a metric "
             "discriminates when one variant is closer on most requests):\n\n" + comparison
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - started:.0f} s.\n\n" + report(results, items))
     print(body)
     if not args.no_write:
-        command = "python -m benchmarks.fidelity" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+        command = ("python -m benchmarks.fidelity"
+                   + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
         write_section("fidelity", "Fidelity to full prefill: template vs prefix-free vs dummy prefix (issue 15)",
                       command, body)
     return 0

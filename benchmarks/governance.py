@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     def median(name: str, column: int) -> float:
         return statistics.median(sample[column] for sample in samples[name])
 
-    rows = [[name, median(name, 0), median(name, 0) - median("off", 0), f"{median(name, 0) / median('off', 0) - 1:+.1%}",
-             median(name, 1), median(name, 1) - median("off", 1)] for name in samples]
+    rows = [[name, median(name, 0), median(name, 0) - median("off", 0),
+             f"{median(name, 0) / median('off', 0) - 1:+.1%}", median(name, 1), median(name, 1) - median("off", 1)]
+            for name in samples]
     body = (f"{args.model} (float32, CPU), {args.chunks} chunks of ≤{args.chunk_tokens} text tokens, mode qvpic, "
             f"one-token answers, every query new (response-cache misses, stored at every level); medians of "
             f"{args.rounds} interleaved rounds after a warm-up round; load average during the run "

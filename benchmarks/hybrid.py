@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{num_docs} synthetic documents of {words} words (one planted fact each: codes, dates, names, digits), "
         f"{len(chunks)} chunks of ≤128 tokens, {args.model} (BPE tokenizer); each document's question routed over "
         "its chunks (τ 0.5, B 4). Preliminary: measured on a shared, loaded 2-core machine.", "",
-        "| | context tokens / request (mean) | vs qvpic | evidence recovered | evidence char accuracy | chunks as text |",
+        ("| | context tokens / request (mean) | vs qvpic | evidence recovered | evidence char accuracy "
+         "| chunks as text |"),
         "|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():

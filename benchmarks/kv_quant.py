@@ -127,8 +127,10 @@ def measure_model(name: str, args: argparse.Namespace) -> list[dict]:
                 results.append({
                     "model": name, "tier": tier_name(tier), "format": q.value,
                     "tokens": statistics.fmean(kv.num_tokens for kv in compiled), "nbytes": nbytes,
-                    "ratio": nbytes / bf16, "load_ms": statistics.median(load_ms[q]), "ttft_ms": statistics.median(ttft_ms[q]),
-                    "kl": statistics.median(x.kl for x in f) if f else 0.0, "kl_max": max((x.kl for x in f), default=0.0),
+                    "ratio": nbytes / bf16, "load_ms": statistics.median(load_ms[q]),
+                    "ttft_ms": statistics.median(ttft_ms[q]),
+                    "kl": statistics.median(x.kl for x in f) if f else 0.0,
+                    "kl_max": max((x.kl for x in f), default=0.0),
                     "top1": statistics.median(x.top1_agreement for x in f) if f else 1.0,
                     "top1_min": min((x.top1_agreement for x in f), default=1.0),
                     "kl_linking": statistics.median(linking),
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-write", action="store_true", help="print, do not write docs/BENCHMARKS.md")
     args = p.parse_args(argv)
-    args.models = args.models or (["tiny-qwen", "tiny-glm"] if args.quick else ["tiny-qwen", "tiny-glm", "bench-qwen", "bench-glm"])
+    args.models = args.models or (["tiny-qwen", "tiny-glm"] if args.quick
+                                  else ["tiny-qwen", "tiny-glm", "bench-qwen", "bench-glm"])
     args.requests = args.requests or (4 if args.quick else 6)
     args.repeats = args.repeats or (5 if args.quick else 3)
     torch.manual_seed(0)
@@ -171,14 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         command = " ".join(["python -m benchmarks.kv_quant", *(sys.argv[1:] if argv is None else argv)])
         bench = any(not m.startswith("tiny-") for m in args.models)  # bench-size models get a section of their own
-        note = (f"{args.requests} requests of {args.chunks_per_request} chunks per tier ({args.repeats} timed passes each), "
-                f"≤{args.chunk_tokens}-token "
+        note = (f"{args.requests} requests of {args.chunks_per_request} chunks per tier ({args.repeats} timed passes "
+                f"each), ≤{args.chunk_tokens}-token "
                 f"chunks, {args.decode_steps} teacher-forced decode steps, bf16 weights, device {args.device}. "
                 "Random weights: fidelity numbers say how far quantisation moves the model's distributions, not answer "
                 "quality. int8's overhead over 0.5× is the per-token value scales (2 bytes per head_dim bytes): "
                 "1/16 at the tiny models' head_dim 16, 1/64 at bench's 64, 1/128 at Qwen2.5-VL-7B's 128.")
         write_section("kv_quant_bench" if bench else "kv_quant",
-                      "Quantised KV entries: bytes, load, TTFT and fidelity (issue 16)" + (", bench-size models" if bench else ""),
+                      "Quantised KV entries: bytes, load, TTFT and fidelity (issue 16)"
+                      + (", bench-size models" if bench else ""),
                       command, note + "\n\n" + body)
     return 0
 

@@ -159,7 +159,8 @@ def report(model: str, results, full_ttfts: list[float], embed_ms: list[float]) 
     table = markdown_table(["recompute", "chunk tokens recomputed %", "KL median [p10, p90]", "KL / linked",
                             "closer than linked %", "top-1 agreement", "TTFT ms", "of which sources ms",
                             "× linked", "× full prefill"], rows)
-    return (f"**{model}** — full prefill TTFT (render + prefill, the uncached reference) median {statistics.median(full_ttfts):.0f} ms; "
+    return (f"**{model}** — full prefill TTFT (render + prefill, the uncached reference) median "
+            f"{statistics.median(full_ttfts):.0f} ms; "
             f"vision tower + embeddings {statistics.median(embed_ms):.0f} ms per chunk.\n\n" + table)
 
 
@@ -176,7 +177,8 @@ def store_table(models: dict[str, VLM]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["bench-qwen", "bench-glm"])
-    p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType), metavar="{float32,bfloat16,float16}")
+    p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType),
+                   metavar="{float32,bfloat16,float16}")
     p.add_argument("--synthetic", type=int, default=8, help="synthetic requests on top of the fixture items")
     p.add_argument("--context-words", type=int, default=1200, help="words of each synthetic request's context")
     p.add_argument("--limit", type=int, help="fixture items per task (default all)")
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-chunks", type=int, default=4, help="chunks per request (the first of the item's context)")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration and request (the fastest counts)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per configuration and request (the fastest counts)")
     p.add_argument("--quick", action="store_true", help="3 synthetic requests, no fixture items, 1 timed run")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
@@ -231,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             "(same dtype as the KV):\n\n" + store_table(loaded))
     print(body)
     if not args.no_write:
-        command = "python -m benchmarks.recompute" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+        command = ("python -m benchmarks.recompute"
+                   + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
         write_section("recompute", "Selective recompute across chunks: fidelity gain against TTFT (issue 16)",
                       command, body)
     return 0

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         ])
         print(dict(zip(["model", "dtype"], rows[-1][:2])), r, flush=True)
     headers = ["model", "dtype", "cached tokens", "full prefill ms", "query prefill ms", "full / query",
-               f"assembly+re-anchor of {args.chunks} chunks ms", "re-anchor per 1k tokens ms", "assembly / query prefill"]
+               f"assembly+re-anchor of {args.chunks} chunks ms", "re-anchor per 1k tokens ms",
+               "assembly / query prefill"]
     body = (
         f"{args.chunks} text chunks compiled under the template, {args.context_tokens} context tokens, a "
         f"32-token query turn, medians of {args.repeats} runs after a warm-up, one process, "

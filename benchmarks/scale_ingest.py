@@ -131,10 +131,12 @@ def stage_costs(corpus: Path, batch_size: int, sample: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as store_dir:
         store, manifest = open_store(IngestConfig(corpus=str(corpus), store=StoreSpec(uri=store_dir)))
         slots = json.dumps([[t, v.value] for t, v in entry_slots(manifest, manifest.variants)])
-        units = rows_table([{"kind": Kind.UNIT.value, "key": c["chunk_key"], "chunk_key": c["chunk_key"], "text": c["text"],
-                             "slots_json": slots, "error": "", "needs_embedding": True} for c in chunks])
+        units = rows_table([{"kind": Kind.UNIT.value, "key": c["chunk_key"], "chunk_key": c["chunk_key"],
+                             "text": c["text"], "slots_json": slots, "error": "", "needs_embedding": True}
+                            for c in chunks])
         renderer, embedder = RenderStage(manifest.render), Embedder()
-        compiler = CompileStage(CompilePlan(ModelSpec(), store.spec, manifest.to_json(), batch_size), vlm=VLM(ModelSpec()))
+        compiler = CompileStage(CompilePlan(ModelSpec(), store.spec, manifest.to_json(), batch_size),
+                                vlm=VLM(ModelSpec()))
         compiler(renderer(units.slice(0, batch_size)))  # warm-up outside the timings
         embedder.embed([c["text"] for c in chunks[:8]])
         times = {}
@@ -219,15 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     rate = first["num_chunks_compiled"] / first["wall_s"]
     work = lambda s: s["num_chunks_compiled"] + s["num_chunks_embedded"]  # noqa: E731  model work, in chunks
     rows = [
-        ["chunks compiled (large / small corpus)", f"{first['num_chunks_compiled']:,} / {small_run['num_chunks_compiled']:,}", ""],
+        ["chunks compiled (large / small corpus)",
+         f"{first['num_chunks_compiled']:,} / {small_run['num_chunks_compiled']:,}", ""],
         ["stage costs alone, ms per chunk (render / embed / compile)",
-         " / ".join(f"{costs[k] * 1e3:.1f}" for k in ("render", "embed", "compile")), f"{costs['sample']} chunks, 1 core each"],
+         " / ".join(f"{costs[k] * 1e3:.1f}" for k in ("render", "embed", "compile")),
+         f"{costs['sample']} chunks, 1 core each"],
         ["serial rate (1 core) · 2-core bound, chunks/s", f"{1 / serial_s:.2f} · {2 / serial_s:.2f}", ""],
         ["ingest, chunks/s (whole job)", f"{rate:.2f}", f"{rate * serial_s / 2:.2f}× the 2-core bound (target ≥ 0.6)"],
         ["driver peak RSS, MiB (small → large)",
          f"{small_run['driver_peak_rss_nbytes'] / 2**20:.0f} → {first['driver_peak_rss_nbytes'] / 2**20:.0f}",
          f"{first['driver_peak_rss_nbytes'] / small_run['driver_peak_rss_nbytes']:.2f}× (target ≤ 1.2)"],
-        ["store files per 1k chunks (parts · shards)", f"{(files['parts'] + files['shards']) * 1000 / first['num_chunks']:.0f}",
+        ["store files per 1k chunks (parts · shards)",
+         f"{(files['parts'] + files['shards']) * 1000 / first['num_chunks']:.0f}",
          f"{files['parts']} parts · {files['shards']} shards for {first['num_chunks']:,} chunks"],
         ["first run, process wall s", f"{first['process_s']:.1f}", "imports and Ray start-up included"],
         ["no-op rerun, process wall s", f"{noop['process_s']:.1f}",
@@ -235,20 +240,23 @@ def main(argv: list[str] | None = None) -> int:
          + (f"unchanged since {noop['unchanged_since']}: corpus hashed, no pipeline" if noop["unchanged_since"]
             else "the pipeline ran")],
         ["no-op rerun with --force, process wall s", f"{forced['process_s']:.1f}",
-         f"{forced['process_s'] / first['process_s']:.1%} of the first run: the whole pipeline, every chunk found stored "
-         f"({work(forced)} compiled + embedded)"],
-        ["+1% documents, process wall s", f"{more['process_s']:.1f}", f"{more['process_s'] / first['process_s']:.1%} of the first run"],
+         f"{forced['process_s'] / first['process_s']:.1%} of the first run: the whole pipeline, every chunk found "
+         f"stored ({work(forced)} compiled + embedded)"],
+        ["+1% documents, process wall s", f"{more['process_s']:.1f}",
+         f"{more['process_s'] / first['process_s']:.1%} of the first run"],
         ["+1% documents, model work (chunks compiled + embedded)", f"{work(more):,}",
          f"{work(more) / work(first):.1%} of the first run's {work(first):,} (target ≈ 1%)"],
     ]
-    body = (f"tiny-qwen float32 on CPU, chunks of ≤ {CHUNK_TOKENS} tokens, every variant and tier (6 entries a chunk by default), compile "
-            f"batch {args.batch_size}; `qvpic ingest` in its own driver process with a private local Ray (4 logical "
+    body = (f"tiny-qwen float32 on CPU, chunks of ≤ {CHUNK_TOKENS} tokens, every variant and tier (6 entries a chunk "
+            f"by default), compile batch {args.batch_size}; `qvpic ingest` in its own driver process with a private "
+            "local Ray (4 logical "
             "CPUs on this 2-core machine). Stage costs are measured in this run on the same corpus.\n\n"
             + markdown_table(["measure", "value", "note"], rows))
     print(body)
     if not args.no_write:
         write_section("scale-ingest", "Ingest at scale: one streaming job, compacted store, incremental reruns",
-                      " ".join(["python -m benchmarks.scale_ingest", *(argv if argv is not None else sys.argv[1:])]), body)
+                      " ".join(["python -m benchmarks.scale_ingest", *(argv if argv is not None else sys.argv[1:])]),
+                      body)
     return 0
 
 

@@ -155,7 +155,8 @@ def measure(uri: str, seed: int = 1) -> dict:
            "search": router.snapshot.catalog.vectors.info.model_dump(mode="json")}
     rng = np.random.default_rng(seed)
     held_out = Path(uri).parent / f"{Path(uri).name}-{QUERY_FILE}"
-    queries = np.load(held_out, allow_pickle=False) if held_out.exists() else unit_rows(rng, QUERIES + 20, "random", None)
+    queries = (np.load(held_out, allow_pickle=False) if held_out.exists()
+               else unit_rows(rng, QUERIES + 20, "random", None))
     request = AnswerRequest(query="What does the synthetic chunk say?", top_k=8)
     vectors = router.snapshot.catalog.vectors
     times: dict[int, list[float]] = {threads: [] for threads in SEARCH_THREADS}
@@ -201,7 +202,8 @@ def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
     stats = write_store(root, num_chunks, distribution)
     written = time.perf_counter() - t
     published = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.scale_serve", "--publish", str(root)],
-                                          check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1])
+                                          check=True, stdout=subprocess.PIPE, text=True)
+                           .stdout.strip().splitlines()[-1])
     t = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.scale_serve", "--child", str(root)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -243,11 +245,14 @@ def section(results: list[dict]) -> str:
     return (f"{table}\n\nRoute = retrieval + placement for an embedded query (top-8, qvpic), after 20 warm-up "
             "queries, with the exhaustive scan on one thread and on two (`router.scan.search_threads: 2`, "
             "`qvpic serve --router-search-threads 2`; give the router deployment `num_cpus: 2` to match), "
-            "the two interleaved query by query; the query embedding (MiniLM, one query) is timed apart. Start-up = `Router(...)` in a fresh "
+            "the two interleaved query by query; the query embedding (MiniLM, one query) is timed apart. "
+            "Start-up = `Router(...)` in a fresh "
             "process (tokenizer, embedder, the generation's catalog and index opened), imports apart. Publish runs "
-            "in a process of its own; its peak RSS (VmHWM) includes the imports (~280 MiB). Router RSS after the routes; "
+            "in a process of its own; its peak RSS (VmHWM) includes the imports (~280 MiB). "
+            "Router RSS after the routes; "
             "file-backed pages (the mapped index) are the rest. Switch = from the end of a publish "
-            "(a job's last step) until the running router serves the new generation (poll 50 ms). Recall@8 against exact float16 search on "
+            "(a job's last step) until the running router serves the new generation (poll 50 ms). "
+            "Recall@8 against exact float16 search on "
             f"{RECALL_QUERIES} queries (random unit vectors; held-out real sentences for realistic stores)."
             f"\n\nIndex choice per store:\n{reasons}\n"
             + (f"\nRealistic rows against real text (mean cosines of held-out sentence queries):\n{stats}\n"

@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                         files = -(-args.entries // per_file)
                         one = read_ms(blobs, rows, 32, whole_object=False)
                         whole = read_ms(blobs, rows, 32, whole_object=True)
-                        rows_out.append([f"{size_kib} KiB", per_file, backend, files, f"{write_s * 1e3 / args.entries:.2f}",
-                                         f"{one:.2f}", f"{whole:.2f}"])
+                        rows_out.append([f"{size_kib} KiB", per_file, backend, files,
+                                         f"{write_s * 1e3 / args.entries:.2f}", f"{one:.2f}", f"{whole:.2f}"])
                         print(rows_out[-1], flush=True)
     finally:
         server.stop()
@@ -114,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             "next to fetching its whole file.\n\n"
             + markdown_table(["entry size", "entries / file", "backend", "files", "write ms / entry",
                               "read one entry, ms", "read its whole file, ms"], rows_out)
-            + "\n\nAt 1M chunks (4M entries), PUT requests and LIST calls to enumerate the shards (for orphan collection):\n\n"
+            + ("\n\nAt 1M chunks (4M entries), PUT requests and LIST calls to enumerate the shards "
+               "(for orphan collection):\n\n")
             + markdown_table(["entries / file", "PUTs", "PUT cost", "LIST calls (1k keys each)"], cost))
     print(body)
     if not args.no_write:
         write_section("shard-packing", "Shard packing: one file per entry or per compile batch",
-                      "python -m benchmarks.shard_packing " + " ".join(argv if argv is not None else sys.argv[1:]), body)
+                      "python -m benchmarks.shard_packing " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      body)
     return 0
 
 

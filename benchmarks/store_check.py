@@ -84,7 +84,8 @@ def measure(root: Path, repeats: int, warm_root: Path) -> dict:
             "check_ms": timed(lambda: parts_checks(Store.open(str(root))), repeats * 4) * 1e3,
             "verify_s": timed(lambda: verify(Store.open(str(root))), repeats),
             "deep_s": timed(lambda: verify(Store.open(str(root)), deep=True), max(1, repeats // 2)),
-            "verify_peak_mib": peak_growth_mib(root, False, warm_root), "deep_peak_mib": peak_growth_mib(root, True, warm_root)}
+            "verify_peak_mib": peak_growth_mib(root, False, warm_root),
+            "deep_peak_mib": peak_growth_mib(root, True, warm_root)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,7 +116,8 @@ def kv_rows(store_uri: str, setup: Setup) -> list[list[object]]:
         groups.setdefault(f"{row['tier'] or 'text'}.{row['variant']}", []).append(row)
     text_nbytes = statistics.fmean(r["nbytes"] for r in groups["text.text"])
     return [[setup.model, setup.dtype.value, name, statistics.fmean(r["num_tokens"] for r in rows),
-             statistics.fmean(r["nbytes"] for r in rows) / 1024, statistics.fmean(r["nbytes"] for r in rows) / text_nbytes]
+             statistics.fmean(r["nbytes"] for r in rows) / 1024,
+             statistics.fmean(r["nbytes"] for r in rows) / text_nbytes]
             for name, rows in sorted(groups.items())]
 
 
@@ -139,7 +140,8 @@ def tables(cells: list[Cell], setups: list[Setup], kv: list[list[object]], http:
         for mode in modes:
             c = _cell(cells, setup, n_mid, mode)
             breakdown_rows.append([setup.model, setup.dtype.value, n_mid, mode.value, _ms(c.ttft_ms)]
-                                  + [_ms(c.phases_ms[p]) for p in PHASES] + [_ms(c.ttft_ms - sum(c.phases_ms.values()))])
+                                  + [_ms(c.phases_ms[p]) for p in PHASES]
+                                  + [_ms(c.ttft_ms - sum(c.phases_ms.values()))])
         lo, hi = min(setup.chunk_counts), max(setup.chunk_counts)
         growth_rows.append([setup.model, setup.dtype.value, f"{lo} → {hi}"]
                            + [_cell(cells, setup, hi, m).context_tokens / _cell(cells, setup, lo, m).context_tokens
@@ -163,14 +165,15 @@ def tables(cells: list[Cell], setups: list[Setup], kv: list[list[object]], http:
     if http is not None:
         hops_ms = http.client_ms - http.route_ms - http.load_ms - http.reanchor_ms - http.prefill_ms
         out += [(f"\nOnline path over HTTP (Serve on loopback, {http.mode.value}, {http.num_chunks} chunks, "
-                 f"{http.context_tokens} context tokens, medians of ≥ {HTTP_REPEATS} requests; target: everything but the "
-                 "query prefill ≤ 25% of TTFT), "
+                 f"{http.context_tokens} context tokens, medians of ≥ {HTTP_REPEATS} requests; target: everything "
+                 "but the query prefill ≤ 25% of TTFT), "
                  "and the limit measured in the same run: the same hops through no-op deployments and the query "
                  "embedding alone:\n"),
                 markdown_table(["", "client TTFT ms", "route ms", "load ms", "re-anchor ms", "prefill ms",
                                 "Serve hops, HTTP, JSON ms", "added by the online path"],
                                [["qvpic", _ms(http.client_ms), _ms(http.route_ms), _ms(http.load_ms),
-                                 _ms(http.reanchor_ms), _ms(http.prefill_ms), _ms(hops_ms), f"{http.overhead_share:.1%}"],
+                                 _ms(http.reanchor_ms), _ms(http.prefill_ms), _ms(hops_ms),
+                                 f"{http.overhead_share:.1%}"],
                                 ["the limit", "", f"{_ms(http.embed_ms)} (embedding alone)", "", _ms(http.reanchor_ms),
                                  _ms(http.prefill_ms), f"{_ms(http.serve_floor_ms)} (no-op deployments)",
                                  f"{http.floor_share:.1%}"]])]
@@ -224,7 +227,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
-    p.add_argument("--http-model", default="bench-qwen", help=f"model of the HTTP measurement (bf16, {HTTP_CHUNKS} chunks)")
+    p.add_argument("--http-model", default="bench-qwen",
+                   help=f"model of the HTTP measurement (bf16, {HTTP_CHUNKS} chunks)")
     p.add_argument("--no-http", action="store_true", help="skip the HTTP measurement")
     p.add_argument("--out", help="also write the tables to this file")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")

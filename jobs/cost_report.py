@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # pyarrow (and pandas under it) is imported where used: `--he
 TOKEN_KINDS = ("vision_tokens", "text_tokens", "query_tokens", "completion_tokens")
 NO_TASK = "-"
 COLUMNS = ("requests", "errors", "cache_hits", *TOKEN_KINDS, "computed_tokens", "saved_tokens", "p50_ms")
-HEADERS = {"task_type": "task", "requests": "reqs", "errors": "errors", "cache_hits": "cache hits", "vision_tokens": "vision",
-           "text_tokens": "text", "query_tokens": "query", "completion_tokens": "completion",
+HEADERS = {"task_type": "task", "requests": "reqs", "errors": "errors", "cache_hits": "cache hits",
+           "vision_tokens": "vision", "text_tokens": "text", "query_tokens": "query", "completion_tokens": "completion",
            "computed_tokens": "computed", "saved_tokens": "saved", "p50_ms": "p50 ms"}
 
 

@@ -144,7 +144,8 @@ def cache_hit_line(client, question: dict, top_k: int) -> str:
     client_ms = (time.perf_counter() - started) * 1e3
     reply = response.json()
     if response.status_code != 200 or not reply.get("cache_hit"):
-        return f"asked again without Cache-Control: no-cache, the first question was computed again ({client_ms:.0f} ms)"
+        return (f"asked again without Cache-Control: no-cache, the first question was computed again "
+                f"({client_ms:.0f} ms)")
     return (f"asked again without `Cache-Control: no-cache`, the first question came from the response cache "
             f"(level {reply['response_cache']['level']}, `cache_hit: true`) in {client_ms:.1f} ms over HTTP, "
             f"with no model work (its timings report no load, prefill or decode).")

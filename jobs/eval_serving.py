@@ -79,7 +79,8 @@ class ServedTraces:
         vlm = generator.vlm
         plan = asyncio.run(router.plan(item_request(item, self.view, config)))
         loaded = generator.repairer.repair(plan, loader.load(plan))
-        chunks = [ChunkKV(kv_tensor(kv, vlm.device, vlm.dtype, copy=False), kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
+        chunks = [ChunkKV(kv_tensor(kv, vlm.device, vlm.dtype, copy=False), kv.entry.position_span, kv.compile_start,
+                          kv.kind, kv.grid_thw)
                   for kv in loaded.kvs]
         answer = answer_token_ids(vlm, item, self.num_answer_tokens)
         query = plan.text_after_chunks

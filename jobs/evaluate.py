@@ -65,7 +65,8 @@ def parse_grid(values: list[str]) -> tuple[tuple[float, int], ...]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qvpic eval", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--data", help="LongBench folder of <task>.jsonl, or LongBench's data.zip (default: bundled fixtures)")
+    source.add_argument("--data", help="LongBench folder of <task>.jsonl, or LongBench's data.zip "
+                        "(default: bundled fixtures)")
     source.add_argument("--generic", help="JSONL of {id?, question, context | chunk_ids, answers}")
     source.add_argument("--synthetic", type=int, metavar="N", help="N synthetic fine-evidence items")
     p.add_argument("--tasks", nargs="+", type=QATask, choices=[t.value for t in LONGBENCH_QA_TASKS],
@@ -76,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", type=Mode, choices=[m.value for m in Mode], default=list(Mode))
     p.add_argument("--paper", action="store_true", help="the paper's grid and tables instead of --modes "
                    f"(tiers default to {' '.join(PAPER_TIERS)} for the DPI sweep)")
-    p.add_argument("--tau-grid", nargs="+", type=float, default=list(DEFAULT_TAUS), help="--paper: τ values of the sweep")
+    p.add_argument("--tau-grid", nargs="+", type=float, default=list(DEFAULT_TAUS),
+                   help="--paper: τ values of the sweep")
     p.add_argument("--budget-grid", nargs="+", type=int, default=list(DEFAULT_BUDGETS), help="--paper: B values")
     p.add_argument("--store", help="store the contexts are ingested into (default: <out>/store, or <out>/paper-store "
                    "with --paper; reused across runs)")
@@ -224,8 +226,9 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     if not args.no_legibility:
         router = local.router if local else Router(RouterConfig(store=store_uri, model=model, defaults=router_spec,
                                                                 max_chunks=MAX_IDS_PER_REQUEST))
-        evidence_results, num_unlocated = judge_items(items, view, planner(router), serving_configs(args.legibility_grid),
-                                                      OcrJudge(view), progress=not args.quiet)
+        evidence_results, num_unlocated = judge_items(items, view, planner(router),
+                                                      serving_configs(args.legibility_grid), OcrJudge(view),
+                                                      progress=not args.quiet)
         evidence = summarize_evidence(evidence_results, view.high_tier) if evidence_results else []
     render = view.render
     meta = {
@@ -246,7 +249,8 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     sections, paper_md = [], None
     if grid is not None:
         paper_md = ("F1 % per task and their average; TTFT, context and vision tokens are medians over items.\n\n"
-                    + paper_table(summaries, grid.main) + "\n\nτ/B sweep (qvpic):\n\n" + tau_budget_table(summaries, grid)
+                    + paper_table(summaries, grid.main) + "\n\nτ/B sweep (qvpic):\n\n"
+                    + tau_budget_table(summaries, grid)
                     + "\n\nDPI sweep:\n\n" + dpi_table(summaries, grid))
         os.makedirs(args.out, exist_ok=True)
         sweep_png(summaries, grid, os.path.join(args.out, SWEEP_PNG))
@@ -299,15 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_benchmarks and outcome.legibility_md is not None:
         body = (f"Data: {meta['data']}, chunks of ≤{meta['chunk tokens']} tokens, rendered at {meta['render']}; "
                 "relevance routing by the real router (MiniLM cosine). The page image each configuration serves for "
-                "the chunk holding the answer is OCR'd with Tesseract (`pipeline/eval/evidence.py`): is the gold answer "
-                "still readable at that tier? Vision tokens are the whole context's, as routed (the model's weights "
+                "the chunk holding the answer is OCR'd with Tesseract (`pipeline/eval/evidence.py`): is the gold "
+                "answer still readable at that tier? Vision tokens are the whole context's, as routed (the model's "
+                "weights "
                 "play no part here, only its image processor).\n\n" + outcome.legibility_md)
         write_section("legibility-eval", "Evidence legibility per serving mode (issue 7)", command, body)
     if args.write_benchmarks and outcome.paper_md is not None:
         body = (f"Data: {meta['data']} ({meta['items per task']}); model {meta['model']}; {meta['render']}; router "
                 f"{meta['router']}. With random-weight models F1 measures nothing but the pipeline running; TTFT, "
                 "tokens and fidelity are real.\n\n" + outcome.paper_md)
-        write_section("paper-eval", "The paper's grid: F1, TTFT, tokens and fidelity per method (issue 15)", command, body)
+        write_section("paper-eval", "The paper's grid: F1, TTFT, tokens and fidelity per method (issue 15)", command,
+                      body)
     return 0
 
 

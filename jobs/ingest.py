@@ -44,7 +44,8 @@ def store_spec(args: argparse.Namespace) -> StoreSpec:
 
 
 def model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-qwen", help="local checkpoint dir or built-in tiny-qwen|tiny-glm|bench-qwen|bench-glm")
+    parser.add_argument("--model", default="tiny-qwen",
+                        help="local checkpoint dir or built-in tiny-qwen|tiny-glm|bench-qwen|bench-glm")
     parser.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--revision", default="local")
@@ -162,7 +163,8 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qvpic ingest", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--corpus", required=True, help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages")
+    parser.add_argument("--corpus", required=True,
+                        help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages")
     store_args(parser, help="local directory or s3://bucket/prefix")
     model_args(parser)
     render_args(parser)
@@ -173,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                                "none for a new store; changing it is `qvpic recompile --kv-quant`")
     parser.add_argument("--lazy-high-tier", action="store_true",
                         help="compile only the lowest tier now; each chunk's highest tier is compiled by the "
-                             "generator on its first promotion and written back to the store (recorded in the manifest)")
+                             "generator on its first promotion and written back to the store (recorded in the "
+                             "manifest)")
     parser.add_argument("--legibility", action="store_true",
                         help="OCR every page at every tier (tesseract) and store its character accuracy in the index: "
                              "what `qvpic serve --hybrid` uses to serve illegible chunks as text")
     resource_args(parser)
-    parser.add_argument("--embedder-dir", default=None, help="local sentence-transformers dir (default: offline MiniLM)")
+    parser.add_argument("--embedder-dir", default=None,
+                        help="local sentence-transformers dir (default: offline MiniLM)")
     parser.add_argument("--force", action="store_true",
                         help="run the pipeline even when the corpus and the store are unchanged since the last ingest "
                              "(by default such a rerun is a no-op: it hashes the corpus and stops)")

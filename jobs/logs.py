@@ -40,7 +40,8 @@ def as_program() -> None:
 
 def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help=f"also show Ray's, Ray Data's, Serve's and transformers' own logs (or set {LEVEL_ENV}=INFO)")
+                        help=f"also show Ray's, Ray Data's, Serve's and transformers' own logs "
+                             f"(or set {LEVEL_ENV}=INFO)")
 
 
 def level(verbose: bool = False) -> int:

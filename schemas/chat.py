@@ -56,7 +56,8 @@ class QvpicOptions(Selection, Routing, Attribution):
     """Extension field `qvpic` of a chat request; with no selection the last user message retrieves."""
 
     timeout_s: JsonFloat | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="deadline of the whole "
-                                        "request (504 past it); else header X-Request-Timeout, else the server's default")
+                                        "request (504 past it); else header X-Request-Timeout, else the server's "
+                                        "default")
 
     @model_validator(mode="after")
     def _at_most_one_selection(self) -> QvpicOptions:

@@ -111,7 +111,8 @@ class RecomputeKind(str, Enum):
 
     NONE = "none"  # link the cached KV as it is
     LEADING = "leading"  # EPIC: the first `leading_num_tokens` tokens of every chunk
-    DEVIATION = "deviation"  # CacheBlend: the `deviation_fraction` of each chunk's tokens whose layer-1 K/V deviate most
+    # CacheBlend: the `deviation_fraction` of each chunk's tokens whose layer-1 K/V deviate most
+    DEVIATION = "deviation"
 
 
 class ScoreNormalisation(str, Enum):

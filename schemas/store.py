@@ -211,7 +211,8 @@ class Manifest(Frozen):
         names = {t.name for t in self.render.tiers}
         for tier in self.lazy_tiers:
             if tier not in names or tier == self.render.lowest_tier.name:
-                raise ValueError(f"lazy tier {tier!r} must be one of the store's tiers above the lowest, {sorted(names)}")
+                raise ValueError(f"lazy tier {tier!r} must be one of the store's tiers above the lowest, "
+                                 f"{sorted(names)}")
         return self
 
     def is_lazy(self, tier: str | None, variant: Variant) -> bool:

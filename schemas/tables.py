@@ -141,7 +141,8 @@ def check_index_rows(table: pa.Table) -> None:
     _require(_all_in(table["variant"], Variant), "index variant must be a Variant value")
     _require(_all_in(table["kind"], ChunkKind), "index kind must be a ChunkKind value")
     stored = pa.array([d.value for d in DType] + [q.value for q in KVQuant if q is not KVQuant.NONE], pa.string())
-    _require(pc.all(pc.is_in(table["dtype"], value_set=stored)), "index dtype must be a DType value or a KVQuant format")
+    _require(pc.all(pc.is_in(table["dtype"], value_set=stored)),
+             "index dtype must be a DType value or a KVQuant format")
     text_variants = pa.array([v.value for v in Variant if v.kind is ChunkKind.TEXT], pa.string())
     is_text = pc.is_in(table["variant"], value_set=text_variants)
     _require(pc.all(pc.equal(is_text, pc.is_null(table["tier"]))), "tier must be null exactly for the text variants")

@@ -2,8 +2,9 @@
 
 `build_app` (`import_path: serve.app:build_app`) validates `AppConfig`, checks the store against the
 model before any replica starts, and binds each deployment by keyword with its own typed config, the
-one nested in `AppConfig` (serve/config.py). The generator holds the loader's handle and fetches from it only what its device
-hot tier lacks; the ingress holds the loader's handle only for `/v1/store`'s cache statistics.
+one nested in `AppConfig` (serve/config.py). The generator holds the loader's handle and fetches
+from it only what its device hot tier lacks; the ingress holds the loader's handle only for
+`/v1/store`'s cache statistics.
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ class GovernanceConfig(Frozen):
 
     @model_validator(mode="after")
     def _redis_when_used(self) -> GovernanceConfig:
-        uses = [name for name, backend in (("limits", self.limits.backend), ("response_cache", self.response_cache.backend))
+        uses = [name for name, backend in (("limits", self.limits.backend),
+                                           ("response_cache", self.response_cache.backend))
                 if backend is StateBackend.REDIS]
         if uses and self.redis_url is None:
             raise ValueError(f"{uses} use backend 'redis' but redis_url is not set")

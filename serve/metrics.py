@@ -27,7 +27,8 @@ TOKEN_BUCKETS = tuple(float(2**p) for p in range(6, 18))  # 64 .. 131072 context
 
 
 class Counter:
-    def __init__(self, name: str, description: str, labels: Sequence[str], registry: prometheus_client.CollectorRegistry):
+    def __init__(self, name: str, description: str, labels: Sequence[str],
+                 registry: prometheus_client.CollectorRegistry):
         self.name, self.labels = name, tuple(labels)
         self._ray = ray_metrics.Counter(name, description=description, tag_keys=self.labels)
         self._prom = prometheus_client.Counter(name, description, self.labels, registry=registry)
@@ -89,7 +90,8 @@ class ServeMetrics:
         self.kv_tier_hits = counter("qvpic_kv_tier_hits", "Linked KV entries by the tier that served them: device "
                                     "(the generator's hot tier), host (the loader's LRU) or store", "tier")
         self.kv_loaded_bytes = counter("qvpic_kv_loaded_bytes", "Bytes of KV read from the store (LRU misses)")
-        self.corrupt_shards = counter("qvpic_corrupt_shards", "KV entries whose shard was missing or failed its checksum")
+        self.corrupt_shards = counter("qvpic_corrupt_shards",
+                                      "KV entries whose shard was missing or failed its checksum")
         self.kv_recompiles = counter("qvpic_kv_recompiles", "Unreadable KV entries by what the generator did: "
                                      "recompiled, backup (a lower tier) or unservable (503); a lazily compiled "
                                      "tier's pending entries: lazy_compiled or lazy_stored (found written back)",

@@ -106,4 +106,5 @@ def roles(serving_store: ServingStore) -> Roles:
     """The three serving roles in-process (no Ray) over `serving_store`."""
     router = Router(RouterConfig(store=serving_store.uri, model=serving_store.model, max_chunks=MAX_CHUNKS,
                                  max_context_tokens=MAX_CONTEXT_TOKENS))
-    return Roles(router, loader_of(serving_store.uri), Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))
+    return Roles(router, loader_of(serving_store.uri),
+                 Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))

@@ -111,7 +111,8 @@ def test_chat_completions(app):
     assert response.status_code == 200
     completion = response.json()
     conforms(spec, "ChatCompletion", completion)
-    native = call(app, "POST", "/v1/answer", json={"query": QUERY, "chunk_ids": ["invoices#00000"], "max_new_tokens": 6}).json()
+    native = call(app, "POST", "/v1/answer",
+                  json={"query": QUERY, "chunk_ids": ["invoices#00000"], "max_new_tokens": 6}).json()
     assert completion["choices"][0]["message"]["content"] == native["answer"]
     usage = completion["usage"]
     assert usage["prompt_tokens"] == native["usage"]["context_tokens"] + native["usage"]["query_tokens"]
@@ -120,11 +121,13 @@ def test_chat_completions(app):
     retrieved = call(app, "POST", "/v1/chat/completions", json={**body, "qvpic": {"mode": "full_text"}}).json()
     assert len(retrieved["qvpic"]["chunks"]) == 2 and retrieved["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
-    streamed = call(app, "POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    streamed = call(app, "POST", "/v1/chat/completions",
+                    json={**body, "stream": True, "stream_options": {"include_usage": True}})
     events = sse_events(streamed.text)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks) and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert (all(c["object"] == "chat.completion.chunk" for c in chunks)
+            and chunks[0]["choices"][0]["delta"]["role"] == "assistant")
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == native["answer"]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
@@ -139,7 +142,8 @@ def test_chat_completions(app):
     ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 422, "less than or equal to 1"),
     ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "qvpic": {"top_k": 1, "doc_ids": ["a"]}},
      422, "at most one of"),
-    ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "qvpic": {"doc_ids": ["ghost"]}}, 404, "ghost"),
+    ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "qvpic": {"doc_ids": ["ghost"]}},
+     404, "ghost"),
 ])
 def test_chat_errors_in_openai_shape(app, body, status, fragment):
     spec = call(app, "GET", "/openapi.json").json()
@@ -162,7 +166,8 @@ def test_server_flags_override_the_serve_config():
     ns = run_server.parser().parse_args(["--config", str(REPO / "serve" / "config.yaml"), "--store", "/data/store",
                                          "--tau", "0.25", "--generator-gpus", "0"])
     args = run_server.app_args(ns)
-    assert args.store.uri == "/data/store" and args.router.defaults.tau == 0.25 and args.router.defaults.max_high_res == 4
+    assert (args.store.uri == "/data/store" and args.router.defaults.tau == 0.25
+            and args.router.defaults.max_high_res == 4)
     assert args.generator_deployment.num_gpus == 0 and args.generator_deployment.autoscaling_config["max_replicas"] == 8
     assert run_server.main(["--store", "/data/store", "--top-k", "100"]) == 2  # default_top_k above max_chunks
     assert run_server.main(["--store", "/data/store", "--detach"]) == 2  # nothing to detach from
@@ -216,7 +221,8 @@ def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_s
 
 def test_cache_stats_are_live(app):
     before = CacheStats(**call(app, "GET", "/v1/store").json()["cache"])
-    call(app, "POST", "/v1/answer", json={"query": QUERY, "chunk_ids": ["manual#00000"], "mode": "image_pic", "max_new_tokens": 2})
+    call(app, "POST", "/v1/answer",
+         json={"query": QUERY, "chunk_ids": ["manual#00000"], "mode": "image_pic", "max_new_tokens": 2})
     after = CacheStats(**call(app, "GET", "/v1/store").json()["cache"])
     assert after.hits + after.misses == before.hits + before.misses + 1
     assert after.nbytes <= after.max_nbytes

@@ -90,7 +90,8 @@ def test_over_budget_is_413_with_the_minimum(app):
     assert response.json()["min_context_tokens"] == low and response.json()["budget_tokens"] == low - 1
     assert f"at least {low} context tokens" in response.json()["detail"]
     chat = call(app, "POST", "/v1/chat/completions", headers={"X-Max-Token-Budget": str(low - 1)}, json={
-        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}], "qvpic": {"doc_ids": ["invoices", "manual"]}})
+        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}],
+        "qvpic": {"doc_ids": ["invoices", "manual"]}})
     assert chat.status_code == 413 and f"at least {low}" in chat.json()["error"]["message"]
     for bad in ("0", "-5", "lots"):
         invalid = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": bad})

@@ -40,7 +40,8 @@ def build_store(root) -> Store:
     store.publish_chunks(chunks([("d3", o, f"rewritten {o}") for o in range(3)]  # republished: newest wins
                                 + [(f"e{d}", o, f"extra {d}.{o}") for d in range(4) for o in range(2)], seed=1))
     moved = chunks([("d5", 1, "moved text")], seed=2).to_pylist()[0]
-    store.publish_chunks(pa.Table.from_pylist([{**moved, "doc_id": "elsewhere"}], CHUNKS_SCHEMA))  # id under another doc
+    # id under another doc
+    store.publish_chunks(pa.Table.from_pylist([{**moved, "doc_id": "elsewhere"}], CHUNKS_SCHEMA))
     keys = sorted(set(store.chunks()["text"].to_pylist()))
     seed = 0
     for part in (keys[:20], keys[20:]):  # two index parts

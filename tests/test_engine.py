@@ -75,7 +75,8 @@ class Recorder:
 
     def submit(self, context, max_new_tokens: int, **fields) -> Sequence:
         num_query = len(context.query_ids) if isinstance(context, LinkedContext) else 0
-        num_context = (self.vlm.serving_prefix(context.instruction).num_tokens + sum(c.num_tokens for c in context.chunks)
+        num_context = (self.vlm.serving_prefix(context.instruction).num_tokens
+                       + sum(c.num_tokens for c in context.chunks)
                        if isinstance(context, LinkedContext) else self.vlm.prefix.num_tokens + 64)
         seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context, num_context + num_query, num_query,
                        emit=lambda e: None)

@@ -86,7 +86,8 @@ def test_instruction_context_and_query_rebuild_the_longbench_prompt():
     for item in items:
         request = item_request(item, FakeView(), ServingConfig.of(Mode.QVPIC))
         rebuilt = request.instruction + documents[context_doc_id(item)] + request.query_prompt
-        assert rebuilt == item.prompt_before_context + item.context + item.query_after_context and request.query == item.question
+        assert (rebuilt == item.prompt_before_context + item.context + item.query_after_context
+                and request.query == item.question)
         assert item.question in item.query_after_context and "{" not in item.query_after_context
         assert request.query_prompt.rstrip().endswith("Answer:")  # the answer cue after the question
 

@@ -70,7 +70,8 @@ def test_corrupt_entries_are_rebuilt_exactly_as_ingest_built_them(roles, serving
     clean_store = Store.open(serving_store.uri)
     for chunk, entry in entries.values():
         corrupt_entry(root, store_row(entry.row))
-        rebuilt = roles.generator.repairer.recompile(chunk, entry)  # what ingest wrote, up to its batch's float rounding
+        # what ingest wrote, up to its batch's float rounding
+        rebuilt = roles.generator.repairer.recompile(chunk, entry)
         original = clean_store.load_kv(store_row(entry.row))
         assert rebuilt.kv.dtype == original.dtype and rebuilt.kv.shape == original.shape
         assert float((rebuilt.kv - original).abs().max()) <= 1e-5  # ingest compiles in padded batches

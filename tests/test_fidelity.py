@@ -19,7 +19,8 @@ def test_compare_on_known_traces():
     hidden = torch.randn(3, 8)
     logits = torch.randn(3, 32)
     same = compare(Trace(hidden, logits), Trace(hidden, logits))
-    assert (same.hidden_rel_l2, same.kl, same.top1_agreement, same.top5_overlap, same.num_tokens) == (0.0, 0.0, 1.0, 1.0, 3)
+    assert (same.hidden_rel_l2, same.kl, same.top1_agreement, same.top5_overlap, same.num_tokens) == (
+        0.0, 0.0, 1.0, 1.0, 3)
     # two positions over a 6-token vocabulary with hand-computable answers
     ref = torch.log(torch.tensor([[0.5, 0.5, 1e-9, 1e-9, 1e-9, 1e-9], [0.1, 0.2, 0.3, 0.05, 0.05, 0.3]]))
     other = torch.log(torch.tensor([[0.25, 0.75, 1e-9, 1e-9, 1e-9, 1e-9], [0.3, 0.2, 0.1, 0.05, 0.05, 0.3]]))
@@ -44,7 +45,8 @@ def test_zero_where_linking_is_exact_positive_where_not(vlm):
     assert exact.num_tokens == len(answer) and exact.top1_agreement == 1.0 and exact.top5_overlap == 1.0
     assert exact.hidden_rel_l2 < 1e-5 and exact.kl < 1e-9
     pieces = [[page(rng, 84, 140)], random_text(rng, 20), [page(rng, 120, 90)]]
-    chunks = [vlm.compile_text(p) if isinstance(p, str) else vlm.compile_images(p, CompilePrefix.TEMPLATE) for p in pieces]
+    chunks = [vlm.compile_text(p) if isinstance(p, str) else vlm.compile_images(p, CompilePrefix.TEMPLATE)
+              for p in pieces]
     context = vlm.assemble(chunks)
     reference = trace_full(vlm, pieces, QUERY, answer)
     linked = compare(trace_linked(vlm, context, QUERY, answer), reference)

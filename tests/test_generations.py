@@ -125,7 +125,8 @@ def test_recompile_keeps_shards_a_live_router_serves(serving_store, tmp_path, le
     on. Without the lease (the negative control) they are deleted under it, as they used to be."""
     root = copy_store(serving_store, tmp_path / "store")
     router = Router(RouterConfig(store=str(root), model=serving_store.model, max_chunks=MAX_CHUNKS, reload=NO_POLL))
-    loader = CacheLoader(LoaderConfig(store=str(root), max_nbytes=0, reload=NO_POLL))  # no LRU: every load reads the shards
+    # no LRU: every load reads the shards
+    loader = CacheLoader(LoaderConfig(store=str(root), max_nbytes=0, reload=NO_POLL))
     old_plan = plan(router)
     old_shards = {c.entry.row.stored.shard_path for c in old_plan.chunks if c.tier == "high"}
     assert old_shards

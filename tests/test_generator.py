@@ -47,7 +47,8 @@ def collect(events) -> list:
 def test_lru_never_exceeds_its_cap_and_evicts_least_recent(seed):
     rng = random.Random(seed)
     cap = rng.randrange(100, 4000)
-    lru, model = ByteLRU(cap, lambda item: item[0].nbytes), {}  # model: key -> nbytes, in recency order (dicts keep insertion order)
+    # model: key -> nbytes, in recency order (dicts keep insertion order)
+    lru, model = ByteLRU(cap, lambda item: item[0].nbytes), {}
     for _ in range(500):
         key = f"k{rng.randrange(40)}"
         if rng.random() < 0.5:
@@ -98,7 +99,8 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
     (unreadable,) = result.unreadable
     assert (unreadable.position, unreadable.entry.tier, unreadable.backup.entry.tier) == (0, "high", "low")
     assert result.kvs[0] is None and result.kvs[1].entry.tier == "high" and "checksum" in unreadable.reason
-    reply = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loaded=result)  # rebuilt, not downgraded
+    # rebuilt, not downgraded
+    reply = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loaded=result)
     assert [c.tier for c in reply.report.chunks] == ["high", "high"] and reply.report.fallbacks == []
     assert reply.text == clean.text
 
@@ -161,7 +163,8 @@ def test_stream_deltas_add_up_to_the_answer(roles):
     *deltas, final = events
     assert isinstance(final, Answer) and all(isinstance(d, str) and d for d in deltas)
     assert "".join(deltas) == final.text
-    assert final.report.finish_reason is (FinishReason.LENGTH if final.report.usage.completion_tokens == 10 else FinishReason.STOP)
+    assert final.report.finish_reason is (FinishReason.LENGTH if final.report.usage.completion_tokens == 10
+                                          else FinishReason.STOP)
 
 
 def test_seeded_sampling_is_reproducible(roles):

@@ -53,5 +53,6 @@ def test_unreachable_s3_store_ends_with_the_cause(ray_session, tmp_path, capsys)
     stderr = capsys.readouterr().err.rstrip()
     last = stderr.split("\n\n")[-1]
     assert code == 1 and "Traceback" in stderr
-    assert last.startswith("qvpic ingest failed: S3 error on store s3://kv/store") and "NETWORK_CONNECTION" in last, last
+    assert (last.startswith("qvpic ingest failed: S3 error on store s3://kv/store")
+            and "NETWORK_CONNECTION" in last), last
     assert "\n" not in last

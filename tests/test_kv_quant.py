@@ -145,7 +145,8 @@ def test_every_entry_fingerprint_depends_on_the_kv_format_and_unquantised_ones_a
         prints = {m.entry_fingerprint(variant, tier) for m in (none, int8, fp8)}
         assert len(prints) == 3
     old = Manifest.from_json(none.model_dump_json(exclude={"kv_quant"}))  # a manifest written before the field
-    assert old.kv_quant is KVQuant.NONE and old.entry_fingerprint(Variant.TEXT, None) == none.entry_fingerprint(Variant.TEXT, None)
+    assert (old.kv_quant is KVQuant.NONE
+            and old.entry_fingerprint(Variant.TEXT, None) == none.entry_fingerprint(Variant.TEXT, None))
 
 
 def test_ingest_keeps_a_stores_format_and_refuses_to_mix_two(tmp_path):
@@ -188,7 +189,8 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
     model, uri = serving_store.model, str(tmp_path)
     quant = Roles(Router(RouterConfig(store=uri, model=model, max_chunks=4)), loader_of(uri, 1 << 24),
                   Generator(GeneratorConfig(store=uri, model=model)))
-    plain = Roles(Router(RouterConfig(store=serving_store.uri, model=model, max_chunks=4)), loader_of(serving_store.uri, 1 << 24),
+    plain = Roles(Router(RouterConfig(store=serving_store.uri, model=model, max_chunks=4)),
+                  loader_of(serving_store.uri, 1 << 24),
                   Generator(GeneratorConfig(store=serving_store.uri, model=model)))
     request = AnswerRequest(query="When does part XK-4471-B ship?", chunk_ids=["invoices#00000", "manual#00001"],
                             tau=1.0, max_new_tokens=8)

@@ -58,7 +58,8 @@ def test_requests_are_counted_by_mode_tier_and_outcome(roles, serving_store):
              "latency": ("qvpic_latency_ms_count", {"mode": "qvpic", "cache": "miss"}),
              "context": ("qvpic_context_tokens_sum", {"mode": "qvpic"}),
              "high": ("qvpic_chunks_total", {"mode": "qvpic", "tier": "high"}),
-             "promotions": ("qvpic_promotions_total", {}), "kv_hits": ("qvpic_kv_cache_lookups_total", {"outcome": "hit"}),
+             "promotions": ("qvpic_promotions_total", {}),
+             "kv_hits": ("qvpic_kv_cache_lookups_total", {"outcome": "hit"}),
              "kv_misses": ("qvpic_kv_cache_lookups_total", {"outcome": "miss"}),
              "kv_bytes": ("qvpic_kv_loaded_bytes_total", {}), "l1": ("qvpic_response_cache_total", {"result": "l1"}),
              "e404": ("qvpic_errors_total", {"route": "answer", "status": "404"}),
@@ -119,12 +120,14 @@ def test_crashes_are_counted_as_500(roles, serving_store):
     args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
                      ingress={"default_top_k": 2})
     settings = api_spec(args)
-    app = make_api(Crashing(roles.router, roles.loader, roles.generator), settings, Governor(args.ingress.governance, settings.store))
+    app = make_api(Crashing(roles.router, roles.loader, roles.generator), settings,
+                   Governor(args.ingress.governance, settings.store))
 
     async def crash() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://qvpic") as client:
-            return await client.post("/v1/answer", json={"query": f"{QUERY} {time.time_ns()}", "chunk_ids": ["manual#00000"]})
+            return await client.post("/v1/answer",
+                                     json={"query": f"{QUERY} {time.time_ns()}", "chunk_ids": ["manual#00000"]})
 
     before = metric(app, "qvpic_errors_total", route="answer", status="500")
     assert asyncio.run(crash()).status_code == 500
@@ -136,7 +139,8 @@ def test_the_dashboard_reads_every_metric_and_only_those():
     exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
     used = set(re.findall(r"ray_(qvpic_[a-z_]+)", exprs))
     suffixes = {Counter: ("_total",), Gauge: ("",)}  # else a histogram's
-    exported = {family.name: {family.name + suffix for suffix in suffixes.get(type(family), ("_bucket", "_sum", "_count"))}
+    exported = {family.name: {family.name + suffix
+                              for suffix in suffixes.get(type(family), ("_bucket", "_sum", "_count"))}
                 for family in serve_metrics().families()}
     assert used <= set().union(*exported.values()), used - set().union(*exported.values())
     assert [name for name, series in exported.items() if not series & used] == []  # every metric has a panel

@@ -51,7 +51,8 @@ def test_recompile_under_load_switches_without_a_failed_or_mixed_answer(ray_sess
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
-    args = {"store": {"uri": uri}, "model": MODEL.model_dump(mode="json"), "router": {"max_chunks": 4, "max_context_tokens": 1024},
+    args = {"store": {"uri": uri}, "model": MODEL.model_dump(mode="json"),
+            "router": {"max_chunks": 4, "max_context_tokens": 1024},
             "ingress": {"default_top_k": 2}, "reload": {"poll_s": 0.2}}
     serve.run(build_app(args), name="qvpic-reload", route_prefix="/")
     replies: list[httpx.Response] = []

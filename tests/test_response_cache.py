@@ -167,7 +167,8 @@ def test_l2_semantic_needs_a_close_query_and_the_same_chunks(roles, serving_stor
     close = ask(app, query="When will part XK-4471-B ship?", chunk_ids=["invoices#00000", "manual#00001"])
     assert level(first) is None and level(close) == "l2" and close["answer"] == first["answer"]
     assert 0.9 <= close["response_cache"]["similarity"] < 1.0
-    assert level(ask(app, query="How long does the warranty last?", chunk_ids=["invoices#00000", "manual#00001"])) is None
+    assert level(ask(app, query="How long does the warranty last?",
+                     chunk_ids=["invoices#00000", "manual#00001"])) is None
     assert level(ask(app, query="When will part XK-4471-B ship?", chunk_ids=["invoices#00000"])) is None
 
 

@@ -19,7 +19,8 @@ from serve.routing.placement import allocate, relevance_shares
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 
-def ranked_shares(relevance: list[float], softmax_temperature: float | None = None) -> tuple[list[int], dict[int, float]]:
+def ranked_shares(relevance: list[float],
+                  softmax_temperature: float | None = None) -> tuple[list[int], dict[int, float]]:
     """Rank order (ties: earlier first) and each chunk's relevance share of the chunks ranked above it."""
     scores = np.asarray(relevance, dtype=np.float64)
     if softmax_temperature is None:
@@ -126,7 +127,8 @@ def plan(router: Router, **fields) -> Plan:
 def test_plan_keeps_request_order_and_one_version_per_chunk(roles):
     router = roles.router
     ids = ["manual#00001", "invoices#00000", "recipes#00000", "invoices#00001"]
-    forward, backward = plan(router, chunk_ids=ids, tau=1.0, max_high_res=2), plan(router, chunk_ids=ids[::-1], tau=1.0, max_high_res=2)
+    forward, backward = (plan(router, chunk_ids=ids, tau=1.0, max_high_res=2),
+                         plan(router, chunk_ids=ids[::-1], tau=1.0, max_high_res=2))
     assert [c.chunk_id for c in forward.chunks] == ids
     assert [c.chunk_id for c in backward.chunks] == ids[::-1]
     tiers = {c.chunk_id: c.tier for c in forward.chunks}
@@ -228,7 +230,8 @@ def test_missing_entries_fall_back_or_refuse(roles, monkeypatch):
     drop(("high", Variant.TEMPLATE))
     planned = plan(roles.router, chunk_ids=["invoices#00000"], mode=Mode.UNIFORM_HIGH)
     assert planned.chunks[0].tier == "low"
-    assert [(f.chunk_id, f.requested_tier, f.served_tier) for f in planned.fallbacks] == [("invoices#00000", "high", "low")]
+    assert [(f.chunk_id, f.requested_tier, f.served_tier) for f in planned.fallbacks] == [
+        ("invoices#00000", "high", "low")]
     drop((None, Variant.TEXT))
     with pytest.raises(UnservableError, match="invoices#00000"):
         plan(roles.router, chunk_ids=["invoices#00000"], mode=Mode.TEXT_PIC)

@@ -164,7 +164,8 @@ def random_pieces(rng: random.Random) -> list:
         if rng.random() < 0.3:
             pieces.append(random_text(rng, rng.randrange(1, 25)))
         else:
-            pieces.append([page(rng, rng.randrange(28, 170), rng.randrange(28, 170)) for _ in range(rng.choice([1, 1, 2]))])
+            pieces.append([page(rng, rng.randrange(28, 170), rng.randrange(28, 170))
+                           for _ in range(rng.choice([1, 1, 2]))])
     rng.shuffle(pieces)
     return pieces
 
@@ -204,7 +205,8 @@ def test_single_chunk_prefill_equals_full_forward_and_generate(vlm):
     inputs.pop("position_ids")  # generate() derives them itself: an independent check of ours
     with torch.inference_mode():
         reference = vlm.model.generate(**inputs, attention_mask=torch.ones_like(ids),
-                                       max_new_tokens=sampling.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+                                       max_new_tokens=sampling.max_new_tokens,
+                                       do_sample=False)[0, ids.shape[1]:].tolist()
     eot = vlm.adapter.end_of_turn_ids
     assert ours == reference[: next((i for i, t in enumerate(reference) if t in eot), len(reference))] and ours
 

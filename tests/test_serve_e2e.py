@@ -56,7 +56,8 @@ def base_url(store_uri):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     args = {"store": {"uri": store_uri}, "model": MODEL.model_dump(mode="json"),
-            "router": {"max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS}, "ingress": {"default_top_k": 2},
+            "router": {"max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS},
+            "ingress": {"default_top_k": 2},
             "generator_deployment": {"num_gpus": 1}}  # placed on the (logical) GPU; the model stays on MODEL.device
     serve.run(build_app(args), name="qvpic", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -79,7 +80,8 @@ def test_every_mode_answers(client):
     for mode in Mode:
         reply = ask(client, doc_ids=["invoices", "manual"], mode=mode.value, tau=0.6, max_high_res=2)
         assert reply["mode"] == mode.value and reply["usage"]["completion_tokens"] > 0
-        assert [c["chunk_id"] for c in reply["chunks"]] == ["invoices#00000", "invoices#00001", "manual#00000", "manual#00001"]
+        assert [c["chunk_id"] for c in reply["chunks"]] == [
+            "invoices#00000", "invoices#00001", "manual#00000", "manual#00001"]
 
 
 @pytest.mark.parametrize("chunk_id", ["invoices#00000", SCAN_CHUNK])
@@ -113,12 +115,13 @@ def test_openai_client(base_url, client):
     assert [m.id for m in api.models.list()] == ["qvpic"]
     messages = [{"role": "user", "content": QUERY}]
     extra = {"qvpic": {"chunk_ids": ["invoices#00000"]}}
-    completion = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+    completion = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0,
+                                             extra_body=extra)
     assert completion.choices[0].message.content == native["answer"]
     assert completion.usage.prompt_tokens == native["usage"]["context_tokens"] + native["usage"]["query_tokens"]
     assert completion.usage.prompt_tokens_details.cached_tokens == native["usage"]["context_tokens"]
-    stream = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0, extra_body=extra,
-                                         stream=True, stream_options={"include_usage": True})
+    stream = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0,
+                                         extra_body=extra, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == native["answer"]
     assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens

@@ -295,7 +295,8 @@ def test_lookup_filters_and_keeps_requested_order(store: Store) -> None:
 def test_chunks_for_keeps_requested_order(store: Store) -> None:
     store.write_manifest(make_manifest())
     rows = [dict(chunk_id=f"{doc}-{i}", doc_id=doc, order=i, chunk_key=sha(f"{doc}{i}"), text=f"{doc}{i}",
-                 num_text_tokens=2, embedding=[float(i)] * 4, source=f"{doc}.txt", image_path=None) for doc in "ab" for i in (2, 0, 1)]
+                 num_text_tokens=2, embedding=[float(i)] * 4, source=f"{doc}.txt", image_path=None)
+            for doc in "ab" for i in (2, 0, 1)]
     store.publish_chunks(rows[:3])
     store.publish_chunks(rows[3:])
     assert store.chunks_for(chunk_ids=["b-1", "a-2", "b-1"]).column("chunk_id").to_pylist() == ["b-1", "a-2", "b-1"]

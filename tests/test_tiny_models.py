@@ -32,7 +32,8 @@ def test_identity_names_the_family_and_the_template_prefix(name):
                                              tokenize=False, add_generation_prompt=True)
     assert prefix == rendered[:rendered.index("\x01")]
     assert prefix.startswith({ModelFamily.QWEN2_5_VL: "<|im_start|>system", ModelFamily.QWEN2_VL: "<|im_start|>system",
-                              ModelFamily.GLM4V: "[gMASK]<sop>", ModelFamily.LLAVA_ONEVISION: "<|im_start|>user"}[family])
+                              ModelFamily.GLM4V: "[gMASK]<sop>",
+                              ModelFamily.LLAVA_ONEVISION: "<|im_start|>user"}[family])
 
 
 def test_local_revision_follows_the_config_and_the_weight_files(tmp_path):

@@ -25,8 +25,8 @@ shared = np.frombuffer(array.tobytes(), dtype=array.dtype).reshape(array.shape) 
 
 def run_strict(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", SETUP + code], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=120)
+    return subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", SETUP + code], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
 
 
 def test_from_wire_shares_read_only_memory_without_warning():

@@ -192,7 +192,8 @@ class ServingConfig:
         return cls(mode.value, mode)
 
 
-def item_request(item: QAItem, view: StoreView, config: ServingConfig, max_new_tokens: int | None = None) -> AnswerRequest:
+def item_request(item: QAItem, view: StoreView, config: ServingConfig,
+                 max_new_tokens: int | None = None) -> AnswerRequest:
     """The request of one item: routed by the bare question, the LongBench prompt around the chunks."""
     return AnswerRequest(query=item.question, instruction=item.prompt_before_context,
                          query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,

@@ -86,7 +86,8 @@ def paper_table(summaries: Sequence[ModeSummary], configs: Sequence[ServingConfi
         rows.append([config.name] + [cell[(config.name, t)].f1_percent for t in tasks]
                     + [overall.f1_percent, overall.ttft_median_ms, overall.context_tokens_median,
                        overall.vision_tokens_median])
-    headers = ["method"] + [TASK_LABELS.get(t, t) for t in tasks] + ["Avg", "TTFT ms", "context tokens", "vision tokens"]
+    headers = (["method"] + [TASK_LABELS.get(t, t) for t in tasks]
+               + ["Avg", "TTFT ms", "context tokens", "vision tokens"])
     return markdown_table(headers, rows)
 
 

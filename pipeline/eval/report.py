@@ -12,7 +12,8 @@ from pipeline.eval.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
 from pipeline.eval.evidence import EvidenceResult, EvidenceSummary
 from pipeline.eval.markdown import markdown_table
 
-REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL = "report.md", "report.json", "f1_vs_ttft.png", "predictions.jsonl"
+REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL = ("report.md", "report.json", "f1_vs_ttft.png",
+                                                          "predictions.jsonl")
 
 
 def _mib(nbytes: float | None) -> float | None:
@@ -43,7 +44,8 @@ def legibility_markdown(summaries: Sequence[EvidenceSummary], num_unlocated: int
     rows = [[s.config, s.num_items, s.recovered_percent, s.char_accuracy_mean, s.evidence_high_percent,
              s.vision_tokens_median, s.vision_tokens_median / high if high and s.vision_tokens_median else None]
             for s in summaries]
-    note = f"\n\n{num_unlocated} item(s) had no gold answer in their context (e.g. \"unanswerable\") and are not judged."
+    note = (f"\n\n{num_unlocated} item(s) had no gold answer in their context (e.g. \"unanswerable\") "
+            "and are not judged.")
     return markdown_table(headers, rows) + (note if num_unlocated else "")
 
 
@@ -68,7 +70,8 @@ def scatter_png(summaries: Sequence[ModeSummary], path: str) -> str:
     for i, config in enumerate(dict.fromkeys(s.config for s in summaries)):
         rows = [s for s in summaries if s.config == config and s.ttft_median_ms is not None]
         tasks = [s for s in rows if s.task != "all"]
-        ax.scatter([s.ttft_median_ms for s in tasks], [s.f1_percent for s in tasks], s=14, alpha=0.35, color=colors(i % 20))
+        ax.scatter([s.ttft_median_ms for s in tasks], [s.f1_percent for s in tasks], s=14, alpha=0.35,
+                   color=colors(i % 20))
         for s in rows:
             if s.task == "all":
                 ax.scatter([s.ttft_median_ms], [s.f1_percent], s=70, color=colors(i % 20), label=config,
@@ -99,7 +102,8 @@ def write_report(out_dir: str, meta: dict[str, Any], summaries: Sequence[ModeSum
     header = "\n".join(f"- {key}: {value}" for key, value in meta.items())
     parts = [f"# qvpic eval\n\n{header}", "## Prompt\n\n" + prompt_markdown()]
     parts += [f"## {title}\n\n{body}" for title, body in sections]
-    parts += ["## Quality and latency per configuration\n\n" + summary_markdown(summaries), f"![F1 vs TTFT]({SCATTER_PNG})"]
+    parts += ["## Quality and latency per configuration\n\n" + summary_markdown(summaries),
+              f"![F1 vs TTFT]({SCATTER_PNG})"]
     if evidence:
         parts.append("## Evidence legibility (OCR of the served page image of the evidence chunk)\n\n"
                         + legibility_markdown(evidence, num_unlocated))

@@ -133,7 +133,8 @@ def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:
 def read(corpus: str, reader: ReaderSpec, plan: StagePlan) -> ray.data.Dataset:
     """Corpus files → documents, rejections and per-file record counts; names that cannot be files are refused."""
     files, refused = discover(corpus)
-    table = pa.table({"path": [f.path for f in files], "root": [f.root for f in files], "relpath": [f.relpath for f in files]},
+    table = pa.table({"path": [f.path for f in files], "root": [f.root for f in files],
+                      "relpath": [f.relpath for f in files]},
                      schema=pa.schema([("path", pa.string()), ("root", pa.string()), ("relpath", pa.string())]))
     per_block = max(1, -(-table.num_rows // 256))  # ≤ 256 blocks however many files; one read call per file
     blocks = [table.slice(i, per_block) for i in range(0, table.num_rows, per_block)] or [table]

@@ -102,7 +102,8 @@ class Tally:
                 self.job_id, self.stamp_ns, token)
         entries = [e for u in units if not u["error"] for e in json.loads(u["entries_json"] or "[]")]
         return pa.Table.from_pylist([{
-            "units": len(units), "compiled": sum(bool(json.loads(u["entries_json"] or "[]")) for u in units if not u["error"]),
+            "units": len(units),
+            "compiled": sum(bool(json.loads(u["entries_json"] or "[]")) for u in units if not u["error"]),
             "nbytes": sum(e["nbytes"] for e in entries), "failures_json": json.dumps(failures)}], schema=_TALLY)
 
 

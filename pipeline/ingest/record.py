@@ -67,7 +67,8 @@ def run_key(corpus: str, reader: ReaderSpec, chunk_tokens: int, variants: tuple[
     `options`: the job's other switches that change what it writes (e.g. legibility scores)."""
     slots = {slot_name(t, v): manifest.entry_fingerprint(v, t) for t, v in entry_slots(manifest, variants)}
     spec = {"corpus": corpus_digest(corpus), "reader": reader.model_dump(mode="json"), "chunk_tokens": chunk_tokens,
-            "slots": slots, "lazy_tiers": list(manifest.lazy_tiers), "embedder": [manifest.embedder, manifest.embedding_dim],
+            "slots": slots, "lazy_tiers": list(manifest.lazy_tiers),
+            "embedder": [manifest.embedder, manifest.embedding_dim],
             "options": options}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

@@ -3,8 +3,9 @@
 One streaming Ray Data job carries everything an input can become, so nothing has to come back to
 the driver between stages: documents, the rejections they turn into, per-file read counts, chunk
 occurrences, one `UNIT` per distinct chunk text (the work: render → embed → compile) and, joined in
-from the store, what it already holds. Each stage reads the kinds it owns and passes the others on; each stage module declares the columns it
-needs (`NEEDS`, checked on every batch) and the ones it fills in (`ADDS`).
+from the store, what it already holds. Each stage reads the kinds it owns and passes the others on;
+each stage module declares the columns it needs (`NEEDS`, checked on every batch) and the ones it
+fills in (`ADDS`).
 `key` is the column the next shuffle partitions on.
 """
 
@@ -99,6 +100,7 @@ def units_to_build(batch: pa.Table, column: str) -> tuple[pa.Table, pa.Table]:
 def with_columns(table: pa.Table, **columns: Any) -> pa.Table:
     """`table` with the named ROW_SCHEMA columns replaced (Python lists or Arrow arrays)."""
     for name, values in columns.items():
-        array = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values, ROW_SCHEMA.field(name).type)
+        array = (values if isinstance(values, (pa.Array, pa.ChunkedArray))
+                 else pa.array(values, ROW_SCHEMA.field(name).type))
         table = table.set_column(table.schema.get_field_index(name), name, array)
     return table

@@ -16,7 +16,8 @@ def shuffle(rows: ray.data.Dataset, plan: StagePlan) -> ray.data.Dataset:
     return rows.repartition(plan.num_partitions, keys=["key"])
 
 
-def read_parts(store: Store, table: str, columns: list[str], plan: StagePlan, **options: Any) -> ray.data.Dataset | None:
+def read_parts(store: Store, table: str, columns: list[str], plan: StagePlan,
+               **options: Any) -> ray.data.Dataset | None:
     """`columns` of every part of the store's `table` (None when it has none); `options` go to read_parquet."""
     paths = store.part_paths(table)
     if not paths:

@@ -36,10 +36,12 @@ class FamilyClasses:
 
 
 FAMILIES: dict[str, FamilyClasses] = {
-    "qwen2_5_vl": FamilyClasses(ModelFamily.QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessorPil",
-                                 "rotate_half"),
-    "qwen2_vl": FamilyClasses(ModelFamily.QWEN2_VL, "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessorPil", "rotate_half"),
-    "glm4v": FamilyClasses(ModelFamily.GLM4V, "Glm4vForConditionalGeneration", "Glm4vImageProcessorPil", "rotate_half_llm"),
+    "qwen2_5_vl": FamilyClasses(ModelFamily.QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration",
+                                "Qwen2VLImageProcessorPil", "rotate_half"),
+    "qwen2_vl": FamilyClasses(ModelFamily.QWEN2_VL, "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessorPil",
+                              "rotate_half"),
+    "glm4v": FamilyClasses(ModelFamily.GLM4V, "Glm4vForConditionalGeneration", "Glm4vImageProcessorPil",
+                           "rotate_half_llm"),
     # SigLIP tiles (AnyRes) projected into a Qwen2 LLM; `image_sizes` [pages, 2] lays out each page.
     "llava_onevision": FamilyClasses(ModelFamily.LLAVA_ONEVISION, "LlavaOnevisionForConditionalGeneration",
                                      "LlavaOnevisionImageProcessorPil", "rotate_half", rope_axes=1,

@@ -5,7 +5,8 @@ rows are left-aligned: row r fills columns `[0, lengths[r])` and its next token 
 `lengths[r]`, so rows never pad to each other's generated tokens and the slab is as wide as its
 longest row will ever get (its capacity is reserved when rows join, so a decode step never copies
 the cache, which transformers' DynamicCache does at every step). A joining request's context is
-assembled (re-anchored) straight into its row. Attention reads the slab's first `width` columns through an additive float mask in the
+assembled (re-anchored) straight into its row. Attention reads the slab's first `width` columns
+through an additive float mask in the
 model dtype (0 = attend, finfo.min = blocked; a bool mask is silently wrong under eager attention)
 that hides what a row has not written and the pad slots of its query. Positions are each row's own
 explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing it computes: its
@@ -190,7 +191,8 @@ def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Se
 
     Row j holds `[serving prefix ending in instructions[j]][context j's chunks, re-anchored]` at columns
     `[0, C_j)` (no instruction when not given; see VLM.serving_prefix) and its query right after,
-    left-padded to the longest query (so every row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
+    left-padded to the longest query (so every row's last token is real and only its logits are
+    computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
     logits `[rows, vocab]` and each row's assembly time (ms).
     `recomputes[j]` (spec, chunk inputs): recompute row j's selected chunk tokens after its assembly (its time
     counts as prefill, not assembly; see pipeline/runtime/selective_recompute.py).

@@ -53,7 +53,8 @@ class VLM:
             self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
         ).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
-        size = {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget else {}
+        size = ({"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget
+                else {})
         self.image_processor = getattr(transformers, classes.image_processor_cls).from_pretrained(
             self.path, **size, **load
         )
@@ -91,8 +92,8 @@ class VLM:
         return self.compile_many([text], prefix, position_offset)[0]
 
     @torch.inference_mode()
-    def compile_many(self, chunks: Sequence[str | Sequence[Image.Image]], prefix: CompilePrefix = CompilePrefix.TEMPLATE,
-                     position_offset: int = 0) -> list[ChunkKV]:
+    def compile_many(self, chunks: Sequence[str | Sequence[Image.Image]],
+                     prefix: CompilePrefix = CompilePrefix.TEMPLATE, position_offset: int = 0) -> list[ChunkKV]:
         """KV of several chunks of one kind (all texts, or all page lists), each compiled after `prefix`
         (whose KV is then stripped), in one forward.
 
@@ -209,7 +210,8 @@ class VLM:
                              logits_to_keep=0 if all_logits else 1)
 
     @torch.inference_mode()
-    def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str, all_logits: bool = False) -> Prefill:
+    def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str,
+                     all_logits: bool = False) -> Prefill:
         """Baseline: one full prefill of `[prefix][pieces…][query turn]`; a piece is text or page images."""
         ids, pixel_list, grid_list = list(self.adapter.prefix_ids), [], []
         for piece in pieces:

@@ -144,7 +144,8 @@ def _forward(vlm, layers: list[_ColumnsLayer], embeds: torch.Tensor, positions: 
     attending every column at or before its own."""
     total = layers[0].keys.shape[2]
     allowed = torch.arange(total, device=vlm.device)[None, :] <= columns[:, None]  # [n, total]
-    mask = torch.zeros(allowed.shape, dtype=vlm.dtype, device=vlm.device).masked_fill_(~allowed, torch.finfo(vlm.dtype).min)
+    mask = (torch.zeros(allowed.shape, dtype=vlm.dtype, device=vlm.device)
+            .masked_fill_(~allowed, torch.finfo(vlm.dtype).min))
     vlm.model.model(inputs_embeds=embeds[None].to(vlm.dtype), position_ids=positions if vlm.adapter.rope_axes == 3
                     else positions[0], attention_mask=mask[None, None], cache=Cache(layers=layers), use_cache=True)
 

@@ -183,7 +183,8 @@ def write_lease(store: Store, lease: Lease) -> None:
 
 def read_leases(store: Store) -> list[Lease]:
     """Every readable serving lease, expired ones included (a torn one is no claim)."""
-    return [lease for _, lease in lease_records(store.blobs, LEASES_DIR, Lease.model_validate_json) if lease is not None]
+    return [lease for _, lease in lease_records(store.blobs, LEASES_DIR, Lease.model_validate_json)
+            if lease is not None]
 
 
 def drop_expired_leases(store: Store, now: datetime | None = None) -> None:

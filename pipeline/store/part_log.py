@@ -237,5 +237,6 @@ def _key_range(table: pa.Table, keys: Sequence[str], lo: str | None, hi: str | N
     if not keys or (lo is None and hi is None):
         return table
     column = table[keys[0]]
-    masks = ([pc.greater_equal(column, lo)] if lo is not None else []) + ([pc.less(column, hi)] if hi is not None else [])
+    masks = (([pc.greater_equal(column, lo)] if lo is not None else [])
+             + ([pc.less(column, hi)] if hi is not None else []))
     return table.filter(masks[0] if len(masks) == 1 else pc.and_(*masks))

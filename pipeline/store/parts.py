@@ -61,7 +61,8 @@ class PartsCheck:
 def write_parts_record(log: PartLog, parts: list[pafs.FileInfo], out: Path) -> None:
     """Record `parts` of `log` (with the row count from each footer: one small ranged read a part) in
     snapshot dir `out`."""
-    records = [{"name": part.base_name, "size": part.size, "num_rows": log.num_rows(f"{log.directory}/{part.base_name}")}
+    records = [{"name": part.base_name, "size": part.size,
+                "num_rows": log.num_rows(f"{log.directory}/{part.base_name}")}
                for part in parts]
     (out / PARTS).write_text(json.dumps({"parts": records}))
 

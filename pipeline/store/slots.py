@@ -18,8 +18,8 @@ def entry_slots(manifest: Manifest, variants: Sequence[Variant],
     slots: list[tuple[str | None, Variant]] = []
     lowest = manifest.render.lowest_tier.name
     for variant in variants:
-        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest], Variant.DUMMY: [lowest]}.get(
-            variant, [t.name for t in manifest.tiers])
+        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest],
+                 Variant.DUMMY: [lowest]}.get(variant, [t.name for t in manifest.tiers])
         slots += [(tier, variant) for tier in tiers if include_lazy or not manifest.is_lazy(tier, variant)]
     return slots
 

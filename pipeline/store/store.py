@@ -110,7 +110,8 @@ class Store:
         now = datetime.now(timezone.utc)
         if isinstance(rows, pa.Table):
             if "created_at" not in rows.column_names:
-                rows = rows.append_column("created_at", pa.array([now] * rows.num_rows, INDEX_SCHEMA.field("created_at").type))
+                rows = rows.append_column("created_at",
+                                          pa.array([now] * rows.num_rows, INDEX_SCHEMA.field("created_at").type))
         else:
             rows = [{"created_at": now, **row} for row in rows]
         table = conform(rows, INDEX_SCHEMA, "index")
@@ -137,7 +138,8 @@ class Store:
         """Record rejected inputs (source, doc_id, reason, detail) for job `job_id`."""
         now = datetime.now(timezone.utc)
         rows = rows.to_pylist() if isinstance(rows, pa.Table) else rows
-        table = conform([{**row, "job_id": job_id, "rejected_at": now} for row in rows], QUARANTINE_SCHEMA, "quarantine")
+        table = conform([{**row, "job_id": job_id, "rejected_at": now} for row in rows], QUARANTINE_SCHEMA,
+                        "quarantine")
         if table.num_rows:
             self.tables["quarantine"].append(table, stamp_ns, token)
         return table.num_rows

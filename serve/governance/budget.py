@@ -77,7 +77,8 @@ def check_budget(price: Price, budget_tokens: int | None) -> None:
         serve_metrics().budget_rejections.inc()
         raise BudgetExceededError(
             f"request needs at least {price.context_tokens} context tokens (its mode's cheapest placement: qvpic "
-            f"keeps every chunk low); the token budget is {budget_tokens}", min_context_tokens=price.context_tokens, budget_tokens=budget_tokens)
+            f"keeps every chunk low); the token budget is {budget_tokens}", min_context_tokens=price.context_tokens,
+            budget_tokens=budget_tokens)
 
 
 @dataclass

@@ -63,7 +63,8 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
     selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True)
     try:
         return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, task_type=options.task_type,
-                             max_high_res=options.max_high_res, tier=options.tier, max_new_tokens=request.max_new_tokens,
+                             max_high_res=options.max_high_res, tier=options.tier,
+                             max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                              stream=request.stream, timeout_s=options.timeout_s,
                              **(selection or {"top_k": default_top_k}))

@@ -107,7 +107,8 @@ class Router:
                                 "per request")
         prefix_tokens = self.count_tokens(snapshot.manifest.template_prefix) + \
             (self.prompt.count(request.instruction) if request.instruction else 0)
-        query_tokens = self.prompt.count(request.text_after_chunks) + self.count_tokens(self.prompt.template.turn_suffix)
+        query_tokens = (self.prompt.count(request.text_after_chunks)
+                        + self.count_tokens(self.prompt.template.turn_suffix))
         fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:

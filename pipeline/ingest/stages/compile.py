@@ -122,7 +122,8 @@ class CompileStage:
                                   legibility.get((item.chunk_key, tier))))
         published = [r for key, entries in rows.items() if key not in errors for r in entries]
         if published:
-            digest = hashlib.sha256("\n".join(sorted(r["chunk_key"] + r["variant"] + (r["tier"] or "") for r in published))
+            digest = hashlib.sha256("\n".join(sorted(r["chunk_key"] + r["variant"] + (r["tier"] or "")
+                                                     for r in published))
                                     .encode()).hexdigest()[:16]
             self.store.publish_index(published, stamp_ns=self.plan.stamp_ns or None, token=digest)
         stats = {key: [{"tier": r["tier"], "variant": r["variant"], "nbytes": r["nbytes"],

@@ -86,7 +86,8 @@ class ContentUnits:
             rep = occ[0]  # deterministic: the repair path picks the same text (first chunk id with this key)
             missing = [(t, v.value) for t, v in self.slots if slot_name(t, v) not in present[key]]
             units.append({
-                "kind": Kind.UNIT.value, "key": key, "chunk_key": key, "text": rep["text"], "image_path": rep["image_path"],
+                "kind": Kind.UNIT.value, "key": key, "chunk_key": key, "text": rep["text"],
+                "image_path": rep["image_path"],
                 "occurrences": [{f: r[f] for f in ("chunk_id", "doc_id", "order", "text", "num_text_tokens", "source",
                                                    "image_path")} for r in occ],
                 "slots_json": json.dumps(missing), "needs_embedding": key not in embedding_row, "error": ""})
@@ -94,14 +95,16 @@ class ContentUnits:
         units_table = rows_table(units)
         if stored.num_rows and units:
             embeddings = stored["embedding"].take(pa.array(stored_at, pa.int64()))
-            units_table = units_table.set_column(units_table.schema.get_field_index("embedding"), "embedding", embeddings)
+            units_table = units_table.set_column(units_table.schema.get_field_index("embedding"), "embedding",
+                                                 embeddings)
         passed = not_of_kind(batch, Kind.MARKER, Kind.CHUNK, Kind.STORED_ENTRY, Kind.STORED_CHUNK)
         return pa.concat_tables([passed, units_table, rows_table(markers + rejected)])
 
     def markers(self, table: pa.Table) -> tuple[list[dict], list[dict], set[str]]:
         """(markers keyed by doc id with `duplicate` set, near-duplicate image rejections, their doc ids)."""
         groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for row in table.select(["key", "doc_id", "source", "order_key", "text_key", "image_phash", "image_path"]).to_pylist():
+        for row in table.select(["key", "doc_id", "source", "order_key", "text_key", "image_phash",
+                                 "image_path"]).to_pylist():
             groups[row["key"]].append(row)
         markers, rejected, dropped = [], [], set()
         for group in groups.values():

@@ -57,7 +57,8 @@ def explode_units(batch: pa.Table) -> pa.Table:
 def _stored_rows(batch: pa.Table) -> pa.Table:
     kinds = pa.array([Kind.STORED_CHUNK.value] * batch.num_rows, pa.string())
     return conform_rows(pa.table({"kind": kinds, "key": batch["doc_id"], "chunk_id": batch["chunk_id"],
-                                  "chunk_key": batch["chunk_key"], "source": batch["source"], "stored_at": batch["path"]}))
+                                  "chunk_key": batch["chunk_key"], "source": batch["source"],
+                                  "stored_at": batch["path"]}))
 
 
 def stored_chunk_rows(store: Store, plan: StagePlan) -> ray.data.Dataset | None:
@@ -79,8 +80,10 @@ class DocumentWriter:
         require_columns(batch, NEEDS, "write")
         inputs = pc.sum(of_kind(batch, Kind.FILE)["count"]).as_py() or 0
         quarantine = [{k: r[k] for k in ("source", "doc_id", "reason", "detail")}
-                      for r in of_kind(batch, Kind.REJECTED).select(["source", "doc_id", "reason", "detail"]).to_pylist()]
-        duplicate = {r["doc_id"]: r["duplicate"] for r in of_kind(batch, Kind.MARKER).select(["doc_id", "duplicate"]).to_pylist()}
+                      for r in of_kind(batch, Kind.REJECTED).select(["source", "doc_id", "reason",
+                                                                     "detail"]).to_pylist()]
+        duplicate = {r["doc_id"]: r["duplicate"]
+                     for r in of_kind(batch, Kind.MARKER).select(["doc_id", "duplicate"]).to_pylist()}
         stored: dict[str, tuple[str, str]] = {}
         for r in sorted(of_kind(batch, Kind.STORED_CHUNK).select(["chunk_id", "chunk_key", "source", "stored_at"])
                         .to_pylist(), key=lambda r: r["stored_at"]):
@@ -117,7 +120,8 @@ class DocumentWriter:
         }], schema=TALLY_SCHEMA)
 
 
-def write_documents(rows: ray.data.Dataset, store: Store, job_id: str, stamp_ns: int, plan: StagePlan) -> ray.data.Dataset:
+def write_documents(rows: ray.data.Dataset, store: Store, job_id: str, stamp_ns: int,
+                    plan: StagePlan) -> ray.data.Dataset:
     rows = rows.map_batches(explode_units, batch_format="pyarrow", num_cpus=plan.task_cpus)
     stored = stored_chunk_rows(store, plan)
     if stored is not None:

@@ -158,7 +158,8 @@ class VectorIndex:
         """Scan the shards on `search_threads` threads (at most one per shard) from the next search on."""
         threads = max(1, min(search_threads, len(self.shards)))
         self.groups = [list(range(len(self.shards)))[i::threads] for i in range(threads)]
-        old, self.pool = self.pool, ThreadPoolExecutor(threads, thread_name_prefix="vector-scan") if threads > 1 else None
+        old, self.pool = self.pool, (ThreadPoolExecutor(threads, thread_name_prefix="vector-scan") if threads > 1
+                                     else None)
         if old is not None:
             old.shutdown(wait=False)
 

@@ -203,7 +203,8 @@ def _save_lookup(path: Path, blocks: list[np.ndarray], fields: list[tuple[str, s
 
 
 # ---- entries dir ----------------------------------------------------------------------------------
-def write_entries_dir(store: Store, parts: list[pafs.FileInfo], fingerprint_of: Callable[[str | None, Variant], str | None],
+def write_entries_dir(store: Store, parts: list[pafs.FileInfo],
+                      fingerprint_of: Callable[[str | None, Variant], str | None],
                       catalog: pa.ipc.RecordBatchFileReader, out: Path) -> int:
     """Write the entries dir into `out`: the index rows of `parts` whose fingerprint is the one
     `fingerprint_of(tier, variant)` names (None: slot not served), newest per key, sorted by

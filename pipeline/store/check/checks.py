@@ -112,7 +112,8 @@ def check_parts(store: Store, report: Report, deep: bool) -> None:
         else:
             report.evidence.lost_chunk_parts = len(check.missing)
         report.add(Check.CHANGED_PART, len(check.changed), f"{check.table} parts changed size since generation "
-                   f"{check.generation} (parts are written once)", [f"{check.table}/{r.name}" for r, _ in check.changed])
+                   f"{check.generation} (parts are written once)",
+                   [f"{check.table}/{r.name}" for r, _ in check.changed])
         if check.generation is not None:
             report.add(Check.UNPUBLISHED_PART, len(check.unpublished), f"{check.table} parts written after generation "
                        f"{check.generation}, not yet published", check.unpublished, severity=Severity.NOTE)
@@ -240,7 +241,8 @@ def _lacking(store: Store, required: pa.Array, fingerprints: pa.Array,
         chunk_keys = pc.unique(read_range(store, "chunks", ["chunk_key"], lo, hi)["chunk_key"])
         index = read_range(store, "index", ["chunk_key", "tier", "variant", "fingerprint"], lo, hi,
                            where=lambda b: pc.is_in(b["fingerprint"], value_set=fingerprints))  # stale rows: never held
-        slot = pc.binary_join_element_wise(pc.fill_null(index["tier"], "-"), index["variant"], index["fingerprint"], "/")
+        slot = pc.binary_join_element_wise(pc.fill_null(index["tier"], "-"), index["variant"], index["fingerprint"],
+                                           "/")
         held = pa.table({"chunk_key": index["chunk_key"], "slot": slot}).filter(pc.is_in(slot, value_set=required))
         del index, slot
         counts = held.group_by("chunk_key").aggregate([("slot", "count_distinct")])

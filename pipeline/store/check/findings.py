@@ -89,5 +89,6 @@ class Report:
 
     def to_json(self) -> dict:
         return {"store": self.store, "deep": self.deep, "ok": self.ok, "counts": self.counts,
-                "findings": [{**asdict(f), "check": f.check.value, "severity": f.severity.value} for f in self.findings],
+                "findings": [{**asdict(f), "check": f.check.value, "severity": f.severity.value}
+                             for f in self.findings],
                 "repaired": self.repaired}
