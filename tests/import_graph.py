@@ -15,6 +15,19 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("schemas", "pipeline", "serve", "jobs", "benchmarks")
 
 
+def parse(path: Path) -> ast.Module:
+    """`ast.parse`, again on CPython 3.11's spurious "AST constructor recursion depth mismatch": its depth
+    counter is shared by the interpreter's threads, so another thread compiling at that moment (a library's
+    worker thread left by an earlier test) can trip it. The source is the same; a second parse succeeds."""
+    for attempt in range(3):
+        try:
+            return ast.parse(path.read_text(encoding="utf-8"), str(path))
+        except SystemError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def module_name(root: Path, path: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -42,7 +55,7 @@ def type_checking_nodes(tree: ast.Module) -> set[int]:
 def import_graph(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
     """module -> the modules of ours it imports (a module importing its own package's `__init__` excluded)."""
     files = {module_name(root, p): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
-    trees = {m: ast.parse(p.read_text(encoding="utf-8"), str(p)) for m, p in files.items()}
+    trees = {m: parse(p) for m, p in files.items()}
     facades = {m: facade_table(t, m) for m, t in trees.items() if files[m].name == "__init__.py"}
 
     def resolve(name: str) -> str | None:
