@@ -129,3 +129,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    """A tree of source files under `root` (the negative controls' planted packages)."""
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)

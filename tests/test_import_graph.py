@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from tests.import_graph import cycles, import_graph
+from tests.import_graph import cycles, import_graph, write
 
 
 def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 150 and any(graph.values())  # the scan sees the project
     assert cycles(graph) == []
-
-
-def write(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
 
 
 def test_negative_control_a_planted_cycle_is_found(tmp_path):

@@ -17,11 +17,9 @@ live deployment, which an import of the serving roles could not.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.import_graph import import_graph
+from tests.import_graph import import_graph, write
 
 PIPELINE = {"schemas", "pipeline.facade", "pipeline.runtime", "pipeline.store"}
 SERVE_BASE = PIPELINE | {"serve.config", "serve.plan", "serve.metrics", "serve.handles"}
@@ -74,13 +72,6 @@ def test_every_module_has_a_layer():
 def test_imports_point_down(package):
     graph = {m: t for m, t in import_graph().items() if m == package or m.startswith(package + ".")}
     assert upward_imports(graph) == {}
-
-
-def write(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
 
 
 def test_negative_control_upward_imports_are_seen(tmp_path):
