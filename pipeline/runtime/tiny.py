@@ -230,8 +230,9 @@ def _mrope_section(num_freqs: int) -> list[int]:
     return [t, h, num_freqs - t - h]
 
 
-def build(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Materialise built-in checkpoint `name` into `out_dir` (tokenizer, image processor, weights)."""
+def build(name: str, out_dir: Path, seed: int = 0, chat_template: str | None = None) -> Path:
+    """Materialise built-in checkpoint `name` into `out_dir` (tokenizer, image processor, weights), its chat
+    template the family's approximation above unless `chat_template` (e.g. a real checkpoint's) is given."""
     family, size_name = BUILTIN[name]
     size = SIZES[size_name]
     specials, template, make = {
@@ -240,7 +241,7 @@ def build(name: str, out_dir: Path, seed: int = 0) -> Path:
         ModelFamily.GLM4V: (GLM_SPECIALS, GLM_CHAT_TEMPLATE, _glm_model),
         ModelFamily.LLAVA_ONEVISION: (LLAVA_SPECIALS, LLAVA_CHAT_TEMPLATE, _llava_model),
     }[family]
-    tok = build_tokenizer(specials, size.vocab_size, template)
+    tok = build_tokenizer(specials, size.vocab_size, chat_template or template)
     torch.manual_seed(seed)
     model, image_processor = make(size, tok)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")

@@ -1,0 +1,178 @@
+"""Real-shape checkpoints: the public architectures of Qwen2.5-VL-7B-Instruct, GLM-4.1V-9B-Thinking and
+LLaVA-OneVision-7B with every per-layer width, head dimension, rotary setting, vision patch/merge size and
+window-attention layout of the real config, but 2 decoder layers, a 2-layer vision tower and the tiny
+factory's vocabulary; random weights, float32, saved like any checkpoint (pipeline/runtime/tiny.py).
+
+They exist for exactness at the real models' shapes (tests/test_real_shapes.py, benchmarks/real_shapes.py):
+a rotary-layout bug that toy head dimensions hide (rotary dim 8 for the tiny GLM) shows here, where
+Qwen2.5-VL rotates 128 channels in (t, h, w) sections [16, 24, 24] and GLM-4.1V rotates 64 of 128 in
+[8, 12, 12]. Every value below is read from a public source, named next to it (repository @ commit: path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.runtime.tiny import (
+    GLM_CHAT_TEMPLATE,
+    GLM_SPECIALS,
+    LLAVA_CHAT_TEMPLATE,
+    LLAVA_SPECIALS,
+    QWEN_CHAT_TEMPLATE,
+    QWEN_SPECIALS,
+    build_tokenizer,
+    cache_root,
+)
+
+DECODER_LAYERS = 2
+VISION_LAYERS = 2
+VOCAB_SIZE = 4096  # the tiny factory's BPE; the real vocabularies only widen the embedding tables
+_FACTORY_VERSION = "1"  # bump when anything below changes the produced checkpoint
+_MARKER = "qvpic_real_shape.json"
+
+# Qwen2.5-VL-7B-Instruct. NVIDIA/TensorRT-LLM @ 03dd9bb8: tests/unittest/_torch/modeling/test_modeling_qwen2_5vl.py
+# (QWEN2_5_VL_7B_CONFIG, the checkpoint's config.json with its layer counts cut): every value below but the
+# full-attention blocks. Those, [7, 15, 23, 31] of 32: sophgo/LLM-TPU @ 5e1c5982:
+# models/Qwen2_5_VL/config/config.json (same vision tower) and transformers' Qwen2_5_VLVisionConfig default.
+QWEN2_5_VL_7B_TEXT = dict(
+    hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,  # head_dim 128
+    rms_norm_eps=1e-06, max_position_embeddings=128000,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+)
+QWEN2_5_VL_7B_VISION = dict(
+    hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+    spatial_merge_size=2, temporal_patch_size=2, window_size=112, tokens_per_second=2, hidden_act="silu",
+    # the real tower: windowed blocks, every 8th full; cut to 2 blocks it keeps one of each, windowed first
+    fullatt_block_indexes=[VISION_LAYERS - 1],
+)
+
+# GLM-4.1V-9B-Thinking. sophgo/LLM-TPU @ a79a7289: models/GLM4V/config/config.json (its README.md beside it is the
+# GLM-4.1V-9B-Thinking model card); the same values are huggingface/transformers' Glm4vConfig defaults
+# (checkpoint zai-org/GLM-4.1V-9B-Thinking) and convert_glm4v_mgt_weights_to_hf.py's output config.
+GLM_4_1V_9B_TEXT = dict(
+    hidden_size=4096, intermediate_size=13696, num_attention_heads=32, num_key_value_heads=2,  # head_dim 128
+    rms_norm_eps=1e-05, max_position_embeddings=65536,  # (attention_bias true: built into Glm4vTextAttention)
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
+                     "partial_rotary_factor": 0.5},
+)
+GLM_4_1V_9B_VISION = dict(
+    hidden_size=1536, intermediate_size=13696, num_heads=12, out_hidden_size=4096, image_size=336, patch_size=14,
+    spatial_merge_size=2, temporal_patch_size=2, attention_bias=False, rms_norm_eps=1e-05, hidden_act="silu",
+)
+
+# LLaVA-OneVision-7B (llava-hf/llava-onevision-qwen2-7b-ov-hf). huggingface/transformers @ d058e0f7:
+# src/transformers/models/llava_onevision/convert_llava_onevision_weights_to_hf.py builds it from
+# Qwen/Qwen2-7B-Instruct and SiglipVisionConfig(hidden 1152, image 384, MLP 4304, 16 heads, patch 14, no head);
+# the rest (AnyRes pinpoints of 384-px tiles, anyres_max_9, "full" features, layer -1) are LlavaOnevisionConfig's
+# defaults. Qwen2-7B's decoder has the widths of Qwen2.5-VL-7B's (TensorRT-LLM config above): 3584 wide,
+# 28 heads of 128, 4 KV heads, MLP 18944, 1-D RoPE θ 1e6.
+LLAVA_ONEVISION_7B_TEXT = dict(
+    model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+    rms_norm_eps=1e-06, max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+LLAVA_ONEVISION_7B_VISION = dict(
+    model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_attention_heads=16,
+    image_size=384, patch_size=14, vision_use_head=False,
+)
+
+REAL_SHAPES = ("qwen2.5-vl-7b", "glm-4.1v-9b", "llava-onevision-7b")
+
+
+def _qwen(tok):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    ids = tok.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(QWEN2_5_VL_7B_TEXT, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
+                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+                         bos_token_id=ids("<|endoftext|>")),
+        vision_config=dict(QWEN2_5_VL_7B_VISION, depth=VISION_LAYERS),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"), bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), Qwen2VLImageProcessorPil()
+
+
+def _glm(tok):
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+
+    ids = tok.convert_tokens_to_ids
+    config = Glm4vConfig(
+        text_config=dict(GLM_4_1V_9B_TEXT, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
+                         eos_token_id=[ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")],
+                         pad_token_id=ids("<|endoftext|>")),
+        vision_config=dict(GLM_4_1V_9B_VISION, depth=VISION_LAYERS),
+        image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
+        image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"),
+    )
+    return Glm4vForConditionalGeneration(config), Glm4vImageProcessorPil()
+
+
+def _llava(tok):
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    ids = tok.convert_tokens_to_ids
+    config = LlavaOnevisionConfig(
+        text_config=dict(LLAVA_ONEVISION_7B_TEXT, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
+                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+                         bos_token_id=ids("<|endoftext|>")),
+        vision_config=dict(LLAVA_ONEVISION_7B_VISION, num_hidden_layers=VISION_LAYERS),
+        image_token_index=ids("<image>"), video_token_index=ids("<video>"),
+        eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+    )
+    return LlavaOnevisionForConditionalGeneration(config), LlavaOnevisionImageProcessorPil()
+
+
+_FAMILIES = {  # name -> (special tokens, the tiny factory's template of the family, model builder)
+    "qwen2.5-vl-7b": (QWEN_SPECIALS, QWEN_CHAT_TEMPLATE, _qwen),
+    "glm-4.1v-9b": (GLM_SPECIALS, GLM_CHAT_TEMPLATE, _glm),
+    "llava-onevision-7b": (LLAVA_SPECIALS, LLAVA_CHAT_TEMPLATE, _llava),
+}
+
+
+def build(name: str, out_dir: Path, chat_template: str | None = None, seed: int = 0) -> Path:
+    """Materialise real-shape checkpoint `name` into `out_dir`, with `chat_template` (default: the tiny
+    factory's template of the family) saved as the checkpoint's `chat_template.jinja`."""
+    specials, default_template, make = _FAMILIES[name]
+    tok = build_tokenizer(specials, VOCAB_SIZE, chat_template or default_template)
+    torch.manual_seed(seed)
+    model, image_processor = make(tok)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    image_processor.save_pretrained(tmp)
+    (tmp / "chat_template.jinja").write_text(tok.chat_template)
+    (tmp / _MARKER).write_text(json.dumps({"name": name, "seed": seed, "factory": _FACTORY_VERSION}))
+    if not (out_dir / _MARKER).exists():  # a leftover partial directory, never a published one
+        shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.replace(tmp, out_dir)  # readers never see a half-written checkpoint
+    except OSError:  # another process published the same (deterministic) checkpoint first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def ensure_real_shape(name: str, chat_template: str | None = None, seed: int = 0) -> Path:
+    """Local checkpoint directory of real-shape `name` (with `chat_template`), built once and reused."""
+    if name not in _FAMILIES:
+        raise KeyError(f"unknown real-shape model {name!r}; known: {list(REAL_SHAPES)}")
+    key = f"{name}:{seed}:{_FACTORY_VERSION}:{chat_template or ''}"
+    out_dir = cache_root() / f"real-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not (out_dir / _MARKER).exists():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        build(name, out_dir, chat_template, seed)
+    return out_dir
