@@ -43,6 +43,8 @@ SUITES: tuple[Suite, ...] = (
     Suite("load", "benchmarks.load", "concurrent load on the Serve app: throughput, latency, failures", None),
     Suite("fidelity", "benchmarks.fidelity", "fidelity to full prefill: template vs prefix-free vs dummy prefix",
           None),
+    Suite("real-shapes", "benchmarks.real_shapes", "exactness at the real models' shapes: every case of "
+          "tests/test_real_shapes.py", None),
     Suite("recompute", "benchmarks.recompute", "selective recompute across chunks: fidelity gained vs TTFT "
           "(leading k, deviation r)", None),
 )

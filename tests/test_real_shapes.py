@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.runtime import VLM
-from pipeline.runtime.real_shapes import REAL_SHAPES, ensure_real_shape
+from pipeline.runtime import REAL_SHAPES, VLM, ensure_real_shape
 from schemas.config import CompilePrefix, ModelSpec
 from tests import test_batched_compile as batched
 from tests import test_runtime_exactness as exact

@@ -1,5 +1,5 @@
-"""The VLM runtime both paths share: loading a model (or building a tiny offline one), compiling a chunk's KV
-under the chat-template prefix, re-anchoring and assembling linked chunks (M-RoPE), batched prefill and
+"""The VLM runtime both paths share: loading a model (or building a tiny or real-shape offline one), compiling
+a chunk's KV under the chat-template prefix, re-anchoring and assembling linked chunks (M-RoPE), batched prefill and
 decode, selective recompute; and what both paths compute beside the model — the page renderer, the
 vision-token estimator, the text embedder, OCR, and the one dtype map."""
 
@@ -18,6 +18,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "model": ["VLM", "select_token"],
     "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
+    "real_shapes": ["REAL_SHAPES", "ensure_real_shape"],
     "render": ["Renderer"],
     "tiny": [
         "GLM_CHAT_TEMPLATE", "GLM_SPECIALS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIALS", "build_tokenizer",
