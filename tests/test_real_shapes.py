@@ -9,10 +9,11 @@ the factory's: its real template renders every image before any text, so the ref
 markup out of a text-image-text turn (its prefix and turn suffix are the same strings; tests/test_chat_templates.py
 checks the real one).
 
-CI runs one case of each check per family (about a minute a family on two cores); `QVPIC_REAL_SHAPES=full`
-runs every case the tiny-model suites run, as `python -m benchmarks.real_shapes` does and records in
-docs/BENCHMARKS.md. LLaVA-OneVision's pages cost ~1.5k tokens each (384-px SigLIP tiles), so CI checks it on
-text chunks and the full run adds its pages.
+CI runs one case of each check per family at `Width.NARROW` (the real head dimensions, rotary layout and vision
+geometry with two heads per tower: the full widths take ~90 s a family just to build on two cores);
+`QVPIC_REAL_SHAPES=full` runs every case the tiny-model suites run at the full public widths, as
+`python -m benchmarks.real_shapes` does and records in docs/BENCHMARKS.md. LLaVA-OneVision's pages cost ~1.5k
+tokens each (384-px SigLIP tiles), so CI checks it on text chunks and the full run adds its pages.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.runtime import REAL_SHAPES, VLM, ensure_real_shape
+from pipeline.runtime import REAL_SHAPES, VLM, Width, ensure_real_shape
 from schemas.config import CompilePrefix, ModelSpec
 from tests import test_batched_compile as batched
 from tests import test_runtime_exactness as exact
 
 pytestmark = pytest.mark.slow
 FULL = os.environ.get("QVPIC_REAL_SHAPES") == "full"
+WIDTH = Width.FULL if FULL else Width.NARROW
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 REAL_TEMPLATE = {"qwen2.5-vl-7b": "qwen2_5_vl_instruct.jinja", "glm-4.1v-9b": "glm4_1v_thinking.jinja"}
 LLAVA = "llava-onevision-7b"
@@ -38,9 +40,9 @@ LLAVA = "llava-onevision-7b"
 
 @pytest.fixture(scope="module", params=REAL_SHAPES)
 def real_vlm(request):
-    """One real-shape model at a time (each holds 2–3 GB of float32 weights)."""
+    """One real-shape model at a time (at full width each holds 2–3 GB of float32 weights)."""
     template = (TEMPLATES / REAL_TEMPLATE[request.param]).read_text() if request.param in REAL_TEMPLATE else None
-    vlm = VLM(ModelSpec(path=str(ensure_real_shape(request.param, template)), device="cpu"))
+    vlm = VLM(ModelSpec(path=str(ensure_real_shape(request.param, template, width=WIDTH)), device="cpu"))
     vlm.name = request.param
     yield vlm
     del vlm

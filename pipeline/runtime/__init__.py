@@ -18,7 +18,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "model": ["VLM", "select_token"],
     "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
-    "real_shapes": ["REAL_SHAPES", "ensure_real_shape"],
+    "real_shapes": ["REAL_SHAPES", "Width", "ensure_real_shape"],
     "render": ["Renderer"],
     "tiny": [
         "GLM_CHAT_TEMPLATE", "GLM_SPECIALS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIALS", "build_tokenizer",

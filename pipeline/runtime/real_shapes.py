@@ -7,6 +7,12 @@ They exist for exactness at the real models' shapes (tests/test_real_shapes.py, 
 a rotary-layout bug that toy head dimensions hide (rotary dim 8 for the tiny GLM) shows here, where
 Qwen2.5-VL rotates 128 channels in (t, h, w) sections [16, 24, 24] and GLM-4.1V rotates 64 of 128 in
 [8, 12, 12]. Every value below is read from a public source, named next to it (repository @ commit: path).
+
+`Width.NARROW` keeps every one of those geometry settings (head dimensions, rotary sections and factor, patch,
+merge and window sizes, the windowed/full block layout) but cuts each tower to two attention heads and a
+small MLP: the equivalence checks exercise exactly the rotary layout and vision-token geometry, at a
+hundredth of the weights, so CI can run them (a full-width model takes ~90 s to build on two cores). The
+full widths run in benchmarks/real_shapes.py.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -83,17 +90,40 @@ LLAVA_ONEVISION_7B_VISION = dict(
 )
 
 REAL_SHAPES = ("qwen2.5-vl-7b", "glm-4.1v-9b", "llava-onevision-7b")
+NARROW_HEADS = 2  # attention heads per tower in Width.NARROW (one KV head: grouped-query attention stays on)
+NARROW_MLP = 512  # MLP width of every narrowed tower
 
 
-def _qwen(tok):
+class Width(str, Enum):
+    FULL = "full"  # every width of the public config
+    NARROW = "narrow"  # the real head dimensions and geometry, two heads per tower (module docstring)
+
+
+def narrowed(text: dict, vision: dict) -> tuple[dict, dict]:
+    """(text, vision) config dicts with two heads of the real head dimension and a small MLP; every other
+    key, the rotary and vision geometry included, as given."""
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    text = dict(text, hidden_size=NARROW_HEADS * head_dim, num_attention_heads=NARROW_HEADS,
+                num_key_value_heads=1, intermediate_size=NARROW_MLP)
+    heads_key = "num_heads" if "num_heads" in vision else "num_attention_heads"  # SigLIP names it differently
+    vision_head_dim = vision["hidden_size"] // vision[heads_key]
+    vision = dict(vision, hidden_size=NARROW_HEADS * vision_head_dim, intermediate_size=NARROW_MLP,
+                  **{heads_key: NARROW_HEADS})
+    if "out_hidden_size" in vision:  # the merger projects into the decoder's width
+        vision["out_hidden_size"] = text["hidden_size"]
+    return text, vision
+
+
+def _qwen(tok, width: Width):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     ids = tok.convert_tokens_to_ids
+    text, vision = _widths(QWEN2_5_VL_7B_TEXT, QWEN2_5_VL_7B_VISION, width)
     config = Qwen2_5_VLConfig(
-        text_config=dict(QWEN2_5_VL_7B_TEXT, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
+        text_config=dict(text, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
                          eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
                          bos_token_id=ids("<|endoftext|>")),
-        vision_config=dict(QWEN2_5_VL_7B_VISION, depth=VISION_LAYERS),
+        vision_config=dict(vision, depth=VISION_LAYERS),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"), bos_token_id=ids("<|endoftext|>"),
         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
@@ -101,15 +131,16 @@ def _qwen(tok):
     return Qwen2_5_VLForConditionalGeneration(config), Qwen2VLImageProcessorPil()
 
 
-def _glm(tok):
+def _glm(tok, width: Width):
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
 
     ids = tok.convert_tokens_to_ids
+    text, vision = _widths(GLM_4_1V_9B_TEXT, GLM_4_1V_9B_VISION, width)
     config = Glm4vConfig(
-        text_config=dict(GLM_4_1V_9B_TEXT, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
+        text_config=dict(text, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
                          eos_token_id=[ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")],
                          pad_token_id=ids("<|endoftext|>")),
-        vision_config=dict(GLM_4_1V_9B_VISION, depth=VISION_LAYERS),
+        vision_config=dict(vision, depth=VISION_LAYERS),
         image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
         image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
         video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"),
@@ -117,7 +148,7 @@ def _glm(tok):
     return Glm4vForConditionalGeneration(config), Glm4vImageProcessorPil()
 
 
-def _llava(tok):
+def _llava(tok, width: Width):
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
@@ -125,15 +156,20 @@ def _llava(tok):
     )
 
     ids = tok.convert_tokens_to_ids
+    text, vision = _widths(LLAVA_ONEVISION_7B_TEXT, LLAVA_ONEVISION_7B_VISION, width)
     config = LlavaOnevisionConfig(
-        text_config=dict(LLAVA_ONEVISION_7B_TEXT, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
+        text_config=dict(text, vocab_size=len(tok), num_hidden_layers=DECODER_LAYERS,
                          eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
                          bos_token_id=ids("<|endoftext|>")),
-        vision_config=dict(LLAVA_ONEVISION_7B_VISION, num_hidden_layers=VISION_LAYERS),
+        vision_config=dict(vision, num_hidden_layers=VISION_LAYERS),
         image_token_index=ids("<image>"), video_token_index=ids("<video>"),
         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
     )
     return LlavaOnevisionForConditionalGeneration(config), LlavaOnevisionImageProcessorPil()
+
+
+def _widths(text: dict, vision: dict, width: Width) -> tuple[dict, dict]:
+    return narrowed(text, vision) if width is Width.NARROW else (text, vision)
 
 
 _FAMILIES = {  # name -> (special tokens, the tiny factory's template of the family, model builder)
@@ -143,20 +179,22 @@ _FAMILIES = {  # name -> (special tokens, the tiny factory's template of the fam
 }
 
 
-def build(name: str, out_dir: Path, chat_template: str | None = None, seed: int = 0) -> Path:
+def build(name: str, out_dir: Path, chat_template: str | None = None, seed: int = 0,
+          width: Width = Width.FULL) -> Path:
     """Materialise real-shape checkpoint `name` into `out_dir`, with `chat_template` (default: the tiny
     factory's template of the family) saved as the checkpoint's `chat_template.jinja`."""
     specials, default_template, make = _FAMILIES[name]
     tok = build_tokenizer(specials, VOCAB_SIZE, chat_template or default_template)
     torch.manual_seed(seed)
-    model, image_processor = make(tok)
+    model, image_processor = make(tok, width)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     image_processor.save_pretrained(tmp)
     (tmp / "chat_template.jinja").write_text(tok.chat_template)
-    (tmp / _MARKER).write_text(json.dumps({"name": name, "seed": seed, "factory": _FACTORY_VERSION}))
+    (tmp / _MARKER).write_text(json.dumps({"name": name, "seed": seed, "width": width.value,
+                                                  "factory": _FACTORY_VERSION}))
     if not (out_dir / _MARKER).exists():  # a leftover partial directory, never a published one
         shutil.rmtree(out_dir, ignore_errors=True)
     try:
@@ -166,13 +204,14 @@ def build(name: str, out_dir: Path, chat_template: str | None = None, seed: int 
     return out_dir
 
 
-def ensure_real_shape(name: str, chat_template: str | None = None, seed: int = 0) -> Path:
-    """Local checkpoint directory of real-shape `name` (with `chat_template`), built once and reused."""
+def ensure_real_shape(name: str, chat_template: str | None = None, seed: int = 0,
+                      width: Width = Width.FULL) -> Path:
+    """Local checkpoint directory of real-shape `name` (with `chat_template`, at `width`), built once and reused."""
     if name not in _FAMILIES:
         raise KeyError(f"unknown real-shape model {name!r}; known: {list(REAL_SHAPES)}")
-    key = f"{name}:{seed}:{_FACTORY_VERSION}:{chat_template or ''}"
+    key = f"{name}:{seed}:{width.value}:{_FACTORY_VERSION}:{chat_template or ''}"
     out_dir = cache_root() / f"real-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (out_dir / _MARKER).exists():
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        build(name, out_dir, chat_template, seed)
+        build(name, out_dir, chat_template, seed, width)
     return out_dir
