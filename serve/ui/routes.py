@@ -31,7 +31,7 @@ SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "n
                     "Referrer-Policy": "no-referrer"}
 # Every asset by name: a request names one of these or gets a 404; no path is built from a request.
 ASSETS = {"inspector.js": "text/javascript", "store.js": "text/javascript", "common.js": "text/javascript",
-          "ui.css": "text/css"}
+          "ui.css": "text/css", "icon.svg": "image/svg+xml"}
 PAGES = {"/ui": "inspector.html", "/ui/store": "store.html"}
 TierName = Annotated[str, Query(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # as schemas.api.Routing.tier
 MAX_PAGE = 4096
