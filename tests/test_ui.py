@@ -1,5 +1,6 @@
 """The /ui pages in a real browser: Debian's Chromium driven by selenium (the system chromedriver; nothing
-downloads a browser) against a real `qvpic serve` on loopback, with API-key auth on, over the suite's
+downloads a browser) against the Serve application on loopback (the session's local Ray, as
+tests/test_serve_e2e.py serves it), with API-key auth on, over the suite's
 small store (tests/store_factory.py) plus one document whose id and text are hostile HTML.
 
 One server and one browser serve the whole module; each browser test saves a screenshot in its tmp dir.
@@ -10,25 +11,20 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from PIL import Image
 
 from pipeline.store import Store
-from schemas.config import Variant
-from tests.ray_fixtures import free_port
+from schemas.config import ModelSpec, Variant
+from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.store_factory import DOCUMENTS, build_store, serving_store  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-START_TIMEOUT_S = 300  # Serve start-up and model loads on a busy 2-core machine
+MODEL = ModelSpec(path="tiny-qwen", device="cpu")  # the serving store's (tests/store_factory.py)
 WAIT_S = 120
 API_KEY = "ui-test-key"
 HOSTILE_DOC = "<img src=x onerror=window.__pwned=1>"
@@ -53,32 +49,20 @@ def ui_store(serving_store, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def base_url(ui_store, tmp_path_factory) -> str:
-    """`qvpic serve` in a process of its own, with one API key configured."""
-    logs = tmp_path_factory.mktemp("ui-serve")
-    config = logs / "serve.yaml"
-    digest = hashlib.sha256(API_KEY.encode()).hexdigest()
-    config.write_text(yaml.safe_dump({"applications": [{"name": "qvpic", "route_prefix": "/",
-                                                        "import_path": "serve.app:build_app",
-                                                        "args": {"ingress": {"governance": {"auth": {
-                                                            "api_key_sha256": {digest: "ui"}}}}}}]}))
+def base_url(ray_session, ui_store) -> str:
+    """The Serve application `qvpic serve` deploys, on the session's local Ray, with one API key configured."""
+    from ray import serve
+
+    from serve.app import build_app
+
     port = free_port()
-    command = [sys.executable, "-m", "jobs.run_server", "--config", str(config), "--store", ui_store,
-               "--model", "tiny-qwen", "--device", "cpu", "--port", str(port), "--num-cpus", "4"]
-    server = subprocess.Popen(command, cwd=REPO, stdout=(logs / "stdout").open("w"), stderr=(logs / "stderr").open("w"))
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "qvpic: serving" not in (logs / "stdout").read_text():
-            assert server.poll() is None and time.monotonic() < deadline, (logs / "stderr").read_text()[-3000:]
-            time.sleep(0.5)
-        assert f"http://127.0.0.1:{port}/ui" in (logs / "stdout").read_text()  # `qvpic serve` prints the /ui address
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    auth = {"api_key_sha256": {hashlib.sha256(API_KEY.encode()).hexdigest(): "ui"}}
+    serve.run(build_app({"store": {"uri": ui_store}, "model": MODEL.model_dump(mode="json"),
+                         "ingress": {"governance": {"auth": auth}}}), name="qvpic-ui", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
 
 
 @pytest.fixture(scope="module")
