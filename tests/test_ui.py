@@ -34,11 +34,6 @@ NUM_CHUNKS = sum(map(len, DOCUMENTS.values())) + 1
 COMPARED = ("qvpic", "text_pic", "image_pic", "full_image")  # the modes compare-modes runs (inspector.js)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
-if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):  # `make` installs both (APT_PACKAGES)
-    pytest.skip("needs Debian's chromium and chromium-driver (make installs them)", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver")
-
-
 @pytest.fixture(scope="module")
 def ui_store(serving_store, tmp_path_factory) -> str:
     """The suite's documents plus a hostile one, compiled with the session's model and embedder."""
@@ -67,6 +62,9 @@ def base_url(ray_session, ui_store) -> str:
 
 @pytest.fixture(scope="module")
 def browser():
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):  # `make` installs both (APT_PACKAGES)
+        pytest.skip("needs Debian's chromium and chromium-driver (make installs them)")
+    webdriver = pytest.importorskip("selenium.webdriver")  # in requirements-dev.lock
     os.environ["SE_MANAGER_PATH"] = "/bin/false"  # selenium-manager must never run (it would download a driver)
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
