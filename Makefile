@@ -18,8 +18,10 @@ LOCK_SOURCES ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The locks are for the Python of Debian 12 on x86-64 Linux.
 LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
 UV_ARGS ?=
+# chromium + chromium-driver: the browser tests of the /ui pages (tests/test_ui.py) drive Debian's Chromium
+# through /usr/bin/chromedriver with selenium; nothing downloads a browser or a driver.
 APT_PACKAGES := python3-venv fonts-dejavu-core fonts-noto-core fonts-noto-cjk tesseract-ocr tesseract-ocr-eng \
-                redis-server
+                redis-server chromium chromium-driver
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0

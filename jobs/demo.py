@@ -188,14 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     from serve.config import AppConfig
 
     console.rule("2. start the Serve application")
-    console.print("four deployments — ingress (HTTP), router, cache loader, generator — on the local Ray …")
+    console.print("five deployments — ingress (HTTP), router, cache loader, generator, inspector (/ui) — on the "
+                  "local Ray …")
     started = time.perf_counter()
     logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(AppConfig(store=StoreSpec(uri=args.store), model=ModelSpec(path=args.model))),
               name=APP_NAME, route_prefix="/")
     moved = "" if port == args.port else f" (port {args.port} was taken)"
-    console.print(f"serving at http://127.0.0.1:{port}{moved} (OpenAPI at /docs) after "
+    console.print(f"serving at http://127.0.0.1:{port}{moved} (OpenAPI at /docs, inspector at /ui) after "
                   f"{time.perf_counter() - started:.1f} s")
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300, headers=NO_CACHE) as client:
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         serve.delete(APP_NAME)  # drains the application; the local Ray, and Serve with it, ends below
         ray.shutdown()
     console.print(f"done. The store stays in {args.store} (a re-run reuses it); serve it again with "
-                  f"`{command_name()} serve --store {args.store} --model {args.model}` (Ctrl-C stops it).")
+                  f"`{command_name()} serve --store {args.store} --model {args.model}` (Ctrl-C stops it), then open "
+                  f"http://127.0.0.1:{args.port}/ui to see what the model saw: each chunk's page at the tier it was "
+                  f"served, why, and where its KV came from.")
     return 0
 
 

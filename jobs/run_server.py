@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             if deploy(application, ns.address is None, stop):
                 stop_hint = "" if ns.detach else "; Ctrl-C stops it"
                 print(f"qvpic: serving {args.store.uri} (KV {kv_format}) at http://{ns.host}:{ns.port} "
-                      f"(OpenAPI: /docs){stop_hint}",
+                      f"(OpenAPI: /docs; inspector: http://{ns.host}:{ns.port}/ui){stop_hint}",
                       flush=True)
                 if ns.detach:
                     return 0

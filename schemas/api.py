@@ -119,6 +119,27 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt):
 
 
 # ---- answer reports --------------------------------------------------------------------------------
+class TierReason(str, Enum):
+    """Why a chunk got its tier (serve/routing/placement.py decides it; the inspector shows it)."""
+
+    PROMOTED = "promoted"  # within τ's share of the relevance, B and the token budget
+    LOW_BY_TAU = "low_by_tau"  # the chunks ranked above it already hold τ of the relevance (or it has no share)
+    LOW_BY_B = "low_by_b"  # B chunks were already promoted
+    LOW_BY_BUDGET = "low_by_budget"  # its promotion would not fit the token budget
+    NO_HIGH_ENTRY = "no_high_entry"  # promoted, but its high-tier entry is not compiled: served at the low tier
+    HYBRID_TEXT = "hybrid_text"  # the hybrid rule serves it as text
+    MODE = "mode"  # the mode serves every chunk at one tier (or as text): nothing was routed
+
+
+class KVSource(str, Enum):
+    """Where a linked chunk's KV came from, fastest first."""
+
+    DEVICE = "device"  # the generator's device hot tier
+    HOST = "host"  # the loader's host-memory LRU
+    STORE = "store"  # read from the store's shards
+    COMPILED = "compiled"  # compiled by the generator: a lazily compiled tier, or an unreadable entry rebuilt
+
+
 class ChunkReport(Strict):
     chunk_id: str
     doc_id: str
@@ -128,6 +149,9 @@ class ChunkReport(Strict):
     num_tokens: int
     vision_tokens: int
     position_span: int
+    tier_reason: TierReason
+    kv_source: KVSource | None = None  # null: the online (full_*) modes prefill the chunk, no KV is linked
+    kv_nbytes: int | None = None  # its KV on the generator's device ([layers, 2, kv_heads, tokens, head_dim])
 
 
 class FallbackReport(Strict):

@@ -1,4 +1,5 @@
-"""The Serve application's builder: ingress (serve/http/ingress.py) → router, generator (→ cache loader).
+"""The Serve application's builder: ingress (serve/http/ingress.py) → router, generator (→ cache loader), and
+the inspector behind the ingress's /ui pages (serve/ui/).
 
 `build_app` (`import_path: serve.app:build_app`) validates `AppConfig`, checks the store against the
 model before any replica starts, and binds each deployment by keyword with its own typed config, the
@@ -21,6 +22,7 @@ from serve.engine import Generator
 from serve.http import Ingress
 from serve.kv import CacheLoader
 from serve.routing import BatchingRouter, servable_modes
+from serve.ui import Inspector, InspectorConfig
 
 
 def api_spec(args: AppConfig) -> ApiSpec:
@@ -60,5 +62,8 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
     router = deployment(BatchingRouter, "Router", args.router_deployment).bind(config=args.router)
     loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader)
     generator = deployment(Generator, "Generator", args.generator_deployment).bind(config=args.generator, loader=loader)
+    inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
+        config=InspectorConfig(store=args.store))
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(
-        router=router, loader=loader, generator=generator, config=args.ingress, api=api_spec(args))
+        router=router, loader=loader, generator=generator, inspector=inspector, config=args.ingress,
+        api=api_spec(args))

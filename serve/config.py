@@ -221,6 +221,7 @@ class AppConfig(StoreBound):
     ingress: IngressConfig = IngressConfig()
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     ingress_deployment: DeploymentConfig = DeploymentConfig()
+    inspector_deployment: DeploymentConfig = DeploymentConfig()  # the /ui pages' store side (serve/ui/)
     router_deployment: DeploymentConfig = DeploymentConfig()
     loader_deployment: DeploymentConfig = DeploymentConfig()
     # Serve holds what the engine cannot take yet: a full batch plus its queue

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from schemas.api import AnswerReport, CacheReport, FallbackReport
+from schemas.api import AnswerReport, CacheReport, FallbackReport, KVSource, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
 from schemas.store import CacheKey
 
@@ -94,6 +94,7 @@ class PlannedChunk:
     fallback: Entry | None = None  # low-tier entry the loader uses when `entry`'s shard is unreadable
     text: str | None = None  # source text, carried for the full_* modes (and linked ones when recompute is on)
     image_path: str | None = None  # full_image of a scanned page: its original image, as ingest compiled it
+    tier_reason: TierReason = TierReason.MODE  # why placement gave it `tier` (the inspector shows it)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,9 @@ class LoadResult:
     cache: CacheReport
     load_ms: float
     unreadable: tuple[Unreadable, ...] = ()
+    # aligned with kvs: HOST or STORE for what was read, None where kvs is None (an unreadable entry's backup
+    # is at `Unreadable.backup`, its source here); the generator marks what it rebuilds COMPILED
+    sources: tuple[KVSource | None, ...] = ()
 
 
 @dataclass(frozen=True)

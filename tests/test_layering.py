@@ -3,7 +3,8 @@
     schemas ← pipeline.runtime ← pipeline.store ← pipeline.ingest, pipeline.eval
                                                 ← serve.{config, plan, metrics, handles} ← serve.kv ← serve.routing
                                                                                           ← serve.engine
-                                                  serve.governance ← serve.http (the ingress: no model stack)
+                                                  serve.governance ← serve.ui ← serve.http (the ingress: no model stack)
+                                                ← serve.kv ← serve.ui.inspector (the /ui pages' store side)
     serve.app binds them all; jobs wire everything; nothing imports jobs or benchmarks.
 
 Checked on the source (tests/import_graph.py: every import, lazy ones inside functions too, facade names
@@ -23,7 +24,8 @@ from tests.import_graph import import_graph, write
 
 PIPELINE = {"schemas", "pipeline.facade", "pipeline.runtime", "pipeline.store"}
 SERVE_BASE = PIPELINE | {"serve.config", "serve.plan", "serve.metrics", "serve.handles"}
-SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.governance", "serve.http", "serve.app"}
+SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.governance", "serve.http", "serve.ui",
+                      "serve.ui.inspector", "serve.app"}
 # layer -> the layers it may import (its own always)
 MAY_IMPORT = {
     "schemas": set(),
@@ -42,7 +44,10 @@ MAY_IMPORT = {
     "serve.routing": SERVE_BASE | {"serve.kv"},
     "serve.engine": SERVE_BASE | {"serve.kv"},
     "serve.governance": SERVE_BASE - {"pipeline.runtime"},
-    "serve.http": SERVE_BASE - {"pipeline.runtime", "pipeline.store"} | {"serve.governance"},
+    "serve.http": SERVE_BASE - {"pipeline.runtime", "pipeline.store"} | {"serve.governance", "serve.ui"},
+    # the /ui routes live in the ingress (no model stack); their store side is a deployment of its own
+    "serve.ui": SERVE_BASE - {"pipeline.runtime", "pipeline.store"} | {"serve.governance"},
+    "serve.ui.inspector": SERVE_BASE | {"serve.kv", "serve.ui"},
     "serve.app": SERVE,
     "jobs": PIPELINE | {"pipeline.ingest", "pipeline.eval"} | SERVE,
     "benchmarks": PIPELINE | {"pipeline.ingest", "pipeline.eval", "jobs", "benchmarks"} | SERVE,

@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pipeline.runtime import VLM, ChunkKV, Renderer
 from pipeline.store import PageImageError, page_images
-from schemas.api import CacheReport, FallbackReport
+from schemas.api import CacheReport, FallbackReport, KVSource
 from schemas.config import Mode, RecomputeSpec, RenderSpec
 from schemas.errors import UnservableError
 from serve.engine.loop import LinkedContext, OnlineContext
@@ -42,6 +42,19 @@ class Context:
     fallbacks: tuple[FallbackReport, ...]
     load_ms: float = 0.0
     render_ms: float = 0.0
+    sources: list[KVSource | None] | None = None  # aligned with plan.chunks: where each linked chunk's KV came from
+    kv_nbytes: list[int | None] | None = None  # aligned with plan.chunks: each linked chunk's KV on the device
+
+
+def kv_sources(read: LoadResult, repaired: LoadResult) -> list[KVSource | None]:
+    """Where each of `repaired`'s KV came from: the loader's word for what it read (None where it had no
+    entry to read: a hot chunk left out of the plan), COMPILED where the repairer rebuilt an entry rather
+    than serving its backup."""
+    sources = list(read.sources)
+    for item in read.unreadable:
+        if repaired.kvs[item.position] is not item.backup:
+            sources[item.position] = KVSource.COMPILED
+    return sources
 
 
 class ContextBuilder:
@@ -68,17 +81,20 @@ class ContextBuilder:
     async def _linked(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
         query_ids = self.vlm.query_turn_ids(plan.text_after_chunks)  # the query prompt, or the query
         if loaded is not None:
-            loaded = await self.repairer.repaired(plan, loaded)
-            chunks = [self._chunk(kv, copy=False) for kv in loaded.kvs]
-            return Context(LinkedContext(chunks, query_ids, plan.instruction), [kv.entry for kv in loaded.kvs],
-                           loaded.cache, loaded.fallbacks, loaded.load_ms)
+            repaired = await self.repairer.repaired(plan, loaded)
+            chunks = [self._chunk(kv, copy=False) for kv in repaired.kvs]
+            return Context(LinkedContext(chunks, query_ids, plan.instruction), [kv.entry for kv in repaired.kvs],
+                           repaired.cache, repaired.fallbacks, repaired.load_ms, sources=kv_sources(loaded, repaired),
+                           kv_nbytes=[c.kv.nbytes for c in chunks])
         started = time.perf_counter()
         hot = self.hot.get_many(c.entry.key for c in plan.chunks)
         missing = dataclasses.replace(plan, chunks=tuple(
             c if c.entry.key not in hot else dataclasses.replace(c, entry=None, fallback=None) for c in plan.chunks))
-        fetched = None
+        fetched, sources = None, [KVSource.DEVICE] * len(plan.chunks)
         if len(hot) < len(plan.chunks):
-            fetched = await self.repairer.repaired(missing, await self._load(missing, loader))
+            read = await self._load(missing, loader)
+            fetched = await self.repairer.repaired(missing, read)
+            sources = [KVSource.DEVICE if s is None else s for s in kv_sources(read, fetched)]
         chunks, served = [], []
         for position, planned in enumerate(plan.chunks):
             if planned.entry.key in hot:
@@ -93,7 +109,7 @@ class ContextBuilder:
         report = report.model_copy(update={"device_hits": sum(c.entry.key in hot for c in plan.chunks)})
         fallbacks = fetched.fallbacks if fetched is not None else plan.fallbacks
         return Context(LinkedContext(chunks, query_ids, plan.instruction), served, report, fallbacks,
-                       (time.perf_counter() - started) * 1e3)
+                       (time.perf_counter() - started) * 1e3, sources=sources, kv_nbytes=[c.kv.nbytes for c in chunks])
 
     async def _online(self, plan: Plan) -> Context:
         report, render_ms = CacheReport(hits=0, misses=0, nbytes_from_store=0), 0.0

@@ -14,13 +14,16 @@ FINISH = {End.STOP: FinishReason.STOP, End.LENGTH: FinishReason.LENGTH}
 def answer_report(plan: Plan, context: Context, seq: Sequence, query_tokens: int) -> AnswerReport:
     """`query_tokens`: the query turn's, as the model tokenises `plan.text_after_chunks`."""
     chunks = []
-    for planned, served in zip(plan.chunks, context.served):  # served: after any fallback; None online
+    online = [None] * len(plan.chunks)
+    for planned, served, source, nbytes in zip(plan.chunks, context.served, context.sources or online,
+                                               context.kv_nbytes or online):  # served: after any fallback; None online
         chunks.append(ChunkReport(
             chunk_id=planned.chunk_id, doc_id=planned.doc_id, relevance=planned.relevance,
             tier=served.tier if served else planned.tier, variant=served.variant if served else None,
             num_tokens=served.num_tokens if served else planned.num_tokens,
             vision_tokens=served.vision_tokens if served else planned.vision_tokens,
             position_span=served.position_span if served else planned.position_span,
+            tier_reason=planned.tier_reason, kv_source=source, kv_nbytes=nbytes,
         ))
     vision_tokens = sum(c.vision_tokens for c in chunks)
     context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)

@@ -75,7 +75,8 @@ class Turn:
         plan, price = self.plan, self.price
         chunks = [ChunkReport(chunk_id=c.chunk_id, doc_id=c.doc_id, relevance=c.relevance, tier=c.tier,
                               variant=c.entry.variant if c.entry else None, num_tokens=c.num_tokens,
-                              vision_tokens=c.vision_tokens, position_span=c.position_span) for c in plan.chunks]
+                              vision_tokens=c.vision_tokens, position_span=c.position_span, tier_reason=c.tier_reason)
+                  for c in plan.chunks]
         usage = TokenEstimate(context_tokens=price.context_tokens, context_vision_tokens=price.vision_tokens,
                               context_text_tokens=price.text_tokens, query_tokens=price.query_tokens,
                               max_new_tokens=self.request.max_new_tokens)

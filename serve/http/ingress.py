@@ -41,6 +41,7 @@ from serve.http.health import ReadinessProbe, install_readiness
 from serve.http.openai_api import openai_error, openai_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
+from serve.ui import install_ui
 
 
 def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
@@ -123,8 +124,9 @@ def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
 @serve.ingress()
 class Ingress:
     def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle,
-                 config: IngressConfig, api: ApiSpec):
+                 inspector: DeploymentHandle, config: IngressConfig, api: ApiSpec):
         self.backend = HandleBackend(router, loader, generator)
+        self.inspector = inspector  # page images and the store overview of the /ui pages (serve/ui/)
         self.config, self.api = config, api
         self.governor = Governor(config.governance, api.store)
         self.readiness = ReadinessProbe(serve.get_replica_context().app_name)
@@ -132,6 +134,7 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = make_api(self.backend, self.api, self.governor, self.config)
         install_readiness(app, self.readiness, self.governor.rejected)  # GET /readyz; 503 while a deployment is pending
+        install_ui(app, self.inspector, self.backend, self.governor)  # GET /ui, /ui/store and their data
         return app
 
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: write the buffered request log

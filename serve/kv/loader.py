@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pipeline.store import LeaseKeeper, QuantizedKV, ShardCorruptError, ShardReader, Store
-from schemas.api import CacheReport, CacheStats
+from schemas.api import CacheReport, CacheStats, KVSource
 from schemas.config import DType, KVQuant
 from serve.config import LoaderConfig
 from serve.kv.lru import ByteLRU
@@ -64,25 +64,31 @@ class CacheLoader:
             self.keeper.touch(plan.generation)
         entries = [c.entry for c in plan.chunks]
         report = CacheReport(hits=0, misses=0, nbytes_from_store=0)
-        found, failed = self._fetch([e for e in entries if e is not None], report)
+        found, failed, source = self._fetch([e for e in entries if e is not None], report)
         backups = [c.fallback for c in plan.chunks if c.entry is not None and c.entry.key in failed and c.fallback]
-        found_low, _ = self._fetch(backups, report)
+        found_low, _, source_low = self._fetch(backups, report)
         found.update(found_low)
+        source.update(source_low)
         kvs: list[LoadedKV | None] = []
+        sources: list[KVSource | None] = []
         unreadable: list[Unreadable] = []
         for position, chunk in enumerate(plan.chunks):
+            served = chunk.entry
             if chunk.entry is not None and chunk.entry.key in failed:
                 backup = chunk.fallback if chunk.fallback is not None and chunk.fallback.key in found else None
                 unreadable.append(Unreadable(position=position, entry=chunk.entry, reason=failed[chunk.entry.key],
                                              backup=backup and loaded(found, backup)))
+                served = backup
             kvs.append(None if chunk.entry is None or chunk.entry.key in failed else loaded(found, chunk.entry))
+            sources.append(None if served is None else source[served.key])
         load_ms = (time.perf_counter() - started) * 1e3
         return LoadResult(kvs=tuple(kvs), fallbacks=tuple(plan.fallbacks), cache=report, load_ms=load_ms,
-                          unreadable=tuple(unreadable))
+                          unreadable=tuple(unreadable), sources=tuple(sources))
 
     def _fetch(self, entries: list[Entry], report: CacheReport) -> tuple[dict[str, tuple[np.ndarray, DType | KVQuant]],
-                                                                         dict[str, str]]:
-        """Arrays by entry key (LRU first, then one batched store read), and why each failed key failed."""
+                                                                         dict[str, str], dict[str, KVSource]]:
+        """Arrays by entry key (LRU first, then one batched store read), why each failed key failed, and
+        where each found one came from."""
         found: dict[str, tuple[np.ndarray, DType | KVQuant]] = {}
         missing: dict[str, Entry] = {}
         with self._lock:
@@ -96,6 +102,7 @@ class CacheLoader:
                     found[entry.key] = item
         report.hits += len(found)
         report.misses += len(missing)
+        source = dict.fromkeys(found, KVSource.HOST) | dict.fromkeys(missing, KVSource.STORE)
         failed: dict[str, str] = {key: LAZY_REASON for key, entry in missing.items() if is_pending(entry)}
         tensors = self._read([e for key, e in missing.items() if key not in failed], failed)
         with self._lock:
@@ -104,7 +111,7 @@ class CacheLoader:
                 self.lru.put(key, (array, dtype))
                 found[key] = (array, dtype)
                 report.nbytes_from_store += array.nbytes
-        return found, failed
+        return found, failed, source
 
     def _read(self, entries: list[Entry], failed: dict[str, str]) -> dict[str, torch.Tensor | QuantizedKV]:
         """One batched read; when it hits a bad shard, each entry is retried alone to isolate it."""

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 from enum import Enum
 
+from schemas.api import TierReason
 from schemas.config import HybridSpec, Variant
 from serve.plan import Entry, PlannedChunk
 
@@ -42,7 +43,8 @@ def choose(spec: HybridSpec, text: Entry | None, image: Entry) -> Choice:
 
 def as_text(chunk: PlannedChunk, text: Entry) -> PlannedChunk:
     return dataclasses.replace(chunk, tier=None, num_tokens=text.num_tokens, vision_tokens=0,
-                               position_span=text.position_span, entry=text, fallback=None)
+                               position_span=text.position_span, entry=text, fallback=None,
+                               tier_reason=TierReason.HYBRID_TEXT)
 
 
 def cheaper_as_text(spec: HybridSpec, texts: Sequence[Entry | None], lows: Sequence[Entry]) -> list[bool]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.api import FallbackReport
+from schemas.api import FallbackReport, TierReason
 from schemas.config import ChunkKind, Mode, RouterSpec, ScoreNormalisation, TierSpec, Variant
 from schemas.errors import UnknownTierError, UnservableError
 from serve.kv import PendingPlanner
@@ -100,7 +100,17 @@ def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisati
 def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
              promotion_costs: Sequence[int], budget_tokens: int | None,
              normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR, temperature: float = 0.05) -> list[bool]:
-    """Which chunks to promote to the high tier; aligned with the input order, which never changes.
+    """Which chunks to promote to the high tier; aligned with the input order, which never changes
+    (`tier_reasons`, reduced to promoted or not)."""
+    return [r is TierReason.PROMOTED for r in tier_reasons(relevance, tau, max_high_res, promotion_costs,
+                                                           budget_tokens, normalisation, temperature)]
+
+
+def tier_reasons(relevance: Sequence[float], tau: float, max_high_res: int,
+                 promotion_costs: Sequence[int], budget_tokens: int | None,
+                 normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
+                 temperature: float = 0.05) -> list[TierReason]:
+    """Whether each chunk is promoted and, if not, which limit kept it low; aligned with the input order.
 
     Chunks are ranked by relevance (ties: earlier chunk first) and given shares by `relevance_shares`.
     A chunk is a candidate while the share of the chunks ranked above it is below `tau` and its own
@@ -115,20 +125,24 @@ def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
         raise ValueError(f"{len(relevance)} relevances but {len(promotion_costs)} promotion costs")
     shares = relevance_shares(relevance, normalisation, temperature)
     scores = np.asarray(relevance, dtype=np.float64)
-    promoted = [False] * len(shares)
+    reasons = [TierReason.LOW_BY_TAU] * len(shares)
     remaining = budget_tokens
     share_above, num_promoted = 0.0, 0
     for i in sorted(range(len(shares)), key=lambda i: (-scores[i], i)):
-        if shares[i] <= 0.0 or share_above >= tau or num_promoted >= max_high_res:
-            break
-        share_above += shares[i]
-        if remaining is not None and promotion_costs[i] > remaining:
+        if shares[i] <= 0.0 or share_above >= tau:
+            break  # every chunk ranked below is kept low by τ too: the share above only grows
+        share_above += shares[i]  # counted past B too, so the reasons show where τ would have cut
+        if num_promoted >= max_high_res:
+            reasons[i] = TierReason.LOW_BY_B
             continue
-        promoted[i] = True
+        if remaining is not None and promotion_costs[i] > remaining:
+            reasons[i] = TierReason.LOW_BY_BUDGET
+            continue
+        reasons[i] = TierReason.PROMOTED
         num_promoted += 1
         if remaining is not None:
             remaining -= promotion_costs[i]
-    return promoted
+    return reasons
 
 
 def _pending(pending: PendingPlanner | None, low: Entry | None, tier: str | None) -> Entry | None:
@@ -191,16 +205,16 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec,
         costs = [max(budget, 0) + 1 if first else h.num_tokens - lo.num_tokens if h else 0
                  for lo, h, first in zip(lows, highs, text_first)]
         policy = spec.policy
-        promoted = allocate(relevance, policy.tau, policy.max_high_res, costs, max(budget, 0), policy.normalisation,
-                            policy.temperature)
-        wanted = [tier if p else low.name for p in promoted]
+        reasons = tier_reasons(relevance, policy.tau, policy.max_high_res, costs, max(budget, 0),
+                               policy.normalisation, policy.temperature)
+        wanted = [tier if r is TierReason.PROMOTED else low.name for r in reasons]
     else:
-        wanted = [tier] * len(chunks)
+        wanted, reasons = [tier] * len(chunks), [TierReason.MODE] * len(chunks)
         text_entries, text_first = [None] * len(chunks), [False] * len(chunks)
     online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
     sources = rows.texts() if online else [None] * len(chunks)
     planned, fallbacks = [], []
-    for chunk, entries, rel, wanted_tier, source in zip(chunks, slots, relevance, wanted, sources):
+    for chunk, entries, rel, wanted_tier, source, reason in zip(chunks, slots, relevance, wanted, sources, reasons):
         entry = entries.find(wanted_tier, variant) or _pending(pending, entries.find(low.name, variant), wanted_tier)
         # The lowest tier backs a templated entry up (not compiled yet, or unreadable); a baseline asked
         # for at a tier fails loudly instead, so a sweep never measures a silently swapped tier.
@@ -211,13 +225,14 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec,
                                             served_tier=backup.tier,
                                             reason=f"{variant.value} entry of tier {wanted_tier!r} is not compiled"))
             entry, backup = backup, None
+            reason = TierReason.NO_HIGH_ENTRY if reason is TierReason.PROMOTED else reason
         if entry is None:
             require([chunk], [entries], wanted_tier, variant, mode)
         planned.append(PlannedChunk(chunk_id=chunk["chunk_id"], doc_id=chunk["doc_id"], relevance=rel, tier=entry.tier,
                                     num_tokens=entry.num_tokens, vision_tokens=entry.vision_tokens,
                                     position_span=entry.position_span, entry=None if online else entry,
                                     fallback=None if online else backup, text=source["text"] if online else None,
-                                    image_path=(source["image_path"] or None) if online else None))
+                                    image_path=(source["image_path"] or None) if online else None, tier_reason=reason))
     if hybrid_on:
         planned = [hybrid_text(c, t) if first else c for c, t, first in zip(planned, text_entries, text_first)]
         planned = apply_rule(hybrid, planned, text_entries, room_tokens)

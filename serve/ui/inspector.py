@@ -1,0 +1,79 @@
+"""The inspector's store side: page images and the store overview, read from the store the app serves.
+
+A deployment of its own, because the ingress replica stays clear of the model stack and the store's
+reader imports torch. A page image is rendered from the chunk's stored text with the store's own
+`RenderSpec` at the requested tier (or, for an ingested page image, that page scaled as ingest scaled it),
+through `page_images`, the function compile used: the same pixels the model saw. Ids are looked up, never
+opened: a chunk id the store does not know or a tier it does not have is a 404, and no path is ever built
+from a request. PNGs are kept in a small LRU (rendering a page costs tens of milliseconds).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from pydantic import Field
+
+from pipeline.runtime import Renderer
+from pipeline.store import Store, StoreError, current_generation_number, encode_png, page_images, read_generation
+from schemas.errors import UnknownIdsError, UnknownTierError
+from serve.config import StoreBound
+from serve.kv.lru import ByteLRU
+from serve.ui.overview import EntryGroup, QuarantineReason, StoreOverview
+
+QUARANTINE_SAMPLES = 3  # sample inputs shown per quarantine reason
+
+
+class InspectorConfig(StoreBound):
+    page_cache_nbytes: int = Field(64 * 2**20, ge=0)  # PNG bytes kept in memory
+
+
+class Inspector:
+    def __init__(self, config: InspectorConfig):
+        self.store = Store.open(config.store)
+        self.manifest = self.store.load_manifest_or_raise()
+        self.renderer = Renderer(self.manifest.render)
+        self.pngs: ByteLRU[bytes] = ByteLRU(config.page_cache_nbytes, len)
+        self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
+
+    def page_png(self, chunk_id: str, tier: str, page: int) -> bytes:
+        """Page `page` of the chunk at `tier`, as PNG bytes; a 404 error for what the store lacks."""
+        if tier not in {t.name for t in self.manifest.tiers}:
+            raise UnknownTierError(f"the store has no tier {tier!r}")
+        key = f"{chunk_id}\x00{tier}\x00{page}"  # ids cannot hold NUL (schemas.api.StoreId): keys cannot collide
+        with self._lock:
+            cached = self.pngs.get(key)
+        if cached is not None:
+            return cached
+        try:
+            row = self.store.chunks_for(chunk_ids=[chunk_id]).select(["text", "image_path"]).to_pylist()[0]
+        except StoreError:
+            raise UnknownIdsError(f"unknown chunk {chunk_id!r}") from None
+        pages, _ = page_images(self.renderer, row["text"], row["image_path"] or None, self.manifest.render.tier(tier))
+        if not 0 <= page < len(pages):
+            raise UnknownIdsError(f"chunk {chunk_id!r} has {len(pages)} page(s) at tier {tier!r}")
+        png = encode_png(pages[page])
+        with self._lock:
+            self.pngs.put(key, png)
+        return png
+
+    def overview(self) -> StoreOverview:
+        """What the store holds under its serving generation, by variant and tier, and what it refused."""
+        generation = read_generation(self.store, current_generation_number(self.store))
+        stats = self.store.stats()
+        quarantined = self.store.quarantined().select(["reason", "source", "detail"]).to_pylist()
+        counts = Counter(q["reason"] for q in quarantined)
+        reasons = [QuarantineReason(reason=reason, count=count,
+                                    samples=[f"{q['source']}: {q['detail']}" for q in quarantined
+                                             if q["reason"] == reason][:QUARANTINE_SAMPLES])
+                   for reason, count in counts.most_common()]
+        manifest = generation.manifest
+        return StoreOverview(
+            fingerprint=manifest.fingerprint, model_id=manifest.model.id,
+            tiers={t.name: t.dpi for t in manifest.tiers}, kv_quant=manifest.kv_quant,
+            generation=generation.generation, published_at=generation.published_at, job_id=generation.job_id,
+            num_documents=stats.num_documents, num_chunks=stats.num_chunks, num_entries=stats.num_entries,
+            entries=[EntryGroup(tier=g.tier, variant=g.variant, entries=g.num_entries, nbytes=g.nbytes)
+                     for g in stats.groups],
+            quarantine=reasons)
