@@ -44,9 +44,10 @@ from pipeline.eval import (
     synthetic,
     write_report,
 )
-from pipeline.eval.evaluation import EvalError, ItemResult, RequestFailed, context_doc_id
+from pipeline.eval.evaluation import EvalError, RequestFailed, context_doc_id
 from pipeline.eval.evidence import find_evidence
 from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, SCATTER_PNG
+from pipeline.eval.runner import ItemResult
 from pipeline.eval.scoring import qa_f1, score
 from pipeline.ingest import Chunker
 from pipeline.store import Store

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from pipeline.eval.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
+from pipeline.eval.evaluation import MODE_CONTEXT
 from pipeline.eval.evidence import EvidenceResult, EvidenceSummary
 from pipeline.eval.markdown import markdown_table
+from pipeline.eval.runner import ItemResult, ModeSummary
 
 REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL = ("report.md", "report.json", "f1_vs_ttft.png",
                                                           "predictions.jsonl")
