@@ -81,7 +81,8 @@ def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | 
 
 def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
                      temperature: float = 0.05) -> np.ndarray:
-    """Each chunk's share of the request's relevance: `[n]` float64 summing to 1, or all 0 (nothing relevant).
+    """Each chunk's share of the request's relevance: `[n]` float64 summing to 1 or all 0 (nothing relevant);
+    RAW: the clipped cosines themselves.
 
     LINEAR clips negative cosines to 0 (an irrelevant chunk has no share, so it is never promoted) and
     divides by the sum; RAW clips them alike but does not divide (then neither the shares nor τ are bounded
