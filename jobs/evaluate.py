@@ -5,8 +5,10 @@ Items come from LongBench-format JSONL (a folder of `<task>.jsonl` or LongBench'
 the bundled offline fixtures. Their contexts are ingested by the real Ray Data job into `--store`; the
 items then run through every mode in-process (the serving roles as plain objects, no Serve) or
 through a running service (`--url http://host:port/v1/answer`, which must serve that store).
-`--paper` runs the paper's grid instead (every baseline, uniform tiers, qvpic, the τ/B and DPI sweeps)
-and writes its tables. The report (Markdown, JSON, predictions, PNG plots) lands in `--out`.
+`--paper` runs the paper's grid instead (every baseline, uniform tiers, qvpic, the compile prefix ×
+allocation ablation, the τ/B and DPI sweeps; its store compiles the ablation variants at every tier)
+and writes its tables. Every configuration is measured cold and warm, in a seeded shuffled order
+(pipeline/eval/runner.py). The report (Markdown, JSON, predictions, PNG plots) lands in `--out`.
 """
 
 from __future__ import annotations

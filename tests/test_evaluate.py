@@ -401,12 +401,13 @@ def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # 
     assert all(s["num_errors"] == 0 and 0 <= s["f1_percent"] <= 100 for s in document["summary"])
     assert {s["mode"] for s in document["summary"]} == {m.value for m in Mode} - {Mode.UNIFORM_HIGH.value}
     fidelity = {s["config"]: s for s in document["fidelity"]["summary"] if s["task"] == "all"}
-    cached = {c.name for c in grid.main + grid.dpi if c.mode in REFERENCE_MODE}
+    cached = {c.name for c in grid.main + tuple(grid.ablation.values()) + grid.dpi if c.mode in REFERENCE_MODE}
     assert set(fidelity) == cached and all(s["num_errors"] == 0 for s in fidelity.values())
     for name, summary in fidelity.items():  # linking multi-chunk contexts costs something, never nothing
         assert summary["median"]["kl"] > 0 and 0 < summary["median"]["hidden_rel_l2"] < 1, name
     markdown = (out / REPORT_MD).read_text()
     for heading in ("MuSiQue", "Avg", "TTFT ms", "vision tokens", "τ/B sweep", "DPI sweep", "hidden rel-L2",
+                    "compile prefix", "qvpic_plain", "image_pic (prefix-free) high (120 DPI)", "TTFT ms warm",
                     "image_pic (dummy prefix)", "text_pic (prefix-free)", "uniform mid (96 DPI)", "qvpic → mid"):
         assert heading in markdown, heading
     for png in (SCATTER_PNG, SWEEP_PNG):
@@ -417,3 +418,6 @@ def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # 
     assert legibility["uniform_high"]["recovered_percent"] >= legibility["image_pic (uniform low)"]["recovered_percent"]
     manifest = json.loads((out / "paper-store" / "manifest.json").read_text())
     assert [t["dpi"] for t in manifest["render"]["tiers"]] == [72, 96, 120] and len(manifest["variants"]) == 5
+    assert manifest["ablation_tiers"] == "every"  # so the ablation's routed prefixes can promote
+    overall = {s["config"]: s for s in document["summary"] if s["task"] == "all"}
+    assert overall["qvpic_plain"]["num_high_median"] >= 1 and overall["qvpic_dummy"]["num_high_median"] >= 1
