@@ -186,6 +186,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
         judge_items,
         legibility_markdown,
         paper_table,
+        protocol,
         run,
         run_fidelity,
         serving_configs,
@@ -248,15 +249,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
         "client": args.url or "in-process (no Serve)",
         "TTFT": "client wait for the first streamed event" if args.url else
         "route + load + render + re-anchor + prefill, as timed by the serving roles",
-        "cache state": "cold: first request of each (item, configuration), the server's caches as they were; warm: "
-        "the same request again" if args.url else "cold: device hot tier and loader host cache emptied first, KV "
-        "read from the store; warm: the same request again at once",
-        "order": f"configurations shuffled per item (seed {args.order_seed}) after one warm-up pass",
-        "chunks": "each item's whole context in document order (chunk_ids; top_k requests assemble in "
-        "retrieval order unless `order: source`); over-length contexts cut in the middle by whole chunks "
-        "(LongBench pred.py), truncated items per configuration: "
-        + (", ".join(f"{s.config} {s.num_truncated}" for s in summaries if s.task == "all" and s.num_truncated)
-           or "none"),
+        **protocol(args.url is None, args.order_seed, summaries),
         "fidelity": f"{args.fidelity_tokens} gold answer tokens teacher-forced" if fidelity else "not measured",
         "response-cache answers": sum(r.response_cache is not None for r in results),
         "wall time": f"{time.perf_counter() - started:.0f} s",

@@ -22,6 +22,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "fidelity_table", "paper_grid", "paper_table", "sweep_png", "tau_budget_table"
     ],
     "report": ["REPORT_MD", "legibility_markdown", "summary_markdown", "write_report"],
-    "runner": ["ItemResult", "ModeSummary", "middle_cut", "run", "summarize"],
+    "runner": ["ItemResult", "ModeSummary", "middle_cut", "protocol", "run", "summarize"],
     "synthetic": ["evidence_chunks", "generate"],
 })

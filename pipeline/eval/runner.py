@@ -157,6 +157,20 @@ def run(items: Sequence[QAItem], configs: Sequence[ServingConfig | Mode], answer
     return results
 
 
+def protocol(cache_controlled: bool, seed: int, summaries: Sequence[ModeSummary]) -> dict[str, str]:
+    """How `run` measured, for a report's header: cache state, order, chunks and truncations."""
+    truncated = [f"{s.config} {s.num_truncated}" for s in summaries if s.task == "all" and s.num_truncated]
+    return {
+        "cache state": "cold: device hot tier and loader host cache emptied first, KV read from the store; warm: "
+        "the same request again at once" if cache_controlled else "cold: the first request of each (item, "
+        "configuration), the server's caches as they were (not controllable over HTTP); warm: the same again",
+        "order": f"configurations shuffled per item (seed {seed}) after one warm-up pass",
+        "chunks": "each item's whole context in document order (chunk_ids; top_k requests assemble in retrieval "
+        "order unless `order: source`); over-length contexts cut in the middle by whole chunks (LongBench "
+        "pred.py); truncated items per configuration: " + (", ".join(truncated) or "none"),
+    }
+
+
 @dataclass(frozen=True)
 class ModeSummary:
     task: str  # a task name, or "all" (F1 = mean over tasks, as LongBench averages)
