@@ -47,6 +47,11 @@ class InProcessAnswerer:
         return cls(Router(config), CacheLoader(LoaderConfig(store=store, max_nbytes=LRU_NBYTES)),
                    Generator(GeneratorConfig(store=store, model=model)))
 
+    def clear_caches(self) -> None:
+        """Empty the generator's device hot tier and the loader's host cache: the next request reads the store."""
+        self.loader.clear()
+        self.generator.clear_hot_tier()
+
     def __call__(self, request: AnswerRequest) -> Answered:
         plan = asyncio.run(self.router.plan(request))
         answer = self.generator.generate_blocking(plan, Sampling.of(request), loader=self.loader)

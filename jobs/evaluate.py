@@ -5,8 +5,10 @@ Items come from LongBench-format JSONL (a folder of `<task>.jsonl` or LongBench'
 the bundled offline fixtures. Their contexts are ingested by the real Ray Data job into `--store`; the
 items then run through every mode in-process (the serving roles as plain objects, no Serve) or
 through a running service (`--url http://host:port/v1/answer`, which must serve that store).
-`--paper` runs the paper's grid instead (every baseline, uniform tiers, qvpic, the τ/B and DPI sweeps)
-and writes its tables. The report (Markdown, JSON, predictions, PNG plots) lands in `--out`.
+`--paper` runs the paper's grid instead (every baseline, uniform tiers, qvpic, the compile prefix ×
+allocation ablation, the τ/B and DPI sweeps; its store compiles the ablation variants at every tier)
+and writes its tables. Every configuration is measured cold and warm, in a seeded shuffled order
+(pipeline/eval/runner.py). The report (Markdown, JSON, predictions, PNG plots) lands in `--out`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pipeline.eval import (
     load_generic,
     load_tasks,
 )
-from schemas.config import Mode, ModelSpec, RouterSpec, ScoreNormalisation, Variant
+from schemas.config import AblationTiers, Mode, ModelSpec, RouterSpec, ScoreNormalisation, Variant
 
 # The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
 # imported where used, so that `qvpic eval --help` answers at once.
@@ -94,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
                    default=RouterSpec().normalisation, help="how relevance becomes the shares τ is compared with")
     p.add_argument("--temperature", type=float, default=RouterSpec().temperature, help="of the softmax normalisation")
     p.add_argument("--max-new-tokens", type=int, help="cap on LongBench's per-task answer lengths")
+    p.add_argument("--order-seed", type=int, default=0, help="seed of each item's shuffled configuration order")
     p.add_argument("--no-fidelity", action="store_true", help="skip fidelity to full prefill (in-process runs only)")
     p.add_argument("--fidelity-tokens", type=int, default=16, help="gold answer tokens teacher-forced for fidelity")
     p.add_argument("--legibility-grid", nargs="+", default=[f"{t}:{b}" for t, b in DEFAULT_GRID], metavar="TAU:B")
@@ -145,7 +148,8 @@ def ingest_documents(items: list[QAItem], store: str, model: ModelSpec, args: ar
         corpus = write_corpus(documents, os.path.join(folder, "documents.jsonl"))
         init_ray(quiet=True)  # the eval's own progress bars say enough
         summary = ingest(IngestConfig(corpus=corpus, store=StoreSpec(uri=store), model=model, render=render_spec(args),
-                                      chunk_tokens=args.chunk_tokens, variants=tuple(Variant)))
+                                      chunk_tokens=args.chunk_tokens, variants=tuple(Variant),
+                                      ablation_tiers=AblationTiers.EVERY if args.paper else AblationTiers.LOWEST))
     print(f"ingested {summary.indexed} documents ({summary.num_chunks} chunks, {summary.num_chunks_compiled} "
           f"compiled now) into {store}; quarantined: {summary.quarantined or 'none'}", file=sys.stderr)
 
@@ -177,10 +181,12 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
         HttpAnswerer,
         OcrJudge,
         StoreView,
+        ablation_table,
         dpi_table,
         judge_items,
         legibility_markdown,
         paper_table,
+        protocol,
         run,
         run_fidelity,
         serving_configs,
@@ -213,12 +219,13 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
                              temperature=args.temperature)
     local = InProcessAnswerer.open(store_uri, model, router_spec) if args.url is None else None
     configs, grid = configurations(args, view)
-    results = run(items, configs, local or HttpAnswerer(args.url), view, max_new_tokens=args.max_new_tokens,
-                  progress=not args.quiet)
+    results = run(items, configs, local or HttpAnswerer(args.url), view, clear_caches=local and local.clear_caches,
+                  seed=args.order_seed, max_new_tokens=args.max_new_tokens, progress=not args.quiet)
     summaries = summarize(items, results)
     fidelity = []
     if local is not None and not args.no_fidelity:
-        cached = [c for c in (grid.main + grid.dpi if grid else configs) if c.mode in REFERENCE_MODE]
+        cached = [c for c in (grid.main + tuple(grid.ablation.values()) + grid.dpi if grid else configs)
+                  if c.mode in REFERENCE_MODE]
         fidelity = run_fidelity(items, list({c.name: c for c in cached}.values()),
                                 ServedTraces(local, view, args.fidelity_tokens), progress=not args.quiet)
     fidelity_summaries = summarize_fidelity(fidelity)
@@ -242,6 +249,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
         "client": args.url or "in-process (no Serve)",
         "TTFT": "client wait for the first streamed event" if args.url else
         "route + load + render + re-anchor + prefill, as timed by the serving roles",
+        **protocol(args.url is None, args.order_seed, summaries),
         "fidelity": f"{args.fidelity_tokens} gold answer tokens teacher-forced" if fidelity else "not measured",
         "response-cache answers": sum(r.response_cache is not None for r in results),
         "wall time": f"{time.perf_counter() - started:.0f} s",
@@ -249,7 +257,9 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> EvalOutcome:
     sections, paper_md = [], None
     if grid is not None:
         paper_md = ("F1 % per task and their average; TTFT, context and vision tokens are medians over items.\n\n"
-                    + paper_table(summaries, grid.main) + "\n\nτ/B sweep (qvpic):\n\n"
+                    + paper_table(summaries, grid.main)
+                    + "\n\nThe ablation: compile prefix × allocation (KL: median over items, see fidelity):\n\n"
+                    + ablation_table(summaries, fidelity_summaries, grid) + "\n\nτ/B sweep (qvpic):\n\n"
                     + tau_budget_table(summaries, grid)
                     + "\n\nDPI sweep:\n\n" + dpi_table(summaries, grid))
         os.makedirs(args.out, exist_ok=True)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from jobs import logs
 from jobs.help import HelpFormatter
 from pipeline.ingest import CompileResources, JobResources
-from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, TierSpec, Variant
+from schemas.config import AblationTiers, DType, KVQuant, ModelSpec, RenderSpec, TierSpec, Variant
 
 if TYPE_CHECKING:  # imported where used: Ray and pyarrow would make `--help` take seconds
     from pipeline.ingest import IngestSummary
@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile only the lowest tier now; each chunk's highest tier is compiled by the "
                              "generator on its first promotion and written back to the store (recorded in the "
                              "manifest)")
+    parser.add_argument("--ablation-tiers", type=AblationTiers, choices=[a.value for a in AblationTiers],
+                        default=AblationTiers.LOWEST, help="tiers of the plain and dummy-prefix variants: the lowest "
+                        "(image_pic baselines) or every tier (the paper's compile prefix × allocation grid: "
+                        "qvpic_plain, qvpic_dummy and image_pic at any tier; `qvpic eval --paper` uses it)")
     parser.add_argument("--legibility", action="store_true",
                         help="OCR every page at every tier (tesseract) and store its character accuracy in the index: "
                              "what `qvpic serve --hybrid` uses to serve illegible chunks as text")
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus=args.corpus, store=store_spec(args), model=model_spec(args), render=render_spec(args),
         chunk_tokens=args.chunk_tokens, variants=tuple(args.variants), embedder_dir=args.embedder_dir,
         kv_quant=args.kv_quant, force=args.force, lazy_high_tier=args.lazy_high_tier, legibility=args.legibility,
-        **job_resources(args)))
+        ablation_tiers=args.ablation_tiers, **job_resources(args)))
     if cfg is None:
         return 2
 

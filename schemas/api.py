@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from schemas.config import KVQuant, Mode, Variant
+from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -56,6 +56,8 @@ class Selection(Strict):
     chunk_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
     doc_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
     top_k: JsonInt | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
+    order: ChunkOrder = Field(ChunkOrder.RETRIEVAL, description="top_k: the order retrieved chunks are assembled "
+                              "in (best first, or as they appear in their documents)")
 
     def num_given(self) -> int:
         return sum(v is not None for v in (self.chunk_ids, self.doc_ids, self.top_k))
@@ -63,8 +65,10 @@ class Selection(Strict):
 
 class Routing(Strict):
     mode: Mode = Mode.QVPIC
-    tau: JsonFloat | None = Field(None, ge=0.0, le=1.0,
-                              description="cumulative relevance share promoted (server default when null)")
+    tau: JsonFloat | None = Field(None, ge=0.0, le=MAX_RAW_TAU, description="cumulative relevance share promoted "
+                                  "(raw normalisation: cumulative cosine, may exceed 1); server default when null")
+    normalisation: ScoreNormalisation | None = Field(None, description="how relevance becomes what τ is compared "
+                                                     "with (server default when null)")
     max_high_res: JsonInt | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="budget B of promoted chunks")
     tier: str | None = Field(None, pattern=r"^[a-z][a-z0-9_]{0,31}$",
                              description="uniform modes (uniform, image_pic, image_pic_dummy): the tier of every "
@@ -75,6 +79,8 @@ class Routing(Strict):
     def _tier_fits_mode(self) -> Routing:
         if self.tier is not None and not self.mode.takes_tier:
             raise ValueError(f"mode {self.mode.value!r} takes no tier (uniform_high is uniform at the highest tier)")
+        if self.tau is not None and self.normalisation is not None:
+            check_tau(self.tau, self.normalisation)
         return self
 
 
@@ -126,7 +132,7 @@ class TierReason(str, Enum):
     LOW_BY_TAU = "low_by_tau"  # the chunks ranked above it already hold τ of the relevance (or it has no share)
     LOW_BY_B = "low_by_b"  # B chunks were already promoted
     LOW_BY_BUDGET = "low_by_budget"  # its promotion would not fit the token budget
-    NO_HIGH_ENTRY = "no_high_entry"  # promoted, but its high-tier entry is not compiled: served at the low tier
+    NO_HIGH_ENTRY = "no_high_entry"  # within τ, but no high-tier entry is compiled: served low, took no B slot
     HYBRID_TEXT = "hybrid_text"  # the hybrid rule serves it as text
     MODE = "mode"  # the mode serves every chunk at one tier (or as text): nothing was routed
 

@@ -97,12 +97,31 @@ class Mode(str, Enum):
     UNIFORM = "uniform"  # link cached templated image KV, every chunk at one tier (highest by default)
     UNIFORM_HIGH = "uniform_high"  # `uniform` at the highest tier
     QVPIC = "qvpic"  # templated image KV, relevance-routed dual resolution
+    # qvpic's routing over the ablation prefixes (the paper's compile prefix × allocation grid); promotion
+    # needs the variant at the target tier: `qvpic ingest --ablation-tiers every`
+    QVPIC_PLAIN = "qvpic_plain"  # prefix-free image KV, relevance-routed dual resolution
+    QVPIC_DUMMY = "qvpic_dummy"  # dummy-prefix image KV, relevance-routed dual resolution
 
     @property
     def takes_tier(self) -> bool:
         """Whether a request's `tier` applies: the tier of every chunk (uniform modes) or the promotion
         target (routed modes). Text modes have no tiers; uniform_high's is fixed."""
-        return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC)
+        return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC,
+                        Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY)
+
+
+class AblationTiers(str, Enum):
+    """The tiers a store compiles the ablation variants (`plain`, `dummy`) at (`qvpic ingest --ablation-tiers`)."""
+
+    LOWEST = "lowest"  # the image_pic baselines at their default tier: the lean production store
+    EVERY = "every"  # every tier, so each compile prefix can be served at every allocation (`qvpic eval --paper`)
+
+
+class ChunkOrder(str, Enum):
+    """The order retrieved (`top_k`) chunks are assembled in; named chunks and documents keep the request's."""
+
+    RETRIEVAL = "retrieval"  # best first (ties by catalog order)
+    SOURCE = "source"  # catalog order: each document's chunks as they appear in it
 
 
 class RecomputeKind(str, Enum):
@@ -119,6 +138,7 @@ class ScoreNormalisation(str, Enum):
     """How the router turns cosine relevances into the shares that τ is compared against."""
 
     LINEAR = "linear"  # negatives clipped to 0, then each score over their sum
+    RAW = "raw"  # negatives clipped to 0, not divided: τ is a cumulative cosine, not bounded by 1
     SOFTMAX = "softmax"  # softmax of score / temperature: every chunk gets a share, sharper as T falls
 
 
@@ -234,14 +254,28 @@ class HybridSpec(Frozen):
     illegible_text_cost_ratio: float = Field(2.0, gt=0.0, le=16.0)
 
 
+MAX_RAW_TAU = 1024.0  # a raw cumulative cosine: at most one per chunk of a request (MAX_IDS_PER_REQUEST)
+
+
+def check_tau(tau: float, normalisation: ScoreNormalisation) -> None:
+    """Shares sum to 1, so τ > 1 promotes as τ = 1 would: refused, except for raw cosines, which are unbounded."""
+    if tau > 1.0 and normalisation is not ScoreNormalisation.RAW:
+        raise ValueError(f"τ={tau:g} > 1 needs the raw normalisation ({normalisation.value} shares sum to 1)")
+
+
 class RouterSpec(Frozen):
     """Defaults of the relevance router; τ and B can be overridden per request."""
 
-    tau: float = Field(0.5, ge=0.0, le=1.0)  # cumulative relevance share that is promoted
+    tau: float = Field(0.5, ge=0.0, le=MAX_RAW_TAU)  # cumulative relevance share (raw: cosine) that is promoted
     max_high_res: int = Field(4, ge=0)  # budget B of promoted chunks
     normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR
     temperature: float = Field(0.05, gt=0.0, le=10.0)  # of the softmax normalisation; unused by linear
     hybrid: HybridSpec = HybridSpec()  # text instead of pages per chunk, by a declared rule (off by default)
+
+    @model_validator(mode="after")
+    def _tau_fits_normalisation(self) -> "RouterSpec":
+        check_tau(self.tau, self.normalisation)
+        return self
 
 
 class RecomputeSpec(Frozen):

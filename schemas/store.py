@@ -32,6 +32,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.config import (
     DUMMY_PREFIX_SEED,
+    AblationTiers,
     ChunkKind,
     CompilePrefix,
     DType,
@@ -195,6 +196,8 @@ class Manifest(Frozen):
     # Tiers whose templated entries are compiled on first promotion, by the generator that needs them,
     # instead of at ingest (`qvpic ingest --lazy-high-tier`); never the lowest tier, which backs them up.
     lazy_tiers: tuple[str, ...] = ()
+    # The tiers the ablation variants (plain, dummy) are compiled at (`qvpic ingest --ablation-tiers`).
+    ablation_tiers: AblationTiers = AblationTiers.LOWEST
 
     @field_validator("schema_version")
     @classmethod

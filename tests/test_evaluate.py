@@ -34,6 +34,7 @@ from pipeline.eval import (
     item_request,
     judge_items,
     load_tasks,
+    middle_cut,
     paper_grid,
     run,
     run_fidelity,
@@ -44,16 +45,17 @@ from pipeline.eval import (
     synthetic,
     write_report,
 )
-from pipeline.eval.evaluation import EvalError, ItemResult, RequestFailed, context_doc_id
+from pipeline.eval.evaluation import EvalError, RequestFailed, context_doc_id
 from pipeline.eval.evidence import find_evidence
 from pipeline.eval.report import PREDICTIONS_JSONL, REPORT_JSON, SCATTER_PNG
+from pipeline.eval.runner import ItemResult
 from pipeline.eval.scoring import qa_f1, score
 from pipeline.ingest import Chunker
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec, RouterSpec
+from schemas.config import Mode, ModelSpec, RouterSpec, Variant
 from schemas.corpus import Document
-from schemas.errors import TooLargeError
+from schemas.errors import TooLargeError, UnservableError
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig
@@ -216,6 +218,68 @@ def test_a_failed_request_is_recorded_and_scored_zero(eval_store):
     assert [r.f1 for r in results] == [0.0, 0.0] and all("TooLargeError" in r.error for r in results)
 
 
+def test_cold_runs_find_no_cached_kv_whatever_ran_before(eval_store):
+    """qvpic's cold request finds nothing in the device hot tier or the host cache, whether it runs first or
+    right after uniform_high (which links the same high-tier entries); the warm one finds all on the device."""
+    _, items, view, answerer = eval_store
+    configs = [Mode.UNIFORM_HIGH, Mode.QVPIC]
+    results = run(items, configs, answerer, view, clear_caches=answerer.clear_caches, seed=0, max_new_tokens=2,
+                  progress=False)
+    qvpic = [r for r in results if r.mode is Mode.QVPIC]
+    assert [r.position for r in qvpic] == [0, 1, 0]  # seed 0: first, after uniform_high, first
+    for r in results:
+        num_chunks = len(view.chunk_ids(next(i for i in items if i.id == r.item_id)))
+        assert (r.cache["device_hits"], r.cache["hits"], r.cache["misses"]) == (0, 0, num_chunks), r
+        assert (r.cache_warm["device_hits"], r.cache_warm["misses"]) == (num_chunks, 0), r
+        assert r.ttft_ms > 0 and r.ttft_warm_ms > 0
+    # negative control: the runner without clearing (the old order-dependent state) finds qvpic's KV hot
+    uncleared = run(items, configs, answerer, view, seed=0, max_new_tokens=2, progress=False)
+    assert all(r.cache["device_hits"] > 0 for r in uncleared if r.mode is Mode.QVPIC)
+
+
+def test_over_length_contexts_are_cut_in_the_middle(eval_store):
+    assert middle_cut(list("abcdefg"), 4) == ["a", "b", "f", "g"] and middle_cut(list("abcde"), 3) == ["a", "b", "e"]
+    _, items, view, answerer = eval_store
+    item = max(items, key=lambda i: len(view.chunk_ids(i)))
+    ids = view.chunk_ids(item)
+    assert len(ids) >= 3
+    seen: list[list[str]] = []
+
+    def two_chunks_fit(request):
+        seen.append(request.chunk_ids)
+        if len(request.chunk_ids) > 2:
+            raise TooLargeError("request needs more tokens than the context holds")
+        return answerer(request)
+
+    (result,) = run([item], [Mode.QVPIC], two_chunks_fit, view, max_new_tokens=2, progress=False)
+    assert result.error is None and result.num_chunks_dropped == len(ids) - 2
+    assert seen[-1] == [ids[0], ids[-1]] and result.context_tokens > 0  # the warm request: the same cut
+    assert summarize([item], [result])[-1].num_truncated == 1
+
+    def unservable(request):  # negative control: only an over-length refusal is truncated
+        raise UnservableError("entries missing")
+
+    (failed,) = run([item], [Mode.QVPIC], unservable, view, progress=False)
+    assert "UnservableError" in failed.error and failed.num_chunks_dropped == 0
+
+
+def test_fallbacks_and_full_image_phases_are_recorded(eval_store, monkeypatch):
+    _, items, view, answerer = eval_store
+    catalog = answerer.router.snapshot.catalog
+    stored = catalog.entries_of
+    high = ("high", Variant.TEMPLATE)  # as if never compiled: uniform_high falls back to the lowest tier
+    monkeypatch.setattr(catalog, "entries_of", lambda rows: [{k: v for k, v in s.items() if k != high}
+                                                             for s in stored(rows)])
+    results = run(items[:1], [Mode.UNIFORM_HIGH, Mode.FULL_IMAGE], answerer, view, max_new_tokens=2, progress=False)
+    uniform_high, full_image = results
+    ids = view.chunk_ids(items[0])
+    assert [(f["chunk_id"], f["requested_tier"], f["served_tier"]) for f in uniform_high.fallbacks] == [
+        (c, "high", "low") for c in ids]
+    rows = {s.config: s for s in summarize(items[:1], results) if s.task == "all"}
+    assert rows["uniform_high"].num_fallbacks == len(ids)
+    assert rows["full_image"].render_median_ms > 0 and rows["full_image"].prefill_median_ms > 0
+
+
 def test_summary_matches_longbench_scoring_and_counts_errors():
     rng = random.Random(0)
     items = fixture_items()
@@ -337,12 +401,13 @@ def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # 
     assert all(s["num_errors"] == 0 and 0 <= s["f1_percent"] <= 100 for s in document["summary"])
     assert {s["mode"] for s in document["summary"]} == {m.value for m in Mode} - {Mode.UNIFORM_HIGH.value}
     fidelity = {s["config"]: s for s in document["fidelity"]["summary"] if s["task"] == "all"}
-    cached = {c.name for c in grid.main + grid.dpi if c.mode in REFERENCE_MODE}
+    cached = {c.name for c in grid.main + tuple(grid.ablation.values()) + grid.dpi if c.mode in REFERENCE_MODE}
     assert set(fidelity) == cached and all(s["num_errors"] == 0 for s in fidelity.values())
     for name, summary in fidelity.items():  # linking multi-chunk contexts costs something, never nothing
         assert summary["median"]["kl"] > 0 and 0 < summary["median"]["hidden_rel_l2"] < 1, name
     markdown = (out / REPORT_MD).read_text()
     for heading in ("MuSiQue", "Avg", "TTFT ms", "vision tokens", "τ/B sweep", "DPI sweep", "hidden rel-L2",
+                    "compile prefix", "qvpic_plain", "image_pic (prefix-free) high (120 DPI)", "TTFT ms warm",
                     "image_pic (dummy prefix)", "text_pic (prefix-free)", "uniform mid (96 DPI)", "qvpic → mid"):
         assert heading in markdown, heading
     for png in (SCATTER_PNG, SWEEP_PNG):
@@ -353,3 +418,6 @@ def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # 
     assert legibility["uniform_high"]["recovered_percent"] >= legibility["image_pic (uniform low)"]["recovered_percent"]
     manifest = json.loads((out / "paper-store" / "manifest.json").read_text())
     assert [t["dpi"] for t in manifest["render"]["tiers"]] == [72, 96, 120] and len(manifest["variants"]) == 5
+    assert manifest["ablation_tiers"] == "every"  # so the ablation's routed prefixes can promote
+    overall = {s["config"]: s for s in document["summary"] if s["task"] == "all"}
+    assert overall["qvpic_plain"]["num_high_median"] >= 1 and overall["qvpic_dummy"]["num_high_median"] >= 1

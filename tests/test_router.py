@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ScoreNormalisation, Variant
-from schemas.errors import TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
+from schemas.errors import ApiError, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
 from serve.plan import Plan
 from serve.routing import Router
 from serve.routing.placement import allocate, relevance_shares
@@ -235,3 +235,93 @@ def test_missing_entries_fall_back_or_refuse(roles, monkeypatch):
     drop((None, Variant.TEXT))
     with pytest.raises(UnservableError, match="invoices#00000"):
         plan(roles.router, chunk_ids=["invoices#00000"], mode=Mode.TEXT_PIC)
+
+
+# ---- τ normalisations, hand-worked (issue 24) -----------------------------------------------------
+LINEAR, RAW = ScoreNormalisation.LINEAR, ScoreNormalisation.RAW
+# (relevance, τ, B, promotion costs, normalisation, promoted): worked by hand from the rule "walk the chunks
+# by relevance; promote while the sum of what the chunks above contribute is below τ", a chunk
+# contributing its cosine over the positive ones' sum (linear) or its cosine itself (raw; negatives: 0)
+TAU_CASES = [
+    ([0.6, 0.3, 0.1], 0.5, 4, [1, 1, 1], LINEAR, [True, False, False]),  # 0.6 above the 2nd ≥ 0.5
+    ([0.4, 0.4, 0.2], 0.5, 4, [1, 1, 1], LINEAR, [True, True, False]),  # 0.4 < 0.5, then 0.8
+    ([0.5, -0.5, 0.5], 0.6, 4, [1, 1, 1], LINEAR, [True, False, True]),  # a negative cosine has no share
+    ([0.3, 0.2, 0.1], 0.5, 4, [1, 1, 1], LINEAR, [True, False, False]),  # shares 1/2, 1/3, 1/6
+    ([0.3, 0.2, 0.1], 0.5, 4, [1, 1, 1], RAW, [True, True, False]),  # sums 0, 0.3 < 0.5, then 0.5
+    ([0.9, 0.8, 0.7, -0.1], 1.2, 4, [1] * 4, RAW, [True, True, False, False]),  # τ past 1: 0, 0.9, then 1.7
+    ([0.04, 0.03], 0.05, 4, [1, 1], RAW, [True, True]),  # 0, then 0.04 < 0.05
+    ([0.04, 0.03], 0.05, 4, [1, 1], LINEAR, [True, False]),  # 4/7 above the 2nd
+    # no high-tier entry (cost None): no candidate and no B slot, its share still counts toward τ
+    ([0.9, 0.8, 0.7], 1.0, 1, [None, 5, 5], LINEAR, [False, True, False]),
+    ([0.9, 0.8, 0.7], 2.0, 1, [None, None, 5], RAW, [False, False, True]),  # sums 0, 0.9, 1.7 < 2
+]
+
+
+@pytest.mark.parametrize("relevance, tau, max_high_res, costs, normalisation, expected", TAU_CASES)
+def test_tau_normalisations_against_hand_worked_cases(relevance, tau, max_high_res, costs, normalisation, expected):
+    assert allocate(relevance, tau, max_high_res, costs, None, normalisation) == expected
+
+
+def test_tau_cases_discriminate():
+    """Negative controls: the other normalisation, or a missing entry priced 0 as before, give other promotions."""
+    assert allocate([0.3, 0.2, 0.1], 0.5, 4, [1, 1, 1], None, LINEAR) != [True, True, False]
+    assert allocate([0.9, 0.8, 0.7], 1.0, 1, [0, 5, 5], None, LINEAR) == [True, False, False]  # took the B slot
+    np.testing.assert_allclose(relevance_shares([0.5, -0.2, 0.25], RAW), [0.5, 0.0, 0.25])
+
+
+def test_tau_above_one_needs_the_raw_normalisation(roles):
+    from schemas.config import RouterSpec
+
+    assert RouterSpec(tau=2.5, normalisation=RAW).tau == 2.5
+    with pytest.raises(ValidationError, match="raw normalisation"):
+        RouterSpec(tau=1.5)
+    with pytest.raises(ValidationError, match="raw normalisation"):
+        AnswerRequest(query="q", top_k=2, tau=1.5, normalisation=LINEAR)
+    with pytest.raises(ApiError, match="raw normalisation"):  # the server's default is linear
+        plan(roles.router, doc_ids=["invoices"], tau=1.5)
+    raw = plan(roles.router, doc_ids=["invoices", "manual"], tau=50.0, max_high_res=2, normalisation=RAW)
+    assert sum(c.tier == "high" for c in raw.chunks) == 2
+
+
+def test_a_chunk_without_a_high_tier_entry_takes_no_b_slot(roles, monkeypatch):
+    docs = ["invoices", "manual"]
+    best = max(plan(roles.router, doc_ids=docs).chunks, key=lambda c: c.relevance)
+    catalog = roles.router.snapshot.catalog
+    stored = catalog.entries_of
+    rows_of_best = set(catalog.rows_of_chunks([best.chunk_id])[0])
+    monkeypatch.setattr(catalog, "entries_of", lambda rows: [
+        {k: v for k, v in s.items() if k != ("high", Variant.TEMPLATE) or r not in rows_of_best}
+        for r, s in zip(rows, stored(rows))])
+    planned = plan(roles.router, doc_ids=docs, tau=1.0, max_high_res=1)
+    tiers = {c.chunk_id: c.tier for c in planned.chunks}
+    runner_up = sorted(planned.chunks, key=lambda c: -c.relevance)[1]
+    assert tiers[best.chunk_id] == "low" and tiers[runner_up.chunk_id] == "high" and not planned.fallbacks
+    # the ablation prefixes route alike: this store has plain/dummy at the lowest tier only, so nothing is promoted
+    for mode, variant in ((Mode.QVPIC_PLAIN, Variant.PLAIN), (Mode.QVPIC_DUMMY, Variant.DUMMY)):
+        routed = plan(roles.router, doc_ids=docs, mode=mode, tau=1.0, max_high_res=4)
+        assert {(c.tier, c.entry.variant) for c in routed.chunks} == {("low", variant)} and not routed.fallbacks
+
+
+def test_retrieved_chunks_in_source_or_retrieval_order(roles):
+    from schemas.config import ChunkOrder
+
+    retrieved = plan(roles.router, top_k=4)
+    source = plan(roles.router, top_k=4, order=ChunkOrder.SOURCE)
+    rows = roles.router.snapshot.catalog.rows_of_chunks([c.chunk_id for c in retrieved.chunks])[0]
+    assert [c.chunk_id for c in source.chunks] == [c.chunk_id for _, c in sorted(zip(rows, retrieved.chunks))]
+    assert [c.relevance for c in retrieved.chunks] == sorted((c.relevance for c in retrieved.chunks), reverse=True)
+    assert [c.chunk_id for c in source.chunks] != [c.chunk_id for c in retrieved.chunks]  # the two orders differ here
+
+
+def test_ablation_tiers_widen_the_plain_and_dummy_slots(serving_store):
+    from pipeline.store import Store, entry_slots
+    from schemas.config import AblationTiers
+
+    lean = Store.open(serving_store.uri).load_manifest_or_raise()
+    wide = lean.model_copy(update={"ablation_tiers": AblationTiers.EVERY})
+    variants = (Variant.TEMPLATE, Variant.PLAIN, Variant.DUMMY, Variant.TEXT)
+    assert entry_slots(lean, variants) == [("low", Variant.TEMPLATE), ("high", Variant.TEMPLATE),
+                                           ("low", Variant.PLAIN), ("low", Variant.DUMMY), (None, Variant.TEXT)]
+    assert entry_slots(wide, variants) == [("low", Variant.TEMPLATE), ("high", Variant.TEMPLATE),
+                                           ("low", Variant.PLAIN), ("high", Variant.PLAIN),
+                                           ("low", Variant.DUMMY), ("high", Variant.DUMMY), (None, Variant.TEXT)]

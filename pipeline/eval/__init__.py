@@ -7,8 +7,7 @@ from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "evaluation": [
-        "Answered", "HttpAnswerer", "ServingConfig", "StoreView", "corpus_documents", "item_request", "run",
-        "summarize", "write_corpus"
+        "Answered", "HttpAnswerer", "ServingConfig", "StoreView", "corpus_documents", "item_request", "write_corpus"
     ],
     "evidence": ["OcrJudge", "RoutePlanner", "RoutedChunk", "judge_items", "serving_configs", "summarize_evidence"],
     "fidelity": [
@@ -19,9 +18,10 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "longbench": ["LONGBENCH_QA_TASKS", "QAItem", "QATask", "load_generic", "load_tasks"],
     "markdown": ["BENCHMARKS_MD", "markdown_table", "write_section"],
     "paper": [
-        "DEFAULT_BUDGETS", "DEFAULT_TAUS", "PAPER_TIERS", "SWEEP_PNG", "dpi_table", "fidelity_table",
-        "paper_grid", "paper_table", "sweep_png", "tau_budget_table"
+        "DEFAULT_BUDGETS", "DEFAULT_TAUS", "PAPER_TIERS", "SWEEP_PNG", "ablation_table", "dpi_table",
+        "fidelity_table", "paper_grid", "paper_table", "sweep_png", "tau_budget_table"
     ],
     "report": ["REPORT_MD", "legibility_markdown", "summary_markdown", "write_report"],
+    "runner": ["ItemResult", "ModeSummary", "middle_cut", "protocol", "run", "summarize"],
     "synthetic": ["evidence_chunks", "generate"],
 })

@@ -16,26 +16,24 @@ instruction rather than a stored text chunk: its KV is computed at its true posi
 attention to the template, as in the official prompt, in every mode alike (the generator keeps it per
 distinct instruction); changing an instruction needs no ingest; and the router never sees it. Chunks
 are stripped of surrounding whitespace by the chunker, so the blank lines around `{context}` are not
-in the token stream; that is the only textual difference from the prompt LongBench's `pred.py` builds
-(before its truncation, which qvpic does not do: an item over the model's context is an error, scored
-0, never truncated silently).
+in the token stream; that is the only textual difference from the prompt LongBench's `pred.py` builds.
+An item over the model's context is truncated in the middle as `pred.py` does, by whole chunks
+(`pipeline/eval/runner.py`), and counted.
+
+How the items run, cold and warm, in a shuffled order: `pipeline/eval/runner.py`.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
-import numpy as np
-from tqdm import tqdm
 
-from pipeline.eval.longbench import QAItem, QATask
-from pipeline.eval.scoring import qa_f1, score
+from pipeline.eval.longbench import QAItem
 from pipeline.store import Store
 from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, StreamEventType
 from schemas.config import Mode, RenderSpec, Variant
@@ -52,6 +50,8 @@ MODE_CONTEXT: dict[Mode, str] = {
     Mode.UNIFORM: "every chunk's page KV at one tier (highest unless set), compiled under the template prefix",
     Mode.UNIFORM_HIGH: "every chunk's high-tier page KV, compiled under the template prefix, re-anchored",
     Mode.QVPIC: "templated page KV, high tier for the chunks the relevance router promotes (τ, B), low otherwise",
+    Mode.QVPIC_PLAIN: "qvpic's routing over prefix-free page KV (the ablation: no compile prefix)",
+    Mode.QVPIC_DUMMY: "qvpic's routing over dummy-prefix page KV (the ablation: a prefix of the template's length)",
 }
 
 
@@ -199,91 +199,3 @@ def item_request(item: QAItem, view: StoreView, config: ServingConfig,
                          query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,
                          tau=config.tau, max_high_res=config.max_high_res, tier=config.tier,
                          max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    task: QATask
-    item_id: str
-    config: str  # ServingConfig.name
-    mode: Mode
-    prediction: str  # "" when the request failed
-    f1: float  # LongBench QA F1 in [0, 1]; a failed request scores 0, so the denominator never shrinks
-    ttft_ms: float | None
-    context_tokens: int | None
-    vision_tokens: int | None
-    num_high: int | None  # chunks served at the high tier
-    kv_nbytes: int | None  # KV bytes linked into the context
-    timings: dict[str, float] | None
-    error: str | None = None
-    response_cache: str | None = None  # the server's response-cache level that answered, if one did
-
-
-def run(items: Sequence[QAItem], configs: Sequence[ServingConfig | Mode], answer: Answerer, view: StoreView, *,
-        max_new_tokens: int | None = None, progress: bool = True) -> list[ItemResult]:
-    """Every item through every configuration (a bare mode: the server's routing defaults), configurations
-    interleaved per item so machine drift hits them alike."""
-    view.check(items)
-    configs = [c if isinstance(c, ServingConfig) else ServingConfig.of(c) for c in configs]
-    results = []
-    with tqdm(total=len(items) * len(configs), desc="eval", unit="req", disable=not progress) as bar:
-        for item in items:
-            for config in configs:
-                request = item_request(item, view, config, max_new_tokens)
-                try:
-                    answered = answer(request)
-                except ApiError as error:
-                    results.append(ItemResult(item.task, item.id, config.name, config.mode, "", 0.0, None, None, None,
-                                              None, None, None, f"{type(error).__name__}: {error}"))
-                else:
-                    report = answered.report
-                    results.append(ItemResult(
-                        item.task, item.id, config.name, config.mode, answered.text, qa_f1(answered.text, item.answers),
-                        answered.ttft_ms, report.usage.context_tokens, report.usage.context_vision_tokens,
-                        sum(c.tier == view.high_tier for c in report.chunks), view.linked_nbytes(report),
-                        report.timings.model_dump(), None,
-                        report.response_cache.level.value if report.response_cache.level else None))
-                bar.update()
-    return results
-
-
-@dataclass(frozen=True)
-class ModeSummary:
-    task: str  # a task name, or "all" (F1 = mean over tasks, as LongBench averages)
-    config: str
-    mode: Mode
-    num_items: int
-    num_errors: int
-    f1_percent: float
-    ttft_median_ms: float | None
-    ttft_p90_ms: float | None
-    context_tokens_median: float | None
-    vision_tokens_median: float | None
-    kv_nbytes_median: float | None
-    num_high_median: float | None
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _summary(task: str, results: list[ItemResult], f1_percent: float) -> ModeSummary:
-    ok = [r for r in results if r.error is None]
-    ttfts = [r.ttft_ms for r in ok]
-    return ModeSummary(task, results[0].config, results[0].mode, len(results), len(results) - len(ok), f1_percent,
-                       _median(ttfts), float(np.percentile(ttfts, 90)) if ttfts else None,
-                       _median([r.context_tokens for r in ok]), _median([r.vision_tokens for r in ok]),
-                       _median([r.kv_nbytes for r in ok]), _median([r.num_high for r in ok]))
-
-
-def summarize(items: Sequence[QAItem], results: Sequence[ItemResult]) -> list[ModeSummary]:
-    """Per task and configuration, then per configuration over all tasks; F1 scored by `pipeline.eval.scoring.score`."""
-    by_key = {(r.task, r.item_id, r.config): r for r in results}
-    rows = []
-    for config in dict.fromkeys(r.config for r in results):
-        config_results = [by_key[(item.task, item.id, config)] for item in items]
-        scores = score([r.prediction for r in config_results], items)
-        for task, task_score in scores.items():
-            rows.append(_summary(task.value, [r for r in config_results if r.task is task], task_score.f1_percent))
-        rows.append(_summary("all", config_results, statistics.fmean(s.f1_percent for s in scores.values())))
-    return rows

@@ -107,8 +107,8 @@ def answer_token_ids(vlm, item: QAItem, num_tokens: int) -> list[int]:
 
 
 # ---- over an evaluation's items and modes -----------------------------------------------------------
-CACHED_MODES = (Mode.QVPIC, Mode.UNIFORM, Mode.UNIFORM_HIGH, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY,
-                Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN)
+CACHED_MODES = (Mode.QVPIC, Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY, Mode.UNIFORM, Mode.UNIFORM_HIGH, Mode.IMAGE_PIC,
+                Mode.IMAGE_PIC_DUMMY, Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN)
 REFERENCE_MODE = {mode: Mode.FULL_TEXT if mode in (Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN) else Mode.FULL_IMAGE
                   for mode in CACHED_MODES}
 

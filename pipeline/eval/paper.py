@@ -1,10 +1,14 @@
 """The paper's experiments as one grid, and its tables.
 
 Main grid: the six LongBench QA tasks × {full_text, full_image, text_pic, text_pic (prefix-free),
-image_pic, image_pic (dummy prefix), uniform at every tier, qvpic}; the τ/B sweep (qvpic at every
-(τ, B)); the DPI sweep (uniform at every tier, and qvpic promoting to every tier between the lowest and
-the highest). Tables follow the paper's layout: F1 per task and their average, TTFT, context and
-vision tokens; plus the fidelity-to-full-prefill table of every cached configuration.
+image_pic (at the lowest and the highest tier), image_pic (dummy prefix), uniform at every tier, qvpic};
+the ablation (compile prefix none / dummy / template × allocation uniform lowest / uniform highest /
+query-aware dual: image_pic, image_pic_dummy and uniform at both tiers, qvpic_plain, qvpic_dummy and
+qvpic); the τ/B sweep (qvpic at every (τ, B)); the DPI sweep (uniform at every tier, and qvpic promoting
+to every tier between the lowest and the highest). Tables follow the paper's layout: F1 per task and
+their average, TTFT cold and warm, context and vision tokens; plus the fidelity-to-full-prefill table of
+every cached configuration. The ablation needs a store with the plain and dummy variants at every tier
+(`qvpic ingest --ablation-tiers every`, which `--paper` ingests with).
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from typing import TYPE_CHECKING
 
 from pipeline.eval.longbench import LONGBENCH_QA_TASKS
 from pipeline.eval.markdown import markdown_table
-from schemas.config import Mode, TierSpec
+from schemas.config import CompilePrefix, Mode, TierSpec
 
 # `qvpic eval --help` reads this module's defaults: the harness (store, torch) is imported where used.
 if TYPE_CHECKING:
-    from pipeline.eval.evaluation import ModeSummary, ServingConfig
+    from pipeline.eval.evaluation import ServingConfig
     from pipeline.eval.fidelity import FidelitySummary
+    from pipeline.eval.runner import ModeSummary
 
 PAPER_TIERS = ("low=72", "mid=96", "high=120")  # the DPI sweep's default tiers
 DEFAULT_TAUS = (0.3, 0.5, 0.9)
@@ -32,10 +37,20 @@ TASK_LABELS = {"narrativeqa": "NQA", "qasper": "Qasper", "multifieldqa_en": "MFQ
 BASELINES = (Mode.FULL_TEXT, Mode.FULL_IMAGE, Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)
 NAMES = {Mode.TEXT_PIC_PLAIN: "text_pic (prefix-free)", Mode.IMAGE_PIC: "image_pic (prefix-free)",
          Mode.IMAGE_PIC_DUMMY: "image_pic (dummy prefix)"}
+# the ablation's rows: per compile prefix, its uniform mode and its routed (query-aware dual) mode
+ABLATION_MODES = {CompilePrefix.NONE: (Mode.IMAGE_PIC, Mode.QVPIC_PLAIN),
+                  CompilePrefix.DUMMY: (Mode.IMAGE_PIC_DUMMY, Mode.QVPIC_DUMMY),
+                  CompilePrefix.TEMPLATE: (Mode.UNIFORM, Mode.QVPIC)}
+ALLOCATIONS = ("uniform lowest", "uniform highest", "query-aware dual")
 
 
 def uniform_name(tier: TierSpec) -> str:
     return f"uniform {tier.name} ({tier.dpi} DPI)"
+
+
+def at_tier_name(mode: Mode, tier: TierSpec) -> str:
+    """A uniform baseline served at `tier`: `image_pic (prefix-free) high (120 DPI)`."""
+    return f"{NAMES.get(mode, mode.value)} {tier.name} ({tier.dpi} DPI)"
 
 
 def promote_name(tier: TierSpec, tiers_by_dpi: Sequence[TierSpec]) -> str:
@@ -49,11 +64,13 @@ class PaperGrid:
     tau_budget: tuple[ServingConfig, ...]
     dpi: tuple[ServingConfig, ...]
     tiers: tuple[TierSpec, ...]  # by DPI
+    ablation: dict[tuple[CompilePrefix, str], ServingConfig]  # (compile prefix, allocation) → configuration
 
     @property
     def configs(self) -> list[ServingConfig]:
         """Every distinct configuration once, main grid first."""
-        return list({c.name: c for c in self.main + self.tau_budget + self.dpi}.values())
+        every = self.main + tuple(self.ablation.values()) + self.tau_budget + self.dpi
+        return list({c.name: c for c in every}.values())
 
 
 def paper_grid(tiers: Sequence[TierSpec], taus: Sequence[float] = DEFAULT_TAUS,
@@ -62,11 +79,21 @@ def paper_grid(tiers: Sequence[TierSpec], taus: Sequence[float] = DEFAULT_TAUS,
     from pipeline.eval.evaluation import ServingConfig
 
     by_dpi = tuple(sorted(tiers, key=lambda t: t.dpi))
+    highest = by_dpi[-1]
     uniform = tuple(ServingConfig(uniform_name(t), Mode.UNIFORM, tier=t.name) for t in by_dpi)
-    main = tuple(ServingConfig(NAMES.get(m, m.value), m) for m in BASELINES) + uniform + (ServingConfig.of(Mode.QVPIC),)
+    baselines = {m: ServingConfig(NAMES.get(m, m.value), m) for m in BASELINES}  # image_pic*: the lowest tier
+    at_highest = {m: ServingConfig(at_tier_name(m, highest), m, tier=highest.name)
+                  for m in (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)}
+    main = (tuple(baselines.values()) + (at_highest[Mode.IMAGE_PIC],) + uniform + (ServingConfig.of(Mode.QVPIC),))
+    ablation = {}
+    for prefix, (uniform_mode, routed) in ABLATION_MODES.items():
+        low_high = (uniform[0], uniform[-1]) if uniform_mode is Mode.UNIFORM else \
+            (baselines[uniform_mode], at_highest[uniform_mode])
+        for allocation, config in zip(ALLOCATIONS, low_high + (ServingConfig.of(routed),)):
+            ablation[(prefix, allocation)] = config
     sweep = tuple(ServingConfig(f"qvpic τ={tau:g} B={b}", Mode.QVPIC, tau, b) for tau in taus for b in budgets)
     promote = tuple(ServingConfig(promote_name(t, by_dpi), Mode.QVPIC, tier=t.name) for t in by_dpi[1:-1])
-    return PaperGrid(main, sweep, uniform + promote, by_dpi)
+    return PaperGrid(main, sweep, uniform + promote, by_dpi, ablation)
 
 
 def _all(summaries: Sequence[ModeSummary]) -> dict[str, ModeSummary]:
@@ -84,19 +111,36 @@ def paper_table(summaries: Sequence[ModeSummary], configs: Sequence[ServingConfi
         if overall is None:
             continue
         rows.append([config.name] + [cell[(config.name, t)].f1_percent for t in tasks]
-                    + [overall.f1_percent, overall.ttft_median_ms, overall.context_tokens_median,
-                       overall.vision_tokens_median])
+                    + [overall.f1_percent, overall.ttft_median_ms, overall.ttft_warm_median_ms,
+                       overall.render_median_ms, overall.prefill_median_ms, overall.context_tokens_median,
+                       overall.vision_tokens_median, overall.num_truncated])
     headers = (["method"] + [TASK_LABELS.get(t, t) for t in tasks]
-               + ["Avg", "TTFT ms", "context tokens", "vision tokens"])
+               + ["Avg", "TTFT ms cold", "TTFT ms warm", "render ms", "prefill ms", "context tokens",
+                  "vision tokens", "truncated"])
     return markdown_table(headers, rows)
+
+
+def ablation_table(summaries: Sequence[ModeSummary], fidelity: Sequence[FidelitySummary], grid: PaperGrid) -> str:
+    """The paper's two factors apart: compile prefix × allocation (the lowest and highest tiers, or routed)."""
+    overall = _all(summaries)
+    kl = {s.config: s.median["kl"] for s in fidelity if s.task == "all"}
+    rows = []
+    for (prefix, allocation), config in grid.ablation.items():
+        s = overall.get(config.name)
+        rows.append([prefix.value, allocation, config.name] + ([s.f1_percent, s.ttft_median_ms, s.ttft_warm_median_ms,
+                                                                s.context_tokens_median] if s else [None] * 4)
+                    + [kl.get(config.name)])
+    return markdown_table(["compile prefix", "allocation", "configuration", "Avg F1 %", "TTFT ms cold",
+                           "TTFT ms warm", "context tokens", "KL to full prefill (nats)"], rows)
 
 
 def tau_budget_table(summaries: Sequence[ModeSummary], grid: PaperGrid) -> str:
     overall = _all(summaries)
     rows = [[c.tau, c.max_high_res, overall[c.name].f1_percent, overall[c.name].ttft_median_ms,
-             overall[c.name].vision_tokens_median, overall[c.name].num_high_median]
+             overall[c.name].ttft_warm_median_ms, overall[c.name].vision_tokens_median, overall[c.name].num_high_median]
             for c in grid.tau_budget if c.name in overall]
-    return markdown_table(["τ", "B", "Avg F1 %", "TTFT ms", "vision tokens", "promoted chunks"], rows)
+    return markdown_table(["τ", "B", "Avg F1 %", "TTFT ms cold", "TTFT ms warm", "vision tokens", "promoted chunks"],
+                          rows)
 
 
 def dpi_table(summaries: Sequence[ModeSummary], grid: PaperGrid) -> str:
@@ -108,8 +152,8 @@ def dpi_table(summaries: Sequence[ModeSummary], grid: PaperGrid) -> str:
         promoted = None if tier is grid.tiers[0] else overall.get(promote_name(tier, grid.tiers))
         rows.append([tier.name, tier.dpi] + [getattr(s, f) if s else None for s in (uniform, promoted)
                                              for f in ("f1_percent", "ttft_median_ms", "vision_tokens_median")])
-    headers = ["tier", "DPI", "uniform F1 %", "uniform TTFT ms", "uniform vision tokens",
-               "qvpic→tier F1 %", "qvpic→tier TTFT ms", "qvpic→tier vision tokens"]
+    headers = ["tier", "DPI", "uniform F1 %", "uniform TTFT ms cold", "uniform vision tokens",
+               "qvpic→tier F1 %", "qvpic→tier TTFT ms cold", "qvpic→tier vision tokens"]
     return markdown_table(headers, rows)
 
 

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from pipeline.eval.evaluation import MODE_CONTEXT, ItemResult, ModeSummary
+from pipeline.eval.evaluation import MODE_CONTEXT
 from pipeline.eval.evidence import EvidenceResult, EvidenceSummary
 from pipeline.eval.markdown import markdown_table
+from pipeline.eval.runner import ItemResult, ModeSummary
 
 REPORT_MD, REPORT_JSON, SCATTER_PNG, PREDICTIONS_JSONL = ("report.md", "report.json", "f1_vs_ttft.png",
                                                           "predictions.jsonl")
@@ -21,16 +22,20 @@ def _mib(nbytes: float | None) -> float | None:
 
 
 def summary_markdown(summaries: Sequence[ModeSummary], per_task: bool = True) -> str:
-    headers = ["served as", "items", "errors", "F1 %", "TTFT p50 ms", "TTFT p90 ms", "context tokens (p50)",
-               "vision tokens (p50)", "KV MiB linked (p50)"]
+    headers = ["served as", "items", "errors", "F1 %", "TTFT p50 ms cold", "TTFT p90 ms cold", "TTFT p50 ms warm",
+               "render p50 ms", "prefill p50 ms", "context tokens (p50)", "vision tokens (p50)", "KV MiB linked (p50)",
+               "truncated", "fallbacks"]
 
     def row(s: ModeSummary) -> list[Any]:
         return [s.config, s.num_items, s.num_errors, s.f1_percent, s.ttft_median_ms, s.ttft_p90_ms,
-                s.context_tokens_median, s.vision_tokens_median, _mib(s.kv_nbytes_median)]
+                s.ttft_warm_median_ms, s.render_median_ms, s.prefill_median_ms, s.context_tokens_median,
+                s.vision_tokens_median, _mib(s.kv_nbytes_median), s.num_truncated, s.num_fallbacks]
 
     overall = [row(s) for s in summaries if s.task == "all"]
     text = ("F1 of \"all\" is the mean over tasks (LongBench's average); TTFT, tokens and KV bytes are medians "
-            "over the items that were answered.\n\n" + markdown_table(headers, overall))
+            "over the items that were answered; cold: the serving caches emptied first, warm: the same request "
+            "again (render and prefill: of the cold request; truncated: items cut in the middle to fit the "
+            "context; fallbacks: chunks served at another tier than planned).\n\n" + markdown_table(headers, overall))
     if not per_task:
         return text
     tasks = [[s.task] + row(s) for s in sorted((s for s in summaries if s.task != "all"), key=lambda s: s.task)]

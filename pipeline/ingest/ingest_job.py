@@ -42,7 +42,7 @@ from pipeline.ingest.stages import (
 from pipeline.ingest.summary import IngestSummary
 from pipeline.runtime import Embedder, model_identity
 from pipeline.store import Store, StoreLease, current_generation_number, entry_slots, publish_generation
-from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
+from schemas.config import AblationTiers, KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest, StoredModel, StoreSpec
 
@@ -60,6 +60,9 @@ class IngestConfig(JobResources):
     job_id: str = Field(default_factory=lambda: f"ingest-{uuid.uuid4().hex[:12]}")
     kv_quant: KVQuant | None = None  # how entries are stored; None: the store's own (none for a new store)
     lazy_high_tier: bool = False  # compile the highest tier on first promotion, not here (`--lazy-high-tier`)
+    # the ablation variants at the lowest tier (lean) or every tier (`--ablation-tiers`; `qvpic eval --paper`).
+    # A store once widened stays so: its manifest keeps the wider choice.
+    ablation_tiers: AblationTiers = AblationTiers.LOWEST
     legibility: bool = False  # OCR every image entry's pages into its index row (`--legibility`)
     force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
 
@@ -73,7 +76,7 @@ class IngestConfig(JobResources):
 
 def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, ...], embedder_name: str,
                  embedding_dim: int, job_id: str, lazy_high_tier: bool = False,
-                 kv_quant: KVQuant = KVQuant.NONE) -> Manifest:
+                 kv_quant: KVQuant = KVQuant.NONE, ablation_tiers: AblationTiers = AblationTiers.LOWEST) -> Manifest:
     model_id, revision, family, template_prefix = model_identity(model)
     now = datetime.now(timezone.utc)
     return Manifest.create(
@@ -81,6 +84,7 @@ def new_manifest(model: ModelSpec, render: RenderSpec, variants: tuple[Variant, 
         render=render, variants=variants, embedder=embedder_name, embedding_dim=embedding_dim, kv_quant=kv_quant,
         created_at=now, updated_at=now, job_ids=(job_id,),
         lazy_tiers=(render.highest_tier.name,) if lazy_high_tier and len(render.tiers) > 1 else (),
+        ablation_tiers=ablation_tiers,
     )
 
 
@@ -104,7 +108,7 @@ def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
     """The store's manifest extended by this job; refuses a store built for another model, page layout or embedder."""
     embedder_name, embedding_dim = embedder_identity(cfg.embedder_dir)
     fresh = new_manifest(cfg.model, cfg.render, cfg.variants, embedder_name, embedding_dim, cfg.job_id,
-                         cfg.lazy_high_tier, cfg.kv_quant or KVQuant.NONE)
+                         cfg.lazy_high_tier, cfg.kv_quant or KVQuant.NONE, cfg.ablation_tiers)
     manifest = store.read_manifest()
     if manifest is None:
         return fresh
@@ -118,7 +122,8 @@ def target_manifest(store: Store, cfg: IngestConfig) -> Manifest:
                          f"run `qvpic recompile --kv-quant {cfg.kv_quant.value}` to convert it")
     return manifest.model_copy(update={
         "variants": tuple(dict.fromkeys(manifest.variants + cfg.variants)), "updated_at": fresh.updated_at,
-        "job_ids": manifest.job_ids + (cfg.job_id,), "lazy_tiers": fresh.lazy_tiers})  # this job's choice
+        "job_ids": manifest.job_ids + (cfg.job_id,), "lazy_tiers": fresh.lazy_tiers,  # this job's choice
+        "ablation_tiers": max(manifest.ablation_tiers, cfg.ablation_tiers, key=list(AblationTiers).index)})
 
 
 def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:

@@ -63,7 +63,8 @@ def target_manifest(old: Manifest, cfg: RecompileConfig) -> tuple[Manifest, Mode
     model = cfg.model or ModelSpec(path=old.model.id, dtype=old.model.dtype)
     fresh = new_manifest(model, cfg.render or old.render, cfg.variants or old.variants, old.embedder,
                          old.embedding_dim, cfg.job_id,
-                         kv_quant=old.kv_quant if cfg.kv_quant is None else cfg.kv_quant)
+                         kv_quant=old.kv_quant if cfg.kv_quant is None else cfg.kv_quant,
+                         ablation_tiers=old.ablation_tiers)
     above_lowest = {t.name for t in fresh.tiers} - {fresh.render.lowest_tier.name}
     lazy_tiers = tuple(t for t in old.lazy_tiers if t in above_lowest)  # a lazy store stays lazy
     return fresh.model_copy(update={"created_at": old.created_at, "job_ids": old.job_ids + (cfg.job_id,),

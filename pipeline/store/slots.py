@@ -5,21 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.config import Variant
+from schemas.config import AblationTiers, Variant
 from schemas.store import CacheKey, Manifest
 
 
 def entry_slots(manifest: Manifest, variants: Sequence[Variant],
                 include_lazy: bool = False) -> list[tuple[str | None, Variant]]:
-    """(tier, variant) of every entry a chunk needs: templated pages at every tier, the baselines'
-    pages (plain, dummy prefix) at the lowest, each text variant once. Slots the manifest compiles
-    lazily (on first promotion, see serve/kv/lazy_tier.py) are left out unless `include_lazy`: jobs do
-    not build them, but keep what serving wrote back."""
+    """(tier, variant) of every entry a chunk needs: templated pages at every tier, the ablations' pages
+    (plain, dummy prefix) at the lowest or, as the manifest's `ablation_tiers` says, at every tier, each
+    text variant once. Slots the manifest compiles lazily (on first promotion, see serve/kv/lazy_tier.py)
+    are left out unless `include_lazy`: jobs do not build them, but keep what serving wrote back."""
     slots: list[tuple[str | None, Variant]] = []
-    lowest = manifest.render.lowest_tier.name
+    every = [t.name for t in manifest.tiers]
+    ablation = every if manifest.ablation_tiers is AblationTiers.EVERY else [manifest.render.lowest_tier.name]
     for variant in variants:
-        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: [lowest],
-                 Variant.DUMMY: [lowest]}.get(variant, [t.name for t in manifest.tiers])
+        tiers = {Variant.TEXT: [None], Variant.TEXT_PLAIN: [None], Variant.PLAIN: ablation,
+                 Variant.DUMMY: ablation}.get(variant, every)
         slots += [(tier, variant) for tier in tiers if include_lazy or not manifest.is_lazy(tier, variant)]
     return slots
 

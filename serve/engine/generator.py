@@ -120,6 +120,10 @@ class Generator:
     def hot_tier_stats(self) -> CacheStats:
         return self.contexts.hot.stats()
 
+    def clear_hot_tier(self) -> None:
+        """Drop the chunk KV resident on the device: the next request loads every entry (a cold measurement)."""
+        self.contexts.hot.clear()
+
     def query_tokens(self, query: str) -> int:
         return len(self.vlm.query_turn_ids(query))
 

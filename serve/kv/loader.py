@@ -129,6 +129,11 @@ class CacheLoader:
                 self.metrics.corrupt_shards.inc()
         return out
 
+    def clear(self) -> None:
+        """Empty the host cache: every entry's next load reads the store (a cold measurement, `qvpic eval`)."""
+        with self._lock:
+            self.lru.clear()
+
     def stats(self) -> CacheStats:
         with self._lock:
             return self.lru.stats()

@@ -27,9 +27,10 @@ from serve.routing.hybrid import as_text as hybrid_text
 # to the request's `tier` (default: the highest); uniform modes serve every chunk at one tier.
 LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
                   Mode.IMAGE_PIC: Variant.PLAIN, Mode.IMAGE_PIC_DUMMY: Variant.DUMMY, Mode.TEXT_PIC: Variant.TEXT,
-                  Mode.TEXT_PIC_PLAIN: Variant.TEXT_PLAIN}
+                  Mode.TEXT_PIC_PLAIN: Variant.TEXT_PLAIN, Mode.QVPIC_PLAIN: Variant.PLAIN,
+                  Mode.QVPIC_DUMMY: Variant.DUMMY}
 PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_image prices pages from TEMPLATE entries
-ROUTED_MODES = (Mode.QVPIC, Mode.FULL_IMAGE)
+ROUTED_MODES = (Mode.QVPIC, Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY, Mode.FULL_IMAGE)
 UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
 EntrySlots = dict[tuple[str | None, Variant], dict[str, Any]]  # one chunk's index rows by (tier, variant)
 
@@ -80,11 +81,13 @@ def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | 
 
 def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
                      temperature: float = 0.05) -> np.ndarray:
-    """Each chunk's share of the request's relevance: `[n]` float64 summing to 1, or all 0 (nothing relevant).
+    """Each chunk's share of the request's relevance: `[n]` float64 summing to 1 or all 0 (nothing relevant);
+    RAW: the clipped cosines themselves.
 
     LINEAR clips negative cosines to 0 (an irrelevant chunk has no share, so it is never promoted) and
-    divides by the sum; SOFTMAX takes softmax(cosine / temperature), so every chunk has a share and a low
-    temperature concentrates the mass on the best chunks.
+    divides by the sum; RAW clips them alike but does not divide (then neither the shares nor τ are bounded
+    by 1: τ is a cumulative cosine, as tuned on raw sums); SOFTMAX takes softmax(cosine / temperature), so
+    every chunk has a share and a low temperature concentrates the mass on the best chunks.
     """
     scores = np.asarray(relevance, dtype=np.float64)
     if normalisation is ScoreNormalisation.SOFTMAX:
@@ -93,12 +96,14 @@ def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisati
         weights = np.exp((scores - scores.max()) / temperature)  # shifted: no overflow at small temperatures
     else:
         weights = np.clip(scores, 0.0, None)
+        if normalisation is ScoreNormalisation.RAW:
+            return weights
     total = float(weights.sum())
     return weights / total if total > 0.0 else weights
 
 
 def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
-             promotion_costs: Sequence[int], budget_tokens: int | None,
+             promotion_costs: Sequence[int | None], budget_tokens: int | None,
              normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR, temperature: float = 0.05) -> list[bool]:
     """Which chunks to promote to the high tier; aligned with the input order, which never changes
     (`tier_reasons`, reduced to promoted or not)."""
@@ -107,7 +112,7 @@ def allocate(relevance: Sequence[float], tau: float, max_high_res: int,
 
 
 def tier_reasons(relevance: Sequence[float], tau: float, max_high_res: int,
-                 promotion_costs: Sequence[int], budget_tokens: int | None,
+                 promotion_costs: Sequence[int | None], budget_tokens: int | None,
                  normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
                  temperature: float = 0.05) -> list[TierReason]:
     """Whether each chunk is promoted and, if not, which limit kept it low; aligned with the input order.
@@ -116,7 +121,8 @@ def tier_reasons(relevance: Sequence[float], tau: float, max_high_res: int,
     A chunk is a candidate while the share of the chunks ranked above it is below `tau` and its own
     share is positive. Candidates are promoted in rank order while fewer than `max_high_res` are.
 
-    Budget-skipped chunks: a candidate whose extra tokens exceed what is left of `budget_tokens` stays
+    Skipped chunks: a candidate that cannot be promoted (its cost is None: no high-tier entry, or the
+    hybrid rule serves it as text) or whose extra tokens exceed what is left of `budget_tokens` stays
     low, is not counted toward `max_high_res`, and the walk goes on to the next candidates, which may be
     smaller. Its share still counts toward the share above them: τ bounds how much of the relevance
     mass is considered for promotion, so a tight budget cannot push promotion into the irrelevant tail.
@@ -132,6 +138,9 @@ def tier_reasons(relevance: Sequence[float], tau: float, max_high_res: int,
         if shares[i] <= 0.0 or share_above >= tau:
             break  # every chunk ranked below is kept low by τ too: the share above only grows
         share_above += shares[i]  # counted past B too, so the reasons show where τ would have cut
+        if promotion_costs[i] is None:  # no high entry to promote to (or served as text): takes no B slot
+            reasons[i] = TierReason.NO_HIGH_ENTRY
+            continue
         if num_promoted >= max_high_res:
             reasons[i] = TierReason.LOW_BY_B
             continue
@@ -201,8 +210,8 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec,
         text_first = cheaper_as_text(hybrid, text_entries, lows) if hybrid_on else [False] * len(chunks)
         budget = room_tokens - sum(t.num_tokens if first else lo.num_tokens
                                    for t, lo, first in zip(text_entries, lows, text_first))
-        # a chunk served as text is no promotion candidate: priced past any budget, allocate skips it
-        costs = [max(budget, 0) + 1 if first else h.num_tokens - lo.num_tokens if h else 0
+        # no promotion candidate (None): a chunk served as text, or one with no entry at the tier promoted to
+        costs = [None if first or h is None else h.num_tokens - lo.num_tokens
                  for lo, h, first in zip(lows, highs, text_first)]
         policy = spec.policy
         reasons = tier_reasons(relevance, policy.tau, policy.max_high_res, costs, max(budget, 0),

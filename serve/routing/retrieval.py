@@ -17,7 +17,7 @@ import numpy as np
 from pipeline.store import Store, local_copy, read_generation
 from pipeline.store.catalog import TEXTS, Catalog
 from schemas.api import AnswerRequest
-from schemas.config import TierSpec
+from schemas.config import ChunkOrder, TierSpec
 from schemas.errors import UnknownIdsError
 from schemas.generation import Generation, ScanSpec
 from schemas.store import Manifest
@@ -58,7 +58,8 @@ class Snapshot:
 
     def select(self, request: AnswerRequest, query_vector: np.ndarray) -> tuple[list[int], list[float]]:
         """Catalog rows the request names (chunk_ids, or doc_ids' chunks in order) or retrieves (top_k,
-        best first, ties by catalog order), with their cosine relevance to the query."""
+        best first, ties by catalog order; `ChunkOrder.SOURCE`: in catalog order, which keeps each document's
+        chunks contiguous and in document order), with their cosine relevance to the query."""
         if request.chunk_ids is not None:
             rows, missing = self.catalog.rows_of_chunks(list(request.chunk_ids))
             require_known("chunk_ids", missing)
@@ -67,6 +68,9 @@ class Snapshot:
             require_known("doc_ids", missing)
         else:
             found, scores = self.catalog.vectors.search(query_vector, request.top_k)
+            if request.order is ChunkOrder.SOURCE:
+                by_row = np.argsort(found, kind="stable")
+                found, scores = found[by_row], scores[by_row]
             return found.tolist(), scores.tolist()
         scores = self.catalog.vectors.scores(np.asarray(rows, np.int64), query_vector) if rows else []
         return rows, [float(s) for s in scores]

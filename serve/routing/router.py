@@ -24,8 +24,8 @@ from transformers import AutoConfig, AutoTokenizer
 from pipeline.runtime import ChatTemplate, Embedder, check_store, resolve_path
 from pipeline.store import GenerationWatcher, LeaseKeeper, Store, acquire_current, ensure_generation
 from schemas.api import AnswerRequest
-from schemas.config import ModelSpec
-from schemas.errors import TooLargeError
+from schemas.config import ModelSpec, check_tau
+from schemas.errors import ApiError, TooLargeError
 from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
@@ -114,8 +114,13 @@ class Router:
         if budget_tokens is not None:
             room_tokens = min(room_tokens, budget_tokens - prefix_tokens)
         catalog, defaults = snapshot.catalog, self.config.defaults
-        overrides = {"tau": request.tau, "max_high_res": request.max_high_res}
-        spec = PlacementSpec(policy=defaults.model_copy(update={k: v for k, v in overrides.items() if v is not None}),
+        overrides = {"tau": request.tau, "max_high_res": request.max_high_res, "normalisation": request.normalisation}
+        policy = defaults.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        try:  # model_copy does not validate: a request's τ > 1 under the server's bounded normalisation
+            check_tau(policy.tau, policy.normalisation)
+        except ValueError as error:
+            raise ApiError(str(error)) from None
+        spec = PlacementSpec(policy=policy,
                              low=snapshot.low, tier=mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
                              pending=lazy_planner(snapshot.manifest, self.config.model))
         selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
