@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: Ray's own count)")
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
+    p.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"],
+                   help="Serve's HTTP proxies: on every node, or the head only (default: the --config file's, "
+                        "else EveryNode). HeadOnly: a worker node that dies resets no client connection")
     p.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
                         "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's "
@@ -110,6 +113,13 @@ def app_args(ns: argparse.Namespace):
         if value is not None:
             _set(args, path, value)
     return AppConfig.model_validate(args)
+
+
+def proxy_location(ns: argparse.Namespace) -> str:
+    if ns.proxy_location is not None:
+        return ns.proxy_location
+    config = (yaml.safe_load(ns.config.read_text()) or {}) if ns.config is not None else {}
+    return config.get("proxy_location", "EveryNode")
 
 
 class Stopped(BaseException):
@@ -201,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
         stop.install()
         if not stop.requested.is_set():
-            serve.start(http_options={"host": ns.host, "port": ns.port})
+            serve.start(proxy_location=proxy_location(ns), http_options={"host": ns.host, "port": ns.port})
             if deploy(application, ns.address is None, stop):
                 stop_hint = "" if ns.detach else "; Ctrl-C stops it"
                 print(f"qvpic: serving {args.store.uri} (KV {kv_format}) at http://{ns.host}:{ns.port} "
