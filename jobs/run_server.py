@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="chunks retrieved for chat requests that name none")
     p.add_argument("--served-model-name", help="model id of /v1/models and chat requests")
     p.add_argument("--generator-gpus", type=float, help="GPUs per generator replica")
-    p.add_argument("--generator-replicas", type=int, help="generator replicas")
+    p.add_argument("--generator-replicas", type=int, help="generator replicas (fixed: drops the config's autoscaling)")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
     p.add_argument("--recompute", choices=[k.value for k in RecomputeKind],
@@ -112,6 +112,8 @@ def app_args(ns: argparse.Namespace):
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
+    if ns.generator_replicas is not None:  # a fixed count replaces the file's autoscaling
+        args["generator_deployment"].pop("autoscaling_config", None)
     return AppConfig.model_validate(args)
 
 

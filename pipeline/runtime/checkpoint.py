@@ -19,7 +19,6 @@ from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ModelFamily, ModelSpec
 from schemas.store import Manifest
 
-
 log = logging.getLogger(__name__)
 
 
