@@ -34,6 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 HEAD_CPUS = 4  # ingress, router, loader, the job driver and Ray Data's CPU stages
 WORKER_CPUS = 2  # a generator (1 CPU) beside a compile actor
 OBJECT_STORE_NBYTES = 200 * 2**20  # per node; tests move KiBs of KV
+# Ray turns a loopback bootstrap address into the machine's routable one (services.resolve_ip_for_localhost),
+# where nodes bound to 127.0.0.1 cannot be found, unless it takes multi-node clusters to be off: its
+# Windows/macOS switch, read by every process that joins (drivers, `ray job submit`, workers).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @dataclass
@@ -92,10 +96,20 @@ def node_env(scratch: Path) -> dict[str, str]:
     return {"TMPDIR": str(scratch), "QVPIC_SERVING_CACHE": str(scratch / "serving")}
 
 
+def keep_on_loopback() -> None:
+    """For this process (Ray read the switch on import) and every one it starts."""
+    from ray._private import ray_constants
+
+    os.environ.update(LOOPBACK_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def start_cluster(s3: S3Server, scratch: Path) -> RayCluster:
     """The head, then two GPU workers; the calling process joins as a driver."""
     import ray
     from ray.cluster_utils import Cluster
+
+    keep_on_loopback()
 
     dashboard_port = free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -133,11 +147,13 @@ def wait_job_server(url: str, timeout_s: float = 60) -> None:
 def ray_cluster(s3_server, tmp_path_factory) -> Iterator[RayCluster]:  # noqa: F811  (s3_server is a fixture)
     import ray
     from ray import serve
+    from ray._private import ray_constants
 
     local = ray.is_initialized()  # the session's local Ray (tests/ray_fixtures.py), set aside meanwhile
     if local:
         serve.shutdown()  # drops Serve's client of that Ray too
         ray.shutdown()
+    saved = ({k: os.environ.get(k) for k in LOOPBACK_ENV}, ray_constants.ENABLE_RAY_CLUSTER)
     made = start_cluster(s3_server, tmp_path_factory.mktemp("nodes"))
     try:
         yield made
@@ -147,5 +163,8 @@ def ray_cluster(s3_server, tmp_path_factory) -> Iterator[RayCluster]:  # noqa: F
         finally:
             ray.shutdown()
             made.cluster.shutdown()
+            for key, value in saved[0].items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            ray_constants.ENABLE_RAY_CLUSTER = saved[1]
             if local:
                 init_local_ray()

@@ -24,7 +24,7 @@ class Response:
         if isinstance(self.outcome, BaseException):
             raise self.outcome
         return self.outcome
-        yield  # noqa: unreachable: makes this a generator, as __await__ must be
+        yield  # never reached: makes this a generator, as __await__ must be
 
     def __aiter__(self):
         return self._events()
