@@ -69,10 +69,11 @@ class RayCluster:
 
     def submit(self, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
         """`ray job submit … -- python -m <argv>` through the head's job server, as docs/DEPLOY.md says; the
-        job's workers import this checkout (PYTHONPATH), the test's stand-in for `--working-dir .`."""
+        job's driver runs this interpreter and its workers import this checkout (PYTHONPATH): the test's
+        stand-in for `--working-dir .` on nodes that have qvpic's environment installed."""
         runtime_env = {"env_vars": {"PYTHONPATH": str(REPO), **self.s3_env()}}
         command = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", self.dashboard_url,
-                   "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m", *argv]
+                   "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", *argv]
         return subprocess.run(command, env=self.driver_env, capture_output=True, text=True, timeout=timeout_s)
 
     def qvpic(self, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
