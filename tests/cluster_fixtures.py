@@ -67,7 +67,7 @@ class RayCluster:
     def store_uri(self, bucket: str, prefix: str = "store") -> str:
         return f"s3://{bucket}/{prefix}"
 
-    def submit(self, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    def submit(self, *argv: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
         """`ray job submit … -- python -m <argv>` through the head's job server, as docs/DEPLOY.md says; the
         job's driver runs this interpreter and its workers import this checkout (PYTHONPATH): the test's
         stand-in for `--working-dir .` on nodes that have qvpic's environment installed."""
