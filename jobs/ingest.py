@@ -159,6 +159,13 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
     for name, g in summary.per_entry_group.items():
         groups.add_row(name, str(g["entries"]), str(g["pages"]), str(g["vision_tokens"]), f"{g['nbytes']:,}")
     console.print(groups)
+    if len(summary.per_node) > 1:  # a job spread over a cluster: how its compile nodes shared the work
+        nodes = Table(title="compiled per Ray node")
+        for column in ("node", "entries", "KV bytes"):
+            nodes.add_column(column)
+        for node, n in summary.per_node.items():
+            nodes.add_row(node, str(n["entries"]), f"{n['nbytes']:,}")
+        console.print(nodes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="chunks retrieved for chat requests that name none")
     p.add_argument("--served-model-name", help="model id of /v1/models and chat requests")
     p.add_argument("--generator-gpus", type=float, help="GPUs per generator replica")
-    p.add_argument("--generator-replicas", type=int, help="generator replicas")
+    p.add_argument("--generator-replicas", type=int, help="generator replicas (fixed: drops the config's autoscaling)")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
     p.add_argument("--recompute", choices=[k.value for k in RecomputeKind],
@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: Ray's own count)")
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
+    p.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"],
+                   help="Serve's HTTP proxies: on every node, or the head only (default: the --config file's, "
+                        "else EveryNode). HeadOnly: a worker node that dies resets no client connection")
     p.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
                         "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's "
@@ -109,7 +112,16 @@ def app_args(ns: argparse.Namespace):
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
+    if ns.generator_replicas is not None:  # a fixed count replaces the file's autoscaling
+        args["generator_deployment"].pop("autoscaling_config", None)
     return AppConfig.model_validate(args)
+
+
+def proxy_location(ns: argparse.Namespace) -> str:
+    if ns.proxy_location is not None:
+        return ns.proxy_location
+    config = (yaml.safe_load(ns.config.read_text()) or {}) if ns.config is not None else {}
+    return config.get("proxy_location", "EveryNode")
 
 
 class Stopped(BaseException):
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
         stop.install()
         if not stop.requested.is_set():
-            serve.start(http_options={"host": ns.host, "port": ns.port})
+            serve.start(proxy_location=proxy_location(ns), http_options={"host": ns.host, "port": ns.port})
             if deploy(application, ns.address is None, stop):
                 stop_hint = "" if ns.detach else "; Ctrl-C stops it"
                 print(f"qvpic: serving {args.store.uri} (KV {kv_format}) at http://{ns.host}:{ns.port} "

@@ -24,6 +24,18 @@ from schemas.generation import ReloadSpec, ScanSpec
 from schemas.store import StoreSpec
 
 
+class Placement(str, Enum):
+    """Where a deployment's replicas may run. HEAD: on the Ray head node only, which a cluster cannot lose
+    without losing everything (its GCS, the Serve controller, the head-only HTTP proxy): a deployment there
+    is no further single point of failure when a worker node dies."""
+
+    ANY = "any"
+    HEAD = "head"
+
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node one unit of it (ray._common.constants)
+
+
 class DeploymentConfig(Frozen):
     """Replicas and resources of one deployment. CPU deployments take a fraction of a CPU so the whole
     graph fits a 2-core box (Serve's default of 1 CPU per replica would not)."""
@@ -33,6 +45,8 @@ class DeploymentConfig(Frozen):
     num_cpus: float = Field(0.1, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(16, ge=1)
+    placement: Placement = Placement.ANY
+    max_replicas_per_node: int | None = Field(None, ge=1)  # 1: replicas on different nodes (None: no limit)
 
     @model_validator(mode="after")
     def _replicas_or_autoscaling(self) -> DeploymentConfig:
@@ -43,8 +57,11 @@ class DeploymentConfig(Frozen):
     def options(self) -> dict[str, Any]:
         scale = ({"autoscaling_config": self.autoscaling_config} if self.autoscaling_config is not None
                  else {"num_replicas": self.num_replicas or 1})
-        return {**scale, "max_ongoing_requests": self.max_ongoing_requests,
-                "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.placement is Placement.HEAD:  # a sliver of the head's one unit: any number of replicas fit
+            actor["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+        spread = {} if self.max_replicas_per_node is None else {"max_replicas_per_node": self.max_replicas_per_node}
+        return {**scale, **spread, "max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
 
 
 class StoreBound(Frozen):

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -69,8 +70,9 @@ def _wait_listening(host: str, port: int, timeout_s: float) -> None:
             time.sleep(0.02)
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
+@contextmanager
+def running_s3() -> Iterator[S3Server]:
+    """A moto server on a free loopback port, with the dummy S3 credentials in this process's environment."""
     from moto.server import ThreadedMotoServer
 
     saved = {k: os.environ.get(k) for k in S3_ENV}
@@ -89,6 +91,12 @@ def s3_server() -> Iterator[S3Server]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    with running_s3() as server:
+        yield server
 
 
 @pytest.fixture()

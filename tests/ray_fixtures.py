@@ -17,13 +17,19 @@ import pytest
 OBJECT_STORE_NBYTES = 300 * 2**20
 
 
+def init_local_ray() -> None:
+    import ray
+
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False,
+             object_store_memory=OBJECT_STORE_NBYTES, log_to_driver=False)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False,
-                 object_store_memory=OBJECT_STORE_NBYTES, log_to_driver=False)
+        init_local_ray()
     yield ray
     ray.shutdown()
 

@@ -6,6 +6,9 @@ and the app builder check it; the ingest driver only identifies it)."""
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -16,11 +19,26 @@ from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ModelFamily, ModelSpec
 from schemas.store import Manifest
 
+log = logging.getLogger(__name__)
+
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """`auto`: CUDA when torch sees it, else the CPU, whatever GPU id Ray assigned this worker (a node that
+    declares `num_gpus` without having one: tests, or a driver whose CUDA is missing) — said once per process."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    _say_cpu_fallback(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return torch.device("cpu")
+
+
+@cache
+def _say_cpu_fallback(visible: str | None) -> None:
+    if visible:  # Ray sets it to the GPU ids it assigned; torch found no CUDA device behind them
+        log.warning("no CUDA device here (GPU ids %s assigned, CUDA_VISIBLE_DEVICES): running on the CPU", visible)
+    else:
+        log.info("no CUDA device here: running on the CPU")
 
 
 def resolve_path(spec: ModelSpec) -> Path:

@@ -7,13 +7,20 @@ Ray), which is how the HTTP surface is tested without a cluster. This module imp
 
 A call that is abandoned (the client went away, or the request's deadline passed) is cancelled
 downstream (serve/handles.py), and the generator drops the request at its next step.
+
+A replica that dies under a request (its node lost, its process killed) fails the call with an actor
+error. `HandleBackend` retries such a call once — Serve's handle has already dropped the dead replica,
+so the retry lands on a surviving one — but a stream only before its first event: once the client has
+text, a retry would repeat it, so the stream ends with an error event instead (serve/http/ingress.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from pydantic import BaseModel
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
@@ -30,6 +37,9 @@ if TYPE_CHECKING:  # the in-process roles; the ingress never imports them
     from serve.kv import CacheLoader
     from serve.routing import Router
 
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
 
 class Backend(Protocol):
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan: ...
@@ -44,22 +54,34 @@ class HandleBackend:
         self.router, self.loader, self.generator = router, loader, generator
 
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
-        return await cancelling(self.router.plan.remote(request, budget_tokens))
+        return await retried_once("route", lambda: cancelling(self.router.plan.remote(request, budget_tokens)))
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
-        return await cancelling(self.generator.generate.remote(plan, sampling, timeout_s))
+        remaining = Remaining(timeout_s)
+        return await retried_once("generate", lambda: cancelling(
+            self.generator.generate.remote(plan, sampling, remaining.s())))
 
     async def stream(self, plan: Plan, sampling: Sampling,
                      timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
-        events = self.generator.options(stream=True).stream.remote(plan, sampling, timeout_s)
-        finished = False
-        try:
-            async for event in events:
-                yield event
-            finished = True
-        finally:
-            if not finished:  # the reader went away (disconnect, deadline) or the stream failed
-                events.cancel()
+        remaining, retried = Remaining(timeout_s), False
+        while True:
+            events = self.generator.options(stream=True).stream.remote(plan, sampling, remaining.s())
+            finished = streamed = False
+            try:
+                async for event in events:
+                    streamed = True
+                    yield event
+                finished = True
+                return
+            except Exception as error:
+                if streamed or retried or not replica_died(error):
+                    raise
+                retried = True
+                log.warning("stream: %s before its first event; retrying once on another replica",
+                            type(error_cause(error)).__name__)
+            finally:
+                if not finished:  # the reader went away (disconnect, deadline) or the stream failed
+                    events.cancel()
 
     async def cache_stats(self) -> CacheStats:
         return await self.loader.stats.remote()
@@ -95,18 +117,52 @@ def error_cause(error: Exception) -> Exception:
     return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
 
 
+# The replica behind a call is gone (its actor or node died): the call never ran to an end there.
+REPLICA_DEATHS = (RayActorError, WorkerCrashedError, ObjectLostError)
 # A replica died, was unreachable or shed load mid-request: Serve restarts or scales it, so a retry can succeed.
-REPLICA_FAILURES = (RayActorError, WorkerCrashedError, ObjectLostError, DeploymentUnavailableError, BackPressureError)
+REPLICA_FAILURES = (*REPLICA_DEATHS, DeploymentUnavailableError, BackPressureError)
+
+
+def failure_in(error: Exception, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first of `kinds` in the error's cause chain (Serve wraps an upstream replica's death in a
+    RayServeException), or None."""
+    link: BaseException | None = error_cause(error)
+    while link is not None and not isinstance(link, kinds):
+        link = link.__cause__
+    return link
+
+
+def replica_died(error: Exception) -> bool:
+    return failure_in(error, REPLICA_DEATHS) is not None
+
+
+async def retried_once(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, and once more when its replica died under it (Serve routes the retry to a live one)."""
+    try:
+        return await call()
+    except Exception as error:
+        if not replica_died(error):
+            raise
+        log.warning("%s: %s; retrying once on another replica", what, type(error_cause(error)).__name__)
+    return await call()
+
+
+class Remaining:
+    """What is left of a deadline given in seconds from now (None: no deadline), for a call made again."""
+
+    def __init__(self, timeout_s: float | None):
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def s(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
 def api_error(error: Exception) -> tuple[int, str]:
     """HTTP status and message of an error raised here or inside a deployment."""
+    failure = failure_in(error, REPLICA_FAILURES)
+    if failure is not None:  # their messages are pages of cluster internals
+        return 503, f"a serving replica failed during this request ({type(failure).__name__}); retry it"
     cause = error_cause(error)
-    link: BaseException | None = cause
-    while link is not None:  # Serve wraps an upstream replica's death in a RayServeException
-        if isinstance(link, REPLICA_FAILURES):  # their messages are pages of cluster internals
-            return 503, f"a serving replica failed during this request ({type(link).__name__}); retry it"
-        link = link.__cause__
     return getattr(cause, "status_code", 500), str(cause)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import ray
 
 from pipeline.ingest.rows import PAGES_TYPE, Kind, require_columns, rows_table, units_to_build, with_columns
 from pipeline.ingest.stages.render import RenderStage
@@ -68,6 +69,8 @@ class CompileStage:
         self.manifest = Manifest.from_json(plan.manifest_json)
         self._vlm = vlm  # in-process callers may share a loaded model
         self.store = Store.open(plan.store)
+        # The Ray node this actor runs on, in each entry's stats: the job summary counts work per node.
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     @property
     def vlm(self) -> VLM:
@@ -127,7 +130,8 @@ class CompileStage:
                                     .encode()).hexdigest()[:16]
             self.store.publish_index(published, stamp_ns=self.plan.stamp_ns or None, token=digest)
         stats = {key: [{"tier": r["tier"], "variant": r["variant"], "nbytes": r["nbytes"],
-                        "vision_tokens": r["vision_tokens"], "pages": len(r["image_sizes_px"])} for r in entries]
+                        "vision_tokens": r["vision_tokens"], "pages": len(r["image_sizes_px"]), "node": self.node_id}
+                        for r in entries]
                  for key, entries in rows.items() if key not in errors}
         return errors, stats
 

@@ -24,7 +24,7 @@ import ray.data
 from pipeline.ingest.resources import StagePlan
 from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind, require_columns
 from pipeline.ingest.shuffle import read_parts, shuffle
-from pipeline.ingest.summary import TALLY_SCHEMA, entry_groups
+from pipeline.ingest.summary import TALLY_SCHEMA, entry_groups, node_work
 from pipeline.store import Store
 from schemas.store import StoreSpec
 from schemas.tables import CHUNKS_SCHEMA
@@ -109,6 +109,7 @@ class DocumentWriter:
             store.quarantine(quarantine, self.job_id, self.stamp_ns,
                              self.token("quarantine", [f"{q['source']}\t{q['doc_id']}" for q in quarantine]))
         built = [r for r in rows if r["representative"] and not r["error"]]
+        entries = [e for r in built for e in json.loads(r["entries_json"] or "[]")]
         return pa.Table.from_pylist([{
             "inputs": inputs, "indexed": sum(not duplicate[d] for d in ok_docs),
             "deduplicated": sum(duplicate[d] for d in ok_docs),
@@ -116,7 +117,7 @@ class DocumentWriter:
             "num_chunks": sum(r["doc_id"] in ok_docs for r in rows), "num_chunk_texts": len(built),
             "num_compiled": sum(r["entries_json"] not in (None, "[]") for r in built),
             "num_embedded": sum(bool(r["needs_embedding"]) for r in built), "num_published": len(publish),
-            "groups_json": json.dumps(entry_groups(e for r in built for e in json.loads(r["entries_json"] or "[]"))),
+            "groups_json": json.dumps(entry_groups(entries)), "nodes_json": json.dumps(node_work(entries)),
         }], schema=TALLY_SCHEMA)
 
 

@@ -1,0 +1,254 @@
+"""Node loss under load and generator autoscaling on a real 3-node Ray cluster (tests/cluster_fixtures.py).
+
+    python -m benchmarks.cluster                   # tiny-qwen, the test corpus; ≈6 min on 2 cores
+
+One cluster (a GPU-less head, two workers declaring one GPU each, the store on S3) and one store for
+every scenario; Serve's HTTP proxy on the head only. Clients send distinct non-streaming `/v1/answer`
+requests in a loop (no response cache, no limits), each with a deadline; a client error is a reset
+connection, a client timeout past the deadline a hang.
+  - **node loss**: two generators, one per GPU node; `LOSS_AT_S` into the load one worker node is killed
+    (`Cluster.remove_node`, no drain). Per loader topology — `head` (serve/config-gpu.yaml as shipped:
+    ingress, router and two loaders on the head) and `any` (the config before: one loader wherever Ray
+    put it) — the worker killed is the one holding a generator ("generator node") and, where the loader
+    is on a worker, the one holding it ("loader node"). Then the node is replaced for the next run.
+  - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened for
+    the run (`AUTOSCALING`: upscale after 2 s, downscale after 15 s idle, 5 s look-back); one client for
+    `CALM_S`, then `BUSY_CLIENTS` until the second replica runs and `BUSY_AFTER_S` more, then none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from pipeline.eval import markdown_table, write_section
+from tests.cluster_fixtures import LOOPBACK, REPO, RayCluster, start_cluster
+from tests.fixtures_s3 import running_s3
+from tests.ray_fixtures import free_port
+from tests.store_factory import DOCUMENTS
+
+QUERY = "When does part XK-4471-B ship?"
+DEADLINE_S = 60.0
+LOSS_AT_S, LOSS_RUN_S = 8.0, 30.0
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 2,
+               "downscale_delay_s": 15, "look_back_period_s": 5}
+CALM_S, BUSY_CLIENTS, BUSY_AFTER_S, IDLE_WAIT_S = 10.0, 6, 15.0, 120.0
+
+
+@dataclass
+class Outcome:
+    started_s: float  # since the run's start
+    ended_s: float
+    result: int | str  # HTTP status, or the client error's name
+
+
+@dataclass
+class Load:
+    """Client threads sending requests until stopped; every outcome kept."""
+
+    url: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    t0: float = field(default_factory=time.monotonic)
+    threads: list[threading.Thread] = field(default_factory=list)
+    numbers: Iterator[int] = field(default_factory=itertools.count)  # distinct queries: no two alike
+
+    def add_clients(self, n: int) -> None:
+        for _ in range(n):
+            thread = threading.Thread(target=self._client, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _client(self) -> None:
+        with httpx.Client(timeout=DEADLINE_S + 15) as client:  # the client outwaits the request's deadline
+            while not self.stop.is_set():
+                body = {"query": f"{QUERY} ({next(self.numbers)})", "max_new_tokens": 8, "top_k": 2,
+                        "timeout_s": DEADLINE_S}
+                started = time.monotonic() - self.t0
+                try:
+                    result: int | str = client.post(f"{self.url}/v1/answer", json=body).status_code
+                except httpx.HTTPError as error:
+                    result = type(error).__name__
+                self.outcomes.append(Outcome(started, time.monotonic() - self.t0, result))
+
+    def finish(self) -> list[Outcome]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+        return sorted(self.outcomes, key=lambda o: o.started_s)
+
+
+def app_args(cluster: RayCluster, bucket: str, loader: str, generator: dict) -> dict:
+    args = yaml.safe_load((REPO / "serve" / "config-gpu.yaml").read_text())["applications"][0]["args"]
+    args["store"] = {"uri": cluster.store_uri(bucket), "endpoint_url": cluster.s3.endpoint_url}
+    args["ingress"].pop("governance")  # no limits, no response cache: every request is served
+    if loader == "any":  # the shipped config before issue 22: one loader wherever Ray puts it
+        args["loader_deployment"] = {"num_cpus": 0.25, "num_replicas": 1}
+    args["generator_deployment"] = {**{k: v for k, v in args["generator_deployment"].items()
+                                       if k != "autoscaling_config"}, **generator}
+    return args
+
+
+def deploy(args: dict) -> None:
+    from ray import serve
+
+    from serve.app import build_app
+
+    serve.run(build_app(args), name="qvpic", route_prefix="/")
+
+
+def replicas_running(deployment: str) -> int:
+    from ray import serve
+
+    states = serve.status().applications["qvpic"].deployments[deployment].replica_states
+    return states.get("RUNNING", 0)
+
+
+def node_of(deployment: str) -> set[str]:
+    from ray.util.state import list_actors
+
+    return {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            if a.class_name == f"ServeReplica:qvpic:{deployment}"}
+
+
+def loss_row(loader: str, kind: str, outcomes: list[Outcome], lost_at_s: float) -> list:
+    results = Counter(o.result for o in outcomes)
+    failed_after = [o for o in outcomes if o.result != 200 and o.ended_s >= lost_at_s]
+    recovery_s = max((o.started_s for o in failed_after), default=lost_at_s) - lost_at_s
+    other_5xx = sum(n for r, n in results.items() if isinstance(r, int) and r >= 500 and r != 503)
+    resets = sum(n for r, n in results.items() if isinstance(r, str) and r != "ReadTimeout")
+    return [loader, kind, len(outcomes), results[200], results[503], other_5xx, resets, results["ReadTimeout"],
+            round(recovery_s, 1)]
+
+
+def victim(cluster: RayCluster, kind: str):
+    """The worker node to kill: one holding a generator (not the loader, where one does not), or the one
+    holding the loader; None when no worker holds one."""
+    head = {n for n, k in cluster.node_kinds().items() if k == "head"}
+    loaders = node_of("CacheLoader") - head
+    wanted = (node_of("Generator") - loaders or node_of("Generator")) if kind == "generator node" else loaders
+    return next((node for node in cluster.workers if node.node_id in wanted), None)
+
+
+def wait_generators(count: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while replicas_running("Generator") < count and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def node_loss(cluster: RayCluster, url: str, bucket: str) -> list[list]:
+    from ray import serve
+
+    rows: list[list] = []
+    for loader in ("head", "any"):
+        for kind in ("generator node", "loader node"):
+            deploy(app_args(cluster, bucket, loader, {"num_replicas": 2}))
+            wait_generators(2)  # whole again after the last run's loss
+            node = victim(cluster, kind)
+            if node is None:
+                rows.append([loader, kind, "no worker holds one", *[None] * 6])
+                continue
+            load = Load(url)
+            load.add_clients(4)
+            time.sleep(LOSS_AT_S)
+            lost_at = time.monotonic() - load.t0
+            cluster.remove_worker(node)
+            time.sleep(LOSS_RUN_S - LOSS_AT_S)
+            rows.append(loss_row(loader, kind, load.finish(), lost_at))
+            cluster.add_gpu_worker(f"gpu-{len(rows) + 2}")
+        serve.delete("qvpic")
+    return rows
+
+
+def autoscaling(cluster: RayCluster, url: str, bucket: str) -> list[list]:
+    deploy(app_args(cluster, bucket, "head", {"num_replicas": None, "autoscaling_config": AUTOSCALING}))
+    load = Load(url)
+    load.add_clients(1)
+    time.sleep(CALM_S)
+    ramp_at = time.monotonic() - load.t0
+    load.add_clients(BUSY_CLIENTS - 1)
+    while replicas_running("Generator") < 2 and time.monotonic() - load.t0 - ramp_at < 120:
+        time.sleep(0.5)
+    second_at = time.monotonic() - load.t0
+    time.sleep(BUSY_AFTER_S)
+    outcomes = load.finish()
+    idle_at = time.monotonic() - load.t0
+    while replicas_running("Generator") > 1 and time.monotonic() - load.t0 - idle_at < IDLE_WAIT_S:
+        time.sleep(0.5)
+    down_at = time.monotonic() - load.t0
+
+    def latency_ms(lo: float, hi: float) -> float | None:
+        picked = [1e3 * (o.ended_s - o.started_s) for o in outcomes if lo <= o.started_s < hi and o.result == 200]
+        return statistics.median(picked) if picked else None
+
+    meanwhile = Counter(o.result for o in outcomes if ramp_at <= o.started_s < second_at)
+    return [[round(second_at - ramp_at, 1), sum(meanwhile.values()), meanwhile[200], latency_ms(0, ramp_at),
+             latency_ms(ramp_at, second_at), latency_ms(second_at, idle_at), round(down_at - idle_at, 1)]]
+
+
+def corpus(root: Path) -> str:
+    import json
+
+    lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)}) for doc_id, texts in DOCUMENTS.items()]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return str(root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    from ray import serve
+
+    from pipeline.ingest import IngestConfig, ingest
+    from pipeline.ingest.resources import CompileResources
+    from schemas.config import ModelSpec
+    from schemas.store import StoreSpec
+
+    with running_s3() as s3, tempfile.TemporaryDirectory() as scratch:
+        cluster = start_cluster(s3, Path(scratch))
+        try:
+            bucket = s3.new_bucket()
+            ingest(IngestConfig(corpus=corpus(Path(scratch)), chunk_tokens=50, model=ModelSpec(path="tiny-qwen"),
+                                store=StoreSpec(uri=cluster.store_uri(bucket), endpoint_url=s3.endpoint_url),
+                                resources=CompileResources(workers=2, gpus_per_worker=1)))
+            port = free_port()
+            serve.start(proxy_location="HeadOnly", http_options={"host": LOOPBACK, "port": port},
+                        logging_config={"log_level": "WARNING", "enable_access_log": False})
+            url = f"http://{LOOPBACK}:{port}"
+            losses = node_loss(cluster, url, bucket)
+            scaling = autoscaling(cluster, url, bucket)
+        finally:
+            serve.shutdown()
+            import ray
+
+            ray.shutdown()
+            cluster.cluster.shutdown()
+    body = (
+        "Node loss, 4 clients, one worker node killed "
+        f"{LOSS_AT_S:g} s into a {LOSS_RUN_S:g} s run (recovery: from the loss to the start of the last request "
+        "that was not answered 200):\n\n"
+        + markdown_table(["loader on", "node lost", "sent", "answered", "503", "other 5xx", "resets", "hangs",
+                          "recovery s"], losses)
+        + f"\n\nGenerator autoscaling (min 1, max 2; Serve's delays shortened for the run: {AUTOSCALING}), one "
+        f"client for {CALM_S:g} s, then {BUSY_CLIENTS}:\n\n"
+        + markdown_table(["s to 2nd replica", "sent meanwhile", "answered meanwhile", "p50 ms calm",
+                          "p50 ms ramp", "p50 ms 2 replicas", "s to scale down after idle"], scaling)
+        + "\n\nAll nodes share this machine's 2 cores: the counts are the figures, the timings are ratios."
+    )
+    print(body)
+    write_section("cluster", "The cluster: node loss and autoscaling (issue 22)", "python -m benchmarks.cluster", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
