@@ -17,8 +17,8 @@ step and frees its KV. Past its deadline it ends with 504.
 
 The context's chunk KV comes through `ContextBuilder` (serve/engine/context.py), which rebuilds an
 entry the loader could not read, or a lazily compiled tier's pending one, through `Repairer`
-(serve/engine/repair.py); the report is serve/engine/report.py's. Serve collects `record_routing_stats` (what the hot tier holds)
-for the request router across replicas.
+(serve/engine/repair.py); the report is serve/engine/report.py's. Serve collects `record_routing_stats`
+(what the hot tier holds) for the request router across replicas.
 """
 
 from __future__ import annotations
