@@ -180,7 +180,31 @@ def test_the_router_counts_in_flight_requests_until_they_complete():
             target = (await route(router, replicas, request))[0][0]
             router.on_request_routed(request, by_id[target].replica_id, None)
             sent.append((target, request))
+            for replica, keys in zip(replicas, (("k1", "k2", "k3"), ())):  # newer reports: B kept nothing
+                replica.stats = report(*keys).to_stats()
         assert [target for target, _ in sent] == ["A", "B", "A", "A", "B"]
         router.on_request_completed(by_id["A"].replica_id, sent[0][1].metadata.internal_request_id)
         assert (await route(router, replicas, pending(plan)))[0] == ["A"]  # (2,2) cap 3.75: A again
+    asyncio.run(scenario())
+
+
+def test_what_the_router_sent_counts_as_held_until_a_newer_report():
+    plan = plan_of("k1", "k2")
+    replicas = [StatsReplica("A", report().to_stats()), StatsReplica("B", report().to_stats())]
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+
+    async def scenario() -> None:
+        router = affinity_router(replicas)
+        request = pending(plan)
+        ranks = await route(router, replicas, request)  # nothing held anywhere: power of two choices
+        assert len(ranks) == 2 and sorted(r[0] for r in ranks) == ["A", "B"]
+        target, other = ranks[0][0], ranks[1][0]
+        router.on_request_routed(request, by_id[target].replica_id, None)
+        router.on_request_completed(by_id[target].replica_id, request.metadata.internal_request_id)
+        # before the target reports again, the same set follows the first request
+        assert await route(router, replicas, pending(plan)) == [[target], [other]]
+        held = {v.replica_id: v.routed for v in router.views(replicas)}
+        assert held == {target: frozenset({key_hash("k1"), key_hash("k2")}), other: frozenset()}
+        by_id[target].stats = report().to_stats()  # a newer report: it kept none of it
+        assert all(not v.routed for v in router.views(replicas))
     asyncio.run(scenario())

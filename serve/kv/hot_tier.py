@@ -86,6 +86,7 @@ class HotTierReport:
     sketch: KeySketch
     entries: int
     recorded_at_s: float  # time.time() on the replica
+    lookups: int = 0  # requests that looked their entries up here
     hit_entries: int = 0
     miss_entries: int = 0
     hit_nbytes: int = 0
@@ -93,9 +94,9 @@ class HotTierReport:
 
     def to_stats(self) -> dict[str, Any]:
         return {STATS_KEY: {"bits": self.sketch.bits, "num_bits": self.sketch.num_bits, "entries": self.entries,
-                            "recorded_at_s": self.recorded_at_s, "hit_entries": self.hit_entries,
-                            "miss_entries": self.miss_entries, "hit_nbytes": self.hit_nbytes,
-                            "miss_nbytes": self.miss_nbytes}}
+                            "recorded_at_s": self.recorded_at_s, "lookups": self.lookups,
+                            "hit_entries": self.hit_entries, "miss_entries": self.miss_entries,
+                            "hit_nbytes": self.hit_nbytes, "miss_nbytes": self.miss_nbytes}}
 
     @classmethod
     def from_stats(cls, stats: dict[str, Any] | None) -> HotTierReport | None:
@@ -106,8 +107,8 @@ class HotTierReport:
             sketch = KeySketch(bytes(s["bits"]), int(s["num_bits"]))
             if sketch.num_bits <= 0 or len(sketch.bits) * 8 < sketch.num_bits:
                 return None
-            return cls(sketch, int(s["entries"]), float(s["recorded_at_s"]), int(s["hit_entries"]),
-                       int(s["miss_entries"]), int(s["hit_nbytes"]), int(s["miss_nbytes"]))
+            return cls(sketch, int(s["entries"]), float(s["recorded_at_s"]), int(s["lookups"]),
+                       int(s["hit_entries"]), int(s["miss_entries"]), int(s["hit_nbytes"]), int(s["miss_nbytes"]))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -121,7 +122,7 @@ class HotTier:
     def __init__(self, max_nbytes: int):
         self._lru: ByteLRU[tuple[ChunkKV, Entry]] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
         self._lock = threading.Lock()
-        self._hit_nbytes = self._miss_nbytes = 0
+        self._lookups = self._hit_nbytes = self._miss_nbytes = 0
         self._metrics = serve_metrics()
 
     @property
@@ -139,6 +140,7 @@ class HotTier:
             hits = {key: item for key, item in found.items() if item is not None}
             hit_nbytes = sum(kv.nbytes for kv, _ in hits.values())
             self._hit_nbytes += hit_nbytes
+            self._lookups += 1
         self._metrics.hot_tier_entries.inc(len(hits), outcome="hit")
         self._metrics.hot_tier_entries.inc(len(found) - len(hits), outcome="miss")
         self._metrics.hot_tier_bytes.inc(hit_nbytes, outcome="hit")
@@ -167,6 +169,7 @@ class HotTier:
     def report(self) -> HotTierReport:
         """What this tier holds and has served, for the replica's routing stats."""
         with self._lock:
-            keys, hits, misses = self._lru.keys(), self._lru.hits, self._lru.misses
+            keys, lookups, hits, misses = self._lru.keys(), self._lookups, self._lru.hits, self._lru.misses
             hit_nbytes, miss_nbytes = self._hit_nbytes, self._miss_nbytes
-        return HotTierReport(KeySketch.of(keys), len(keys), time.time(), hits, misses, hit_nbytes, miss_nbytes)
+        return HotTierReport(KeySketch.of(keys), len(keys), time.time(), lookups, hits, misses, hit_nbytes,
+                             miss_nbytes)

@@ -7,7 +7,9 @@ entry keys (serve/kv/hot_tier.py: 1.25 MB at 1M resident entries) through Serve'
 (`Generator.record_routing_stats`, collected every `AffinitySpec.stats_period_s` and pushed to every
 handle with the replica list), so routing a request reads local state only — no round trip.
 
-The policy (`choose`): sum, per replica, the stored bytes of the plan's entries its filter holds; send
+The policy (`choose`): sum, per replica, the stored bytes of the plan's entries it holds — in its filter,
+or sent to it by this router since that filter was recorded (it takes a request's misses in, so a
+burst for one chunk set keeps together before the next report arrives); send
 the request to the replica holding the most, among those it would not put above `max_load_ratio` × the
 mean in-flight requests (counting it; at least one each); ties go to the less loaded. When no eligible
 replica holds any of them, power of two choices among the eligible; when no replica has fresh stats
@@ -61,6 +63,10 @@ class ReplicaView:
     replica_id: str
     in_flight: int  # requests this router sent it that have not completed
     report: HotTierReport | None  # None: none, unreadable or stale
+    routed: frozenset[tuple[int, int]] = frozenset()  # key hashes sent to it since its report was recorded
+
+    def holds(self, hashed: tuple[int, int]) -> bool:
+        return hashed in self.routed or (self.report is not None and self.report.sketch.contains(hashed))
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,7 @@ def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], max_load_ratio
     """Which replicas a plan should go to, most preferred first (the pure policy; the module docstring)."""
     if not any(r.report is not None for r in replicas):
         return Choice((), Decision.NO_STATS, {})
-    held = {r.replica_id: sum(n for h, n in entries if r.report.sketch.contains(h)) if r.report else 0
-            for r in replicas}
+    held = {r.replica_id: sum(n for h, n in entries if r.holds(h)) for r in replicas}
     cap = max(1.0, max_load_ratio * (sum(r.in_flight for r in replicas) + 1) / len(replicas))
     least = min(r.in_flight for r in replicas)
     eligible = [r for r in replicas if r.in_flight + 1 <= cap] or [r for r in replicas if r.in_flight == least]
@@ -117,13 +122,21 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._rng = random.Random()
         self._in_flight: dict[ReplicaID, int] = {}
         self._routed: dict[str, ReplicaID] = {}  # internal request id → replica, until it completes
+        self._sent: dict[ReplicaID, dict[tuple[int, int], float]] = {}  # key hash → when routed there (time.time())
         self._choices: OrderedDict[str, Choice] = OrderedDict()
         self._metrics = serve_metrics()
 
     def views(self, replicas: Sequence[RunningReplica]) -> list[ReplicaView]:
-        now_s = time.time()
-        return [ReplicaView(r.replica_id.unique_id, self._in_flight.get(r.replica_id, 0),
-                            fresh_report(r.routing_stats, now_s, self._spec.stale_after_s)) for r in replicas]
+        now_s, views = time.time(), []
+        for r in replicas:
+            report = fresh_report(r.routing_stats, now_s, self._spec.stale_after_s)
+            # what a newer report covers is dropped: the replica has said what it kept (LRU may have evicted it)
+            since_s = report.recorded_at_s if report is not None else now_s - self._spec.stale_after_s
+            sent = {h: at for h, at in self._sent.get(r.replica_id, {}).items() if at > since_s}
+            self._sent[r.replica_id] = sent
+            views.append(ReplicaView(r.replica_id.unique_id, self._in_flight.get(r.replica_id, 0), report,
+                                     frozenset(sent)))
+        return views
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -149,6 +162,9 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         target = replica_id.unique_id
         plan = next(a for a in pending_request.args if isinstance(a, Plan))
+        sent, now_s = self._sent.setdefault(replica_id, {}), time.time()
+        for hashed, _ in plan_entries(plan):
+            sent[hashed] = now_s
         self._metrics.routed.inc(target=target, decision=choice.decision.value)
         self._metrics.routed_plan_bytes.inc(sum(n for _, n in plan_entries(plan)), target=target)
         self._metrics.routed_predicted_bytes.inc(choice.held_nbytes.get(target, 0), target=target)
@@ -162,3 +178,4 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         live = {r.replica_id for r in replicas}
         self._in_flight = {r: n for r, n in self._in_flight.items() if r in live}  # a removed replica's count goes
         self._routed = {q: r for q, r in self._routed.items() if r in live}
+        self._sent = {r: sent for r, sent in self._sent.items() if r in live}
