@@ -32,6 +32,11 @@ def report(*keys: str, recorded_at_s: float | None = None) -> HotTierReport:
     return HotTierReport(KeySketch.of(keys), len(keys), time.time() if recorded_at_s is None else recorded_at_s)
 
 
+def pick(plan: list, replicas: list[ReplicaView], seed: int = 0, ratio: float = RATIO, floor: int = 1):
+    """`choose` with the ratio cap alone (`min_in_flight` 1), unless a test says otherwise."""
+    return choose(plan, replicas, random.Random(seed), max_load_ratio=ratio, min_in_flight=floor)
+
+
 def view(name: str, in_flight: int, *keys: str) -> ReplicaView:
     return ReplicaView(name, in_flight, report(*keys))
 
@@ -58,8 +63,7 @@ def test_stats_round_trip_and_garbage_reads_as_none():
 
 def test_the_replica_holding_most_bytes_wins_not_most_entries():
     # A holds k1 + k2 (2 entries, 300 B), B holds k4 (1 entry, 800 B), C nothing; all idle
-    choice = choose(entries("k1", "k2", "k4"), [view("A", 0, "k1", "k2"), view("B", 0, "k4"), view("C", 0)],
-                    RATIO, random.Random(0))
+    choice = pick(entries("k1", "k2", "k4"), [view("A", 0, "k1", "k2"), view("B", 0, "k4"), view("C", 0)])
     assert choice.decision is Decision.AFFINITY
     assert choice.ranks == (("B",), ("A",), ("C",))
     assert choice.held_nbytes == {"A": 300, "B": 800, "C": 0}
@@ -67,41 +71,45 @@ def test_the_replica_holding_most_bytes_wins_not_most_entries():
 
 def test_equal_holdings_share_a_rank_least_loaded_first():
     # 2 + 1 in flight + this one = 4, mean 2, cap 3: both eligible, B the less loaded
-    choice = choose(entries("k3"), [view("A", 2, "k3"), view("B", 1, "k3")], RATIO, random.Random(0))
+    choice = pick(entries("k3"), [view("A", 2, "k3"), view("B", 1, "k3")])
     assert choice.ranks == (("B", "A"),)
 
 
 def test_the_load_cap_sends_past_the_best_holder():
     # B holds everything but has 3 in flight: 3 + 0 + 0 + this one = 4, mean 4/3, cap 1.5 * 4/3 = 2 < 3 + 1
     replicas = [view("A", 0, "k1"), view("B", 3, "k1", "k2", "k3"), view("C", 0)]
-    choice = choose(entries("k1", "k2", "k3"), replicas, RATIO, random.Random(0))
+    choice = pick(entries("k1", "k2", "k3"), replicas)
     assert choice.decision is Decision.AFFINITY and choice.ranks == (("A",), ("C",))
     # two replicas, 1 + 2 in flight + this one = 4, mean 2, cap 3: B may take a third
     two = [view("A", 1, "k1"), view("B", 2, "k1", "k2", "k3")]
-    assert choose(entries("k1", "k2", "k3"), two, RATIO, random.Random(0)).ranks == (("B",), ("A",))
+    assert pick(entries("k1", "k2", "k3"), two).ranks == (("B",), ("A",))
+
+
+def test_up_to_min_in_flight_the_holder_keeps_its_requests():
+    # 1 + 0 in flight + this one = 2, mean 1: the ratio cap (1.5) excludes A at 2, the floor of 2 does not
+    replicas = [view("A", 1, "k1"), view("B", 0)]
+    assert pick(entries("k1"), replicas).ranks == (("B",),)
+    assert pick(entries("k1"), replicas, floor=AffinitySpec().min_in_flight).ranks == (("A",), ("B",))
 
 
 def test_a_cap_that_excludes_everyone_leaves_the_least_loaded():
     replicas = [view("A", 1, "k1"), view("B", 1, "k1"), view("C", 1)]  # cap max(1, 1.0 * 4/3) < 2
-    assert choose(entries("k1"), replicas, 1.0, random.Random(0)).ranks == (("A", "B"), ("C",))
+    assert pick(entries("k1"), replicas, ratio=1.0).ranks == (("A", "B"), ("C",))
 
 
 def test_nothing_cached_anywhere_is_power_of_two_choices_among_the_eligible():
     replicas = [view("A", 0, "k4"), view("B", 1), view("C", 3)]  # C over the cap (1.5 * 5/3 = 2.5 < 4)
-    seen = set()
     for seed in range(20):
-        choice = choose(entries("k1", "k2"), replicas, RATIO, random.Random(seed))
+        choice = pick(entries("k1", "k2"), replicas, seed=seed)
         assert choice.decision is Decision.COLD
         assert len(choice.ranks) == 2 and all(len(rank) == 1 for rank in choice.ranks)
         pair = [rank[0] for rank in choice.ranks]
-        assert set(pair) == {"A", "B"} and pair == ["A", "B"]  # the less loaded of the two first
-        seen.add(tuple(pair))
-    assert seen == {("A", "B")}
+        assert pair == ["A", "B"]  # the only two eligible, the less loaded first
 
 
 def test_no_fresh_stats_defers_to_the_default_policy():
     replicas = [ReplicaView("A", 0, None), ReplicaView("B", 0, None)]
-    assert choose(entries("k1"), replicas, RATIO, random.Random(0)).decision is Decision.NO_STATS
+    assert pick(entries("k1"), replicas).decision is Decision.NO_STATS
 
 
 # ---- the Serve request router itself, over in-memory replicas -------------------------------------------------
@@ -135,7 +143,7 @@ def affinity_router(replicas: list[StatsReplica]) -> ChunkAffinityRouter:
     """Built inside a running event loop (a router binds to the loop it is made in)."""
     router = ChunkAffinityRouter(deployment_id=DeploymentID(name="Generator", app_name="app"),
                                  handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(**AffinitySpec(stale_after_s=60.0).model_dump())
+    router.initialize_state(**AffinitySpec(stale_after_s=60.0, min_in_flight=1).model_dump())
     router.update_replicas(replicas)
     return router
 

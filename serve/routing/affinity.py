@@ -11,7 +11,8 @@ The policy (`choose`): sum, per replica, the stored bytes of the plan's entries 
 or sent to it by this router since that filter was recorded (it takes a request's misses in, so a
 burst for one chunk set keeps together before the next report arrives); send
 the request to the replica holding the most, among those it would not put above `max_load_ratio` × the
-mean in-flight requests (counting it; at least one each); ties go to the less loaded. When no eligible
+mean in-flight requests (counting it; up to `min_in_flight` always allowed); ties go to the less loaded.
+When no eligible
 replica holds any of them, power of two choices among the eligible; when no replica has fresh stats
 (none reported yet, or older than `stale_after_s`), Serve's own power of two choices, unchanged. Bad
 stats degrade that way too, never to an error. A replica without fresh stats holds nothing as far as
@@ -85,13 +86,13 @@ def plan_entries(plan: Plan) -> list[tuple[tuple[int, int], int]]:
             for c in plan.chunks if c.entry is not None]
 
 
-def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], max_load_ratio: float,
-           rng: random.Random) -> Choice:
+def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], rng: random.Random, *, max_load_ratio: float,
+           min_in_flight: int) -> Choice:
     """Which replicas a plan should go to, most preferred first (the pure policy; the module docstring)."""
     if not any(r.report is not None for r in replicas):
         return Choice((), Decision.NO_STATS, {})
     held = {r.replica_id: sum(n for h, n in entries if r.holds(h)) for r in replicas}
-    cap = max(1.0, max_load_ratio * (sum(r.in_flight for r in replicas) + 1) / len(replicas))
+    cap = max(min_in_flight, max_load_ratio * (sum(r.in_flight for r in replicas) + 1) / len(replicas))
     least = min(r.in_flight for r in replicas)
     eligible = [r for r in replicas if r.in_flight + 1 <= cap] or [r for r in replicas if r.in_flight == least]
     if max(held[r.replica_id] for r in eligible) == 0:
@@ -144,7 +145,8 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                                          None)
         if plan is None or not candidate_replicas:  # not a generation request (e.g. hot_tier_stats)
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
-        choice = choose(plan_entries(plan), self.views(candidate_replicas), self._spec.max_load_ratio, self._rng)
+        choice = choose(plan_entries(plan), self.views(candidate_replicas), self._rng,
+                        max_load_ratio=self._spec.max_load_ratio, min_in_flight=self._spec.min_in_flight)
         self._choices[pending_request.metadata.internal_request_id] = choice
         while len(self._choices) > MAX_REMEMBERED_CHOICES:
             self._choices.popitem(last=False)
