@@ -238,7 +238,7 @@ class AppConfig(StoreBound):
     loader: LoaderConfig
     generator: GeneratorConfig
     ingress: IngressConfig = IngressConfig()
-    routing: Routing = Routing.DEFAULT  # across generator replicas
+    routing: Routing = Routing.AFFINITY  # across generator replicas (docs/BENCHMARKS.md `affinity`)
     affinity: AffinitySpec = AffinitySpec()
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     ingress_deployment: DeploymentConfig = DeploymentConfig()
