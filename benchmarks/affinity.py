@@ -7,8 +7,8 @@ A store of `--chunks` synthetic chunks is compiled in-process (benchmarks/ttft_s
 are `--topics` fixed chunk sets of 8–16 chunks (drawn uniformly from the corpus; overlapping), picked with
 Zipf(1.0) popularity: a popular question retrieves the same set again. (Zipf over single chunks drawn
 independently per request has no set to keep together: a simulation of that gave either policy the same
-hit rate within 10 %.) Each replica's device hot tier holds half the bytes of the hot set (the distinct
-entries of the topics that take 80 % of requests); the one shared loader's host LRU holds as much as one
+hit rate within 10 %.) Each replica's device hot tier holds half the bytes of the hot set (the most
+requested entries that take 80 % of all entry lookups); the one shared loader's host LRU holds as much as one
 hot tier. Every configuration is a fresh Serve app (generators + loader, replicas on this one Ray node)
 served the same request sequence, `--concurrency` × replicas in flight; the first quarter warms up and
 is not counted. Figures: the hot tiers' hit rate in entries and bytes (the replicas' own counters,
@@ -44,7 +44,7 @@ from serve.plan import Plan
 from serve.routing import Router
 
 MODEL = ModelSpec(path="tiny-qwen", device="cpu")
-HOT_SHARE = 0.8  # the hot set: the topics that take this share of requests
+HOT_SHARE = 0.8  # the hot set: the entries that take this share of lookups
 
 
 def zipf_topics(num_topics: int, num_requests: int, rng: random.Random) -> list[int]:
@@ -57,13 +57,15 @@ def entry_nbytes(plan: Plan) -> dict[str, int]:
 
 
 def hot_set_nbytes(plans: list[Plan], sequence: list[int]) -> int:
-    counts, covered, hot = Counter(sequence), 0, {}
-    for topic, count in counts.most_common():
-        hot |= entry_nbytes(plans[topic])
-        covered += count
-        if covered >= HOT_SHARE * len(sequence):
-            break
-    return sum(hot.values())
+    """Bytes of the most requested entries that together take `HOT_SHARE` of the sequence's entry lookups."""
+    sizes = {key: n for plan in plans for key, n in entry_nbytes(plan).items()}
+    lookups = Counter(key for topic in sequence for key in entry_nbytes(plans[topic]))
+    covered, hot = 0, 0
+    for key, count in lookups.most_common():
+        covered, hot = covered + count, hot + sizes[key]
+        if covered >= HOT_SHARE * sum(lookups.values()):
+            return hot
+    return hot
 
 
 def replica_reports(app: str) -> list[HotTierReport]:
