@@ -5,7 +5,8 @@ the inspector behind the ingress's /ui pages (serve/ui/).
 model before any replica starts, and binds each deployment by keyword with its own typed config, the
 one nested in `AppConfig` (serve/config.py). The generator holds the loader's handle and fetches
 from it only what its device hot tier lacks; the ingress holds the loader's handle only for
-`/v1/store`'s cache statistics.
+`/v1/store`'s cache statistics. With `routing: affinity` every handle to the generator routes a plan to
+the replica whose hot tier holds most of it (serve/routing/affinity.py).
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from pipeline.runtime import check_store
 from pipeline.store import Store, ensure_generation, read_generation, require_recorded_parts
 from schemas.api import StoreInfo
-from serve.config import ApiSpec, AppConfig, DeploymentConfig
+from serve.config import ApiSpec, AppConfig, DeploymentConfig, Routing
 from serve.engine import Generator
 from serve.http import Ingress
 from serve.kv import CacheLoader
-from serve.routing import BatchingRouter, servable_modes
+from serve.routing import BatchingRouter, ChunkAffinityRouter, servable_modes
 from serve.ui import Inspector, InspectorConfig
 
 
@@ -49,19 +51,30 @@ def preflight(args: AppConfig) -> None:
     ensure_generation(store)
 
 
+def generator_routing(args: AppConfig) -> dict[str, Any]:
+    """The Generator's request router: chunk affinity (serve/routing/affinity.py), or Serve's default."""
+    if args.routing is Routing.DEFAULT:
+        return {}
+    spec = args.affinity
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=ChunkAffinityRouter, request_router_kwargs=spec.model_dump(mode="json"),
+        request_routing_stats_period_s=spec.stats_period_s, request_routing_stats_timeout_s=spec.stale_after_s)}
+
+
 def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
     """Serve application builder. Serve passes YAML `args` as a dict (it only converts them itself for a
     non-string annotation), so they are validated here."""
     args = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     preflight(args)
 
-    def deployment(cls: type, name: str, resources: DeploymentConfig):
-        return serve.deployment(cls, name=name).options(**resources.options(),
+    def deployment(cls: type, name: str, resources: DeploymentConfig, **options: Any):
+        return serve.deployment(cls, name=name).options(**resources.options(), **options,
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 
     router = deployment(BatchingRouter, "Router", args.router_deployment).bind(config=args.router)
     loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader)
-    generator = deployment(Generator, "Generator", args.generator_deployment).bind(config=args.generator, loader=loader)
+    generator = deployment(Generator, "Generator", args.generator_deployment, **generator_routing(args)).bind(
+        config=args.generator, loader=loader)
     inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
         config=InspectorConfig(store=args.store))
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(

@@ -181,6 +181,25 @@ class GovernanceConfig(Frozen):
         return self
 
 
+# ---- routing across generator replicas ------------------------------------------------------------------
+
+class Routing(str, Enum):
+    AFFINITY = "affinity"  # to the replica whose hot tier holds most of the plan's bytes, under a load cap
+    DEFAULT = "default"  # Serve's power of two choices
+
+
+class AffinitySpec(Frozen):
+    """The chunk-affinity router's knobs (serve/routing/affinity.py), used when `routing: affinity`."""
+
+    max_load_ratio: float = Field(1.5, ge=1.0, description="no replica is sent a request that would put it above "
+                                  "this multiple of the mean in-flight requests (counting the request)...")
+    min_in_flight: int = Field(2, ge=1, description="...except up to this many in flight: at one or two requests "
+                               "balance is noise (the engine batches them), a hot tier's miss is not")
+    stats_period_s: float = Field(2.0, gt=0, description="how often Serve collects each replica's hot-tier sketch")
+    stale_after_s: float = Field(10.0, gt=0, description="stats older than this are ignored (that replica is "
+                                 "routed as if it held nothing; with none fresh, power of two choices)")
+
+
 # ---- one config per role ----------------------------------------------------------------------------------
 
 class RouterConfig(StoreBound):
@@ -236,6 +255,8 @@ class AppConfig(StoreBound):
     loader: LoaderConfig
     generator: GeneratorConfig
     ingress: IngressConfig = IngressConfig()
+    routing: Routing = Routing.AFFINITY  # across generator replicas (docs/BENCHMARKS.md `affinity`)
+    affinity: AffinitySpec = AffinitySpec()
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     ingress_deployment: DeploymentConfig = DeploymentConfig()
     inspector_deployment: DeploymentConfig = DeploymentConfig()  # the /ui pages' store side (serve/ui/)

@@ -89,6 +89,20 @@ class ServeMetrics:
         self.kv_lookups = counter("qvpic_kv_cache_lookups", "KV entries looked up in the loader's LRU", "outcome")
         self.kv_tier_hits = counter("qvpic_kv_tier_hits", "Linked KV entries by the tier that served them: device "
                                     "(the generator's hot tier), host (the loader's LRU) or store", "tier")
+        self.hot_tier_entries = counter("qvpic_hot_tier_entries", "Linked KV entries the generator's device hot tier "
+                                        "was asked for, by outcome (hit or miss); per replica by Ray's replica tag",
+                                        "outcome")
+        self.hot_tier_bytes = counter("qvpic_hot_tier_bytes", "Device bytes of hot-tier hits, and of the misses it "
+                                      "then took in, by outcome (hit or miss)", "outcome")
+        self.routed = counter("qvpic_routed_requests", "Generator requests the chunk-affinity router sent, by target "
+                              "replica and decision: affinity (most resident bytes under the load cap), cold (no "
+                              "replica holds any: power of two choices), no_stats (none fresh: power of two choices)",
+                              "target", "decision")
+        self.routed_plan_bytes = counter("qvpic_routed_plan_bytes", "Stored bytes of the entries of the plans sent "
+                                         "to each generator replica", "target")
+        self.routed_predicted_bytes = counter("qvpic_routed_predicted_hit_bytes", "Of those, the bytes the router "
+                                              "predicted the replica's hot tier held (its reported key sketch)",
+                                              "target")
         self.kv_loaded_bytes = counter("qvpic_kv_loaded_bytes", "Bytes of KV read from the store (LRU misses)")
         self.corrupt_shards = counter("qvpic_corrupt_shards",
                                       "KV entries whose shard was missing or failed its checksum")

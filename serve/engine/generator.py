@@ -17,7 +17,8 @@ step and frees its KV. Past its deadline it ends with 504.
 
 The context's chunk KV comes through `ContextBuilder` (serve/engine/context.py), which rebuilds an
 entry the loader could not read, or a lazily compiled tier's pending one, through `Repairer`
-(serve/engine/repair.py); the report is serve/engine/report.py's.
+(serve/engine/repair.py); the report is serve/engine/report.py's. Serve collects `record_routing_stats`
+(what the hot tier holds) for the request router across replicas.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
@@ -123,6 +125,11 @@ class Generator:
     def clear_hot_tier(self) -> None:
         """Drop the chunk KV resident on the device: the next request loads every entry (a cold measurement)."""
         self.contexts.hot.clear()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve collects from this replica for the chunk-affinity router (serve/routing/affinity.py):
+        its hot tier's key sketch and counters."""
+        return self.contexts.hot.report().to_stats()
 
     def query_tokens(self, query: str) -> int:
         return len(self.vlm.query_turn_ids(query))
