@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from benchmarks.peer import speed
 
-        name, title, body = "peer-vllm", "Side by side with vLLM: TTFT and decode (issue 23)", \
-            speed.run(spec, args.quick)
+        with tempfile.TemporaryDirectory(prefix="qvpic-peer-") as folder:
+            name, title, body = "peer-vllm", "Side by side with vLLM: TTFT and decode (issue 23)", \
+                speed.run(spec, args.quick, Path(folder))
     print(body, flush=True)
     if not args.no_write:
         write_section(name, title, command, body)

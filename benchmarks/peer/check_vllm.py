@@ -16,7 +16,6 @@ def main(model: str) -> int:
     import torchvision  # noqa: F401  (fails with "operator torchvision::nms does not exist" without the fix)
     from PIL import Image, ImageDraw
     from vllm import LLM, SamplingParams
-
     from vllm_side import messages  # the script's own folder is on sys.path
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -27,7 +26,7 @@ def main(model: str) -> int:
         path = os.path.join(folder, "page.png")
         page.save(path)
         started = time.perf_counter()
-        llm = LLM(model=model, dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 1})
+        llm = LLM(model=model, dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 1, "video": 0})
         print(f"== engine start: {time.perf_counter() - started:.0f} s", flush=True)
         convo = messages([{"image": path}, {"text": "What does the page say?"}])
         (out,) = llm.chat([convo], SamplingParams(temperature=0.0, max_tokens=4),

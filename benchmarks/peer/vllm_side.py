@@ -41,7 +41,7 @@ def main(job_path: str, out_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
-              enable_prefix_caching=True, limit_mm_per_prompt={"image": job["max_images"]},
+              enable_prefix_caching=True, limit_mm_per_prompt={"image": job["max_images"], "video": 0},
               mm_processor_kwargs={"min_pixels": job["min_pixels"], "max_pixels": job["max_pixels"]})
 
     def chat(batch, params):
