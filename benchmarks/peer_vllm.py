@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="bench-qwen")
     p.add_argument("--dtype", type=DType, default=None, choices=list(DType),
                    help="default: float32 (bf16 is unmeasurably slow on a CPU without AVX-512)")
-    p.add_argument("--per-mode", type=int, default=50, help="oracle requests per mode")
+    p.add_argument("--per-mode", type=int, default=25, help="oracle requests per mode (both modes: 50)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
     command = ("python -m benchmarks.peer_vllm " + " ".join(argv)).strip()

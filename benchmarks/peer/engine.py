@@ -1,7 +1,8 @@
 """Running the vLLM side (benchmarks/peer/vllm_side.py) from the project's venv: one job, one process.
 
 vLLM gets the same cores the project's runs get: `VLLM_CPU_OMP_THREADS_BIND` names this process's torch
-thread count of cores (0..N-1), and its KV cache is given `VLLM_CPU_KVCACHE_SPACE` GiB.
+thread count of cores (0..N-1), `OMP_NUM_THREADS` is that count too, and its KV cache is given
+`VLLM_CPU_KVCACHE_SPACE` GiB.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class PeerMissing(RuntimeError):
 
 def peer_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the peer must not import our tree's pins
-    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+    # OMP_NUM_THREADS: else vLLM drops its engine process's torch threads to one.
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
                VLLM_CACHE_ROOT=str(PEER_VENV / "cache"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
     return env
