@@ -32,8 +32,9 @@ class PeerMissing(RuntimeError):
 def peer_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the peer must not import our tree's pins
     # OMP_NUM_THREADS: else vLLM drops its engine process's torch threads to one.
-    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
-               VLLM_CACHE_ROOT=str(PEER_VENV / "cache"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", OMP_NUM_THREADS=str(threads),
+               VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CACHE_ROOT=str(PEER_VENV / "cache"),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
     return env
 

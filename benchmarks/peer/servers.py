@@ -137,7 +137,7 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
     from serve.kv import CacheLoader
     from serve.routing import Router
 
-    router = Router(RouterConfig(store=corpus.store_uri, model=spec, max_chunks=len(corpus.chunk_ids)))
+    router = Router(RouterConfig(store=corpus.store_uri, model=spec, max_chunks=max(64, len(corpus.chunk_ids))))
     loader = CacheLoader(LoaderConfig(store=corpus.store_uri, max_nbytes=4 << 30))
     generator = Generator(GeneratorConfig(store=corpus.store_uri, model=spec))
     one = Sampling(max_new_tokens=1)

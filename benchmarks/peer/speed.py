@@ -132,9 +132,8 @@ def _cell(times: list[float]) -> str:
 
 
 def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall_s, build_s) -> str:
-    names = [w for w in ("identical", "reordered", "zipf")]
     rows, verdicts = [], []
-    for name in names:
+    for name in ("identical", "reordered", "zipf"):
         for mode in QVPIC_MODES:
             h, p = over_http[("qvpic", name, mode.value)], ours["ttft"][(name, mode.value)]
             rows.append([name, "qvpic", mode.value, _cell(h["ms"]), _cell(p["ms"]), statistics.median(h["tokens"])])
