@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import ttft_store
+from benchmarks.batching import percentile
 from benchmarks.peer import engine, servers
 from pipeline.eval import markdown_table
 from pipeline.runtime import Renderer
@@ -99,11 +100,6 @@ def build_corpus(spec: ModelSpec, workdir: Path, pool: int) -> Corpus:
             pages[-1].append(str(workdir / f"chunk{c:02d}-page{n}.png"))
             page.save(pages[-1][-1])
     return Corpus(bench.uri, bench.chunk_ids, bench.query, texts, pages)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
