@@ -28,7 +28,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev demo lint test test-fast bench lock clean
+.PHONY: help system install install-dev demo lint test test-fast bench lock peer-vllm clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -93,6 +93,11 @@ lock: $(VENV)/.installed-dev  ## re-pin every dependency after a pyproject.toml 
 	$(BIN)/python -m tests.lockfile stamp $(LOCK)
 	$(BIN)/python -m tests.lockfile stamp $(DEV_LOCK) dev
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_lock.py
+
+# vLLM's CPU build in its own venv, .peer-vllm/, from benchmarks/peer/requirements-vllm.lock (re-pin it with
+# `benchmarks/peer/setup_vllm.sh lock`), for benchmarks/peer_vllm.py; not part of `make test` or CI.
+peer-vllm: $(VENV)/.installed-runtime  ## the vLLM peer venv (~3.5 GB, ~10 min), checked on one image prompt
+	MAIN_PY=$(BIN)/python PY=$(PY) benchmarks/peer/setup_vllm.sh
 
 clean:  ## remove the venv, the demo store and caches (the model cache under ~/.cache/qvpic stays)
 	rm -rf $(VENV) .qvpic build *.egg-info

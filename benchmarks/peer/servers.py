@@ -1,0 +1,169 @@
+"""The two servers of benchmarks/peer/speed.py, up together, and qvpic's in-process figures.
+
+qvpic: the Serve app on a loopback port (as benchmarks/ttft_http.py starts it: no response cache, the
+generator given this process's torch threads of CPUs); vLLM: its OpenAI server from the peer venv, with the
+same cores (benchmarks/peer/engine.py). Every round sends each qvpic mode, then each vLLM representation,
+its request, one at a time, so both see the same machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import httpx
+import torch
+
+from benchmarks.batching import run_level
+from benchmarks.peer import engine
+from benchmarks.peer.vllm_side import messages
+from benchmarks.ttft_http import loopback_port
+from pipeline.runtime import resolve_path
+from schemas.api import AnswerRequest
+from schemas.config import Mode, ModelSpec
+from schemas.sampling import Sampling
+
+SERVER_START_S = 900  # vLLM's engine start (weights, warm-up compile) on a loaded 2-core machine
+
+
+@contextlib.contextmanager
+def qvpic_server(spec: ModelSpec, store_uri: str) -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from jobs.cluster import init_ray
+    from serve.app import build_app
+
+    init_ray()
+    port = loopback_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    num_cpus = min(float(torch.get_num_threads()), ray.cluster_resources().get("CPU", 1.0) - 0.5)
+    args = {"store": {"uri": store_uri}, "model": spec.model_dump(mode="json"),
+            "generator_deployment": {"num_gpus": 0.0, "num_cpus": num_cpus},
+            "ingress": {"governance": {"response_cache": {"levels": []}}}}
+    serve.run(build_app(args), name="qvpic-peer", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def vllm_server(spec: ModelSpec, max_images: int, log_path) -> Iterator[str]:
+    port = loopback_port()
+    command = [str(engine.PEER_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(resolve_path(spec)), "--dtype", spec.dtype.value, "--seed", "0",
+               "--max-model-len", str(engine.MAX_MODEL_LEN), "--enable-prefix-caching", "--host", "127.0.0.1",
+               "--port", str(port), "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": 0}),
+               "--mm-processor-kwargs", json.dumps({"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels})]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env=engine.peer_env(torch.get_num_threads()))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(open(log_path).read().splitlines()[-20:])
+                raise RuntimeError(f"vLLM's server did not come up (exit {proc.poll()}):\n{tail}")
+            time.sleep(2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representations, log_path) -> dict:
+    """{(engine, workload, mode or representation): {"ms": [...], "tokens": [...]}} over HTTP, interleaved."""
+    out = defaultdict(lambda: {"ms": [], "tokens": []})
+    model = str(resolve_path(spec))
+    with qvpic_server(spec, corpus.store_uri) as ours, vllm_server(spec, max_images, log_path) as theirs, \
+            httpx.Client(timeout=600) as client:
+
+        def ask_qvpic(chunks: list[int], mode: Mode) -> tuple[float, int]:
+            body = {"query": corpus.query, "chunk_ids": [corpus.chunk_ids[c] for c in chunks], "mode": mode.value,
+                    "max_new_tokens": 1}
+            started = time.perf_counter()
+            reply = client.post(ours + "/v1/answer", json=body, headers={"Cache-Control": "no-cache"})
+            ms = (time.perf_counter() - started) * 1e3
+            reply.raise_for_status()
+            if reply.json().get("cache_hit"):
+                raise RuntimeError("a response cache answered: every request must run the model")
+            return ms, reply.json()["usage"]["context_tokens"]
+
+        def ask_vllm(chunks: list[int], representation: str) -> tuple[float, int]:
+            body = {"model": model, "messages": messages(corpus.parts(chunks, representation)), "max_tokens": 1,
+                    "temperature": 0.0}
+            started = time.perf_counter()
+            reply = client.post(theirs + "/v1/chat/completions", json=body)
+            ms = (time.perf_counter() - started) * 1e3
+            reply.raise_for_status()
+            return ms, reply.json()["usage"]["prompt_tokens"]
+
+        for load in loads:
+            for chunks in load.warm:  # both engines warm on the same requests
+                for mode in modes:
+                    ask_qvpic(chunks, mode)
+                for rep in representations:
+                    ask_vllm(chunks, rep)
+            for chunks in load.requests:
+                for key, ask in [(("qvpic", m.value), lambda c, m=m: ask_qvpic(c, m)) for m in modes] + \
+                                [(("vllm", r), lambda c, r=r: ask_vllm(c, r)) for r in representations]:
+                    ms, tokens = ask(chunks)
+                    out[(key[0], load.name, key[1])]["ms"].append(ms)
+                    out[(key[0], load.name, key[1])]["tokens"].append(tokens)
+    return dict(out)
+
+
+def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tokens: int, concurrency) -> dict:
+    """qvpic in this process (router, loader, batched generator): TTFT per workload × mode (the route
+    included), and decode tokens/s on `decode_sets` in `qvpic` mode at each concurrency."""
+    from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
+    from serve.engine import Generator
+    from serve.kv import CacheLoader
+    from serve.routing import Router
+
+    router = Router(RouterConfig(store=corpus.store_uri, model=spec, max_chunks=max(64, len(corpus.chunk_ids))))
+    loader = CacheLoader(LoaderConfig(store=corpus.store_uri, max_nbytes=4 << 30))
+    generator = Generator(GeneratorConfig(store=corpus.store_uri, model=spec))
+    one = Sampling(max_new_tokens=1)
+
+    def request(chunks: list[int], mode: Mode, tokens: int) -> AnswerRequest:
+        return AnswerRequest(query=corpus.query, chunk_ids=[corpus.chunk_ids[c] for c in chunks], mode=mode,
+                             max_new_tokens=tokens)
+
+    ttft = {}
+    for load in loads:
+        for mode in modes:
+            for chunks in load.warm:
+                generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
+            times = []
+            for chunks in load.requests:
+                started = time.perf_counter()
+                generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
+                times.append((time.perf_counter() - started) * 1e3)
+            ttft[(load.name, mode.value)] = {"ms": times}
+    plans = [asyncio.run(router.plan(request(chunks, Mode.QVPIC, new_tokens))) for chunks in decode_sets]
+    sampling = Sampling(max_new_tokens=new_tokens)
+    for plan in plans:  # warm: every chunk on the device hot tier, as vLLM's prompts are in its prefix cache
+        generator.generate_blocking(plan, one, loader=loader)
+    decode = {}
+    for level in concurrency:
+        result = asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, loader=loader), plans, level, sampling,
+                                       "qvpic"))
+        decode[level] = result.tokens_per_s
+    return {"ttft": ttft, "decode": decode}

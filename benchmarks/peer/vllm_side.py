@@ -1,0 +1,98 @@
+"""The vLLM side of benchmarks/peer_vllm.py: run by the peer venv's Python (.peer-vllm/, `make peer-vllm`), never
+imported by the project's code (vllm is imported inside `main`, so the project's import checks see only this).
+
+    .peer-vllm/bin/python benchmarks/peer/vllm_side.py JOB.json OUT.json
+
+A job is JSON: the checkpoint, dtype and image pixel budget, and a list of tasks run on one engine (one
+start); a request is one user turn of parts, `{"text": ...}` or `{"image": "/path.png"}`, sent as chat
+messages (the checkpoint's own chat template, images as base64 data URLs, parts in order), so that vLLM
+templates, tokenises and preprocesses the images itself. Tasks (`kind`):
+- `oracle`: greedy, `max_tokens` each; per request its prompt token ids, output ids and the top-2 logprobs
+  of every step (their difference is the logit margin);
+- `ttft`: the `warm` requests once (the prefix cache then holds whatever it can of the measured ones), then
+  each of `requests` alone, one new token, timed (ms), with its prompt tokens;
+- `decode`: the requests submitted together at each `concurrency`, `max_tokens` new tokens each, no early
+  stop; tokens/s = new tokens / wall time, after a warm pass (their prompts in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+
+
+def messages(parts: list[dict]) -> list[dict]:
+    content = []
+    for part in parts:
+        if "text" in part:
+            content.append({"type": "text", "text": part["text"]})
+        else:
+            with open(part["image"], "rb") as f:
+                url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+            content.append({"type": "image_url", "image_url": {"url": url}})
+    return [{"role": "user", "content": content}]
+
+
+def main(job_path: str, out_path: str) -> int:
+    from vllm import LLM, SamplingParams
+
+    with open(job_path) as f:
+        job = json.load(f)
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+              enable_prefix_caching=True, limit_mm_per_prompt={"image": job["max_images"], "video": 0},
+              mm_processor_kwargs={"min_pixels": job["min_pixels"], "max_pixels": job["max_pixels"]})
+
+    def chat(batch, params):
+        return llm.chat([messages(parts) for parts in batch], params, chat_template_content_format="openai",
+                        use_tqdm=False)
+
+    out = [TASKS[task["kind"]](chat, SamplingParams, task) for task in job["tasks"]]
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def oracle(chat, sampling, task: dict) -> dict:
+    params = sampling(temperature=0.0, max_tokens=task["max_tokens"], logprobs=2)
+    results = []
+    for parts in task["requests"]:
+        (o,) = chat([parts], params)
+        steps = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in o.outputs[0].logprobs]
+        results.append({"prompt_ids": list(o.prompt_token_ids), "output_ids": list(o.outputs[0].token_ids),
+                        "margins": [s[0] - s[1] if len(s) > 1 else None for s in steps]})
+    return {"results": results}
+
+
+def ttft(chat, sampling, task: dict) -> dict:
+    one = sampling(temperature=0.0, max_tokens=1)
+    for parts in task["warm"]:
+        chat([parts], one)
+    times, tokens = [], []
+    for parts in task["requests"]:
+        started = time.perf_counter()
+        (o,) = chat([parts], one)
+        times.append((time.perf_counter() - started) * 1e3)
+        tokens.append(len(o.prompt_token_ids))
+    return {"ttft_ms": times, "context_tokens": tokens}
+
+
+def decode(chat, sampling, task: dict) -> dict:
+    params = sampling(temperature=0.0, max_tokens=task["max_tokens"], ignore_eos=True)
+    requests = task["requests"]
+    chat(requests, sampling(temperature=0.0, max_tokens=1))  # warm: every prompt in the prefix cache
+    rates = {}
+    for concurrency in task["concurrency"]:
+        started, new_tokens = time.perf_counter(), 0
+        for first in range(0, len(requests), concurrency):
+            new_tokens += sum(len(o.outputs[0].token_ids) for o in chat(requests[first:first + concurrency], params))
+        rates[str(concurrency)] = new_tokens / (time.perf_counter() - started)
+    return {"tokens_per_s": rates}
+
+
+TASKS = {"oracle": oracle, "ttft": ttft, "decode": decode}
+
+
+if __name__ == "__main__":  # vLLM starts its engine with `spawn`: the work must sit behind this guard
+    sys.exit(main(*sys.argv[1:]))
