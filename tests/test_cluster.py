@@ -60,10 +60,21 @@ def differing(a: Entries, b: Entries) -> list[int]:
             if ra != rb or ka.shape != kb.shape or not torch.allclose(ka.float(), kb.float(), atol=KV_ATOL, rtol=0)]
 
 
+# Distinct one-paragraph documents beside the suite's five chunks, none about QUERY: enough blocks of work
+# that both compile actors get some (Ray Data hands a block to whichever actor is free, so five chunks can
+# all go to the first one ready).
+FILLER = {f"note-{k}": [f"Note {k}: the {colour} bin in hall {k} is emptied every {day} morning."]
+          for k, (colour, day) in enumerate(zip(("red", "blue", "green", "grey", "white", "black") * 2,
+                                                ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday",
+                                                 "Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday")))}
+NUM_CHUNKS = 5 + len(FILLER)  # one chunk per paragraph at 50 tokens: DOCUMENTS has five, each filler note one
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("corpus")
-    lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)}) for doc_id, texts in DOCUMENTS.items()]
+    lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)})
+             for doc_id, texts in {**DOCUMENTS, **FILLER}.items()]
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
     return str(root)
 
@@ -89,7 +100,7 @@ def store_on(cluster: RayCluster, bucket: str, prefix: str = "store") -> Store:
 
 def test_ingest_job_compiles_on_both_gpu_nodes_only(ray_cluster, ingested):
     kinds = ray_cluster.node_kinds()
-    assert ingested["balanced"] and ingested["num_chunks"] == 5 and not ingested["quarantined"]
+    assert ingested["balanced"] and ingested["num_chunks"] == NUM_CHUNKS and not ingested["quarantined"]
     per_node = ingested["per_node"]
     assert {kinds[node] for node in per_node} == {"gpu"} and len(per_node) == 2, (per_node, kinds)
     assert all(n["entries"] > 0 for n in per_node.values())
@@ -218,7 +229,8 @@ def test_recompile_while_serving_switches_every_replica(ray_cluster, served, buc
             break
         time.sleep(1)
     assert set(serving.values()) == {after} and answered == after, (serving, answered, after)
-    assert len(serving) == len(replica_nodes()["Router"])  # every router replica holds a lease
+    assert len(serving) >= len(replica_nodes()["Router"])  # every router replica holds a lease (a restarted
+    # replica's old lease may linger until it expires; the set check above says none names an old generation)
 
 
 def test_losing_a_generator_node_loses_no_request_that_had_not_streamed(ray_cluster, served, bucket):
