@@ -18,9 +18,6 @@ full widths run in benchmarks/real_shapes.py.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
 from enum import Enum
 from pathlib import Path
 
@@ -35,6 +32,7 @@ from pipeline.runtime.tiny import (
     QWEN_SPECIALS,
     build_tokenizer,
     cache_root,
+    publish,
 )
 
 DECODER_LAYERS = 2
@@ -187,21 +185,8 @@ def build(name: str, out_dir: Path, chat_template: str | None = None, seed: int 
     tok = build_tokenizer(specials, VOCAB_SIZE, chat_template or default_template)
     torch.manual_seed(seed)
     model, image_processor = make(tok, width)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    image_processor.save_pretrained(tmp)
-    (tmp / "chat_template.jinja").write_text(tok.chat_template)
-    (tmp / _MARKER).write_text(json.dumps({"name": name, "seed": seed, "width": width.value,
-                                                  "factory": _FACTORY_VERSION}))
-    if not (out_dir / _MARKER).exists():  # a leftover partial directory, never a published one
-        shutil.rmtree(out_dir, ignore_errors=True)
-    try:
-        os.replace(tmp, out_dir)  # readers never see a half-written checkpoint
-    except OSError:  # another process published the same (deterministic) checkpoint first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return publish(out_dir, model, tok, image_processor, _MARKER,
+                   {"name": name, "seed": seed, "width": width.value, "factory": _FACTORY_VERSION})
 
 
 def ensure_real_shape(name: str, chat_template: str | None = None, seed: int = 0,

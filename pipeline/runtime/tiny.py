@@ -245,17 +245,24 @@ def build(name: str, out_dir: Path, seed: int = 0, chat_template: str | None = N
     tok = build_tokenizer(specials, size.vocab_size, chat_template or template)
     torch.manual_seed(seed)
     model, image_processor = make(size, tok)
+    return publish(out_dir, model, tok, image_processor, "qvpic_builtin.json",
+                   {"name": name, "seed": seed, "factory": _FACTORY_VERSION})
+
+
+def publish(out_dir: Path, model, tok, image_processor, marker: str, identity: dict) -> Path:
+    """Save a built checkpoint into `out_dir` atomically, `marker` (a JSON file of `identity`) last: readers
+    never see a half-written checkpoint, and a directory without its marker is a leftover to replace."""
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     image_processor.save_pretrained(tmp)
     (tmp / "chat_template.jinja").write_text(tok.chat_template)
-    (tmp / "qvpic_builtin.json").write_text(json.dumps({"name": name, "seed": seed, "factory": _FACTORY_VERSION}))
-    if not (out_dir / "qvpic_builtin.json").exists():  # a leftover partial directory, never a published one
+    (tmp / marker).write_text(json.dumps(identity))
+    if not (out_dir / marker).exists():  # a leftover partial directory, never a published one
         shutil.rmtree(out_dir, ignore_errors=True)
     try:
-        os.replace(tmp, out_dir)  # readers never see a half-written checkpoint
+        os.replace(tmp, out_dir)
     except OSError:  # another process published the same (deterministic) checkpoint first
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
