@@ -183,14 +183,18 @@ def embed(rows: ray.data.Dataset, embedder_dir: str | None, plan: StagePlan, bat
 def compile_kv(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePlan) -> ray.data.Dataset:
     # Ray Data restarts a dead compile actor and retries its batch (its defaults: max_restarts=-1,
     # max_task_retries=-1; there are no named parameters for them in Ray 2.60 and `**ray_remote_args`
-    # is deprecated). A retried batch rewrites the same shards and index part. All `compile_workers` actors
-    # start at once and each takes one batch at a time: a pool that grows from one actor on a long queue, or
-    # queues several batches on the first actor ready, leaves GPU nodes idle on a small corpus.
+    # is deprecated). A retried batch rewrites the same shards and index part. GPU actors: all
+    # `compile_workers` start at once and each takes one batch at a time, since a pool that grows from one
+    # actor, or queues several batches on the first actor ready, leaves GPU nodes idle on a small corpus.
+    # CPU actors keep Ray Data's growing pool with batches queued per actor: they share the CPUs of the
+    # stages around them, and pipelining is what keeps those busy.
+    gpus = plan.compile_gpus or None
+    pool = ActorPoolStrategy(min_size=plan.compile_workers, max_size=plan.compile_workers,
+                             max_tasks_in_flight_per_actor=1) if gpus else \
+        ActorPoolStrategy(min_size=1, max_size=plan.compile_workers)
     return rows.map_batches(CompileStage, fn_constructor_kwargs={"plan": compile_plan}, batch_format="pyarrow",
                             batch_size=rows_per_batch(compile_plan.batch_size), num_cpus=plan.compile_cpus,
-                            num_gpus=plan.compile_gpus or None,
-                            compute=ActorPoolStrategy(min_size=plan.compile_workers, max_size=plan.compile_workers,
-                                                      max_tasks_in_flight_per_actor=1))
+                            num_gpus=gpus, compute=pool)
 
 
 def in_a_task(fn: Callable[..., T], plan: StagePlan, *args: Any) -> T:
