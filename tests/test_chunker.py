@@ -139,3 +139,24 @@ def test_budget_errors() -> None:
     with pytest.raises(ChunkingError, match="alone"):
         Chunker(lambda s: 5 * len(s), 3).split("abc")
     assert Chunker(len, 5).split(" \n\n\t ") == []
+
+
+COUNT_TEXTS = ["The Atlas pump ships with part XK-4471-B.", "  leading and trailing  ", "Zero\u200bwidth 你好 e\u0301",
+               "<|im_start|>user looks like a special token", "", "line\nbreaks\n\n and tabs\t."]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-glm", "tiny-llava"])
+def test_chunk_token_counts_are_the_models_own_tokenizer(name: str) -> None:
+    """The chunk stage reads tokenizer.json with `tokenizers` (no transformers import); the oracle is the
+    checkpoint's tokenizer through transformers. Negative control: a plausible counter (words) disagrees."""
+    from transformers import AutoTokenizer
+
+    from pipeline.ingest.stages.chunk import token_counter
+    from pipeline.runtime import resolve_path
+    from schemas.config import ModelSpec
+
+    oracle = AutoTokenizer.from_pretrained(resolve_path(ModelSpec(path=name)), local_files_only=True)
+    expected = [len(oracle(t, add_special_tokens=False).input_ids) for t in COUNT_TEXTS]
+    count = token_counter(ModelSpec(path=name))
+    assert [count(t) for t in COUNT_TEXTS] == expected
+    assert [len(t.split()) for t in COUNT_TEXTS] != expected

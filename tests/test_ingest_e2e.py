@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.ingest import CompileResources, IngestConfig, RecompileConfig, ingest, recompile
+from pipeline.ingest import CompileResources, IngestConfig, RecompileConfig, ingest, recompile, unchanged
 from pipeline.runtime.render import resolve_font
 from pipeline.store import Store, StoreBusyError, entry_slots, publish_generation
 from schemas.config import RenderSpec
@@ -153,13 +153,15 @@ def test_only_new_and_changed_documents_cost_model_work(ray_session, tmp_path):
     # the record of the last run decides a rerun: by content (a touched file is unchanged) ...
     os.utime(corpus / "b.jsonl", (0, 0))
     assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64)).unchanged_since == second.job_id
-    assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32)).unchanged_since is None  # settings
+    # other settings make another run (asked of the decision itself: running that pipeline would prove no more)
+    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32))[1] is None
     # ... and only while the store serves what that run published (another job published since: run again)
     publish_generation(store, "another-job")
-    third = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32))
+    third = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))
     assert third.unchanged_since is None and third.num_chunks_compiled == 0
+    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is not None  # recorded again
     (corpus / "b.jsonl").write_text(json.dumps({"doc_id": "eel", "text": "Eel valve EV-204 holds 16 bar."}) + "\n")
-    assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32)).unchanged_since is None  # content
+    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is None  # content
 
 
 def test_second_ingest_into_a_busy_store_refuses_naming_the_first(ray_session, corpus, tmp_path):

@@ -50,12 +50,14 @@ def test_lease_is_released_when_the_job_fails(blobs):
 
 
 def test_heartbeat_keeps_a_long_job_live_and_silence_expires_it(blobs):
-    with StoreLease(blobs, "ingest-long", ttl_s=0.8) as lease:
-        time.sleep(1.5)  # past the ttl: only the heartbeat keeps the lease live
+    # ttl 3 s, beats every 0.75 s: a loaded CI machine with moto's S3 can delay a beat by a second or more,
+    # and a ttl well under that made this test flaky (a stale lease, so the refusal below did not come)
+    with StoreLease(blobs, "ingest-long", ttl_s=3.0) as lease:
+        time.sleep(4.0)  # past the ttl: only the heartbeat keeps the lease live
         with pytest.raises(StoreBusyError):
             StoreLease(blobs, "ingest-other").__enter__()
         lease.heartbeat.stop()  # the holder goes silent (a partitioned or frozen driver)
-        time.sleep(1.0)
+        time.sleep(3.5)
         with StoreLease(blobs, "ingest-other"):
             assert leases(blobs) == ["ingest-other.json"]  # the silent holder's lease was expired and removed
 

@@ -24,7 +24,7 @@ from ray.data import ActorPoolStrategy
 from pipeline.ingest.corpus import discover
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
-from pipeline.ingest.rows import Kind, rows_table
+from pipeline.ingest.rows import Kind, not_of_kind, of_kind, rows_table
 from pipeline.ingest.stages import (
     ChunkStage,
     CompilePlan,
@@ -157,10 +157,19 @@ def chunk(rows: ray.data.Dataset, cfg: IngestConfig, plan: StagePlan) -> ray.dat
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
-def work_blocks(rows: ray.data.Dataset, batch_size: int) -> ray.data.Dataset:
-    """The units cut into small blocks (streaming, no shuffle), so render, embed and compile overlap
-    batch by batch instead of waiting on a shuffle partition each."""
-    return rows.repartition(target_num_rows_per_block=rows_per_batch(batch_size))
+def work_blocks(rows: ray.data.Dataset, batch_size: int,
+                plan: StagePlan) -> tuple[ray.data.Dataset, ray.data.Dataset]:
+    """(the dedup's units cut into small blocks, every other row of its output).
+
+    Small blocks (streaming, no shuffle) let render, embed and compile overlap batch by batch instead of
+    waiting on a shuffle partition each. The rows that only pass through to the write (a document's marker,
+    a rejection) skip those stages: riding along in the same small blocks, the 100k duplicate documents of
+    tests/test_hostile_corpus.py made ~3,000 blocks per stage, ~580 s of task overhead for one compiled
+    chunk. The dedup ends in a shuffle, a barrier already, so materializing its output costs no overlap."""
+    rows = rows.materialize()
+    units = rows.map_batches(of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
+    rest = rows.map_batches(not_of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
+    return units.repartition(target_num_rows_per_block=rows_per_batch(batch_size)), rest
 
 
 def rows_per_batch(batch_size: int) -> int:
@@ -175,7 +184,8 @@ def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_si
 
 
 def embed(rows: ray.data.Dataset, embedder_dir: str | None, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
-    return rows.map_batches(EmbedStage, fn_constructor_kwargs={"model_dir": embedder_dir}, batch_format="pyarrow",
+    return rows.map_batches(EmbedStage, fn_constructor_kwargs={"model_dir": embedder_dir, "preload": True},
+                            batch_format="pyarrow",
                             batch_size=rows_per_batch(batch_size), num_cpus=plan.embed_cpus,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
@@ -192,7 +202,8 @@ def compile_kv(rows: ray.data.Dataset, compile_plan: CompilePlan, plan: StagePla
     pool = ActorPoolStrategy(min_size=plan.compile_workers, max_size=plan.compile_workers,
                              max_tasks_in_flight_per_actor=1) if gpus else \
         ActorPoolStrategy(min_size=1, max_size=plan.compile_workers)
-    return rows.map_batches(CompileStage, fn_constructor_kwargs={"plan": compile_plan}, batch_format="pyarrow",
+    return rows.map_batches(CompileStage, fn_constructor_kwargs={"plan": compile_plan, "preload": True},
+                            batch_format="pyarrow",
                             batch_size=rows_per_batch(compile_plan.batch_size), num_cpus=plan.compile_cpus,
                             num_gpus=gpus, compute=pool)
 
@@ -249,11 +260,11 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         rows = chunk(rows, cfg, plan)
         stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
         rows = deduplicate(rows, stored, slots, cfg.reader, plan)  # one unit per distinct chunk text
-        rows = work_blocks(rows, cfg.resources.batch_size)
-        rows = render(rows, manifest, plan, cfg.resources.batch_size)
-        rows = embed(rows, cfg.embedder_dir, plan, cfg.resources.batch_size)
-        rows = compile_kv(rows, compile_plan, plan)
-        tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole documents, or quarantined
+        units, rest = work_blocks(rows, cfg.resources.batch_size, plan)
+        units = render(units, manifest, plan, cfg.resources.batch_size)
+        units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
+        units = compile_kv(units, compile_plan, plan)
+        tallies = write_documents(units.union(rest), store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
         in_a_task(finish, plan, store.spec, cfg.job_id)

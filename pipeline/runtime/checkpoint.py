@@ -10,14 +10,14 @@ import logging
 import os
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, AutoTokenizer
-
-from pipeline.runtime.adapters import ChatTemplate, family_classes
 from pipeline.runtime.tiny import BUILTIN, ensure_model
 from schemas.config import ModelFamily, ModelSpec
 from schemas.store import Manifest
+
+if TYPE_CHECKING:  # torch and transformers load where a model does: resolving a path (chunk actors) needs neither
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 def resolve_device(device: str) -> torch.device:
     """`auto`: CUDA when torch sees it, else the CPU, whatever GPU id Ray assigned this worker (a node that
     declares `num_gpus` without having one: tests, or a driver whose CUDA is missing) — said once per process."""
+    import torch
+
     if device != "auto":
         return torch.device(device)
     if torch.cuda.is_available():
@@ -59,6 +61,10 @@ def model_identity(spec: ModelSpec) -> tuple[str, str, ModelFamily, str]:
     """
     path = resolve_path(spec)
     load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.runtime.adapters import ChatTemplate, family_classes
+
     config = AutoConfig.from_pretrained(path, **load)
     tokenizer = AutoTokenizer.from_pretrained(path, **load)
     template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))

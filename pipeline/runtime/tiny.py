@@ -16,8 +16,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from schemas.config import ModelFamily
 
 TINY_ROOT_ENV = "QVPIC_MODEL_CACHE"
@@ -242,6 +240,8 @@ def build(name: str, out_dir: Path, seed: int = 0, chat_template: str | None = N
         ModelFamily.GLM4V: (GLM_SPECIALS, GLM_CHAT_TEMPLATE, _glm_model),
         ModelFamily.LLAVA_ONEVISION: (LLAVA_SPECIALS, LLAVA_CHAT_TEMPLATE, _llava_model),
     }[family]
+    import torch  # here: resolving a built checkpoint's path (every chunk actor does) needs no torch
+
     tok = build_tokenizer(specials, size.vocab_size, chat_template or template)
     torch.manual_seed(seed)
     model, image_processor = make(size, tok)

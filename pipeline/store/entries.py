@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from pipeline.runtime import VLM, ChunkKV, Renderer
 from pipeline.store.slots import entry_slots, required_keys, slot_name  # noqa: F401  (re-exported)
 from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
 from schemas.store import Manifest, ShardEntry
+
+if TYPE_CHECKING:  # annotations only: the render stage imports this module, and must not import torch with it
+    from pipeline.runtime import VLM, ChunkKV, Renderer
 
 Source = str | Sequence[Image.Image]  # a text, or one chunk's pages in order
 TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compiled from the chunk's text, not its pages

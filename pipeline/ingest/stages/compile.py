@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
+from pipeline.ingest.preload import Preload
 from pipeline.ingest.rows import PAGES_TYPE, Kind, require_columns, rows_table, units_to_build, with_columns
 from pipeline.ingest.stages.render import RenderStage
 from pipeline.runtime import VLM, ChunkKV, page_legibility
@@ -64,20 +65,26 @@ class _Item:
 class CompileStage:
     """Units → KV entries written to the store; each unit row gets `error` and per-entry `entries_json`."""
 
-    def __init__(self, plan: CompilePlan, vlm: VLM | None = None):
+    def __init__(self, plan: CompilePlan, vlm: VLM | None = None, preload: bool = False):
         self.plan = plan
         self.manifest = Manifest.from_json(plan.manifest_json)
         self._vlm = vlm  # in-process callers may share a loaded model
         self.store = Store.open(plan.store)
         # The Ray node this actor runs on, in each entry's stats: the job summary counts work per node.
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        # The job's actors preload (pipeline/ingest/preload.py); in-process callers load on the first batch
+        # with work, or never (a rerun over a store that holds everything)
+        self._loading = Preload("loading the VLM", self._load) if preload and vlm is None else None
+
+    def _load(self) -> VLM:
+        vlm = VLM(self.plan.model)
+        check_device(self.manifest.kv_quant, vlm.device)  # fail on the first batch, not once per chunk
+        return vlm
 
     @property
     def vlm(self) -> VLM:
-        """Loaded on the first batch with work: a rerun over a store that holds everything loads no model."""
         if self._vlm is None:
-            self._vlm = VLM(self.plan.model)
-            check_device(self.manifest.kv_quant, self._vlm.device)  # fail on the first batch, not once per chunk
+            self._vlm = self._loading.get() if self._loading else self._load()
         return self._vlm
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from pipeline.ingest.preload import Preload
 from pipeline.ingest.rows import require_columns, units_to_build, with_columns
 from pipeline.runtime import Embedder
 
@@ -20,14 +21,17 @@ ADDS = ("embedding",)
 class EmbedStage:
     """Units → the same units with `embedding` ([dim] float32, L2-normalised) where they needed one."""
 
-    def __init__(self, model_dir: str | None = None) -> None:
+    def __init__(self, model_dir: str | None = None, preload: bool = False) -> None:
         self.model_dir = model_dir
-        self._embedder: Embedder | None = None  # loaded on the first batch that needs it: a no-op rerun loads none
+        self._embedder: Embedder | None = None
+        # The job's actors preload (pipeline/ingest/preload.py); in-process callers load on the first batch
+        # that needs the model, or never (a batch with nothing to embed)
+        self._loading = Preload("loading the embedder", lambda: Embedder(model_dir)) if preload else None
 
     @property
     def embedder(self) -> Embedder:
         if self._embedder is None:
-            self._embedder = Embedder(self.model_dir)
+            self._embedder = self._loading.get() if self._loading else Embedder(self.model_dir)
         return self._embedder
 
     def __call__(self, batch: pa.Table) -> pa.Table:
