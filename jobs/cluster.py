@@ -9,12 +9,6 @@ from jobs import logs
 
 # Environment a local Ray's workers need from the driver: our settings, S3 credentials, offline hubs.
 WORKER_ENV_PREFIXES = ("QVPIC_", "AWS_", "HF_", "TRANSFORMERS_")
-# A local Ray's worker pool, as its raylet reads it from the environment. Ray keeps at most `num_cpus` idle
-# workers and kills the rest after 1 s idle; an ingest holds one worker per stage actor and runs its
-# fractional-CPU tasks beside them, so each of its phases started fresh workers (~2 CPU-s of imports
-# each) that the next phase's tasks could have reused. Keeping 12 for 5 minutes took a 4-document ingest
-# from 42 s to 21-26 s on 2 cores; idle workers cost ~200 MB each. The test suite's Ray uses the same.
-LOCAL_RAY_ENV = {"RAY_num_workers_soft_limit": "12", "RAY_idle_worker_killing_time_threshold_ms": "300000"}
 
 
 def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, quiet: bool = True) -> None:
@@ -45,8 +39,6 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, quiet: bo
         ray.init(**options)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        for key, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(key, value)
         ray.init(
             address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), num_gpus=num_gpus,
             include_dashboard=False, object_store_memory=512 * 1024**2, **options,

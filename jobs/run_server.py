@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -28,7 +27,6 @@ import yaml
 from pydantic import ValidationError
 
 from jobs import logs
-from jobs.cluster import LOCAL_RAY_ENV
 from jobs.help import HelpFormatter
 from schemas.config import DType, RecomputeKind
 
@@ -210,9 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         verbose = logs.is_verbose()
-        if ns.address is None:
-            for key, value in LOCAL_RAY_ENV.items():
-                os.environ.setdefault(key, value)
         ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None,
                  log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
         logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)

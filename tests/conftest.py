@@ -10,10 +10,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from jobs.cluster import LOCAL_RAY_ENV  # noqa: E402
 from tests.fixtures_s3 import S3_ENV  # noqa: E402
+from tests.ray_fixtures import SUITE_RAY_ENV  # noqa: E402
 
-for _key, _value in LOCAL_RAY_ENV.items():  # every Ray the suite starts, its jobs' private ones included
+for _key, _value in SUITE_RAY_ENV.items():  # every Ray the suite starts, its jobs' private ones included
     os.environ.setdefault(_key, _value)
 
 # Dummy S3 credentials before any Ray worker starts, so workers of the session-wide Ray inherit them.

@@ -15,6 +15,14 @@ import socket
 import pytest
 
 OBJECT_STORE_NBYTES = 300 * 2**20
+# The worker pool of every Ray the suite starts (its jobs' private ones and the cluster fixture's nodes too:
+# tests/conftest.py exports it before any starts), as raylets read it from the environment. Ray keeps at
+# most `num_cpus` idle workers and kills the rest after 1 s idle; an ingest holds one worker per stage actor
+# and runs fractional-CPU tasks beside them, so each of its phases started fresh workers (~2 CPU-s of
+# imports each) that the next phase could have reused. Keeping 12 for 5 minutes took a 4-document ingest
+# from 42 s to 21-26 s on 2 cores. A user's `qvpic` keeps Ray's defaults: more live workers make the raylet
+# warn about the pool's size, noise `make demo` must not print (tests/test_demo_e2e.py runs without this).
+SUITE_RAY_ENV = {"RAY_num_workers_soft_limit": "12", "RAY_idle_worker_killing_time_threshold_ms": "300000"}
 
 
 def init_local_ray() -> None:

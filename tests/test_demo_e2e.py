@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from schemas.config import Mode
-from tests.ray_fixtures import free_port
+from tests.ray_fixtures import SUITE_RAY_ENV, free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +35,8 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     store = tmp_path_factory.mktemp("demo") / "store"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
     env.pop("QVPIC_LOG_LEVEL", None)  # the default a user gets: quiet
+    for key in SUITE_RAY_ENV:  # and Ray's own worker pool
+        env.pop(key, None)
     done = subprocess.run([*qvpic(), "demo", "--store", str(store), "--port", str(free_port()), "--repeats", "1"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=1500)
     yield done, store

@@ -62,6 +62,24 @@ def requests(spec: ModelSpec, workdir: Path, per_mode: int, seed: int = 0) -> li
     return out
 
 
+def reordered(reqs: list[Request]) -> list[Request]:
+    """The negative control's requests: each request of 2-3 chunks with its chunks in reverse order (the
+    others as they are). The same parts, so the same vision and text tokens: only their order and positions
+    differ. If the first tokens still matched vLLM's answers to the original order, agreement would prove
+    nothing (random weights that ignore the context); they must not."""
+    return [Request(r.mode, r.pieces[::-1], r.query) if len(r.pieces) > 1 else r for r in reqs]
+
+
+def control_agreement(reqs: list[Request], control: list[dict], theirs: list[dict]) -> str:
+    """Per mode, the share of the reordered requests whose first tokens still equal vLLM's for the original."""
+    cells = []
+    for mode in (Mode.FULL_TEXT, Mode.FULL_IMAGE):
+        idx = [i for i, r in enumerate(reqs) if r.mode is mode and len(r.pieces) > 1]
+        same = sum(control[i]["output_ids"] == theirs[i]["output_ids"][:NEW_TOKENS] for i in idx)
+        cells.append(f"{mode.value} {same}/{len(idx)} ({100 * same / max(1, len(idx)):.0f}%)")
+    return ", ".join(cells)
+
+
 def margin(logits: torch.Tensor) -> float:
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
