@@ -71,7 +71,7 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~25 min on 2 cores)
+test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~45 min on 2 cores)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
