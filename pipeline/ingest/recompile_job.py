@@ -142,9 +142,8 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
         rows = stored_chunks(store, plan)
         existing = stored_entries(store, new, slots, plan)
         rows = deduplicate(rows, [existing] if existing is not None else [], slots, ReaderSpec(), plan)
-        units, _ = work_blocks(rows, cfg.resources.batch_size, plan)  # the rest: nothing the tally counts
-        units = render(units, new, plan, cfg.resources.batch_size)
-        rows = compile_kv(units, compile_plan, plan)
+        work, _ = work_blocks(rows, cfg.resources.batch_size, plan)  # the rest: nothing the tally counts
+        rows = compile_kv(render(work, new, plan, cfg.resources.batch_size), compile_plan, plan)
         tallies = rows.map_batches(_tally, fn_kwargs={"tally": Tally(store.spec, cfg.job_id, stamp_ns)},
                                    batch_format="pyarrow", batch_size=256, num_cpus=plan.task_cpus)
         units = compiled = nbytes = num_failed = 0

@@ -59,12 +59,12 @@ def model_identity(spec: ModelSpec) -> tuple[str, str, ModelFamily, str]:
     Built-ins are named; a local checkpoint is identified by its directory name and, unless the spec
     pins a revision, a hash of its config and weight-file sizes (stable across machines and mounts).
     """
-    path = resolve_path(spec)
-    load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
     from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.runtime.adapters import ChatTemplate, family_classes
 
+    path = resolve_path(spec)
+    load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
     config = AutoConfig.from_pretrained(path, **load)
     tokenizer = AutoTokenizer.from_pretrained(path, **load)
     template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
