@@ -23,7 +23,7 @@ from benchmarks.peer import engine, oracle
 from jobs.help import HelpFormatter
 from pipeline.eval import write_section
 from pipeline.runtime import VLM, resolve_path
-from schemas.config import DType, ModelSpec
+from schemas.config import DType, Mode, ModelSpec
 
 
 def run_oracle(spec: ModelSpec, per_mode: int) -> str:
@@ -33,7 +33,10 @@ def run_oracle(spec: ModelSpec, per_mode: int) -> str:
         started = time.perf_counter()
         ours = oracle.run_qvpic(vlm, reqs)
         qvpic_s = time.perf_counter() - started
-        control = oracle.run_qvpic(vlm, oracle.reordered(reqs))  # the negative control: chunks reversed
+        control = oracle.run_qvpic(vlm, oracle.reordered(reqs))  # the negative controls: chunks reversed, ...
+        images = [r for r in reqs if r.mode is Mode.FULL_IMAGE]
+        with oracle.transposed_grids(vlm):  # ... and the image grids' M-RoPE axes swapped
+            moved = oracle.run_qvpic(vlm, images)
         pages = max(sum(len(p) for p in r.pieces if not isinstance(p, str)) for r in reqs)
         job = engine.job(spec, pages, [{"kind": "oracle", "max_tokens": oracle.NEW_TOKENS,
                                             "requests": [r.parts() for r in reqs]}])
@@ -42,11 +45,24 @@ def run_oracle(spec: ModelSpec, per_mode: int) -> str:
         theirs = engine.run_job(job)[0]["results"]
         vllm_s = time.perf_counter() - started
     table, met = oracle.report(reqs, ours, theirs)
+    image_idx = [i for i, r in enumerate(reqs) if r.mode is Mode.FULL_IMAGE]
+    their_images = [theirs[i] for i in image_idx]
+    grid_control = oracle.control_agreement(images, moved, their_images, (Mode.FULL_IMAGE,), multi_chunk=False)
+    gaps = "; ".join(
+        f"{mode.value}: {oracle.margin_gap(reqs, ours, theirs, mode)} as compiled, "
+        f"{oracle.margin_gap(reqs, control, theirs, mode)} with chunks reversed"
+        + (f", {oracle.margin_gap(images, moved, their_images, mode)} with grids transposed"
+           if mode is Mode.FULL_IMAGE else "") for mode in (Mode.FULL_TEXT, Mode.FULL_IMAGE))
     verdict = (f"Target: the same first token and first {oracle.NEW_TOKENS} tokens on ≥{oracle.TARGET_SHARE:.0%} "
                f"of the requests of each mode — **{'met' if met else 'missed'}**.\n\nNegative control: qvpic given "
                f"each 2–3-chunk request's chunks in reverse order, against vLLM's answers to the original order — "
                f"same first {oracle.NEW_TOKENS} tokens on {oracle.control_agreement(reqs, control, theirs)} "
-               f"(were these near the agreement above, it would say nothing about prompt building).")
+               f"(were these near the agreement above, it would say nothing about prompt building). Second control, "
+               f"images only: every image token's M-RoPE height and width positions swapped, nothing else changed "
+               f"(benchmarks/peer/oracle.py `transposed_grids`) — same first {oracle.NEW_TOKENS} tokens on "
+               f"{grid_control}.\n\nLogits, not just tokens: |qvpic's first-step margin − vLLM's| (top-1 − top-2 logit "
+               f"at the first new token; median / max over the requests) — {gaps}. Float32 kernels of two "
+               f"engines differ by rounding only, so the as-compiled gap is the floor a control must clear.")
     return (f"{spec.path} {spec.dtype.value}, greedy, {torch.get_num_threads()} threads for each engine; "
             f"{per_mode} requests per mode, 1–3 of the store's first {oracle.POOL_CHUNKS} chunks "
             f"({oracle.CHUNK_TOKENS}-token chunks, pages at the lowest tier) in a random order, then the question. "

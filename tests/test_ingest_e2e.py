@@ -116,6 +116,15 @@ def test_store_is_compacted_and_shards_are_packed(ingested):
     assert not os.listdir(store_dir / "leases")  # released
 
 
+def stage_actors() -> set[str]:
+    """Ids of every actor Ray Data started for a model stage (render, embed, compile) in this session (from
+    the GCS: the suite's Ray runs without the dashboard that `ray.util.state` asks)."""
+    from ray._private.state import actors
+
+    return {actor_id for actor_id, a in actors().items()
+            if any(stage in a["ActorClassName"] for stage in ("RenderStage", "EmbedStage", "CompileStage"))}
+
+
 def test_reingest_is_a_noop(ingested):
     cfg, first = ingested
     store_dir = Path(cfg.store.uri)
@@ -124,8 +133,11 @@ def test_reingest_is_a_noop(ingested):
     skipped = ingest(IngestConfig(corpus=cfg.corpus, store=cfg.store, chunk_tokens=cfg.chunk_tokens))
     assert skipped.unchanged_since == first.job_id and skipped.balanced
     assert (skipped.inputs, skipped.indexed, skipped.num_chunks) == (first.inputs, first.indexed, first.num_chunks)
-    # forced through the pipeline, content keys still find every chunk stored
+    # forced through the pipeline, content keys still find every chunk stored, and no model is loaded
+    model_actors = stage_actors()
+    assert model_actors, "the first ingest started its embed and compile actors: the control for the check below"
     again = ingest(IngestConfig(corpus=cfg.corpus, store=cfg.store, chunk_tokens=cfg.chunk_tokens, force=True))
+    assert stage_actors() == model_actors  # no render, embed or compile actor started: nothing to do
     assert again.unchanged_since is None and again.balanced and again.num_chunks_compiled == 0
     assert again.num_chunks_embedded == 0 and again.num_chunks_published == 0  # nothing re-embedded or rewritten
     assert {d: sorted(os.listdir(store_dir / d)) for d in ("index", "chunks")} == parts
@@ -155,13 +167,16 @@ def test_only_new_and_changed_documents_cost_model_work(ray_session, tmp_path):
     assert ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64)).unchanged_since == second.job_id
     # other settings make another run (asked of the decision itself: running that pipeline would prove no more)
     assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=32))[1] is None
-    # ... and only while the store serves what that run published (another job published since: run again)
-    publish_generation(store, "another-job")
-    third = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))
-    assert third.unchanged_since is None and third.num_chunks_compiled == 0
-    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is not None  # recorded again
+    # ... by content: one character changed runs again, and the same bytes put back do not
+    kept = (corpus / "b.jsonl").read_bytes()
     (corpus / "b.jsonl").write_text(json.dumps({"doc_id": "eel", "text": "Eel valve EV-204 holds 16 bar."}) + "\n")
-    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is None  # content
+    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is None
+    (corpus / "b.jsonl").write_bytes(kept)
+    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is not None
+    # ... and only while the store serves what that run published (another job published since: run again;
+    # such a run compiles nothing, as test_reingest_is_a_noop's forced one shows)
+    publish_generation(store, "another-job")
+    assert unchanged(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))[1] is None
 
 
 def test_second_ingest_into_a_busy_store_refuses_naming_the_first(ray_session, corpus, tmp_path):

@@ -42,13 +42,14 @@ def base_url(ray_session, serving_store):
 
 
 def test_bounded_load_has_no_errors_and_bounded_memory(base_url):
-    modes = [Mode(m) for m in httpx.get(f"{base_url}/v1/store").json()["modes"]]
+    # the first request of a new app: its replicas warm up on a busy 2-core box, past httpx's 5 s default
+    modes = [Mode(m) for m in httpx.get(f"{base_url}/v1/store", timeout=120).json()["modes"]]
     assert set(modes) == set(Mode)
     asyncio.run(run_load(base_url, request_mix(16, list(DOCUMENTS), modes, seed=1), CONCURRENCY))  # warm-up
     before = replica_rss_nbytes(APP_NAME, "RssAnon")  # private heaps: shared object-store pages are bounded apart
     result = asyncio.run(run_load(base_url, request_mix(NUM_REQUESTS, list(DOCUMENTS), modes), CONCURRENCY))
     after = replica_rss_nbytes(APP_NAME, "RssAnon")
-    cache = httpx.get(f"{base_url}/v1/store").json()["cache"]
+    cache = httpx.get(f"{base_url}/v1/store", timeout=60).json()["cache"]
     growth_mib = {name: round((after[name] - before[name]) / 2**20, 1) for name in DEPLOYMENTS}
     print(f"load: p50 {result.percentile_ms(50):.0f} ms, p99 {result.percentile_ms(99):.0f} ms, "
           f"{result.throughput_rps:.1f} req/s, {dict(result.statuses)}, LRU {cache}, private growth MiB {growth_mib}")

@@ -3,20 +3,20 @@ to the new generation without a redeploy, every request succeeds, and no answer 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import httpx
 import pytest
 
-from pipeline.ingest import IngestConfig, RecompileConfig, ingest, recompile
+from pipeline.ingest import RecompileConfig, recompile
+from pipeline.runtime import VLM, Embedder
 from pipeline.store import Store, current_generation_number
 from schemas.config import ModelSpec, RenderSpec, TierSpec
 from schemas.store import StoreSpec
 from serve.routing.retrieval import open_snapshot
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
-from tests.store_factory import DOCUMENTS
+from tests.store_factory import build_store
 
 pytestmark = pytest.mark.e2e
 MODEL = ModelSpec(path="tiny-qwen", device="cpu")
@@ -40,11 +40,9 @@ def test_recompile_under_load_switches_without_a_failed_or_mixed_answer(ray_sess
     from serve.app import build_app
 
     DataContext.get_current().enable_progress_bars = False
-    corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"doc_id": d, "text": "\n\n".join(t)}) + "\n" for d, t in DOCUMENTS.items()))
     uri = str(tmp_path / "store")
-    ingest(IngestConfig(corpus=str(corpus), store=StoreSpec(uri=uri), model=MODEL, chunk_tokens=50))
-    store = Store.open(uri)
+    # built in-process (tests/store_factory.py): the subject is the recompile, not the ingest before it
+    store = build_store(tmp_path / "store", VLM(MODEL), Embedder())
     first = current_generation_number(store)
     before = served_tokens(store, first)
 

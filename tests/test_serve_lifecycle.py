@@ -140,7 +140,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(serving_store, tmp_path):
     server = serve_process(serving_store.uri, port, tmp_path, "--drain-timeout-s", "120")
     try:
         wait_for(lambda: "qvpic: serving" in (tmp_path / "stdout").read_text() or None, START_TIMEOUT_S, "qvpic serve")
-        streams = [Stream(f"http://127.0.0.1:{port}", max_new_tokens=2048) for _ in range(2)]  # seconds of decoding
+        streams = [Stream(f"http://127.0.0.1:{port}", max_new_tokens=512) for _ in range(2)]  # seconds of decoding
         for stream in streams:
             stream.start()
         for stream in streams:

@@ -112,3 +112,48 @@ def test_calibration_queries_sit_at_the_asked_cosine():
     queries = calibration_queries(sources, 0.5, np.random.default_rng(0))
     assert np.allclose(np.linalg.norm(queries, axis=1), 1.0, atol=1e-5)
     assert np.allclose((queries * sources).sum(axis=1), 0.5, atol=1e-5)
+
+
+
+SHARED_OMP_SCRIPT = """
+import sys
+from pathlib import Path
+import numpy as np
+import torch  # first, as a serving process imports it: faiss's OpenMP calls then reach torch's runtime
+import faiss
+from pipeline.store.catalog import EmbeddingRows
+from pipeline.store.catalog.vector_index import VectorIndex, build_index
+from schemas.generation import ScanSpec, SearchSpec
+
+folder, threads = Path(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(3)  # not a default, so a reset to any default shows too
+torch.ones(256, 256) @ torch.ones(256, 256)  # torch's threads start (as a model's first forward starts them)
+assert torch.get_num_threads() == 3
+rows = np.random.default_rng(5).standard_normal((600, 16))
+rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+np.save(folder / "e.npy", rows.astype(np.float16))
+info = build_index(EmbeddingRows(path=folder / "e.npy"), SearchSpec(), folder)
+index = VectorIndex(folder, EmbeddingRows(path=folder / "e.npy"), info, ScanSpec(search_threads=threads))
+found = int(index.search(rows[7].astype(np.float32), 3)[0][0])
+after = torch.get_num_threads()
+faiss.omp_set_num_threads(1)  # negative control: what the constructor used to call, on this thread
+print(found, after, torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("search_threads", [1, 2])
+def test_searching_leaves_torch_its_threads(tmp_path, search_threads):
+    """faiss and torch share OpenMP's per-thread count (torch imported first): an index that set it to one
+    for its scans left the process's model on one core (an in-process backend builds its router's index on
+    the model's thread; the benchmarks' in-process engine ran on 1 of 2 cores)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", SHARED_OMP_SCRIPT, str(tmp_path), str(search_threads)], cwd=root,
+                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    found, after, control = map(int, done.stdout.split())
+    assert found == 7 and after == 3
+    assert control == 1  # the control: in this process a faiss-side setting does reach torch

@@ -88,13 +88,14 @@ def _healthy(url: str) -> bool:
 
 
 def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representations, log_path) -> dict:
-    """{(engine, workload, mode or representation): {"ms": [...], "tokens": [...]}} over HTTP, interleaved."""
-    out = defaultdict(lambda: {"ms": [], "tokens": []})
+    """{(engine, workload, mode or representation): {"ms": [...], "tokens": [...], "timings": [...]}} over
+    HTTP, interleaved; `timings`: qvpic's own account of each request (schemas.api.Timings), vLLM's empty."""
+    out = defaultdict(lambda: {"ms": [], "tokens": [], "timings": []})
     model = str(resolve_path(spec))
     with qvpic_server(spec, corpus.store_uri) as ours, vllm_server(spec, max_images, log_path) as theirs, \
             httpx.Client(timeout=600) as client:
 
-        def ask_qvpic(chunks: list[int], mode: Mode) -> tuple[float, int]:
+        def ask_qvpic(chunks: list[int], mode: Mode) -> tuple[float, int, dict]:
             body = {"query": corpus.query, "chunk_ids": [corpus.chunk_ids[c] for c in chunks], "mode": mode.value,
                     "max_new_tokens": 1}
             started = time.perf_counter()
@@ -103,16 +104,16 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
             reply.raise_for_status()
             if reply.json().get("cache_hit"):
                 raise RuntimeError("a response cache answered: every request must run the model")
-            return ms, reply.json()["usage"]["context_tokens"]
+            return ms, reply.json()["usage"]["context_tokens"], reply.json()["timings"]
 
-        def ask_vllm(chunks: list[int], representation: str) -> tuple[float, int]:
+        def ask_vllm(chunks: list[int], representation: str) -> tuple[float, int, dict]:
             body = {"model": model, "messages": messages(corpus.parts(chunks, representation)), "max_tokens": 1,
                     "temperature": 0.0}
             started = time.perf_counter()
             reply = client.post(theirs + "/v1/chat/completions", json=body)
             ms = (time.perf_counter() - started) * 1e3
             reply.raise_for_status()
-            return ms, reply.json()["usage"]["prompt_tokens"]
+            return ms, reply.json()["usage"]["prompt_tokens"], {}
 
         for load in loads:
             for chunks in load.warm:  # both engines warm on the same requests
@@ -123,9 +124,11 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
             for chunks in load.requests:
                 for key, ask in [(("qvpic", m.value), lambda c, m=m: ask_qvpic(c, m)) for m in modes] + \
                                 [(("vllm", r), lambda c, r=r: ask_vllm(c, r)) for r in representations]:
-                    ms, tokens = ask(chunks)
-                    out[(key[0], load.name, key[1])]["ms"].append(ms)
-                    out[(key[0], load.name, key[1])]["tokens"].append(tokens)
+                    ms, tokens, timings = ask(chunks)
+                    cell = out[(key[0], load.name, key[1])]
+                    cell["ms"].append(ms)
+                    cell["tokens"].append(tokens)
+                    cell["timings"].append(timings)
     return dict(out)
 
 

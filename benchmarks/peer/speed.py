@@ -123,6 +123,15 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
                   time.perf_counter() - started, build_s)
 
 
+PHASES = ("route_ms", "load_ms", "queue_ms", "reanchor_ms", "prefill_ms", "total_ms")  # schemas.api.Timings
+
+
+def breakdown_row(over_http: dict, workload: str, mode: Mode) -> list:
+    cell = over_http[("qvpic", workload, mode.value)]
+    return [workload, mode.value, *(f"{statistics.median(t[k] or 0.0 for t in cell['timings']):.0f}" for k in PHASES),
+            f"{statistics.median(cell['ms']):.0f}"]
+
+
 def _cell(times: list[float]) -> str:
     return f"{statistics.median(times):.0f} / {percentile(times, 0.99):.0f}"
 
@@ -146,6 +155,10 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
                         f"**{'met' if ratio <= target else 'missed'}**)")
     ttft = markdown_table(["workload", "engine", "mode / representation", "HTTP TTFT p50 / p99 ms",
                            "in-process p50 / p99 ms", "context tokens"], rows)
+    breakdown = markdown_table(["workload", "mode", *(k.removesuffix("_ms").replace("_", " ") for k in PHASES),
+                                "client (HTTP)"], [breakdown_row(over_http, name, mode) for name in
+                                                   ("identical", "reordered", "zipf") for mode in (Mode.QVPIC,
+                                                                                                   Mode.TEXT_PIC)])
     decode_rows = [[c, f"{ours['decode'][c]:.1f}", f"{vllm_decode[str(c)]:.1f}",
                     f"{ours['decode'][c] / vllm_decode[str(c)]:.2f}×"] for c in CONCURRENCY]
     ratio16 = ours["decode"][16] / vllm_decode["16"]
@@ -159,6 +172,9 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
             f"tokens; {rounds} measured requests per workload and engine × mode{' (--quick)' if quick else ''}; "
             f"one new token for TTFT (HTTP: the whole one-token response; qvpic `/v1/answer` with "
             f"`Cache-Control: no-cache`, vLLM `/v1/chat/completions`). p99 of {rounds} requests is their "
-            f"slowest.\n\n{ttft}\n\nDecode, {DECODE_REQUESTS} zipf requests, {NEW_TOKENS} new tokens each "
+            f"slowest.\n\n{ttft}\n\nWhere qvpic's HTTP TTFT went, medians in ms as the server timed them (`timings` "
+            f"of each reply; prefill: the query-only prefill, the floor of the linked modes; the client column "
+            f"adds HTTP, the ingress and Serve's hops):\n\n{breakdown}\n\n"
+            f"Decode, {DECODE_REQUESTS} zipf requests, {NEW_TOKENS} new tokens each "
             f"(in-process):\n\n{decode}\n\nTargets:\n\n" + "\n".join(f"- {v}" for v in verdicts)
             + f"\n\nWall time {wall_s:.0f} s (store build {build_s:.0f} s).")

@@ -24,7 +24,7 @@ from ray.data import ActorPoolStrategy
 from pipeline.ingest.corpus import discover
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
-from pipeline.ingest.rows import Kind, not_of_kind, of_kind, rows_table
+from pipeline.ingest.rows import Kind, needing_work, not_needing_work, rows_table
 from pipeline.ingest.stages import (
     ChunkStage,
     CompilePlan,
@@ -157,18 +157,25 @@ def chunk(rows: ray.data.Dataset, cfg: IngestConfig, plan: StagePlan) -> ray.dat
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
-def work_blocks(rows: ray.data.Dataset, batch_size: int,
-                plan: StagePlan) -> tuple[ray.data.Dataset, ray.data.Dataset]:
-    """(the dedup's units cut into small blocks, every other row of its output).
+def work_blocks(rows: ray.data.Dataset, batch_size: int, plan: StagePlan,
+                needs: tuple[str, ...]) -> tuple[ray.data.Dataset | None, ray.data.Dataset]:
+    """(the dedup's units that some model stage has work for, cut into small blocks — None when there are
+    none —, every other row of its output).
 
     Small blocks (streaming, no shuffle) let render, embed and compile overlap batch by batch instead of
     waiting on a shuffle partition each. The rows that only pass through to the write (a document's marker,
-    a rejection) skip those stages: riding along in the same small blocks, the 100k duplicate documents of
-    tests/test_hostile_corpus.py made ~3,000 blocks per stage, ~580 s of task overhead for one compiled
-    chunk. The dedup ends in a shuffle, a barrier already, so materializing its output costs no overlap."""
+    a rejection, a unit whose entries and embedding are all stored: `needs` names the columns that ask the
+    job's stages for work) skip those stages, which leave them as they are: riding along in the same small
+    blocks, the 100k duplicate documents of tests/test_hostile_corpus.py made ~3,000 blocks per stage,
+    ~580 s of task overhead for one compiled chunk. With no work at all, no model actor starts (a forced
+    rerun, a recompile with nothing to rebuild: ~20 s of actor start-up and model loads each on 2 cores).
+    The dedup ends in a shuffle, a barrier already, so materializing its output costs no overlap."""
     rows = rows.materialize()
-    units = rows.map_batches(of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
-    rest = rows.map_batches(not_of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
+    units = rows.map_batches(needing_work, fn_args=(needs,), batch_format="pyarrow",
+                             num_cpus=plan.task_cpus).materialize()
+    rest = rows.map_batches(not_needing_work, fn_args=(needs,), batch_format="pyarrow", num_cpus=plan.task_cpus)
+    if units.count() == 0:
+        return None, rest
     return units.repartition(target_num_rows_per_block=rows_per_batch(batch_size)), rest
 
 
@@ -260,11 +267,12 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         rows = chunk(rows, cfg, plan)
         stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
         rows = deduplicate(rows, stored, slots, cfg.reader, plan)  # one unit per distinct chunk text
-        units, rest = work_blocks(rows, cfg.resources.batch_size, plan)
-        units = render(units, manifest, plan, cfg.resources.batch_size)
-        units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
-        units = compile_kv(units, compile_plan, plan)
-        tallies = write_documents(units.union(rest), store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined
+        units, rows = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json", "needs_embedding"))
+        if units is not None:
+            units = render(units, manifest, plan, cfg.resources.batch_size)
+            units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
+            rows = compile_kv(units, compile_plan, plan).union(rows)
+        tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
         in_a_task(finish, plan, store.spec, cfg.job_id)

@@ -142,8 +142,11 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
         rows = stored_chunks(store, plan)
         existing = stored_entries(store, new, slots, plan)
         rows = deduplicate(rows, [existing] if existing is not None else [], slots, ReaderSpec(), plan)
-        work, _ = work_blocks(rows, cfg.resources.batch_size, plan)  # the rest: nothing the tally counts
-        rows = compile_kv(render(work, new, plan, cfg.resources.batch_size), compile_plan, plan)
+        work, rest = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json",))
+        # of the rest, the tally counts the units (with nothing to rebuild); the chunk rows it does not count
+        rows = rest.map_batches(of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
+        if work is not None:
+            rows = compile_kv(render(work, new, plan, cfg.resources.batch_size), compile_plan, plan).union(rows)
         tallies = rows.map_batches(_tally, fn_kwargs={"tally": Tally(store.spec, cfg.job_id, stamp_ns)},
                                    batch_format="pyarrow", batch_size=256, num_cpus=plan.task_cpus)
         units = compiled = nbytes = num_failed = 0

@@ -87,14 +87,30 @@ def not_of_kind(table: pa.Table, *kinds: Kind) -> pa.Table:
     return table.filter(pc.invert(pc.is_in(table["kind"], value_set=pa.array([k.value for k in kinds], pa.string()))))
 
 
+def _wants(batch: pa.Table, columns: Iterable[str]):
+    """UNIT rows without an error that any of `columns` asks work of (`slots_json`: a missing slot; a flag)."""
+    asks = None
+    for column in columns:
+        this = (pc.not_equal(pc.fill_null(batch[column], "[]"), "[]") if column == "slots_json"
+                else pc.fill_null(batch[column], False))
+        asks = this if asks is None else pc.or_(asks, this)
+    unit = pc.and_(pc.equal(batch["kind"], Kind.UNIT.value), pc.equal(pc.fill_null(batch["error"], ""), ""))
+    return pc.and_(unit, asks)
+
+
 def units_to_build(batch: pa.Table, column: str) -> tuple[pa.Table, pa.Table]:
     """(UNIT rows without an error whose `column` asks for work, every other row)."""
-    wants = pc.and_(pc.equal(batch["kind"], Kind.UNIT.value), pc.equal(pc.fill_null(batch["error"], ""), ""))
-    if column == "slots_json":
-        wants = pc.and_(wants, pc.not_equal(pc.fill_null(batch["slots_json"], "[]"), "[]"))
-    else:
-        wants = pc.and_(wants, pc.fill_null(batch[column], False))
+    wants = _wants(batch, (column,))
     return batch.filter(wants), batch.filter(pc.invert(wants))
+
+
+def needing_work(batch: pa.Table, columns: tuple[str, ...]) -> pa.Table:
+    """The UNIT rows some stage of `columns` has work for (Ray Data's map_batches form of `units_to_build`)."""
+    return batch.filter(_wants(batch, columns))
+
+
+def not_needing_work(batch: pa.Table, columns: tuple[str, ...]) -> pa.Table:
+    return batch.filter(pc.invert(_wants(batch, columns)))
 
 
 def with_columns(table: pa.Table, **columns: Any) -> pa.Table:

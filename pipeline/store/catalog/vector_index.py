@@ -26,6 +26,7 @@ that read with mmap, MIT licence, one 19 MB abi3 wheel needing only numpy.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -143,10 +144,6 @@ class VectorIndex:
         if self.offsets[-1] != info.num_rows:
             raise ValueError(f"index {directory} holds {self.offsets[-1]} rows, its record says {info.num_rows}")
         self.rerank_candidates = scan.rerank_candidates
-        # OpenMP's fan-out of a single query over busy cores costs more in barrier spinning than it
-        # saves (20-47 ms vs 0.3 ms for a 10^4-row scan on a loaded 2-core box); threads, where asked
-        # for, are ours, one per group of shards. Process-wide, as faiss's setting is.
-        faiss.omp_set_num_threads(1)
         self.pool = None
         self.set_search_threads(scan.search_threads)
         self.params = faiss.SearchParametersIVF(nprobe=info.nprobe) if info.kind is SearchKind.IVF else None
@@ -158,8 +155,9 @@ class VectorIndex:
         """Scan the shards on `search_threads` threads (at most one per shard) from the next search on."""
         threads = max(1, min(search_threads, len(self.shards)))
         self.groups = [list(range(len(self.shards)))[i::threads] for i in range(threads)]
-        old, self.pool = self.pool, (ThreadPoolExecutor(threads, thread_name_prefix="vector-scan") if threads > 1
-                                     else None)
+        old, self.pool = self.pool, (ThreadPoolExecutor(threads, thread_name_prefix="vector-scan",
+                                                        initializer=faiss.omp_set_num_threads, initargs=(1,))
+                                     if threads > 1 else None)
         if old is not None:
             old.shutdown(wait=False)
 
@@ -173,8 +171,11 @@ class VectorIndex:
                 keep = rows[0] >= 0
                 yield scores[0][keep], rows[0][keep] + self.offsets[i]
 
-        found = [r for g in (self.pool.map(lambda g: list(scan(g)), self.groups) if self.pool else
-                             [list(scan(g)) for g in self.groups]) for r in g]
+        if self.pool is not None:
+            found = [r for g in self.pool.map(lambda g: list(scan(g)), self.groups) for r in g]
+        else:
+            with one_omp_thread():
+                found = list(scan(self.groups[0]))
         scores = np.concatenate([s for s, _ in found])
         rows = np.concatenate([r for _, r in found])
         if len(rows) > count:
@@ -199,3 +200,20 @@ class VectorIndex:
         if self.pool is not None:
             self.pool.shutdown(wait=False)
 
+
+@contextlib.contextmanager
+def one_omp_thread() -> Iterator[None]:
+    """Run faiss on one OpenMP thread on this thread, then give the thread its own count back.
+
+    OpenMP's fan-out of a single query over busy cores costs more in barrier spinning than it saves
+    (20-47 ms vs 0.3 ms for a 10^4-row scan on a loaded 2-core box); threads, where asked for, are ours,
+    one per group of shards (their pool's threads are set to one at start). The setting is per thread and
+    shared with torch, which calls the same `omp_set_num_threads`: set once for good, it left torch on one
+    thread in whatever process built an index on the thread that runs the model (an in-process backend,
+    the benchmarks' in-process engine, measured at 2 → 1)."""
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(threads)
