@@ -62,8 +62,10 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
-            except Exception:  # noqa: BLE001  a store hiccup must not kill the heartbeat
-                log.exception("%s failed", self._thread.name)
+            except Exception as error:  # noqa: BLE001  a store hiccup must not kill the heartbeat
+                # one line per failed beat (a store that went away fails every interval); the traceback at debug
+                log.warning("%s failed: %s: %s", self._thread.name, type(error).__name__, error,
+                            exc_info=log.isEnabledFor(logging.DEBUG))
 
     def stop(self) -> None:
         self._stop.set()
