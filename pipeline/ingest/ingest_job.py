@@ -267,11 +267,12 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         rows = chunk(rows, cfg, plan)
         stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
         rows = deduplicate(rows, stored, slots, cfg.reader, plan)  # one unit per distinct chunk text
-        units, rows = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json", "needs_embedding"))
+        units, rest = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json", "needs_embedding"))
+        rows = rest
         if units is not None:
             units = render(units, manifest, plan, cfg.resources.batch_size)
             units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
-            rows = compile_kv(units, compile_plan, plan).union(rows)
+            rows = compile_kv(units, compile_plan, plan).union(rest)
         tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
