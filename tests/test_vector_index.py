@@ -114,7 +114,6 @@ def test_calibration_queries_sit_at_the_asked_cosine():
     assert np.allclose((queries * sources).sum(axis=1), 0.5, atol=1e-5)
 
 
-
 SHARED_OMP_SCRIPT = """
 import sys
 from pathlib import Path
