@@ -23,6 +23,8 @@ import pytest
 from pipeline.runtime import VLM, model_identity
 from pipeline.runtime.tiny import build
 from schemas.config import ModelSpec
+from serve.plan import PlannedChunk
+from serve.routing.router import template_order
 from tests.test_runtime_exactness import page, page_block
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -114,3 +116,68 @@ def test_serving_prompt_matches_apply_chat_template(checkpoint, tmp_path):
     # negative control: the checkpoint's rendering under the slipped template differs from the serving prompt
     slipped = fixture_template(name).replace(*CASES[name][2])
     assert ours != expected_ids(vlm, slipped, content, pages)
+
+
+def test_only_llava_onevision_renders_images_before_text(checkpoint, tmp_path):
+    name, path = checkpoint
+    vlm = VLM(ModelSpec(path=str(install(path, fixture_template(name), "chat_template.jinja", tmp_path)),
+                        device="cpu"))
+    assert vlm.adapter.template.images_first is (name == "llava_onevision")
+
+
+def planned(chunk_id: str, tier: str | None) -> PlannedChunk:
+    return PlannedChunk(chunk_id=chunk_id, doc_id="d", relevance=0.5, tier=tier, num_tokens=8, vision_tokens=0,
+                        position_span=8, entry=None)
+
+
+# (chunks as (id, tier), instruction, text after) -> what template_order gives, worked out by hand from the
+# LLaVA-OneVision template: every image, then every text item in the order given.
+ORDER_CASES = [
+    ([("a", "low"), ("b", None), ("c", "high")], "", "Q?", (["a", "c", "b"], "", "Q?")),
+    ([("a", "low"), ("c", "high")], "Read: ", "Q?", (["a", "c"], "", "Read: Q?")),
+    ([("b", None), ("a", "low")], "Read: ", "Q?", (["a", "b"], "", "Read: Q?")),  # instruction after the text
+    ([("b", None), ("d", None)], "Read: ", "Q?", (["b", "d"], "Read: ", "Q?")),  # no page: nothing moves
+    ([("a", "low"), ("c", "low")], "", "Q?", (["a", "c"], "", "Q?")),
+]
+
+
+@pytest.mark.parametrize("chunks, instruction, text_after, expected", ORDER_CASES)
+def test_template_order_puts_pages_then_text(chunks, instruction, text_after, expected):
+    ordered, moved_instruction, after = template_order([planned(*c) for c in chunks], instruction, text_after)
+    assert ([c.chunk_id for c in ordered], moved_instruction, after) == expected
+
+
+@pytest.mark.parametrize("with_text_chunk", [False, True])
+def test_llava_serving_prompt_follows_its_images_first_template(with_text_chunk, tmp_path_factory):
+    """A request's content in the user's order (instruction, a page, [a text chunk], a page, the query): the
+    prompt the serving path prefills after `template_order` is LLaVA-OneVision's own rendering of it, token for
+    token. Negative control: the request order as given (the instruction and the text chunk before the pages) is
+    not."""
+    name = "llava_onevision"
+    path = build("tiny-llava", tmp_path_factory.mktemp("llava") / "checkpoint", chat_template=fixture_template(name))
+    vlm = VLM(ModelSpec(path=str(path), device="cpu"))
+    rng = random.Random(5)
+    pages = {"p1": page(rng, 140, 98), "p2": page(rng, 84, 56)}
+    instruction = "Answer from the pages below.\n"
+    given = [("p1", "low"), *([("t", None)] if with_text_chunk else []), ("p2", "low")]
+    content = [{"type": "text", "text": instruction}] + [
+        {"type": "image"} if tier else {"type": "text", "text": CHUNK} for _, tier in given]
+    content.append({"type": "text", "text": QUERY})
+
+    def prompt(chunks: list[PlannedChunk], instruction: str, text_after: str) -> list[int]:
+        ids = list(vlm.adapter.prefix_ids) + (vlm.adapter.encode(instruction) if instruction else [])
+        for chunk in chunks:
+            ids += vlm.image_inputs([pages[chunk.chunk_id]])[2] if chunk.tier else vlm.adapter.encode(CHUNK)
+        return ids + vlm.query_turn_ids(text_after)
+
+    chunks = [planned(*c) for c in given]
+    expected = expected_ids(vlm, fixture_template(name), content, [pages["p1"], pages["p2"]])
+    ours = prompt(*template_order(chunks, instruction, QUERY))
+    if with_text_chunk:  # the one order linked KV cannot give: the instruction lands after the text chunk
+        assert ours == expected_ids(vlm, fixture_template(name), [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": CHUNK},
+            {"type": "text", "text": instruction}, {"type": "text", "text": QUERY}], [pages["p1"], pages["p2"]])
+        assert ours != expected
+    else:
+        assert ours == expected
+    assert prompt(chunks, instruction, QUERY) != expected

@@ -61,13 +61,16 @@ class ChatTemplate:
     """The chat template cut where user content starts and ends.
 
     A templated prompt is `prefix` + user content + `turn_suffix`; an image item of user content is
-    `image_before` + N image tokens + `image_after`.
+    `image_before` + N image tokens + `image_after`. `images_first`: the template renders every image of a
+    turn before any of its text, whatever the content's order (LLaVA-OneVision's does); the router then
+    orders a request's context the same way (serve/routing/router.py `template_order`).
     """
 
     prefix: str
     turn_suffix: str
     image_before: str
     image_after: str
+    images_first: bool = False
 
     @classmethod
     def from_tokenizer(cls, tokenizer, image_token: str) -> "ChatTemplate":
@@ -86,7 +89,9 @@ class ChatTemplate:
         if markup.count(image_token) != 1:
             raise ValueError(f"image markup {markup!r} does not hold the image token {image_token!r} once")
         image_before, image_after = markup.split(image_token)
-        return cls(prefix, turn_suffix, image_before, image_after)
+        text_then_image = render([{"type": "text", "text": _SENTINEL}, {"type": "image"}])
+        images_first = text_then_image.index(image_token) < text_then_image.index(_SENTINEL)
+        return cls(prefix, turn_suffix, image_before, image_after, images_first)
 
 
 class Adapter:

@@ -29,7 +29,7 @@ from schemas.errors import ApiError, TooLargeError
 from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
-from serve.plan import Plan
+from serve.plan import Plan, PlannedChunk
 from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
 from serve.routing.retrieval import Snapshot, open_snapshot
 
@@ -53,6 +53,21 @@ class PromptTemplate:
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
+                   ) -> tuple[list[PlannedChunk], str, str]:
+    """`(chunks, instruction, text after the chunks)` in the order a chat template that renders every image of a
+    turn before any of its text (`ChatTemplate.images_first`: LLaVA-OneVision's) renders the same content: the
+    chunks served as pages first, then those served as text, each in request order; with pages in context the
+    instruction, being text, follows them too, at the front of the text prefilled after the chunks. That is the
+    template's own prompt unless text chunks sit beside pages: the template would put the instruction before
+    them, and linked KV leaves no place to prefill text between chunks, so there it comes after them."""
+    pages = [c for c in chunks if c.tier is not None]
+    if not pages or len(pages) == len(chunks) and not instruction:
+        return chunks, instruction, text_after
+    ordered = pages + [c for c in chunks if c.tier is None]
+    return (ordered, "", instruction + text_after) if instruction else (ordered, instruction, text_after)
 
 
 class Router:
@@ -126,6 +141,14 @@ class Router:
         selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
                              texts=lambda: catalog.texts(rows))
         chunks, fallbacks = place(request.mode, selected, spec, room_tokens)
+        instruction, query_prompt = request.instruction, request.query_prompt
+        if self.prompt.template.images_first:
+            chunks, instruction, text_after = template_order(chunks, instruction, request.text_after_chunks)
+            if instruction != request.instruction:  # it moved after the pages: count it there
+                query_prompt = text_after
+                prefix_tokens -= self.prompt.count(request.instruction)
+                query_tokens += self.prompt.count(text_after) - self.prompt.count(request.text_after_chunks)
+                fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
@@ -139,8 +162,8 @@ class Router:
         route_ms = (time.perf_counter() - started) * 1e3
         return Plan(mode=request.mode, query=request.query, chunks=tuple(chunks), prefix_tokens=prefix_tokens,
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
-                    query_embedding=query_vector, generation=snapshot.generation, instruction=request.instruction,
-                    query_prompt=request.query_prompt)
+                    query_embedding=query_vector, generation=snapshot.generation, instruction=instruction,
+                    query_prompt=query_prompt)
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""
