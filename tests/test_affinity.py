@@ -5,6 +5,7 @@ and in-flight counts, as literals."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 import uuid
@@ -70,35 +71,46 @@ def test_the_replica_holding_most_bytes_wins_not_most_entries():
 
 
 def test_equal_holdings_share_a_rank_least_loaded_first():
-    # 2 + 1 in flight + this one = 4, mean 2, cap 3: both eligible, B the less loaded
+    # 2 + 1 in flight + this one = 4, mean 2, cap ⌈1.5 × 2⌉ = 3: both eligible, B the less loaded
     choice = pick(entries("k3"), [view("A", 2, "k3"), view("B", 1, "k3")])
     assert choice.ranks == (("B", "A"),)
 
 
 def test_the_load_cap_sends_past_the_best_holder():
-    # B holds everything but has 3 in flight: 3 + 0 + 0 + this one = 4, mean 4/3, cap 1.5 * 4/3 = 2 < 3 + 1
+    # B holds everything but has 3 in flight: 3 + 0 + 0 + this one = 4, mean 4/3, cap ⌈1.5 × 4/3⌉ = 2 < 3 + 1
     replicas = [view("A", 0, "k1"), view("B", 3, "k1", "k2", "k3"), view("C", 0)]
     choice = pick(entries("k1", "k2", "k3"), replicas)
     assert choice.decision is Decision.AFFINITY and choice.ranks == (("A",), ("C",))
-    # two replicas, 1 + 2 in flight + this one = 4, mean 2, cap 3: B may take a third
+    # two replicas, 1 + 2 in flight + this one = 4, mean 2, cap ⌈3⌉ = 3: B may take a third
     two = [view("A", 1, "k1"), view("B", 2, "k1", "k2", "k3")]
     assert pick(entries("k1", "k2", "k3"), two).ranks == (("B",), ("A",))
 
 
+def test_in_flight_caps_round_up_to_whole_requests():
+    # two replicas, 1 + 0 in flight + this one = 2, mean 1: 1.5 × 1 rounds up to 2, so A may take a second
+    assert pick(entries("k1"), [view("A", 1, "k1"), view("B", 0)]).ranks == (("A",), ("B",))
+    # three: 1 + 0 + 0 + this one = 2, mean 2/3: ⌈1.5 × 2/3⌉ = 1 excludes A at 2
+    three = [view("A", 1, "k1"), view("B", 0), view("C", 0)]
+    assert pick(entries("k1"), three).decision is Decision.COLD
+
+
 def test_up_to_min_in_flight_the_holder_keeps_its_requests():
-    # 1 + 0 in flight + this one = 2, mean 1: the ratio cap (1.5) excludes A at 2, the floor of 2 does not
-    replicas = [view("A", 1, "k1"), view("B", 0)]
-    assert pick(entries("k1"), replicas).ranks == (("B",),)
-    assert pick(entries("k1"), replicas, floor=AffinitySpec().min_in_flight).ranks == (("A",), ("B",))
+    # the same three replicas: the ratio cap (1) excludes A at 2, the floor of 2 does not
+    three = [view("A", 1, "k1"), view("B", 0), view("C", 0)]
+    assert pick(entries("k1"), three, floor=AffinitySpec().min_in_flight).ranks == (("A",), ("B", "C"))
 
 
-def test_a_cap_that_excludes_everyone_leaves_the_least_loaded():
-    replicas = [view("A", 1, "k1"), view("B", 1, "k1"), view("C", 1)]  # cap max(1, 1.0 * 4/3) < 2
-    assert pick(entries("k1"), replicas, ratio=1.0).ranks == (("A", "B"), ("C",))
+def test_the_least_loaded_replica_is_always_eligible():
+    # a cap of at least ⌈(in flight + 1) / replicas⌉ exceeds the least loaded's count: it can always take one more
+    for loads in itertools.product(range(5), repeat=3):
+        replicas = [view(name, n, "k1") for name, n in zip("ABC", loads)]
+        least = {r.replica_id for r in replicas if r.in_flight == min(loads)}
+        choice = pick(entries("k1"), replicas, ratio=1.0)
+        assert least <= {name for rank in choice.ranks for name in rank}, loads
 
 
 def test_nothing_cached_anywhere_is_power_of_two_choices_among_the_eligible():
-    replicas = [view("A", 0, "k4"), view("B", 1), view("C", 3)]  # C over the cap (1.5 * 5/3 = 2.5 < 4)
+    replicas = [view("A", 0, "k4"), view("B", 1), view("C", 3)]  # C over the cap (⌈1.5 × 5/3⌉ = 3 < 4)
     for seed in range(20):
         choice = pick(entries("k1", "k2"), replicas, seed=seed)
         assert choice.decision is Decision.COLD
@@ -180,8 +192,8 @@ def test_the_router_counts_in_flight_requests_until_they_complete():
 
     async def scenario() -> None:
         router = affinity_router(replicas)
-        # in flight (A, B) before each: (0,0) cap 1 -> A; (1,0) cap 1.5 -> B; (1,1) cap 2.25 -> A;
-        # (2,1) cap 3 -> A; (3,1) cap 3.75 -> B
+        # in flight (A, B) before each, cap ⌈1.5 × (in flight + 1) / 2⌉: (0,0) cap 1 -> A; (1,0) cap 2 -> A;
+        # (2,0) cap 3 -> A; (3,0) cap 3 -> B; (3,1) cap 4 -> A
         sent = []
         for _ in range(5):
             request = pending(plan)
@@ -190,9 +202,9 @@ def test_the_router_counts_in_flight_requests_until_they_complete():
             sent.append((target, request))
             for replica, keys in zip(replicas, (("k1", "k2", "k3"), ())):  # newer reports: B kept nothing
                 replica.stats = report(*keys).to_stats()
-        assert [target for target, _ in sent] == ["A", "B", "A", "A", "B"]
+        assert [target for target, _ in sent] == ["A", "A", "A", "B", "A"]
         router.on_request_completed(by_id["A"].replica_id, sent[0][1].metadata.internal_request_id)
-        assert (await route(router, replicas, pending(plan)))[0] == ["A"]  # (2,2) cap 3.75: A again
+        assert (await route(router, replicas, pending(plan)))[0] == ["A"]  # (3,1) cap 4: A again
     asyncio.run(scenario())
 
 

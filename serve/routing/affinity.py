@@ -7,16 +7,15 @@ entry keys (serve/kv/hot_tier.py: 1.25 MB at 1M resident entries) through Serve'
 (`Generator.record_routing_stats`, collected every `AffinitySpec.stats_period_s` and pushed to every
 handle with the replica list), so routing a request reads local state only — no round trip.
 
-The policy (`choose`): sum, per replica, the stored bytes of the plan's entries it holds — in its filter,
-or sent to it by this router since that filter was recorded (it takes a request's misses in, so a
-burst for one chunk set keeps together before the next report arrives); send
-the request to the replica holding the most, among those it would not put above `max_load_ratio` × the
-mean in-flight requests (counting it; up to `min_in_flight` always allowed); ties go to the less loaded.
-When no eligible
-replica holds any of them, power of two choices among the eligible; when no replica has fresh stats
-(none reported yet, or older than `stale_after_s`), Serve's own power of two choices, unchanged. Bad
-stats degrade that way too, never to an error. A replica without fresh stats holds nothing as far as
-the router knows (a new replica starts cold; a removed one's stats leave with it).
+The policy (`choose`): sum, per replica, the stored bytes of the plan's entries it holds — in its filter, or
+sent to it by this router since that filter was recorded (it takes a request's misses in, so a burst for one
+chunk set keeps together before the next report arrives); send the request to the replica holding the most,
+among those it would not put above `max_load_ratio` × the mean in-flight requests (counting it, rounded up to a
+whole request; up to `min_in_flight` always allowed); ties go to the less loaded. When no eligible replica holds
+any of them, power of two choices among the eligible; when no replica has fresh stats (none reported yet, or
+older than `stale_after_s`), Serve's own power of two choices, unchanged. Bad stats degrade that way too, never
+to an error. A replica without fresh stats holds nothing as far as the router knows (a new replica starts cold;
+a removed one's stats leave with it).
 
 In-flight requests are counted by this router (routed, not yet completed), so with several ingress
 replicas each caps its own share. What it predicted for the replica it chose is exported per target
@@ -27,6 +26,7 @@ then had (`qvpic_hot_tier_bytes`): docs/DEPLOY.md reads them.
 from __future__ import annotations
 
 import enum
+import math
 import random
 import time
 from collections import OrderedDict
@@ -92,7 +92,9 @@ def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], rng: random.Ra
     if not any(r.report is not None for r in replicas):
         return Choice((), Decision.NO_STATS, {})
     held = {r.replica_id: sum(n for h, n in entries if r.holds(h)) for r in replicas}
-    cap = max(min_in_flight, max_load_ratio * (sum(r.in_flight for r in replicas) + 1) / len(replicas))
+    # In-flight counts are whole requests: the cap rounds up (with 4 in flight over 3 replicas, 1.5 × the mean
+    # is 2; a fractional cap of 2.5 would send a chunk set's next request away from the replica holding it at 3).
+    cap = max(min_in_flight, math.ceil(max_load_ratio * (sum(r.in_flight for r in replicas) + 1) / len(replicas)))
     least = min(r.in_flight for r in replicas)
     eligible = [r for r in replicas if r.in_flight + 1 <= cap] or [r for r in replicas if r.in_flight == least]
     if max(held[r.replica_id] for r in eligible) == 0:
