@@ -3,7 +3,8 @@
 qvpic: the Serve app on a loopback port (as benchmarks/ttft_http.py starts it: no response cache, the
 generator given this process's torch threads of CPUs); vLLM: its OpenAI server from the peer venv, with the
 same cores (benchmarks/peer/engine.py). Every round sends each qvpic mode, then each vLLM representation,
-its request, one at a time, so both see the same machine.
+its request, one at a time, so both see the same machine; vLLM's processes are stopped while qvpic is timed
+(`VLLMServer.paused`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import torch
@@ -55,8 +59,27 @@ def qvpic_server(spec: ModelSpec, store_uri: str) -> Iterator[str]:
         ray.shutdown()
 
 
+@dataclass
+class VLLMServer:
+    """vLLM's OpenAI server, which can be paused while the other engine is timed: idle beside qvpic's server it
+    still slowed qvpic's query prefill ~2× (236 ms alone, 497 ms beside it, the same requests), so each engine
+    is timed with the other's processes stopped (SIGSTOP of vLLM's process group; qvpic's Ray processes keep
+    running while vLLM is timed, since Ray's health checks would declare a stopped node dead)."""
+
+    url: str
+    process: subprocess.Popen
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self.process.pid, signal.SIGCONT)
+
+
 @contextlib.contextmanager
-def vllm_server(spec: ModelSpec, max_images: int, log_path) -> Iterator[str]:
+def vllm_server(spec: ModelSpec, max_images: int, log_path) -> Iterator[VLLMServer]:
     port = loopback_port()
     command = [str(engine.PEER_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(resolve_path(spec)), "--dtype", spec.dtype.value, "--seed", "0",
@@ -64,7 +87,7 @@ def vllm_server(spec: ModelSpec, max_images: int, log_path) -> Iterator[str]:
                "--port", str(port), "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": 0}),
                "--mm-processor-kwargs", json.dumps({"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels})]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=engine.peer_env(torch.get_num_threads()))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -74,8 +97,9 @@ def vllm_server(spec: ModelSpec, max_images: int, log_path) -> Iterator[str]:
                 tail = "\n".join(open(log_path).read().splitlines()[-20:])
                 raise RuntimeError(f"vLLM's server did not come up (exit {proc.poll()}):\n{tail}")
             time.sleep(2)
-        yield url
+        yield VLLMServer(url, proc)
     finally:
+        os.killpg(proc.pid, signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=60)
 
@@ -92,15 +116,17 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
     HTTP, interleaved; `timings`: qvpic's own account of each request (schemas.api.Timings), vLLM's empty."""
     out = defaultdict(lambda: {"ms": [], "tokens": [], "timings": []})
     model = str(resolve_path(spec))
-    with qvpic_server(spec, corpus.store_uri) as ours, vllm_server(spec, max_images, log_path) as theirs, \
+    with qvpic_server(spec, corpus.store_uri) as ours, vllm_server(spec, max_images, log_path) as vllm, \
             httpx.Client(timeout=600) as client:
+        theirs = vllm.url
 
         def ask_qvpic(chunks: list[int], mode: Mode) -> tuple[float, int, dict]:
             body = {"query": corpus.query, "chunk_ids": [corpus.chunk_ids[c] for c in chunks], "mode": mode.value,
                     "max_new_tokens": 1}
-            started = time.perf_counter()
-            reply = client.post(ours + "/v1/answer", json=body, headers={"Cache-Control": "no-cache"})
-            ms = (time.perf_counter() - started) * 1e3
+            with vllm.paused():
+                started = time.perf_counter()
+                reply = client.post(ours + "/v1/answer", json=body, headers={"Cache-Control": "no-cache"})
+                ms = (time.perf_counter() - started) * 1e3
             reply.raise_for_status()
             if reply.json().get("cache_hit"):
                 raise RuntimeError("a response cache answered: every request must run the model")
@@ -160,6 +186,9 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
                 generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
                 times.append((time.perf_counter() - started) * 1e3)
             ttft[(load.name, mode.value)] = {"ms": times}
+    floor = {(load.name, mode.value): forward_floor(generator, router, loader, [request(c, mode, 1) for c in
+                                                                               load.requests])
+             for load in loads for mode in modes if mode in (Mode.QVPIC, Mode.TEXT_PIC)}
     plans = [asyncio.run(router.plan(request(chunks, Mode.QVPIC, new_tokens))) for chunks in decode_sets]
     sampling = Sampling(max_new_tokens=new_tokens)
     for plan in plans:  # warm: every chunk on the device hot tier, as vLLM's prompts are in its prefix cache
@@ -169,4 +198,25 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
         result = asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, loader=loader), plans, level, sampling,
                                        "qvpic"))
         decode[level] = result.tokens_per_s
-    return {"ttft": ttft, "decode": decode}
+    return {"ttft": ttft, "decode": decode, "floor": floor}
+
+
+def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> dict:
+    """The model's forwards alone over each request's assembled context (routing, loading and re-anchoring
+    done beforehand, untimed): the query turn's prefill (`VLM.prefill_query`, the floor of a linked mode's
+    TTFT in this engine) and a one-token forward (reading every weight once: the floor of any forward of this
+    checkpoint on this machine), ms per request, and the query turn's tokens."""
+    vlm, out = generator.vlm, {"query_ms": [], "one_token_ms": [], "query_tokens": []}
+    for request in requests:
+        plan = asyncio.run(router.plan(request))
+        context = asyncio.run(generator.contexts.build(plan, None, loader)).prefill
+        assembled = vlm.assemble(context.chunks, context.instruction)
+        vlm.prefill_query(assembled, plan.text_after_chunks)  # warm: the first forward at a new length pays more
+        started = time.perf_counter()
+        state = vlm.prefill_query(assembled, plan.text_after_chunks)
+        out["query_ms"].append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        vlm.extend(state, [int(state.logits[0, -1].argmax())])  # one decode step over the same context
+        out["one_token_ms"].append((time.perf_counter() - started) * 1e3)
+        out["query_tokens"].append(len(vlm.query_turn_ids(plan.text_after_chunks)))
+    return out

@@ -10,7 +10,8 @@ qvpic answers in `qvpic`, `text_pic`, `full_text` and `full_image` mode (HTTP: `
 response cache); vLLM is given the chunks as text and, separately, as the page images of the store's lowest
 tier (what qvpic compiled), in the same order, then the question. Over HTTP the two servers are up together
 and every round sends each qvpic mode and each vLLM representation its request in turn (interleaved, one at
-a time); in-process figures follow, one engine at a time. Decode: `DECODE_REQUESTS` of the zipf requests,
+a time; vLLM's processes stopped while qvpic's request runs: servers.VLLMServer); in-process figures follow,
+one engine at a time. Decode: `DECODE_REQUESTS` of the zipf requests,
 `NEW_TOKENS` new tokens each, at concurrency 1 and 16 (qvpic's batched engine in `qvpic` mode vs vLLM's
 continuous batching on the text prompts), tokens/s = new tokens / wall time.
 """
@@ -137,6 +138,9 @@ def _cell(times: list[float]) -> str:
 
 
 def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall_s, build_s) -> str:
+    def best_vllm_ms(name: str) -> float:
+        return min(statistics.median(over_http[("vllm", name, rep)]["ms"]) for rep in REPRESENTATIONS)
+
     rows, verdicts = [], []
     for name in ("identical", "reordered", "zipf"):
         for mode in QVPIC_MODES:
@@ -145,7 +149,7 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
         for rep in REPRESENTATIONS:
             h, p = over_http[("vllm", name, rep)], theirs[(name, rep)]
             rows.append([name, "vLLM", rep, _cell(h["ms"]), _cell(p["ttft_ms"]), statistics.median(h["tokens"])])
-        best_vllm = min(statistics.median(over_http[("vllm", name, rep)]["ms"]) for rep in REPRESENTATIONS)
+        best_vllm = best_vllm_ms(name)
         best_ours = min(statistics.median(over_http[("qvpic", name, m.value)]["ms"]) for m in (Mode.QVPIC,
                                                                                             Mode.TEXT_PIC))
         target = TARGET_IDENTICAL if name == "identical" else TARGET_REUSE
@@ -159,6 +163,12 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
                                 "client (HTTP)"], [breakdown_row(over_http, name, mode) for name in
                                                    ("identical", "reordered", "zipf") for mode in (Mode.QVPIC,
                                                                                                    Mode.TEXT_PIC)])
+    floor_rows = [[name, mode, round(statistics.median(f["query_tokens"])), f"{statistics.median(f['query_ms']):.0f}",
+                   f"{statistics.median(f['one_token_ms']):.0f}",
+                   f"{statistics.median(f['query_ms']) / best_vllm_ms(name):.2f}×"]
+                  for (name, mode), f in ours["floor"].items()]
+    floor = markdown_table(["workload", "mode", "query-turn tokens", "query-turn prefill alone ms",
+                            "one-token forward ms", "prefill alone / vLLM's best HTTP TTFT"], floor_rows)
     decode_rows = [[c, f"{ours['decode'][c]:.1f}", f"{vllm_decode[str(c)]:.1f}",
                     f"{ours['decode'][c] / vllm_decode[str(c)]:.2f}×"] for c in CONCURRENCY]
     ratio16 = ours["decode"][16] / vllm_decode["16"]
@@ -171,10 +181,15 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
             f"{engine.KV_CACHE_GIB} GiB KV cache, prefix caching on). Store of {pool} chunks of ≤{CHUNK_TOKENS} "
             f"tokens; {rounds} measured requests per workload and engine × mode{' (--quick)' if quick else ''}; "
             f"one new token for TTFT (HTTP: the whole one-token response; qvpic `/v1/answer` with "
-            f"`Cache-Control: no-cache`, vLLM `/v1/chat/completions`). p99 of {rounds} requests is their "
-            f"slowest.\n\n{ttft}\n\nWhere qvpic's HTTP TTFT went, medians in ms as the server timed them (`timings` "
-            f"of each reply; prefill: the query-only prefill, the floor of the linked modes; the client column "
-            f"adds HTTP, the ingress and Serve's hops):\n\n{breakdown}\n\n"
+            f"`Cache-Control: no-cache`, vLLM `/v1/chat/completions`; vLLM's server stopped with SIGSTOP while "
+            f"a qvpic request runs, since idle beside it it slowed qvpic's prefill ~2×). p99 of {rounds} "
+            f"requests is their slowest.\n\n{ttft}\n\nWhere qvpic's HTTP TTFT went, medians in ms as the server "
+            f"timed them (`timings` of each reply; prefill: the query-only prefill, the floor of the linked "
+            f"modes; the client column adds HTTP, the ingress and Serve's hops):\n\n{breakdown}\n\n"
+            f"The floor, in-process: the model's forwards alone over each measured request's assembled context "
+            f"(routing, loading and re-anchoring done beforehand and not timed; medians). The query-turn prefill "
+            f"is the least a linked mode's TTFT can cost in this engine; the one-token forward, which reads every "
+            f"weight once, the least any forward of this checkpoint costs on this machine:\n\n{floor}\n\n"
             f"Decode, {DECODE_REQUESTS} zipf requests, {NEW_TOKENS} new tokens each "
             f"(in-process):\n\n{decode}\n\nTargets:\n\n" + "\n".join(f"- {v}" for v in verdicts)
             + f"\n\nWall time {wall_s:.0f} s (store build {build_s:.0f} s).")
