@@ -64,10 +64,9 @@ def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
     template's own prompt unless text chunks sit beside pages: the template would put the instruction before
     them, and linked KV leaves no place to prefill text between chunks, so there it comes after them."""
     pages = [c for c in chunks if c.tier is not None]
-    if not pages or len(pages) == len(chunks) and not instruction:
+    if not pages:
         return chunks, instruction, text_after
-    ordered = pages + [c for c in chunks if c.tier is None]
-    return (ordered, "", instruction + text_after) if instruction else (ordered, instruction, text_after)
+    return pages + [c for c in chunks if c.tier is None], "", instruction + text_after
 
 
 class Router:
