@@ -1,7 +1,7 @@
 """TTFT of every serving mode side by side, with its breakdown and the HTTP share.
 
     python -m benchmarks.ttft            # full grid, writes docs/BENCHMARKS.md section `ttft` (≈10 min, 2 cores)
-    python -m benchmarks.ttft --quick    # tiny + bench model, 4 and 16 chunks (≈3 min)
+    python -m benchmarks.ttft --quick    # tiny + bench model, 4 and 16 chunks (19 min on 2 AVX2 cores: bf16)
 
 For each (model, dtype) a store of synthetic chunks is compiled by the real ingest stages
 (`benchmarks/ttft_store.py`), then the real Router / CacheLoader / Generator serve every mode in this
