@@ -32,6 +32,7 @@ from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec
 from schemas.sampling import Sampling
 
+LINKED_MODES = (Mode.QVPIC, Mode.TEXT_PIC)  # the modes that link cached KV: their TTFT is the one compared
 SERVER_START_S = 900  # vLLM's engine start (weights, warm-up compile) on a loaded 2-core machine
 
 
@@ -61,10 +62,10 @@ def qvpic_server(spec: ModelSpec, store_uri: str) -> Iterator[str]:
 
 @dataclass
 class VLLMServer:
-    """vLLM's OpenAI server, which can be paused while the other engine is timed: idle beside qvpic's server it
-    still slowed qvpic's query prefill ~2× (236 ms alone, 497 ms beside it, the same requests), so each engine
-    is timed with the other's processes stopped (SIGSTOP of vLLM's process group; qvpic's Ray processes keep
-    running while vLLM is timed, since Ray's health checks would declare a stopped node dead)."""
+    """vLLM's OpenAI server, which can be paused while qvpic is timed: idle beside qvpic's server it still
+    slowed qvpic's query prefill ~2× (236 ms alone, 497 ms beside it, the same requests). `paused` stops vLLM's
+    process group (SIGSTOP); qvpic's Ray processes keep running while vLLM is timed, since Ray's health checks
+    would declare a stopped node dead."""
 
     url: str
     process: subprocess.Popen
@@ -188,7 +189,7 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
             ttft[(load.name, mode.value)] = {"ms": times}
     floor = {(load.name, mode.value): forward_floor(generator, router, loader, [request(c, mode, 1) for c in
                                                                                load.requests])
-             for load in loads for mode in modes if mode in (Mode.QVPIC, Mode.TEXT_PIC)}
+             for load in loads for mode in modes if mode in LINKED_MODES}
     plans = [asyncio.run(router.plan(request(chunks, Mode.QVPIC, new_tokens))) for chunks in decode_sets]
     sampling = Sampling(max_new_tokens=new_tokens)
     for plan in plans:  # warm: every chunk on the device hot tier, as vLLM's prompts are in its prefix cache

@@ -150,8 +150,7 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
             h, p = over_http[("vllm", name, rep)], theirs[(name, rep)]
             rows.append([name, "vLLM", rep, _cell(h["ms"]), _cell(p["ttft_ms"]), statistics.median(h["tokens"])])
         best_vllm = best_vllm_ms(name)
-        best_ours = min(statistics.median(over_http[("qvpic", name, m.value)]["ms"]) for m in (Mode.QVPIC,
-                                                                                            Mode.TEXT_PIC))
+        best_ours = min(statistics.median(over_http[("qvpic", name, m.value)]["ms"]) for m in servers.LINKED_MODES)
         target = TARGET_IDENTICAL if name == "identical" else TARGET_REUSE
         ratio = best_ours / best_vllm
         verdicts.append(f"{name}: qvpic's best linked mode {best_ours:.0f} ms / vLLM's best representation "
@@ -161,8 +160,7 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
                            "in-process p50 / p99 ms", "context tokens"], rows)
     breakdown = markdown_table(["workload", "mode", *(k.removesuffix("_ms").replace("_", " ") for k in PHASES),
                                 "client (HTTP)"], [breakdown_row(over_http, name, mode) for name in
-                                                   ("identical", "reordered", "zipf") for mode in (Mode.QVPIC,
-                                                                                                   Mode.TEXT_PIC)])
+                                                   ("identical", "reordered", "zipf") for mode in servers.LINKED_MODES])
     floor_rows = [[name, mode, round(statistics.median(f["query_tokens"])), f"{statistics.median(f['query_ms']):.0f}",
                    f"{statistics.median(f['one_token_ms']):.0f}",
                    f"{statistics.median(f['query_ms']) / best_vllm_ms(name):.2f}×"]
