@@ -193,7 +193,8 @@ def test_the_router_counts_in_flight_requests_until_they_complete():
     async def scenario() -> None:
         router = affinity_router(replicas)
         # in flight (A, B) before each, cap ⌈1.5 × (in flight + 1) / 2⌉: (0,0) cap 1 -> A; (1,0) cap 2 -> A;
-        # (2,0) cap 3 -> A; (3,0) cap 3 -> B; (3,1) cap 4 -> A
+        # (2,0) cap 3 -> A; (3,0) cap 3 -> B; (3,1) cap 4 -> B, which now holds the set too (sent to it, in
+        # flight: its newer reports cannot cover that request yet) and is the less loaded
         sent = []
         for _ in range(5):
             request = pending(plan)
@@ -202,9 +203,11 @@ def test_the_router_counts_in_flight_requests_until_they_complete():
             sent.append((target, request))
             for replica, keys in zip(replicas, (("k1", "k2", "k3"), ())):  # newer reports: B kept nothing
                 replica.stats = report(*keys).to_stats()
-        assert [target for target, _ in sent] == ["A", "A", "A", "B", "A"]
+        assert [target for target, _ in sent] == ["A", "A", "A", "B", "B"]
         router.on_request_completed(by_id["A"].replica_id, sent[0][1].metadata.internal_request_id)
-        assert (await route(router, replicas, pending(plan)))[0] == ["A"]  # (3,1) cap 4: A again
+        # (2,2) cap 4: both hold the set (A by its report, B by its requests in flight) at equal load, so one
+        # rank, where Serve takes the less queued
+        assert sorted((await route(router, replicas, pending(plan)))[0]) == ["A", "B"]
     asyncio.run(scenario())
 
 
@@ -226,5 +229,31 @@ def test_what_the_router_sent_counts_as_held_until_a_newer_report():
         held = {v.replica_id: v.routed for v in router.views(replicas)}
         assert held == {target: frozenset({key_hash("k1"), key_hash("k2")}), other: frozenset()}
         by_id[target].stats = report().to_stats()  # a newer report: it kept none of it
+        assert all(not v.routed for v in router.views(replicas))
+    asyncio.run(scenario())
+
+
+def test_a_report_recorded_while_the_request_is_in_flight_does_not_cover_it():
+    """The replica has not taken a queued request's misses in yet, so a report recorded meanwhile says
+    nothing about them: what was sent stays held until a report recorded after the request completed."""
+    plan = plan_of("k1", "k2")
+    replicas = [StatsReplica("A", report().to_stats()), StatsReplica("B", report().to_stats())]
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+
+    async def scenario() -> None:
+        router = affinity_router(replicas)
+        request = pending(plan)
+        target = (await route(router, replicas, request))[0][0]
+        router.on_request_routed(request, by_id[target].replica_id, None)
+        time.sleep(0.01)
+        by_id[target].stats = report().to_stats()  # newer than the routing, the request still in flight
+        assert {v.replica_id: v.routed for v in router.views(replicas)}[target] == {key_hash("k1"), key_hash("k2")}
+        time.sleep(0.01)
+        router.on_request_completed(by_id[target].replica_id, request.metadata.internal_request_id)
+        # completed after that report: still held (the report predates it) ...
+        assert {v.replica_id: v.routed for v in router.views(replicas)}[target] == {key_hash("k1"), key_hash("k2")}
+        time.sleep(0.01)
+        by_id[target].stats = report().to_stats()
+        # ... until one recorded after the completion says the replica kept none of it
         assert all(not v.routed for v in router.views(replicas))
     asyncio.run(scenario())

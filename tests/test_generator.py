@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -217,6 +218,62 @@ def test_hot_chunks_cross_to_the_device_once_and_misses_fetch_only_what_is_missi
     # the same answer whichever tier served each chunk
     given = roles.generator.generate_blocking(second, sampling, loaded=roles.loader.load(second))
     assert roles.generator.generate_blocking(second, sampling, loader=loader).text == given.text
+
+
+class GatedLoader(CountingLoader):
+    """A counting loader whose reads wait for `gate`: requests are certain to overlap while it is shut.
+    `fail_first` makes the first read raise (after the gate opens)."""
+
+    def __init__(self, config: LoaderConfig, fail_first: bool = False):
+        super().__init__(config)
+        self.gate, self.fail_first = threading.Event(), fail_first
+
+    def load(self, plan):
+        self.gate.wait(timeout=30)
+        if self.fail_first:
+            self.fail_first = False
+            self.asked.append(["failed"])
+            raise OSError("injected: the first read fails")
+        return super().load(plan)
+
+
+def overlapping(generator, loader: GatedLoader, plans: list[Plan], sampling: Sampling) -> list:
+    """Start every plan's request, open the loader's gate once all have reached the hot tier, gather."""
+    async def run() -> list:
+        tasks = [asyncio.create_task(generator.generate(p, sampling, loader=loader)) for p in plans]
+        await asyncio.sleep(0.5)  # every request has looked its entries up and waits on a read or on a fetch
+        loader.gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    return asyncio.run(run())
+
+
+def test_requests_in_flight_for_the_same_entries_fetch_them_once(roles, serving_store):
+    roles.generator.contexts.hot.clear()
+    loader = GatedLoader(LoaderConfig(store=serving_store.uri, max_nbytes=1 << 20))
+    ids = ["invoices#00000", "manual#00000"]
+    first = plan(roles, chunk_ids=ids, mode=Mode.TEXT_PIC, max_new_tokens=4)
+    overlap = plan(roles, chunk_ids=["manual#00000", "recipes#00000"], mode=Mode.TEXT_PIC, max_new_tokens=4)
+    sampling = Sampling(max_new_tokens=4)
+    a, b, c = overlapping(roles.generator, loader, [first, first, overlap], sampling)
+    # one read of the first set; the overlapping plan reads only the entry nobody was fetching
+    assert sorted(map(sorted, loader.asked)) == sorted([sorted(c.entry.key for c in first.chunks),
+                                                         [overlap.chunks[1].entry.key]])
+    assert (a.report.cache.device_hits, a.report.cache.misses) == (0, 2)
+    assert (b.report.cache.device_hits, b.report.cache.hits + b.report.cache.misses) == (2, 0)
+    assert c.report.cache.device_hits == 1
+    # the answers are those of the same plans served one at a time from what the loader reads
+    for planned, got in ((first, a), (first, b), (overlap, c)):
+        assert got.text == roles.generator.generate_blocking(planned, sampling, loaded=roles.loader.load(planned)).text
+
+
+def test_a_failed_fetch_leaves_its_waiters_to_fetch_for_themselves(roles, serving_store):
+    roles.generator.contexts.hot.clear()
+    loader = GatedLoader(LoaderConfig(store=serving_store.uri, max_nbytes=1 << 20), fail_first=True)
+    first = plan(roles, chunk_ids=["invoices#00000"], mode=Mode.TEXT_PIC, max_new_tokens=4)
+    failed, waited = overlapping(roles.generator, loader, [first, first], Sampling(max_new_tokens=4))
+    assert isinstance(failed, OSError) and not isinstance(waited, BaseException)
+    assert loader.asked == [["failed"], [first.chunks[0].entry.key]]  # the waiter read it itself, no hang
+    assert waited.report.cache.misses == 1 and not roles.generator.contexts._fetching
 
 
 def test_the_hot_tier_keeps_its_byte_cap(roles, serving_store):

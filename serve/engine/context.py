@@ -63,6 +63,8 @@ class ContextBuilder:
         self.vlm, self.renderer, self.render_spec, self.recompute = vlm, renderer, render_spec, recompute
         self.hot = hot  # chunk KV resident on the device
         self.repairer = repairer
+        # entry key → done when the request fetching it has put it in the hot tier (or failed); one event loop
+        self._fetching: dict[str, asyncio.Future[None]] = {}
 
     async def build(self, plan: Plan, loaded: LoadResult | None, loader: DeploymentHandle | CacheLoader | None
                     ) -> Context:
@@ -87,24 +89,39 @@ class ContextBuilder:
                            repaired.cache, repaired.fallbacks, repaired.load_ms, sources=kv_sources(loaded, repaired),
                            kv_nbytes=[c.kv.nbytes for c in chunks])
         started = time.perf_counter()
-        hot = self.hot.get_many(c.entry.key for c in plan.chunks)
-        missing = dataclasses.replace(plan, chunks=tuple(
-            c if c.entry.key not in hot else dataclasses.replace(c, entry=None, fallback=None) for c in plan.chunks))
-        fetched, sources = None, [KVSource.DEVICE] * len(plan.chunks)
-        if len(hot) < len(plan.chunks):
-            read = await self._load(missing, loader)
-            fetched = await self.repairer.repaired(missing, read)
-            sources = [KVSource.DEVICE if s is None else s for s in kv_sources(read, fetched)]
-        chunks, served = [], []
-        for position, planned in enumerate(plan.chunks):
-            if planned.entry.key in hot:
-                kv, entry = hot[planned.entry.key]
-            else:  # onto the device once; every later request re-anchors it there
-                loaded_kv = fetched.kvs[position]
-                kv, entry = self._chunk(loaded_kv, copy=True), loaded_kv.entry
-                self.hot.put(entry.key, kv, entry)
-            chunks.append(kv)
-            served.append(entry)
+        keys = [c.entry.key for c in plan.chunks]
+        # Entries another request is bringing onto the device: wait for that copy rather than fetch them again
+        # (affinity routing sends a popular chunk set's burst to one replica, so its requests overlap). Nothing
+        # awaits between this lookup and claiming the misses, so each entry has one fetcher.
+        if waits := {self._fetching[k] for k in keys if k in self._fetching}:
+            await asyncio.wait([asyncio.shield(w) for w in waits])
+        hot = self.hot.get_many(keys)
+        claimed = {k: asyncio.get_running_loop().create_future() for k in dict.fromkeys(keys)
+                   if k not in hot and k not in self._fetching}
+        self._fetching.update(claimed)
+        try:
+            missing = dataclasses.replace(plan, chunks=tuple(
+                c if c.entry.key not in hot else dataclasses.replace(c, entry=None, fallback=None)
+                for c in plan.chunks))
+            fetched, sources = None, [KVSource.DEVICE] * len(plan.chunks)
+            if len(hot) < len(plan.chunks):
+                read = await self._load(missing, loader)
+                fetched = await self.repairer.repaired(missing, read)
+                sources = [KVSource.DEVICE if s is None else s for s in kv_sources(read, fetched)]
+            chunks, served = [], []
+            for position, planned in enumerate(plan.chunks):
+                if planned.entry.key in hot:
+                    kv, entry = hot[planned.entry.key]
+                else:  # onto the device once; every later request re-anchors it there
+                    loaded_kv = fetched.kvs[position]
+                    kv, entry = self._chunk(loaded_kv, copy=True), loaded_kv.entry
+                    self.hot.put(entry.key, kv, entry)
+                chunks.append(kv)
+                served.append(entry)
+        finally:  # put, failed or cancelled: a waiter looks again (and fetches what is still not resident)
+            for key, done in claimed.items():
+                self._fetching.pop(key, None)
+                done.set_result(None)
         report = fetched.cache if fetched is not None else CacheReport(hits=0, misses=0, nbytes_from_store=0)
         report = report.model_copy(update={"device_hits": sum(c.entry.key in hot for c in plan.chunks)})
         fallbacks = fetched.fallbacks if fetched is not None else plan.fallbacks

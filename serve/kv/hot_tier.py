@@ -10,7 +10,9 @@ re-anchors it on the device (assembly never modifies the stored keys). Entries a
 How misses are fetched: the generator asks the loader only for the entries this tier lacks (the rest
 of the plan's chunks go with no entry), so a request whose chunks are all hot makes no loader call
 and moves no KV at all; the loader answers its misses from its LRU or the store, and the generator
-copies what arrives onto its device here.
+copies what arrives onto its device here. A request whose entries another request is already fetching
+waits for that copy (serve/engine/context.py) and finds them here: they cross host→device once and count
+as hits.
 
 What it reports (`routing_stats`, read by serve/routing/affinity.py): a Bloom filter of the resident
 entry keys, sized from how many there are — `BITS_PER_KEY` = 10 bits and `NUM_HASHES` = 7 probes per key,

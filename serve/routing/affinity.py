@@ -8,8 +8,9 @@ entry keys (serve/kv/hot_tier.py: 1.25 MB at 1M resident entries) through Serve'
 handle with the replica list), so routing a request reads local state only — no round trip.
 
 The policy (`choose`): sum, per replica, the stored bytes of the plan's entries it holds — in its filter, or
-sent to it by this router since that filter was recorded (it takes a request's misses in, so a burst for one
-chunk set keeps together before the next report arrives); send the request to the replica holding the most,
+sent to it by this router and not covered by that filter (a report covers a request recorded after it completed:
+the replica then said what it kept; while it is in flight no report does, since its misses are not in yet), so a
+burst for one chunk set keeps together before the next report arrives; send the request to the replica holding the most,
 among those it would not put above `max_load_ratio` × the mean in-flight requests (counting it, rounded up to a
 whole request; up to `min_in_flight` always allowed); ties go to the less loaded. When no eligible replica holds
 any of them, power of two choices among the eligible; when no replica has fresh stats (none reported yet, or
@@ -124,8 +125,10 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._spec = AffinitySpec.model_validate(spec)
         self._rng = random.Random()
         self._in_flight: dict[ReplicaID, int] = {}
-        self._routed: dict[str, ReplicaID] = {}  # internal request id → replica, until it completes
-        self._sent: dict[ReplicaID, dict[tuple[int, int], float]] = {}  # key hash → when routed there (time.time())
+        # internal request id → (replica, its plan's key hashes), until it completes
+        self._routed: dict[str, tuple[ReplicaID, tuple[tuple[int, int], ...]]] = {}
+        # key hash → when the last request that sent it there completed (time.time()); inf while one is in flight
+        self._sent: dict[ReplicaID, dict[tuple[int, int], float]] = {}
         self._choices: OrderedDict[str, Choice] = OrderedDict()
         self._metrics = serve_metrics()
 
@@ -159,27 +162,35 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request_id = pending_request.metadata.internal_request_id
-        self._routed[request_id] = replica_id
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
         choice = self._choices.pop(request_id, None)
         if choice is None:
+            self._routed[request_id] = (replica_id, ())
             return
         target = replica_id.unique_id
         plan = next(a for a in pending_request.args if isinstance(a, Plan))
-        sent, now_s = self._sent.setdefault(replica_id, {}), time.time()
-        for hashed, _ in plan_entries(plan):
-            sent[hashed] = now_s
+        hashes = tuple(h for h, _ in plan_entries(plan))
+        self._routed[request_id] = (replica_id, hashes)
+        sent = self._sent.setdefault(replica_id, {})
+        for hashed in hashes:
+            sent[hashed] = math.inf
         self._metrics.routed.inc(target=target, decision=choice.decision.value)
         self._metrics.routed_plan_bytes.inc(sum(n for _, n in plan_entries(plan)), target=target)
         self._metrics.routed_predicted_bytes.inc(choice.held_nbytes.get(target, 0), target=target)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._routed.pop(internal_request_id, None) is not None:
-            self._in_flight[replica_id] -= 1
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is None:
+            return
+        self._in_flight[replica_id] -= 1
+        sent, now_s = self._sent.get(replica_id, {}), time.time()
+        for hashed in routed[1]:  # from now on a newer report says whether the replica kept them
+            if hashed in sent:
+                sent[hashed] = now_s
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
         self._in_flight = {r: n for r, n in self._in_flight.items() if r in live}  # a removed replica's count goes
-        self._routed = {q: r for q, r in self._routed.items() if r in live}
+        self._routed = {q: routed for q, routed in self._routed.items() if routed[0] in live}
         self._sent = {r: sent for r, sent in self._sent.items() if r in live}
