@@ -1,6 +1,7 @@
 """Chunk-affinity routing vs Serve's default (power of two choices) across generator replicas.
 
-    python -m benchmarks.affinity            # 2 and 3 replicas, both policies; writes docs/BENCHMARKS.md `affinity`
+    python -m benchmarks.affinity --concurrency 2 8   # 2 and 3 replicas, both policies, both loader placements,
+                                                      # 2 and 8 in flight per replica; writes docs/BENCHMARKS.md
     python -m benchmarks.affinity --quick    # fewer requests, nothing written
 
 A store of `--chunks` synthetic chunks is compiled in-process (benchmarks/ttft_store.py, tiny-qwen). Requests
@@ -8,10 +9,12 @@ are `--topics` fixed chunk sets of 8–16 chunks (drawn uniformly from the corpu
 Zipf(1.0) popularity: a popular question retrieves the same set again. (Zipf over single chunks drawn
 independently per request has no set to keep together: a simulation of that gave either policy the same
 hit rate within 10 %.) Each replica's device hot tier holds half the bytes of the hot set (the most
-requested entries that take 80 % of all entry lookups); the one shared loader's host LRU holds as much as one
-hot tier. Every configuration is a fresh Serve app (generators + loader, replicas on this one Ray node)
-served the same request sequence, `--concurrency` × replicas in flight; the first quarter warms up and
-is not counted. Figures: the hot tiers' hit rate in entries and bytes (the replicas' own counters,
+requested entries that take 80 % of all entry lookups); each loader's host LRU holds as much as one hot
+tier — one loader deployment shared by the replicas (`loader_placement: deployment`), or one loader in each
+generator replica (`in_generator`: no hop; with affinity each LRU holds its replica's share). Every
+configuration is a fresh Serve app (generators + loader, replicas on this one Ray node) served the same
+request sequence, `--concurrency` × replicas in flight; the first quarter warms up and is not counted.
+Figures: the hot tiers' hit rate in entries and bytes (the replicas' own counters,
 serve/kv/hot_tier.py), loader LRU hits and store reads (per request, the answer's cache report),
 TTFT p50/p99 at the handle (first streamed event, one new token; ratios only: the replicas share two
 cores), and requests per replica (max/mean).
@@ -37,7 +40,7 @@ from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
 from serve.app import generator_routing
-from serve.config import AppConfig, Routing
+from serve.config import AppConfig, LoaderPlacement, Routing
 from serve.engine import Generator
 from serve.kv import CacheLoader, HotTierReport
 from serve.plan import Plan
@@ -94,15 +97,16 @@ async def serve_sequence(handle, plans: list[Plan], sequence: list[int], concurr
     return results
 
 
-def run_config(store: str, plans, sequence, replicas: int, routing: Routing, hot_nbytes: int, concurrency: int,
-               warmup: int) -> dict:
+def run_config(store: str, plans, sequence, replicas: int, routing: Routing, placement: LoaderPlacement,
+               hot_nbytes: int, concurrency: int, warmup: int) -> dict:
     config = AppConfig.model_validate({
         "store": store, "model": MODEL.model_dump(mode="json"), "router": {}, "loader": {"max_nbytes": hot_nbytes},
         "generator": {"engine": {"hot_tier_nbytes": hot_nbytes}}, "routing": routing.value,
-        "affinity": {"stats_period_s": 0.5, "stale_after_s": 5.0}})
-    app = f"affinity-{routing.value}-{replicas}"
-    loader = serve.deployment(CacheLoader, name="CacheLoader").options(
-        ray_actor_options={"num_cpus": 0.1}).bind(config=config.loader)
+        "affinity": {"stats_period_s": 0.5, "stale_after_s": 5.0}, "loader_placement": placement.value})
+    app = f"affinity-{routing.value}-{placement.value}-{replicas}-{concurrency}"
+    loader = (config.loader if placement is LoaderPlacement.IN_GENERATOR  # each replica builds its own
+              else serve.deployment(CacheLoader, name="CacheLoader").options(
+                  ray_actor_options={"num_cpus": 0.1}).bind(config=config.loader))
     generator = serve.deployment(Generator, name="Generator").options(
         num_replicas=replicas, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0.1},
         **generator_routing(config)).bind(config=config.generator, loader=loader)
@@ -118,7 +122,8 @@ def run_config(store: str, plans, sequence, replicas: int, routing: Routing, hot
     total = {f: sum(d[f] for d in deltas) for f in deltas[0]}
     ttfts = sorted(r[0] for r in results)
     per_replica = [d["lookups"] for d in deltas]
-    return {"replicas": replicas, "routing": routing.value,
+    return {"replicas": replicas, "routing": routing.value, "loader": placement.value,
+            "in_flight": concurrency // replicas,
             "hit_entries": total["hit_entries"] / (total["hit_entries"] + total["miss_entries"]),
             "hit_bytes": total["hit_nbytes"] / (total["hit_nbytes"] + total["miss_nbytes"]),
             "loader_hits": sum(r[1].hits for r in results), "store_reads": sum(r[1].misses for r in results),
@@ -128,28 +133,42 @@ def run_config(store: str, plans, sequence, replicas: int, routing: Routing, hot
 
 def section(rows: list[dict], setup: str) -> str:
     table = markdown_table(
-        ["replicas", "routing", "hot-tier hit (entries)", "hot-tier hit (bytes)", "loader LRU hits", "store reads",
-         "TTFT p50 ms", "TTFT p99 ms", "requests per replica", "max/mean"],
-        [[r["replicas"], r["routing"], r["hit_entries"], r["hit_bytes"], r["loader_hits"], r["store_reads"],
-          r["ttft_p50"], r["ttft_p99"], " / ".join(map(str, r["per_replica"])), r["max_mean"]] for r in rows])
-    ratios = []
-    for replicas in sorted({r["replicas"] for r in rows}):
-        a, d = (next(r for r in rows if r["replicas"] == replicas and r["routing"] == p)
+        ["replicas", "in flight per replica", "loader", "routing", "hot-tier hit (entries)", "hot-tier hit (bytes)",
+         "loader LRU hits", "store reads", "TTFT p50 ms", "TTFT p99 ms", "requests per replica", "max/mean"],
+        [[r["replicas"], r["in_flight"], r["loader"], r["routing"], r["hit_entries"], r["hit_bytes"], r["loader_hits"],
+          r["store_reads"], r["ttft_p50"], r["ttft_p99"], " / ".join(map(str, r["per_replica"])), r["max_mean"]]
+         for r in rows])
+    ratios, loaders = [], []
+    for cell in sorted({(r["replicas"], r["in_flight"], r["loader"]) for r in rows}):
+        a, d = (next(r for r in rows if (r["replicas"], r["in_flight"], r["loader"]) == cell and r["routing"] == p)
                 for p in ("affinity", "default"))
-        ratios.append([replicas, a["hit_bytes"] / d["hit_bytes"], a["hit_entries"] / d["hit_entries"],
+        ratios.append([*cell, a["hit_bytes"] / d["hit_bytes"], a["hit_entries"] / d["hit_entries"],
                        a["store_reads"] / max(1, d["store_reads"]), a["ttft_p50"] / d["ttft_p50"], a["max_mean"]])
-    ratio_table = markdown_table(["replicas", "hit rate ×, bytes", "hit rate ×, entries", "store reads ×",
-                                  "TTFT p50 ×", "affinity max/mean"], ratios)
-    return f"{setup}\n\n{table}\n\nAffinity against default, same run:\n\n{ratio_table}\n"
+    for cell in sorted({(r["replicas"], r["in_flight"], r["routing"]) for r in rows}):
+        by = {r["loader"]: r for r in rows if (r["replicas"], r["in_flight"], r["routing"]) == cell}
+        if len(by) == 2:
+            s, g = by[LoaderPlacement.DEPLOYMENT.value], by[LoaderPlacement.IN_GENERATOR.value]
+            loaders.append([*cell, g["store_reads"] / max(1, s["store_reads"]), g["ttft_p50"] / s["ttft_p50"],
+                            g["ttft_p99"] / s["ttft_p99"]])
+    ratio_table = markdown_table(["replicas", "in flight per replica", "loader", "hit rate ×, bytes",
+                                  "hit rate ×, entries", "store reads ×", "TTFT p50 ×", "affinity max/mean"], ratios)
+    body = f"{setup}\n\n{table}\n\nAffinity against default, same run:\n\n{ratio_table}\n"
+    if loaders:
+        body += ("\nThe loader in each generator against one loader deployment, same run:\n\n" + markdown_table(
+            ["replicas", "in flight per replica", "routing", "store reads ×", "TTFT p50 ×", "TTFT p99 ×"], loaders)
+            + "\n")
+    return body
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.affinity", description=__doc__)
-    parser.add_argument("--chunks", type=int, default=96)
+    parser.add_argument("--chunks", type=int, default=480)  # each chunk in ~1.2 of the topics (96: in ~6)
     parser.add_argument("--topics", type=int, default=48)
-    parser.add_argument("--requests", type=int, default=320)
-    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight per replica")
+    parser.add_argument("--requests", type=int, default=480)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[2], help="requests in flight per replica")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--loaders", nargs="+", type=LoaderPlacement, default=list(LoaderPlacement),
+                        help="loader placements: deployment (one shared) and/or in_generator (one per replica)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -166,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
                                                        max_new_tokens=1))) for t in topics]
         sequence = zipf_topics(args.topics, args.requests, rng)
         hot_nbytes = hot_set_nbytes(plans, sequence) // 2
-        rows = [run_config(work, plans, sequence, replicas, routing, hot_nbytes, args.concurrency * replicas,
+        rows = [run_config(work, plans, sequence, replicas, routing, placement, hot_nbytes, in_flight * replicas,
                            args.requests // 4)
-                for replicas in args.replicas for routing in (Routing.AFFINITY, Routing.DEFAULT)]
+                for replicas in args.replicas for in_flight in args.concurrency for placement in args.loaders
+                for routing in (Routing.AFFINITY, Routing.DEFAULT)]
     setup = (f"tiny-qwen float32 on CPU, {args.chunks} chunks, {args.topics} topics of 8–16 chunks, "
              f"{args.requests} Zipf(1.0) requests ({args.requests // 4} warm-up), uniform low tier; hot tier "
-             f"{hot_nbytes / 2**20:.2f} MiB per replica = half the hot set; one shared loader LRU of the same size; "
-             f"{args.concurrency} in flight per replica.")
+             f"{hot_nbytes / 2**20:.2f} MiB per replica = half the hot set; each loader's host LRU the same size (one "
+             f"loader deployment, or one loader in each generator replica: then the replicas' LRUs add up).")
     body = section(rows, setup)
     print(body)
     if not args.quick:

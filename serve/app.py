@@ -5,8 +5,10 @@ the inspector behind the ingress's /ui pages (serve/ui/).
 model before any replica starts, and binds each deployment by keyword with its own typed config, the
 one nested in `AppConfig` (serve/config.py). The generator holds the loader's handle and fetches
 from it only what its device hot tier lacks; the ingress holds the loader's handle only for
-`/v1/store`'s cache statistics. With `routing: affinity` every handle to the generator routes a plan to
-the replica whose hot tier holds most of it (serve/routing/affinity.py).
+`/v1/store`'s cache statistics. With `loader_placement: in_generator` there is no loader deployment: each
+generator replica keeps its own host LRU in its process and answers those statistics itself. With
+`routing: affinity` every handle to the generator routes a plan to the replica whose hot tier holds most
+of it (serve/routing/affinity.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ray.serve.config import RequestRouterConfig
 from pipeline.runtime import check_store
 from pipeline.store import Store, ensure_generation, read_generation, require_recorded_parts
 from schemas.api import StoreInfo
-from serve.config import ApiSpec, AppConfig, DeploymentConfig, Routing
+from serve.config import ApiSpec, AppConfig, DeploymentConfig, LoaderPlacement, Routing
 from serve.engine import Generator
 from serve.http import Ingress
 from serve.kv import CacheLoader
@@ -72,9 +74,11 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
                                                         graceful_shutdown_timeout_s=args.drain_timeout_s)
 
     router = deployment(BatchingRouter, "Router", args.router_deployment).bind(config=args.router)
-    loader = deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader)
+    # in_generator: each generator replica builds its own loader from the config (no CacheLoader deployment)
+    loader = (None if args.loader_placement is LoaderPlacement.IN_GENERATOR
+              else deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader))
     generator = deployment(Generator, "Generator", args.generator_deployment, **generator_routing(args)).bind(
-        config=args.generator, loader=loader)
+        config=args.generator, loader=args.loader if loader is None else loader)
     inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
         config=InspectorConfig(store=args.store))
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(

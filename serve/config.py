@@ -188,6 +188,13 @@ class Routing(str, Enum):
     DEFAULT = "default"  # Serve's power of two choices
 
 
+class LoaderPlacement(str, Enum):
+    """Where the host-memory KV tier (serve/kv/loader.py) runs."""
+
+    DEPLOYMENT = "deployment"  # its own deployment (`loader_deployment`), a hop away, shared by every generator
+    IN_GENERATOR = "in_generator"  # one in each generator replica's process, on its node: no hop, its own LRU
+
+
 class AffinitySpec(Frozen):
     """The chunk-affinity router's knobs (serve/routing/affinity.py), used when `routing: affinity`."""
 
@@ -257,6 +264,7 @@ class AppConfig(StoreBound):
     ingress: IngressConfig = IngressConfig()
     routing: Routing = Routing.AFFINITY  # across generator replicas (docs/BENCHMARKS.md `affinity`)
     affinity: AffinitySpec = AffinitySpec()
+    loader_placement: LoaderPlacement = LoaderPlacement.DEPLOYMENT  # docs/BENCHMARKS.md `affinity` measures both
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
     ingress_deployment: DeploymentConfig = DeploymentConfig()
     inspector_deployment: DeploymentConfig = DeploymentConfig()  # the /ui pages' store side (serve/ui/)

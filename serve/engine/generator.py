@@ -36,7 +36,7 @@ from pipeline.store import Store, check_device
 from schemas.api import CacheStats
 from schemas.errors import DeadlineExceededError
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig
+from serve.config import GeneratorConfig, LoaderConfig
 from serve.engine.context import ContextBuilder
 from serve.engine.detokenizer import Detokenizer
 from serve.engine.loop import Engine, EngineStats, LinkedContext
@@ -48,7 +48,8 @@ from serve.plan import Answer, LoadResult, Plan
 
 
 class Generator:
-    def __init__(self, config: GeneratorConfig, loader: DeploymentHandle | CacheLoader | None = None):
+    def __init__(self, config: GeneratorConfig,
+                 loader: DeploymentHandle | CacheLoader | LoaderConfig | None = None):
         self.config = config
         store = Store.open(config.store)
         manifest = store.load_manifest_or_raise()
@@ -57,7 +58,8 @@ class Generator:
         check_device(manifest.kv_quant, self.vlm.device)  # it dequantises the store's entries there
         renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
-        self.loader = loader  # where the hot tier's misses come from
+        # where the hot tier's misses come from; a LoaderConfig: this replica's own (loader_placement in_generator)
+        self.loader = CacheLoader(loader) if isinstance(loader, LoaderConfig) else loader
         self.engine = Engine(self.vlm, config.engine)
         self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),
@@ -121,6 +123,12 @@ class Generator:
 
     def hot_tier_stats(self) -> CacheStats:
         return self.contexts.hot.stats()
+
+    def loader_stats(self) -> CacheStats:
+        """The host LRU of this replica's own loader (loader_placement in_generator)."""
+        if not isinstance(self.loader, CacheLoader):
+            raise RuntimeError("this generator has no loader of its own: ask the CacheLoader deployment")
+        return self.loader.stats()
 
     def clear_hot_tier(self) -> None:
         """Drop the chunk KV resident on the device: the next request loads every entry (a cold measurement)."""

@@ -50,7 +50,8 @@ class Backend(Protocol):
 
 
 class HandleBackend:
-    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle):
+    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle | None, generator: DeploymentHandle):
+        """`loader` None: each generator replica has its own (loader_placement in_generator)."""
         self.router, self.loader, self.generator = router, loader, generator
 
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
@@ -84,6 +85,8 @@ class HandleBackend:
                     events.cancel()
 
     async def cache_stats(self) -> CacheStats:
+        if self.loader is None:  # one generator replica's own host LRU, as the deployment's is one replica's
+            return await self.generator.loader_stats.remote()
         return await self.loader.stats.remote()
 
     async def device_cache_stats(self) -> CacheStats:

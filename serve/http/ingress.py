@@ -123,7 +123,7 @@ def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle, generator: DeploymentHandle,
+    def __init__(self, router: DeploymentHandle, loader: DeploymentHandle | None, generator: DeploymentHandle,
                  inspector: DeploymentHandle, config: IngressConfig, api: ApiSpec):
         self.backend = HandleBackend(router, loader, generator)
         self.inspector = inspector  # page images and the store overview of the /ui pages (serve/ui/)
