@@ -7,9 +7,10 @@ every scenario; Serve's HTTP proxy on the head only. Clients send distinct non-s
 requests in a loop (no response cache, no limits), each with a deadline; a client error is a reset
 connection, a client timeout past the deadline a hang.
   - **node loss**: two generators, one per GPU node; `LOSS_AT_S` into the load one worker node is killed
-    (`Cluster.remove_node`, no drain). Per loader topology — `head` (serve/config-gpu.yaml as shipped:
-    ingress, router and two loaders on the head) and `any` (the config before: one loader wherever Ray
-    put it) — the worker killed is the one holding a generator ("generator node") and, where the loader
+    (`Cluster.remove_node`, no drain). Per loader topology — `head` (`loader_placement: deployment`:
+    ingress, router and two loaders on the head), `any` (the config before issue 22: one loader wherever
+    Ray put it) and `in generator` (`loader_placement: in_generator`: a loader in each generator replica,
+    ingress and router on the head) — the worker killed is the one holding a generator ("generator node") and, where the loader
     is on a worker, the one holding it ("loader node"). Then the node is replaced for the next run.
   - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened for
     the run (`AUTOSCALING`: upscale after 2 s, downscale after 15 s idle, 5 s look-back); one client for
@@ -93,6 +94,9 @@ def app_args(cluster: RayCluster, bucket: str, loader: str, generator: dict) -> 
     args = yaml.safe_load((REPO / "serve" / "config-gpu.yaml").read_text())["applications"][0]["args"]
     args["store"] = {"uri": cluster.store_uri(bucket), "endpoint_url": cluster.s3.endpoint_url}
     args["ingress"].pop("governance")  # no limits, no response cache: every request is served
+    args["loader_placement"] = "in_generator" if loader == "in generator" else "deployment"
+    if loader == "head":
+        args["loader_deployment"] = {"num_cpus": 0.25, "num_replicas": 2, "placement": "head"}
     if loader == "any":  # the shipped config before issue 22: one loader wherever Ray puts it
         args["loader_deployment"] = {"num_cpus": 0.25, "num_replicas": 1}
     args["generator_deployment"] = {**{k: v for k, v in args["generator_deployment"].items()
@@ -151,7 +155,7 @@ def node_loss(cluster: RayCluster, url: str, bucket: str) -> list[list]:
     from ray import serve
 
     rows: list[list] = []
-    for loader in ("head", "any"):
+    for loader in ("head", "any", "in generator"):
         for kind in ("generator node", "loader node"):
             deploy(app_args(cluster, bucket, loader, {"num_replicas": 2}))
             wait_generators(2)  # whole again after the last run's loss

@@ -132,7 +132,6 @@ def test_ingest_across_nodes_builds_what_one_node_builds(ray_cluster, bucket, in
 
 # ---- serving across the nodes ---------------------------------------------------------------------------
 GPU_CONFIG = REPO / "serve" / "config-gpu.yaml"
-ROLES = ("Ingress", "Router", "CacheLoader", "Generator")
 
 
 def app_config(cluster: RayCluster, bucket: str):
@@ -197,8 +196,9 @@ def reference_answer(cluster: RayCluster, bucket: str, query: str) -> str:
 def test_serve_puts_a_generator_on_each_gpu_node_and_the_rest_on_the_head(ray_cluster, served, bucket):
     kinds, nodes = ray_cluster.node_kinds(), replica_nodes()
     assert sorted(kinds[n] for n in nodes["Generator"]) == ["gpu", "gpu"] and len(set(nodes["Generator"])) == 2
-    for role in ("Ingress", "Router", "CacheLoader"):
+    for role in ("Ingress", "Router"):
         assert {kinds[n] for n in nodes[role]} == {"head"}, (role, nodes[role], kinds)
+    assert "CacheLoader" not in nodes  # loader_placement in_generator: each generator has its own
     ready = httpx.get(f"{served}/readyz", timeout=10)
     assert ready.status_code == 200, ready.text
     response = ask(served)

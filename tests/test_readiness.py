@@ -201,4 +201,7 @@ def test_serve_config_runs_on_one_cpu_only_node_and_the_gpu_variant_differs_only
     assert all(fits(demand, {"CPU": 2.0}) for demand in per_replica)
     assert gpu["generator_deployment"]["num_gpus"] == 1 and first_replicas_demand(gpu)[0]["GPU"] == 1
     gpu["generator_deployment"]["num_gpus"] = cpu["generator_deployment"]["num_gpus"]
+    # on GPU nodes the host LRU sits in each generator (docs/BENCHMARKS.md `affinity`); one node has one anyway
+    assert (cpu["loader_placement"], gpu.pop("loader_placement")) == ("deployment", "in_generator")
+    cpu.pop("loader_placement")
     assert gpu == cpu  # nothing else may drift between the two
