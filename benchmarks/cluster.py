@@ -10,8 +10,9 @@ connection, a client timeout past the deadline a hang.
     (`Cluster.remove_node`, no drain). Per loader topology — `head` (`loader_placement: deployment`:
     ingress, router and two loaders on the head), `any` (the config before issue 22: one loader wherever
     Ray put it) and `in generator` (`loader_placement: in_generator`: a loader in each generator replica,
-    ingress and router on the head) — the worker killed is the one holding a generator ("generator node") and, where the loader
-    is on a worker, the one holding it ("loader node"). Then the node is replaced for the next run.
+    ingress and router on the head) — the worker killed is the one holding a generator ("generator node")
+    and, where the loader is on a worker, the one holding it ("loader node"). Then the node is replaced for
+    the next run.
   - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened for
     the run (`AUTOSCALING`: upscale after 2 s, downscale after 15 s idle, 5 s look-back); one client for
     `CALM_S`, then `BUSY_CLIENTS` until the second replica runs and `BUSY_AFTER_S` more, then none.
