@@ -168,14 +168,14 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._routed[request_id] = (replica_id, ())
             return
         target = replica_id.unique_id
-        plan = next(a for a in pending_request.args if isinstance(a, Plan))
-        hashes = tuple(h for h, _ in plan_entries(plan))
+        entries = plan_entries(next(a for a in pending_request.args if isinstance(a, Plan)))
+        hashes = tuple(h for h, _ in entries)
         self._routed[request_id] = (replica_id, hashes)
         sent = self._sent.setdefault(replica_id, {})
         for hashed in hashes:
             sent[hashed] = math.inf
         self._metrics.routed.inc(target=target, decision=choice.decision.value)
-        self._metrics.routed_plan_bytes.inc(sum(n for _, n in plan_entries(plan)), target=target)
+        self._metrics.routed_plan_bytes.inc(sum(n for _, n in entries), target=target)
         self._metrics.routed_predicted_bytes.inc(choice.held_nbytes.get(target, 0), target=target)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
