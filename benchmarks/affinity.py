@@ -71,6 +71,20 @@ def hot_set_nbytes(plans: list[Plan], sequence: list[int]) -> int:
     return hot
 
 
+def workload(work: str, num_chunks: int, num_topics: int, num_requests: int) -> tuple[list[Plan], list[int], int]:
+    """A store of `num_chunks` under `work`; one plan per topic, the topic of each request, and the hot-tier
+    bytes per replica (half the hot set). Seeded: every run (and benchmarks/affinity_limit.py) sees the same."""
+    rng = random.Random(0)
+    built = ttft_store.build(work, MODEL, RenderSpec(), chunk_tokens=48, num_chunks=num_chunks)
+    router = Router(AppConfig.model_validate({"store": work, "model": MODEL.model_dump(mode="json"),
+                                              "router": {}, "loader": {}, "generator": {}}).router)
+    topics = [rng.sample(built.chunk_ids, rng.randint(8, 16)) for _ in range(num_topics)]
+    plans = [asyncio.run(router.plan(AnswerRequest(query=built.query, chunk_ids=t, mode=Mode.UNIFORM,
+                                                   max_new_tokens=1))) for t in topics]
+    sequence = zipf_topics(num_topics, num_requests, rng)
+    return plans, sequence, hot_set_nbytes(plans, sequence) // 2
+
+
 def replica_reports(app: str) -> list[HotTierReport]:
     from ray._private import state  # no public API lists a deployment's replicas without the dashboard
 
@@ -173,18 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.replicas = 120, [3]
-    rng = random.Random(0)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(logging_config={"log_level": "WARNING", "enable_access_log": False})
     with tempfile.TemporaryDirectory() as work:
-        built = ttft_store.build(work, MODEL, RenderSpec(), chunk_tokens=48, num_chunks=args.chunks)
-        router = Router(AppConfig.model_validate({"store": work, "model": MODEL.model_dump(mode="json"),
-                                                  "router": {}, "loader": {}, "generator": {}}).router)
-        topics = [rng.sample(built.chunk_ids, rng.randint(8, 16)) for _ in range(args.topics)]
-        plans = [asyncio.run(router.plan(AnswerRequest(query=built.query, chunk_ids=t, mode=Mode.UNIFORM,
-                                                       max_new_tokens=1))) for t in topics]
-        sequence = zipf_topics(args.topics, args.requests, rng)
-        hot_nbytes = hot_set_nbytes(plans, sequence) // 2
+        plans, sequence, hot_nbytes = workload(work, args.chunks, args.topics, args.requests)
         rows = [run_config(work, plans, sequence, replicas, routing, placement, hot_nbytes, in_flight * replicas,
                            args.requests // 4)
                 for replicas in args.replicas for in_flight in args.concurrency for placement in args.loaders

@@ -1,0 +1,101 @@
+"""The limit under benchmarks/affinity.py: its workload replayed through the router's own policy
+(serve/routing/affinity.py `choose`, with `AffinitySpec`'s defaults) over simulated replicas whose hot tiers
+are the real byte-capped LRU (serve/kv/lru.py) fed by each replica's real Bloom filter (serve/kv/hot_tier.py),
+knowing every tier exactly at every request, with requests completing in the order they were sent,
+`in flight` × replicas at a time. No Serve, no model, no clock: what the measured figures fall short of this
+is timing (stats refreshed every `stats_period_s`, completions out of order, fetches that overlap).
+
+    python -m benchmarks.affinity_limit      # writes docs/BENCHMARKS.md `affinity-limit` (≈1 min: the store)
+
+Rows per replica count and in-flight depth, as medians over `--seeds` seeds of the power-of-two choices:
+the hot-tier hit rate in bytes of affinity and of the default, their ratio, and affinity with its load cap
+lifted (`max_load_ratio` 10⁹): what the cap costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+from collections import deque
+
+from benchmarks.affinity import workload
+from pipeline.eval import markdown_table, write_section
+from serve.config import AffinitySpec, Routing
+from serve.kv import HotTierReport, KeySketch, key_hash
+from serve.kv.lru import ByteLRU
+from serve.routing.affinity import ReplicaView, choose
+
+UNCAPPED = 1e9
+
+
+def replay(entries: list[list[tuple[str, int]]], sequence: list[int], replicas: int, in_flight: int,
+           hot_nbytes: int, routing: Routing, max_load_ratio: float, seed: int, warmup: int) -> float:
+    """Hot-tier hit rate in bytes over `sequence[warmup:]`; `entries[topic]`: (entry key, stored bytes)."""
+    rng, spec = random.Random(seed), AffinitySpec()
+    tiers = [ByteLRU(hot_nbytes, lambda nbytes: nbytes) for _ in range(replicas)]
+    load, sent, hit, total = [0] * replicas, deque(), 0, 0
+    for index, topic in enumerate(sequence):
+        if len(sent) >= in_flight * replicas:  # the oldest completes before the next is routed
+            load[sent.popleft()] -= 1
+        if routing is Routing.AFFINITY:
+            views = [ReplicaView(str(j), load[j], HotTierReport(KeySketch.of(tiers[j].keys()), len(tiers[j]), 0.0))
+                     for j in range(replicas)]
+            choice = choose([(key_hash(k), n) for k, n in entries[topic]], views, rng,
+                            max_load_ratio=max_load_ratio, min_in_flight=spec.min_in_flight)
+            target = min((int(i) for i in choice.ranks[0]), key=lambda j: load[j])  # Serve: least queued in rank
+        else:
+            target = min(rng.sample(range(replicas), 2), key=lambda j: load[j])
+        load[target] += 1
+        sent.append(target)
+        tier = tiers[target]
+        found = [tier.get(key) is not None for key, _ in entries[topic]]  # every lookup first, as the generator
+        for (key, nbytes), held in zip(entries[topic], found):
+            if not held:
+                tier.put(key, nbytes)
+            if index >= warmup:
+                total, hit = total + nbytes, hit + nbytes * held
+    return hit / total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.affinity_limit", description=__doc__)
+    parser.add_argument("--chunks", type=int, default=480)
+    parser.add_argument("--topics", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=480)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 8], help="requests in flight per replica")
+    parser.add_argument("--seeds", type=int, default=5)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as work:
+        plans, sequence, hot_nbytes = workload(work, args.chunks, args.topics, args.requests)
+    entries = [[(c.entry.key, c.entry.row.stored.nbytes) for c in plan.chunks] for plan in plans]
+    ratio = AffinitySpec().max_load_ratio
+
+    def median(replicas: int, in_flight: int, routing: Routing, cap: float) -> float:
+        return statistics.median(replay(entries, sequence, replicas, in_flight, hot_nbytes, routing, cap, seed,
+                                        args.requests // 4) for seed in range(args.seeds))
+
+    rows = []
+    for replicas in args.replicas:
+        for in_flight in args.concurrency:
+            affinity = median(replicas, in_flight, Routing.AFFINITY, ratio)
+            default = median(replicas, in_flight, Routing.DEFAULT, ratio)
+            rows.append([replicas, in_flight, affinity, default, affinity / default,
+                         median(replicas, in_flight, Routing.AFFINITY, UNCAPPED)])
+    body = (f"benchmarks/affinity.py's workload ({args.chunks} chunks, {args.topics} topics, {args.requests} requests, "
+            f"the same seed; hot tier {hot_nbytes / 2**20:.2f} MiB per replica), replayed with exact knowledge; "
+            f"medians over {args.seeds} seeds of the power-of-two choices. Hot-tier hit rate in bytes:\n\n"
+            + markdown_table(["replicas", "in flight per replica", "affinity", "default", "affinity ×",
+                              f"affinity, cap lifted (max_load_ratio {ratio:g} → ∞)"], rows) + "\n")
+    print(body)
+    command = "python -m benchmarks.affinity_limit " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_section("affinity-limit", "The limit under chunk-affinity routing: the policy with exact knowledge",
+                  command.strip(), body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
