@@ -56,7 +56,7 @@ def replay(entries: list[list[tuple[str, int]]], sequence: list[int], replicas: 
         hashes = [key_hash(k) for k, _ in entries[topic]]
         if routing is Routing.AFFINITY:
             for j, (recorded_at, _) in enumerate(reports):
-                sent[j] = {h: at for h, at in sent[j].items() if at >= recorded_at}
+                sent[j] = {h: at for h, at in sent[j].items() if at > recorded_at}
             views = [ReplicaView(str(j), load[j], report, frozenset(sent[j]) if report_every > 1 else frozenset())
                      for j, (_, report) in enumerate(reports)]
             choice = choose([(h, n) for h, (_, n) in zip(hashes, entries[topic])], views, rng,
