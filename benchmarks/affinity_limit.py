@@ -51,7 +51,7 @@ def replay(entries: list[list[tuple[str, int]]], sequence: list[int], replicas: 
             done, hashes = queue.popleft()
             load[done] -= 1
             sent[done].update((h, index) for h in hashes if h in sent[done])
-        if index % report_every == 0:
+        if routing is Routing.AFFINITY and index % report_every == 0:  # the default reads no report
             reports = [(index, HotTierReport(KeySketch.of(t.keys()), len(t), 0.0)) for t in tiers]
         hashes = [key_hash(k) for k, _ in entries[topic]]
         if routing is Routing.AFFINITY:
