@@ -185,12 +185,18 @@ def reference_answer(cluster: RayCluster, bucket: str, query: str) -> str:
     app = app_config(cluster, bucket)
     request = AnswerRequest(query=query, max_new_tokens=8, top_k=2)
 
+    router, loader = Router(app.router), CacheLoader(app.loader)
+
     async def answer() -> str:
-        backend = InProcessBackend(Router(app.router), CacheLoader(app.loader), Generator(app.generator))
+        backend = InProcessBackend(router, loader, Generator(app.generator))
         plan = await backend.route(request, app.ingress.governance.limits.default.token_budget)
         return (await backend.generate(plan, Sampling.of(request))).text
 
-    return asyncio.run(answer())
+    try:
+        return asyncio.run(answer())
+    finally:  # their pollers and lease heartbeats would outlive the test, reading S3 until the session ends
+        router.close()
+        loader.close()
 
 
 def test_serve_puts_a_generator_on_each_gpu_node_and_the_rest_on_the_head(ray_cluster, served, bucket):

@@ -201,3 +201,33 @@ def test_a_generation_on_s3_is_published_cached_locally_and_texts_read_by_range(
     assert all(slots for slots in snapshot.catalog.entries_of(rows))
     assert main(["--store", uri, "--s3-endpoint", s3_server.endpoint_url]) == 0  # qvpic publish
     assert current_generation(store).generation == record.generation + 1
+
+
+def test_a_serving_lease_is_dropped_once_and_an_unreachable_store_does_not_raise(tmp_path, monkeypatch, caplog):
+    """An owner's `close` and its `__del__` both close the keeper: the lease file goes at the first and the store
+    is not asked again; a store that cannot be reached at shutdown leaves the lease to lapse, with a warning."""
+    from pipeline.store.leases import LeaseKeeper
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    keeper = LeaseKeeper(store, "router", NO_POLL)
+    keeper.hold(7)
+    lease_file = tmp_path / "store" / LEASES_DIR / f"{keeper.holder}.json"
+    assert lease_file.exists()
+    deletes: list[str] = []
+    delete = store.blobs.delete
+    monkeypatch.setattr(store.blobs, "delete", lambda rel: (deletes.append(rel), delete(rel)))
+    keeper.close()
+    keeper.close()
+    assert not lease_file.exists() and deletes == [f"{LEASES_DIR}/{keeper.holder}.json"]
+
+    unreachable = LeaseKeeper(store, "loader", NO_POLL)
+    unreachable.hold(7)
+
+    def refuse(rel: str) -> None:
+        raise OSError("Could not connect to server")
+
+    monkeypatch.setattr(store.blobs, "delete", refuse)
+    with caplog.at_level("WARNING", logger="pipeline.store.leases"):
+        unreachable.close()
+    assert "could not drop lease" in caplog.text and "lapses after" in caplog.text
+    assert not unreachable.heartbeat._thread.is_alive()

@@ -206,6 +206,7 @@ class LeaseKeeper:
         self._until: dict[int, float] = {}  # generation -> monotonic deadline (inf while held)
         self._written: tuple[int, ...] = ()
         self.failing = False  # the last write of the lease failed
+        self._closed = False
         self._lock = threading.Lock()
         self.heartbeat = Heartbeat(f"renewing lease {self.holder}", spec.heartbeat_s, self.renew)
         self.heartbeat.start()
@@ -246,6 +247,16 @@ class LeaseKeeper:
             self.failing = True
 
     def close(self) -> None:
-        """Stop renewing and drop the lease (a replica shutting down serves nothing more)."""
+        """Stop renewing and drop the lease (a replica shutting down serves nothing more). Once: an owner's
+        explicit close and its `__del__` both call it. A store that cannot be reached then leaves the lease to
+        lapse after `lease_ttl_s`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.heartbeat.stop()
-        self.store.blobs.delete(f"{LEASES_DIR}/{self.holder}.json")
+        try:
+            self.store.blobs.delete(f"{LEASES_DIR}/{self.holder}.json")
+        except OSError as error:
+            log.warning("could not drop lease %s (%s): it lapses after %g s", self.holder, error,
+                        self.spec.lease_ttl_s)

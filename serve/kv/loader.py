@@ -138,6 +138,10 @@ class CacheLoader:
         with self._lock:
             return self.lru.stats()
 
+    def close(self) -> None:
+        """Stop renewing this loader's lease and drop it (an in-process loader's owner calls it when done)."""
+        self.keeper.close()
+
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: drop this replica's lease
         if hasattr(self, "keeper"):
-            self.keeper.close()
+            self.close()
