@@ -14,7 +14,7 @@ connection, a client timeout past the deadline a hang.
     and, where the loader is on a worker, the one holding it ("loader node"). Then the node is replaced for
     the next run.
   - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened for
-    the run (`AUTOSCALING`: upscale after 2 s, downscale after 15 s idle, 5 s look-back); one client for
+    the run (`AUTOSCALING`: upscale after 2 s, downscale after 15 s, 12 s look-back); one client for
     `CALM_S`, then `BUSY_CLIENTS` until the second replica runs and `BUSY_AFTER_S` more, then none. The
     time to the second replica is split in two: to Serve's decision (the deployment turns UPSCALING) and
     from it to the replica RUNNING (scheduling, its worker process, the model and the store opened).
@@ -215,19 +215,19 @@ def autoscaling(cluster: RayCluster, url: str, bucket: str) -> list[list]:
         raise RuntimeError(f"the generator did not reach 2 replicas within {UPSCALE_WAIT_S:g} s of the ramp")
     decided_at = next(t for t, status, running in timeline if t >= ramp_at and (status == "UPSCALING" or running >= 2))
     dropped_at = watch(BUSY_AFTER_S, lambda status, running: running < 2)  # Serve judged one replica enough
-    watch(max(0.0, second_at + BUSY_AFTER_S - (time.monotonic() - load.t0)))
+    watch(max(0.0, second_at + BUSY_AFTER_S - (time.monotonic() - load.t0)))  # the rest of the busy window
     outcomes = load.finish()
     idle_at = time.monotonic() - load.t0
-    down_at = dropped_at if dropped_at is not None else watch(IDLE_WAIT_S, lambda status, running: running <= 1)
+    if dropped_at is not None:
+        down = f"under load, {dropped_at - second_at:.1f} s after the 2nd"
+    else:
+        down_at = watch(IDLE_WAIT_S, lambda status, running: running <= 1)
+        down = f"{down_at - idle_at:.1f}" if down_at is not None else f"not within {IDLE_WAIT_S:g}"
 
     def latency_ms(lo: float, hi: float) -> float | None:
         picked = [1e3 * (o.ended_s - o.started_s) for o in outcomes if lo <= o.started_s < hi and o.result == 200]
         return statistics.median(picked) if picked else None
 
-    if dropped_at is not None:
-        down = f"under load, {dropped_at - second_at:.1f} s after the 2nd"
-    else:
-        down = f"{down_at - idle_at:.1f}" if down_at is not None else f"not within {IDLE_WAIT_S:g}"
     meanwhile = Counter(o.result for o in outcomes if ramp_at <= o.started_s < second_at)
     return [[round(decided_at - ramp_at, 1), round(second_at - decided_at, 1), sum(meanwhile.values()),
              meanwhile[200], latency_ms(0, ramp_at), latency_ms(ramp_at, second_at),
