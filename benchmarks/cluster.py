@@ -117,19 +117,16 @@ def deploy(args: dict) -> None:
     serve.run(build_app(args), name="qvpic", route_prefix="/")
 
 
-def generator_status() -> tuple[str, int]:
-    """(the Generator deployment's status, its RUNNING replicas)."""
+def deployment_status(deployment: str) -> tuple[str, int]:
+    """(`deployment`'s status, its RUNNING replicas)."""
     from ray import serve
 
-    overview = serve.status().applications["qvpic"].deployments["Generator"]
+    overview = serve.status().applications["qvpic"].deployments[deployment]
     return str(overview.status.value), overview.replica_states.get("RUNNING", 0)
 
 
 def replicas_running(deployment: str) -> int:
-    from ray import serve
-
-    states = serve.status().applications["qvpic"].deployments[deployment].replica_states
-    return states.get("RUNNING", 0)
+    return deployment_status(deployment)[1]
 
 
 def node_of(deployment: str) -> set[str]:
@@ -191,15 +188,13 @@ def node_loss(cluster: RayCluster, url: str, bucket: str) -> list[list]:
 def autoscaling(cluster: RayCluster, url: str, bucket: str) -> list[list]:
     deploy(app_args(cluster, bucket, "head", {"num_replicas": None, "autoscaling_config": AUTOSCALING}))
     load = Load(url)
-    timeline: list[tuple[float, str, int]] = []  # (s since the run's start, deployment status, RUNNING replicas)
 
     def watch(for_s: float, until: Callable[[str, int], bool] = lambda status, running: False) -> float | None:
         """Samples the Generator's status every 0.25 s for `for_s`; the time `until` first held, else None."""
         deadline = time.monotonic() + for_s
         while time.monotonic() < deadline:
-            timeline.append((time.monotonic() - load.t0, *generator_status()))
-            if until(*timeline[-1][1:]):
-                return timeline[-1][0]
+            if until(*deployment_status("Generator")):
+                return time.monotonic() - load.t0
             time.sleep(0.25)
         return None
 
@@ -209,11 +204,13 @@ def autoscaling(cluster: RayCluster, url: str, bucket: str) -> list[list]:
     load.add_clients(BUSY_CLIENTS - 1)
     # The time to the second replica in two steps: Serve's decision (the deployment turns UPSCALING) and the
     # new replica's start (scheduled on the free GPU node, its worker process, the model and store opened).
-    second_at = watch(UPSCALE_WAIT_S, lambda status, running: running >= 2)
+    decided_at = watch(UPSCALE_WAIT_S, lambda status, running: status == "UPSCALING" or running >= 2)
+    second_at = None if decided_at is None else watch(ramp_at + UPSCALE_WAIT_S - decided_at,
+                                                      lambda status, running: running >= 2)
     if second_at is None:
         load.finish()
-        raise RuntimeError(f"the generator did not reach 2 replicas within {UPSCALE_WAIT_S:g} s of the ramp")
-    decided_at = next(t for t, status, running in timeline if t >= ramp_at and (status == "UPSCALING" or running >= 2))
+        raise RuntimeError(f"the generator did not reach 2 replicas within {UPSCALE_WAIT_S:g} s of the ramp "
+                           f"(Serve decided to scale up: {decided_at is not None})")
     dropped_at = watch(BUSY_AFTER_S, lambda status, running: running < 2)  # Serve judged one replica enough
     watch(max(0.0, second_at + BUSY_AFTER_S - (time.monotonic() - load.t0)))  # the rest of the busy window
     outcomes = load.finish()
