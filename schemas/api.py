@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
+from schemas.conversation import MAX_MESSAGES, Message, check_conversation
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -55,7 +56,8 @@ class Selection(Strict):
 
     chunk_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
     doc_ids: list[StoreId] | None = Field(None, min_length=1, max_length=MAX_IDS_PER_REQUEST)
-    top_k: JsonInt | None = Field(None, ge=1, le=MAX_IDS_PER_REQUEST)
+    top_k: JsonInt | None = Field(None, ge=0, le=MAX_IDS_PER_REQUEST, description="retrieve this many chunks; 0: "
+                                  "none (plain chat over the prompt alone)")
     order: ChunkOrder = Field(ChunkOrder.RETRIEVAL, description="top_k: the order retrieved chunks are assembled "
                               "in (best first, or as they appear in their documents)")
 
@@ -93,14 +95,30 @@ class Prompt(Strict):
     """The text around the chunks. The router scores chunks against `query` alone; the model reads
     `[chat prefix][instruction][chunks][query_prompt, or query if none][assistant header]`."""
 
-    query: Query = Field(description="the question: what relevance routing embeds, and, unless query_prompt is "
-                         "given, the text prefilled after the chunks")
+    query: str = Field(max_length=MAX_QUERY_CHARS, description="the question: what relevance routing embeds, and, "
+                       "unless query_prompt or messages are given, the text prefilled after the chunks")
     instruction: str = Field("", max_length=MAX_QUERY_CHARS,
                              description="prompt text before the chunks (e.g. a task instruction), prefilled online "
                              "after the chat-template prefix; never routed, never a chunk")
     query_prompt: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS,
                                      description="text prefilled after the chunks in place of query, e.g. the "
                                      "question wrapped in its answer cue; routing still uses query alone")
+
+    messages: list[Message] | None = Field(None, min_length=1, max_length=MAX_MESSAGES, description="a conversation "
+                                           "(OpenAI's message shape): the prompt is the model's chat template over "
+                                           "it, the chunks at the start of the last user message's content; "
+                                           "`query` is then only what retrieval embeds")
+
+    @model_validator(mode="after")
+    def _prompt_given(self) -> Prompt:
+        if self.messages is None:
+            if not self.query:
+                raise ValueError("query: should have at least 1 character (the question), unless messages are given")
+            return self
+        if self.instruction or self.query_prompt is not None:
+            raise ValueError("give messages, or instruction / query_prompt, not both")
+        check_conversation(self.messages)
+        return self
 
     @property
     def text_after_chunks(self) -> str:
@@ -171,7 +189,8 @@ class TokenUsage(Strict):
     context_tokens: int  # template prefix + every chunk
     context_vision_tokens: int
     context_text_tokens: int  # prefix, image markup and text chunks
-    cached_tokens: int  # context tokens whose KV came from the store instead of a forward pass
+    cached_tokens: int  # prompt tokens whose KV was not computed: linked chunks' (the store) and prefix-cache hits
+    prefix_cached_tokens: int = 0  # of those, from the prefix KV cache (earlier requests' prompts and answers)
     query_tokens: int  # the query turn, prefilled online
     completion_tokens: int
 

@@ -1,11 +1,13 @@
 """OpenAI-compatible wire models: `/v1/chat/completions`, `/v1/models` and OpenAI-shaped errors.
 
-Same rules as schemas/api.py: unknown fields rejected, every list and string bounded.
+Same rules as schemas/api.py: unknown fields rejected, every list and string bounded. Messages are
+schemas/conversation.py's: system, developer, user, assistant and tool turns, text and data-URL image parts.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from enum import Enum
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -17,19 +19,19 @@ from schemas.api import (
     AnswerReport,
     Attribution,
     FinishReason,
-    Query,
     Routing,
     Selection,
     Strict,
 )
+from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 
 class OpenAIError(Strict):
     message: str
-    type: str  # "invalid_request_error" (4xx) or "server_error" (5xx), as OpenAI names them
-    param: str | None = None
-    code: int | None = None  # the HTTP status
+    type: str  # OpenAI's: invalid_request_error, authentication_error, rate_limit_error, server_error, …
+    param: str | None = None  # the field's path, e.g. messages[0].content[1].image_url
+    code: str | None = None  # OpenAI's: invalid_value, invalid_api_key, rate_limit_exceeded, model_not_found, …
 
 
 class OpenAIErrorBody(Strict):
@@ -39,22 +41,17 @@ class OpenAIErrorBody(Strict):
 
 
 # ---- OpenAI-compatible chat ------------------------------------------------------------------------
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Query | Annotated[list[TextPart], Field(min_length=1, max_length=64)]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+class RetrievalMode(str, Enum):
+    AUTO = "auto"  # the last user message's text (or retrieval_query) retrieves top_k chunks from the store
+    NONE = "none"  # no store chunks: plain chat over the messages alone (a chain that does its own retrieval)
 
 
 class QvpicOptions(Selection, Routing, Attribution):
     """Extension field `qvpic` of a chat request; with no selection the last user message retrieves."""
 
+    retrieval: RetrievalMode = RetrievalMode.AUTO
+    retrieval_query: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS, description="what "
+                                        "retrieval embeds instead of the last user message's text")
     timeout_s: JsonFloat | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="deadline of the whole "
                                         "request (504 past it); else header X-Request-Timeout, else the server's "
                                         "default")
@@ -63,6 +60,8 @@ class QvpicOptions(Selection, Routing, Attribution):
     def _at_most_one_selection(self) -> QvpicOptions:
         if self.num_given() > 1:
             raise ValueError("give at most one of chunk_ids, doc_ids or top_k")
+        if self.retrieval is RetrievalMode.NONE and self.num_given():
+            raise ValueError("retrieval none takes no chunk_ids, doc_ids or top_k")
         return self
 
 
@@ -72,7 +71,7 @@ class StreamOptions(Strict):
 
 class ChatCompletionRequest(Strict):
     model: str = Field(min_length=1, max_length=256)
-    messages: list[ChatMessage] = Field(min_length=1, max_length=64)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     max_completion_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     temperature: JsonFloat = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
@@ -84,18 +83,17 @@ class ChatCompletionRequest(Strict):
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 
     @model_validator(mode="after")
-    def _single_user_turn(self) -> ChatCompletionRequest:
-        # The store's KV was compiled under the model's own template prefix (its default system
-        # prompt), so a custom system prompt or earlier turns would change what the cache means.
-        if len(self.messages) != 1 or self.messages[0].role != "user" or not self.messages[0].text().strip():
-            raise ValueError("messages must be exactly one non-empty user message (context chunks go in `qvpic`)")
-        if len(self.messages[0].text()) > MAX_QUERY_CHARS:
-            raise ValueError(f"the user message is longer than {MAX_QUERY_CHARS} characters")
+    def _a_conversation(self) -> ChatCompletionRequest:
+        check_conversation(self.messages)
         return self
 
     @property
-    def query(self) -> str:
-        return self.messages[0].text()
+    def retrieval_query(self) -> str:
+        """What retrieval embeds: `qvpic.retrieval_query`, else the last user message's text (its first
+        MAX_QUERY_CHARS characters: the embedder reads far fewer tokens anyway; the prompt is never cut)."""
+        if self.qvpic.retrieval_query is not None:
+            return self.qvpic.retrieval_query
+        return self.messages[last_user_index(self.messages)].text()[:MAX_QUERY_CHARS]
 
     @property
     def max_new_tokens(self) -> int:

@@ -291,6 +291,15 @@ class RecomputeSpec(Frozen):
         return self.kind is not RecomputeKind.NONE
 
 
+class PrefixCacheSpec(Frozen):
+    """The generator's prefix KV cache (pipeline/runtime/prefix_cache.py): blocks of a finished request's prompt
+    and answer, keyed by everything before them (tokens, images, linked chunks) and the tenant."""
+
+    block_tokens: int = Field(16, ge=1, le=1024)  # columns per block (vLLM: 16 on GPU, 128 on its CPU backend)
+    device_nbytes: int = Field(1 << 30, ge=0)  # LRU on the generator's device; 0 switches the cache off
+    host_nbytes: int = Field(2 << 30, ge=0)  # LRU in host memory for what the device tier evicts; 0: none
+
+
 class EngineSpec(Frozen):
     """The generator's batching engine: how many requests share a forward pass and how much KV they
     may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
@@ -304,3 +313,4 @@ class EngineSpec(Frozen):
     # ones keep decoding between them. A request larger than this still joins, alone.
     max_prefill_tokens: int = Field(8192, ge=1)
     hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device
+    prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)

@@ -115,6 +115,14 @@ class ServeMetrics:
         self.engine_kv_bytes = gauge("qvpic_engine_kv_bytes", "Bytes of the generator's batch KV slab")
         self.engine_ended = counter("qvpic_engine_requests_ended", "Generator requests by how they ended: stop, "
                                     "length, cancelled (client gone), deadline or failed", "end")
+        self.prefix_cache_device_nbytes = gauge("qvpic_prefix_cache_device_bytes", "Device bytes of the generator's "
+                                                "prefix KV cache")
+        self.prefix_cache_host_nbytes = gauge("qvpic_prefix_cache_host_bytes", "Host bytes of the generator's prefix "
+                                              "KV cache (blocks the device tier evicted)")
+        self.prefix_cache_tokens = counter("qvpic_prefix_cache_tokens", "Prompt tokens of linked requests by where "
+                                           "their KV came from: hit (the prefix cache) or computed", "outcome")
+        self.prefix_cache_evictions = gauge("qvpic_prefix_cache_evicted_blocks", "Prefix-cache blocks dropped "
+                                            "since the replica started (host tier full, or none)")
         self.tier_fallbacks = counter("qvpic_tier_fallbacks", "Chunks served from a lower tier than planned")
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
                                       "(l1/l2/l3 hit, miss, bypass: nothing cacheable, e.g. sampled; no_cache: the "

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pipeline.runtime.conversation import PromptLayout
 from schemas.api import AnswerReport, CacheReport, FallbackReport, KVSource, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
 from schemas.store import CacheKey
@@ -110,6 +111,11 @@ class Plan:
     generation: int = 0  # the store's serving generation every entry of the plan comes from
     instruction: str = ""  # prefilled after the chat-template prefix, before the chunks
     query_prompt: str | None = None  # prefilled after the chunks in place of `query`
+    # What the model reads around the chunks: `[layout.before][chunks][layout.after]` as token ids and images (the
+    # chat template over the conversation, or the template prefix + instruction and the query prompt + turn end)
+    layout: PromptLayout | None = None
+    conversation: str = ""  # sha256 of the messages (the response cache keys on it); empty without messages
+    cache_salt: bytes = b""  # the tenant's prefix-cache salt, set by the server after governance (never the client)
 
     @property
     def text_after_chunks(self) -> str:

@@ -12,7 +12,9 @@ from PIL import Image, ImageDraw
 from transformers import DynamicCache
 
 from pipeline.runtime import VLM, batch
+from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import RotationTable
+from pipeline.runtime.linked_prompt import native_prompt
 from schemas.config import CompilePrefix, EngineSpec
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
@@ -37,8 +39,17 @@ def chunks(vlm):
             vlm.compile_text("Part QZ-19 ships on 3 April.")]
 
 
-def linked(vlm, chunk_list, query: str, instruction: str = "") -> LinkedContext:
-    return LinkedContext(list(chunk_list), vlm.query_turn_ids(query), instruction)
+def linked(vlm, chunk_list, query: str, instruction: str = "", salt: bytes = b"") -> LinkedContext:
+    context = LinkedContext(native_prompt(vlm, list(chunk_list), query, instruction), salt)
+    context.instruction, context.query = instruction, query  # what the batch-1 reference builds the prompt from
+    return context
+
+
+def online(vlm, pieces, query: str) -> OnlineContext:
+    context = OnlineContext(list(pieces), PreparedSegment(list(vlm.adapter.prefix_ids)),
+                            PreparedSegment(vlm.query_turn_ids(query)))
+    context.query = query
+    return context
 
 
 @torch.inference_mode()
@@ -49,7 +60,7 @@ def alone(vlm: VLM, context, max_new_tokens: int) -> tuple[list[int], list[torch
         cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in assembled.layers])
         state = vlm._forward(torch.tensor([context.query_ids]), cache, assembled.next_position)
     else:
-        state = vlm.prefill_full(context.pieces, context.query)
+        state = vlm.prefill_full(context.pieces, context.query)  # an independent path to the same prompt
     logits, cache, position, tokens, seen = state.logits[0, -1], state.cache, state.next_position, [], []
     for step in range(max_new_tokens):
         seen.append(logits)
@@ -75,8 +86,7 @@ class Recorder:
 
     def submit(self, context, max_new_tokens: int, **fields) -> Sequence:
         num_query = len(context.query_ids) if isinstance(context, LinkedContext) else 0
-        num_context = (self.vlm.serving_prefix(context.instruction).num_tokens
-                       + sum(c.num_tokens for c in context.chunks)
+        num_context = (context.prompt.num_tokens - num_query
                        if isinstance(context, LinkedContext) else self.vlm.prefix.num_tokens + 64)
         seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context, num_context + num_query, num_query,
                        emit=lambda e: None)
@@ -100,12 +110,12 @@ def test_batched_requests_equal_each_request_alone(vlm, chunks):
     rec = Recorder(vlm)
     first = [rec.submit(linked(vlm, chunks[:2], "When does it ship?", "Answer from the documents below."), 8),
              rec.submit(linked(vlm, [chunks[2]], "Hi"), 3),  # leaves early: the others go on without it
-             rec.submit(OnlineContext(["Invoice 4471 ships on 12 March.", [page("warranty")]], "When?"), 8),
+             rec.submit(online(vlm, ["Invoice 4471 ships on 12 March.", [page("warranty")]], "When?"), 8),
              rec.submit(linked(vlm, [chunks[3], chunks[0], chunks[4]], "What do the pages say, in full detail?"), 8)]
     rec.run(steps=2)
     assert [s.status for s in first].count(Status.RUNNING) >= 3  # under way when the others join
     later = [rec.submit(linked(vlm, [chunks[4], chunks[1]], "Which part?", "Be brief."), 6),
-             rec.submit(OnlineContext(["Be brief.", "Part QZ-19 ships on 3 April."], "Which part ships?"), 5)]
+             rec.submit(online(vlm, ["Be brief.", "Part QZ-19 ships on 3 April."], "Which part ships?"), 5)]
     rec.run()
     worst = 0.0
     for seq in first + later:

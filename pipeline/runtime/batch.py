@@ -12,7 +12,7 @@ that hides what a row has not written and the pad slots of its query. Positions 
 explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing it computes: its
 logits equal the same request's run alone (to float rounding).
 
-    join:   prefill_queries(chunks, queries)   -> Slab of the new rows (assembled in place), first-token logits
+    join:   prefill_queries(bases, chunks, queries) -> Slab of the new rows (assembled in place), first-token logits
             Slab.from_prefill(state)           -> a row whose prefill ran alone (online modes)
             Slab.merge([running, joined])      -> one slab
     step:   decode_step(slab, tokens)          -> next-token logits of every row
@@ -25,9 +25,11 @@ import time
 from collections.abc import Sequence
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from pipeline.runtime.kv import ChunkKV
+from pipeline.runtime.conversation import PreparedSegment
+from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
 from pipeline.runtime.timing import ms_since
@@ -182,32 +184,33 @@ class Slab(Cache):
 
 
 @torch.inference_mode()
-def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Sequence[list[int]],
-                    reserves: Sequence[int], instructions: Sequence[str] | None = None,
+def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | None], contexts: Sequence[Sequence[ChunkKV]],
+                    queries: Sequence[list[int]], reserves: Sequence[int],
                     recomputes: Sequence[tuple[RecomputeSpec, list[ChunkInputs]] | None] | None = None,
                     ) -> tuple[Slab, torch.Tensor, list[float]]:
     """Assemble every context straight into its row of a new slab, then prefill every query on top of its
     own context in one forward.
 
-    Row j holds `[serving prefix ending in instructions[j]][context j's chunks, re-anchored]` at columns
-    `[0, C_j)` (no instruction when not given; see VLM.serving_prefix) and its query right after,
-    left-padded to the longest query (so every row's last token is real and only its logits are
-    computed); `reserves[j]` more columns are kept for its decoded tokens. Returns the slab, the
-    logits `[rows, vocab]` and each row's assembly time (ms).
+    Row j holds `[bases[j]][context j's chunks, re-anchored after it]` at columns `[0, C_j)` — the base is what
+    precedes the chunks at positions 0.. (the prompt's text before them, or a prefix-cache run; see
+    pipeline/runtime/linked_prompt.py) — and its query right after, left-padded to the longest query (so every
+    row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its
+    decoded tokens. Returns the slab, the logits `[rows, vocab]` and each row's assembly time (ms).
     `recomputes[j]` (spec, chunk inputs): recompute row j's selected chunk tokens after its assembly (its time
     counts as prefill, not assembly; see pipeline/runtime/selective_recompute.py).
     """
     num_rows, longest = len(queries), max(len(q) for q in queries)
-    instructions = list(instructions) if instructions is not None else [""] * len(contexts)
-    prefix = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]: the slab's shape
-    context_lengths = [vlm.serving_prefix(instruction).num_tokens + sum(c.num_tokens for c in chunks)
-                       for chunks, instruction in zip(contexts, instructions)]
+    if longest == 0:
+        raise ValueError("every row needs at least one query token to prefill")
+    shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]: the slab's shape
+    context_lengths = [(base.num_tokens if base is not None else 0) + sum(c.num_tokens for c in chunks)
+                       for base, chunks in zip(bases, contexts)]
     capacity = max(n + longest + r for n, r in zip(context_lengths, reserves))
-    slab = Slab.empty(prefix.shape[0], num_rows, prefix.shape[2], capacity, prefix.shape[4], vlm.dtype, vlm.device)
+    slab = Slab.empty(shape.shape[0], num_rows, shape.shape[2], capacity, shape.shape[4], vlm.dtype, vlm.device)
     assembly_ms = []
-    for row, (chunks, instruction) in enumerate(zip(contexts, instructions)):
+    for row, (base, chunks) in enumerate(zip(bases, contexts)):
         started = time.perf_counter()
-        context = vlm.assemble(chunks, instruction, out=slab.kv[:, :, row])
+        context = assemble_row(vlm, base, chunks, slab.kv[:, :, row])
         slab.valid[row, :context.num_tokens] = True
         slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
         assembly_ms.append(ms_since(started, vlm.device))
@@ -220,6 +223,34 @@ def prefill_queries(vlm: VLM, contexts: Sequence[Sequence[ChunkKV]], queries: Se
         ids[row, longest - len(query):] = torch.tensor(query, device=vlm.device)
         real[row, longest - len(query):] = True
     return slab, forward(vlm, slab, ids, real), assembly_ms
+
+
+def assemble_row(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], out: torch.Tensor) -> AssembledContext:
+    """`[base][chunks re-anchored]` into `out` `[layers, 2, kv_heads, capacity, head_dim]` (an empty one when
+    there is neither: a prompt whose whole text comes after its chunks, none of them linked)."""
+    moved = [c if c.kv.device == vlm.device else ChunkKV(c.kv.to(vlm.device), c.position_span, c.compile_start,
+                                                           c.kind, c.grid_thw, c.vision_tokens) for c in chunks]
+    if base is None and not moved:
+        return AssembledContext(layers=[(out[i, 0, :, :0][None], out[i, 1, :, :0][None]) for i in range(out.shape[0])],
+                                next_position=0, chunk_starts=[])
+    return assemble(base, moved, vlm.rotations, out)
+
+
+@torch.inference_mode()
+def prefill_alone(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], tail: PreparedSegment, reserve: int
+                  ) -> tuple[Slab, torch.Tensor]:
+    """One row whose text after the chunks holds images (a user's picture in the question): assembled, then its
+    tail forwarded with its pixels alone (the batched query prefill takes text only). Its slab, logits `[1, vocab]`."""
+    num_tokens = (base.num_tokens if base is not None else 0) + sum(c.num_tokens for c in chunks)
+    shape = vlm.prefix.kv
+    out = torch.empty(shape.shape[0], 2, shape.shape[2], num_tokens, shape.shape[4], dtype=vlm.dtype, device=vlm.device)
+    context = assemble_row(vlm, base, chunks, out)
+    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in context.layers]) if num_tokens else DynamicCache()
+    ids = torch.tensor([tail.ids], device=vlm.device)
+    pixel_values = vlm.adapter.concat_pixels(tail.pixel_values) if tail.pixel_values else None
+    grids = torch.cat(tail.grids) if tail.grids else None
+    state = vlm._forward(ids, cache, context.next_position, pixel_values, grids)
+    return Slab.from_prefill(state, reserve), state.logits[:, -1]
 
 
 @torch.inference_mode()

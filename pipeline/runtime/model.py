@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from pipeline.runtime.adapters import Adapter, family_classes
 from pipeline.runtime.checkpoint import resolve_device, resolve_path
+from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from schemas.config import ChunkKind, CompilePrefix, ModelSpec, Variant
@@ -213,7 +214,14 @@ class VLM:
     def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str,
                      all_logits: bool = False) -> Prefill:
         """Baseline: one full prefill of `[prefix][pieces…][query turn]`; a piece is text or page images."""
-        ids, pixel_list, grid_list = list(self.adapter.prefix_ids), [], []
+        return self.prefill_segments(PreparedSegment(list(self.adapter.prefix_ids)), pieces,
+                                     PreparedSegment(self.query_turn_ids(query)), all_logits)
+
+    @torch.inference_mode()
+    def prefill_segments(self, before: PreparedSegment, pieces: Sequence[str | Sequence[Image.Image]],
+                         after: PreparedSegment, all_logits: bool = False) -> Prefill:
+        """One full prefill of `[before][pieces…][after]` (a conversation's layout, chunks as text or pages)."""
+        ids, pixel_list, grid_list = list(before.ids), list(before.pixel_values), list(before.grids)
         for piece in pieces:
             if isinstance(piece, str):
                 ids += self.adapter.encode(piece)
@@ -222,7 +230,9 @@ class VLM:
                 ids += page_ids
                 pixel_list.append(pixel_values)
                 grid_list.append(grids)
-        ids += self.query_turn_ids(query)
+        ids += after.ids
+        pixel_list += after.pixel_values
+        grid_list += after.grids
         input_ids = torch.tensor([ids], device=self.device)
         pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.runtime import VLM, ChunkKV, Renderer
+from pipeline.runtime import VLM, ChunkKV, LinkedPrompt, PreparedSegment, Renderer, prepare_segment
 from pipeline.store import PageImageError, page_images
 from schemas.api import CacheReport, FallbackReport, KVSource
 from schemas.config import Mode, RecomputeSpec, RenderSpec
@@ -80,12 +80,27 @@ class ContextBuilder:
             context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
         return context
 
+    async def segments(self, plan: Plan) -> tuple[PreparedSegment, PreparedSegment]:
+        """The plan's text before and after its chunks as the model takes them (images through its processor,
+        off the event loop)."""
+        layout = plan.layout
+        if layout.before.images or layout.after.images:
+            return await asyncio.to_thread(lambda: (prepare_segment(self.vlm, layout.before),
+                                                    prepare_segment(self.vlm, layout.after)))
+        return prepare_segment(self.vlm, layout.before), prepare_segment(self.vlm, layout.after)
+
+    def _prompt(self, plan: Plan, chunks: list[ChunkKV], served: list[Entry], segments) -> LinkedContext:
+        before, after = segments
+        identities = [entry.key.encode() for entry in served]
+        return LinkedContext(LinkedPrompt(before, chunks, identities, after), plan.cache_salt)
+
     async def _linked(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
-        query_ids = self.vlm.query_turn_ids(plan.text_after_chunks)  # the query prompt, or the query
+        segments = await self.segments(plan)
         if loaded is not None:
             repaired = await self.repairer.repaired(plan, loaded)
             chunks = [self._chunk(kv, copy=False) for kv in repaired.kvs]
-            return Context(LinkedContext(chunks, query_ids, plan.instruction), [kv.entry for kv in repaired.kvs],
+            served_entries = [kv.entry for kv in repaired.kvs]
+            return Context(self._prompt(plan, chunks, served_entries, segments), served_entries,
                            repaired.cache, repaired.fallbacks, repaired.load_ms, sources=kv_sources(loaded, repaired),
                            kv_nbytes=[c.kv.nbytes for c in chunks])
         started = time.perf_counter()
@@ -125,7 +140,7 @@ class ContextBuilder:
         report = fetched.cache if fetched is not None else CacheReport(hits=0, misses=0, nbytes_from_store=0)
         report = report.model_copy(update={"device_hits": sum(c.entry.key in hot for c in plan.chunks)})
         fallbacks = fetched.fallbacks if fetched is not None else plan.fallbacks
-        return Context(LinkedContext(chunks, query_ids, plan.instruction), served, report, fallbacks,
+        return Context(self._prompt(plan, chunks, served, segments), served, report, fallbacks,
                        (time.perf_counter() - started) * 1e3, sources=sources, kv_nbytes=[c.kv.nbytes for c in chunks])
 
     async def _online(self, plan: Plan) -> Context:
@@ -136,8 +151,8 @@ class ContextBuilder:
             started = time.perf_counter()
             pieces = await asyncio.to_thread(lambda: [self.pages(c) for c in plan.chunks])
             render_ms = (time.perf_counter() - started) * 1e3
-        instruction = [plan.instruction] if plan.instruction else []  # prompt text before the chunks, never a chunk
-        return Context(OnlineContext(instruction + pieces, plan.text_after_chunks), [None] * len(plan.chunks), report,
+        before, after = await self.segments(plan)  # the instruction is in `before`: prompt text, never a chunk
+        return Context(OnlineContext(pieces, before, after), [None] * len(plan.chunks), report,
                        plan.fallbacks, render_ms=render_ms)
 
     async def _load(self, plan: Plan, loader) -> LoadResult:

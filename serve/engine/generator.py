@@ -87,10 +87,13 @@ class Generator:
         except TimeoutError:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        num_query = len(context.prefill.query_ids) if isinstance(context.prefill, LinkedContext) else 0
-        num_prompt = (self.prefix_tokens + self.instruction_tokens(plan.instruction)  # as served: a lazily compiled
-                      + sum((s or c).num_tokens for c, s in zip(plan.chunks, context.served))  # entry's own count
-                      + (num_query or plan.query_tokens))
+        prefill = context.prefill
+        num_query = len(prefill.query_ids) if isinstance(prefill, LinkedContext) else 0
+        if isinstance(prefill, LinkedContext):
+            num_prompt = prefill.prompt.num_tokens  # as served: a lazily compiled entry's own count
+        else:
+            num_prompt = (prefill.before.num_tokens + prefill.after.num_tokens
+                          + sum(c.num_tokens for c in plan.chunks))
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
         self.engine.submit(seq)
@@ -108,8 +111,8 @@ class Generator:
             if piece := detokenizer.flush():
                 pieces.append(piece)
                 yield piece
-            yield Answer(text="".join(pieces), report=answer_report(plan, context, seq,
-                                                                    self.query_tokens(plan.text_after_chunks)))
+            after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after
+            yield Answer(text="".join(pieces), report=answer_report(plan, context, seq, after.num_tokens))
         finally:
             self.engine.cancel(seq)  # a no-op once finished; else the caller went away: the row leaves
 
@@ -139,9 +142,10 @@ class Generator:
         its hot tier's key sketch and counters."""
         return self.contexts.hot.report().to_stats()
 
-    def query_tokens(self, query: str) -> int:
-        return len(self.vlm.query_turn_ids(query))
+    def prefix_cache_stats(self):
+        return self.engine.prefix_cache.stats
 
-    def instruction_tokens(self, instruction: str) -> int:
-        """Tokens the instruction adds to the serving prefix (see VLM.serving_prefix)."""
-        return len(self.vlm.adapter.encode(instruction)) if instruction else 0
+    def clear_prefix_cache(self) -> None:
+        """Drop the prefix KV cache (a cold measurement)."""
+        with self.engine.model_lock:
+            self.engine.prefix_cache.clear()

@@ -20,7 +20,21 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from pipeline.runtime import VLM, ChunkInputs, ChunkKV, Slab, decode_step, ms_since, prefill_queries, select_token
+from pipeline.runtime import (
+    VLM,
+    ChunkInputs,
+    LinkedPrompt,
+    PrefixCache,
+    Slab,
+    decode_step,
+    ms_since,
+    prefill_alone,
+    prefill_queries,
+    resume,
+    select_token,
+    store,
+)
+from pipeline.runtime.conversation import PreparedSegment
 from schemas.config import EngineSpec, RecomputeSpec
 from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import End, Sequence, Status
@@ -29,13 +43,20 @@ from serve.metrics import serve_metrics
 
 @dataclass
 class LinkedContext:
-    """Cached chunk KV (on the device, at compile-time positions), the query turn's token ids, and the
-    instruction the serving prefix ends with (`VLM.serving_prefix`)."""
+    """A linked prompt `[before][chunks][after]` (cached chunk KV on the device, at compile-time positions) and the
+    tenant salt its prefix-cache blocks are keyed under (pipeline/runtime/linked_prompt.py)."""
 
-    chunks: list[ChunkKV]
-    query_ids: list[int]
-    instruction: str = ""
+    prompt: LinkedPrompt
+    salt: bytes = b""  # set by the server from the authenticated tenant, never by the client
     recompute: tuple[RecomputeSpec, list[ChunkInputs]] | None = None  # chunk tokens to recompute, and their sources
+
+    @property
+    def chunks(self):
+        return self.prompt.chunks
+
+    @property
+    def query_ids(self) -> list[int]:
+        return self.prompt.after.ids
 
 
 @dataclass
@@ -43,7 +64,8 @@ class OnlineContext:
     """The online modes' context: chunk text or page images, prefilled in full with the query."""
 
     pieces: list[str | list[Image.Image]]
-    query: str
+    before: PreparedSegment  # the prompt before the chunks (template start, system, history)
+    after: PreparedSegment  # after them (the question's turn and the generation prompt)
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,8 @@ class Engine:
         self.vlm, self.spec = vlm, spec
         self.metrics = serve_metrics()
         self.scheduler = Scheduler(spec, column_nbytes(vlm))
+        cache = spec.prefix_cache
+        self.prefix_cache = PrefixCache(cache.block_tokens, cache.device_nbytes, cache.host_nbytes, vlm.device)
         self.slab: Slab | None = None  # rows aligned with scheduler.running
         self.model_lock = threading.Lock()
         self.on_logits = on_logits  # tests: every logits row a sequence's token was picked from
@@ -132,6 +156,7 @@ class Engine:
             if seq.status is Status.FINISHED:
                 gone.add(seq.id)
         if gone:
+            self._keep_prefixes(gone)
             kept = [row for row, s in enumerate(self.scheduler.running) if s.id not in gone]
             with self._work:
                 self.scheduler.leave(gone)
@@ -149,7 +174,8 @@ class Engine:
             seq.queue_ms = (now - seq.submitted_at) * 1e3
         linked = [s for s in self._joining if not self._online(s)]
         online = [s for s in self._joining if self._online(s)]
-        slabs = ([self._prefill_linked(linked)] if linked else []) + [self._prefill_online(s) for s in online]
+        slabs, linked = self._prefill_linked(linked) if linked else ([], [])
+        slabs += [self._prefill_online(s) for s in online]
         joining = linked + online  # the new slabs' row order
         # Each row reserves what it can still fill: its prompt as laid out, then max_new_tokens - 1 tokens.
         lengths = torch.cat([slab.lengths for slab in slabs]).tolist()
@@ -168,23 +194,61 @@ class Engine:
                                  self.scheduler.capacity())
             self.slab = slab
 
-    def _prefill_linked(self, seqs: list[Sequence]) -> Slab:
+    def _prefill_linked(self, seqs: list[Sequence]) -> tuple[list[Slab], list[Sequence]]:
+        """Each prompt resumed from the prefix cache, then the text-only tails prefilled in one forward and those
+        holding images alone. The slabs, and the sequences in their row order."""
         started = time.perf_counter()
-        slab, logits, assembly_ms = prefill_queries(self.vlm, [s.context.chunks for s in seqs],
-                                                    [s.context.query_ids for s in seqs],
-                                                    [s.sampling.max_new_tokens - 1 for s in seqs],
-                                                    [s.context.instruction for s in seqs],
-                                                    [s.context.recompute for s in seqs])
-        for seq, reanchor_ms in zip(seqs, assembly_ms):
-            seq.reanchor_ms = reanchor_ms
-            seq.num_prompt_tokens = (self.vlm.serving_prefix(seq.context.instruction).num_tokens
-                                     + sum(c.num_tokens for c in seq.context.chunks) + len(seq.context.query_ids))
-        self._pick(seqs, logits, prefill_started=started + sum(assembly_ms) / 1e3)  # the forward's own time
-        return slab
+        for seq in seqs:
+            context = seq.context
+            seq.resumed = resume(self.vlm, self.prefix_cache, context.salt, context.prompt,
+                                 past_before=context.recompute is None)
+            seq.num_prompt_tokens = context.prompt.num_tokens
+            seq.prefix_cached_tokens = seq.resumed.cached_columns
+            self.metrics.prefix_cache_tokens.inc(seq.prefix_cached_tokens, outcome="hit")
+            self.metrics.prefix_cache_tokens.inc(seq.num_prompt_tokens - seq.prefix_cached_tokens, outcome="computed")
+        head_ms = ms_since(started, self.vlm.device)
+        batched = [s for s in seqs if not s.resumed.tail.image_spans]
+        alone = [s for s in seqs if s.resumed.tail.image_spans]
+        slabs = []
+        if batched:
+            started = time.perf_counter()
+            slab, logits, assembly_ms = prefill_queries(
+                self.vlm, [s.resumed.base for s in batched], [s.resumed.chunks for s in batched],
+                [s.resumed.tail.ids for s in batched], [s.sampling.max_new_tokens - 1 for s in batched],
+                [s.context.recompute for s in batched])
+            for seq, reanchor_ms in zip(batched, assembly_ms):
+                seq.reanchor_ms = reanchor_ms
+            self._pick(batched, logits, prefill_started=started + sum(assembly_ms) / 1e3 - head_ms / 1e3)
+            slabs.append(slab)
+        for seq in alone:
+            started = time.perf_counter()
+            slab, logits = prefill_alone(self.vlm, seq.resumed.base, seq.resumed.chunks, seq.resumed.tail,
+                                         seq.sampling.max_new_tokens - 1)
+            self._pick([seq], logits, prefill_started=started - head_ms / 1e3)
+            slabs.append(slab)
+        return slabs, batched + alone
+
+    def _keep_prefixes(self, gone: set[int]) -> None:
+        """Blocks of the linked rows that ended well go into the prefix cache: a follow-up turn (or the same
+        request again) finds them, decoded tokens included."""
+        if self.slab is None or not self.prefix_cache.enabled:
+            return
+        for row, seq in enumerate(self.scheduler.running):
+            if seq.id not in gone or seq.end not in (End.STOP, End.LENGTH) or seq.resumed is None:
+                continue
+            resumed = seq.resumed
+            columns = self.slab.valid[row]  # [capacity]: a row's real columns, in order (pad slots are not)
+            kv = self.slab.kv[:, :, row][:, :, :, columns]  # [layers, 2, kv_heads, columns, head_dim]
+            store(self.vlm, self.prefix_cache, seq.context.salt, resumed, kv, seq.token_ids,
+                  int(self.slab.next_positions[row]))
+        stats = self.prefix_cache.stats
+        self.metrics.prefix_cache_device_nbytes.set(stats.device_nbytes)
+        self.metrics.prefix_cache_host_nbytes.set(stats.host_nbytes)
+        self.metrics.prefix_cache_evictions.set(stats.evicted_blocks)
 
     def _prefill_online(self, seq: Sequence) -> Slab:
         started = time.perf_counter()
-        state = self.vlm.prefill_full(seq.context.pieces, seq.context.query)
+        state = self.vlm.prefill_segments(seq.context.before, seq.context.pieces, seq.context.after)
         seq.num_prompt_tokens = state.cache.get_seq_length()
         self._pick([seq], state.logits[:, -1], prefill_started=started)
         return Slab.from_prefill(state, seq.sampling.max_new_tokens - 1)

@@ -27,10 +27,13 @@ def answer_report(plan: Plan, context: Context, seq: Sequence, query_tokens: int
         ))
     vision_tokens = sum(c.vision_tokens for c in chunks)
     context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)
+    cached = 0
+    if plan.mode not in ONLINE_MODES and seq.resumed is not None:  # prefix-cache hits, then chunks linked after them
+        cached = seq.prefix_cached_tokens + sum(c.num_tokens for c in seq.resumed.chunks)
     usage = TokenUsage(
         context_tokens=context_tokens, context_vision_tokens=vision_tokens,
-        context_text_tokens=context_tokens - vision_tokens,
-        cached_tokens=0 if plan.mode in ONLINE_MODES else context_tokens,
+        context_text_tokens=context_tokens - vision_tokens, cached_tokens=cached,
+        prefix_cached_tokens=seq.prefix_cached_tokens,
         query_tokens=query_tokens, completion_tokens=len(seq.token_ids),
     )
     phases = (plan.route_ms, context.load_ms, context.render_ms, seq.queue_ms, seq.reanchor_ms, seq.prefill_ms,

@@ -57,6 +57,8 @@ class Sequence:
     cancelled: bool = False  # set from the request's side; the engine drops the row at its next step
     # Timings the answer report carries (ms): assembly and re-anchoring, the prefill forward that gave
     # its first token (shared with the requests prefilled beside it), and its decode steps.
+    resumed: Any = None  # pipeline.runtime.Resumed of a linked prompt: what the prefix cache held, its block keys
+    prefix_cached_tokens: int = 0  # prompt columns whose KV came from the prefix cache
     queue_ms: float = 0.0  # submitted until its prefill began
     reanchor_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -185,7 +185,8 @@ def context_material(plan: Plan, sampling: Sampling) -> str:
         content = (c.entry.key if c.entry is not None
                    else hashlib.sha256((c.text or c.image_path or "").encode()).hexdigest())
         chunks.append([c.chunk_id, c.tier, content])
-    return json.dumps([plan.mode.value, plan.instruction, plan.query_prompt, chunks, sampling.max_new_tokens,
+    return json.dumps([plan.mode.value, plan.instruction, plan.query_prompt, plan.conversation, chunks,
+                       sampling.max_new_tokens,
                        sampling.temperature, sampling.top_p, sampling.seed])
 
 

@@ -9,6 +9,8 @@ their wire formats differ.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +22,11 @@ from serve.governance import Governor, Route, Turn, replay
 from serve.http.backend import Backend, api_error
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
 from serve.plan import Answer, Plan
+
+
+def tenant_salt(tenant: str) -> bytes:
+    """The prefix-cache salt of `tenant`: blocks cached for one tenant never match another's requests."""
+    return hashlib.sha256(b"qvpic-tenant\x00" + tenant.encode()).digest()
 
 
 @dataclass
@@ -64,7 +71,9 @@ class Exchange:
         return self.life.stream(self._stream(self.life.remaining_s()))
 
     async def _route(self) -> Plan:
-        return self.turn.priced(await self.backend.route(self.turn.request, self.turn.budget_tokens))
+        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens)
+        # The prefix cache keys every block under the tenant the server authenticated, never one the client chose.
+        return self.turn.priced(dataclasses.replace(plan, cache_salt=tenant_salt(self.turn.record.tenant)))
 
     async def _admit(self) -> None:
         await self._route()

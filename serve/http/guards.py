@@ -1,6 +1,6 @@
 """Request guards of the HTTP surface: body limits and the failure answers no route gives itself.
 
-- A body over `max_body_nbytes` (1 MiB by default) is refused with 413 before it is parsed: at once when
+- A body over `max_body_nbytes` (16 MiB by default: images travel as data URLs) is refused with 413 before it is parsed: at once when
   its declared Content-Length is over, else as soon as the bytes streamed in (chunked, or a length that
   lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
 - A replica that dies or cannot be reached while serving a request (Serve restarts it) answers 503 with
@@ -35,10 +35,10 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.http import openai_api
+from serve.http.openai import is_openai_path, openai_error, openai_invalid
 from serve.http.backend import REPLICA_FAILURES, api_error
 
-DEFAULT_MAX_BODY_NBYTES = 1 << 20  # the largest valid request (1024 ids of 256 characters) is ~300 KB
+DEFAULT_MAX_BODY_NBYTES = 16 << 20  # a conversation with images as data URLs (schemas/conversation.py bounds each)
 RETRY_AFTER_S = 1
 # bytes that are not UTF-8 (a ValueError), JSON nested past the parser, an integer of over 4300 digits
 UNPARSABLE = (ValueError, RecursionError)
@@ -67,8 +67,8 @@ def validation_messages(error: RequestValidationError) -> str:
 
 
 def error_response(request: Request, status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    if request.url.path.startswith(openai_api.PATH_PREFIX):
-        return openai_api.openai_error(status, detail, headers)
+    if is_openai_path(request.url.path):
+        return openai_error(status, detail, headers)
     return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
 
 
@@ -91,10 +91,10 @@ class DeclaredLengthLimit:
 
 
 def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
-    """422: FastAPI's body (`detail`: a list of errors, each echoing its input) natively, OpenAI's shape
-    (one message naming every field) on the OpenAI-compatible routes."""
-    if request.url.path.startswith(openai_api.PATH_PREFIX):
-        return openai_api.openai_error(422, validation_messages(error))
+    """422: FastAPI's body (`detail`: a list of errors, each echoing its input) natively; on the OpenAI-compatible
+    routes a 400 in OpenAI's shape (one message naming every field, `param` the first one's path)."""
+    if is_openai_path(request.url.path):
+        return openai_invalid(error.errors(), validation_messages(error))
     try:
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(json_safe(error.errors()))})
     except (ValueError, TypeError, RecursionError):  # an input no encoder takes: name the fields, not the input
@@ -112,7 +112,7 @@ def install_guards(app: FastAPI, on_error: Callable[[Request, int], None],
 
     async def invalid(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
-        on_error(request, 422)
+        on_error(request, 400 if is_openai_path(request.url.path) else 422)
         return invalid_request(request, error)
 
     async def http_error(request: Request, error: Exception) -> Response:

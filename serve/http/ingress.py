@@ -2,7 +2,7 @@
 
 Each request reads as route → generate (see serve/http/backend.py for how the roles are reached), as one
 governed turn (serve/http/exchange.py) within its lifetime (serve/http/lifetime.py: a deadline, and
-cancellation when the client goes away); the OpenAI surface (serve/http/openai_api.py) runs the same turn. This module
+cancellation when the client goes away); the OpenAI surface (serve/http/openai/) runs the same turn. This module
 and everything it imports stay clear of the model stack (no torch, no transformers): the ingress
 replica is a light web server; serve/app.py builds the application.
 """
@@ -33,12 +33,11 @@ from schemas.api import (
 from schemas.errors import ApiError
 from serve.config import ApiSpec, IngressConfig
 from serve.governance import Governor, Route
-from serve.http import openai_api
 from serve.http.backend import Backend, HandleBackend, api_error, error_cause, sse
 from serve.http.exchange import Turns
 from serve.http.guards import install_guards
 from serve.http.health import ReadinessProbe, install_readiness
-from serve.http.openai_api import openai_error, openai_routes
+from serve.http.openai import is_openai_path, openai_error, openai_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
 from serve.ui import install_ui
@@ -58,8 +57,8 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
         governor.rejected(request, status)
         cause = error_cause(error)
         headers = cause.headers() if isinstance(cause, ApiError) else {}
-        if request.url.path.startswith(openai_api.PATH_PREFIX):
-            return openai_error(status, detail, headers)
+        if is_openai_path(request.url.path):
+            return openai_error(status, detail, headers, param=getattr(cause, "param", None))
         fields = cause.body_fields() if isinstance(cause, ApiError) else {}
         return JSONResponse(status_code=status, content={"detail": detail, **fields}, headers=headers)
 
@@ -112,7 +111,7 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
         return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
 
     app.include_router(openai_routes(turns, api))
-    install_guards(app, governor.rejected)  # 413 over 1 MiB, JSON 422 for any input, 503 when a replica dies
+    install_guards(app, governor.rejected)  # 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
     return app
 
 

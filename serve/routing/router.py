@@ -14,45 +14,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 from ray import serve
-from transformers import AutoConfig, AutoTokenizer
 
-from pipeline.runtime import ChatTemplate, Embedder, check_store, resolve_path
+from pipeline.runtime import Embedder, check_store
 from pipeline.store import GenerationWatcher, LeaseKeeper, Store, acquire_current, ensure_generation
 from schemas.api import AnswerRequest
-from schemas.config import ModelSpec, check_tau
+from schemas.config import check_tau
 from schemas.errors import ApiError, TooLargeError
 from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
 from serve.plan import Plan, PlannedChunk
 from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
+from serve.routing.prompt import PromptTemplate, conversation_digest
 from serve.routing.retrieval import Snapshot, open_snapshot
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    """What the router needs of the model without loading its weights: token counts and limits."""
-
-    tokenizer: object
-    template: ChatTemplate
-    max_positions: int
-
-    @classmethod
-    def load(cls, spec: ModelSpec) -> PromptTemplate:
-        path = resolve_path(spec)
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
-        template = ChatTemplate.from_tokenizer(tokenizer, tokenizer.convert_ids_to_tokens(config.image_token_id))
-        text_config = getattr(config, "text_config", config)
-        return cls(tokenizer, template, int(text_config.max_position_embeddings))
-
-    def count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
@@ -76,7 +53,6 @@ class Router:
         self.prompt = PromptTemplate.load(config.model)
         self.embedder = Embedder(config.embedder_dir)
         self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
-        self.count_tokens = lru_cache(maxsize=8)(self.prompt.count)  # template prefixes, one per generation
         self.keeper = LeaseKeeper(self.store, "router", config.reload)
         ensure_generation(self.store)  # a store no job published yet: snapshot it once, here
         current = acquire_current(self.store, self.keeper)
@@ -91,7 +67,6 @@ class Router:
         if self.embedder.model_name != snapshot.manifest.embedder:
             raise ManifestError(f"store was embedded with {snapshot.manifest.embedder!r}, "
                                 f"the router loaded {self.embedder.model_name!r}")
-        self.count_tokens(snapshot.manifest.template_prefix)  # tokenised here, not on a request
         return snapshot
 
     def _install(self, generation: int, snapshot: Snapshot) -> None:
@@ -107,22 +82,31 @@ class Router:
     async def plan(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
         """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made."""
         started = time.perf_counter()
-        query_vector = await self.embed_query(request.query)
+        # Named chunks are scored against the question too (relevance routes their tiers); top_k 0 selects nothing.
+        selects = request.chunk_ids is not None or request.doc_ids is not None or request.top_k != 0
+        query_vector = await self.embed_query(request.query) if selects and request.query else None
         return self.route(request, query_vector, budget_tokens, started)
 
-    def route(self, request: AnswerRequest, query_vector: np.ndarray, budget_tokens: int | None = None,
+    def route(self, request: AnswerRequest, query_vector: np.ndarray | None, budget_tokens: int | None = None,
               started: float | None = None) -> Plan:
         """The plan of `request` for an embedded query: retrieval and placement against one generation."""
         started = time.perf_counter() if started is None else started
         snapshot = self.snapshot
-        rows, relevance = snapshot.select(request, query_vector)
+        if query_vector is None and request.chunk_ids is None and request.doc_ids is None:
+            rows, relevance = [], []  # top_k 0 (plain chat), or nothing to retrieve with (an image-only question)
+        else:
+            if query_vector is None:  # named chunks: scored against the question when there is one, else 0
+                query_vector = np.zeros(self.embedder.dim, dtype=np.float32)
+            rows, relevance = snapshot.select(request, query_vector)
         if len(rows) > self.config.max_chunks:
             raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.config.max_chunks} "
                                 "per request")
-        prefix_tokens = self.count_tokens(snapshot.manifest.template_prefix) + \
-            (self.prompt.count(request.instruction) if request.instruction else 0)
-        query_tokens = (self.prompt.count(request.text_after_chunks)
-                        + self.count_tokens(self.prompt.template.turn_suffix))
+        if request.messages is not None:
+            layout = self.prompt.conversation(request.messages)
+        else:
+            layout = self.prompt.native(request.instruction, request.text_after_chunks)
+        prefix_tokens = self.prompt.tokens(layout.before)
+        query_tokens = self.prompt.tokens(layout.after)
         fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:
@@ -145,8 +129,8 @@ class Router:
             chunks, instruction, text_after = template_order(chunks, instruction, request.text_after_chunks)
             if instruction != request.instruction:  # it moved after the pages: count it there
                 query_prompt = text_after
-                prefix_tokens -= self.prompt.count(request.instruction)
-                query_tokens += self.prompt.count(text_after) - self.prompt.count(request.text_after_chunks)
+                layout = self.prompt.native(instruction, text_after)
+                prefix_tokens, query_tokens = self.prompt.tokens(layout.before), self.prompt.tokens(layout.after)
                 fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
@@ -162,7 +146,8 @@ class Router:
         return Plan(mode=request.mode, query=request.query, chunks=tuple(chunks), prefix_tokens=prefix_tokens,
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
                     query_embedding=query_vector, generation=snapshot.generation, instruction=instruction,
-                    query_prompt=query_prompt)
+                    query_prompt=query_prompt, layout=layout,
+                    conversation=conversation_digest(request.messages) if request.messages is not None else "")
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""

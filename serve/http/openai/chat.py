@@ -1,9 +1,12 @@
-"""OpenAI-compatible surface: `/v1/chat/completions` (plain and streamed) and `/v1/models`.
+"""`/v1/chat/completions` (plain and streamed) and `/v1/models`: a conversation in OpenAI's message shape.
 
-The chunk selection rides in the extension field `qvpic` (the official client sends it with
-`extra_body={"qvpic": {...}}`); without one, the user message retrieves the server's default top-k.
-`usage.prompt_tokens` counts the whole context (template prefix, every chunk, the query turn) and
-`prompt_tokens_details.cached_tokens` the part whose KV came from the store rather than a forward pass.
+The messages become the native request's `messages` (serve/routing/prompt.py renders them with the model's own
+chat template, the store's chunks at the start of the last user message's content). Retrieval embeds the last
+user message's text, or `qvpic.retrieval_query`; `qvpic.retrieval: "none"` (or `top_k: 0`) is plain chat with
+no store chunks. The chunk selection and routing ride in the extension field `qvpic` (the official client sends
+it with `extra_body={"qvpic": {...}}`). `usage.prompt_tokens` counts the whole prompt (the messages as rendered,
+every chunk) and `prompt_tokens_details.cached_tokens` the part whose KV was not computed for this request: the
+linked chunks' (from the store) and the prefix cache's (earlier requests' prompts and answers).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from schemas.api import AnswerReport, AnswerRequest
@@ -29,26 +32,16 @@ from schemas.chat import (
     ChunkDelta,
     ModelCard,
     ModelList,
-    OpenAIError,
     OpenAIErrorBody,
     PromptTokensDetails,
+    RetrievalMode,
 )
 from schemas.errors import UnknownModelError
 from serve.config import ApiSpec
 from serve.governance import Route
 from serve.http.backend import api_error, sse
 from serve.http.exchange import Turns
-
-PATH_PREFIX = "/v1/chat/"
-
-
-def openai_error_body(status: int, message: str) -> OpenAIErrorBody:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return OpenAIErrorBody(error=OpenAIError(message=message, type=kind, code=status))
-
-
-def openai_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=openai_error_body(status, message).model_dump(), headers=headers)
+from serve.http.openai.errors import openai_error_body
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -59,10 +52,18 @@ def chat_usage(report: AnswerReport) -> ChatUsage:
 
 
 def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
+    """The native request of a chat request: its messages, and what retrieval embeds (`retrieval_query`); a
+    question without text (an image alone) retrieves nothing unless chunks are named."""
     options = request.qvpic
     selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True)
+    if options.retrieval is RetrievalMode.NONE:
+        selection = {"top_k": 0}
+    query = request.retrieval_query
+    if not selection and not query.strip():
+        selection = {"top_k": 0}
     try:
-        return AnswerRequest(query=request.query, mode=options.mode, tau=options.tau, task_type=options.task_type,
+        return AnswerRequest(query=query, messages=request.messages, mode=options.mode, tau=options.tau,
+                             normalisation=options.normalisation, order=options.order, task_type=options.task_type,
                              max_high_res=options.max_high_res, tier=options.tier,
                              max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
@@ -89,7 +90,7 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
 
     @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
-        **{status: {"model": OpenAIErrorBody} for status in (401, 404, 413, 422, 429, 503)}})
+        **{status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413, 429, 503)}})
     async def chat_completions(request: ChatCompletionRequest, http: Request, response: Response):
         if request.model != api.served_model_name:
             available = [api.served_model_name]

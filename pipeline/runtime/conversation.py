@@ -1,0 +1,252 @@
+"""A conversation as the checkpoint's own chat template renders it, cut where the linked chunks go.
+
+`render_layout` renders the messages with `tokenizer.apply_chat_template` — the template compile used, never
+hand-written string assembly — with a sentinel in place of every text part and a chunk sentinel at the start of
+the content of the message that receives the store's chunks (the last user message). The rendered string is
+cut at the sentinels and at the template's image markup:
+
+    before  = everything from the first token to where that message's content starts
+              (template start, system prompt, history, the turn's header; images of earlier turns)
+    after   = that message's content, anything after it (a tool result), and the generation prompt
+
+so `[before][c_1 … c_n re-anchored][after]` is the template's own prompt with the chunks at the start of the
+question's turn — exactly where single-turn compile put them (after the template prefix, which ends with the
+user header). Template text is tokenised with special tokens parsed; user content with them split
+(`split_special_tokens`), so a message cannot forge a role marker or an image token.
+
+`Segment`s hold token runs and images in order; the generator expands each image through the model's own
+processor (`prepare_segment`), which yields the ids, pixel values and grids one forward takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from PIL import Image
+
+if TYPE_CHECKING:  # the router and the plan hold layouts without loading torch
+    import torch
+
+    from pipeline.runtime.adapters import ChatTemplate
+
+_TEXT = "\u2063QVPIC_PART_{}\u2063"
+_CHUNKS = "\u2063QVPIC_CHUNKS\u2063"
+_SENTINEL = re.compile("\u2063QVPIC_(PART_\\d+|CHUNKS)\u2063")
+
+
+class ConversationError(ValueError):
+    """The conversation cannot be rendered by this checkpoint's template (a 400: `param` names the message)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A user image: its encoded bytes (PNG, JPEG or WebP, as sent), their sha256 and its size."""
+
+    data: bytes
+    digest: str  # sha256 hex of `data`: the image's identity in the prefix cache's block keys
+    width_px: int
+    height_px: int
+
+    @classmethod
+    def decode(cls, data: bytes, max_pixels: int) -> ImageRef:
+        """Checked before any model work: it decodes, and is within `max_pixels` (ValueError saying which)."""
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                if image.format not in ("PNG", "JPEG", "WEBP"):
+                    raise ValueError(f"the image is {image.format or 'of an unknown format'}; send PNG, JPEG or WebP")
+                width, height = image.size
+                if width * height > max_pixels:
+                    raise ValueError(f"the image has {width}x{height} = {width * height} pixels; at most "
+                                     f"{max_pixels} are accepted")
+                image.load()  # a truncated or corrupt file fails here, not in the generator
+        except (OSError, Image.DecompressionBombError, SyntaxError) as error:
+            raise ValueError(f"the image does not decode: {error}") from None
+        return cls(data, hashlib.sha256(data).hexdigest(), width, height)
+
+    def pil(self) -> Image.Image:
+        return Image.open(io.BytesIO(self.data)).convert("RGB")
+
+
+Piece = tuple[int, ...] | ImageRef  # a run of token ids, or one image (its markup and tokens come from the processor)
+
+
+@dataclass(frozen=True)
+class Segment:
+    pieces: tuple[Piece, ...] = ()
+
+    @property
+    def images(self) -> list[ImageRef]:
+        return [p for p in self.pieces if isinstance(p, ImageRef)]
+
+    def text_tokens(self) -> int:
+        return sum(len(p) for p in self.pieces if not isinstance(p, ImageRef))
+
+    @classmethod
+    def of_ids(cls, ids: Sequence[int]) -> Segment:
+        return cls((tuple(ids),) if ids else ())
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """`[before][chunks][after]`: what the model reads around the linked chunks."""
+
+    before: Segment
+    after: Segment
+
+
+@dataclass(frozen=True)
+class ChatPart:
+    """One part of a message's content: text, or an image."""
+
+    text: str | None = None
+    image: ImageRef | None = None
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A message as the template takes it (`developer` already mapped to `system`)."""
+
+    role: str
+    parts: tuple[ChatPart, ...]
+    as_string: bool = True  # content was a string (rendered as one), not a list of parts
+    name: str | None = None
+    tool_calls: tuple[dict, ...] = ()
+    tool_call_id: str | None = None
+
+
+def render_layout(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn],
+                  chunks_at: int) -> PromptLayout:
+    """The layout of `turns` with the chunks at the start of turn `chunks_at`'s content (ConversationError if the
+    template does not render every part exactly once).
+
+    Templates differ in the content they take: most render a string as it is, some (llava-hf's) iterate over a
+    list of parts and render nothing of a string. As vLLM's `--chat-template-content-format auto` does, string
+    content is tried as a string first, then as one text part, and the form that renders every message is kept."""
+    try:
+        return _render(tokenizer, template, image_token, turns, chunks_at, strings=True)
+    except ConversationError as error:
+        if not any(t.as_string for t in turns):
+            raise
+        try:
+            return _render(tokenizer, template, image_token, turns, chunks_at, strings=False)
+        except ConversationError:
+            raise error from None
+
+
+def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn], chunks_at: int,
+            strings: bool) -> PromptLayout:
+    texts: list[str] = []
+    messages = []
+    for index, turn in enumerate(turns):
+        content: list[dict] = []
+        if index == chunks_at:
+            content.append({"type": "text", "text": _CHUNKS})
+        for part in turn.parts:
+            if part.image is not None:
+                content.append({"type": "image"})
+            else:
+                content.append({"type": "text", "text": _TEXT.format(len(texts))})
+                texts.append(part.text or "")
+        message: dict = {"role": turn.role}
+        if strings and turn.as_string and all(c["type"] == "text" for c in content):
+            message["content"] = "".join(c["text"] for c in content)
+        elif turn.as_string:  # one text part (the chunk sentinel joined to it: the template renders no gap)
+            message["content"] = [{"type": "text", "text": "".join(c["text"] for c in content)}]
+        else:
+            message["content"] = content
+        if turn.name is not None:
+            message["name"] = turn.name
+        if turn.tool_calls:
+            message["tool_calls"] = list(turn.tool_calls)
+        if turn.tool_call_id is not None:
+            message["tool_call_id"] = turn.tool_call_id
+        messages.append(message)
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # noqa: BLE001  a jinja error raised by the template itself (its own checks)
+        raise ConversationError(f"the model's chat template refused the conversation: {error}", "messages") from None
+    markup = template.image_before + image_token + template.image_after
+    images = [part.image for turn in turns for part in turn.parts if part.image is not None]
+    splitter = re.compile(f"({_SENTINEL.pattern}|{re.escape(markup)})")
+    before: list[Piece] = []
+    after: list[Piece] = []
+    side, seen, image_index, found_chunks = before, set(), 0, False
+
+    def encode(text: str, split_special: bool) -> None:
+        if text:
+            ids = tokenizer(text, add_special_tokens=False, split_special_tokens=split_special).input_ids
+            if ids:
+                side.append(tuple(ids))
+
+    for i, piece in enumerate(splitter.split(rendered)):
+        kind = i % 3  # re.split with one outer and one inner group: text, whole match, inner group
+        if kind == 0:
+            encode(piece, split_special=False)
+        elif kind == 1:
+            if piece == _CHUNKS:
+                if found_chunks:
+                    raise ConversationError("the chat template renders a message's content twice", "messages")
+                found_chunks, side = True, after
+            elif piece == markup:
+                if image_index >= len(images):
+                    raise ConversationError("the chat template renders more images than the messages hold", "messages")
+                side.append(images[image_index])
+                image_index += 1
+            else:
+                number = int(piece[len("\u2063QVPIC_PART_"):-1])
+                if number in seen:
+                    raise ConversationError("the chat template renders a message's content twice", "messages")
+                seen.add(number)
+                encode(texts[number], split_special=True)
+    if not found_chunks or len(seen) != len(texts) or image_index != len(images):
+        roles = sorted({t.role for t in turns})
+        raise ConversationError(f"this model's chat template does not render every message (roles {roles}): "
+                                "some content would be dropped", "messages")
+    return PromptLayout(Segment(tuple(before)), Segment(tuple(after)))
+
+
+@dataclass
+class PreparedSegment:
+    """A segment as the model takes it: token ids with each image's tokens expanded, and its pixel inputs."""
+
+    ids: list[int]
+    pixel_values: list[torch.Tensor] = field(default_factory=list)  # one per image, in order
+    grids: list[torch.Tensor] = field(default_factory=list)  # one `[1, 3]` (or LLaVA `[1, 2]`) per image
+    image_spans: list[tuple[int, int, str]] = field(default_factory=list)  # (first column, end column, digest)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def tail(self, start: int) -> PreparedSegment:
+        """Columns `[start, end)`; `start` must not fall inside an image."""
+        if any(first < start < end for first, end, _ in self.image_spans):
+            raise ValueError(f"column {start} lies inside an image")
+        keep = [i for i, (first, _, _) in enumerate(self.image_spans) if first >= start]
+        return PreparedSegment(self.ids[start:], [self.pixel_values[i] for i in keep], [self.grids[i] for i in keep],
+                               [(f - start, e - start, d) for i, (f, e, d) in enumerate(self.image_spans) if i in keep])
+
+
+def prepare_segment(vlm, segment: Segment) -> PreparedSegment:
+    """Images expanded by the model's own processor (`VLM.image_inputs`), in order."""
+    prepared = PreparedSegment([])
+    for piece in segment.pieces:
+        if isinstance(piece, ImageRef):
+            pixel_values, grids, ids = vlm.image_inputs([piece.pil()])
+            first = len(prepared.ids)
+            prepared.ids.extend(ids)
+            prepared.pixel_values.append(pixel_values)
+            prepared.grids.append(grids)
+            prepared.image_spans.append((first, len(prepared.ids), piece.digest))
+        else:
+            prepared.ids.extend(piece)
+    return prepared

@@ -1,0 +1,211 @@
+"""A prefix KV cache whose blocks know which linked chunks lie before them.
+
+A request's KV columns form one stream: `[before][c_1 … c_n re-anchored][after][decoded tokens]`. Every column
+gets a 64-bit key (`StreamKeys`): a text token its id; an image token the image's digest and its index in the
+image; a linked chunk's column the chunk's identity (entry key: chunk, tier, variant, fingerprint; and the
+position it starts at) and its index. The stream is cut into blocks of `block_tokens` columns, and block i's
+hash is `sha256(hash_{i-1} ‖ keys of its columns ‖ full identities of the items that start in it)`, with
+hash_{-1} the tenant's salt (set by the server from the authenticated tenant, never by the client: vLLM's
+`cache_salt`, CVE-2025-46570). So a block matches only when everything before it — every token, image and
+chunk, at the same positions, for the same tenant — matches too: an identical request finds its whole stream,
+a follow-up turn its earlier turns (decoded tokens included), a shared system prompt its blocks; a changed
+earlier turn, another chunk set or another tenant misses from the first block that differs (vLLM's
+`docs/design/prefix_caching.md`, extended with chunk identities as extra keys).
+
+Each block stores its KV `[layers, 2, kv_heads, block_tokens, head_dim]` and the position the next token
+takes after its last column, or -1 where a cut there cannot be resumed (inside an image or a chunk: the rest of
+an image cannot be encoded alone). Bytes are bounded twice: an LRU on the device, whose evictions move to an
+LRU in host memory (a later hit moves them back), whose evictions are dropped. One thread uses it (the engine's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_DERIVED = np.int64(1) << np.int64(62)  # keys of image and chunk columns; token ids stay far below
+
+
+@dataclass
+class StreamKeys:
+    """Column keys of a stream and where it can be resumed."""
+
+    keys: list[np.ndarray] = field(default_factory=list)  # int64 runs, concatenated on demand
+    next_positions: list[np.ndarray] = field(default_factory=list)  # int64 runs: position after each column, or -1
+    items: dict[int, bytes] = field(default_factory=dict)  # first column of an image or chunk -> its identity
+    num_columns: int = 0
+
+    def add_tokens(self, ids, positions: np.ndarray) -> None:
+        """Text tokens at their own positions (`positions[i]`: where token i sits; the next one follows)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self._add(ids, np.asarray(positions, dtype=np.int64) + 1)
+
+    def add_item(self, identity: bytes, num_columns: int, end_position: int) -> None:
+        """An image's or a linked chunk's columns: resumable only after its last one."""
+        base = np.int64(int.from_bytes(hashlib.sha256(identity).digest()[:7], "big")) | _DERIVED
+        self.items[self.num_columns] = identity
+        ends = np.full(num_columns, -1, dtype=np.int64)
+        ends[-1] = end_position
+        self._add(base + np.arange(num_columns, dtype=np.int64), ends)
+
+    def _add(self, keys: np.ndarray, ends: np.ndarray) -> None:
+        self.keys.append(keys)
+        self.next_positions.append(ends)
+        self.num_columns += len(keys)
+
+    def joined(self) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros(0, dtype=np.int64)
+        return (np.concatenate(self.keys) if self.keys else empty,
+                np.concatenate(self.next_positions) if self.next_positions else empty)
+
+
+def block_hashes(salt: bytes, stream: StreamKeys, block_tokens: int, num_columns: int | None = None) -> list[bytes]:
+    """Chained hashes of the stream's full blocks within its first `num_columns` columns (all by default)."""
+    keys, _ = stream.joined()
+    limit = len(keys) if num_columns is None else min(num_columns, len(keys))
+    hashes, previous = [], hashlib.sha256(b"qvpic-prefix\x00" + salt).digest()
+    starts = sorted(stream.items)
+    for first in range(0, limit - block_tokens + 1, block_tokens):
+        digest = hashlib.sha256(previous)
+        digest.update(keys[first:first + block_tokens].tobytes())
+        for start in starts:
+            if first <= start < first + block_tokens:
+                digest.update(stream.items[start])
+        previous = digest.digest()
+        hashes.append(previous)
+    return hashes
+
+
+def partial_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block_tokens: int, end: int) -> bytes:
+    """Key of the columns after the last full block up to `end` (the end of the text before the chunks, which
+    is rarely a block multiple): cached too, so that text needs no forward of its own when it repeats."""
+    keys, _ = stream.joined()
+    first = (end // block_tokens) * block_tokens
+    previous = full_hashes[first // block_tokens - 1] if first else hashlib.sha256(b"qvpic-prefix\x00" + salt).digest()
+    digest = hashlib.sha256(b"partial\x00" + previous)
+    digest.update(keys[first:end].tobytes())
+    for start, identity in stream.items.items():
+        if first <= start < end:
+            digest.update(identity)
+    return digest.digest()
+
+
+@dataclass
+class Block:
+    kv: torch.Tensor  # [layers, 2, kv_heads, block_tokens, head_dim]
+    next_positions: np.ndarray  # [block_tokens]: position after each column, -1 where no resume is possible
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass
+class PrefixCacheStats:
+    hit_tokens: int = 0  # columns served from the cache
+    lookups: int = 0
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0  # dropped from the host tier (or from the device when there is none)
+    demoted_blocks: int = 0  # moved from the device to the host tier
+    device_nbytes: int = 0
+    host_nbytes: int = 0
+
+
+class PrefixCache:
+    def __init__(self, block_tokens: int, device_nbytes: int, host_nbytes: int, device: torch.device):
+        self.block_tokens, self.device = block_tokens, device
+        self.max_device_nbytes, self.max_host_nbytes = device_nbytes, host_nbytes
+        self._device: OrderedDict[bytes, Block] = OrderedDict()
+        self._host: OrderedDict[bytes, Block] = OrderedDict()
+        self.stats = PrefixCacheStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_device_nbytes > 0  # 0 switches the cache off
+
+    def __len__(self) -> int:
+        return len(self._device) + len(self._host)
+
+    def match(self, hashes: list[bytes]) -> list[Block]:
+        """The longest run of cached blocks from the first, each moved to the device tier's most recent end."""
+        self.stats.lookups += 1
+        run = []
+        for key in hashes:
+            block = self._device.get(key)
+            if block is not None:
+                self._device.move_to_end(key)
+            elif (block := self._host.pop(key, None)) is not None:
+                self.stats.host_nbytes -= block.nbytes
+                block = Block(block.kv.to(self.device), block.next_positions)
+                self._put_device(key, block)
+            else:
+                break
+            run.append(block)
+        return run
+
+    def get(self, key: bytes) -> Block | None:
+        """One block by its key (a segment's partial last block, see `partial_key`), made most recent."""
+        run = self.match([key])
+        self.stats.lookups -= 1
+        return run[0] if run else None
+
+    def put(self, key: bytes, kv: torch.Tensor, next_positions: np.ndarray) -> None:
+        if self.enabled and key not in self._device and key not in self._host:
+            self.stats.inserted_blocks += 1
+            self._put_device(key, Block(kv.clone(), next_positions.copy()))
+
+    def insert(self, hashes: list[bytes], kv: torch.Tensor, next_positions: np.ndarray) -> None:
+        """Store the blocks of `kv` `[layers, 2, kv_heads, columns, head_dim]` not cached yet (hashes: its blocks)."""
+        if not self.enabled:
+            return
+        size = self.block_tokens
+        for i, key in enumerate(hashes):
+            if key in self._device:
+                self._device.move_to_end(key)
+                continue
+            if key in self._host:
+                continue
+            block = Block(kv[:, :, :, i * size:(i + 1) * size].clone(), next_positions[i * size:(i + 1) * size].copy())
+            self.stats.inserted_blocks += 1
+            self._put_device(key, block)
+
+    def clear(self) -> None:
+        self._device.clear()
+        self._host.clear()
+        self.stats.device_nbytes = self.stats.host_nbytes = 0
+
+    def _put_device(self, key: bytes, block: Block) -> None:
+        self._device[key] = block
+        self.stats.device_nbytes += block.nbytes
+        while self.stats.device_nbytes > self.max_device_nbytes and self._device:
+            old_key, old = self._device.popitem(last=False)
+            self.stats.device_nbytes -= old.nbytes
+            if self.max_host_nbytes >= old.nbytes:
+                self._host[old_key] = Block(old.kv.to("cpu"), old.next_positions)
+                self.stats.host_nbytes += old.nbytes
+                self.stats.demoted_blocks += 1
+                while self.stats.host_nbytes > self.max_host_nbytes and self._host:
+                    self.stats.host_nbytes -= self._host.popitem(last=False)[1].nbytes
+                    self.stats.evicted_blocks += 1
+            else:
+                self.stats.evicted_blocks += 1
+
+
+def resume_point(blocks: list[Block], block_tokens: int, limit: int) -> int:
+    """How many columns of the matched `blocks` can be used: the most, at most `limit`, that end where a
+    computation can resume (after a text token, or after a whole image or chunk)."""
+    covered = min(len(blocks) * block_tokens, limit)
+    for column in range(covered, 0, -1):
+        block, offset = divmod(column - 1, block_tokens)
+        if blocks[block].next_positions[offset] >= 0:
+            return column
+    return 0
+
+
+def gather(blocks: list[Block], columns: int) -> torch.Tensor:
+    """The first `columns` columns of `blocks` as one `[layers, 2, kv_heads, columns, head_dim]` tensor."""
+    return torch.cat([b.kv for b in blocks], dim=3)[:, :, :, :columns]

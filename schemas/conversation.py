@@ -1,0 +1,127 @@
+"""Messages of a conversation, as OpenAI's chat API (and vLLM's) take them.
+
+Roles `system`, `developer` (rendered as `system`: the templates qvpic serves have no developer role), `user`,
+`assistant` (content may be empty or null, with `tool_calls`) and `tool` (a tool's result, `tool_call_id`).
+Content is a string or a list of parts: `text`, and `image_url` with a `data:` URL (PNG, JPEG, WebP) in user
+messages. The server fetches nothing: an `http(s)` URL is refused. Every string and list is bounded here; the
+token count of the whole conversation is checked against the context by the router (413 naming the limit).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_MESSAGES = 256
+MAX_TEXT_CHARS = 200_000  # one text part or string content
+MAX_CONVERSATION_CHARS = 400_000  # all text of all messages
+MAX_PARTS = 64  # content parts of one message
+MAX_IMAGES = 8  # image parts of one conversation
+MAX_IMAGE_BYTES = 8 << 20  # one decoded image
+MAX_IMAGE_PIXELS = 16_000_000  # width × height of one image, before the processor's own resize
+_DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp);base64,(.*)$", re.DOTALL)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class ImageURL(_Strict):
+    url: str = Field(max_length=(MAX_IMAGE_BYTES * 4) // 3 + 64, description="a data: URL (base64 PNG, JPEG or "
+                     "WebP); http(s) URLs are refused: the server fetches nothing")
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's own resize decides
+
+    @field_validator("url")
+    @classmethod
+    def _data_url(cls, url: str) -> str:
+        if url.startswith(("http://", "https://")):
+            raise ValueError("only data: URLs are accepted (data:image/png;base64,…): the server fetches nothing")
+        if _DATA_URL.match(url) is None:
+            raise ValueError("expected a data:image/png, image/jpeg or image/webp URL with base64 data")
+        return url
+
+    def data(self) -> bytes:
+        match = _DATA_URL.match(self.url)
+        assert match is not None  # validated
+        try:
+            return base64.b64decode(match.group(2), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("the image's base64 data does not decode") from None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field("", max_length=MAX_TEXT_CHARS)  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = Field(
+        None, max_length=MAX_TEXT_CHARS)
+    name: str | None = Field(None, min_length=1, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64)  # assistant messages
+    tool_call_id: str | None = Field(None, max_length=256)  # tool messages
+
+    def text(self) -> str:
+        """The message's text, its parts joined (images left out)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImageURL]:
+        return [p.image_url for p in self.content or [] if isinstance(p, ImagePart)] \
+            if not isinstance(self.content, str) else []
+
+
+def check_conversation(messages: list[Message]) -> None:
+    """What OpenAI's shape alone does not say (ValueError naming the message)."""
+    if not any(m.role == "user" for m in messages):
+        raise ValueError("messages: a conversation needs at least one user message")
+    last = messages[-1]
+    if last.role not in ("user", "tool"):
+        raise ValueError(f"messages[{len(messages) - 1}]: the conversation ends with a {last.role} message; it must "
+                         "end with a user or tool message (continuing an assistant message is not supported)")
+    images = 0
+    for i, message in enumerate(messages):
+        found = message.images()
+        if found and message.role != "user":
+            raise ValueError(f"messages[{i}].content: image parts are accepted in user messages only")
+        images += len(found)
+        if message.role in ("user", "system", "developer") and message.content is None:
+            raise ValueError(f"messages[{i}].content: a {message.role} message needs content")
+        if message.tool_calls is not None and message.role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")
+    if images > MAX_IMAGES:
+        raise ValueError(f"messages: {images} images; at most {MAX_IMAGES} per conversation")
+    chars = sum(len(m.text()) for m in messages)
+    if chars > MAX_CONVERSATION_CHARS:
+        raise ValueError(f"messages: {chars} characters of text; at most {MAX_CONVERSATION_CHARS} per conversation")
+
+
+def last_user_index(messages: list[Message]) -> int:
+    return max(i for i, m in enumerate(messages) if m.role == "user")

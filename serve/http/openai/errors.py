@@ -1,0 +1,57 @@
+"""Errors of the OpenAI-compatible routes, in OpenAI's shape: the official client reads `error.message`, `.param`
+and `.code`, and raises `BadRequestError` only for a 400 — so an invalid request is a 400 here (FastAPI's 422
+elsewhere), and `param` names the field as a path (`messages[0].content[1].image_url`)."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from schemas.chat import OpenAIError, OpenAIErrorBody
+
+OPENAI_PATHS = ("/v1/chat/", "/v1/models")
+# OpenAI's `type` and `code` strings by HTTP status (its API reference and client's error classes)
+ERROR_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", "invalid_value"),
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", None),
+    404: ("invalid_request_error", "not_found"),
+    408: ("timeout_error", "timeout"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "service_unavailable"),
+    504: ("timeout_error", "timeout"),
+}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith(OPENAI_PATHS)
+
+
+def openai_error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> OpenAIErrorBody:
+    kind, default_code = ERROR_KINDS.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+    return OpenAIErrorBody(error=OpenAIError(message=message, type=kind, param=param, code=code or default_code))
+
+
+def openai_error(status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None,
+                 code: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=openai_error_body(status, message, param, code).model_dump(),
+                        headers=headers)
+
+
+def field_path(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "content", 1, "image_url")` → `messages[0].content[1].image_url`."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif str(part) in ("str", "list[tagged-union[TextPart,ImagePart]]", "none") or "[" in str(part):
+            continue  # pydantic's name of a union member, not a field
+        else:
+            path += ("." if path else "") + str(part)
+    return path or None
+
+
+def openai_invalid(errors: list[dict], message: str) -> JSONResponse:
+    """400 for a request that failed validation; `param` is the first failing field's path."""
+    return openai_error(400, message, param=field_path(tuple(errors[0]["loc"])) if errors else None)

@@ -1,0 +1,132 @@
+"""What the model reads around a request's chunks, as token ids and images (`PromptLayout`), and its size.
+
+A conversation (`messages`) is rendered by the checkpoint's own chat template with the chunks at the start of
+the last user message's content (pipeline/runtime/conversation.py). A native request without messages keeps
+its prompt: `[template prefix][instruction]`, the chunks, `[query prompt or query][turn end]`. `PromptTemplate`
+is what the router loads of the model to do this without its weights: the tokenizer, the template cut and the
+family's vision-token arithmetic, so the context is priced before any model work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from transformers import AutoConfig, AutoTokenizer
+
+from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
+from pipeline.runtime.conversation import (
+    ChatPart,
+    ChatTurn,
+    ConversationError,
+    ImageRef,
+    PromptLayout,
+    Segment,
+    render_layout,
+)
+from schemas.config import ModelFamily, ModelSpec
+from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
+from schemas.errors import ApiError
+
+
+class InvalidMessageError(ApiError):
+    """A message the model cannot take (400); `param` is its path, e.g. `messages[2].content[1].image_url`."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """What the router needs of the model without loading its weights: token counts and limits."""
+
+    tokenizer: object
+    template: ChatTemplate
+    max_positions: int
+    image_token: str
+    family: ModelFamily
+    spec: ModelSpec
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> PromptTemplate:
+        path = resolve_path(spec)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
+        template = ChatTemplate.from_tokenizer(tokenizer, image_token)
+        text_config = getattr(config, "text_config", config)
+        return cls(tokenizer, template, int(text_config.max_position_embeddings), image_token,
+                   family_classes(config.model_type).family, spec)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def native(self, instruction: str, text_after: str) -> PromptLayout:
+        """`[template prefix][instruction]` before the chunks, `[text_after][turn end]` after them."""
+        before = self.encode(self.template.prefix) + (self.encode(instruction) if instruction else [])
+        return PromptLayout(Segment.of_ids(before), Segment.of_ids(self.encode(text_after)
+                                                                   + self.encode(self.template.turn_suffix)))
+
+    def conversation(self, messages: list[Message]) -> PromptLayout:
+        """The template's rendering of `messages`, cut where the chunks go (InvalidMessageError: 400)."""
+        turns = [chat_turn(i, m) for i, m in enumerate(messages)]
+        try:
+            return render_layout(self.tokenizer, self.template, self.image_token, turns, last_user_index(messages))
+        except ConversationError as error:
+            raise InvalidMessageError(str(error), error.param) from None
+
+    def tokens(self, segment: Segment) -> int:
+        """Tokens of `segment` as the model will see it: text, plus each image's markup and vision tokens as the
+        processor will make them (pipeline/runtime/tokens.py, the same arithmetic `qvpic estimate` prices with)."""
+        markup = self.count(self.template.image_before) + self.count(self.template.image_after)
+        total = segment.text_tokens()
+        for image in segment.images:
+            total += markup + vision_tokens(self.family, image.width_px, image.height_px,
+                                            min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
+        return total
+
+
+def chat_turn(index: int, message: Message) -> ChatTurn:
+    """One message as the template takes it: `developer` as `system`, images decoded and checked."""
+    role = "system" if message.role == "developer" else message.role
+    tool_calls = tuple({"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                  "arguments": _arguments(c.function.arguments)}}
+                       for c in message.tool_calls or ())
+    common = dict(name=message.name, tool_calls=tool_calls, tool_call_id=message.tool_call_id)
+    if message.content is None or isinstance(message.content, str):
+        return ChatTurn(role, (ChatPart(text=message.content or ""),), as_string=True, **common)
+    parts = []
+    for j, part in enumerate(message.content):
+        if isinstance(part, ImagePart):
+            param = f"messages[{index}].content[{j}].image_url"
+            try:
+                parts.append(ChatPart(image=ImageRef.decode(part.image_url.data(), MAX_IMAGE_PIXELS)))
+            except ValueError as error:
+                raise InvalidMessageError(f"{param}: {error}", param) from None
+        else:
+            parts.append(ChatPart(text=part.text))
+    return ChatTurn(role, tuple(parts), as_string=False, **common)
+
+
+def _arguments(arguments: str):
+    """Templates render a call's arguments from a mapping (Qwen's `tojson`); keep the text when it is not JSON."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
+
+
+def conversation_digest(messages: list[Message]) -> str:
+    """sha256 of the conversation as sent: what the response cache keys an answer to it on."""
+    material = json.dumps([m.model_dump(mode="json") for m in messages], sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def retrieval_text(messages: list[Message]) -> str:
+    """What retrieval embeds by default: the last user message's text."""
+    return messages[last_user_index(messages)].text()

@@ -1,0 +1,169 @@
+"""The prefix KV cache around linked chunks (pipeline/runtime/prefix_cache.py, linked_prompt.py) in the engine.
+
+Each claim is checked on the engine's own counts (prompt columns served from the cache) and against the answer
+with the cache off (greedy tokens identical, logits within 1e-4 in float32):
+- an identical request prefills one token; its answer equals the uncached one;
+- a follow-up turn (the earlier prompt, the decoded answer and a new question) finds the earlier turn's blocks,
+  the decoded tokens included: it misses at most the last partial block of the earlier stream;
+- a shared system prompt (the text before the chunks) is computed once, then found, even with other chunks;
+- a changed earlier token, another chunk set or another tenant's salt misses from where they differ;
+- bytes stay within the device bound, evicted blocks move to the host tier, and a hit brings them back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from pipeline.runtime.conversation import PreparedSegment
+from pipeline.runtime.linked_prompt import LinkedPrompt, native_prompt
+from pipeline.runtime.prefix_cache import PrefixCache, StreamKeys, block_hashes
+from schemas.config import EngineSpec, PrefixCacheSpec
+from schemas.sampling import Sampling
+from serve.engine.loop import Engine, LinkedContext
+from serve.engine.sequence import Sequence
+
+TOLERANCE = 1e-4
+TENANT_A, TENANT_B = b"salt-of-tenant-a", b"salt-of-tenant-b"
+
+
+def page(text: str, size=(280, 112)) -> Image.Image:
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).text((6, 6), text, fill="black")
+    return image
+
+
+@pytest.fixture(scope="module")
+def chunks(vlm):
+    return [vlm.compile_images([page("Invoice 4471 ships on 12 March")]),
+            vlm.compile_text("The warranty covers two years of normal use."),
+            vlm.compile_text("Part QZ-19 ships on 3 April.")]
+
+
+class Driver:
+    """An engine stepped in this thread; what each request saw."""
+
+    def __init__(self, vlm, cache_nbytes: int = 1 << 30, host_nbytes: int = 1 << 30, block_tokens: int = 16):
+        spec = EngineSpec(prefix_cache=PrefixCacheSpec(block_tokens=block_tokens, device_nbytes=cache_nbytes,
+                                                       host_nbytes=host_nbytes))
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self.engine = Engine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
+
+    def run(self, prompt: LinkedPrompt, salt: bytes = TENANT_A, max_new_tokens: int = 6) -> Sequence:
+        seq = Sequence(Sampling(max_new_tokens=max_new_tokens), LinkedContext(prompt, salt), prompt.num_tokens,
+                       prompt.after.num_tokens, emit=lambda e: None)
+        self.logits[seq.id] = []
+        self.engine.submit(seq)
+        while self.engine.scheduler.waiting or self.engine.scheduler.running:
+            self.engine.step()
+        return seq
+
+
+def same_answer(driver_a: Driver, a: Sequence, driver_b: Driver, b: Sequence) -> None:
+    assert a.token_ids == b.token_ids
+    for x, y in zip(driver_a.logits[a.id], driver_b.logits[b.id]):
+        assert (x - y).abs().max().item() < TOLERANCE
+
+
+def test_an_identical_request_prefills_one_token_and_answers_the_same(vlm, chunks):
+    cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
+    prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    reference = cold.run(prompt)
+    first, second = warm.run(prompt), warm.run(prompt)
+    assert reference.prefix_cached_tokens == 0 and first.prefix_cached_tokens == 0
+    assert second.prefix_cached_tokens == prompt.num_tokens - 1  # every column but the one whose logits it needs
+    same_answer(cold, reference, warm, first)
+    same_answer(cold, reference, warm, second)
+
+
+def test_a_follow_up_turn_finds_the_earlier_turn_and_its_decoded_tokens(vlm, chunks):
+    cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
+    first_prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    first = warm.run(first_prompt, max_new_tokens=12)
+    # The next turn, as the template renders it: the earlier turn's stream, its answer, then a new question.
+    follow_up_ids = (first_prompt.after.ids + first.token_ids + vlm.adapter.encode("<|im_end|>\n")
+                     + vlm.adapter.encode(" And the warranty?") + vlm.adapter.turn_suffix_ids)
+    follow_up = LinkedPrompt(first_prompt.before, first_prompt.chunks, first_prompt.chunk_identities,
+                             PreparedSegment(follow_up_ids))
+    second = warm.run(follow_up)
+    earlier_columns = first_prompt.num_tokens + len(first.token_ids) - 1  # the last token was never fed back
+    block = warm.engine.prefix_cache.block_tokens
+    assert second.prefix_cached_tokens >= earlier_columns - block + 1
+    assert second.prefix_cached_tokens >= (earlier_columns // block) * block  # every full block, decoded ones too
+    same_answer(cold, cold.run(follow_up), warm, second)
+
+
+def test_a_shared_system_prompt_is_computed_once_then_found_beside_other_chunks(vlm, chunks):
+    warm = Driver(vlm)
+    instruction = "You answer in one short sentence, citing the document you used."
+    warm.run(native_prompt(vlm, chunks[:2], "When does invoice 4471 ship?", instruction))
+    other = native_prompt(vlm, chunks[2:], "Which part ships in April?", instruction)
+    seq = warm.run(other)
+    assert seq.prefix_cached_tokens == other.before.num_tokens  # the whole text before the chunks, partial block too
+    fresh = Driver(vlm).run(other)
+    assert fresh.prefix_cached_tokens == 0
+
+
+def test_a_changed_earlier_token_another_chunk_set_or_another_tenant_misses(vlm, chunks):
+    warm = Driver(vlm)
+    prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    warm.run(prompt)
+    assert warm.run(prompt, salt=TENANT_B).prefix_cached_tokens == 0  # the attacker's first block already differs
+    reordered = native_prompt(vlm, [chunks[1], chunks[0], chunks[2]], "When does invoice 4471 ship?")
+    seq = warm.run(reordered)
+    assert 0 < seq.prefix_cached_tokens <= prompt.before.num_tokens  # only the text before the chunks
+    changed_ids = list(prompt.before.ids)
+    changed_ids[2] = (changed_ids[2] + 1) % vlm.tokenizer.vocab_size
+    changed = LinkedPrompt(PreparedSegment(changed_ids), prompt.chunks, prompt.chunk_identities, prompt.after)
+    assert warm.run(changed).prefix_cached_tokens == 0  # the change is in the first block: nothing after it matches
+
+
+def test_a_chunk_of_the_same_size_in_the_same_place_is_not_taken_for_another(vlm):
+    """Only the chunk's identity tells these apart: same token count, same span, same position."""
+    one, other = vlm.compile_text("Part QZ-19 ships on 3 April."), vlm.compile_text("Part QZ-20 ships on 4 April.")
+    assert (one.num_tokens, one.position_span) == (other.num_tokens, other.position_span)
+    cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
+    warm.run(native_prompt(vlm, [one], "Which part ships in April?"))
+    prompt = native_prompt(vlm, [other], "Which part ships in April?")
+    seq = warm.run(prompt)
+    assert seq.prefix_cached_tokens <= prompt.before.num_tokens
+    same_answer(cold, cold.run(prompt), warm, seq)
+
+
+def test_block_hashes_chain_every_token_chunk_and_salt_before_them():
+    def stream(ids, chunk: bytes) -> StreamKeys:
+        keys = StreamKeys()
+        keys.add_tokens(ids[:20], np.arange(20))
+        keys.add_item(chunk, 30, 50)
+        keys.add_tokens(ids[20:], np.arange(50, 50 + len(ids) - 20))
+        return keys
+
+    ids = list(range(100, 160))
+    base = block_hashes(b"t", stream(ids, b"chunk-a"), 16)
+    assert len(base) == (20 + 30 + 40) // 16  # full blocks only: 5
+    other_chunk = block_hashes(b"t", stream(ids, b"chunk-b"), 16)
+    assert other_chunk[0] == base[0] and all(x != y for x, y in zip(other_chunk[1:], base[1:]))  # from its block on
+    other_salt = block_hashes(b"u", stream(ids, b"chunk-a"), 16)
+    assert all(x != y for x, y in zip(other_salt, base))
+    changed = list(ids)
+    changed[55] += 1  # column 20 + 30 + 35 = 85: block 5, past the full blocks; 45 -> column 75: block 4
+    changed[45] += 1
+    edited = block_hashes(b"t", stream(changed, b"chunk-a"), 16)
+    assert edited[:4] == base[:4] and edited[4] != base[4]
+
+
+def test_bytes_stay_bounded_and_evicted_blocks_come_back_from_the_host_tier():
+    block_nbytes = 2 * 2 * 1 * 4 * 8 * 4  # [layers 2, 2, heads 1, 4 tokens, head_dim 8] float32
+    cache = PrefixCache(block_tokens=4, device_nbytes=3 * block_nbytes, host_nbytes=2 * block_nbytes,
+                        device=torch.device("cpu"))
+    hashes = [bytes([i]) * 32 for i in range(8)]
+    kv = torch.arange(2 * 2 * 1 * 32 * 8, dtype=torch.float32).view(2, 2, 1, 32, 8)
+    cache.insert(hashes, kv, np.arange(1, 33))
+    assert cache.stats.device_nbytes <= 3 * block_nbytes and cache.stats.host_nbytes <= 2 * block_nbytes
+    assert len(cache) == 5 and cache.stats.evicted_blocks == 3 and cache.stats.demoted_blocks == 5
+    assert cache.match(hashes) == []  # block 0 was dropped: nothing after it can be used
+    found = cache.match(hashes[3:5])  # on the host tier: promoted back, values intact
+    assert len(found) == 2 and torch.equal(found[1].kv, kv[:, :, :, 16:20])
+    assert cache.stats.device_nbytes <= 3 * block_nbytes
