@@ -1,8 +1,8 @@
 """Request guards of the HTTP surface: body limits and the failure answers no route gives itself.
 
-- A body over `max_body_nbytes` (16 MiB by default: images travel as data URLs) is refused with 413 before it is parsed: at once when
-  its declared Content-Length is over, else as soon as the bytes streamed in (chunked, or a length that
-  lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
+- A body over `max_body_nbytes` (16 MiB by default: images travel as data URLs) is refused with 413 before it
+  is parsed: at once when its declared Content-Length is over, else as soon as the bytes streamed in (chunked,
+  or a length that lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
 - A replica that dies or cannot be reached while serving a request (Serve restarts it) answers 503 with
   `Retry-After`, as JSON, instead of a bare 500.
 - A body that is not UTF-8, nests deeper than the JSON parser goes, or holds a number Python will not
@@ -35,8 +35,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.http.openai import is_openai_path, openai_error, openai_invalid
 from serve.http.backend import REPLICA_FAILURES, api_error
+from serve.http.openai import is_openai_path, openai_error, openai_invalid
 
 DEFAULT_MAX_BODY_NBYTES = 16 << 20  # a conversation with images as data URLs (schemas/conversation.py bounds each)
 RETRY_AFTER_S = 1
