@@ -109,6 +109,10 @@ class Prompt(Strict):
                                            "it, the chunks at the start of the last user message's content; "
                                            "`query` is then only what retrieval embeds")
 
+    history_chunks: JsonBool = Field(True, description="messages with retrieval: each earlier user message keeps the "
+                                     "chunks its text retrieves, before it, as when it was asked (a follow-up then "
+                                     "finds the earlier turns in the prefix cache); false: history as text alone")
+
     @model_validator(mode="after")
     def _prompt_given(self) -> Prompt:
         if self.messages is None:

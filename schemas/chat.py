@@ -52,6 +52,9 @@ class QvpicOptions(Selection, Routing, Attribution):
     retrieval: RetrievalMode = RetrievalMode.AUTO
     retrieval_query: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS, description="what "
                                         "retrieval embeds instead of the last user message's text")
+    history_chunks: JsonBool = Field(True, description="each earlier user message keeps the chunks its text "
+                                     "retrieves (a follow-up finds the earlier turns in the prefix cache); false: "
+                                     "history as text alone")
     timeout_s: JsonFloat | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="deadline of the whole "
                                         "request (504 past it); else header X-Request-Timeout, else the server's "
                                         "default")

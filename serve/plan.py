@@ -96,6 +96,7 @@ class PlannedChunk:
     text: str | None = None  # source text, carried for the full_* modes (and linked ones when recompute is on)
     image_path: str | None = None  # full_image of a scanned page: its original image, as ingest compiled it
     tier_reason: TierReason = TierReason.MODE  # why placement gave it `tier` (the inspector shows it)
+    group: int = 0  # which group of the prompt it sits in (plan.layout: one per user message of a conversation)
 
 
 @dataclass(frozen=True)

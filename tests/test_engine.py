@@ -46,8 +46,8 @@ def linked(vlm, chunk_list, query: str, instruction: str = "", salt: bytes = b""
 
 
 def online(vlm, pieces, query: str) -> OnlineContext:
-    context = OnlineContext(list(pieces), PreparedSegment(list(vlm.adapter.prefix_ids)),
-                            PreparedSegment(vlm.query_turn_ids(query)))
+    context = OnlineContext([PreparedSegment(list(vlm.adapter.prefix_ids)), PreparedSegment(vlm.query_turn_ids(query))],
+                            [list(pieces)])
     context.query = query
     return context
 
@@ -60,7 +60,7 @@ def alone(vlm: VLM, context, max_new_tokens: int) -> tuple[list[int], list[torch
         cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in assembled.layers])
         state = vlm._forward(torch.tensor([context.query_ids]), cache, assembled.next_position)
     else:
-        state = vlm.prefill_full(context.pieces, context.query)  # an independent path to the same prompt
+        state = vlm.prefill_full([p for g in context.groups for p in g], context.query)  # independent of the engine
     logits, cache, position, tokens, seen = state.logits[0, -1], state.cache, state.next_position, [], []
     for step in range(max_new_tokens):
         seen.append(logits)

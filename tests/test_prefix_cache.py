@@ -85,7 +85,7 @@ def test_a_follow_up_turn_finds_the_earlier_turn_and_its_decoded_tokens(vlm, chu
     # The next turn, as the template renders it: the earlier turn's stream, its answer, then a new question.
     follow_up_ids = (first_prompt.after.ids + first.token_ids + vlm.adapter.encode("<|im_end|>\n")
                      + vlm.adapter.encode(" And the warranty?") + vlm.adapter.turn_suffix_ids)
-    follow_up = LinkedPrompt(first_prompt.before, first_prompt.chunks, first_prompt.chunk_identities,
+    follow_up = LinkedPrompt.single(first_prompt.before, first_prompt.chunks, first_prompt.identities[0],
                              PreparedSegment(follow_up_ids))
     second = warm.run(follow_up)
     earlier_columns = first_prompt.num_tokens + len(first.token_ids) - 1  # the last token was never fed back
@@ -116,7 +116,7 @@ def test_a_changed_earlier_token_another_chunk_set_or_another_tenant_misses(vlm,
     assert 0 < seq.prefix_cached_tokens <= prompt.before.num_tokens  # only the text before the chunks
     changed_ids = list(prompt.before.ids)
     changed_ids[2] = (changed_ids[2] + 1) % vlm.tokenizer.vocab_size
-    changed = LinkedPrompt(PreparedSegment(changed_ids), prompt.chunks, prompt.chunk_identities, prompt.after)
+    changed = LinkedPrompt.single(PreparedSegment(changed_ids), prompt.chunks, prompt.identities[0], prompt.after)
     assert warm.run(changed).prefix_cached_tokens == 0  # the change is in the first block: nothing after it matches
 
 

@@ -5,13 +5,16 @@ hand-written string assembly — with a sentinel in place of every text part and
 the content of the message that receives the store's chunks (the last user message). The rendered string is
 cut at the sentinels and at the template's image markup:
 
-    before  = everything from the first token to where that message's content starts
-              (template start, system prompt, history, the turn's header; images of earlier turns)
-    after   = that message's content, anything after it (a tool result), and the generation prompt
+    texts[0]  = everything from the first token to where the first such message's content starts
+                (template start, system prompt, the turn's header)
+    texts[i]  = from there to the next one's (that message's content, the answer, the next header …)
+    texts[-1] = the last one's content, anything after it (a tool result), and the generation prompt
 
-so `[before][c_1 … c_n re-anchored][after]` is the template's own prompt with the chunks at the start of the
-question's turn — exactly where single-turn compile put them (after the template prefix, which ends with the
-user header). Template text is tokenised with special tokens parsed; user content with them split
+so `[texts[0]][group 0 re-anchored][texts[1]] … [group n-1][texts[n]]` is the template's own prompt with each
+group of chunks at the start of its user turn — exactly where single-turn compile put them (after the template
+prefix, which ends with the user header). The router puts a group at every user message (each earlier question
+with the chunks it retrieves, the last with its own), so a follow-up's stream begins with the earlier turn's.
+Template text is tokenised with special tokens parsed; user content with them split
 (`split_special_tokens`), so a message cannot forge a role marker or an image token.
 
 `Segment`s hold token runs and images in order; the generator expands each image through the model's own
@@ -35,8 +38,8 @@ if TYPE_CHECKING:  # the router and the plan hold layouts without loading torch
     from pipeline.runtime.adapters import ChatTemplate
 
 _TEXT = "\u2063QVPIC_PART_{}\u2063"
-_CHUNKS = "\u2063QVPIC_CHUNKS\u2063"
-_SENTINEL = re.compile("\u2063QVPIC_(PART_\\d+|CHUNKS)\u2063")
+_CHUNKS = "\u2063QVPIC_CHUNKS_{}\u2063"
+_SENTINEL = re.compile("\u2063QVPIC_(PART_\\d+|CHUNKS_\\d+)\u2063")
 
 
 class ConversationError(ValueError):
@@ -97,10 +100,29 @@ class Segment:
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """`[before][chunks][after]`: what the model reads around the linked chunks."""
+    """`[texts[0]][group 0][texts[1]] … [group n-1][texts[n]]`: what the model reads around the linked chunks."""
 
-    before: Segment
-    after: Segment
+    texts: tuple[Segment, ...]  # one more than the groups of chunks
+
+    @classmethod
+    def of(cls, before: Segment, after: Segment) -> PromptLayout:
+        return cls((before, after))
+
+    @property
+    def before(self) -> Segment:
+        return self.texts[0]
+
+    @property
+    def after(self) -> Segment:
+        return self.texts[-1]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.texts) - 1
+
+    @property
+    def images(self) -> list[ImageRef]:
+        return [image for text in self.texts for image in text.images]
 
 
 @dataclass(frozen=True)
@@ -124,9 +146,9 @@ class ChatTurn:
 
 
 def render_layout(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn],
-                  chunks_at: int) -> PromptLayout:
-    """The layout of `turns` with the chunks at the start of turn `chunks_at`'s content (ConversationError if the
-    template does not render every part exactly once).
+                  chunks_at: Sequence[int]) -> PromptLayout:
+    """The layout of `turns` with group g of chunks at the start of turn `chunks_at[g]`'s content (increasing;
+    ConversationError if the template does not render every part exactly once, in order).
 
     Templates differ in the content they take: most render a string as it is, some (llava-hf's) iterate over a
     list of parts and render nothing of a string. As vLLM's `--chat-template-content-format auto` does, string
@@ -142,20 +164,21 @@ def render_layout(tokenizer, template: ChatTemplate, image_token: str, turns: Se
             raise error from None
 
 
-def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn], chunks_at: int,
-            strings: bool) -> PromptLayout:
-    texts: list[str] = []
+def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn],
+            chunks_at: Sequence[int], strings: bool) -> PromptLayout:
+    contents: list[str] = []  # the text parts, by their sentinel's number
+    groups = {index: g for g, index in enumerate(chunks_at)}
     messages = []
     for index, turn in enumerate(turns):
         content: list[dict] = []
-        if index == chunks_at:
-            content.append({"type": "text", "text": _CHUNKS})
+        if index in groups:
+            content.append({"type": "text", "text": _CHUNKS.format(groups[index])})
         for part in turn.parts:
             if part.image is not None:
                 content.append({"type": "image"})
             else:
-                content.append({"type": "text", "text": _TEXT.format(len(texts))})
-                texts.append(part.text or "")
+                content.append({"type": "text", "text": _TEXT.format(len(contents))})
+                contents.append(part.text or "")
         message: dict = {"role": turn.role}
         if strings and turn.as_string and all(c["type"] == "text" for c in content):
             message["content"] = "".join(c["text"] for c in content)
@@ -177,41 +200,40 @@ def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence
     markup = template.image_before + image_token + template.image_after
     images = [part.image for turn in turns for part in turn.parts if part.image is not None]
     splitter = re.compile(f"({_SENTINEL.pattern}|{re.escape(markup)})")
-    before: list[Piece] = []
-    after: list[Piece] = []
-    side, seen, image_index, found_chunks = before, set(), 0, False
+    texts: list[list[Piece]] = [[]]
+    seen, image_index = set(), 0
 
     def encode(text: str, split_special: bool) -> None:
         if text:
             ids = tokenizer(text, add_special_tokens=False, split_special_tokens=split_special).input_ids
             if ids:
-                side.append(tuple(ids))
+                texts[-1].append(tuple(ids))
 
     for i, piece in enumerate(splitter.split(rendered)):
         kind = i % 3  # re.split with one outer and one inner group: text, whole match, inner group
         if kind == 0:
             encode(piece, split_special=False)
         elif kind == 1:
-            if piece == _CHUNKS:
-                if found_chunks:
-                    raise ConversationError("the chat template renders a message's content twice", "messages")
-                found_chunks, side = True, after
-            elif piece == markup:
+            if piece == markup:
                 if image_index >= len(images):
                     raise ConversationError("the chat template renders more images than the messages hold", "messages")
-                side.append(images[image_index])
+                texts[-1].append(images[image_index])
                 image_index += 1
+            elif piece.startswith("\u2063QVPIC_CHUNKS_"):
+                if int(piece[len("\u2063QVPIC_CHUNKS_"):-1]) != len(texts) - 1:
+                    raise ConversationError("the chat template renders messages out of order", "messages")
+                texts.append([])
             else:
                 number = int(piece[len("\u2063QVPIC_PART_"):-1])
                 if number in seen:
                     raise ConversationError("the chat template renders a message's content twice", "messages")
                 seen.add(number)
-                encode(texts[number], split_special=True)
-    if not found_chunks or len(seen) != len(texts) or image_index != len(images):
+                encode(contents[number], split_special=True)
+    if len(texts) != len(chunks_at) + 1 or len(seen) != len(contents) or image_index != len(images):
         roles = sorted({t.role for t in turns})
         raise ConversationError(f"this model's chat template does not render every message (roles {roles}): "
                                 "some content would be dropped", "messages")
-    return PromptLayout(Segment(tuple(before)), Segment(tuple(after)))
+    return PromptLayout(tuple(Segment(tuple(t)) for t in texts))
 
 
 @dataclass

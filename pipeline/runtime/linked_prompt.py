@@ -1,17 +1,19 @@
 """One linked request's prompt, resumed from the prefix cache: what is left to compute, link and prefill.
 
-A linked prompt is `[before][c_1 … c_n][after]` (pipeline/runtime/conversation.py): `before` and `after` are
-token runs and images, the chunks are compiled KV re-anchored where they land. `resume` looks the prompt's
-blocks up in the prefix cache (pipeline/runtime/prefix_cache.py) and returns
+A linked prompt is `[texts[0]][group 0][texts[1]] … [group n-1][texts[n]]` (pipeline/runtime/conversation.py):
+texts are token runs and images, a group is compiled chunk KV re-anchored where it lands. `resume` looks the
+prompt's blocks up in the prefix cache (pipeline/runtime/prefix_cache.py) and returns
 
-    base    KV of columns [0, n) at positions 0.. — the cached run, plus `before`'s remainder forwarded on it
-    chunks  the chunks still to link after `base` (none when the cached run covers them)
-    tail    what the batched query prefill still has to run (at least the last token, whose logits pick the
-            first answer token)
+    base    KV of every column before the last group's part still to link, at positions 0.. — the cached run,
+            then what remains of the earlier texts forwarded and of the earlier groups linked, in order
+    chunks  the last group's chunks still to link after `base` (none when the cached run covers them)
+    tail    what the batched query prefill still has to run of the last text (at least its last token, whose
+            logits pick the first answer token)
 
-so an identical request prefills one token, a follow-up turn only what its earlier turns did not hold, and a
-request with a new system prompt computes that prompt once, then finds it. Chunks are never recomputed: a run
-that ends inside one is cut back to its start, and the chunk is linked from its own KV.
+so an identical request prefills one token, a follow-up turn only what its earlier turns did not hold (their
+questions' chunks, answers and headers are blocks of the earlier request's stream), and a request with a new
+system prompt computes that prompt once, then finds it. Chunks are never recomputed: a run that ends inside one
+is cut back to its start, and the chunk is linked from its own KV.
 """
 
 from __future__ import annotations
@@ -24,32 +26,58 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
-from pipeline.runtime.kv import ChunkKV
+from pipeline.runtime.kv import ChunkKV, assemble
 from pipeline.runtime.prefix_cache import PrefixCache, StreamKeys, block_hashes, gather, partial_key, resume_point
 from schemas.config import ChunkKind
 
 
 @dataclass
 class LinkedPrompt:
-    before: PreparedSegment
-    chunks: list[ChunkKV]  # loaded KV at compile-time positions, in request order
-    chunk_identities: list[bytes]  # each chunk's entry key (chunk, tier, variant, fingerprint), as bytes
-    after: PreparedSegment
+    texts: list[PreparedSegment]  # one more than the groups
+    groups: list[list[ChunkKV]]  # loaded KV at compile-time positions, in request order
+    identities: list[list[bytes]]  # each chunk's entry key (chunk, tier, variant, fingerprint), as bytes
+
+    @classmethod
+    def single(cls, before: PreparedSegment, chunks: list[ChunkKV], identities: list[bytes],
+               after: PreparedSegment) -> LinkedPrompt:
+        return cls([before, after], [list(chunks)], [list(identities)])
+
+    @property
+    def before(self) -> PreparedSegment:
+        return self.texts[0]
+
+    @property
+    def after(self) -> PreparedSegment:
+        return self.texts[-1]
+
+    @property
+    def chunks(self) -> list[ChunkKV]:
+        return [c for group in self.groups for c in group]
 
     @property
     def num_tokens(self) -> int:
-        return self.before.num_tokens + sum(c.num_tokens for c in self.chunks) + self.after.num_tokens
+        return sum(t.num_tokens for t in self.texts) + sum(c.num_tokens for c in self.chunks)
+
+    def starts(self) -> list[int]:
+        """First column of each part, in order: texts[0], group 0, texts[1], …, texts[n]; then the end."""
+        columns, starts = 0, []
+        for i, text in enumerate(self.texts):
+            starts.append(columns)
+            columns += text.num_tokens
+            if i < len(self.groups):
+                starts.append(columns)
+                columns += sum(c.num_tokens for c in self.groups[i])
+        return starts + [columns]
 
 
 @dataclass
 class Resumed:
     base: ChunkKV | None  # columns [0, n): compile_start 0, position_span = the next position
-    chunks: list[ChunkKV]  # to link after `base`
-    tail: PreparedSegment  # to prefill after them
+    chunks: list[ChunkKV]  # of the last group, to link after `base`
+    tail: PreparedSegment  # of the last text, to prefill after them
     cached_columns: int  # columns of `base` that came from the prefix cache
     stream: StreamKeys  # the prompt's column keys (the decoded tokens are added when it is stored)
-    before_columns: int  # where `before` ends (its partial last block is stored under `partial_key`)
-    prompt_columns: int  # where the prompt ends (so is the prompt's)
+    ends: tuple[int, ...]  # where each text before a group ends, and the prompt: partial blocks are kept there
 
 
 def segment_keys(vlm, stream: StreamKeys, segment: PreparedSegment, start: int) -> int:
@@ -71,60 +99,80 @@ def segment_keys(vlm, stream: StreamKeys, segment: PreparedSegment, start: int) 
     return int(positions.max()) + 1
 
 
-def prompt_keys(vlm, prompt: LinkedPrompt) -> tuple[StreamKeys, int]:
-    """The prompt's column keys, and the position after its `after` segment."""
-    stream = StreamKeys()
-    position = segment_keys(vlm, stream, prompt.before, 0)
-    for chunk, identity in zip(prompt.chunks, prompt.chunk_identities):
-        stream.add_item(b"chunk:" + identity + b"@" + str(position).encode(), chunk.num_tokens,
-                        position + chunk.position_span)
-        position += chunk.position_span
-    return stream, segment_keys(vlm, stream, prompt.after, position)
+def prompt_keys(vlm, prompt: LinkedPrompt) -> StreamKeys:
+    stream, position = StreamKeys(), 0
+    for i, text in enumerate(prompt.texts):
+        position = segment_keys(vlm, stream, text, position)
+        if i < len(prompt.groups):
+            for chunk, identity in zip(prompt.groups[i], prompt.identities[i]):
+                stream.add_item(b"chunk:" + identity + b"@" + str(position).encode(), chunk.num_tokens,
+                                position + chunk.position_span)
+                position += chunk.position_span
+    return stream
 
 
 @torch.inference_mode()
-def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, past_before: bool = True) -> Resumed:
-    """`past_before=False`: use cached columns of `before` only (selective recompute re-derives the chunks)."""
-    stream, _ = prompt_keys(vlm, prompt)
-    num_before = prompt.before.num_tokens
-    num_chunks = sum(c.num_tokens for c in prompt.chunks)
-    limit = stream.num_columns - 1 if past_before else min(num_before, stream.num_columns - 1)
+def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, past_groups: bool = True) -> Resumed:
+    """`past_groups=False`: use cached columns only before the last group (selective recompute re-derives it)."""
+    stream = prompt_keys(vlm, prompt)
+    starts = prompt.starts()  # [t0, g0, t1, g1, …, tn, end]
+    last_group, last_text = starts[-3], starts[-2]
+    ends = tuple(starts[1:-1:2]) + (stream.num_columns,)
+    limit = stream.num_columns - 1 if past_groups else min(last_group, stream.num_columns - 1)
     blocks, columns = [], 0
     if cache is not None and cache.enabled and limit > 0:
         size = cache.block_tokens
         hashes = block_hashes(salt, stream, size)  # every full block: a hit is cut back to `limit` below
         blocks = cache.match(hashes)
         columns = resume_point(blocks, size, limit)
-        # The text before the chunks and the prompt as a whole rarely end on a block: their last partial block is
+        # A text before a group, and the prompt as a whole, rarely end on a block: their last partial block is
         # stored under its own key (an identical request then prefills one token, not up to a block).
-        for end in (num_before, stream.num_columns):
-            if (end // size) * size < min(end, limit) and columns < min(end, limit) and len(blocks) == end // size:
+        for end in ends:
+            usable = min(end, limit)
+            if (end // size) * size < usable and columns < usable and len(blocks) == end // size:
                 partial = cache.get(partial_key(salt, stream, hashes, size, end))
-                usable = min(end, limit)
                 if partial is not None and partial.next_positions[usable - (end // size) * size - 1] >= 0:
                     blocks, columns = blocks + [partial], usable
                 break
         cache.stats.hit_tokens += columns
     _, next_positions = stream.joined()
-    cached = gather(blocks, columns) if columns else None  # [layers, 2, kv_heads, columns, head_dim]
+    kv = gather(blocks, columns) if columns else None  # [layers, 2, kv_heads, columns, head_dim]
     position = int(next_positions[columns - 1]) if columns else 0
-    if columns < num_before:  # the rest of `before`, forwarded on the cached run
-        cached, position = _forward(vlm, cached, prompt.before.tail(columns), position)
-        linked_from, tail = 0, prompt.after
-    elif columns <= num_before + num_chunks:  # the run ends after a whole chunk (or at `before`'s end)
-        linked_from, covered = 0, num_before
-        while covered < columns:
-            covered += prompt.chunks[linked_from].num_tokens
-            linked_from += 1
-        tail = prompt.after
-    else:
-        linked_from, tail = len(prompt.chunks), prompt.after.tail(columns - num_before - num_chunks)
-    base = None if cached is None or cached.shape[3] == 0 else ChunkKV(cached, max(position, 1), 0, ChunkKind.TEXT)
-    return Resumed(base, prompt.chunks[linked_from:], tail, columns, stream, num_before, stream.num_columns)
+    if columns >= last_text:  # the run reaches into the last text
+        return Resumed(_base(kv, position), [], prompt.after.tail(columns - last_text), columns, stream, ends)
+    # Compute what remains before the last group: the rest of each text, the rest of each earlier group.
+    for i, text in enumerate(prompt.texts[:-1]):
+        text_start, group_start = starts[2 * i], starts[2 * i + 1]
+        if columns < group_start:
+            kv, position = _forward(vlm, kv, text.tail(max(columns - text_start, 0)), position)
+        group, group_end = prompt.groups[i], starts[2 * i + 2]
+        if i == len(prompt.groups) - 1:  # the last group: linked by the batched prefill, after `base`
+            return Resumed(_base(kv, position), _from(group, max(columns, group_start) - group_start), prompt.after,
+                           columns, stream, ends)
+        if columns < group_end:
+            rest = _from(group, max(columns - group_start, 0))
+            kv, position = _link(vlm, kv, rest, position)
+    raise AssertionError("a prompt has at least one group")
 
 
-def _forward(vlm, cached: torch.Tensor | None, segment: PreparedSegment, start: int) -> tuple[torch.Tensor, int]:
+def _from(group: list[ChunkKV], columns: int) -> list[ChunkKV]:
+    """The chunks of `group` after its first `columns` columns (a cut at a chunk boundary)."""
+    covered, index = 0, 0
+    while covered < columns:
+        covered += group[index].num_tokens
+        index += 1
+    return group[index:]
+
+
+def _base(kv: torch.Tensor | None, position: int) -> ChunkKV | None:
+    return None if kv is None or kv.shape[3] == 0 else ChunkKV(kv, max(position, 1), 0, ChunkKind.TEXT)
+
+
+def _forward(vlm, cached: torch.Tensor | None, segment: PreparedSegment, start: int
+             ) -> tuple[torch.Tensor | None, int]:
     """`segment` forwarded after `cached` `[layers, 2, kv_heads, n, head_dim]`: the KV of both, the next position."""
+    if not segment.ids:
+        return cached, start
     layers = [] if cached is None else [(cached[i, 0][None].to(vlm.dtype), cached[i, 1][None].to(vlm.dtype))
                                         for i in range(cached.shape[0])]
     cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
@@ -134,6 +182,17 @@ def _forward(vlm, cached: torch.Tensor | None, segment: PreparedSegment, start: 
     state = vlm._forward(ids, cache, start, pixel_values, grids)
     kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in state.cache.layers])
     return kv, state.next_position
+
+
+def _link(vlm, cached: torch.Tensor | None, chunks: list[ChunkKV], start: int) -> tuple[torch.Tensor | None, int]:
+    """`chunks` re-anchored after `cached`: the KV of both, the next position."""
+    if not chunks:
+        return cached, start
+    moved = [c if c.kv.device == vlm.device else ChunkKV(c.kv.to(vlm.device), c.position_span, c.compile_start,
+                                                           c.kind, c.grid_thw, c.vision_tokens) for c in chunks]
+    context = assemble(_base(cached, start), moved, vlm.rotations)
+    kv = torch.stack([torch.stack([k[0], v[0]]) for k, v in context.layers])
+    return kv, context.next_position
 
 
 def store(vlm, cache: PrefixCache | None, salt: bytes, resumed: Resumed, kv: torch.Tensor, decoded: list[int],
@@ -153,7 +212,7 @@ def store(vlm, cache: PrefixCache | None, salt: bytes, resumed: Resumed, kv: tor
     hashes = block_hashes(salt, stream, size, kv.shape[3])
     _, next_positions = stream.joined()
     cache.insert(hashes, kv, next_positions)
-    for end in (resumed.before_columns, resumed.prompt_columns):
+    for end in resumed.ends:
         if end % size and end <= kv.shape[3]:
             first = (end // size) * size
             cache.put(partial_key(salt, stream, hashes, size, end), kv[:, :, :, first:end], next_positions[first:end])
@@ -167,5 +226,5 @@ def native_prompt(vlm, chunks: list[ChunkKV], query: str, instruction: str = "",
         identities = [hashlib.sha256(c.kv.float().contiguous().cpu().numpy().tobytes()).hexdigest().encode()
                       for c in chunks]
     before = vlm.adapter.prefix_ids + (vlm.adapter.encode(instruction) if instruction else [])
-    return LinkedPrompt(PreparedSegment(list(before)), list(chunks), identities,
-                        PreparedSegment(vlm.query_turn_ids(query)))
+    return LinkedPrompt.single(PreparedSegment(list(before)), list(chunks), identities,
+                               PreparedSegment(vlm.query_turn_ids(query)))

@@ -214,25 +214,27 @@ class VLM:
     def prefill_full(self, pieces: Sequence[str | Sequence[Image.Image]], query: str,
                      all_logits: bool = False) -> Prefill:
         """Baseline: one full prefill of `[prefix][pieces…][query turn]`; a piece is text or page images."""
-        return self.prefill_segments(PreparedSegment(list(self.adapter.prefix_ids)), pieces,
-                                     PreparedSegment(self.query_turn_ids(query)), all_logits)
+        return self.prefill_segments([PreparedSegment(list(self.adapter.prefix_ids)),
+                                      PreparedSegment(self.query_turn_ids(query))], [pieces], all_logits)
 
     @torch.inference_mode()
-    def prefill_segments(self, before: PreparedSegment, pieces: Sequence[str | Sequence[Image.Image]],
-                         after: PreparedSegment, all_logits: bool = False) -> Prefill:
-        """One full prefill of `[before][pieces…][after]` (a conversation's layout, chunks as text or pages)."""
-        ids, pixel_list, grid_list = list(before.ids), list(before.pixel_values), list(before.grids)
-        for piece in pieces:
-            if isinstance(piece, str):
-                ids += self.adapter.encode(piece)
-            else:
-                pixel_values, grids, page_ids = self.image_inputs(piece)
-                ids += page_ids
-                pixel_list.append(pixel_values)
-                grid_list.append(grids)
-        ids += after.ids
-        pixel_list += after.pixel_values
-        grid_list += after.grids
+    def prefill_segments(self, texts: Sequence[PreparedSegment],
+                         groups: Sequence[Sequence[str | Sequence[Image.Image]]], all_logits: bool = False) -> Prefill:
+        """One full prefill of `[texts[0]][group 0][texts[1]] … [texts[n]]` (a conversation's layout, each group's
+        chunks as text or pages)."""
+        ids, pixel_list, grid_list = [], [], []
+        for i, text in enumerate(texts):
+            ids += text.ids
+            pixel_list += text.pixel_values
+            grid_list += text.grids
+            for piece in groups[i] if i < len(groups) else ():
+                if isinstance(piece, str):
+                    ids += self.adapter.encode(piece)
+                else:
+                    pixel_values, grids, page_ids = self.image_inputs(piece)
+                    ids += page_ids
+                    pixel_list.append(pixel_values)
+                    grid_list.append(grids)
         input_ids = torch.tensor([ids], device=self.device)
         pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
         grids = torch.cat(grid_list) if grid_list else None

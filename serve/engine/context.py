@@ -75,24 +75,29 @@ class ContextBuilder:
         context = await self._linked(plan, loaded, loader)
         if self.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
             started = time.perf_counter()
-            inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, plan.chunks, context.served)
+            last = [i for i, c in enumerate(plan.chunks) if c.group == len(plan.layout.texts) - 2]  # recomputed group
+            inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, [plan.chunks[i] for i in last],
+                                             [context.served[i] for i in last])
             context.prefill.recompute = (self.recompute, inputs)
             context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
         return context
 
-    async def segments(self, plan: Plan) -> tuple[PreparedSegment, PreparedSegment]:
-        """The plan's text before and after its chunks as the model takes them (images through its processor,
+    async def segments(self, plan: Plan) -> list[PreparedSegment]:
+        """The plan's texts around its groups of chunks as the model takes them (images through its processor,
         off the event loop)."""
         layout = plan.layout
-        if layout.before.images or layout.after.images:
-            return await asyncio.to_thread(lambda: (prepare_segment(self.vlm, layout.before),
-                                                    prepare_segment(self.vlm, layout.after)))
-        return prepare_segment(self.vlm, layout.before), prepare_segment(self.vlm, layout.after)
+        if layout.images:
+            return await asyncio.to_thread(lambda: [prepare_segment(self.vlm, t) for t in layout.texts])
+        return [prepare_segment(self.vlm, t) for t in layout.texts]
 
-    def _prompt(self, plan: Plan, chunks: list[ChunkKV], served: list[Entry], segments) -> LinkedContext:
-        before, after = segments
-        identities = [entry.key.encode() for entry in served]
-        return LinkedContext(LinkedPrompt(before, chunks, identities, after), plan.cache_salt)
+    def _prompt(self, plan: Plan, chunks: list[ChunkKV], served: list[Entry], texts) -> LinkedContext:
+        """The linked prompt: the layout's texts, and each group's chunks (named by the entry served) between them."""
+        groups: list[list[ChunkKV]] = [[] for _ in range(len(texts) - 1)]
+        identities: list[list[bytes]] = [[] for _ in range(len(texts) - 1)]
+        for planned, chunk, entry in zip(plan.chunks, chunks, served):
+            groups[planned.group].append(chunk)
+            identities[planned.group].append(entry.key.encode())
+        return LinkedContext(LinkedPrompt(list(texts), groups, identities), plan.cache_salt)
 
     async def _linked(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
         segments = await self.segments(plan)
@@ -151,9 +156,12 @@ class ContextBuilder:
             started = time.perf_counter()
             pieces = await asyncio.to_thread(lambda: [self.pages(c) for c in plan.chunks])
             render_ms = (time.perf_counter() - started) * 1e3
-        before, after = await self.segments(plan)  # the instruction is in `before`: prompt text, never a chunk
-        return Context(OnlineContext(pieces, before, after), [None] * len(plan.chunks), report,
-                       plan.fallbacks, render_ms=render_ms)
+        texts = await self.segments(plan)  # the instruction is in the first: prompt text, never a chunk
+        groups: list[list] = [[] for _ in range(len(texts) - 1)]
+        for planned, piece in zip(plan.chunks, pieces):
+            groups[planned.group].append(piece)
+        return Context(OnlineContext(texts, groups), [None] * len(plan.chunks), report, plan.fallbacks,
+                       render_ms=render_ms)
 
     async def _load(self, plan: Plan, loader) -> LoadResult:
         if loader is None:

@@ -92,8 +92,7 @@ class Generator:
         if isinstance(prefill, LinkedContext):
             num_prompt = prefill.prompt.num_tokens  # as served: a lazily compiled entry's own count
         else:
-            num_prompt = (prefill.before.num_tokens + prefill.after.num_tokens
-                          + sum(c.num_tokens for c in plan.chunks))
+            num_prompt = sum(t.num_tokens for t in prefill.texts) + sum(c.num_tokens for c in plan.chunks)
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
         self.engine.submit(seq)

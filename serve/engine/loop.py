@@ -63,9 +63,12 @@ class LinkedContext:
 class OnlineContext:
     """The online modes' context: chunk text or page images, prefilled in full with the query."""
 
-    pieces: list[str | list[Image.Image]]
-    before: PreparedSegment  # the prompt before the chunks (template start, system, history)
-    after: PreparedSegment  # after them (the question's turn and the generation prompt)
+    texts: list[PreparedSegment]  # the prompt around the groups (template start, system, history, the question)
+    groups: list[list[str | list[Image.Image]]]  # each group's chunks: text, or page images
+
+    @property
+    def after(self) -> PreparedSegment:
+        return self.texts[-1]
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ class Engine:
         for seq in seqs:
             context = seq.context
             seq.resumed = resume(self.vlm, self.prefix_cache, context.salt, context.prompt,
-                                 past_before=context.recompute is None)
+                                 past_groups=context.recompute is None)
             seq.num_prompt_tokens = context.prompt.num_tokens
             seq.prefix_cached_tokens = seq.resumed.cached_columns
             self.metrics.prefix_cache_tokens.inc(seq.prefix_cached_tokens, outcome="hit")
@@ -248,7 +251,7 @@ class Engine:
 
     def _prefill_online(self, seq: Sequence) -> Slab:
         started = time.perf_counter()
-        state = self.vlm.prefill_segments(seq.context.before, seq.context.pieces, seq.context.after)
+        state = self.vlm.prefill_segments(seq.context.texts, seq.context.groups)
         seq.num_prompt_tokens = state.cache.get_seq_length()
         self._pick([seq], state.logits[:, -1], prefill_started=started)
         return Slab.from_prefill(state, seq.sampling.max_new_tokens - 1)

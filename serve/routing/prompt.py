@@ -69,14 +69,16 @@ class PromptTemplate:
     def native(self, instruction: str, text_after: str) -> PromptLayout:
         """`[template prefix][instruction]` before the chunks, `[text_after][turn end]` after them."""
         before = self.encode(self.template.prefix) + (self.encode(instruction) if instruction else [])
-        return PromptLayout(Segment.of_ids(before), Segment.of_ids(self.encode(text_after)
-                                                                   + self.encode(self.template.turn_suffix)))
+        return PromptLayout.of(Segment.of_ids(before), Segment.of_ids(self.encode(text_after)
+                                                                      + self.encode(self.template.turn_suffix)))
 
-    def conversation(self, messages: list[Message]) -> PromptLayout:
-        """The template's rendering of `messages`, cut where the chunks go (InvalidMessageError: 400)."""
+    def conversation(self, messages: list[Message], chunks_at: list[int] | None = None) -> PromptLayout:
+        """The template's rendering of `messages`, cut where each group of chunks goes: at the start of the content
+        of the user messages `chunks_at` (default: the last one). InvalidMessageError: 400."""
         turns = [chat_turn(i, m) for i, m in enumerate(messages)]
         try:
-            return render_layout(self.tokenizer, self.template, self.image_token, turns, last_user_index(messages))
+            return render_layout(self.tokenizer, self.template, self.image_token, turns,
+                                 chunks_at or [last_user_index(messages)])
         except ConversationError as error:
             raise InvalidMessageError(str(error), error.param) from None
 

@@ -20,7 +20,7 @@ from ray import serve
 
 from pipeline.runtime import Embedder, check_store
 from pipeline.store import GenerationWatcher, LeaseKeeper, Store, acquire_current, ensure_generation
-from schemas.api import AnswerRequest
+from schemas.api import MAX_QUERY_CHARS, AnswerRequest
 from schemas.config import check_tau
 from schemas.errors import ApiError, TooLargeError
 from schemas.store import ManifestError
@@ -82,50 +82,59 @@ class Router:
     async def plan(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
         """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made."""
         started = time.perf_counter()
-        # Named chunks are scored against the question too (relevance routes their tiers); top_k 0 selects nothing.
-        selects = request.chunk_ids is not None or request.doc_ids is not None or request.top_k != 0
-        query_vector = await self.embed_query(request.query) if selects and request.query else None
-        return self.route(request, query_vector, budget_tokens, started)
+        queries = self.group_queries(request)
+        vectors = await asyncio.gather(*(self.embed_query(q) for q in queries if q))
+        found = iter(vectors)
+        return self.route(request, [next(found) if q else None for q in queries], budget_tokens, started)
 
-    def route(self, request: AnswerRequest, query_vector: np.ndarray | None, budget_tokens: int | None = None,
-              started: float | None = None) -> Plan:
-        """The plan of `request` for an embedded query: retrieval and placement against one generation."""
+    def group_queries(self, request: AnswerRequest) -> list[str]:
+        """What each group of chunks is scored against, oldest first: a conversation's earlier user messages (with
+        `history_chunks`, when the request retrieves), then the question. An empty one selects nothing."""
+        named = request.chunk_ids is not None or request.doc_ids is not None
+        if not named and request.top_k == 0:
+            return [""]
+        if request.messages is None or named or not request.history_chunks:
+            return [request.query]
+        earlier = [m.text()[:MAX_QUERY_CHARS] for m in request.messages if m.role == "user"][:-1]
+        return earlier + [request.query]
+
+    def route(self, request: AnswerRequest, vectors: list[np.ndarray | None] | np.ndarray | None,
+              budget_tokens: int | None = None, started: float | None = None) -> Plan:
+        """The plan of `request` for its embedded queries (one per group, see `group_queries`): retrieval and
+        placement against one generation. A conversation's groups sit at its user messages, the last at the
+        question; the oldest history groups are left empty when the context cannot hold them all."""
         started = time.perf_counter() if started is None else started
+        if vectors is None or isinstance(vectors, np.ndarray):
+            vectors = [vectors]
         snapshot = self.snapshot
-        if query_vector is None and request.chunk_ids is None and request.doc_ids is None:
-            rows, relevance = [], []  # top_k 0 (plain chat), or nothing to retrieve with (an image-only question)
-        else:
-            if query_vector is None:  # named chunks: scored against the question when there is one, else 0
-                query_vector = np.zeros(self.embedder.dim, dtype=np.float32)
-            rows, relevance = snapshot.select(request, query_vector)
-        if len(rows) > self.config.max_chunks:
-            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.config.max_chunks} "
-                                "per request")
         if request.messages is not None:
-            layout = self.prompt.conversation(request.messages)
+            users = [i for i, m in enumerate(request.messages) if m.role == "user"]
+            layout = self.prompt.conversation(request.messages, users[-len(vectors):])
         else:
             layout = self.prompt.native(request.instruction, request.text_after_chunks)
-        prefix_tokens = self.prompt.tokens(layout.before)
-        query_tokens = self.prompt.tokens(layout.after)
+        text_tokens = [self.prompt.tokens(t) for t in layout.texts]
+        prefix_tokens, query_tokens = sum(text_tokens[:-1]), text_tokens[-1]
         fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:
             room_tokens = min(room_tokens, budget_tokens - prefix_tokens)
-        catalog, defaults = snapshot.catalog, self.config.defaults
-        overrides = {"tau": request.tau, "max_high_res": request.max_high_res, "normalisation": request.normalisation}
-        policy = defaults.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-        try:  # model_copy does not validate: a request's τ > 1 under the server's bounded normalisation
-            check_tau(policy.tau, policy.normalisation)
-        except ValueError as error:
-            raise ApiError(str(error)) from None
-        spec = PlacementSpec(policy=policy,
-                             low=snapshot.low, tier=mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
-                             pending=lazy_planner(snapshot.manifest, self.config.model))
-        selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
-                             texts=lambda: catalog.texts(rows))
-        chunks, fallbacks = place(request.mode, selected, spec, room_tokens)
+        spec = self.placement_spec(request, snapshot)
+        groups: list[list[PlannedChunk]] = []
+        fallbacks: list = []
+        for g, vector in reversed(list(enumerate(vectors))):  # the question first: it gets the room it needs
+            chunks, dropped = self.group(request, vector, snapshot, spec, room_tokens, g)
+            if g < len(vectors) - 1 and (sum(c.num_tokens for c in chunks) > room_tokens
+                                         or sum(map(len, groups)) + len(chunks) > self.config.max_chunks):
+                chunks, dropped = [], []  # an earlier question's chunks that no longer fit: that group stays empty
+            groups.insert(0, chunks)
+            fallbacks = dropped + fallbacks
+            room_tokens -= sum(c.num_tokens for c in chunks)
+        chunks = [c for group in groups for c in group]
+        if len(chunks) > self.config.max_chunks:
+            raise TooLargeError(f"{len(chunks)} chunks selected; this server takes at most {self.config.max_chunks} "
+                                "per request")
         instruction, query_prompt = request.instruction, request.query_prompt
-        if self.prompt.template.images_first:
+        if self.prompt.template.images_first and request.messages is None:
             chunks, instruction, text_after = template_order(chunks, instruction, request.text_after_chunks)
             if instruction != request.instruction:  # it moved after the pages: count it there
                 query_prompt = text_after
@@ -135,19 +144,50 @@ class Router:
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
             raise TooLargeError(
-                f"request needs {needed} tokens (prefix {prefix_tokens} + chunks {needed - fixed_tokens} + "
-                f"query {query_tokens} + max_new_tokens {request.max_new_tokens}); "
+                f"request needs {needed} tokens (prompt text {prefix_tokens} + chunks {needed - fixed_tokens} + "
+                f"question {query_tokens} + max_new_tokens {request.max_new_tokens}); "
                 f"the context holds {self.max_context_tokens}")
+        route_ms = (time.perf_counter() - started) * 1e3
+        return Plan(mode=request.mode, query=request.query, chunks=tuple(chunks), prefix_tokens=prefix_tokens,
+                    query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
+                    query_embedding=vectors[-1], generation=snapshot.generation, instruction=instruction,
+                    query_prompt=query_prompt, layout=layout,
+                    conversation=conversation_digest(request.messages) if request.messages is not None else "")
+
+    def placement_spec(self, request: AnswerRequest, snapshot: Snapshot) -> PlacementSpec:
+        overrides = {"tau": request.tau, "max_high_res": request.max_high_res, "normalisation": request.normalisation}
+        policy = self.config.defaults.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        try:  # model_copy does not validate: a request's τ > 1 under the server's bounded normalisation
+            check_tau(policy.tau, policy.normalisation)
+        except ValueError as error:
+            raise ApiError(str(error)) from None
+        return PlacementSpec(policy=policy,
+                             low=snapshot.low, tier=mode_tier(request.mode, request.tier, snapshot.manifest.tiers),
+                             pending=lazy_planner(snapshot.manifest, self.config.model))
+
+    def group(self, request: AnswerRequest, vector: np.ndarray | None, snapshot: Snapshot, spec: PlacementSpec,
+              room_tokens: int, group: int) -> tuple[list[PlannedChunk], list]:
+        """One group's chunks, placed: what `vector` retrieves (or the named chunks, scored against it)."""
+        named = request.chunk_ids is not None or request.doc_ids is not None
+        if vector is None and not named:
+            return [], []  # top_k 0 (plain chat), or nothing to retrieve with (an image-only question)
+        if vector is None:  # named chunks without a question to score them against: relevance 0
+            vector = np.zeros(self.embedder.dim, dtype=np.float32)
+        rows, relevance = snapshot.select(request, vector)
+        if len(rows) > self.config.max_chunks:
+            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.config.max_chunks} "
+                                "per request")
+        catalog = snapshot.catalog
+        selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
+                             texts=lambda: catalog.texts(rows))
+        chunks, fallbacks = place(request.mode, selected, spec, room_tokens)
         if self.config.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
             chunks = [c if c.text is not None else
                       dataclasses.replace(c, text=source["text"], image_path=source["image_path"] or None)
                       for c, source in zip(chunks, catalog.texts(rows))]
-        route_ms = (time.perf_counter() - started) * 1e3
-        return Plan(mode=request.mode, query=request.query, chunks=tuple(chunks), prefix_tokens=prefix_tokens,
-                    query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
-                    query_embedding=query_vector, generation=snapshot.generation, instruction=instruction,
-                    query_prompt=query_prompt, layout=layout,
-                    conversation=conversation_digest(request.messages) if request.messages is not None else "")
+        if self.prompt.template.images_first and request.messages is not None:
+            chunks = template_order(chunks, "", "")[0]  # pages first, as the template renders a turn
+        return [dataclasses.replace(c, group=group) for c in chunks] if group else chunks, list(fallbacks)
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""

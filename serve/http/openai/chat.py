@@ -62,7 +62,8 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
     if not selection and not query.strip():
         selection = {"top_k": 0}
     try:
-        return AnswerRequest(query=query, messages=request.messages, mode=options.mode, tau=options.tau,
+        return AnswerRequest(query=query, messages=request.messages, history_chunks=options.history_chunks,
+                             mode=options.mode, tau=options.tau,
                              normalisation=options.normalisation, order=options.order, task_type=options.task_type,
                              max_high_res=options.max_high_res, tier=options.tier,
                              max_new_tokens=request.max_new_tokens,

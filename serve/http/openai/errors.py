@@ -4,10 +4,13 @@ elsewhere), and `param` names the field as a path (`messages[0].content[1].image
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 from schemas.chat import OpenAIError, OpenAIErrorBody
 
+_NAMED = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*): ")
 OPENAI_PATHS = ("/v1/chat/", "/v1/models")
 # OpenAI's `type` and `code` strings by HTTP status (its API reference and client's error classes)
 ERROR_KINDS: dict[int, tuple[str, str | None]] = {
@@ -40,18 +43,32 @@ def openai_error(status: int, message: str, headers: dict[str, str] | None = Non
 
 
 def field_path(loc: tuple) -> str | None:
-    """`("body", "messages", 0, "content", 1, "image_url")` → `messages[0].content[1].image_url`."""
-    path = ""
+    """`("body", "messages", 0, "content", "list[…]", 1, "image_url", "image_url")` →
+    `messages[0].content[1].image_url`: pydantic's names of union members, and the tag a tagged union adds after
+    an item's index, are left out."""
+    path, tagged, skip_tag = "", False, False
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif str(part) in ("str", "list[tagged-union[TextPart,ImagePart]]", "none") or "[" in str(part):
-            continue  # pydantic's name of a union member, not a field
+            skip_tag, tagged = tagged, False
+        elif skip_tag:
+            skip_tag = False  # the discriminator's value: not a field
+        elif "[" in str(part) or str(part) in ("str", "none", "int", "float", "bool"):
+            tagged = "tagged-union" in str(part)  # a union member's name, not a field
         else:
             path += ("." if path else "") + str(part)
     return path or None
 
 
 def openai_invalid(errors: list[dict], message: str) -> JSONResponse:
-    """400 for a request that failed validation; `param` is the first failing field's path."""
-    return openai_error(400, message, param=field_path(tuple(errors[0]["loc"])) if errors else None)
+    """400 for a request that failed validation, naming the most specific failing field: a union (a message's
+    content is a string or a list of parts) fails once per member, and the deepest path is the one that was meant.
+    `message` (every field) is used only when no error carries a location."""
+    if not errors:
+        return openai_error(400, message)
+    deepest = max(errors, key=lambda e: len(e["loc"]))
+    param = field_path(tuple(deepest["loc"]))
+    text = str(deepest["msg"]).removeprefix("Value error, ")
+    if param is None and (named := _NAMED.match(text)):  # a check across fields names its field first
+        param = named.group(1)
+    return openai_error(400, f"{param}: {text}" if param and not text.startswith(param) else text, param=param)
