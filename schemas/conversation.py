@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.wire import Utf8Str
+
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 200_000  # one text part or string content
 MAX_CONVERSATION_CHARS = 400_000  # all text of all messages
@@ -32,7 +34,7 @@ class _Strict(BaseModel):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str = Field(max_length=MAX_TEXT_CHARS)
+    text: Utf8Str = Field(max_length=MAX_TEXT_CHARS)
 
 
 class ImageURL(_Strict):
@@ -67,23 +69,23 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(_Strict):
-    name: str = Field(min_length=1, max_length=256)
-    arguments: str = Field("", max_length=MAX_TEXT_CHARS)  # JSON text, as the model wrote it
+    name: Utf8Str = Field(min_length=1, max_length=256)
+    arguments: Utf8Str = Field("", max_length=MAX_TEXT_CHARS)  # JSON text, as the model wrote it
 
 
 class ToolCall(_Strict):
-    id: str = Field(min_length=1, max_length=256)
+    id: Utf8Str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = Field(
+    content: Utf8Str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = Field(
         None, max_length=MAX_TEXT_CHARS)
-    name: str | None = Field(None, min_length=1, max_length=64)
+    name: Utf8Str | None = Field(None, min_length=1, max_length=64)
     tool_calls: list[ToolCall] | None = Field(None, max_length=64)  # assistant messages
-    tool_call_id: str | None = Field(None, max_length=256)  # tool messages
+    tool_call_id: Utf8Str | None = Field(None, max_length=256)  # tool messages
 
     def text(self) -> str:
         """The message's text, its parts joined (images left out)."""

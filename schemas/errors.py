@@ -69,6 +69,13 @@ class TooLargeError(ApiError):
     status_code = 413
 
 
+class ContextLengthError(TooLargeError):
+    """More tokens than the model's context holds. OpenAI answers this with a 400 `context_length_exceeded`
+    (its clients look for that code); the native routes keep 413."""
+
+    openai_status, openai_code, param = 400, "context_length_exceeded", "messages"
+
+
 class BudgetExceededError(TooLargeError):
     """Even the cheapest placement of the request's chunks that its mode allows (qvpic: every chunk at its
     lowest tier) exceeds the request's context-token budget; `min_context_tokens` is what it needs at least."""

@@ -10,8 +10,20 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AllowInfNan, Strict
+from pydantic import AfterValidator, AllowInfNan, Strict
 
 JsonInt = Annotated[int, Strict()]  # no bool, str or float
 JsonFloat = Annotated[float, Strict(), AllowInfNan(False)]  # int or float, finite; no bool or str
 JsonBool = Annotated[bool, Strict()]  # true or false only
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate sent as a JSON escape ("\\ud800"): no tokenizer takes it
+        raise ValueError(f"not valid Unicode text: a lone surrogate at character {error.start}") from None
+    return text
+
+
+# text a tokenizer can take: whatever JSON escapes spell, less lone surrogates
+Utf8Str = Annotated[str, AfterValidator(_utf8)]

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pipeline.runtime.conversation import PromptLayout
 from schemas.api import AnswerReport, CacheReport, FallbackReport, KVSource, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
+from schemas.prompt import PromptLayout
 from schemas.store import CacheKey
 
 Pages = tuple[tuple[int, ...], ...]  # one tuple per page: [t, h, w] grids, [width, height] sizes

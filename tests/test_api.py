@@ -123,7 +123,10 @@ def test_chat_completions(app):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
     retrieved = call(app, "POST", "/v1/chat/completions", json={**body, "qvpic": {"mode": "full_text"}}).json()
-    assert len(retrieved["qvpic"]["chunks"]) == 2 and retrieved["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # online: only the template start before the chunks is shared with the prompts above (the prefix cache)
+    assert len(retrieved["qvpic"]["chunks"]) == 2
+    online_cached = retrieved["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < online_cached <= native["usage"]["context_tokens"] - chunk_tokens
 
     streamed = call(app, "POST", "/v1/chat/completions",
                     json={**body, "stream": True, "stream_options": {"include_usage": True}})

@@ -18,8 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.runtime.conversation import ChatPart, ChatTurn, ImageRef, prepare_segment, render_layout
+from pipeline.runtime.conversation import ChatPart, ChatTurn, decode_image, pil_image, prepare_segment, render_layout
 from pipeline.runtime.linked_prompt import LinkedPrompt
+from schemas.prompt import ImageRef
 from tests.test_chat_templates import checkpoint, fixture_template, install  # noqa: F401  (a fixture)
 from tests.test_prefix_cache import Driver
 from tests.test_runtime_exactness import page
@@ -30,7 +31,7 @@ TOLERANCE = 1e-4
 def png(image: Image.Image) -> ImageRef:
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
-    return ImageRef.decode(buffer.getvalue(), 10**8)
+    return decode_image(buffer.getvalue(), 10**8)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def reference(vlm, turns: list[ChatTurn]) -> tuple[list[int], torch.Tensor]:
     if not all(p.text in text for t in turns for p in t.parts if p.text):
         text = render(strings=False)
     ids = vlm.tokenizer(text, add_special_tokens=False).input_ids
-    pictures = [p.image.pil() for t in turns for p in t.parts if p.image is not None]
+    pictures = [pil_image(p.image) for t in turns for p in t.parts if p.image is not None]
     inputs = [vlm.image_inputs([picture]) for picture in pictures]
     image_id = vlm.model.config.image_token_id
     counts = iter(sum(t == image_id for t in page_ids) for _, _, page_ids in inputs)

@@ -134,7 +134,8 @@ def test_tenants_come_from_api_keys_and_every_request_is_logged(roles, serving_s
     rows = pq.read_table(tmp_path / "log").sort_by("time").to_pylist()
     assert [(r["tenant"], r["task_type"], r["route"], r["status"], r["cache_level"]) for r in rows] == [
         ("acme", "qa", "answer", 200, None), ("acme", "qa", "answer", 200, "l1"),
-        ("globex", "chat-qa", "chat", 200, "l1"), ("acme", None, "answer", 404, None)]  # tenants share the cache
+        # a chat is keyed by its rendered conversation: not the native answer's entry
+        ("globex", "chat-qa", "chat", 200, None), ("acme", None, "answer", 404, None)]
     assert rows[0]["context_tokens"] == rows[0]["vision_tokens"] + rows[0]["text_tokens"] > 0
     assert rows[0]["completion_tokens"] == 3 and rows[0]["kv_loaded_bytes"] >= 0 and rows[0]["ttft_ms"] > 0
 

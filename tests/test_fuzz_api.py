@@ -131,7 +131,7 @@ def test_valid_chats_with_hostile_text_are_answered(app, text, as_parts, selecti
     if text.strip():
         answered(response)
     else:  # a blank user message is refused, in OpenAI's shape
-        assert response.status_code == 422 and "user message" in response.json()["error"]["message"]
+        assert response.status_code == 400 and "user message" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-6])
@@ -168,19 +168,20 @@ def test_bodies_over_the_cap_are_413_before_parsing(app):
         openai = call(app, "POST", "/v1/chat/completions", content=content,
                       headers={"content-type": "application/json"})
         error = openai.json()["error"]
-        assert openai.status_code == error["code"] == 413 and error["type"] == "invalid_request_error"
+        assert openai.status_code == 413 and error["code"] == "request_too_large"
+        assert error["type"] == "invalid_request_error"
         assert "byte limit" in error["message"]
     assert call(app, "POST", "/v1/chat/completions", json=chat | {"max_tokens": 2}).status_code == 200
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe{\x00", b"[" * 100_000 + b"]" * 100_000,
                                      b'{"query": "' + b"[" * 10 + b'", "top_k": 1' + b"\xc0\xaf}"])
-def test_bodies_that_are_not_json_are_422(app, content):
+def test_bodies_that_are_not_json_are_422_or_openai_400(app, content):
     headers = {"content-type": "application/json"}
     native = call(app, "POST", "/v1/answer", content=content, headers=headers)
     assert native.status_code == 422 and native.json()["detail"][0]["type"] == "json_invalid"
-    openai = call(app, "POST", "/v1/chat/completions", content=content, headers=headers)
-    assert openai.status_code == 422 and openai.json()["error"]["type"] == "invalid_request_error"
+    openai = call(app, "POST", "/v1/chat/completions", content=content, headers=headers)  # OpenAI's 400
+    assert openai.status_code == 400 and openai.json()["error"]["type"] == "invalid_request_error"
 
 
 # ---- field limits ------------------------------------------------------------------------------------
@@ -198,14 +199,15 @@ CHAT = {"model": "qvpic", "messages": [{"role": "user", "content": QUERY}], "max
     ("/v1/answer", ANSWER | {"chunk_ids": ["a" * 257], "top_k": None}, 422),
     ("/v1/answer", ANSWER | {"store": "/tmp/other-store"}, 422),  # unknown fields, at every level
     ("/v1/chat/completions", CHAT | {"qvpic": {"top_k": MAX_CHUNKS + 1}}, 413),
-    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "q" * (MAX_QUERY_CHARS + 1)}]}, 422),
+    # OpenAI's status for an invalid request is 400 (its client raises BadRequestError for it)
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "q" * (MAX_QUERY_CHARS + 1)}]}, 400),
     ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}] * 65}]},
-     422),
-    ("/v1/chat/completions", CHAT | {"max_tokens": MAX_NEW_TOKENS + 1}, 422),
-    ("/v1/chat/completions", CHAT | {"qvpic": {"store_uri": "s3://other/bucket"}}, 422),
-    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "q", "name": "x", "path": "/"}]}, 422),
-    ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": True, "file": "x"}}, 422),
-    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, 422),
+     400),
+    ("/v1/chat/completions", CHAT | {"max_tokens": MAX_NEW_TOKENS + 1}, 400),
+    ("/v1/chat/completions", CHAT | {"qvpic": {"store_uri": "s3://other/bucket"}}, 400),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "q", "name": "x", "path": "/"}]}, 400),
+    ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": True, "file": "x"}}, 400),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, 400),
 ])
 def test_field_limits_and_unknown_fields(app, path, body, status):
     response = call(app, "POST", path, json={k: v for k, v in body.items() if v is not None})
@@ -247,7 +249,8 @@ def test_no_request_field_names_a_path_or_uri(app):
     schemas = request_schemas(spec)
     names = {name for schema in schemas for name in schema["properties"]}
     assert {"query", "chunk_ids", "doc_ids", "messages", "qvpic"} <= names
-    assert not [n for n in names if PATH_OR_URI_NAME.search(n)], names
+    # the one URL a request carries: an image part's, which takes `data:` URLs only (checked below)
+    assert not [n for n in names if PATH_OR_URI_NAME.search(n) and n not in ("image_url", "url")], names
     formats = {s.get("format") for schema in schemas for s in schema["properties"].values()}
     assert not formats & {"uri", "uri-reference", "iri", "path", "binary"}
 
@@ -261,6 +264,13 @@ def test_no_request_field_names_a_path_or_uri(app):
             for field in ("chunk_ids", "doc_ids"):
                 response = call(app, "POST", "/v1/answer", json={"query": value, field: [value], "max_new_tokens": 2})
                 assert response.status_code == 404 and f"unknown {field}" in response.json()["detail"]
+            image = {"type": "image_url", "image_url": {"url": value}}
+            response = call(app, "POST", "/v1/chat/completions", json={
+                "model": "qvpic", "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "messages[0].content[1].image_url.url", error
+            assert "data:" in error["message"]
     finally:
         _WATCHING.clear()
     assert not [p for p in OPENED if any(fragment in p for fragment in ("passwd", "manifest.json", "meta-data",

@@ -116,6 +116,7 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
 # ---- generator ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", list(Mode))
 def test_every_mode_answers_with_honest_accounting(roles, mode):
+    roles.generator.clear_prefix_cache()  # cold: only the linked chunks' KV is reused
     reply = answer(roles, doc_ids=["invoices", "manual"], mode=mode, tau=0.6, max_high_res=2)
     report = reply.report
     assert report.mode is mode and report.usage.completion_tokens > 0
@@ -123,19 +124,30 @@ def test_every_mode_answers_with_honest_accounting(roles, mode):
     assert report.usage.context_tokens == roles.generator.prefix_tokens + sum(c.num_tokens for c in report.chunks)
     assert report.usage.context_vision_tokens == sum(c.vision_tokens for c in report.chunks)
     online = mode in (Mode.FULL_TEXT, Mode.FULL_IMAGE)
-    assert report.usage.cached_tokens == (0 if online else report.usage.context_tokens)
+    # cold, the template prefix is computed too (then kept in the prefix cache); only linked chunks are reused
+    assert report.usage.cached_tokens == (0 if online else sum(c.num_tokens for c in report.chunks))
     assert (report.timings.reanchor_ms == 0) == online and report.timings.prefill_ms > 0
     assert (report.timings.render_ms > 0) == (mode is Mode.FULL_IMAGE)
+    assert report.usage.prefix_cached_tokens == 0
+    # warm: the same request again finds its whole prompt but the last token in the prefix cache, in every mode
+    again = answer(roles, doc_ids=["invoices", "manual"], mode=mode, tau=0.6, max_high_res=2).report.usage
+    prompt_tokens = again.context_tokens + again.query_tokens
+    assert again.prefix_cached_tokens == again.cached_tokens == prompt_tokens - 1
+    assert again.context_tokens == report.usage.context_tokens and again.query_tokens == report.usage.query_tokens
 
 
 @pytest.mark.parametrize("tau, tier", [(0.0, "low"), (1.0, "high")])
 def test_linked_answers_equal_online_answers_for_one_chunk(roles, tau, tier):
     """A single linked chunk is exact (float32): qvpic == full_image at the same tier, text_pic == full_text."""
     fields = {"chunk_ids": ["invoices#00000"], "tau": tau, "max_new_tokens": 16}
-    linked, online = answer(roles, mode=Mode.QVPIC, **fields), answer(roles, mode=Mode.FULL_IMAGE, **fields)
+    roles.generator.clear_prefix_cache()  # each cold: a warm one would find the other's prompt KV
+    linked = answer(roles, mode=Mode.QVPIC, **fields)
+    roles.generator.clear_prefix_cache()
+    online = answer(roles, mode=Mode.FULL_IMAGE, **fields)
     assert [c.tier for c in linked.report.chunks] == [c.tier for c in online.report.chunks] == [tier]
+    linked_tokens = sum(c.num_tokens for c in linked.report.chunks)  # cold: the template prefix is computed
     assert linked.text == online.text and linked.report.usage == online.report.usage.model_copy(
-        update={"cached_tokens": linked.report.usage.context_tokens})
+        update={"cached_tokens": linked_tokens})
     assert answer(roles, mode=Mode.TEXT_PIC, **fields).text == answer(roles, mode=Mode.FULL_TEXT, **fields).text
 
 
@@ -152,7 +164,8 @@ def test_instruction_and_query_prompt_frame_the_chunks_in_every_mode(roles):
         bare = answer(roles, mode=linked, **fields)
         instruction_tokens = len(roles.generator.vlm.adapter.encode(instruction))
         assert a.report.usage.context_tokens == bare.report.usage.context_tokens + instruction_tokens
-        assert a.report.usage.query_tokens == roles.generator.query_tokens(query_prompt)
+        adapter = roles.generator.vlm.adapter
+        assert a.report.usage.query_tokens == len(adapter.encode(query_prompt)) + len(adapter.turn_suffix_ids)
         assert [c.relevance for c in a.report.chunks] == [c.relevance for c in bare.report.chunks]
     planned = plan(roles, **framed)
     assert planned.prefix_tokens == roles.generator.prefix_tokens + instruction_tokens

@@ -119,7 +119,8 @@ def test_openai_client(base_url, client):
                                              extra_body=extra)
     assert completion.choices[0].message.content == native["answer"]
     assert completion.usage.prompt_tokens == native["usage"]["context_tokens"] + native["usage"]["query_tokens"]
-    assert completion.usage.prompt_tokens_details.cached_tokens == native["usage"]["context_tokens"]
+    # the native request just prefilled this same prompt: the prefix cache holds all of it but the last token
+    assert completion.usage.prompt_tokens_details.cached_tokens == completion.usage.prompt_tokens - 1
     stream = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0,
                                          extra_body=extra, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -127,8 +128,14 @@ def test_openai_client(base_url, client):
     assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
     with pytest.raises(openai.NotFoundError, match="not served here"):
         api.chat.completions.create(model="gpt-4", messages=messages)
-    with pytest.raises(openai.UnprocessableEntityError):
-        api.chat.completions.create(model="qvpic", messages=[{"role": "system", "content": "x"}, *messages])
+    system = api.chat.completions.create(model="qvpic", max_tokens=4, extra_body=extra,
+                                         messages=[{"role": "system", "content": "Be brief."}, *messages])
+    assert system.usage.prompt_tokens > completion.usage.prompt_tokens and system.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    assert refused.value.param == "messages[0].content[1].image_url.url" and "data:" in refused.value.message
 
 
 def test_bad_requests_get_their_codes(client):

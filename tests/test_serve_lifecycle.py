@@ -82,7 +82,7 @@ def test_a_deployment_that_cannot_be_placed_fails_requests_fast_until_it_can(bas
         assert answer.json()["detail"].startswith("not ready: Generator: one replica needs")
         chat = http.post("/v1/chat/completions", json={"model": "qvpic", "max_tokens": 2,
                                                        "messages": [{"role": "user", "content": QUERY}]})
-        assert chat.status_code == 503 and chat.json()["error"]["code"] == 503
+        assert chat.status_code == 503 and chat.json()["error"]["code"] == "service_unavailable"
         assert "Generator" in chat.json()["error"]["message"]
         assert http.get("/healthz").status_code == 200 and http.get("/v1/models").status_code == 200  # live, not ready
 

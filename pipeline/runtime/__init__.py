@@ -8,8 +8,8 @@ from pipeline.facade import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "adapters": ["ChatTemplate", "family_classes"],
     "batch": ["Slab", "decode_step", "prefill_alone", "prefill_queries"],
-    "conversation": ["ChatPart", "ChatTurn", "ConversationError", "ImageRef", "PreparedSegment", "PromptLayout",
-                     "Segment", "prepare_segment", "render_layout"],
+    "conversation": ["ChatPart", "ChatTurn", "ConversationError", "PreparedSegment", "decode_image", "pil_image",
+                     "prepare_segment", "render_layout"],
     "linked_prompt": ["LinkedPrompt", "Resumed", "native_prompt", "resume", "store"],
     "prefix_cache": ["PrefixCache", "PrefixCacheStats"],
     "dtypes": [

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
+from schemas.prompt import ImageRef, Piece, PromptLayout, Segment
+
 if TYPE_CHECKING:  # the router and the plan hold layouts without loading torch
     import torch
 
@@ -50,79 +52,24 @@ class ConversationError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class ImageRef:
-    """A user image: its encoded bytes (PNG, JPEG or WebP, as sent), their sha256 and its size."""
-
-    data: bytes
-    digest: str  # sha256 hex of `data`: the image's identity in the prefix cache's block keys
-    width_px: int
-    height_px: int
-
-    @classmethod
-    def decode(cls, data: bytes, max_pixels: int) -> ImageRef:
-        """Checked before any model work: it decodes, and is within `max_pixels` (ValueError saying which)."""
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                if image.format not in ("PNG", "JPEG", "WEBP"):
-                    raise ValueError(f"the image is {image.format or 'of an unknown format'}; send PNG, JPEG or WebP")
-                width, height = image.size
-                if width * height > max_pixels:
-                    raise ValueError(f"the image has {width}x{height} = {width * height} pixels; at most "
-                                     f"{max_pixels} are accepted")
-                image.load()  # a truncated or corrupt file fails here, not in the generator
-        except (OSError, Image.DecompressionBombError, SyntaxError) as error:
-            raise ValueError(f"the image does not decode: {error}") from None
-        return cls(data, hashlib.sha256(data).hexdigest(), width, height)
-
-    def pil(self) -> Image.Image:
-        return Image.open(io.BytesIO(self.data)).convert("RGB")
+def decode_image(data: bytes, max_pixels: int) -> ImageRef:
+    """Checked before any model work: it decodes, and is within `max_pixels` (ValueError saying which)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format not in ("PNG", "JPEG", "WEBP"):
+                raise ValueError(f"the image is {image.format or 'of an unknown format'}; send PNG, JPEG or WebP")
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ValueError(f"the image has {width}x{height} = {width * height} pixels; at most "
+                                 f"{max_pixels} are accepted")
+            image.load()  # a truncated or corrupt file fails here, not in the generator
+    except (OSError, Image.DecompressionBombError, SyntaxError) as error:
+        raise ValueError(f"the image does not decode: {error}") from None
+    return ImageRef(data, hashlib.sha256(data).hexdigest(), width, height)
 
 
-Piece = tuple[int, ...] | ImageRef  # a run of token ids, or one image (its markup and tokens come from the processor)
-
-
-@dataclass(frozen=True)
-class Segment:
-    pieces: tuple[Piece, ...] = ()
-
-    @property
-    def images(self) -> list[ImageRef]:
-        return [p for p in self.pieces if isinstance(p, ImageRef)]
-
-    def text_tokens(self) -> int:
-        return sum(len(p) for p in self.pieces if not isinstance(p, ImageRef))
-
-    @classmethod
-    def of_ids(cls, ids: Sequence[int]) -> Segment:
-        return cls((tuple(ids),) if ids else ())
-
-
-@dataclass(frozen=True)
-class PromptLayout:
-    """`[texts[0]][group 0][texts[1]] … [group n-1][texts[n]]`: what the model reads around the linked chunks."""
-
-    texts: tuple[Segment, ...]  # one more than the groups of chunks
-
-    @classmethod
-    def of(cls, before: Segment, after: Segment) -> PromptLayout:
-        return cls((before, after))
-
-    @property
-    def before(self) -> Segment:
-        return self.texts[0]
-
-    @property
-    def after(self) -> Segment:
-        return self.texts[-1]
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.texts) - 1
-
-    @property
-    def images(self) -> list[ImageRef]:
-        return [image for text in self.texts for image in text.images]
+def pil_image(image: ImageRef) -> Image.Image:
+    return Image.open(io.BytesIO(image.data)).convert("RGB")
 
 
 @dataclass(frozen=True)
@@ -263,7 +210,7 @@ def prepare_segment(vlm, segment: Segment) -> PreparedSegment:
     prepared = PreparedSegment([])
     for piece in segment.pieces:
         if isinstance(piece, ImageRef):
-            pixel_values, grids, ids = vlm.image_inputs([piece.pil()])
+            pixel_values, grids, ids = vlm.image_inputs([pil_image(piece)])
             first = len(prepared.ids)
             prepared.ids.extend(ids)
             prepared.pixel_values.append(pixel_values)

@@ -8,6 +8,7 @@ relied on.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -217,27 +218,42 @@ class VLM:
         return self.prefill_segments([PreparedSegment(list(self.adapter.prefix_ids)),
                                       PreparedSegment(self.query_turn_ids(query))], [pieces], all_logits)
 
+    def online_segment(self, texts: Sequence[PreparedSegment],
+                       groups: Sequence[Sequence[str | Sequence[Image.Image]]]) -> PreparedSegment:
+        """`[texts[0]][group 0][texts[1]] … [texts[n]]` as one run of ids (a conversation's layout, each group's
+        chunks as text or pages): what an online mode prefills, and keys its prefix-cache blocks by. A page's
+        identity is the sha256 of its pixels (rendering is deterministic: the same chunk, the same page)."""
+        whole = PreparedSegment([])
+        for i, text in enumerate(texts):
+            start = len(whole.ids)
+            whole.ids += text.ids
+            whole.pixel_values += text.pixel_values
+            whole.grids += text.grids
+            whole.image_spans += [(first + start, end + start, digest) for first, end, digest in text.image_spans]
+            for piece in groups[i] if i < len(groups) else ():
+                if isinstance(piece, str):
+                    whole.ids += self.adapter.encode(piece)
+                    continue
+                pixel_values, grids, page_ids = self.image_inputs(piece)
+                digest = hashlib.sha256()
+                for page in piece:
+                    digest.update(f"{page.mode}:{page.width}x{page.height}:".encode())
+                    digest.update(page.tobytes())
+                first = len(whole.ids)
+                whole.ids += page_ids
+                whole.pixel_values.append(pixel_values)
+                whole.grids.append(grids)
+                whole.image_spans.append((first, len(whole.ids), "pages:" + digest.hexdigest()))
+        return whole
+
     @torch.inference_mode()
     def prefill_segments(self, texts: Sequence[PreparedSegment],
                          groups: Sequence[Sequence[str | Sequence[Image.Image]]], all_logits: bool = False) -> Prefill:
-        """One full prefill of `[texts[0]][group 0][texts[1]] … [texts[n]]` (a conversation's layout, each group's
-        chunks as text or pages)."""
-        ids, pixel_list, grid_list = [], [], []
-        for i, text in enumerate(texts):
-            ids += text.ids
-            pixel_list += text.pixel_values
-            grid_list += text.grids
-            for piece in groups[i] if i < len(groups) else ():
-                if isinstance(piece, str):
-                    ids += self.adapter.encode(piece)
-                else:
-                    pixel_values, grids, page_ids = self.image_inputs(piece)
-                    ids += page_ids
-                    pixel_list.append(pixel_values)
-                    grid_list.append(grids)
-        input_ids = torch.tensor([ids], device=self.device)
-        pixel_values = self.adapter.concat_pixels(pixel_list) if pixel_list else None
-        grids = torch.cat(grid_list) if grid_list else None
+        """One full prefill of `[texts[0]][group 0][texts[1]] … [texts[n]]` (`online_segment`)."""
+        whole = self.online_segment(texts, groups)
+        input_ids = torch.tensor([whole.ids], device=self.device)
+        pixel_values = self.adapter.concat_pixels(whole.pixel_values) if whole.pixel_values else None
+        grids = torch.cat(whole.grids) if whole.grids else None
         return self._forward(input_ids, DynamicCache(), 0, pixel_values, grids, logits_to_keep=0 if all_logits else 1)
 
     @torch.inference_mode()

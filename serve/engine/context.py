@@ -160,7 +160,7 @@ class ContextBuilder:
         groups: list[list] = [[] for _ in range(len(texts) - 1)]
         for planned, piece in zip(plan.chunks, pieces):
             groups[planned.group].append(piece)
-        return Context(OnlineContext(texts, groups), [None] * len(plan.chunks), report, plan.fallbacks,
+        return Context(OnlineContext(texts, groups, plan.cache_salt), [None] * len(plan.chunks), report, plan.fallbacks,
                        render_ms=render_ms)
 
     async def _load(self, plan: Plan, loader) -> LoadResult:

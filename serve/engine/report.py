@@ -4,7 +4,7 @@ time went."""
 from __future__ import annotations
 
 from schemas.api import AnswerReport, ChunkReport, FinishReason, Timings, TokenUsage
-from serve.engine.context import ONLINE_MODES, Context
+from serve.engine.context import Context
 from serve.engine.sequence import End, Sequence
 from serve.plan import Plan
 
@@ -27,9 +27,9 @@ def answer_report(plan: Plan, context: Context, seq: Sequence, query_tokens: int
         ))
     vision_tokens = sum(c.vision_tokens for c in chunks)
     context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)
-    cached = 0
-    if plan.mode not in ONLINE_MODES and seq.resumed is not None:  # prefix-cache hits, then chunks linked after them
-        cached = seq.prefix_cached_tokens + sum(c.num_tokens for c in seq.resumed.chunks)
+    cached = seq.prefix_cached_tokens  # then the chunks linked after the cached run (none online)
+    if seq.resumed is not None:
+        cached += sum(c.num_tokens for c in seq.resumed.chunks)
     usage = TokenUsage(
         context_tokens=context_tokens, context_vision_tokens=vision_tokens,
         context_text_tokens=context_tokens - vision_tokens, cached_tokens=cached,

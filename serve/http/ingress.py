@@ -58,7 +58,8 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
         cause = error_cause(error)
         headers = cause.headers() if isinstance(cause, ApiError) else {}
         if is_openai_path(request.url.path):
-            return openai_error(status, detail, headers, param=getattr(cause, "param", None))
+            return openai_error(getattr(cause, "openai_status", status), detail, headers,
+                                param=getattr(cause, "param", None), code=getattr(cause, "openai_code", None))
         fields = cause.body_fields() if isinstance(cause, ApiError) else {}
         return JSONResponse(status_code=status, content={"detail": detail, **fields}, headers=headers)
 

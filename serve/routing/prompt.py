@@ -16,18 +16,11 @@ from dataclasses import dataclass
 from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
-from pipeline.runtime.conversation import (
-    ChatPart,
-    ChatTurn,
-    ConversationError,
-    ImageRef,
-    PromptLayout,
-    Segment,
-    render_layout,
-)
+from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
 from schemas.errors import ApiError
+from schemas.prompt import PromptLayout, Segment
 
 
 class InvalidMessageError(ApiError):
@@ -107,7 +100,7 @@ def chat_turn(index: int, message: Message) -> ChatTurn:
         if isinstance(part, ImagePart):
             param = f"messages[{index}].content[{j}].image_url"
             try:
-                parts.append(ChatPart(image=ImageRef.decode(part.image_url.data(), MAX_IMAGE_PIXELS)))
+                parts.append(ChatPart(image=decode_image(part.image_url.data(), MAX_IMAGE_PIXELS)))
             except ValueError as error:
                 raise InvalidMessageError(f"{param}: {error}", param) from None
         else:

@@ -22,7 +22,7 @@ from pipeline.runtime import Embedder, check_store
 from pipeline.store import GenerationWatcher, LeaseKeeper, Store, acquire_current, ensure_generation
 from schemas.api import MAX_QUERY_CHARS, AnswerRequest
 from schemas.config import check_tau
-from schemas.errors import ApiError, TooLargeError
+from schemas.errors import ApiError, ContextLengthError, TooLargeError
 from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
@@ -143,7 +143,7 @@ class Router:
                 fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         needed = fixed_tokens + sum(c.num_tokens for c in chunks)
         if needed > self.max_context_tokens:
-            raise TooLargeError(
+            raise ContextLengthError(
                 f"request needs {needed} tokens (prompt text {prefix_tokens} + chunks {needed - fixed_tokens} + "
                 f"question {query_tokens} + max_new_tokens {request.max_new_tokens}); "
                 f"the context holds {self.max_context_tokens}")

@@ -6,7 +6,8 @@ user message's text, or `qvpic.retrieval_query`; `qvpic.retrieval: "none"` (or `
 no store chunks. The chunk selection and routing ride in the extension field `qvpic` (the official client sends
 it with `extra_body={"qvpic": {...}}`). `usage.prompt_tokens` counts the whole prompt (the messages as rendered,
 every chunk) and `prompt_tokens_details.cached_tokens` the part whose KV was not computed for this request: the
-linked chunks' (from the store) and the prefix cache's (earlier requests' prompts and answers).
+linked chunks' (from the store) and the prefix cache's (earlier requests' prompts and answers); all of it when the
+answer came from the response cache.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from serve.http.openai.errors import openai_error_body
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
     prompt_tokens = report.usage.context_tokens + report.usage.query_tokens
+    # an answer from the response cache computed nothing for this request: its whole prompt was cached
+    cached = prompt_tokens if report.response_cache.level is not None else report.usage.cached_tokens
     return ChatUsage(prompt_tokens=prompt_tokens, completion_tokens=report.usage.completion_tokens,
                      total_tokens=prompt_tokens + report.usage.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=report.usage.cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:

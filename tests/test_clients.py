@@ -1,0 +1,150 @@
+"""The clients users already have, against a live `qvpic serve` (the CLI's own defaults, no --config): the openai
+SDK, LangChain's `ChatOpenAI` and LlamaIndex's `OpenAILike` — with system prompts, history, an image, the standard
+RAG chain, streaming and batches. Each test asserts on what came back (status, text, token counts, the prefix
+cache's share of a follow-up), not only that nothing raised."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import openai
+import pytest
+from PIL import Image
+
+from tests.ray_fixtures import free_port
+from tests.store_factory import serving_store  # noqa: F401  (fixture)
+from tests.test_serve_lifecycle import START_TIMEOUT_S, serve_process, wait_for
+
+pytestmark = pytest.mark.e2e
+SYSTEM = "You are a parts clerk. Answer from the documents only, in one line."
+BLOCK_TOKENS = 16  # the prefix cache's default block (schemas.config.PrefixCacheSpec)
+
+
+@pytest.fixture(scope="module")
+def base_url(serving_store, tmp_path_factory) -> str:
+    logs = tmp_path_factory.mktemp("qvpic-serve")
+    port = free_port()
+    server = serve_process(serving_store.uri, port, logs)
+    try:
+        wait_for(lambda: "qvpic: serving" in (logs / "stdout").read_text() or server.poll() is not None or None,
+                 START_TIMEOUT_S, "qvpic serve")
+        assert server.poll() is None, (logs / "stderr").read_text()[-3000:]
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def photo() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (96, 64), "navy").save(buffer, "JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def api(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=START_TIMEOUT_S)
+
+
+def test_openai_system_history_and_an_image(api):
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Which part ships on 12 March?"},
+                {"role": "assistant", "content": "Part XK-4471-B."},
+                {"role": "user", "content": [{"type": "text", "text": "Is this the box it ships in?"},
+                                             {"type": "image_url", "image_url": {"url": photo()}}]}]
+    completion = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason in ("stop", "length") and completion.usage.completion_tokens >= 1
+    assert completion.usage.prompt_tokens > 100  # system, history, the image's tokens and the chunks
+    fresh = {"Cache-Control": "no-cache"}  # computed again, not the response cache's copy
+    stream = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_headers=fresh)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content and chunks[-1].usage.prompt_tokens == completion.usage.prompt_tokens
+    # the same request again: all of it but its last token from the prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == completion.usage.prompt_tokens - 1
+    replayed = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0)
+    assert replayed.choices[0].message.content == choice.message.content  # the response cache: nothing computed
+    assert replayed.usage.prompt_tokens_details.cached_tokens == replayed.usage.prompt_tokens
+
+
+def test_openai_follow_up_reads_the_earlier_turn_from_the_cache(api):
+    plain = {"qvpic": {"retrieval": "none"}}  # no store chunks: every cached token is the prefix cache's
+    first_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name one part number."}]
+    first = api.chat.completions.create(model="qvpic", messages=first_messages, max_tokens=12, temperature=0,
+                                        extra_body=plain)
+    follow_up = first_messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                  {"role": "user", "content": "When does it ship?"}]
+    second = api.chat.completions.create(model="qvpic", messages=follow_up, max_tokens=4, temperature=0,
+                                         extra_body=plain)
+    # The earlier prompt is found, but for its last partial block. (Its answer too only where the answer's text
+    # tokenises back to the tokens decoded — random weights' answers rarely do; vLLM's cache has the same rule.)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - BLOCK_TOKENS < cached <= second.usage.prompt_tokens - 1
+
+
+def test_openai_errors_are_openai_errors(api):
+    with pytest.raises(openai.BadRequestError) as error:
+        api.chat.completions.create(model="qvpic", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/page.png"}}]}])
+    assert error.value.param == "messages[0].content[0].image_url.url" and "data: URL" in error.value.message
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def chat_model(base_url):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model="qvpic", base_url=base_url, api_key="unused", max_retries=0,
+                                       temperature=0, max_tokens=8, timeout=START_TIMEOUT_S, stream_usage=True)
+
+
+def test_langchain_system_message_stream_and_batch(chat_model):
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    reply = chat_model.invoke([SystemMessage(SYSTEM), HumanMessage("Which part ships on 12 March?")])
+    assert isinstance(reply.content, str) and reply.usage_metadata["output_tokens"] >= 1
+    assert reply.response_metadata["finish_reason"] in ("stop", "length")
+    streamed = list(chat_model.stream([SystemMessage(SYSTEM), HumanMessage("Which part ships on 12 March?")]))
+    assert "".join(c.content for c in streamed) == reply.content
+    batch = chat_model.batch(["When does part XK-4471-B ship?", "What does the warranty cover?"])
+    assert len(batch) == 2 and all(m.usage_metadata["input_tokens"] > 0 for m in batch)
+
+
+def test_langchain_rag_chain_gets_exactly_its_own_prompt(chat_model):
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer using only this context: {context}"),
+                                               ("human", "{question}")])
+    own = chat_model.bind(extra_body={"qvpic": {"retrieval": "none"}})  # the chain did its own retrieval
+    context = "Invoice 4471 lists part XK-4471-B, shipped on 12 March to Oslo. " * 4
+    short = (prompt | own).invoke({"context": "-", "question": "When did it ship?"})
+    long = (prompt | own).invoke({"context": context, "question": "When did it ship?"})
+    # the context the chain put in its system message is in the prompt, whole (nothing cut, nothing added)
+    assert long.usage_metadata["input_tokens"] - short.usage_metadata["input_tokens"] >= len(context) // 8
+    text = (prompt | chat_model | StrOutputParser()).invoke({"context": context, "question": "When did it ship?"})
+    assert isinstance(text, str)
+
+
+def test_llamaindex_openailike_chat_with_a_system_message(base_url):
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model="qvpic", api_base=base_url, api_key="unused", is_chat_model=True, max_tokens=8,
+                     temperature=0.0, max_retries=0, timeout=START_TIMEOUT_S, context_window=4096)
+    response = llm.chat([ChatMessage(role="system", content=SYSTEM),
+                         ChatMessage(role="user", content="Which part ships on 12 March?")])
+    assert isinstance(response.message.content, str)
+    usage = response.raw.usage
+    assert usage.prompt_tokens > 20 and usage.completion_tokens >= 1
+
+
+def test_the_server_logs_nothing_alarming(base_url, tmp_path_factory):
+    del base_url  # the server of this module: its stderr so far
+    logs = sorted(Path(tmp_path_factory.getbasetemp()).glob("qvpic-serve*/stderr"))
+    assert logs and "Traceback" not in logs[-1].read_text()
