@@ -128,9 +128,11 @@ def test_openai_client(base_url, client):
     assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
     with pytest.raises(openai.NotFoundError, match="not served here"):
         api.chat.completions.create(model="gpt-4", messages=messages)
-    system = api.chat.completions.create(model="qvpic", max_tokens=4, extra_body=extra,
-                                         messages=[{"role": "system", "content": "Be brief."}, *messages])
-    assert system.usage.prompt_tokens > completion.usage.prompt_tokens and system.choices[0].message.content
+    systems = [api.chat.completions.create(model="qvpic", max_tokens=4, extra_body=extra,
+                                           messages=[{"role": "system", "content": text}, *messages])
+               for text in ("Be brief.", "Be brief. " * 9 + "Quote the part number.")]
+    assert systems[1].usage.prompt_tokens > systems[0].usage.prompt_tokens  # the system message is in the prompt
+    assert all(s.choices[0].message.content for s in systems)
     with pytest.raises(openai.BadRequestError) as refused:
         api.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
