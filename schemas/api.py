@@ -180,6 +180,7 @@ class ChunkReport(Strict):
     tier_reason: TierReason
     kv_source: KVSource | None = None  # null: the online (full_*) modes prefill the chunk, no KV is linked
     kv_nbytes: int | None = None  # its KV on the generator's device ([layers, 2, kv_heads, tokens, head_dim])
+    group: int = 0  # which user message it was placed before (a conversation: 0 = the first; else always 0)
 
 
 class FallbackReport(Strict):

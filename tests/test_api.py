@@ -138,7 +138,9 @@ def test_chat_completions(app):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == native["answer"]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
+    # the response cache's copy (nothing computed: its whole prompt counts as cached)
+    assert chunks[-1]["choices"] == [] and chunks[-2]["qvpic"]["response_cache"]["level"] == "l1"
+    assert chunks[-1]["usage"] == usage | {"prompt_tokens_details": {"cached_tokens": usage["prompt_tokens"]}}
 
 
 @pytest.mark.parametrize("body, status, fragment", [

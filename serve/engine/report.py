@@ -23,7 +23,7 @@ def answer_report(plan: Plan, context: Context, seq: Sequence, query_tokens: int
             num_tokens=served.num_tokens if served else planned.num_tokens,
             vision_tokens=served.vision_tokens if served else planned.vision_tokens,
             position_span=served.position_span if served else planned.position_span,
-            tier_reason=planned.tier_reason, kv_source=source, kv_nbytes=nbytes,
+            tier_reason=planned.tier_reason, kv_source=source, kv_nbytes=nbytes, group=planned.group,
         ))
     vision_tokens = sum(c.vision_tokens for c in chunks)
     context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)
