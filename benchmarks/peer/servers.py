@@ -80,13 +80,14 @@ class VLLMServer:
 
 
 @contextlib.contextmanager
-def vllm_server(spec: ModelSpec, max_images: int, log_path) -> Iterator[VLLMServer]:
+def vllm_server(spec: ModelSpec, max_images: int, log_path, extra: tuple[str, ...] = ()) -> Iterator[VLLMServer]:
     port = loopback_port()
     command = [str(engine.PEER_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(resolve_path(spec)), "--dtype", spec.dtype.value, "--seed", "0",
                "--max-model-len", str(engine.MAX_MODEL_LEN), "--enable-prefix-caching", "--host", "127.0.0.1",
                "--port", str(port), "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": 0}),
-               "--mm-processor-kwargs", json.dumps({"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels})]
+               "--mm-processor-kwargs", json.dumps({"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}),
+               *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=engine.peer_env(torch.get_num_threads()))

@@ -1,0 +1,187 @@
+"""Conversations side by side with vLLM (issue 35): the same 4-turn conversations over the same pages, through
+both engines' OpenAI servers, prefix caching on in both. Needs the peer venv (`make peer-vllm`); not in CI.
+
+    python -m benchmarks.conversation            # 4 conversations of 4 turns, 8 chunks retrieved per turn
+    python -m benchmarks.conversation --quick    # 2 conversations
+
+Each turn's question is built from one chunk's words, so retrieval finds new chunks for it. qvpic gets the
+conversation as a chat request (`qvpic.top_k` 8, every chunk at the lowest tier, `history_chunks`: each earlier
+question keeps its chunks) and reports which chunks it placed before which user message (`chunks[].group`);
+vLLM gets exactly those pages as images at the start of the same user messages, and the same history (each
+earlier answer a fixed "Noted.", so both engines see identical text). One new token per request (TTFT over
+HTTP); qvpic with `Cache-Control: no-cache` and no response cache, vLLM's server stopped (SIGSTOP) while qvpic
+is timed. Workloads: (a) the first turn sent again `REPEATS` times; (b) turns 1–4 of each conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.peer import servers
+from benchmarks.peer.speed import build_corpus
+from benchmarks.peer.vllm_side import messages as vllm_user_message
+from jobs.help import HelpFormatter
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import resolve_path
+from schemas.config import DType, ModelSpec
+
+TURNS, CHUNKS_PER_TURN, REPEATS = 4, 8, 5
+ANSWER = "Noted."  # every earlier answer, for both engines: the history is the same text
+TARGET_IDENTICAL, TARGET_FOLLOW_UP = 1.0, 0.3  # qvpic / vLLM TTFT: (a), and turns 2-4 of (b)
+
+
+def cpu_flags() -> str:
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
+    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
+
+
+def question(corpus, index: int) -> str:
+    words = corpus.texts[index].split()
+    return "What does the passage say about " + " ".join(words[3:13]) + "?"
+
+
+class Pair:
+    """Both servers and one HTTP client; qvpic's conversations as sent, vLLM's built from qvpic's placement."""
+
+    def __init__(self, spec: ModelSpec, corpus, ours: str, vllm):
+        self.spec, self.corpus, self.ours, self.vllm = spec, corpus, ours, vllm
+        self.client = httpx.Client(timeout=900)
+        self.index = {chunk_id: i for i, chunk_id in enumerate(corpus.chunk_ids)}
+
+    def ask_qvpic(self, turns: list[str]) -> tuple[float, dict]:
+        history = []
+        for q in turns[:-1]:
+            history += [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]
+        body = {"model": "qvpic", "messages": history + [{"role": "user", "content": turns[-1]}], "max_tokens": 1,
+                "temperature": 0.0, "qvpic": {"top_k": CHUNKS_PER_TURN, "max_high_res": 0, "mode": "qvpic"}}
+        with self.vllm.paused():
+            started = time.perf_counter()
+            reply = self.client.post(self.ours + "/v1/chat/completions", json=body,
+                                     headers={"Cache-Control": "no-cache"})
+            ms = (time.perf_counter() - started) * 1e3
+        reply.raise_for_status()
+        return ms, reply.json()
+
+    def ask_vllm(self, turns: list[str], placed: list[dict]) -> tuple[float, dict]:
+        chat = []
+        for group, q in enumerate(turns):
+            pages = [{"image": page} for c in placed if c["group"] == group
+                     for page in self.corpus.pages[self.index[c["chunk_id"]]]]
+            chat += vllm_user_message(pages + [{"text": q}])
+            if group < len(turns) - 1:
+                chat.append({"role": "assistant", "content": ANSWER})
+        body = {"model": str(resolve_path(self.spec)), "messages": chat, "max_tokens": 1, "temperature": 0.0}
+        started = time.perf_counter()
+        reply = self.client.post(self.vllm.url + "/v1/chat/completions", json=body)
+        ms = (time.perf_counter() - started) * 1e3
+        reply.raise_for_status()
+        return ms, reply.json()
+
+    def turn(self, turns: list[str]) -> dict:
+        ours_ms, ours = self.ask_qvpic(turns)
+        theirs_ms, theirs = self.ask_vllm(turns, ours["qvpic"]["chunks"])
+        details = theirs["usage"].get("prompt_tokens_details") or {}
+        return {"qvpic_ms": ours_ms, "vllm_ms": theirs_ms, "qvpic_prompt": ours["usage"]["prompt_tokens"],
+                "qvpic_cached": ours["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "qvpic_prefix": ours["qvpic"]["usage"]["prefix_cached_tokens"],
+                "vllm_prompt": theirs["usage"]["prompt_tokens"], "vllm_cached": details.get("cached_tokens"),
+                "chunks": len(ours["qvpic"]["chunks"])}
+
+
+def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
+    conversations = 2 if quick else 4
+    pool = (conversations + 1) * TURNS * 2  # room for each question's chunk and its neighbours
+    started = time.perf_counter()
+    corpus = build_corpus(spec, workdir, pool)
+    build_s = time.perf_counter() - started
+    max_images = TURNS * CHUNKS_PER_TURN * max(len(p) for p in corpus.pages)
+    rows = []  # (conversation, turn, measurements)
+    identical = []
+    with servers.qvpic_server(spec, corpus.store_uri) as ours, \
+            servers.vllm_server(spec, max_images, workdir / "vllm-server.log",
+                                extra=("--enable-prompt-tokens-details",)) as vllm:
+        pair = Pair(spec, corpus, ours, vllm)
+        plan = [[question(corpus, (c * TURNS + t) * 2 % len(corpus.texts)) for t in range(TURNS)]
+                for c in range(conversations + 1)]
+        for t in range(TURNS):  # warm-up conversation: neither engine's first requests are timed
+            pair.turn(plan[-1][:t + 1])
+        for c in range(conversations):
+            for t in range(TURNS):
+                rows.append((c, t, pair.turn(plan[c][:t + 1])))
+        for _ in range(REPEATS):  # (a): the first turn of the first conversation, again
+            identical.append(pair.turn(plan[0][:1]))
+    return report(spec, quick, conversations, rows, identical, build_s, time.perf_counter() - started)
+
+
+def _median(cells: list[dict], key: str) -> float:
+    return statistics.median(m[key] or 0 for m in cells)
+
+
+def row(name: str, cells: list[dict]) -> tuple[list, float]:
+    """A table row of medians (and the slowest TTFT) over `cells`; its qvpic / vLLM TTFT ratio."""
+    q, v = _median(cells, "qvpic_ms"), _median(cells, "vllm_ms")
+    return [name, f"{q:.0f} / {max(m['qvpic_ms'] for m in cells):.0f}",
+            f"{v:.0f} / {max(m['vllm_ms'] for m in cells):.0f}", f"{q / v:.2f}×",
+            f"{_median(cells, 'qvpic_cached'):.0f} of {_median(cells, 'qvpic_prompt'):.0f} "
+            f"({_median(cells, 'qvpic_prefix'):.0f} prefix cache)",
+            f"{_median(cells, 'vllm_cached'):.0f} of {_median(cells, 'vllm_prompt'):.0f}",
+            f"{_median(cells, 'chunks'):.0f}"], q / v
+
+
+def report(spec, quick, conversations, rows, identical, build_s, wall_s) -> str:
+    first, identical_ratio = row("(a) first turn again", identical)
+    table, ratios = [first], []
+    for t in range(TURNS):
+        line, ratio = row(f"(b) turn {t + 1}", [m for _, turn, m in rows if turn == t])
+        table.append(line)
+        ratios.append(ratio)
+    follow = max(ratios[1:])
+    met_a = "met" if identical_ratio <= TARGET_IDENTICAL else "missed"
+    met_b = "met" if follow <= TARGET_FOLLOW_UP else "missed"
+    verdict = (f"Targets: (a) ≤ {TARGET_IDENTICAL}× vLLM's TTFT — **{met_a}** ({identical_ratio:.2f}×); (b) turns "
+               f"2–{TURNS} ≤ {TARGET_FOLLOW_UP}× vLLM's — **{met_b}** (worst turn {follow:.2f}×).")
+    header = ["workload", "qvpic TTFT p50 / max ms", "vLLM TTFT p50 / max ms", "qvpic / vLLM",
+              "qvpic cached tokens (median)", "vLLM cached tokens (median)", "chunks"]
+    return (f"{spec.path} {spec.dtype.value}, {torch.get_num_threads()} threads for each engine; CPU flags: "
+            f"{cpu_flags()}. {conversations} conversations of {TURNS} turns (plus one warm-up conversation, not "
+            f"timed), {CHUNKS_PER_TURN} chunks retrieved per turn, every chunk at the lowest tier; (a) "
+            f"{REPEATS} repeats. Store built in {build_s:.0f} s; the whole run {wall_s:.0f} s. TTFT: the whole "
+            f"one-token HTTP response. Cached tokens: `usage.prompt_tokens_details.cached_tokens` (qvpic: linked "
+            f"chunk KV from the store plus its prefix cache; vLLM: its prefix cache, "
+            f"`--enable-prompt-tokens-details`).\n\n{markdown_table(header, table)}\n\n{verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m benchmarks.conversation", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 conversations instead of 4")
+    p.add_argument("--model", default="bench-qwen")
+    p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
+    args = p.parse_args(argv)
+    command = ("python -m benchmarks.conversation " + " ".join(argv)).strip()
+    spec = ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
+    resolve_path(spec)
+    with tempfile.TemporaryDirectory(prefix="qvpic-conversation-") as folder:
+        body = run(spec, args.quick, Path(folder))
+    print(body, flush=True)
+    if not args.no_write:
+        write_section("conversation", "Conversations side by side with vLLM: TTFT per turn (issue 35)", command, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
