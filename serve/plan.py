@@ -117,6 +117,11 @@ class Plan:
     layout: PromptLayout | None = None
     conversation: str = ""  # sha256 of the messages (the response cache keys on it); empty without messages
     cache_salt: bytes = b""  # the tenant's prefix-cache salt, set by the server after governance (never the client)
+    conversation_chain: tuple[str, ...] = ()  # sha256 of messages[:1], messages[:2], …: prefix affinity's keys
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_tokens + sum(c.num_tokens for c in self.chunks) + self.query_tokens
 
     @property
     def text_after_chunks(self) -> str:

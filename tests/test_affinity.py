@@ -257,3 +257,28 @@ def test_a_report_recorded_while_the_request_is_in_flight_does_not_cover_it():
         # ... until one recorded after the completion says the replica kept none of it
         assert all(not v.routed for v in router.views(replicas))
     asyncio.run(scenario())
+
+
+def test_a_conversations_follow_up_goes_where_its_earlier_turn_went():
+    """Prefix affinity: the router remembers where a conversation went; a follow-up (its messages extend the
+    earlier ones) goes there although no hot tier holds any of its chunks; another tenant's does not."""
+    earlier = Plan(mode=Mode.QVPIC, query="q", chunks=(), prefix_tokens=40, query_tokens=8, fallbacks=(),
+                   route_ms=0.0, conversation_chain=("m1", "m2"), cache_salt=b"acme")
+    follow_up = Plan(mode=Mode.QVPIC, query="q", chunks=(), prefix_tokens=90, query_tokens=8, fallbacks=(),
+                     route_ms=0.0, conversation_chain=("m1", "m2", "m3", "m4"), cache_salt=b"acme")
+    other_tenant = Plan(mode=Mode.QVPIC, query="q", chunks=(), prefix_tokens=90, query_tokens=8, fallbacks=(),
+                        route_ms=0.0, conversation_chain=("m1", "m2", "m3", "m4"), cache_salt=b"globex")
+    replicas = [StatsReplica("A", report().to_stats()), StatsReplica("B", report().to_stats())]
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+
+    async def scenario() -> None:
+        router = affinity_router(replicas)
+        request = pending(earlier)
+        target = (await route(router, replicas, request))[0][0]
+        router.on_request_routed(request, by_id[target].replica_id, None)
+        router.on_request_completed(by_id[target].replica_id, request.metadata.internal_request_id)
+        assert router.held_prefix(follow_up, replicas) == {target: 48}  # the earlier plan's prompt tokens
+        for _ in range(4):
+            assert (await route(router, replicas, pending(follow_up)))[0] == [target]
+        assert router.held_prefix(other_tenant, replicas) == {}
+    asyncio.run(scenario())

@@ -190,6 +190,11 @@ class Engine:
         reserved = {s.id: length + s.sampling.max_new_tokens - 1 for s, length in zip(joining, lengths)}
         rows = self.scheduler.running + joining  # the merged slab's row order
         live = [s for s in joining if s.status is not Status.FINISHED]  # not done at once (EOS, 1 token)
+        if len(live) < len(joining):  # done at once: their prompt KV goes into the prefix cache from here
+            rows = [(slab, row) for slab in slabs for row in range(len(slab.lengths))]
+            for (slab, row), seq in zip(rows, joining):
+                if seq.status is Status.FINISHED:
+                    self._store_row(slab, row, seq)
         with self._work:
             self._joining = []
             if not live:
@@ -239,19 +244,23 @@ class Engine:
         self.metrics.prefix_cache_tokens.inc(seq.prefix_cached_tokens, outcome="hit")
         self.metrics.prefix_cache_tokens.inc(seq.num_prompt_tokens - seq.prefix_cached_tokens, outcome="computed")
 
+    def _store_row(self, slab: Slab, row: int, seq: Sequence) -> None:
+        """A row that ended well: its blocks (prompt, then the tokens fed back) into the prefix cache."""
+        if not self.prefix_cache.enabled or seq.end not in (End.STOP, End.LENGTH) or seq.resumed is None:
+            return
+        columns = slab.valid[row]  # [capacity]: a row's real columns, in order (pad slots are not)
+        kv = slab.kv[:, :, row][:, :, :, columns]  # [layers, 2, kv_heads, columns, head_dim]
+        store(self.vlm, self.prefix_cache, seq.context.salt, seq.resumed, kv, seq.token_ids,
+              int(slab.next_positions[row]))
+
     def _keep_prefixes(self, gone: set[int]) -> None:
         """Blocks of the rows that ended well go into the prefix cache: a follow-up turn (or the same
         request again) finds them, decoded tokens included."""
         if self.slab is None or not self.prefix_cache.enabled:
             return
         for row, seq in enumerate(self.scheduler.running):
-            if seq.id not in gone or seq.end not in (End.STOP, End.LENGTH) or seq.resumed is None:
-                continue
-            resumed = seq.resumed
-            columns = self.slab.valid[row]  # [capacity]: a row's real columns, in order (pad slots are not)
-            kv = self.slab.kv[:, :, row][:, :, :, columns]  # [layers, 2, kv_heads, columns, head_dim]
-            store(self.vlm, self.prefix_cache, seq.context.salt, resumed, kv, seq.token_ids,
-                  int(self.slab.next_positions[row]))
+            if seq.id in gone:
+                self._store_row(self.slab, row, seq)
         stats = self.prefix_cache.stats
         self.metrics.prefix_cache_device_nbytes.set(stats.device_nbytes)
         self.metrics.prefix_cache_host_nbytes.set(stats.host_nbytes)

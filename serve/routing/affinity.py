@@ -18,6 +18,13 @@ older than `stale_after_s`), Serve's own power of two choices, unchanged. Bad st
 to an error. A replica without fresh stats holds nothing as far as the router knows (a new replica starts cold;
 a removed one's stats leave with it).
 
+Conversations add prefix affinity: a follow-up turn's prompt begins with the earlier turn's whole conversation,
+whose KV (prompt and answer) the replica that served it keeps in its prefix cache. This router remembers, per
+conversation prefix (sha256 of the tenant salt and of messages[:k], `Plan.conversation_chain`), the replica it
+sent that conversation to and its prompt tokens; a request whose longest remembered prefix is held there counts
+those tokens (at the plan's KV bytes per token) as held bytes on that replica, under the same load cap. The
+replica's own prefix cache may have evicted them since: nothing reports it, so this is a bounded LRU guess.
+
 In-flight requests are counted by this router (routed, not yet completed), so with several ingress
 replicas each caps its own share. What it predicted for the replica it chose is exported per target
 replica (`qvpic_routed_predicted_hit_bytes` / `qvpic_routed_plan_bytes`), beside the hit the replica
@@ -27,6 +34,7 @@ then had (`qvpic_hot_tier_bytes`): docs/DEPLOY.md reads them.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import random
 import time
@@ -50,6 +58,7 @@ from serve.metrics import serve_metrics
 from serve.plan import Plan
 
 MAX_REMEMBERED_CHOICES = 4096  # choices of requests not (yet) routed; a cancelled one is never popped
+MAX_REMEMBERED_PREFIXES = 65536  # conversations (their whole message list) and where they were sent
 
 
 class Decision(str, enum.Enum):
@@ -87,12 +96,26 @@ def plan_entries(plan: Plan) -> list[tuple[tuple[int, int], int]]:
             for c in plan.chunks if c.entry is not None]
 
 
+def prefix_keys(plan: Plan) -> list[bytes]:
+    """One key per prefix of the plan's conversation (messages[:1] … all), salted with the tenant's salt."""
+    return [hashlib.sha256(plan.cache_salt + b"\x00" + digest.encode()).digest() for digest in plan.conversation_chain]
+
+
+def bytes_per_token(plan: Plan) -> float:
+    """The plan's stored KV bytes per token (1 when it links none): the unit prefix tokens are weighed in."""
+    stored = [c for c in plan.chunks if c.entry is not None and c.entry.row.stored is not None and c.num_tokens]
+    tokens = sum(c.num_tokens for c in stored)
+    return sum(c.entry.row.stored.nbytes for c in stored) / tokens if tokens else 1.0
+
+
 def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], rng: random.Random, *, max_load_ratio: float,
-           min_in_flight: int) -> Choice:
-    """Which replicas a plan should go to, most preferred first (the pure policy; the module docstring)."""
-    if not any(r.report is not None for r in replicas):
+           min_in_flight: int, prefix: dict[str, int] | None = None) -> Choice:
+    """Which replicas a plan should go to, most preferred first (the pure policy; the module docstring).
+    `prefix`: per replica, the bytes of the plan's conversation prefix it is known to hold."""
+    prefix = prefix or {}
+    if not any(r.report is not None for r in replicas) and not prefix:
         return Choice((), Decision.NO_STATS, {})
-    held = {r.replica_id: sum(n for h, n in entries if r.holds(h)) for r in replicas}
+    held = {r.replica_id: sum(n for h, n in entries if r.holds(h)) + prefix.get(r.replica_id, 0) for r in replicas}
     # In-flight counts are whole requests: the cap rounds up (with 4 in flight over 3 replicas, 1.5 × the mean
     # is 2; a fractional cap of 2.5 would send a chunk set's next request away from the replica holding it at 3).
     cap = max(min_in_flight, math.ceil(max_load_ratio * (sum(r.in_flight for r in replicas) + 1) / len(replicas)))
@@ -130,7 +153,19 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # key hash → when the last request that sent it there completed (time.time()); inf while one is in flight
         self._sent: dict[ReplicaID, dict[tuple[int, int], float]] = {}
         self._choices: OrderedDict[str, Choice] = OrderedDict()
+        # conversation prefix key → (the replica its whole conversation was sent to, that plan's prompt tokens)
+        self._prefixes: OrderedDict[bytes, tuple[ReplicaID, int]] = OrderedDict()
         self._metrics = serve_metrics()
+
+    def held_prefix(self, plan: Plan, candidates: Sequence[RunningReplica]) -> dict[str, int]:
+        """The longest prefix of the plan's conversation this router sent to a live candidate: {replica: bytes}."""
+        live = {r.replica_id for r in candidates}
+        for key in reversed(prefix_keys(plan)):
+            found = self._prefixes.get(key)
+            if found is not None and found[0] in live:
+                self._prefixes.move_to_end(key)
+                return {found[0].unique_id: int(found[1] * bytes_per_token(plan))}
+        return {}
 
     def views(self, replicas: Sequence[RunningReplica]) -> list[ReplicaView]:
         now_s, views = time.time(), []
@@ -151,7 +186,8 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if plan is None or not candidate_replicas:  # not a generation request (e.g. hot_tier_stats)
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         choice = choose(plan_entries(plan), self.views(candidate_replicas), self._rng,
-                        max_load_ratio=self._spec.max_load_ratio, min_in_flight=self._spec.min_in_flight)
+                        max_load_ratio=self._spec.max_load_ratio, min_in_flight=self._spec.min_in_flight,
+                        prefix=self.held_prefix(plan, candidate_replicas))
         self._choices[pending_request.metadata.internal_request_id] = choice
         while len(self._choices) > MAX_REMEMBERED_CHOICES:
             self._choices.popitem(last=False)
@@ -168,7 +204,13 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._routed[request_id] = (replica_id, ())
             return
         target = replica_id.unique_id
-        entries = plan_entries(next(a for a in pending_request.args if isinstance(a, Plan)))
+        plan = next(a for a in pending_request.args if isinstance(a, Plan))
+        if plan.conversation_chain:  # its follow-up will begin with this whole conversation
+            self._prefixes[prefix_keys(plan)[-1]] = (replica_id, plan.prompt_tokens)
+            self._prefixes.move_to_end(prefix_keys(plan)[-1])
+            while len(self._prefixes) > MAX_REMEMBERED_PREFIXES:
+                self._prefixes.popitem(last=False)
+        entries = plan_entries(plan)
         hashes = tuple(h for h, _ in entries)
         self._routed[request_id] = (replica_id, hashes)
         sent = self._sent.setdefault(replica_id, {})

@@ -122,6 +122,17 @@ def conversation_digest(messages: list[Message]) -> str:
     return hashlib.sha256(material.encode()).hexdigest()
 
 
+def conversation_chain(messages: list[Message]) -> tuple[str, ...]:
+    """sha256 of each prefix of the conversation (messages[:1], messages[:2], …, all): a turn's whole
+    conversation is a prefix of its follow-up's, which is how the affinity router finds the replica holding
+    the earlier turn's KV in its prefix cache (serve/routing/affinity.py)."""
+    chain, digest = [], hashlib.sha256()
+    for message in messages:
+        digest.update(json.dumps(message.model_dump(mode="json"), sort_keys=True).encode() + b"\x00")
+        chain.append(digest.copy().hexdigest())
+    return tuple(chain)
+
+
 def retrieval_text(messages: list[Message]) -> str:
     """What retrieval embeds by default: the last user message's text."""
     return messages[last_user_index(messages)].text()

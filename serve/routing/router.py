@@ -28,7 +28,7 @@ from serve.config import RouterConfig
 from serve.kv import lazy_planner
 from serve.plan import Plan, PlannedChunk
 from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
-from serve.routing.prompt import PromptTemplate, conversation_digest
+from serve.routing.prompt import PromptTemplate, conversation_chain, conversation_digest
 from serve.routing.retrieval import Snapshot, open_snapshot
 
 
@@ -152,7 +152,8 @@ class Router:
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
                     query_embedding=vectors[-1], generation=snapshot.generation, instruction=instruction,
                     query_prompt=query_prompt, layout=layout,
-                    conversation=conversation_digest(request.messages) if request.messages is not None else "")
+                    conversation=conversation_digest(request.messages) if request.messages is not None else "",
+                    conversation_chain=conversation_chain(request.messages) if request.messages is not None else ())
 
     def placement_spec(self, request: AnswerRequest, snapshot: Snapshot) -> PlacementSpec:
         overrides = {"tau": request.tau, "max_high_res": request.max_high_res, "normalisation": request.normalisation}
