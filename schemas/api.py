@@ -87,8 +87,9 @@ class Routing(Strict):
 
 
 class Attribution(Strict):
-    task_type: Label | None = Field(None, description="what the request is for (cost reports; the l3 response "
-                                    "cache answers a repeated task over the same chunks); else header X-Task-Type")
+    task_type: Label | None = Field(None, description="what the request is for (cost reports; for a task type "
+                                    "the server declares query-independent, the l3 response cache answers a repeated "
+                                    "task over the same chunks); else header X-Task-Type")
 
 
 class Prompt(Strict):
@@ -226,7 +227,7 @@ class CacheReport(Strict):
 class ResponseCacheLevel(str, Enum):
     L1 = "l1"  # exact: normalised query, ordered chunks and tiers, mode, sampling
     L2 = "l2"  # semantic: a query embedding close enough, with the identical chunks, tiers and mode
-    L3 = "l3"  # task: the same task type over the identical chunks, tiers and mode, whatever the wording
+    L3 = "l3"  # task: a declared query-independent task type over the identical chunks, tiers, mode, any wording
 
 
 class ResponseCacheReport(Strict):

@@ -113,8 +113,22 @@ class RateLimitConfig(Frozen):
         return self.tenants.get(tenant, self.default)
 
 
+class TaskCachePolicy(Frozen):
+    """How the response cache treats one declared task type (`task_type` / `X-Task-Type`)."""
+
+    query_independent: bool = Field(False, description=(
+        "its answer depends on the context alone, not on the query's wording (e.g. summarize): with level l3 "
+        "one entry per context answers every wording. Any caller's wording fills that entry, so declare only "
+        "task types whose callers send a fixed prompt"))
+    shared: bool = Field(False, description=(
+        "its entries cross tenants: one tenant's answer, and the fact that it was asked, reach every tenant "
+        "(Cache-Status and latency show a hit). Opt in only where tenants trust each other, e.g. a public "
+        "corpus's summaries; every other entry is keyed by its tenant"))
+
+
 class ResponseCacheConfig(Frozen):
-    """Response caches (serve/governance/response_cache.py)."""
+    """Response caches (serve/governance/response_cache.py). Entries are per tenant unless a task type opts in
+    to sharing; l3 serves only task types declared query-independent, never a free question."""
 
     levels: frozenset[ResponseCacheLevel] = frozenset({ResponseCacheLevel.L1})
     backend: StateBackend = StateBackend.MEMORY
@@ -124,8 +138,18 @@ class ResponseCacheConfig(Frozen):
                                  ResponseCacheLevel.L3: 86400.0})
     l2_threshold: float = Field(0.95, gt=0.0, le=1.0, description="least cosine of query embeddings for an l2 hit")
     l2_candidates: int = Field(32, ge=1, le=1024, description="(query, answer) pairs kept per l2 context")
-    per_tenant: bool = Field(False, description="key entries by tenant too, so that no answer (nor the fact that "
-                             "a question was asked) crosses tenants; shared by default, as the store is")
+    task_types: dict[Label, TaskCachePolicy] = Field(default_factory=dict, description=(
+        "declared task types: which are query-independent (l3) and which share entries across tenants; "
+        "an undeclared task type is a free question, cached per tenant at l1/l2 only"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_tenant_is_gone(cls, data: Any) -> Any:
+        # A config written for the old shared-by-default cache must not silently change meaning.
+        if isinstance(data, Mapping) and "per_tenant" in data:
+            raise ValueError("per_tenant was removed: entries are per tenant by default; share a task type's "
+                             "entries across tenants with task_types: {<name>: {shared: true}}")
+        return data
 
     @model_validator(mode="after")
     def _every_level_has_a_ttl(self) -> ResponseCacheConfig:
@@ -133,6 +157,12 @@ class ResponseCacheConfig(Frozen):
         if missing or any(ttl <= 0 for ttl in self.ttl_s.values()):
             raise ValueError(f"every enabled level needs a positive ttl_s; missing or non-positive: {missing}")
         return self
+
+    def policy(self, task_type: str | None) -> TaskCachePolicy:
+        return self.task_types.get(task_type, _FREE_QUESTION) if task_type else _FREE_QUESTION
+
+
+_FREE_QUESTION = TaskCachePolicy()
 
 
 class RequestLogConfig(Frozen):

@@ -8,18 +8,20 @@ and before any KV is loaded:
   holds the chunk's text hash and entry fingerprint; for online modes a hash of its text or image),
   and the sampling parameters.
 - l1 (exact): context + the normalised query (NFKC, runs of whitespace as one space).
-- l3 (task): context + the task type, whatever the query's wording — for requests that declare their
-  task (`task_type` / `X-Task-Type`), e.g. "summary" over a fixed document set.
+- l3 (task): context + the task type, whatever the query's wording — only for task types that the config
+  declares query-independent (`task_types: {summarize: {query_independent: true}}`), never for a free
+  question, whose answer depends on what was asked.
 - l2 (semantic): a bucket per context holding up to `l2_candidates` (query embedding, answer) pairs;
   a hit is the best cosine ≥ `l2_threshold`. A member is `[u32 nbytes][float32 unit embedding][answer
   JSON]`, so a lookup reads every embedding but parses one answer.
-Tenants share entries (they share the store) unless `per_tenant` puts the tenant in every key.
+Every key holds the tenant, so no tenant reads another's answers or learns (from Cache-Status or latency)
+what another asked; a task type declared `shared` opts its entries in to crossing tenants.
 Lookup order l1 → l3 → l2. Sampled requests (temperature > 0 and no seed) are neither served nor
 stored; neither are answers that needed a tier fallback (a degraded context should not outlive the fix).
 A request steers the cache with HTTP's `Cache-Control` (RFC 9111): `no-cache` (or `max-age=0`, or
-`Pragma: no-cache`) is never answered from the cache — the model computes it, and the fresh answer
-replaces the stored one; `no-store` keeps its answer out of the cache. Benchmarks and the demo send
-`no-cache`, so that what they time is model work.
+`Pragma: no-cache`) is never answered from the cache nor written to it: the model computes it and a stored
+entry stays as it was (else any caller could replace what later callers read); `no-store` keeps its answer
+out of the cache. Benchmarks and the demo send `no-cache`, so that what they time is model work.
 """
 
 from __future__ import annotations
@@ -217,10 +219,14 @@ class ResponseCache:
         if not self.config.levels or not cacheable(sampling):
             return None
         context = context_material(plan, sampling)
-        prefix = f"qvpic:rc:{self.namespace}" + (f":t:{tenant}" if self.config.per_tenant else "")
+        policy = self.config.policy(task_type)
+        # The tenant is in every key unless the task type opted in to sharing: no answer, nor the fact that a
+        # question was asked (a hit's Cache-Status, its latency), crosses tenants by default.
+        scope = "shared" if policy.shared else f"t:{_digest(tenant)}"
+        prefix = f"qvpic:rc:{self.namespace}:{scope}"
         return CacheKeys(l1=f"{prefix}:l1:{_digest(context, normalise_query(plan.query))}",
                          l2=f"{prefix}:l2:{_digest(context)}",
-                         l3=f"{prefix}:l3:{_digest(context, task_type)}" if task_type else None)
+                         l3=f"{prefix}:l3:{_digest(context, task_type)}" if policy.query_independent else None)
 
     async def lookup(self, keys: CacheKeys, query_embedding: np.ndarray | None) -> CacheHit | None:
         """The first hit in l1, l3, l2 order; a backend failure is a miss (counted by the connection)."""

@@ -127,12 +127,13 @@ class Turn:
 
     async def answered(self, answer: Answer) -> Answer:
         """The answer as sent: a computed one with its (missed) lookup's time, stored in the response cache
-        unless the request said `no-store`; the turn finishes with 200."""
+        unless the request said `no-store` or `no-cache`; the turn finishes with 200."""
         if self.hit is None:
             if self.lookup_ms is not None:
                 answer = Answer(text=answer.text, report=answer.report.model_copy(
                     update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)}))
-            if self.keys is not None and self.directives.store:
+            # no-cache computed a fresh answer without reading the entry: it must not overwrite it either
+            if self.keys is not None and self.directives.store and self.directives.lookup:
                 await self.governor.cache.store(self.keys, answer, self.plan.query_embedding)
         self.finish(200, answer)
         return answer

@@ -18,11 +18,17 @@ from pipeline.store import Store, local_copy, read_generation
 from pipeline.store.catalog import TEXTS, Catalog
 from schemas.api import AnswerRequest
 from schemas.config import ChunkOrder, TierSpec
-from schemas.errors import UnknownIdsError
+from schemas.errors import TooLargeError, UnknownIdsError
 from schemas.generation import Generation, ScanSpec
 from schemas.store import Manifest
 
 SERVING_CACHE = Path(os.environ.get("QVPIC_SERVING_CACHE", Path.home() / ".cache" / "qvpic" / "serving"))
+
+
+def check_count(selected: int, max_chunks: int) -> None:
+    if selected > max_chunks:
+        raise TooLargeError(f"{selected} chunks selected; this server takes at most {max_chunks} per request "
+                            "(max_chunks)")
 
 
 def require_known(field: str, missing: list[str]) -> None:
@@ -56,18 +62,28 @@ class Snapshot:
     def high(self) -> TierSpec:
         return self.manifest.render.highest_tier
 
-    def select(self, request: AnswerRequest, query_vector: np.ndarray) -> tuple[list[int], list[float]]:
+    def select(self, request: AnswerRequest, query_vector: np.ndarray,
+               max_chunks: int) -> tuple[list[int], list[float]]:
         """Catalog rows the request names (chunk_ids, or doc_ids' chunks in order) or retrieves (top_k,
         best first, ties by catalog order; `ChunkOrder.SOURCE`: in catalog order, which keeps each document's
-        chunks contiguous and in document order), with their cosine relevance to the query."""
+        chunks contiguous and in document order), with their cosine relevance to the query.
+
+        Named ids are deduplicated (first mention wins) and their chunk count is checked against `max_chunks`
+        before any row list is built: one small request naming many large documents costs a lookup, not
+        arrays of every chunk they hold."""
         if request.chunk_ids is not None:
-            rows, missing = self.catalog.rows_of_chunks(list(request.chunk_ids))
+            chunk_ids = list(dict.fromkeys(request.chunk_ids))
+            check_count(len(chunk_ids), max_chunks)
+            rows, missing = self.catalog.rows_of_chunks(chunk_ids)
             require_known("chunk_ids", missing)
         elif request.doc_ids is not None:
-            rows, missing = self.catalog.rows_of_docs(list(request.doc_ids))
+            spans, missing = self.catalog.doc_spans(list(dict.fromkeys(request.doc_ids)))
             require_known("doc_ids", missing)
+            check_count(sum(count for _, count in spans), max_chunks)
+            rows = [row for start, count in spans for row in range(start, start + count)]
         else:
-            found, scores = self.catalog.vectors.search(query_vector, request.top_k)
+            found, scores = self.catalog.vectors.search(query_vector, request.top_k)  # top_k is bounded by the schema
+            check_count(len(found), max_chunks)
             if request.order is ChunkOrder.SOURCE:
                 by_row = np.argsort(found, kind="stable")
                 found, scores = found[by_row], scores[by_row]

@@ -174,10 +174,7 @@ class Router:
             return [], []  # top_k 0 (plain chat), or nothing to retrieve with (an image-only question)
         if vector is None:  # named chunks without a question to score them against: relevance 0
             vector = np.zeros(self.embedder.dim, dtype=np.float32)
-        rows, relevance = snapshot.select(request, vector)
-        if len(rows) > self.config.max_chunks:
-            raise TooLargeError(f"{len(rows)} chunks selected; this server takes at most {self.config.max_chunks} "
-                                "per request")
+        rows, relevance = snapshot.select(request, vector, self.config.max_chunks)  # 413 past max_chunks
         catalog = snapshot.catalog
         selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
                              texts=lambda: catalog.texts(rows))

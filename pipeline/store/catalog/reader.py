@@ -124,27 +124,34 @@ class Catalog:
 
     def rows_of_chunks(self, chunk_ids: list[str]) -> tuple[list[int], list[str]]:
         """Catalog rows of `chunk_ids` in request order, and the ids not in the catalog."""
-        return self._find(chunk_ids, self.chunk_lookup, lambda entry: [int(entry["row"])], "chunk_id")
+        spans, missing = self._find(chunk_ids, self.chunk_lookup, lambda entry: (int(entry["row"]), 1), "chunk_id")
+        return [start for start, _ in spans], missing
+
+    def doc_spans(self, doc_ids: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
+        """(first row, chunk count) of each document in `doc_ids`, in request order, and the ids not in the
+        catalog: what a caller checks against its limits before expanding them into rows."""
+        return self._find(doc_ids, self.doc_lookup, lambda entry: (int(entry["start"]), int(entry["count"])),
+                          "doc_id")
 
     def rows_of_docs(self, doc_ids: list[str]) -> tuple[list[int], list[str]]:
         """Every chunk row of each document in `doc_ids`, by (document in request order, order)."""
-        return self._find(doc_ids, self.doc_lookup,
-                          lambda entry: list(range(int(entry["start"]), int(entry["start"] + entry["count"]))),
-                          "doc_id")
+        spans, missing = self.doc_spans(doc_ids)
+        return [row for start, count in spans for row in range(start, start + count)], missing
 
-    def _find(self, ids: list[str], lookup: np.ndarray, rows_of: Callable, column: str) -> tuple[list[int], list[str]]:
+    def _find(self, ids: list[str], lookup: np.ndarray, span_of: Callable,
+              column: str) -> tuple[list[tuple[int, int]], list[str]]:
         hashes = id_hashes(ids)
         lefts = np.searchsorted(lookup["hash"], hashes, "left")
         rights = np.searchsorted(lookup["hash"], hashes, "right")
         # usually one candidate an id; more only on a 64-bit hash collision. Their ids are read in one call.
-        candidates = [(i, rows) for i, (left, right) in enumerate(zip(lefts, rights))
-                      for rows in map(rows_of, lookup[left:right]) if rows]
-        names = self.catalog.rows([rows[0] for _, rows in candidates], (column,))
-        matched: dict[int, list[int]] = {}
-        for (i, rows), name in zip(candidates, names):
+        candidates = [(i, span) for i, (left, right) in enumerate(zip(lefts, rights))
+                      for span in map(span_of, lookup[left:right]) if span[1]]
+        names = self.catalog.rows([start for _, (start, _) in candidates], (column,))
+        matched: dict[int, tuple[int, int]] = {}
+        for (i, span), name in zip(candidates, names):
             if name[column] == ids[i]:
-                matched.setdefault(i, rows)
-        found = [row for i in range(len(ids)) for row in matched.get(i, ())]
+                matched.setdefault(i, span)
+        found = [matched[i] for i in range(len(ids)) if i in matched]
         return found, [wanted for i, wanted in enumerate(ids) if i not in matched]
 
     def chunk_rows(self, rows: list[int]) -> list[dict[str, Any]]:
