@@ -67,7 +67,10 @@ def parser() -> argparse.ArgumentParser:
                                                             "in (0, 1] (default 0.15)")
     p.add_argument("--router-search-threads", type=int,
                    help="threads one query's exhaustive vector scan may use (its index files scanned in parallel)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    p.add_argument("--host", help="interface to listen on (default: the --config file's http_options.host, else "
+                                  "127.0.0.1; 0.0.0.0: every interface, which needs API keys or --insecure-no-auth)")
+    p.add_argument("--insecure-no-auth", action="store_true", default=None,
+                   help="listen beyond loopback with no API keys configured (development only; warned at every start)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument("--address", help="Ray cluster to deploy onto (e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: Ray's own count)")
@@ -108,7 +111,8 @@ def app_args(ns: argparse.Namespace):
              "generator.recompute.deviation_fraction": ns.recompute_fraction,
              "ingress.default_top_k": ns.top_k, "ingress.served_model_name": ns.served_model_name,
              "ingress.request_timeout_s": ns.request_timeout_s, "generator_deployment.num_gpus": ns.generator_gpus,
-             "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s}
+             "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
+             "ingress.governance.auth.insecure_no_auth": ns.insecure_no_auth}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)
@@ -117,11 +121,21 @@ def app_args(ns: argparse.Namespace):
     return AppConfig.model_validate(args)
 
 
+def _file_config(ns: argparse.Namespace) -> dict[str, Any]:
+    return (yaml.safe_load(ns.config.read_text()) or {}) if ns.config is not None else {}
+
+
 def proxy_location(ns: argparse.Namespace) -> str:
     if ns.proxy_location is not None:
         return ns.proxy_location
-    config = (yaml.safe_load(ns.config.read_text()) or {}) if ns.config is not None else {}
-    return config.get("proxy_location", "EveryNode")
+    return _file_config(ns).get("proxy_location", "EveryNode")
+
+
+def http_host(ns: argparse.Namespace) -> str:
+    """The flag's, else the config file's `http_options.host`, else loopback: the file and the CLI agree."""
+    if ns.host is not None:
+        return ns.host
+    return (_file_config(ns).get("http_options") or {}).get("host") or "127.0.0.1"
 
 
 class Stopped(BaseException):
@@ -188,9 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args = app_args(ns)
+        ns.host = http_host(ns)
     except (ValidationError, OSError, yaml.YAMLError) as error:
         print(f"qvpic serve: invalid arguments: {error}", file=sys.stderr)
         return 2
+    from serve.governance.auth import exposure
+
+    try:
+        warning = exposure(ns.host, args.ingress.governance.auth)
+    except ValueError as error:
+        print(f"qvpic serve: {error}", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"qvpic serve: {warning}", file=sys.stderr, flush=True)
 
     import ray
     from ray import serve

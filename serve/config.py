@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -180,7 +181,17 @@ class AuthConfig(Frozen):
     """API-key auth (serve/governance/auth.py): sha256 hex digests of the keys, never the keys."""
 
     api_key_sha256: dict[Sha256Hex, Label] = Field(
-        default_factory=dict, description="sha256 hex of an API key -> its tenant; empty = no auth")
+        default_factory=dict, description="sha256 hex of an API key -> its tenant; empty = no auth, and the tenant "
+        "is whatever X-Tenant says: for loopback and development only")
+    api_key_sha256_file: Path | None = Field(None, description=(
+        "a file of `<sha256 hex> <tenant>` lines (a mounted Kubernetes Secret), read at each replica's start and "
+        "merged with api_key_sha256: rotate keys by updating it and restarting (or redeploying) the ingress"))
+    open_paths: frozenset[str] = Field(frozenset({"/healthz", "/readyz"}), description=(
+        "paths answered without a key when keys are configured (probes by default; add /metrics for a scraper "
+        "without a key, /docs and /openapi.json to publish the API docs); every other route needs one"))
+    insecure_no_auth: bool = Field(False, description=(
+        "serve beyond loopback with no API keys (anyone who reaches the port spends any tenant's budget); "
+        "`qvpic serve` refuses such a bind without it and warns at every start with it"))
 
     @field_validator("api_key_sha256")
     @classmethod

@@ -112,7 +112,8 @@ def test_log_on_s3(s3_server: S3Server, s3_bucket: str, tmp_path, capsys):
 def test_tenants_come_from_api_keys_and_every_request_is_logged(roles, serving_store, tmp_path):
     keys = {"key-acme-1": "acme", "key-globex-1": "globex"}
     app, governor = governed_app(roles, serving_store,
-                                 auth={"api_key_sha256": {key_digest(k): t for k, t in keys.items()}},
+                                 auth={"api_key_sha256": {key_digest(k): t for k, t in keys.items()},
+                                       "open_paths": ["/healthz", "/metrics"]},  # metric() reads /metrics keyless
                                  request_log={"location": {"uri": str(tmp_path / "log")}})
     body = {"query": "When does part XK-4471-B ship?", "chunk_ids": ["invoices#00000"], "max_new_tokens": 3}
     unauthorized = metric(app, "qvpic_errors_total", route="answer", status="401")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -242,3 +243,17 @@ def test_levels_config_is_validated():
         ResponseCacheConfig(levels=["l3"], ttl_s={"l1": 5})
     with pytest.raises(ValueError, match="per_tenant was removed"):  # an old config must not change meaning silently
         ResponseCacheConfig(per_tenant=True)
+
+
+def test_a_redis_password_never_reaches_a_log_line_or_an_error(caplog):
+    """Issue 37: the Redis URL, password included, was logged when Redis went down."""
+    caplog.set_level(logging.DEBUG)
+    connection = RedisConnection("redis://qvpic:hunter2@127.0.0.1:1/0", timeout_s=0.2, retry_after_s=60)
+    messages = []
+    for _ in range(2):  # the first attempt logs; the second is refused by the breaker, naming the server
+        with pytest.raises(SharedStateUnavailable) as raised:
+            asyncio.run(connection.call("test", lambda client: client.get("k")))
+        messages.append(str(raised.value))
+    logged = caplog.text
+    assert "127.0.0.1:1" in logged and "127.0.0.1:1" in messages[1]  # still says which server
+    assert "hunter2" not in logged + "".join(messages)

@@ -140,6 +140,14 @@ def test_openai_client(base_url, client):
     assert refused.value.param == "messages[0].content[1].image_url.url" and "data:" in refused.value.message
 
 
+def test_the_ingress_reads_the_bind_of_serves_proxies(client):
+    """The open-bind check of `serve run`/`serve deploy` (serve/http/ingress.py) asks Serve's controller for
+    http_options.host through a Ray-internal call: this fails if a Ray upgrade takes it away."""
+    from serve.http.ingress import serve_http_host
+
+    assert serve_http_host() == "127.0.0.1"
+
+
 def test_bad_requests_get_their_codes(client):
     cases = [
         ({"query": QUERY, "chunk_ids": ["nope"]}, 404, "unknown chunk_ids: ['nope']"),

@@ -93,18 +93,19 @@ def by_css(driver, selector: str) -> list:
 
 
 def open_page(driver, base_url: str, path: str, key: str | None = API_KEY) -> None:
-    """Load a /ui page and, unless `key` is None, type the API key into it. The store page asks its data
-    endpoint as it loads, before any key is typed: that 401 is drained from the console log here."""
+    """Load a /ui page and, unless `key` is None, type the API key into it. Both pages ask their data
+    endpoints (`/ui/api/store`, `/v1/store`) as they load, before any key is typed: that 401 is drained from
+    the console log here."""
     driver.get(base_url + path)
     wait(driver, lambda d: d.execute_script("return document.readyState") == "complete", "page load")
-    if path == "/ui/store":
+    if path in ("/ui", "/ui/store"):
         wait(driver, lambda d: d.find_element("id", "error").text.startswith("401"), "the keyless 401")
         console_errors(driver)
     if key is not None:
         driver.find_element("id", "key").send_keys(key)
         driver.find_element("id", "key-form").submit()
         wait(driver, lambda d: d.find_element("id", "key-state").text == "key set", "key set")
-    if path == "/ui":  # the mode list comes from GET /v1/store
+    if path == "/ui" and key is not None:  # the mode list comes from GET /v1/store, which needs the key
         wait(driver, lambda d: by_css(d, "#mode option"), "modes")
 
 

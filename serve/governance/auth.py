@@ -3,14 +3,18 @@
 Config holds sha256 hex digests of the keys, never the keys (`qvpic`-side: `printf %s KEY | sha256sum`).
 With keys configured, every governed request needs `Authorization: Bearer <key>` (the OpenAI client
 sends its `api_key` so) and the tenant comes from the key alone; `X-Tenant` cannot override it. With
-none, the tenant is `X-Tenant` or the default tenant — attribution without authentication, which is
-why `qvpic serve` binds 127.0.0.1 unless `--host` says otherwise.
+none, the tenant is `X-Tenant` or the default tenant — attribution without authentication, for loopback
+and development only: `qvpic serve` binds 127.0.0.1 unless told otherwise, and refuses a wider bind without
+keys unless `insecure_no_auth` (`--insecure-no-auth`) accepts it, warning at every start (`exposure`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 from collections.abc import Mapping
+from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -19,6 +23,28 @@ from schemas.errors import InvalidHeaderError, UnauthorizedError
 from serve.config import AuthConfig, Sha256Hex
 
 _LABEL = TypeAdapter(Label)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname may resolve anywhere: treat it as exposed
+
+
+def exposure(host: str, auth: AuthConfig) -> str | None:
+    """None when binding `host` is safe (loopback, or API keys configured); the warning to log at every start
+    when the operator accepted an open server; ValueError when it would open one unasked."""
+    if is_loopback(host) or auth.api_key_sha256 or auth.api_key_sha256_file is not None:
+        return None
+    if not auth.insecure_no_auth:
+        raise ValueError(f"refusing to listen on {host} with no API keys: anyone who reaches it could act as any "
+                         "tenant. Configure ingress.governance.auth.api_key_sha256, bind 127.0.0.1, or pass "
+                         "--insecure-no-auth (auth.insecure_no_auth: true) to accept it")
+    return (f"WARNING: listening on {host} with no API keys (insecure_no_auth): anyone who reaches it may act "
+            "as any tenant through X-Tenant")
 
 
 def key_digest(api_key: str) -> Sha256Hex:
@@ -36,14 +62,36 @@ def header_label(headers: Mapping[str, str], name: str) -> str | None:
         raise InvalidHeaderError(f"{name} must be 1-64 characters of [A-Za-z0-9_.:@-], got {value[:80]!r}") from None
 
 
+def read_key_file(path: Path) -> dict[Sha256Hex, str]:
+    """`<sha256 hex> <tenant>` per line (blank lines and `#` comments skipped), each checked like the config's."""
+    keys: dict[str, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise ValueError(f"{path.name}:{number}: expected '<sha256 hex> <tenant>', got {len(fields)} fields")
+        keys[fields[0]] = fields[1]
+    try:  # the same checks as api_key_sha256 in the config (64 lowercase hex digits, a tenant label)
+        return AuthConfig(api_key_sha256=keys).api_key_sha256
+    except ValidationError as error:
+        raise ValueError(f"{path.name}: {error.errors()[0]['msg']}") from None
+
+
 class Authenticator:
     def __init__(self, config: AuthConfig, default_tenant: str):
-        self.tenant_of_digest = dict(config.api_key_sha256)
+        keys = dict(config.api_key_sha256)
+        if config.api_key_sha256_file is not None:
+            keys |= read_key_file(config.api_key_sha256_file)
+        # (digest bytes, tenant): every request compares against each digest in constant time, so how long the
+        # check takes says nothing about how close a guess was (a dict lookup would hash and compare early-out)
+        self.digests = [(bytes.fromhex(digest), tenant) for digest, tenant in keys.items()]
+        self.open_paths = config.open_paths
         self.default_tenant = default_tenant
 
     @property
     def required(self) -> bool:
-        return bool(self.tenant_of_digest)
+        return bool(self.digests)
 
     def tenant(self, headers: Mapping[str, str]) -> str:
         """The request's tenant; `UnauthorizedError` when keys are configured and none of them is given."""
@@ -52,7 +100,11 @@ class Authenticator:
         scheme, _, api_key = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not api_key.strip():
             raise UnauthorizedError("this server needs an API key: send 'Authorization: Bearer <key>'")
-        tenant = self.tenant_of_digest.get(key_digest(api_key.strip()))
+        given = hashlib.sha256(api_key.strip().encode()).digest()
+        tenant = None
+        for digest, owner in self.digests:  # no early exit
+            if hmac.compare_digest(given, digest):
+                tenant = owner
         if tenant is None:
             raise UnauthorizedError("unknown API key")
         return tenant

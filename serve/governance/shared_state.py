@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -27,9 +28,17 @@ class SharedStateUnavailable(RuntimeError):
     """Redis did not answer; the caller degrades (a cache miss, a replica-local rate limit)."""
 
 
+def redacted(url: str) -> str:
+    """`url` without its credentials: `redis://:hunter2@host:6379/0` → `redis://***@host:6379/0`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
 class RedisConnection:
     def __init__(self, url: str, timeout_s: float = 0.25, retry_after_s: float = 5.0):
-        self.url = url
+        self.url = redacted(url)  # for logs and errors: never the password
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.retry_after_s = retry_after_s
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried again

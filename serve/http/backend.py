@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -160,13 +161,31 @@ class Remaining:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-def api_error(error: Exception) -> tuple[int, str]:
-    """HTTP status and message of an error raised here or inside a deployment."""
+def error_status(error: Exception) -> int:
+    """The HTTP status `api_error` would answer, without its message (and without logging)."""
+    if failure_in(error, REPLICA_FAILURES) is not None:
+        return 503
+    return getattr(error_cause(error), "status_code", 500)
+
+
+def api_error(error: Exception, request_id: str | None = None) -> tuple[int, str]:
+    """HTTP status and message of an error raised here or inside a deployment. Our own errors (those with a
+    `status_code`) say what was wrong; anything else is "internal error" plus a request id, its detail (paths,
+    a Ray traceback) only in the server log under that id."""
     failure = failure_in(error, REPLICA_FAILURES)
     if failure is not None:  # their messages are pages of cluster internals
         return 503, f"a serving replica failed during this request ({type(failure).__name__}); retry it"
     cause = error_cause(error)
-    return getattr(cause, "status_code", 500), str(cause)
+    status = getattr(cause, "status_code", None)
+    if status is not None:
+        return status, str(cause)
+    request_id = request_id or uuid.uuid4().hex
+    log.error("internal error, request id %s", request_id, exc_info=cause)
+    return 500, internal_detail(request_id)
+
+
+def internal_detail(request_id: str) -> str:
+    return f"internal error (request id {request_id}: the server log has the detail)"
 
 
 def sse(event: BaseModel | dict | str) -> str:

@@ -19,7 +19,7 @@ from fastapi import Request, Response
 from schemas.api import AnswerRequest
 from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
-from serve.http.backend import Backend, api_error
+from serve.http.backend import Backend, error_status
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
 from serve.plan import Answer, Plan
 
@@ -96,7 +96,7 @@ class Exchange:
                     event = await turn.answered(event)
                 yield event
         except Exception as error:
-            turn.finish(api_error(error)[0])
+            turn.finish(error_status(error))
             raise
         finally:
             turn.finish(ClientClosedError.status_code)  # only if nothing above finished it: the client stopped reading

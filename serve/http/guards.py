@@ -7,9 +7,10 @@
   `Retry-After`, as JSON, instead of a bare 500.
 - A body that is not UTF-8, nests deeper than the JSON parser goes, or holds a number Python will not
   parse (over 4300 digits) is a 422 like any malformed JSON (FastAPI answers those 400).
-- A 422 echoes the offending input as FastAPI does, spelled so JSON can carry it: `NaN`/`Infinity`
-  (Python's parser accepts them; `1e400` parses to infinity) as strings, lone surrogates (`"\\ud800"`)
-  escaped. FastAPI's own handler crashes on both, turning a bad request into a plain-text 500.
+- A 422 names each invalid field, its rule and limit (FastAPI's error list) but never echoes the input;
+  what it names is spelled so JSON can carry it: `NaN`/`Infinity` (Python's parser accepts them; `1e400`
+  parses to infinity) as strings, lone surrogates (`"\\ud800"`) escaped. FastAPI's own handler crashes on
+  both, turning a bad request into a plain-text 500.
 - Anything else that escapes a route is a JSON 500 in the route's shape, never a plain-text page.
 - Every error here keeps FastAPI's `{"detail": …}` body, and takes OpenAI's error shape on the
   OpenAI-compatible routes, like every other error there.
@@ -21,7 +22,9 @@ says (schemas/wire.py); `max_chunks` and the context size are checked by the rou
 
 from __future__ import annotations
 
+import logging
 import math
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -35,11 +38,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.http.backend import REPLICA_FAILURES, api_error
+from schemas.errors import UnauthorizedError
+from serve.governance.auth import Authenticator
+from serve.http.backend import REPLICA_FAILURES, api_error, internal_detail
 from serve.http.openai import is_openai_path, openai_error, openai_invalid
+from serve.ui import STATIC_UI_PATHS, STATIC_UI_PREFIX
 
 DEFAULT_MAX_BODY_NBYTES = 16 << 20  # a conversation with images as data URLs (schemas/conversation.py bounds each)
 RETRY_AFTER_S = 1
+log = logging.getLogger(__name__)
 # bytes that are not UTF-8 (a ValueError), JSON nested past the parser, an integer of over 4300 digits
 UNPARSABLE = (ValueError, RecursionError)
 MAX_ECHO_DEPTH = 64  # nesting of an echoed input beyond which it is elided
@@ -90,25 +97,58 @@ class DeclaredLengthLimit:
         await self.app(scope, receive, send)
 
 
+class KeyGate:
+    """With API keys configured, 401 for a request without a valid one before any route runs, on every path but
+    the open ones (`auth.open_paths`: the probes by default; and the inspector's static pages, which hold no
+    data: their data calls send the key). Routes still take their tenant from the key themselves."""
+
+    def __init__(self, app: ASGIApp, auth: Authenticator, is_open: Callable[[str], bool],
+                 on_error: Callable[[Request, int], None]):
+        self.app, self.auth, self.is_open, self.on_error = app, auth, is_open, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.auth.required and not self.is_open(path):
+            request = Request(scope, receive)
+            try:
+                self.auth.tenant(request.headers)
+            except UnauthorizedError as error:
+                self.on_error(request, 401)
+                await error_response(request, 401, str(error), error.headers())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
     """422: FastAPI's body (`detail`: a list of errors, each echoing its input) natively; on the OpenAI-compatible
     routes a 400 in OpenAI's shape (one message naming every field, `param` the first one's path)."""
     if is_openai_path(request.url.path):
         return openai_invalid(error.errors(), validation_messages(error))
-    try:
-        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(json_safe(error.errors()))})
-    except (ValueError, TypeError, RecursionError):  # an input no encoder takes: name the fields, not the input
-        return JSONResponse(status_code=422, content={"detail": [
-            {"type": e["type"], "loc": json_safe(list(e["loc"])), "msg": json_safe(e["msg"])} for e in error.errors()]})
+    # FastAPI's list of errors, without the `input` each one echoes (a 100,000-character query came back as a
+    # 100 kB error, and an echo reflects whatever a caller sent): the field, the rule and its limit suffice.
+    return JSONResponse(status_code=422, content={"detail": [
+        {"type": e["type"], "loc": json_safe(list(e["loc"])), "msg": json_safe(e["msg"]),
+         **({"ctx": jsonable_encoder(json_safe(limits))} if (limits := echo_free_ctx(e)) else {})}
+        for e in error.errors()]})
 
 
-def install_guards(app: FastAPI, on_error: Callable[[Request, int], None],
+def echo_free_ctx(error: dict) -> dict:
+    """The limits of a validation error (`max_length`, `le`, `expected` …): its numbers and short strings."""
+    return {k: v for k, v in (error.get("ctx") or {}).items()
+            if isinstance(v, (int, float)) or (isinstance(v, str) and len(v) <= 200)}
+
+
+def install_guards(app: FastAPI, on_error: Callable[[Request, int], None], auth: Authenticator,
                    max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES) -> None:
-    """Add the body cap and the handlers above to `app`; `on_error(request, status)` sees every error sent."""
+    """Add the key gate, the body cap and the handlers above to `app`; `on_error(request, status)` sees every
+    error sent."""
     if max_body_nbytes < 1:
         raise ValueError(f"max_body_nbytes must be >= 1, got {max_body_nbytes}")
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)  # counts what arrives
-    app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)  # runs first
+    app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)
+    is_open = (lambda path: path in auth.open_paths or path in STATIC_UI_PATHS  # noqa: E731
+               or path.startswith(STATIC_UI_PREFIX))
+    app.add_middleware(KeyGate, auth=auth, is_open=is_open, on_error=on_error)  # runs first: 401 costs nothing
 
     async def invalid(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
@@ -134,7 +174,10 @@ def install_guards(app: FastAPI, on_error: Callable[[Request, int], None],
 
     async def crashed(request: Request, error: Exception) -> JSONResponse:  # Starlette re-raises it to log
         on_error(request, 500)
-        return error_response(request, 500, "internal server error")
+        turn = getattr(request.state, "turn", None)  # a governed request's id is in its log record and header
+        request_id = turn.record.request_id if turn is not None else uuid.uuid4().hex
+        log.error("internal error, request id %s", request_id, exc_info=error)  # the detail stays here
+        return error_response(request, 500, internal_detail(request_id), {"X-Request-Id": request_id})
 
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(HTTPException, http_error)

@@ -9,6 +9,7 @@ replica is a light web server; serve/app.py builds the application.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from schemas.api import (
 from schemas.errors import ApiError
 from serve.config import ApiSpec, IngressConfig
 from serve.governance import Governor, Route
+from serve.governance.auth import exposure
 from serve.http.backend import Backend, HandleBackend, api_error, error_cause, sse
 from serve.http.exchange import Turns
 from serve.http.guards import install_guards
@@ -41,6 +43,8 @@ from serve.http.openai import is_openai_path, openai_error, openai_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
 from serve.ui import install_ui
+
+logger = logging.getLogger(__name__)
 
 
 def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
@@ -106,19 +110,41 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
                     else:
                         yield sse(StreamDone(response=respond(answer_id, event, started)))
             except Exception as error:  # noqa: BLE001  after the 200 is sent, any error travels as an event
-                status, detail = api_error(error)
+                status, detail = api_error(error, exchange.turn.record.request_id)
                 yield sse(StreamError(status_code=status, detail=detail))
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
 
     app.include_router(openai_routes(turns, api))
-    install_guards(app, governor.rejected)  # 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
+    # 401 without a key (when keys exist), 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
+    install_guards(app, governor.rejected, governor.auth)
     return app
 
 
 def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
     report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
     return AnswerResponse(id=answer_id, answer=answer.text, **report.model_dump())
+
+
+def serve_http_host() -> str | None:
+    """The interface Serve's HTTP proxies bind (the config's `http_options.host`), asked of the Serve controller
+    through Ray's client (`ray.serve.context._get_global_client().http_config`, Ray-internal: checked on 2.60);
+    None where that is unavailable, and then no check is made (logged)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception as error:  # noqa: BLE001 - a Ray-internal call: its absence must not stop serving
+        logger.warning("could not read Serve's http_options.host (%s): the open-bind check is skipped", error)
+        return None
+
+
+def refuse_open_bind(config: IngressConfig) -> None:
+    """Fail the replica (so the deploy) when the proxies listen beyond loopback with no API keys, unless
+    `auth.insecure_no_auth` accepts it — then warn at every start (serve/governance/auth.py `exposure`)."""
+    host = serve_http_host()
+    if host is not None and (warning := exposure(host, config.governance.auth)):
+        logger.warning(warning)
 
 
 @serve.ingress()
@@ -129,6 +155,7 @@ class Ingress:
         self.inspector = inspector  # page images and the store overview of the /ui pages (serve/ui/)
         self.config, self.api = config, api
         self.governor = Governor(config.governance, api.store)
+        refuse_open_bind(config)  # `serve run` / `serve deploy` of an edited config get qvpic serve's check too
         self.readiness = ReadinessProbe(serve.get_replica_context().app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -5,5 +5,5 @@ from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "inspector": ["Inspector", "InspectorConfig"],
-    "routes": ["install_ui"],
+    "routes": ["install_ui", "STATIC_UI_PATHS", "STATIC_UI_PREFIX"],
 })

@@ -33,6 +33,9 @@ SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "n
 ASSETS = {"inspector.js": "text/javascript", "store.js": "text/javascript", "common.js": "text/javascript",
           "ui.css": "text/css", "icon.svg": "image/svg+xml"}
 PAGES = {"/ui": "inspector.html", "/ui/store": "store.html"}
+# What a browser loads before it can send a key: no data in them, so API-key auth leaves them open.
+STATIC_UI_PATHS = frozenset(PAGES)
+STATIC_UI_PREFIX = "/ui/static/"
 TierName = Annotated[str, Query(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # as schemas.api.Routing.tier
 MAX_PAGE = 4096
 
@@ -59,7 +62,7 @@ def ui_routes(inspector: DeploymentHandle, backend: CacheStatsSource, governor: 
     for path, name in PAGES.items():
         router.add_api_route(path, page(name), methods=["GET"])
 
-    @router.get("/ui/static/{name}")
+    @router.get(STATIC_UI_PREFIX + "{name}")
     async def static(name: str) -> Response:
         if name not in ASSETS:
             return JSONResponse({"detail": f"no asset {name!r}"}, status_code=404, headers=SECURITY_HEADERS)

@@ -128,7 +128,7 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
                     if include_usage:
                         yield chunk(choices=[], usage=chat_usage(report))
             except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
-                yield sse(openai_error_body(*api_error(error)))
+                yield sse(openai_error_body(*api_error(error, exchange.turn.record.request_id)))
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
