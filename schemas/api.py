@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation
+from schemas.decoding import Decoding
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -130,12 +131,14 @@ class Prompt(Strict):
         return self.query if self.query_prompt is None else self.query_prompt
 
 
-class AnswerRequest(Selection, Routing, Attribution, Prompt):
+class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
     max_new_tokens: JsonInt = Field(64, ge=1, le=MAX_NEW_TOKENS)
     temperature: JsonFloat = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
     seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: JsonBool = False
+    user: str | None = Field(None, max_length=256, description="the end user (OpenAI's `user`), recorded in the "
+                             "request log; never the tenant, which is the API key's")
     timeout_s: JsonFloat | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="deadline of the whole request "
                                         "(504 past it, and its work stops); else header X-Request-Timeout, else "
                                         "the server's default")

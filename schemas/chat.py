@@ -7,7 +7,7 @@ schemas/conversation.py's: system, developer, user, assistant and tool turns, te
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -24,6 +24,7 @@ from schemas.api import (
     Strict,
 )
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
+from schemas.decoding import Decoding
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 
@@ -72,22 +73,66 @@ class StreamOptions(Strict):
     include_usage: JsonBool = False
 
 
-class ChatCompletionRequest(Strict):
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(Strict, Decoding):
+    """Every parameter of OpenAI's chat-completion request is here: supported, accepted and ignored, or refused
+    with a 400 naming it (docs/OPENAI.md has the table; tests/test_openai_params.py walks it)."""
+
     model: str = Field(min_length=1, max_length=256)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     max_completion_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     temperature: JsonFloat = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
-    n: JsonInt = Field(1, ge=1, le=1)
+    n: JsonInt = Field(1, ge=1, le=128)  # OpenAI's range; above 1 refused below
     seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: JsonBool = False
     stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="the end user, recorded in the request log; never "
+                             "the tenant (that is the API key's)")
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="accepted and ignored: OpenAI keeps it with stored completions; none are")
+    safety_identifier: str | None = Field(None, max_length=256, description="OpenAI's successor of `user`: "
+                                          "recorded as the end user when `user` is absent")
+    prompt_cache_key: str | None = Field(None, max_length=256, description="accepted and ignored: the prefix "
+                                         "cache here is keyed by content and tenant, not by a hint")
+    store: JsonBool | None = None
+    service_tier: Literal["auto", "default"] | None = None  # accepted: one tier here
+    modalities: list[Literal["text"]] | None = Field(None, max_length=1)
+    logprobs: JsonBool | None = None
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: JsonBool | None = None
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 
     @model_validator(mode="after")
     def _a_conversation(self) -> ChatCompletionRequest:
         check_conversation(self.messages)
+        return self
+
+    @model_validator(mode="after")
+    def _refused(self) -> ChatCompletionRequest:
+        """The parameters this server does not implement yet: refused by name, never silently ignored."""
+        if self.n > 1:
+            raise ValueError(f"n: only 1 choice per request is supported, got {self.n}")
+        if self.store:
+            raise ValueError("store: this server stores no completions (store: true is not supported)")
+        if self.logprobs:
+            raise ValueError("logprobs: log-probabilities are not supported yet")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: needs logprobs, which is not supported yet")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format: only type 'text' is supported, got {self.response_format.type!r}")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported yet")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: no tools are supported, so only 'none' or 'auto'")
         return self
 
     @property

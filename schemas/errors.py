@@ -20,6 +20,10 @@ class ApiError(ValueError):
         return {}
 
 
+class InvalidRequestError(ApiError):
+    """A request valid in shape that this server cannot take (a logit_bias token id past the vocabulary)."""
+
+
 class InvalidHeaderError(ApiError):
     """A governance header (X-Tenant, X-Task-Type, X-Max-Token-Budget) with a malformed value."""
 
@@ -61,6 +65,7 @@ class UnknownIdsError(ApiError):
 
 class UnknownModelError(ApiError):
     status_code = 404
+    openai_code, param = "model_not_found", "model"  # OpenAI's
 
 
 class TooLargeError(ApiError):

@@ -14,6 +14,10 @@ class SamplingFields(Protocol):
     temperature: float
     top_p: float
     seed: int | None
+    stop_strings: tuple[str, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias_ids: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -22,12 +26,23 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # matched on the decoded text (serve/engine/stops.py)
+    presence_penalty: float = 0.0  # OpenAI's penalties, over the tokens decoded so far
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
 
     def __post_init__(self) -> None:
         if (self.max_new_tokens < 1 or not math.isfinite(self.temperature) or self.temperature < 0
-                or not 0 < self.top_p <= 1):
+                or not 0 < self.top_p <= 1 or not -2 <= self.presence_penalty <= 2
+                or not -2 <= self.frequency_penalty <= 2 or any(not -100 <= b <= 100 for _, b in self.logit_bias)):
             raise ValueError(f"invalid sampling parameters {self}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a token's logits depend on more than the model: a penalty or a bias is set."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @classmethod
     def of(cls, request: SamplingFields) -> Sampling:
-        return cls(request.max_new_tokens, request.temperature, request.top_p, request.seed)
+        return cls(request.max_new_tokens, request.temperature, request.top_p, request.seed, request.stop_strings,
+                   request.presence_penalty, request.frequency_penalty, request.logit_bias_ids)

@@ -131,6 +131,27 @@ def test_langchain_rag_chain_gets_exactly_its_own_prompt(chat_model):
     assert isinstance(text, str)
 
 
+def test_langchain_stop_and_the_openai_clients_decoding_controls(chat_model, api, serving_store):
+    """`invoke(..., stop=[...])` (issue 36: a 422 before), and the penalties and logit_bias of the openai client.
+    The expected text is the same request's answer without `stop`, cut at the stop string."""
+    question = "When does part XK-4471-B ship?"
+    full = chat_model.invoke(question).content
+    assert len(full) >= 6, full
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stopped = chat_model.invoke(question, stop=[stop])
+    assert stopped.content == full[:full.find(stop)] and stopped.response_metadata["finish_reason"] == "stop"
+    controlled = api.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": question}],
+                                             max_tokens=4, temperature=0, presence_penalty=0.5,
+                                             frequency_penalty=0.5, logit_bias={"15": 100}, user="end-user-7",
+                                             metadata={"trace": "t1"}, store=False)
+    from transformers import AutoTokenizer
+
+    from pipeline.runtime import resolve_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path(serving_store.model), local_files_only=True)
+    assert controlled.choices[0].message.content == tokenizer.decode([15] * 4)  # forced by its +100
+
+
 def test_llamaindex_openailike_chat_with_a_system_message(base_url):
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.openai_like import OpenAILike

@@ -126,7 +126,7 @@ def test_tenants_come_from_api_keys_and_every_request_is_logged(roles, serving_s
     assert call(app, "POST", "/v1/answer", json=body, headers={**acme, "X-Task-Type": "qa"}).status_code == 200
     chat = call(app, "POST", "/v1/chat/completions", headers={"Authorization": "Bearer key-globex-1"}, json={
         "model": "qvpic", "messages": [{"role": "user", "content": body["query"]}], "max_tokens": 3,
-        "temperature": 0, "qvpic": {"chunk_ids": ["invoices#00000"], "task_type": "chat-qa"}})
+        "temperature": 0, "user": "end-user-7", "qvpic": {"chunk_ids": ["invoices#00000"], "task_type": "chat-qa"}})
     assert chat.status_code == 200
     assert call(app, "POST", "/v1/answer", json={**body, "chunk_ids": ["nope"]}, headers=acme).status_code == 404
     bad_task = call(app, "POST", "/v1/answer", json=body, headers={**acme, "X-Task-Type": "bad task!"})
@@ -137,6 +137,7 @@ def test_tenants_come_from_api_keys_and_every_request_is_logged(roles, serving_s
         ("acme", "qa", "answer", 200, None), ("acme", "qa", "answer", 200, "l1"),
         # a chat is keyed by its rendered conversation: not the native answer's entry
         ("globex", "chat-qa", "chat", 200, None), ("acme", None, "answer", 404, None)]
+    assert [r["end_user"] for r in rows] == [None, None, "end-user-7", None]  # OpenAI's `user`: not the tenant
     assert rows[0]["context_tokens"] == rows[0]["vision_tokens"] + rows[0]["text_tokens"] > 0
     assert rows[0]["completion_tokens"] == 3 and rows[0]["kv_loaded_bytes"] >= 0 and rows[0]["ttft_ms"] > 0
 

@@ -256,7 +256,10 @@ def test_no_request_field_names_a_path_or_uri(app):
     names = {name for schema in schemas for name in schema["properties"]}
     assert {"query", "chunk_ids", "doc_ids", "messages", "qvpic"} <= names
     # the one URL a request carries: an image part's, which takes `data:` URLs only (checked below)
-    assert not [n for n in names if PATH_OR_URI_NAME.search(n) and n not in ("image_url", "url")], names
+    assert not [n for n in names if PATH_OR_URI_NAME.search(n) and n not in ("image_url", "url", "store")], names
+    # `store` is OpenAI's boolean (keep the completion), not a store location: it must stay a boolean
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]["store"]
+    assert {s.get("type") for s in chat.get("anyOf", [chat])} <= {"boolean", "null"}, chat
     formats = {s.get("format") for schema in schemas for s in schema["properties"].values()}
     assert not formats & {"uri", "uri-reference", "iri", "path", "binary"}
 

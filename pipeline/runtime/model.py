@@ -23,6 +23,7 @@ from pipeline.runtime.checkpoint import resolve_device, resolve_path
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
+from pipeline.runtime.sampling import adjust_logits, select_token
 from schemas.config import ChunkKind, CompilePrefix, ModelSpec, Variant
 from schemas.sampling import Sampling
 
@@ -171,6 +172,11 @@ class VLM:
         return self.adapter.rope_index(input_ids, grids) + start
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the output projection: the logits' last dimension (ids a logit bias may name)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
     def prefix(self) -> ChunkKV:
         """The serving template prefix's KV at positions 0..P-1, computed once."""
         return self.serving_prefix()
@@ -279,10 +285,14 @@ class VLM:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         logits, cache, position = state.logits[:, -1], state.cache, state.next_position
+        generated: list[int] = []
         for step_index in range(sampling.max_new_tokens):
+            if sampling.adjusts_logits:
+                logits = adjust_logits(logits, generated, sampling)
             token = select_token(logits, sampling, generator)
             if token in self.adapter.end_of_turn_ids:
                 return
+            generated.append(token)
             yield token
             if step_index + 1 == sampling.max_new_tokens:
                 return  # no forward for a token nobody will read
@@ -291,21 +301,6 @@ class VLM:
 
     def generate(self, state: Prefill, sampling: Sampling) -> list[int]:
         return list(self.decode(state, sampling))
-
-
-def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else temperature + nucleus (top-p) sampling. logits: [1, vocab]."""
-    if sampling.temperature == 0:
-        return int(logits.argmax(-1))
-    logits = logits.double()  # a temperature below float32's range would round to 0 there
-    # Shift the best logit to 0 before dividing: a tiny temperature then sends the rest to -inf instead
-    # of overflowing them all to inf (inf - inf = NaN in the softmax).
-    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)[0]
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
 def stack_cache(cache: DynamicCache, row: int = 0) -> torch.Tensor:

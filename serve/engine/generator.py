@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 from pipeline.runtime import VLM, Renderer, check_store
 from pipeline.store import Store, check_device
 from schemas.api import CacheStats
-from schemas.errors import DeadlineExceededError
+from schemas.errors import DeadlineExceededError, InvalidRequestError
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig
 from serve.engine.context import ContextBuilder
@@ -43,8 +43,14 @@ from serve.engine.loop import Engine, EngineStats, LinkedContext
 from serve.engine.repair import Repairer
 from serve.engine.report import answer_report
 from serve.engine.sequence import End, Finished, Sequence
+from serve.engine.stops import Step, StopMatcher
 from serve.kv import CacheLoader, HotTier
 from serve.plan import Answer, LoadResult, Plan
+
+
+def text_of(step: str | Step) -> str:
+    """A detokenizer's piece, or what a stop matcher lets through."""
+    return step if isinstance(step, str) else step.text
 
 
 class Generator:
@@ -81,6 +87,12 @@ class Generator:
         `loaded`: use this KV instead of the hot tier and the loader; `loader`: fetch misses from it
         instead of the deployment's loader (in-process use)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        vocab = self.vlm.vocab_size
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:  # sorted by id: the last is the largest
+            error = InvalidRequestError(f"logit_bias: token id {sampling.logit_bias[-1][0]} is past this model's "
+                                        f"vocabulary (ids 0..{vocab - 1})")
+            error.param = "logit_bias"  # OpenAI's error names the field
+            raise error
         try:
             async with asyncio.timeout(timeout_s):
                 context = await self.contexts.build(plan, loaded, loader or self.loader)
@@ -95,11 +107,14 @@ class Generator:
             num_prompt = sum(t.num_tokens for t in prefill.texts) + sum(c.num_tokens for c in plan.chunks)
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
+        if sampling.stop:  # the engine's matcher ends decoding at a match; this one cuts the text the same way
+            seq.stops = StopMatcher(self.vlm.tokenizer, sampling.stop)
+        text = StopMatcher(self.vlm.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.vlm.tokenizer)
         self.engine.submit(seq)
-        detokenizer, pieces = Detokenizer(self.vlm.tokenizer), []
+        pieces = []
         try:
             while not isinstance(event := await events.get(), Finished):
-                if piece := detokenizer.add(event):
+                if piece := text_of(text.add(event)):
                     pieces.append(piece)
                     yield piece
             if event.end is End.DEADLINE:
@@ -107,7 +122,7 @@ class Generator:
                                             f"after {len(seq.token_ids)} tokens")
             if event.end is not End.STOP and event.end is not End.LENGTH:
                 raise event.error or RuntimeError(f"generation ended: {event.end.value}")
-            if piece := detokenizer.flush():
+            if piece := text_of(text.flush()):
                 pieces.append(piece)
                 yield piece
             after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after

@@ -27,6 +27,7 @@ from pipeline.runtime import (
     LinkedPrompt,
     PrefixCache,
     Slab,
+    adjust_logits,
     decode_step,
     ms_since,
     prefill_alone,
@@ -298,14 +299,20 @@ class Engine:
                 seq.decode_ms += elapsed_ms
             if self.on_logits is not None:
                 self.on_logits(seq, row)
-            token = best if seq.sampling.temperature == 0 else select_token(row[None], seq.sampling, self._sampler(seq))
+            sampling = seq.sampling
+            if sampling.adjusts_logits:  # penalties / bias: this row's choice is not the batch's argmax
+                row = adjust_logits(row, seq.token_ids, sampling)
+                best = int(row.argmax())
+            token = best if sampling.temperature == 0 else select_token(row[None], sampling, self._sampler(seq))
             if token in self.vlm.adapter.end_of_turn_ids:
                 self._finish(seq, End.STOP)
                 continue
             seq.token_ids.append(token)
             self.decoded_tokens += 1
             seq.deliver(token)
-            if len(seq.token_ids) >= seq.sampling.max_new_tokens:
+            if seq.stops is not None and seq.stops.add(token).matched:
+                self._finish(seq, End.STOP)  # a stop string completed: no more decode steps for it
+            elif len(seq.token_ids) >= sampling.max_new_tokens:
                 self._finish(seq, End.LENGTH)
 
     def _finish(self, seq: Sequence, end: End, error: Exception | None = None) -> None:

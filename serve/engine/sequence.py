@@ -50,6 +50,9 @@ class Sequence:
     num_query_tokens: int  # tokens of its batched query prefill (0: its whole prompt is prefilled alone)
     emit: Callable[[int | Finished], None]  # thread-safe: a token id, then one Finished
     deadline: float | None = None  # time.monotonic() after which it ends with End.DEADLINE
+    # its stop strings over the decoded text (serve/engine/stops.py `StopMatcher`), fed by the engine's thread
+    # alone: a completed match finishes it (End.STOP) before another decode step; None without stop strings
+    stops: Any = None
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)

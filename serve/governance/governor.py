@@ -64,7 +64,8 @@ class Governor:
         tenant = self.auth.tenant(http.headers)
         task_type = request.task_type or header_label(http.headers, "X-Task-Type")
         record = RequestRecord(time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
-                               task_type=task_type, route=route.value, mode=request.mode.value)
+                               task_type=task_type, route=route.value, mode=request.mode.value,
+                               end_user=request.user)
         turn = http.state.turn = Turn(self, request, record, started, CacheDirectives.of(http.headers))
         self.metrics.requests.inc(route=route.value, mode=request.mode.value)
         turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(tenant))

@@ -48,6 +48,7 @@ REQUEST_LOG_SCHEMA = pa.schema([
     pa.field("kv_loaded_bytes", pa.int64(), nullable=False),
     pa.field("ttft_ms", pa.float64()),  # null when no token was produced
     pa.field("total_ms", pa.float64(), nullable=False),
+    pa.field("end_user", pa.string()),  # the request's `user` (OpenAI's end-user id): who, within the tenant
 ])
 
 
@@ -71,6 +72,7 @@ class RequestRecord:
     kv_loaded_bytes: int = 0
     ttft_ms: float | None = None
     total_ms: float = 0.0
+    end_user: str | None = None
 
 
 class RequestLog:

@@ -188,8 +188,8 @@ def context_material(plan: Plan, sampling: Sampling) -> str:
                    else hashlib.sha256((c.text or c.image_path or "").encode()).hexdigest())
         chunks.append([c.chunk_id, c.tier, content])
     return json.dumps([plan.mode.value, plan.instruction, plan.query_prompt, plan.conversation, chunks,
-                       sampling.max_new_tokens,
-                       sampling.temperature, sampling.top_p, sampling.seed])
+                       sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed,
+                       sampling.stop, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias])
 
 
 def _digest(*parts: str) -> str:

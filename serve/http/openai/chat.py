@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from schemas.api import AnswerReport, AnswerRequest
@@ -37,12 +37,13 @@ from schemas.chat import (
     PromptTokensDetails,
     RetrievalMode,
 )
+from schemas.decoding import Decoding
 from schemas.errors import UnknownModelError
 from serve.config import ApiSpec
 from serve.governance import Route
 from serve.http.backend import api_error, sse
 from serve.http.exchange import Turns
-from serve.http.openai.errors import openai_error_body
+from serve.http.openai.errors import openai_error, openai_error_body
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -71,7 +72,9 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
                              max_high_res=options.max_high_res, tier=options.tier,
                              max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                             **request.model_dump(include=set(Decoding.model_fields)),
                              stream=request.stream, timeout_s=options.timeout_s,
+                             user=request.user or request.safety_identifier,
                              **(selection or {"top_k": default_top_k}))
     except ValidationError as error:  # the chat request's own limits should already exclude this
         raise RequestValidationError(error.errors()) from error
@@ -88,9 +91,25 @@ def chunk_event(chunk: ChatCompletionChunk) -> str:
 def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
     routes = APIRouter(tags=["openai"])
 
+    card = ModelCard(id=api.served_model_name, created=api.created, owned_by="qvpic")
+
     @routes.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=api.served_model_name, created=api.created, owned_by="qvpic")])
+        return ModelList(data=[card])
+
+    @routes.get("/v1/models/{model}", responses={404: {"model": OpenAIErrorBody}})
+    async def model(model: str) -> ModelCard:
+        if model != api.served_model_name:
+            raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {[card.id]}")
+        return card
+
+    @routes.post("/v1/completions", include_in_schema=False)
+    @routes.post("/v1/embeddings", include_in_schema=False)
+    async def not_served(http: Request) -> JSONResponse:
+        """OpenAI's 404 shape with the way forward, not a bare `{"detail": "Not Found"}` the client reads as None."""
+        what = "legacy completions" if http.url.path.endswith("completions") else "embeddings"
+        return openai_error(404, f"{what} are not served here: use POST /v1/chat/completions (LlamaIndex: "
+                                 "OpenAILike(is_chat_model=True))", code="not_found")
 
     @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from schemas.chat import OpenAIError, OpenAIErrorBody
 
 _NAMED = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*): ")
-OPENAI_PATHS = ("/v1/chat/", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/", "/v1/models", "/v1/completions", "/v1/embeddings")
 # OpenAI's `type` and `code` strings by HTTP status (its API reference and client's error classes)
 ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", "invalid_value"),
@@ -69,6 +69,8 @@ def openai_invalid(errors: list[dict], message: str) -> JSONResponse:
     deepest = max(errors, key=lambda e: len(e["loc"]))
     param = field_path(tuple(deepest["loc"]))
     text = str(deepest["msg"]).removeprefix("Value error, ")
+    if deepest["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted" says less than this
+        text = "this server does not take this parameter (docs/OPENAI.md lists every parameter and its status)"
     if param is None and (named := _NAMED.match(text)):  # a check across fields names its field first
         param = named.group(1)
     return openai_error(400, f"{param}: {text}" if param and not text.startswith(param) else text, param=param)

@@ -1,0 +1,40 @@
+"""Choosing the next token from one step's logits: OpenAI's penalties and logit bias, then greedy or temperature +
+nucleus sampling. The serving engine (serve/engine/loop.py) and `VLM.decode` both call these: one rule for both."""
+
+from __future__ import annotations
+
+import torch
+
+from schemas.sampling import Sampling
+
+
+def adjust_logits(logits: torch.Tensor, generated: list[int], sampling: Sampling) -> torch.Tensor:
+    """OpenAI's penalties and logit bias on one step's logits `[..., vocab]` (a new tensor):
+    `logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty + bias[j]`, where `count[j]` is
+    how often token j was decoded so far in this answer (the prompt's tokens are not counted, as OpenAI's
+    reference formula and vLLM's output-token penalties do)."""
+    logits = logits.float().clone()
+    if generated and (sampling.presence_penalty or sampling.frequency_penalty):
+        ids = torch.tensor(generated, device=logits.device)
+        counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+            0, ids, torch.ones(len(generated), device=logits.device))
+        logits -= counts * sampling.frequency_penalty + (counts > 0).float() * sampling.presence_penalty
+    if sampling.logit_bias:
+        ids = torch.tensor([token for token, _ in sampling.logit_bias], device=logits.device)
+        logits[..., ids] += torch.tensor([bias for _, bias in sampling.logit_bias], device=logits.device)
+    return logits
+
+
+def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else temperature + nucleus (top-p) sampling. logits: [1, vocab]."""
+    if sampling.temperature == 0:
+        return int(logits.argmax(-1))
+    logits = logits.double()  # a temperature below float32's range would round to 0 there
+    # Shift the best logit to 0 before dividing: a tiny temperature then sends the rest to -inf instead
+    # of overflowing them all to inf (inf - inf = NaN in the softmax).
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)[0]
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

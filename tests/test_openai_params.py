@@ -1,0 +1,89 @@
+"""docs/OPENAI.md's parameter table is the contract: each row's example is sent to the live app (in-process roles)
+and the answer must match the row — supported and ignored: 200; refused: OpenAI's 400 naming the parameter. Every
+field of the request model must have a row, so a parameter cannot be added (or dropped) without the table."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import openai
+import pytest
+
+from schemas.chat import ChatCompletionRequest
+from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
+from tests.test_api import app, call  # noqa: F401  (a fixture)
+
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "OPENAI.md"
+ROW = re.compile(r"^\| `(\w+)` \| (supported|ignored|refused) \| `(.+?)` \|")
+BASE = {"model": "qvpic", "messages": [{"role": "user", "content": "When does part XK-4471-B ship?"}],
+        "max_tokens": 2, "temperature": 0, "qvpic": {"chunk_ids": ["manual#00000"]}}
+
+
+def rows() -> list[tuple[str, str, object]]:
+    found = [(m[1], m[2], json.loads(m[3])) for line in TABLE.read_text().splitlines() if (m := ROW.match(line))]
+    assert len(found) >= 30, "the table did not parse"
+    return found
+
+
+def test_every_request_field_has_a_row():
+    assert set(ChatCompletionRequest.model_fields) <= {name for name, _, _ in rows()}
+
+
+@pytest.mark.parametrize("name, status, example", rows(), ids=lambda v: v if isinstance(v, str) else None)
+def test_the_server_answers_as_the_table_says(app, name, status, example):
+    body = {**BASE, name: example}
+    if name == "stream":
+        body["stream"] = False
+    response = call(app, "POST", "/v1/chat/completions", json=body, headers={"Cache-Control": "no-cache"})
+    if status == "refused":
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == name and error["type"] == "invalid_request_error", error
+    else:
+        assert response.status_code == 200, response.text
+        assert response.json()["object"] == "chat.completion"
+
+
+def test_the_routes_beside_chat_answer_in_openais_shape(app):
+    assert call(app, "GET", "/v1/models/qvpic").json()["id"] == "qvpic"
+    missing = call(app, "GET", "/v1/models/gpt-9")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    for path in ("/v1/completions", "/v1/embeddings"):
+        response = call(app, "POST", path, json={"model": "qvpic", "prompt": "Hi"})
+        assert response.status_code == 404 and "is_chat_model=True" in response.json()["error"]["message"]
+
+
+def test_the_openai_client_reads_the_refusal_as_bad_request(app):
+    """`except openai.BadRequestError` catches what the server refuses, with its param."""
+    import httpx
+
+    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1",
+                           http_client=httpx.Client(transport=SyncASGI(app)))
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="qvpic", messages=BASE["messages"], logprobs=True)
+    assert raised.value.param == "logprobs"
+
+
+class SyncASGI:
+    """A sync httpx transport over the ASGI app (httpx's ASGITransport is async only)."""
+
+    def __init__(self, app):
+        import httpx
+
+        self.transport = httpx.ASGITransport(app=app)
+
+    def handle_request(self, request):
+        import asyncio
+
+        import httpx
+
+        async def go():
+            response = await self.transport.handle_async_request(request)
+            content = await response.aread()
+            return httpx.Response(response.status_code, headers=response.headers, content=content)
+        return asyncio.run(go())
+
+    def close(self):
+        pass
