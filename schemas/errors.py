@@ -57,6 +57,12 @@ class RateLimitedError(RetryLaterError):
     status_code = 429
 
 
+class TooManyInFlightError(RetryLaterError):
+    """The tenant already has its `max_in_flight` requests in progress on this replica."""
+
+    status_code = 429
+
+
 class UnknownIdsError(ApiError):
     """Chunk or document ids that are not in the store (the message names them)."""
 

@@ -46,6 +46,9 @@ class DeploymentConfig(Frozen):
     num_cpus: float = Field(0.1, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(16, ge=1)
+    # Serve's queue per caller in front of the replicas: bounded, so a flood is answered 503 + Retry-After
+    # (BackPressureError) instead of queueing without end (Serve's default, -1, is unbounded)
+    max_queued_requests: int = Field(512, ge=1)
     placement: Placement = Placement.ANY
     max_replicas_per_node: int | None = Field(None, ge=1)  # 1: replicas on different nodes (None: no limit)
 
@@ -62,7 +65,8 @@ class DeploymentConfig(Frozen):
         if self.placement is Placement.HEAD:  # a sliver of the head's one unit: any number of replicas fit
             actor["resources"] = {HEAD_NODE_RESOURCE: 0.001}
         spread = {} if self.max_replicas_per_node is None else {"max_replicas_per_node": self.max_replicas_per_node}
-        return {**scale, **spread, "max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
+        return {**scale, **spread, "max_ongoing_requests": self.max_ongoing_requests,
+                "max_queued_requests": self.max_queued_requests, "ray_actor_options": actor}
 
 
 class StoreBound(Frozen):
@@ -94,6 +98,9 @@ class TenantPolicy(Frozen):
     request_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
     tokens_per_s: float | None = Field(None, gt=0, description="context + query + max_new_tokens per second")
     token_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
+    max_in_flight: int | None = Field(None, ge=1, description=(
+        "requests of the tenant in progress at once on one ingress replica (streams until they end); past it 429 "
+        "with Retry-After: one tenant's long requests cannot fill every slot"))
 
     def rate(self, limit: Limit) -> tuple[float, float] | None:
         """(refill per second, capacity) of one bucket, or None when that rate is unlimited."""

@@ -13,12 +13,14 @@ import hashlib
 import json
 import time
 import uuid
+from collections import Counter
 from datetime import datetime, timezone
 from enum import Enum
 
 from fastapi import Request
 
 from schemas.api import AnswerRequest, StoreInfo
+from schemas.errors import TooManyInFlightError
 from serve.config import GovernanceConfig, Limit, StateBackend
 from serve.governance.auth import Authenticator, header_label
 from serve.governance.budget import RateLimiter, token_budget
@@ -57,6 +59,7 @@ class Governor:
         self.cache = ResponseCache(cache_config, cache_namespace(store), backend)
         self.log = RequestLog(config.request_log) if config.request_log.location is not None else None
         self.high_tier = max(store.tiers, key=store.tiers.get)
+        self.in_flight: Counter[str] = Counter()  # tenant -> its requests in progress here (max_in_flight)
 
     async def begin(self, http: Request, request: AnswerRequest, route: Route) -> Turn:
         """Authenticate, then charge the tenant's request rate (401, 400 or 429 before any work)."""
@@ -66,11 +69,26 @@ class Governor:
         record = RequestRecord(time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
                                task_type=task_type, route=route.value, mode=request.mode.value,
                                end_user=request.user)
+        cap = self.config.limits.policy(tenant).max_in_flight
+        if cap is not None and self.in_flight[tenant] >= cap:
+            raise TooManyInFlightError(f"tenant {tenant!r} already has {cap} requests in progress (max_in_flight); "
+                                       "retry when one ends", retry_after_s=1.0)
         turn = http.state.turn = Turn(self, request, record, started, CacheDirectives.of(http.headers))
+        self.in_flight[tenant] += 1  # given back by `release` when the response has been sent (or abandoned)
+        turn.holds_slot = True
         self.metrics.requests.inc(route=route.value, mode=request.mode.value)
         turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(tenant))
         await self.limits.take(tenant, Limit.REQUESTS, 1)
         return turn
+
+    def release(self, turn: Turn | None) -> None:
+        """The request's response is over (sent, failed or abandoned): its in-flight slot is free again."""
+        if turn is not None and turn.holds_slot:
+            turn.holds_slot = False
+            tenant = turn.record.tenant
+            self.in_flight[tenant] -= 1
+            if self.in_flight[tenant] <= 0:
+                del self.in_flight[tenant]
 
     def rejected(self, http: Request, status: int) -> None:
         """An error response was sent: finish its turn, or count it when it never became one (401, 422)."""

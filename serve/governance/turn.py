@@ -41,6 +41,7 @@ class Turn:
     def __init__(self, governor: Governor, request: AnswerRequest, record: RequestRecord, started: float,
                  directives: CacheDirectives = CacheDirectives()):
         self.governor, self.request, self.record, self.started = governor, request, record, started
+        self.holds_slot = False  # one of its tenant's max_in_flight slots (Governor.release gives it back)
         self.directives = directives
         self.cache_status: str | None = None  # RFC 9211 Cache-Status, once the cache was consulted
         self.lookup_ms: float | None = None

@@ -119,6 +119,21 @@ class KeyGate:
         await self.app(scope, receive, send)
 
 
+class ReleaseTurn:
+    """Once a request's response is over — sent, streamed to its end, failed, or abandoned by the client — its
+    turn's in-flight slot is given back (`Governor.release`): a `finally` around the whole ASGI call, so no path
+    (a cancellation included) keeps a slot."""
+
+    def __init__(self, app: ASGIApp, release: Callable[[Any], None]):
+        self.app, self.release = app, release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.release((scope.get("state") or {}).get("turn"))
+
+
 def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
     """422: FastAPI's body (`detail`: a list of errors, each echoing its input) natively; on the OpenAI-compatible
     routes a 400 in OpenAI's shape (one message naming every field, `param` the first one's path)."""

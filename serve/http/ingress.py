@@ -37,7 +37,7 @@ from serve.governance import Governor, Route
 from serve.governance.auth import exposure
 from serve.http.backend import Backend, HandleBackend, api_error, error_cause, sse
 from serve.http.exchange import Turns
-from serve.http.guards import install_guards
+from serve.http.guards import ReleaseTurn, install_guards
 from serve.http.health import ReadinessProbe, install_readiness
 from serve.http.openai import is_openai_path, openai_error, openai_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
@@ -118,6 +118,7 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
     app.include_router(openai_routes(turns, api))
     # 401 without a key (when keys exist), 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
     install_guards(app, governor.rejected, governor.auth)
+    app.add_middleware(ReleaseTurn, release=governor.release)  # a tenant's in-flight slot, back when it ends
     return app
 
 
