@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation
-from schemas.decoding import Decoding
+from schemas.decoding import ChoiceLogprobs, Decoding
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -258,6 +258,7 @@ class AnswerReport(Strict):
 class AnswerResponse(AnswerReport):
     id: str
     answer: str
+    logprobs: ChoiceLogprobs | None = None  # with `logprobs: true`: each answer token's (OpenAI's shape)
 
 
 class TokenEstimate(Strict):

@@ -24,7 +24,7 @@ from schemas.api import (
     Strict,
 )
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
-from schemas.decoding import Decoding
+from schemas.decoding import ChoiceLogprobs, Decoding
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 
@@ -73,11 +73,6 @@ class StreamOptions(Strict):
     include_usage: JsonBool = False
 
 
-class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(Strict, Decoding):
     """Every parameter of OpenAI's chat-completion request is here: supported, accepted and ignored, or refused
     with a 400 naming it (docs/OPENAI.md has the table; tests/test_openai_params.py walks it)."""
@@ -103,9 +98,6 @@ class ChatCompletionRequest(Strict, Decoding):
     store: JsonBool | None = None
     service_tier: Literal["auto", "default"] | None = None  # accepted: one tier here
     modalities: list[Literal["text"]] | None = Field(None, max_length=1)
-    logprobs: JsonBool | None = None
-    top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: JsonBool | None = None
@@ -123,12 +115,6 @@ class ChatCompletionRequest(Strict, Decoding):
             raise ValueError(f"n: only 1 choice per request is supported, got {self.n}")
         if self.store:
             raise ValueError("store: this server stores no completions (store: true is not supported)")
-        if self.logprobs:
-            raise ValueError("logprobs: log-probabilities are not supported yet")
-        if self.top_logprobs:
-            raise ValueError("top_logprobs: needs logprobs, which is not supported yet")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: only type 'text' is supported, got {self.response_format.type!r}")
         if self.tools:
             raise ValueError("tools: tool calling is not supported yet")
         if self.tool_choice not in (None, "none", "auto"):
@@ -168,7 +154,7 @@ class ChatChoice(Strict):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(Strict):

@@ -6,17 +6,41 @@ serve/engine/stops.py matches the stop strings on the decoded text."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from schemas.wire import JsonFloat
+from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_STOP_STRINGS = 4  # OpenAI's
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # entries (token ids); OpenAI documents no count, only the -100..100 range
 MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # OpenAI's
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: JsonBool | None = None  # always enforced here: decoding is constrained to the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_named(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given exactly when type is 'json_schema'")
+        return self
 
 
 class Decoding(BaseModel):
@@ -32,6 +56,37 @@ class Decoding(BaseModel):
     logit_bias: dict[str, JsonFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS, description=(
         "token id (as a string) -> a bias in [-100, 100] added to its logit before sampling; -100 bans it, 100 "
         "all but forces it. Ids past the model's vocabulary are refused (400)"))
+
+    response_format: ResponseFormat | None = Field(None, description=(
+        "text (default), json_object (any JSON object) or json_schema: decoding is constrained to the grammar, so "
+        "the answer parses and validates whatever the weights (llguidance)"))
+    logprobs: JsonBool | None = Field(None, description=(
+        "return the log-probability of each answer token under the model (its raw distribution, before "
+        "temperature, penalties or bias: vLLM's default), in OpenAI's choices[].logprobs.content shape"))
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "with logprobs: the most likely alternatives at each position, best first"))
+
+    @model_validator(mode="after")
+    def _logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if self.logprobs and getattr(self, "stream", False):
+            raise ValueError("logprobs: not supported with stream yet (ask without stream)")
+        return self
+
+    @property
+    def json_schema_text(self) -> str | None:
+        """The grammar's JSON schema as canonical JSON text (what the engine compiles and the cache keys), or None."""
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return json.dumps({"type": "object"})
+        return json.dumps(self.response_format.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """None: no log-probabilities; else how many alternatives each position lists."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("stop")
     @classmethod
@@ -58,3 +113,20 @@ class Decoding(BaseModel):
     def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
         """The bias as (token id, bias) pairs, by id: what the engine and the response cache's key read."""
         return tuple(sorted((int(token), value) for token, value in (self.logit_bias or {}).items()))
+
+
+class TopLogprob(BaseModel):
+    token: str  # the token's text; `bytes:\\x..` when its bytes are not whole UTF-8 characters
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the most likely tokens at this position, best first
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's `choices[].logprobs`."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None

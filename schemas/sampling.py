@@ -18,6 +18,8 @@ class SamplingFields(Protocol):
     presence_penalty: float
     frequency_penalty: float
     logit_bias_ids: tuple[tuple[int, float], ...]
+    logprobs_top: int | None
+    json_schema_text: str | None
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class Sampling:
     presence_penalty: float = 0.0  # OpenAI's penalties, over the tokens decoded so far
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
+    json_schema: str | None = None  # the answer is constrained to this JSON schema (serve/engine/grammar.py)
 
     def __post_init__(self) -> None:
         if (self.max_new_tokens < 1 or not math.isfinite(self.temperature) or self.temperature < 0
@@ -45,4 +49,5 @@ class Sampling:
     @classmethod
     def of(cls, request: SamplingFields) -> Sampling:
         return cls(request.max_new_tokens, request.temperature, request.top_p, request.seed, request.stop_strings,
-                   request.presence_penalty, request.frequency_penalty, request.logit_bias_ids)
+                   request.presence_penalty, request.frequency_penalty, request.logit_bias_ids,
+                   request.logprobs_top, request.json_schema_text)

@@ -20,6 +20,7 @@ import numpy as np
 
 from schemas.api import AnswerReport, CacheReport, FallbackReport, KVSource, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
+from schemas.decoding import ChoiceLogprobs
 from schemas.prompt import PromptLayout
 from schemas.store import CacheKey
 
@@ -177,3 +178,4 @@ class Answer:
 
     text: str
     report: AnswerReport
+    logprobs: ChoiceLogprobs | None = None  # with `logprobs` asked: each answer token's, in OpenAI's shape

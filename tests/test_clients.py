@@ -152,6 +152,28 @@ def test_langchain_stop_and_the_openai_clients_decoding_controls(chat_model, api
     assert controlled.choices[0].message.content == tokenizer.decode([15] * 4)  # forced by its +100
 
 
+def test_langchain_structured_output_and_logprobs(chat_model):
+    """`with_structured_output(Model, method="json_schema")`: the reply parses into the model (constrained decoding,
+    whatever the weights); `bind_tools` is refused by name, as docs/OPENAI.md says; logprobs come back."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Part(BaseModel):
+        part: str = Field(max_length=12)
+        ships: bool
+
+    roomy = chat_model.model_copy(update={"max_tokens": 64})  # room for the whole object
+    structured = roomy.with_structured_output(Part, method="json_schema")
+    parsed = structured.invoke("When does part XK-4471-B ship?")
+    assert isinstance(parsed, Part)
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat_model.bind_tools([Part]).invoke("Which part?")
+    assert refused.value.param == "tools"
+    reply = chat_model.bind(logprobs=True, top_logprobs=2).invoke("Which part?")
+    content = reply.response_metadata["logprobs"]["content"]
+    assert len(content) == reply.usage_metadata["output_tokens"] and all(e["logprob"] <= 0 for e in content)
+
+
 def test_llamaindex_openailike_chat_with_a_system_message(base_url):
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.openai_like import OpenAILike

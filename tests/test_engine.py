@@ -128,6 +128,28 @@ def test_batched_requests_equal_each_request_alone(vlm, chunks):
     assert rec.engine.slab is None and not rec.engine.scheduler.running  # everyone left, memory freed
 
 
+def test_logprobs_are_a_full_forwards_log_softmax(vlm, chunks):
+    """Each emitted token's log-probability and its top alternatives equal the batch-1 runtime's log-softmax
+    (`alone`: a full forward for the online row, the assembled context for the linked ones), batched with others."""
+    rec = Recorder(vlm)
+    seqs = [rec.submit(linked(vlm, chunks[:2], "When does it ship?"), 6, logprobs=3),
+            rec.submit(online(vlm, ["Invoice 4471 ships on 12 March."], "When?"), 5, logprobs=0),
+            rec.submit(linked(vlm, [chunks[2]], "Hi"), 4)]  # asks none: gets none
+    rec.run()
+    for seq in seqs[:2]:
+        tokens, logits = alone(vlm, seq.context, seq.sampling.max_new_tokens)
+        assert seq.token_ids == tokens and len(seq.token_logprobs) == len(tokens)
+        for token, (logprob, top), reference in zip(tokens, seq.token_logprobs, logits):
+            expected = torch.log_softmax(reference.float(), -1)
+            assert abs(logprob - float(expected[token])) <= TOLERANCE
+            best = torch.topk(expected, seq.sampling.logprobs)
+            assert [t for t, _ in top] == best.indices.tolist()
+            assert [lp for _, lp in top] == pytest.approx(best.values.tolist(), abs=TOLERANCE)
+            if top:  # greedy: the emitted token is the best one
+                assert top[0][0] == token
+    assert seqs[2].token_logprobs == []
+
+
 def test_a_mask_that_lets_padding_through_breaks_the_equality(vlm, chunks, monkeypatch):
     """Negative control: the same batch with padded columns left visible no longer matches."""
     original = batch.Slab.prepare

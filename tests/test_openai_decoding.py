@@ -91,3 +91,56 @@ def test_bad_controls_are_400_naming_the_field(app, fields, param):
     response = call(app, "POST", "/v1/chat/completions", json=body, headers=NO_CACHE)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_logprobs_in_openais_shape(app, roles):
+    tokenizer = roles.generator.vlm.tokenizer
+    answer = chat(app, max_tokens=5, logprobs=True, top_logprobs=3)
+    choice = answer["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"] == 5
+    assert "".join(bytes(e["bytes"]).decode("utf-8", "ignore") for e in content) == choice["message"]["content"]
+    for entry in content:
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and tops[0]["token"] == entry["token"]  # greedy: the emitted token is the best
+        assert tops[0]["logprob"] == pytest.approx(entry["logprob"]) and entry["logprob"] <= 0
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert sum(2.718281828 ** t["logprob"] for t in tops) <= 1 + 1e-6
+    assert chat(app, max_tokens=2)["choices"][0]["logprobs"] is None  # not asked: none
+    ids = [tokenizer.encode(bytes(e["bytes"]).decode("utf-8", "ignore"), add_special_tokens=False) for e in content]
+    assert all(ids)
+    refused = call(app, "POST", "/v1/chat/completions", headers=NO_CACHE, json={
+        "model": "qvpic", "messages": QUESTION, "logprobs": True, "stream": True, **SELECTION})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+
+
+PART_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["part", "ships", "units"],
+               "properties": {"part": {"type": "string", "maxLength": 12}, "ships": {"type": "boolean"},
+                              "units": {"type": "integer", "minimum": 1, "maximum": 99}}}
+
+
+def test_response_format_json_schema_gives_valid_json_whatever_the_weights(app):
+    """The tiny model's weights are random: without the grammar its answer is not JSON (the control)."""
+    import jsonschema
+
+    unconstrained = chat(app, max_tokens=40)["choices"][0]["message"]["content"]
+    with pytest.raises(ValueError):
+        json.loads(unconstrained)
+    fmt = {"type": "json_schema", "json_schema": {"name": "part", "schema": PART_SCHEMA, "strict": True}}
+    answer = chat(app, max_tokens=80, response_format=fmt)
+    value = json.loads(answer["choices"][0]["message"]["content"])
+    jsonschema.validate(value, PART_SCHEMA)
+    assert answer["choices"][0]["finish_reason"] == "stop"  # the grammar completed before max_tokens
+    deltas, finish = streamed(app, max_tokens=80, response_format=fmt)
+    jsonschema.validate(json.loads("".join(deltas)), PART_SCHEMA)
+    anything = chat(app, max_tokens=60, response_format={"type": "json_object"})["choices"][0]
+    if anything["finish_reason"] == "stop":  # a free object may run past max_tokens; when it ends, it parses
+        assert isinstance(json.loads(anything["message"]["content"]), dict)
+
+
+def test_a_schema_the_grammar_cannot_take_is_400(app):
+    body = {"model": "qvpic", "messages": QUESTION, "max_tokens": 4, **SELECTION, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}}
+    response = call(app, "POST", "/v1/chat/completions", json=body, headers=NO_CACHE)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format"

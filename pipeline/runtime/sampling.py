@@ -25,6 +25,15 @@ def adjust_logits(logits: torch.Tensor, generated: list[int], sampling: Sampling
     return logits
 
 
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of `token` under `logits` `[vocab]` (a log-softmax in float32), and the `top` most
+    likely tokens with theirs, best first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return float(logprobs[token]), alternatives
+
+
 def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0, else temperature + nucleus (top-p) sampling. logits: [1, vocab]."""
     if sampling.temperature == 0:

@@ -77,3 +77,17 @@ class Detokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(emitted):].replace(_REPLACEMENT, "")
+
+
+def token_text(tokenizer, token_id: int) -> tuple[str, list[int] | None]:
+    """One token as OpenAI's logprobs show it: its text and its UTF-8 bytes. A byte-level token that is not whole
+    UTF-8 characters reads `bytes:\\xe6\\x97` (as OpenAI writes such tokens); elsewhere the tokenizer's decoding."""
+    table = _byte_table(tokenizer)
+    if table is None:
+        text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text, list(text.encode())
+    raw = table[token_id] if token_id < len(table) else b""
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)

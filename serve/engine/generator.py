@@ -34,11 +34,12 @@ from ray.serve.handle import DeploymentHandle
 from pipeline.runtime import VLM, Renderer, check_store
 from pipeline.store import Store, check_device
 from schemas.api import CacheStats
+from schemas.decoding import ChoiceLogprobs, TokenLogprob, TopLogprob
 from schemas.errors import DeadlineExceededError, InvalidRequestError
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig
 from serve.engine.context import ContextBuilder
-from serve.engine.detokenizer import Detokenizer
+from serve.engine.detokenizer import Detokenizer, token_text
 from serve.engine.loop import Engine, EngineStats, LinkedContext
 from serve.engine.repair import Repairer
 from serve.engine.report import answer_report
@@ -107,6 +108,8 @@ class Generator:
             num_prompt = sum(t.num_tokens for t in prefill.texts) + sum(c.num_tokens for c in plan.chunks)
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
+        if sampling.json_schema is not None:  # compiled here: a bad schema is a 400 before the request is queued
+            seq.grammar = self.engine.chooser.grammars.matcher(sampling.json_schema)
         if sampling.stop:  # the engine's matcher ends decoding at a match; this one cuts the text the same way
             seq.stops = StopMatcher(self.vlm.tokenizer, sampling.stop)
         text = StopMatcher(self.vlm.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.vlm.tokenizer)
@@ -126,9 +129,19 @@ class Generator:
                 pieces.append(piece)
                 yield piece
             after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after
-            yield Answer(text="".join(pieces), report=answer_report(plan, context, seq, after.num_tokens))
+            yield Answer(text="".join(pieces), report=answer_report(plan, context, seq, after.num_tokens),
+                         logprobs=self.logprobs(seq) if sampling.logprobs is not None else None)
         finally:
             self.engine.cancel(seq)  # a no-op once finished; else the caller went away: the row leaves
+
+    def logprobs(self, seq: Sequence) -> ChoiceLogprobs:
+        """Each emitted token's log-probability and alternatives (the engine's), with their text and bytes."""
+        def entry(token: int, logprob: float) -> dict:
+            text, raw = token_text(self.vlm.tokenizer, token)
+            return {"token": text, "logprob": logprob, "bytes": raw}
+        return ChoiceLogprobs(content=[
+            TokenLogprob(**entry(token, logprob), top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in top])
+            for token, (logprob, top) in zip(seq.token_ids, seq.token_logprobs)])
 
     def generate_blocking(self, plan: Plan, sampling: Sampling, *, loaded: LoadResult | None = None,
                           loader: CacheLoader | None = None) -> Answer:
@@ -161,5 +174,4 @@ class Generator:
 
     def clear_prefix_cache(self) -> None:
         """Drop the prefix KV cache (a cold measurement)."""
-        with self.engine.model_lock:
-            self.engine.prefix_cache.clear()
+        self.engine.clear_prefix_cache()

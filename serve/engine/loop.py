@@ -27,17 +27,16 @@ from pipeline.runtime import (
     LinkedPrompt,
     PrefixCache,
     Slab,
-    adjust_logits,
     decode_step,
     ms_since,
     prefill_alone,
     prefill_queries,
     resume,
-    select_token,
     store,
 )
 from pipeline.runtime.conversation import PreparedSegment
 from schemas.config import EngineSpec, RecomputeSpec
+from serve.engine.choice import Chooser
 from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import End, Sequence, Status
 from serve.metrics import serve_metrics
@@ -106,7 +105,7 @@ class Engine:
         self.steps = self.decoded_tokens = 0
         self.ended: Counter[str] = Counter()  # requests by how they ended
         self._work = threading.Condition()
-        self._samplers: dict[int, torch.Generator] = {}
+        self.chooser = Chooser(vlm)  # each row's next token under its request's decoding controls
         self._joining: list[Sequence] = []
         if start:
             threading.Thread(target=self._loop, name="qvpic-engine", daemon=True).start()
@@ -124,6 +123,16 @@ class Engine:
             seq.cancel()
             with self._work:
                 self._work.notify()
+
+    def clear_prefix_cache(self, timeout_s: float = 10.0) -> None:
+        """Drop the prefix KV cache (a cold measurement). A finished request's blocks are kept at the engine's next
+        step, after its answer was delivered: wait for that first, or they would land in the cache just cleared
+        (the next "cold" request would find them — a race the generator tests lost about one run in four)."""
+        with self._work:
+            self._work.wait_for(lambda: not any(s.status is Status.FINISHED for s in self.scheduler.running),
+                                timeout=timeout_s)
+        with self.model_lock:
+            self.prefix_cache.clear()
 
     def stats(self) -> EngineStats:
         with self._work:
@@ -170,8 +179,9 @@ class Engine:
             with self._work:
                 self.scheduler.leave(gone)
                 self.slab = self.slab.keep(kept, self.scheduler.capacity()) if kept else None
+                self._work.notify_all()  # clear_prefix_cache may be waiting for these rows' prefixes to be kept
             for seq_id in gone:
-                self._samplers.pop(seq_id, None)
+                self.chooser.forget(seq_id)
 
     def _admit(self) -> None:
         with self._work:
@@ -299,21 +309,15 @@ class Engine:
                 seq.decode_ms += elapsed_ms
             if self.on_logits is not None:
                 self.on_logits(seq, row)
-            sampling = seq.sampling
-            if sampling.adjusts_logits:  # penalties / bias: this row's choice is not the batch's argmax
-                row = adjust_logits(row, seq.token_ids, sampling)
-                best = int(row.argmax())
-            token = best if sampling.temperature == 0 else select_token(row[None], sampling, self._sampler(seq))
+            token = self.chooser.token(seq, row, best)
             if token in self.vlm.adapter.end_of_turn_ids:
                 self._finish(seq, End.STOP)
                 continue
             seq.token_ids.append(token)
             self.decoded_tokens += 1
             seq.deliver(token)
-            if seq.stops is not None and seq.stops.add(token).matched:
-                self._finish(seq, End.STOP)  # a stop string completed: no more decode steps for it
-            elif len(seq.token_ids) >= sampling.max_new_tokens:
-                self._finish(seq, End.LENGTH)
+            if (end := self.chooser.ending(seq, token)) is not None:
+                self._finish(seq, end)
 
     def _finish(self, seq: Sequence, end: End, error: Exception | None = None) -> None:
         if seq.status is not Status.FINISHED:
@@ -327,13 +331,6 @@ class Engine:
         self.metrics.engine_waiting.set(stats.waiting)
         self.metrics.engine_kv_bytes.set(stats.kv_nbytes)
 
-    def _sampler(self, seq: Sequence) -> torch.Generator | None:
-        if seq.sampling.seed is None:
-            return None
-        if seq.id not in self._samplers:
-            self._samplers[seq.id] = torch.Generator(device=self.vlm.device).manual_seed(seq.sampling.seed)
-        return self._samplers[seq.id]
-
     def _fail(self, error: Exception) -> None:
         """A step raised: every request in flight ends with it; the engine starts over empty."""
         with self._work:
@@ -341,7 +338,7 @@ class Engine:
                 self._finish(seq, End.FAILED, error)
             self.scheduler.leave({s.id for s in self.scheduler.running})
             self.slab, self._joining = None, []
-            self._samplers.clear()
+            self.chooser.forget()
 
     @staticmethod
     def _online(seq: Sequence) -> bool:

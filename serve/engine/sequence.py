@@ -53,6 +53,10 @@ class Sequence:
     # its stop strings over the decoded text (serve/engine/stops.py `StopMatcher`), fed by the engine's thread
     # alone: a completed match finishes it (End.STOP) before another decode step; None without stop strings
     stops: Any = None
+    grammar: Any = None  # an llguidance matcher when the answer is constrained to a JSON schema (engine thread only)
+    # with sampling.logprobs: per emitted token (its log-probability, ((id, log-probability), …) of the best
+    # `logprobs` alternatives), appended by the engine's thread before the token is delivered
+    token_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)

@@ -178,6 +178,8 @@ def normalise_query(query: str) -> str:
 
 def cacheable(sampling: Sampling) -> bool:
     """Greedy, or sampled with a seed: the same request gives the same answer."""
+    if sampling.logprobs is not None:  # the entry holds no log-probabilities: computed each time
+        return False
     return sampling.temperature == 0.0 or sampling.seed is not None
 
 
@@ -189,7 +191,8 @@ def context_material(plan: Plan, sampling: Sampling) -> str:
         chunks.append([c.chunk_id, c.tier, content])
     return json.dumps([plan.mode.value, plan.instruction, plan.query_prompt, plan.conversation, chunks,
                        sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed,
-                       sampling.stop, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias])
+                       sampling.stop, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias,
+                       sampling.json_schema])
 
 
 def _digest(*parts: str) -> str:

@@ -124,7 +124,7 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
 
 def respond(answer_id: str, answer: Answer, started: float) -> AnswerResponse:
     report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
-    return AnswerResponse(id=answer_id, answer=answer.text, **report.model_dump())
+    return AnswerResponse(id=answer_id, answer=answer.text, logprobs=answer.logprobs, **report.model_dump())
 
 
 def serve_http_host() -> str | None:

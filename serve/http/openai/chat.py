@@ -72,7 +72,7 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
                              max_high_res=options.max_high_res, tier=options.tier,
                              max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-                             **request.model_dump(include=set(Decoding.model_fields)),
+                             **request.model_dump(include=set(Decoding.model_fields), by_alias=True),
                              stream=request.stream, timeout_s=options.timeout_s,
                              user=request.user or request.safety_identifier,
                              **(selection or {"top_k": default_top_k}))
@@ -127,7 +127,8 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
-                choices=[ChatChoice(message=AssistantMessage(content=answer.text), finish_reason=report.finish_reason)])
+                choices=[ChatChoice(message=AssistantMessage(content=answer.text), finish_reason=report.finish_reason,
+                                    logprobs=answer.logprobs)])
 
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
