@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 from enum import Enum
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from schemas.config import Frozen
 from schemas.store import Manifest
@@ -102,13 +103,26 @@ class SearchInfo(Frozen):
     reason: str = ""  # why this kind was chosen
 
 
+# A directory inside the store, as a record names it: relative, `/`-separated, no `.` or `..` segment, no empty
+# segment, none of `\\ : ~` — a record cannot point a reader (or the sweep's deletions) outside the store.
+def _inside_store(path: str) -> str:
+    if any(segment in (".", "..") for segment in path.split("/")):
+        raise ValueError(f"must stay inside the store (no '.' or '..' segment), got {path[:100]!r}")
+    return path
+
+
+StoreRelPath = Annotated[str, StringConstraints(max_length=512,
+                                                pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]+)*$"),
+                         AfterValidator(_inside_store)]
+
+
 class Generation(Frozen):
     """One published serving snapshot."""
 
     generation: int = Field(ge=1)
     manifest: Manifest
-    chunks_dir: str  # relative to the store root
-    entries_dir: str
+    chunks_dir: StoreRelPath  # relative to the store root (checked: at publish and at open)
+    entries_dir: StoreRelPath
     num_chunks: int = Field(ge=0)  # chunk occurrences in the catalog
     num_documents: int = Field(ge=0)
     num_entries: int = Field(ge=0)  # KV entries current under `manifest`

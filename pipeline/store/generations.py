@@ -9,6 +9,8 @@ live generation needs.
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from pipeline.store.store import Store
 from schemas.generation import CURRENT, GENERATIONS_DIR, Generation, generation_path
 
@@ -22,7 +24,11 @@ def read_generation(store: Store, generation: int) -> Generation:
     record = store.blobs.get_json(generation_path(generation))
     if record is None:
         raise FileNotFoundError(f"store {store.uri} has no serving generation {generation}")
-    return Generation.model_validate(record)
+    try:
+        return Generation.model_validate(record)
+    except ValidationError as error:  # a tampered or foreign record: say which field, refuse to serve it
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise ValueError(f"store {store.uri}: generation {generation}'s record is refused: {reasons}") from None
 
 
 def current_generation(store: Store) -> Generation | None:
