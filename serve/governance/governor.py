@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections import Counter
@@ -30,14 +31,18 @@ from serve.governance.shared_state import RedisConnection
 from serve.governance.turn import Turn
 from serve.metrics import serve_metrics
 
+log = logging.getLogger(__name__)
+
 
 class Route(str, Enum):
     ANSWER = "answer"
     CHAT = "chat"
     ESTIMATE = "estimate"
+    INSPECT = "inspect"  # the inspector's data routes (/ui/api/*): authenticated, rate-limited, logged
 
 
-ROUTE_OF_PATH = {"/v1/answer": Route.ANSWER, "/v1/chat/completions": Route.CHAT, "/v1/estimate": Route.ESTIMATE}
+ROUTE_OF_PATH = {"/v1/answer": Route.ANSWER, "/v1/chat/completions": Route.CHAT, "/v1/estimate": Route.ESTIMATE,
+                 "/ui/api/page": Route.INSPECT, "/ui/api/store": Route.INSPECT}
 
 
 def cache_namespace(store: StoreInfo) -> str:
@@ -80,6 +85,15 @@ class Governor:
         turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(tenant))
         await self.limits.take(tenant, Limit.REQUESTS, 1)
         return turn
+
+    async def inspect(self, http: Request) -> str:
+        """An inspector data request (`/ui/api/*`): authenticated (401) and charged to the tenant's request rate
+        (429) before any work, counted and logged like the API's; returns the tenant."""
+        tenant = self.auth.tenant(http.headers)
+        self.metrics.requests.inc(route=Route.INSPECT.value, mode="none")
+        log.info("inspect tenant=%s path=%s", tenant, http.url.path)  # refused ones too: who probed what
+        await self.limits.take(tenant, Limit.REQUESTS, 1)
+        return tenant
 
     def release(self, turn: Turn | None) -> None:
         """The request's response is over (sent, failed or abandoned): its in-flight slot is free again."""
