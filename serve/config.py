@@ -193,6 +193,9 @@ class AuthConfig(Frozen):
     api_key_sha256_file: Path | None = Field(None, description=(
         "a file of `<sha256 hex> <tenant>` lines (a mounted Kubernetes Secret), read at each replica's start and "
         "merged with api_key_sha256: rotate keys by updating it and restarting (or redeploying) the ingress"))
+    trusted_proxy_sha256: frozenset[Sha256Hex] = Field(frozenset(), description=(
+        "sha256 hex of the keys of trusted gateways that act for many tenants: a request with one names its tenant "
+        "in X-Tenant (required); with any other key X-Tenant is ignored and the tenant is the key's"))
     open_paths: frozenset[str] = Field(frozenset({"/healthz", "/readyz"}), description=(
         "paths answered without a key when keys are configured (probes by default; add /metrics for a scraper "
         "without a key, /docs and /openapi.json to publish the API docs); every other route needs one"))
@@ -200,12 +203,12 @@ class AuthConfig(Frozen):
         "serve beyond loopback with no API keys (anyone who reaches the port spends any tenant's budget); "
         "`qvpic serve` refuses such a bind without it and warns at every start with it"))
 
-    @field_validator("api_key_sha256")
+    @field_validator("api_key_sha256", "trusted_proxy_sha256")
     @classmethod
-    def _digests(cls, keys: dict[str, str]) -> dict[str, str]:
+    def _digests(cls, keys):
         bad = [k for k in keys if len(k) != 64 or k.strip("0123456789abcdef")]
         if bad:
-            raise ValueError(f"api_key_sha256 keys must be 64 lowercase hex digits (sha256 of the key), got {bad[:3]}")
+            raise ValueError(f"keys must be 64 lowercase hex digits (sha256 of the API key), got {bad[:3]}")
         return keys
 
 

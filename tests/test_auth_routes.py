@@ -93,3 +93,15 @@ def test_a_key_is_compared_with_every_digest_in_constant_time(monkeypatch):
     with pytest.raises(Exception, match="unknown API key"):
         auth.tenant({"authorization": "Bearer key-9"})
     assert len(compared) == 10
+
+
+def test_x_tenant_counts_only_from_a_trusted_proxy():
+    """A tenant's own key fixes the tenant (X-Tenant ignored); a trusted gateway's key names it in X-Tenant."""
+    auth = Authenticator(AuthConfig(api_key_sha256={key_digest(KEY): "acme"},
+                                    trusted_proxy_sha256={key_digest("gateway-1")}), "anonymous")
+    assert auth.tenant({"authorization": f"Bearer {KEY}", "X-Tenant": "globex"}) == "acme"
+    assert auth.tenant({"authorization": "Bearer gateway-1", "X-Tenant": "globex"}) == "globex"
+    with pytest.raises(Exception, match="name the tenant in X-Tenant"):
+        auth.tenant({"authorization": "Bearer gateway-1"})
+    with pytest.raises(Exception, match="unknown API key"):
+        auth.tenant({"authorization": "Bearer gateway-2", "X-Tenant": "globex"})

@@ -37,7 +37,7 @@ def is_loopback(host: str) -> bool:
 def exposure(host: str, auth: AuthConfig) -> str | None:
     """None when binding `host` is safe (loopback, or API keys configured); the warning to log at every start
     when the operator accepted an open server; ValueError when it would open one unasked."""
-    if is_loopback(host) or auth.api_key_sha256 or auth.api_key_sha256_file is not None:
+    if is_loopback(host) or auth.api_key_sha256 or auth.trusted_proxy_sha256 or auth.api_key_sha256_file is not None:
         return None
     if not auth.insecure_no_auth:
         raise ValueError(f"refusing to listen on {host} with no API keys: anyone who reaches it could act as any "
@@ -60,6 +60,9 @@ def header_label(headers: Mapping[str, str], name: str) -> str | None:
         return _LABEL.validate_python(value)
     except ValidationError:
         raise InvalidHeaderError(f"{name} must be 1-64 characters of [A-Za-z0-9_.:@-], got {value[:80]!r}") from None
+
+
+PROXY = object()  # the "tenant" of a trusted proxy's key: the request's X-Tenant decides
 
 
 def read_key_file(path: Path) -> dict[Sha256Hex, str]:
@@ -86,11 +89,12 @@ class Authenticator:
         # (digest bytes, tenant): every request compares against each digest in constant time, so how long the
         # check takes says nothing about how close a guess was (a dict lookup would hash and compare early-out)
         self.digests = [(bytes.fromhex(digest), tenant) for digest, tenant in keys.items()]
+        self.digests += [(bytes.fromhex(digest), PROXY) for digest in config.trusted_proxy_sha256]
         self.open_paths = config.open_paths
         self.default_tenant = default_tenant
 
     @property
-    def required(self) -> bool:
+    def required(self) -> bool:  # any key configured, a proxy's included
         return bool(self.digests)
 
     def tenant(self, headers: Mapping[str, str]) -> str:
@@ -107,4 +111,9 @@ class Authenticator:
                 tenant = owner
         if tenant is None:
             raise UnauthorizedError("unknown API key")
+        if tenant is PROXY:  # a trusted gateway acting for its user: the tenant is the one it names
+            named = header_label(headers, "X-Tenant")
+            if named is None:
+                raise UnauthorizedError("this key is a trusted proxy's: name the tenant in X-Tenant")
+            return named
         return tenant
