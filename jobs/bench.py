@@ -32,6 +32,8 @@ SUITES: tuple[Suite, ...] = (
           ("--quick",)),
     Suite("batching", "benchmarks.batching", "batched vs serialised engine: tokens/s and TTFT at 1/4/16 clients, "
           "device hot tier", ("--quick",)),
+    Suite("structured", "benchmarks.structured", "json_schema, forced tool call and logprobs vs plain: decode cost "
+          "per token at 1/16 clients", ("--quick",)),
     Suite("store-check", "benchmarks.store_check", "start-up parts check and `qvpic verify` cost vs parts and rows",
           ("--quick",)),
     Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost",

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation
 from schemas.decoding import ChoiceLogprobs, Decoding
+from schemas.tools import FunctionDef, ToolUse, call_grammar
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -38,6 +39,7 @@ class Strict(BaseModel):
 class FinishReason(str, Enum):
     STOP = "stop"  # the model ended its turn
     LENGTH = "length"  # max_new_tokens reached
+    TOOL_CALLS = "tool_calls"  # the answer is tool calls (the OpenAI surface reads them out of the text)
 
 
 class ErrorBody(Strict):
@@ -111,6 +113,10 @@ class Prompt(Strict):
                                            "it, the chunks at the start of the last user message's content; "
                                            "`query` is then only what retrieval embeds")
 
+    tools: ToolUse | None = Field(None, description="functions the model may call (OpenAI's tools, tool_choice, "
+                                  "parallel_tool_calls), in the system prompt as the model's tool format "
+                                  "(schemas/tools.py); needs messages")
+
     history_chunks: JsonBool = Field(True, description="messages with retrieval: each earlier user message keeps the "
                                      "chunks its text retrieves, before it, as when it was asked (a follow-up then "
                                      "finds the earlier turns in the prefix cache); false: history as text alone")
@@ -118,6 +124,8 @@ class Prompt(Strict):
     @model_validator(mode="after")
     def _prompt_given(self) -> Prompt:
         if self.messages is None:
+            if self.tools is not None:
+                raise ValueError("tools: need messages (a conversation)")
             if not self.query:
                 raise ValueError("query: should have at least 1 character (the question), unless messages are given")
             return self
@@ -147,7 +155,25 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
     def _one_selection(self) -> AnswerRequest:
         if self.num_given() != 1:
             raise ValueError("give exactly one of chunk_ids, doc_ids or top_k")
+        if self.forced_calls is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("tool_choice: a forced tool call and a response_format schema cannot both constrain "
+                             "the answer; give one")
         return self
+
+    @property
+    def forced_calls(self) -> list[FunctionDef] | None:
+        return self.tools.forced if self.tools is not None else None
+
+    @property
+    def grammar_text(self) -> str | None:
+        """A forced tool call's grammar, else response_format's (Decoding)."""
+        if (forced := self.forced_calls) is not None:
+            return call_grammar(forced, self.tools.parallel)
+        return super().grammar_text
+
+    @property
+    def grammar_param(self) -> str:
+        return "tools" if self.forced_calls is not None else "response_format"
 
 
 # ---- answer reports --------------------------------------------------------------------------------

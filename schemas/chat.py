@@ -7,9 +7,9 @@ schemas/conversation.py's: system, developer, user, assistant and tool turns, te
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from schemas.api import (
     MAX_NEW_TOKENS,
@@ -25,6 +25,7 @@ from schemas.api import (
 )
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.decoding import ChoiceLogprobs, Decoding
+from schemas.tools import MAX_TOOLS, ToolChoice, ToolDef, ToolUse
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 
@@ -98,9 +99,11 @@ class ChatCompletionRequest(Strict, Decoding):
     store: JsonBool | None = None
     service_tier: Literal["auto", "default"] | None = None  # accepted: one tier here
     modalities: list[Literal["text"]] | None = Field(None, max_length=1)
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: JsonBool | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="functions the model may call: "
+                                        "listed in the system prompt in the model's tool format")
+    tool_choice: ToolChoice | None = Field(None, description="none (tools not shown), auto (default with tools), "
+                                           "required or a named function: the answer is constrained to a call")
+    parallel_tool_calls: JsonBool | None = None  # default true: several calls in one answer
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 
     @model_validator(mode="after")
@@ -115,11 +118,21 @@ class ChatCompletionRequest(Strict, Decoding):
             raise ValueError(f"n: only 1 choice per request is supported, got {self.n}")
         if self.store:
             raise ValueError("store: this server stores no completions (store: true is not supported)")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported yet")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: no tools are supported, so only 'none' or 'auto'")
+        if not self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: 'required' or a named function needs tools")
+        try:
+            self.tool_use  # noqa: B018  names and the named choice checked here, a 400 naming the field
+        except ValidationError as error:
+            raise ValueError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
         return self
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """The native request's tools (ValueError: a tool_choice naming no tool); None without tools."""
+        if not self.tools:
+            return None
+        return ToolUse(tools=self.tools, choice=self.tool_choice or "auto",
+                       parallel=True if self.parallel_tool_calls is None else self.parallel_tool_calls)
 
     @property
     def retrieval_query(self) -> str:
@@ -145,9 +158,21 @@ class ChatUsage(Strict):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CallFunction(Strict):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ResponseToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class AssistantMessage(Strict):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(Strict):
@@ -167,9 +192,14 @@ class ChatCompletion(Strict):
     qvpic: AnswerReport  # extension: routing, timings and cache figures of this answer
 
 
+class ToolCallDelta(ResponseToolCall):
+    index: int  # the call's position in the answer's tool_calls (a client joins deltas by it)
+
+
 class ChunkDelta(Strict):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(Strict):

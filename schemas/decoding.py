@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from schemas.tools import json_grammar
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
 MAX_STOP_STRINGS = 4  # OpenAI's
@@ -75,13 +76,17 @@ class Decoding(BaseModel):
         return self
 
     @property
-    def json_schema_text(self) -> str | None:
-        """The grammar's JSON schema as canonical JSON text (what the engine compiles and the cache keys), or None."""
+    def grammar_text(self) -> str | None:
+        """The grammar the answer is constrained to (what the engine compiles and the cache keys), or None."""
         if self.response_format is None or self.response_format.type == "text":
             return None
         if self.response_format.type == "json_object":
-            return json.dumps({"type": "object"})
-        return json.dumps(self.response_format.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+            return json_grammar(json.dumps({"type": "object"}))
+        return json_grammar(json.dumps(self.response_format.json_schema.schema_))
+
+    @property
+    def grammar_param(self) -> str:
+        return "response_format"
 
     @property
     def logprobs_top(self) -> int | None:

@@ -19,7 +19,8 @@ class SamplingFields(Protocol):
     frequency_penalty: float
     logit_bias_ids: tuple[tuple[int, float], ...]
     logprobs_top: int | None
-    json_schema_text: str | None
+    grammar_text: str | None
+    grammar_param: str
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
-    json_schema: str | None = None  # the answer is constrained to this JSON schema (serve/engine/grammar.py)
+    # the answer is constrained to this Lark grammar (llguidance's dialect: a JSON schema's, or a forced tool
+    # call's; serve/engine/grammar.py); `grammar_param` is the request field a grammar that does not compile names
+    grammar: str | None = None
+    grammar_param: str = "response_format"
 
     def __post_init__(self) -> None:
         if (self.max_new_tokens < 1 or not math.isfinite(self.temperature) or self.temperature < 0
@@ -50,4 +54,4 @@ class Sampling:
     def of(cls, request: SamplingFields) -> Sampling:
         return cls(request.max_new_tokens, request.temperature, request.top_p, request.seed, request.stop_strings,
                    request.presence_penalty, request.frequency_penalty, request.logit_bias_ids,
-                   request.logprobs_top, request.json_schema_text)
+                   request.logprobs_top, request.grammar_text, request.grammar_param)

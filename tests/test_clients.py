@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
@@ -153,9 +154,8 @@ def test_langchain_stop_and_the_openai_clients_decoding_controls(chat_model, api
 
 
 def test_langchain_structured_output_and_logprobs(chat_model):
-    """`with_structured_output(Model, method="json_schema")`: the reply parses into the model (constrained decoding,
-    whatever the weights); `bind_tools` is refused by name, as docs/OPENAI.md says; logprobs come back."""
-    import openai
+    """`with_structured_output(Model)` by json_schema and by function calling: the reply parses into the model
+    (constrained decoding, whatever the weights); logprobs come back."""
     from pydantic import BaseModel, Field
 
     class Part(BaseModel):
@@ -166,12 +166,38 @@ def test_langchain_structured_output_and_logprobs(chat_model):
     structured = roomy.with_structured_output(Part, method="json_schema")
     parsed = structured.invoke("When does part XK-4471-B ship?")
     assert isinstance(parsed, Part)
-    with pytest.raises(openai.BadRequestError) as refused:
-        chat_model.bind_tools([Part]).invoke("Which part?")
-    assert refused.value.param == "tools"
+    by_tool = roomy.with_structured_output(Part, method="function_calling")  # a forced call of a `Part` tool
+    assert isinstance(by_tool.invoke("When does part XK-4471-B ship?"), Part)
     reply = chat_model.bind(logprobs=True, top_logprobs=2).invoke("Which part?")
     content = reply.response_metadata["logprobs"]["content"]
     assert len(content) == reply.usage_metadata["output_tokens"] and all(e["logprob"] <= 0 for e in content)
+
+
+def test_langchain_bind_tools_round_trip(chat_model):
+    """`bind_tools([fn], tool_choice=…)`: the forced call's arguments validate against the function's own schema
+    (LangChain's, from the signature); its result goes back as a ToolMessage and the model answers."""
+    import jsonschema
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    @tool
+    def ship_date(part: Literal["XK-4471-B", "QP-1"], express: bool) -> str:  # bounded: random weights end it
+        """When a part ships."""
+        return "12 March"
+
+    roomy = chat_model.model_copy(update={"max_tokens": 96})
+    question = [HumanMessage("When does part XK-4471-B ship?")]
+    called = roomy.bind_tools([ship_date], tool_choice="ship_date", parallel_tool_calls=False).invoke(question)
+    assert called.response_metadata["finish_reason"] == "tool_calls", called
+    assert len(called.tool_calls) == 1
+    call = called.tool_calls[0]
+    assert call["name"] == "ship_date"
+    jsonschema.validate(call["args"], convert_to_openai_tool(ship_date)["function"]["parameters"])
+    result = ToolMessage(ship_date.invoke(call["args"]), tool_call_id=call["id"])
+    answer = roomy.bind_tools([ship_date]).invoke([*question, called, result])
+    assert answer.content and not answer.tool_calls  # tool_choice auto: random weights answer in text
+    assert answer.usage_metadata["input_tokens"] > called.usage_metadata["input_tokens"]
 
 
 def test_llamaindex_openailike_chat_with_a_system_message(base_url):

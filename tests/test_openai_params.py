@@ -63,9 +63,8 @@ def test_the_openai_client_reads_the_refusal_as_bad_request(app):
     client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1",
                            http_client=httpx.Client(transport=SyncASGI(app)))
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model="qvpic", messages=BASE["messages"],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert raised.value.param == "tools"
+        client.chat.completions.create(model="qvpic", messages=BASE["messages"], reasoning_effort="low")
+    assert raised.value.param == "reasoning_effort"
 
 
 class SyncASGI:

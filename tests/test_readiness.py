@@ -17,7 +17,14 @@ from schemas.health import Readiness
 from serve.app import api_spec
 from serve.config import AppConfig, DeploymentConfig
 from serve.http import InProcessBackend, make_api
-from serve.http.health import INGRESS_ONLY_PATHS, ReadinessProbe, app_readiness, fits, install_readiness
+from serve.http.health import (
+    INGRESS_ONLY_PATHS,
+    ReadinessProbe,
+    app_readiness,
+    fits,
+    holding_back,
+    install_readiness,
+)
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 
@@ -205,3 +212,27 @@ def test_serve_config_runs_on_one_cpu_only_node_and_the_gpu_variant_differs_only
     assert (cpu["loader_placement"], gpu.pop("loader_placement")) == ("deployment", "in_generator")
     cpu.pop("loader_placement")
     assert gpu == cpu  # nothing else may drift between the two
+
+
+def test_a_request_waits_only_for_the_deployments_its_route_uses():
+    """A node lost with the only Inspector replica must not take answers down (issue 38: 540 × 503 while a
+    generator was serving), nor a generator still starting the inspector page. Control: each route is held
+    back by its own deployment."""
+    def report(inspector, generator, status=ApplicationStatus.DEPLOYING):
+        app = application(deployment("Router", RUNNING, {"CPU": 0.1}, DeploymentStatus.HEALTHY),
+                          deployment("Generator", generator, {"CPU": 1}, target=2),
+                          deployment("Inspector", inspector, {"CPU": 0.1}), status=status)
+        return app_readiness("qvpic", app, [CPU_NODE], {"CPU": 0.0})
+
+    starting = [ReplicaState.STARTING]
+    no_inspector = report(starting, [ReplicaState.RUNNING, ReplicaState.STARTING])  # one of two generators up
+    assert not no_inspector.ready and no_inspector.pending == ["Inspector"]
+    for path in ("/v1/chat/completions", "/v1/answer", "/v1/store"):
+        assert holding_back(no_inspector, path) is None, path
+    assert holding_back(no_inspector, "/ui/api/page").startswith("Inspector: ")
+    no_generator = report(RUNNING, starting)
+    assert holding_back(no_generator, "/ui/api/page") is None and holding_back(no_generator, "/ui") is None
+    assert holding_back(no_generator, "/v1/chat/completions").startswith("Generator: ")
+    assert holding_back(no_generator, "/uix") is not None  # not an inspector route
+    deleting = report(RUNNING, RUNNING, status=ApplicationStatus.DELETING)
+    assert holding_back(deleting, "/v1/answer") and holding_back(deleting, "/ui/api/page")

@@ -108,8 +108,8 @@ class Generator:
             num_prompt = sum(t.num_tokens for t in prefill.texts) + sum(c.num_tokens for c in plan.chunks)
         seq = Sequence(sampling, context.prefill, num_prompt, num_query,
                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
-        if sampling.json_schema is not None:  # compiled here: a bad schema is a 400 before the request is queued
-            seq.grammar = self.engine.chooser.grammars.matcher(sampling.json_schema)
+        if sampling.grammar is not None:  # compiled here: a bad schema is a 400 before the request is queued
+            seq.grammar = self.engine.chooser.grammars.matcher(sampling.grammar, sampling.grammar_param)
         if sampling.stop:  # the engine's matcher ends decoding at a match; this one cuts the text the same way
             seq.stops = StopMatcher(self.vlm.tokenizer, sampling.stop)
         text = StopMatcher(self.vlm.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.vlm.tokenizer)

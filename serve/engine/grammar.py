@@ -1,7 +1,8 @@
-"""Structured outputs by constrained decoding (OpenAI's `response_format`), with llguidance.
+"""Structured outputs and forced tool calls by constrained decoding, with llguidance.
 
-A request's JSON schema (`json_schema`, or `{"type": "object"}` for `json_object`) becomes an llguidance matcher
-over the model's tokenizer. At each step the engine masks the tokens the grammar forbids (`mask`: a bitmask of
+A request's grammar — `response_format`'s JSON schema (`{"type": "object"}` for `json_object`), or a forced tool
+call (schemas/tools.py `call_grammar`), both as Lark text of llguidance's dialect — becomes a matcher over the
+model's tokenizer. At each step the engine masks the tokens the grammar forbids (`mask`: a bitmask of
 `ceil(vocab / 32)` int32 words, applied to the row's logits), then feeds the chosen token back (`advance`); the
 answer ends when the grammar is complete (end-of-turn is allowed only where the JSON may end). The answer is
 therefore valid JSON of the schema whatever the weights — the property the tests check with `jsonschema`.
@@ -9,18 +10,12 @@ therefore valid JSON of the schema whatever the weights — the property the tes
 
 from __future__ import annotations
 
-import json
-
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
 
 from schemas.errors import InvalidRequestError
-
-JSON_OBJECT = json.dumps({"type": "object"})
-# compact output: no whitespace between tokens of the JSON (a tiny or untrained model would otherwise pad it)
-OPTIONS = {"whitespace_flexible": False}
 
 
 class Grammars:
@@ -30,15 +25,16 @@ class Grammars:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(end_of_turn_ids))
         self.vocab_size = vocab_size
 
-    def matcher(self, schema_json: str) -> llguidance.LLMatcher:
-        """A fresh matcher for one answer; a schema llguidance cannot compile is a 400 naming response_format."""
+    def matcher(self, lark: str, param: str) -> llguidance.LLMatcher:
+        """A fresh matcher for one answer; a grammar llguidance cannot compile is a 400 naming `param` (the field
+        whose schema it came from)."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, overrides=OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
             matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         except (ValueError, TypeError, RuntimeError) as error:
-            raise invalid(f"the JSON schema does not compile to a grammar: {str(error)[:300]}") from None
+            raise invalid(param, f"the JSON schema does not compile to a grammar: {str(error)[:300]}") from None
         if matcher.is_error():
-            raise invalid(f"the JSON schema does not compile to a grammar: {matcher.get_error()[:300]}")
+            raise invalid(param, f"the JSON schema does not compile to a grammar: {matcher.get_error()[:300]}")
         return matcher
 
     def mask(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> torch.Tensor:
@@ -56,7 +52,7 @@ def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
     return matcher.is_stopped()
 
 
-def invalid(message: str) -> InvalidRequestError:
-    error = InvalidRequestError(f"response_format: {message}")
-    error.param = "response_format"
+def invalid(param: str, message: str) -> InvalidRequestError:
+    error = InvalidRequestError(f"{param}: {message}")
+    error.param = param
     return error

@@ -192,7 +192,7 @@ def context_material(plan: Plan, sampling: Sampling) -> str:
     return json.dumps([plan.mode.value, plan.instruction, plan.query_prompt, plan.conversation, chunks,
                        sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed,
                        sampling.stop, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias,
-                       sampling.json_schema])
+                       sampling.grammar])
 
 
 def _digest(*parts: str) -> str:

@@ -3,8 +3,9 @@
 A Serve handle queues a request until its deployment has a running replica: on a cluster that cannot
 place one (a generator asking for a GPU that no node has), forever. So the ingress asks the Serve
 controller (at most once per `refresh_s`) which deployments have a running replica. While one has
-none, `GET /readyz` answers 503 naming it and what it waits for, and every request that needs more
-than the ingress answers 503 at once, with `Retry-After`. `GET /healthz` stays liveness: 200 whenever
+none, `GET /readyz` answers 503 naming it and what it waits for, and every request whose route uses it answers
+503 at once, with `Retry-After` (the inspector's routes use only the Inspector, every other route all the rest:
+an answer never waits for the inspector page, nor the page for a generator). `GET /healthz` stays liveness: 200 whenever
 the ingress itself answers.
 
 What a pending deployment waits for, in words: a node with what one replica asks for (none alive has
@@ -157,9 +158,32 @@ def route_path(scope: Scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
+INSPECTOR = "Inspector"  # the inspector page's deployment (serve/app.py): only `/ui` routes use it
+UI_PREFIX = "/ui"
+
+
+def uses(path: str, deployment: str) -> bool:
+    """Whether a request to `path` waits for `deployment`: the inspector's routes for the Inspector alone, every
+    other route for every deployment but the Inspector (an answer never waits for the inspector page)."""
+    return (deployment == INSPECTOR) == (path == UI_PREFIX or path.startswith(UI_PREFIX + "/"))
+
+
+def holding_back(report: Readiness, path: str) -> str | None:
+    """Why a request to `path` cannot be served now (None: it can): a deployment it uses has no running replica,
+    or the application is not there (deleting, not started). A deployment with fewer replicas than its target
+    but one running is serving."""
+    if report.ready or report.status == UNKNOWN:
+        return None
+    if report.status in ("DELETING", "NOT_STARTED"):
+        return report.detail or report.status.lower()
+    reasons = [f"{d.name}: {d.reason}" for d in report.deployments if not d.ready and uses(path, d.name)]
+    return "; ".join(reasons) or None
+
+
 class ReadinessGate:
-    """503 with `Retry-After` for a request that would wait for a deployment with no running replica.
-    Readiness that cannot be fetched lets requests through (a monitoring failure is not an outage)."""
+    """503 with `Retry-After` for a request that would wait for a deployment with no running replica (only the
+    deployments its route uses: `holding_back`). Readiness that cannot be fetched lets requests through (a
+    monitoring failure is not an outage)."""
 
     def __init__(self, app: ASGIApp, probe: ReadinessProbe, on_error: Callable[[Request, int], None],
                  ungated: frozenset[str] = INGRESS_ONLY_PATHS):
@@ -167,11 +191,11 @@ class ReadinessGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and route_path(scope) not in self.ungated:
-            report = await self.probe.get()
-            if not report.ready and report.status != UNKNOWN:
+            reason = holding_back(await self.probe.get(), route_path(scope))
+            if reason is not None:
                 request = Request(scope, receive)
                 self.on_error(request, 503)
-                detail = f"not ready: {report.detail}; retry later (GET /readyz tells when)"
+                detail = f"not ready: {reason}; retry later (GET /readyz tells when)"
                 await error_response(request, 503, detail, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -17,10 +17,15 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
 from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
+from pipeline.runtime.tool_turns import default_system, hermes_turns, renders_tools, tool_dicts
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
 from schemas.errors import ApiError
 from schemas.prompt import PromptLayout, Segment
+from schemas.tools import ToolUse
+
+# families whose language model is Qwen2 / Qwen2.5, trained on Qwen2.5's tool format (pipeline/runtime/tool_turns.py)
+HERMES_FAMILIES = frozenset({ModelFamily.QWEN2_5_VL, ModelFamily.QWEN2_VL, ModelFamily.LLAVA_ONEVISION})
 
 
 class InvalidMessageError(ApiError):
@@ -41,6 +46,8 @@ class PromptTemplate:
     image_token: str
     family: ModelFamily
     spec: ModelSpec
+    native_tools: bool = False  # the template renders `tools` itself (else Qwen2.5's format: tool_turns.py)
+    default_system: str = ""  # what the template writes as the system prompt when a conversation has none
 
     @classmethod
     def load(cls, spec: ModelSpec) -> PromptTemplate:
@@ -51,7 +58,7 @@ class PromptTemplate:
         template = ChatTemplate.from_tokenizer(tokenizer, image_token)
         text_config = getattr(config, "text_config", config)
         return cls(tokenizer, template, int(text_config.max_position_embeddings), image_token,
-                   family_classes(config.model_type).family, spec)
+                   family_classes(config.model_type).family, spec, renders_tools(tokenizer), default_system(tokenizer))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -65,13 +72,24 @@ class PromptTemplate:
         return PromptLayout.of(Segment.of_ids(before), Segment.of_ids(self.encode(text_after)
                                                                       + self.encode(self.template.turn_suffix)))
 
-    def conversation(self, messages: list[Message], chunks_at: list[int] | None = None) -> PromptLayout:
-        """The template's rendering of `messages`, cut where each group of chunks goes: at the start of the content
-        of the user messages `chunks_at` (default: the last one). InvalidMessageError: 400."""
+    def conversation(self, messages: list[Message], chunks_at: list[int] | None = None,
+                     tools: ToolUse | None = None) -> PromptLayout:
+        """The template's rendering of `messages` (and the `tools` offered), cut where each group of chunks goes: at
+        the start of the content of the user messages `chunks_at` (default: the last one). InvalidMessageError: 400."""
         turns = [chat_turn(i, m) for i, m in enumerate(messages)]
+        chunks_at = chunks_at or [last_user_index(messages)]
+        offered = tools.tools if tools is not None and tools.offered else None
+        native = None
+        if self.native_tools:
+            native = tool_dicts(offered) if offered else None
+        elif offered or any(t.tool_calls or t.role == "tool" for t in turns):
+            if self.family not in HERMES_FAMILIES:
+                raise InvalidMessageError(f"tools: this model's chat template ({self.family.value}) has no tool "
+                                          "format, and its language model was not trained on one", "tools")
+            turns, where = hermes_turns(turns, offered, self.default_system)
+            chunks_at = [where[i] for i in chunks_at]
         try:
-            return render_layout(self.tokenizer, self.template, self.image_token, turns,
-                                 chunks_at or [last_user_index(messages)])
+            return render_layout(self.tokenizer, self.template, self.image_token, turns, chunks_at, native)
         except ConversationError as error:
             raise InvalidMessageError(str(error), error.param) from None
 
@@ -116,9 +134,10 @@ def _arguments(arguments: str):
         return arguments
 
 
-def conversation_digest(messages: list[Message]) -> str:
-    """sha256 of the conversation as sent: what the response cache keys an answer to it on."""
-    material = json.dumps([m.model_dump(mode="json") for m in messages], sort_keys=True)
+def conversation_digest(messages: list[Message], tools: ToolUse | None = None) -> str:
+    """sha256 of the conversation as sent, and its tools: what the response cache keys an answer to it on."""
+    material = json.dumps([[m.model_dump(mode="json") for m in messages],
+                           tools.digest_material() if tools is not None else None], sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()
 
 

@@ -109,7 +109,7 @@ class Router:
         snapshot = self.snapshot
         if request.messages is not None:
             users = [i for i, m in enumerate(request.messages) if m.role == "user"]
-            layout = self.prompt.conversation(request.messages, users[-len(vectors):])
+            layout = self.prompt.conversation(request.messages, users[-len(vectors):], request.tools)
         else:
             layout = self.prompt.native(request.instruction, request.text_after_chunks)
         text_tokens = [self.prompt.tokens(t) for t in layout.texts]
@@ -152,7 +152,8 @@ class Router:
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
                     query_embedding=vectors[-1], generation=snapshot.generation, instruction=instruction,
                     query_prompt=query_prompt, layout=layout,
-                    conversation=conversation_digest(request.messages) if request.messages is not None else "",
+                    conversation=(conversation_digest(request.messages, request.tools)
+                                  if request.messages is not None else ""),
                     conversation_chain=conversation_chain(request.messages) if request.messages is not None else ())
 
     def placement_spec(self, request: AnswerRequest, snapshot: Snapshot) -> PlacementSpec:

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from schemas.api import AnswerReport, AnswerRequest
+from schemas.api import AnswerReport, AnswerRequest, FinishReason
 from schemas.chat import (
     AssistantMessage,
     ChatChoice,
@@ -36,6 +36,7 @@ from schemas.chat import (
     OpenAIErrorBody,
     PromptTokensDetails,
     RetrievalMode,
+    ToolCallDelta,
 )
 from schemas.decoding import Decoding
 from schemas.errors import UnknownModelError
@@ -44,6 +45,7 @@ from serve.governance import Route
 from serve.http.backend import api_error, sse
 from serve.http.exchange import Turns
 from serve.http.openai.errors import openai_error, openai_error_body
+from serve.http.openai.tool_calls import CallStream, names, read_calls
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -74,7 +76,7 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                              **request.model_dump(include=set(Decoding.model_fields), by_alias=True),
                              stream=request.stream, timeout_s=options.timeout_s,
-                             user=request.user or request.safety_identifier,
+                             user=request.user or request.safety_identifier, tools=request.tool_use,
                              **(selection or {"top_k": default_top_k}))
     except ValidationError as error:  # the chat request's own limits should already exclude this
         raise RequestValidationError(error.errors()) from error
@@ -122,28 +124,43 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT)
         await exchange.admit()
+        tools = request.tool_use
         if not request.stream:
             answer = await exchange.answer(response)
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
+            content, calls = read_calls(answer.text, tools)
+            finish = FinishReason.TOOL_CALLS if calls else report.finish_reason
+            message = AssistantMessage(content=content, tool_calls=calls or None)
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
-                choices=[ChatChoice(message=AssistantMessage(content=answer.text), finish_reason=report.finish_reason,
-                                    logprobs=answer.logprobs)])
+                choices=[ChatChoice(message=message, finish_reason=finish, logprobs=answer.logprobs)])
 
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
         def chunk(**fields) -> str:
             return chunk_event(ChatCompletionChunk(id=completion_id, created=created, model=request.model, **fields))
 
+        offered = names(tools)
+        calls = CallStream(offered) if offered is not None else None
+
+        def delta(piece: str | ToolCallDelta) -> str:
+            if isinstance(piece, str):
+                return chunk(choices=[ChunkChoice(delta=ChunkDelta(content=piece))])
+            return chunk(choices=[ChunkChoice(delta=ChunkDelta(tool_calls=[piece]))])
+
         async def events() -> AsyncIterator[str]:
             yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
             try:
                 async for event in exchange.stream():
                     if isinstance(event, str):
-                        yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event))])
+                        for piece in calls.feed(event) if calls is not None else [event]:
+                            yield delta(piece)
                         continue
+                    for piece in calls.finish() if calls is not None else []:
+                        yield delta(piece)
                     report = event.report.with_total_ms((time.perf_counter() - started) * 1e3)
-                    finish = ChunkChoice(delta=ChunkDelta(), finish_reason=report.finish_reason)
+                    reason = FinishReason.TOOL_CALLS if calls is not None and calls.calls else report.finish_reason
+                    finish = ChunkChoice(delta=ChunkDelta(), finish_reason=reason)
                     yield chunk(choices=[finish], qvpic=report)
                     if include_usage:
                         yield chunk(choices=[], usage=chat_usage(report))
