@@ -34,6 +34,8 @@ SUITES: tuple[Suite, ...] = (
           "device hot tier", ("--quick",)),
     Suite("structured", "benchmarks.structured", "json_schema, forced tool call and logprobs vs plain: decode cost "
           "per token at 1/16 clients", ("--quick",)),
+    Suite("mutations", "benchmarks.mutations", "a fixed list of mutations, each against the tests meant to catch it",
+          None),
     Suite("store-check", "benchmarks.store_check", "start-up parts check and `qvpic verify` cost vs parts and rows",
           ("--quick",)),
     Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost",

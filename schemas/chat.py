@@ -206,7 +206,7 @@ class ChunkChoice(Strict):
     index: int = 0
     delta: ChunkDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None  # with logprobs: the entries of this chunk's tokens
 
 
 class ChatCompletionChunk(Strict):

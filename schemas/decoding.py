@@ -71,8 +71,6 @@ class Decoding(BaseModel):
     def _logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
-        if self.logprobs and getattr(self, "stream", False):
-            raise ValueError("logprobs: not supported with stream yet (ask without stream)")
         return self
 
     @property

@@ -20,7 +20,7 @@ import numpy as np
 
 from schemas.api import AnswerReport, CacheReport, FallbackReport, KVSource, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
-from schemas.decoding import ChoiceLogprobs
+from schemas.decoding import ChoiceLogprobs, TokenLogprob
 from schemas.prompt import PromptLayout
 from schemas.store import CacheKey
 
@@ -170,6 +170,14 @@ class LoadResult:
     # aligned with kvs: HOST or STORE for what was read, None where kvs is None (an unreadable entry's backup
     # is at `Unreadable.backup`, its source here); the generator marks what it rebuilds COMPILED
     sources: tuple[KVSource | None, ...] = ()
+
+
+class TextDelta(str):
+    """A streamed piece of answer text (a `str`, so every consumer of text deltas reads it as one) carrying, when
+    log-probabilities were asked, the entries of the tokens decoded since the previous piece (`logprobs`; a piece
+    may hold several tokens, or none when a tail of the text was held back)."""
+
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

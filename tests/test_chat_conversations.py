@@ -70,6 +70,18 @@ def test_a_follow_up_finds_the_earlier_turn_in_the_prefix_cache(app):
     assert len(without_history["qvpic"]["chunks"]) < len(second["qvpic"]["chunks"])
 
 
+def test_the_prefix_cache_never_crosses_tenants(app):
+    """Another tenant's identical follow-up computes its prompt afresh (no block of the first tenant's matches:
+    vLLM's CVE-2025-46570 was the timing side channel of such a hit); the first tenant's own repeat hits."""
+    messages = [SYSTEM, {"role": "user", "content": "Which part ships on 3 May, and to where?"}]
+    owner, other = {**NO_CACHE, "X-Tenant": "prefix-owner"}, {**NO_CACHE, "X-Tenant": "prefix-other"}
+    first = chat(app, messages, headers=owner)
+    assert first["qvpic"]["usage"]["prefix_cached_tokens"] == 0
+    again = chat(app, messages, headers=owner)
+    assert again["qvpic"]["usage"]["prefix_cached_tokens"] >= first["usage"]["prompt_tokens"] - 16  # control
+    assert chat(app, messages, headers=other)["qvpic"]["usage"]["prefix_cached_tokens"] == 0
+
+
 def test_retrieval_none_is_plain_chat_and_an_image_alone_retrieves_nothing(app):
     plain = chat(app, [SYSTEM, {"role": "user", "content": "Say hello."}], qvpic={"retrieval": "none"})
     assert plain["qvpic"]["chunks"] == []

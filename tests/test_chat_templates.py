@@ -181,3 +181,23 @@ def test_llava_serving_prompt_follows_its_images_first_template(with_text_chunk,
     else:
         assert ours == expected
     assert prompt(chunks, instruction, QUERY) != expected
+
+
+def test_each_fixture_template_is_the_one_its_readme_row_hashes():
+    """tests/fixtures/chat_templates/README.md names each template's source and, where one is published, its
+    `sha256(json.dumps(template))`: the files may not drift from it (one character off fails)."""
+    import hashlib
+    import re
+
+    rows = [line for line in (FIXTURES / "README.md").read_text().splitlines() if line.startswith("| `")]
+    hashed = {}
+    for row in rows:
+        name = re.match(r"^\| `([\w.]+)\.jinja`", row)
+        digest = re.search(r"\b([0-9a-f]{64})\b", row)
+        if name and digest:
+            hashed[name.group(1)] = digest.group(1)
+    assert {"qwen2_5_vl_instruct", "glm4_1v_thinking", "qwen2_5_instruct"} <= set(hashed), hashed
+    for name, digest in hashed.items():
+        text = fixture_template(name)
+        assert hashlib.sha256(json.dumps(text).encode()).hexdigest() == digest, name
+        assert hashlib.sha256(json.dumps(text[:-1]).encode()).hexdigest() != digest  # control

@@ -421,3 +421,10 @@ def test_qvpic_eval_paper_end_to_end_on_the_fixtures(ray_session, tmp_path):  # 
     assert manifest["ablation_tiers"] == "every"  # so the ablation's routed prefixes can promote
     overall = {s["config"]: s for s in document["summary"] if s["task"] == "all"}
     assert overall["qvpic_plain"]["num_high_median"] >= 1 and overall["qvpic_dummy"]["num_high_median"] >= 1
+    # cold means cold: no answer from the response cache, every linked entry read from the store (none on the
+    # device or in the loader's memory); control: the warm repeat does find them there
+    results = [json.loads(line) for line in (out / PREDICTIONS_JSONL).read_text().splitlines()]
+    linked = [r for r in results if r["cache"] and sum(r["cache"][k] for k in ("device_hits", "hits", "misses"))]
+    assert linked and all(r["response_cache"] is None for r in results)
+    assert all(r["cache"]["device_hits"] == 0 and r["cache"]["hits"] == 0 for r in linked)
+    assert any(r["cache_warm"]["device_hits"] + r["cache_warm"]["hits"] > 0 for r in linked)

@@ -109,9 +109,26 @@ def test_logprobs_in_openais_shape(app, roles):
     assert chat(app, max_tokens=2)["choices"][0]["logprobs"] is None  # not asked: none
     ids = [tokenizer.encode(bytes(e["bytes"]).decode("utf-8", "ignore"), add_special_tokens=False) for e in content]
     assert all(ids)
-    refused = call(app, "POST", "/v1/chat/completions", headers=NO_CACHE, json={
-        "model": "qvpic", "messages": QUESTION, "logprobs": True, "stream": True, **SELECTION})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+
+
+def test_streamed_logprobs_arrive_with_their_text_and_add_up_to_the_whole_answers(app):
+    """The stream's entries, joined, are the non-streamed answer's (greedy: the same tokens); they come chunk by
+    chunk with the text, not all at the end; with a stop string, the tokens after the cut still come (as the
+    whole answer lists them). Control: a stream without logprobs carries none."""
+    for extra in ({}, {"stop": "zz-never"}):
+        whole = chat(app, max_tokens=12, logprobs=True, top_logprobs=2, **extra)["choices"][0]["logprobs"]["content"]
+        body = {"model": "qvpic", "messages": QUESTION, "max_tokens": 12, "temperature": 0, "stream": True,
+                "logprobs": True, "top_logprobs": 2, **SELECTION, **extra}
+        response = call(app, "POST", "/v1/chat/completions", headers=NO_CACHE, json=body)
+        assert response.status_code == 200, response.text
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        carried = [c for e in events for c in e["choices"] if (c.get("logprobs") or {}).get("content")]
+        assert [x for c in carried for x in c["logprobs"]["content"]] == whole
+        assert len(carried) >= len(whole) // 2  # with the text, not in one lump at the end
+    plain = call(app, "POST", "/v1/chat/completions", headers=NO_CACHE, json={**body, "logprobs": False,
+                                                                              "top_logprobs": None})
+    assert "\"logprobs\": {" not in plain.text
 
 
 PART_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["part", "ships", "units"],

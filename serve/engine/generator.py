@@ -46,7 +46,7 @@ from serve.engine.report import answer_report
 from serve.engine.sequence import End, Finished, Sequence
 from serve.engine.stops import Step, StopMatcher
 from serve.kv import CacheLoader, HotTier
-from serve.plan import Answer, LoadResult, Plan
+from serve.plan import Answer, LoadResult, Plan, TextDelta
 
 
 def text_of(step: str | Step) -> str:
@@ -114,20 +114,31 @@ class Generator:
             seq.stops = StopMatcher(self.vlm.tokenizer, sampling.stop)
         text = StopMatcher(self.vlm.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.vlm.tokenizer)
         self.engine.submit(seq)
-        pieces = []
+        # sent: tokens whose log-probabilities went out with a piece; received: tokens delivered so far (the engine
+        # appends a token's log-probabilities before it delivers the token, and may run ahead of this loop)
+        pieces, sent, received = [], 0, 0
+
+        def delta(piece: str) -> TextDelta:
+            nonlocal sent
+            pieces.append(piece)
+            out = TextDelta(piece)
+            if sampling.logprobs is not None:
+                out.logprobs = tuple(self.entries(seq, sent, received))
+                sent = received
+            return out
+
         try:
             while not isinstance(event := await events.get(), Finished):
+                received += 1
                 if piece := text_of(text.add(event)):
-                    pieces.append(piece)
-                    yield piece
+                    yield delta(piece)
             if event.end is End.DEADLINE:
                 raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline; its decoding stopped "
                                             f"after {len(seq.token_ids)} tokens")
             if event.end is not End.STOP and event.end is not End.LENGTH:
                 raise event.error or RuntimeError(f"generation ended: {event.end.value}")
             if piece := text_of(text.flush()):
-                pieces.append(piece)
-                yield piece
+                yield delta(piece)  # any tokens after it (a stop string's) come with the answer
             after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after
             yield Answer(text="".join(pieces), report=answer_report(plan, context, seq, after.num_tokens),
                          logprobs=self.logprobs(seq) if sampling.logprobs is not None else None)
@@ -136,12 +147,15 @@ class Generator:
 
     def logprobs(self, seq: Sequence) -> ChoiceLogprobs:
         """Each emitted token's log-probability and alternatives (the engine's), with their text and bytes."""
+        return ChoiceLogprobs(content=self.entries(seq, 0, len(seq.token_logprobs)))
+
+    def entries(self, seq: Sequence, start: int, end: int) -> list[TokenLogprob]:
+        """Tokens `start..end` of the answer as OpenAI's logprobs entries."""
         def entry(token: int, logprob: float) -> dict:
             text, raw = token_text(self.vlm.tokenizer, token)
             return {"token": text, "logprob": logprob, "bytes": raw}
-        return ChoiceLogprobs(content=[
-            TokenLogprob(**entry(token, logprob), top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in top])
-            for token, (logprob, top) in zip(seq.token_ids, seq.token_logprobs)])
+        return [TokenLogprob(**entry(token, logprob), top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in top])
+                for token, (logprob, top) in zip(seq.token_ids[start:end], seq.token_logprobs[start:end])]
 
     def generate_blocking(self, plan: Plan, sampling: Sampling, *, loaded: LoadResult | None = None,
                           loader: CacheLoader | None = None) -> Answer:

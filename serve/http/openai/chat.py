@@ -14,47 +14,31 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from schemas.api import AnswerReport, AnswerRequest, FinishReason
+from schemas.api import AnswerRequest, FinishReason
 from schemas.chat import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatUsage,
-    ChunkChoice,
-    ChunkDelta,
     ModelCard,
     ModelList,
     OpenAIErrorBody,
-    PromptTokensDetails,
     RetrievalMode,
-    ToolCallDelta,
 )
 from schemas.decoding import Decoding
 from schemas.errors import UnknownModelError
 from serve.config import ApiSpec
 from serve.governance import Route
-from serve.http.backend import api_error, sse
 from serve.http.exchange import Turns
-from serve.http.openai.errors import openai_error, openai_error_body
-from serve.http.openai.tool_calls import CallStream, names, read_calls
-
-
-def chat_usage(report: AnswerReport) -> ChatUsage:
-    prompt_tokens = report.usage.context_tokens + report.usage.query_tokens
-    # an answer from the response cache computed nothing for this request: its whole prompt was cached
-    cached = prompt_tokens if report.response_cache.level is not None else report.usage.cached_tokens
-    return ChatUsage(prompt_tokens=prompt_tokens, completion_tokens=report.usage.completion_tokens,
-                     total_tokens=prompt_tokens + report.usage.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+from serve.http.openai.chat_stream import ChatStream, chat_usage
+from serve.http.openai.errors import openai_error
+from serve.http.openai.tool_calls import read_calls
 
 
 def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
@@ -80,14 +64,6 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
                              **(selection or {"top_k": default_top_k}))
     except ValidationError as error:  # the chat request's own limits should already exclude this
         raise RequestValidationError(error.errors()) from error
-
-
-def chunk_event(chunk: ChatCompletionChunk) -> str:
-    """A stream chunk as OpenAI sends it: deltas carry only the fields they set."""
-    data = chunk.model_dump(mode="json")
-    for choice in data["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
 
 
 def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
@@ -135,39 +111,10 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
                 choices=[ChatChoice(message=message, finish_reason=finish, logprobs=answer.logprobs)])
 
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-
-        def chunk(**fields) -> str:
-            return chunk_event(ChatCompletionChunk(id=completion_id, created=created, model=request.model, **fields))
-
-        offered = names(tools)
-        calls = CallStream(offered) if offered is not None else None
-
-        def delta(piece: str | ToolCallDelta) -> str:
-            if isinstance(piece, str):
-                return chunk(choices=[ChunkChoice(delta=ChunkDelta(content=piece))])
-            return chunk(choices=[ChunkChoice(delta=ChunkDelta(tool_calls=[piece]))])
-
-        async def events() -> AsyncIterator[str]:
-            yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
-            try:
-                async for event in exchange.stream():
-                    if isinstance(event, str):
-                        for piece in calls.feed(event) if calls is not None else [event]:
-                            yield delta(piece)
-                        continue
-                    for piece in calls.finish() if calls is not None else []:
-                        yield delta(piece)
-                    report = event.report.with_total_ms((time.perf_counter() - started) * 1e3)
-                    reason = FinishReason.TOOL_CALLS if calls is not None and calls.calls else report.finish_reason
-                    finish = ChunkChoice(delta=ChunkDelta(), finish_reason=reason)
-                    yield chunk(choices=[finish], qvpic=report)
-                    if include_usage:
-                        yield chunk(choices=[], usage=chat_usage(report))
-            except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
-                yield sse(openai_error_body(*api_error(error, exchange.turn.record.request_id)))
-            yield sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
+        stream = ChatStream(completion_id, created, request.model, tools=tools, logprobs=bool(request.logprobs),
+                            include_usage=request.stream_options is not None and request.stream_options.include_usage,
+                            started=started, request_id=exchange.turn.record.request_id)
+        return StreamingResponse(stream.events(exchange.stream()), media_type="text/event-stream",
+                                 headers=exchange.headers)
 
     return routes

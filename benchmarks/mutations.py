@@ -1,0 +1,162 @@
+"""A mutation run you can repeat: does the suite fail when the code is wrong? (issue 38)
+
+    python -m benchmarks.mutations            # every mutation below, each against the tests meant to catch it
+    python -m benchmarks.mutations --only rope-delta retry-off
+
+The committed tree (`git ls-files`, with the working copy's edits) is copied to a scratch directory. First the
+tests of every mutation run on the unmutated copy and must pass (else the run stops: a red baseline proves
+nothing). Then each mutation replaces one exact piece of source (it must occur exactly once, so a refactor that
+moves it fails loudly instead of mutating nothing), its tests run, and the source is restored. A mutation is
+caught when its tests fail (pytest exit 1); a collection error or timeout is reported as such, not as caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.eval import markdown_table, write_section
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str  # the claim the tests make, which the mutation breaks
+
+
+MUTATIONS = (
+    Mutation("rope-delta", "pipeline/runtime/adapters.py",
+             "positions = delta_per_token.view(1, 1, -1)", "positions = (delta_per_token + 1).view(1, 1, -1)",
+             ("tests/test_runtime_exactness.py",), "re-anchored KV equals a full forward's (RoPE Δ off by one)"),
+    Mutation("llava-order", "serve/routing/router.py",
+             "if self.prompt.template.images_first and request.messages is None:", "if False:",
+             ("tests/test_llava_router.py",), "LLaVA-OneVision's images-first order through Router.plan"),
+    Mutation("tier-none", "serve/routing/placement.py",
+             "return [r is TierReason.PROMOTED for r in", "return [False for r in",
+             ("tests/test_router.py",), "top chunks are promoted to the high tier within τ and B"),
+    Mutation("affinity-off", "serve/routing/affinity.py",
+             "return Choice(tuple(ranks), Decision.AFFINITY, held)", "return Choice((), Decision.NO_STATS, {})",
+             ("tests/test_affinity.py",), "requests go to the replica holding their chunks"),
+    Mutation("retry-off", "serve/http/backend.py",
+             "if not replica_died(error):\n            raise", "if True:\n            raise",
+             ("tests/test_cluster_retry.py",), "a call whose replica died is retried once"),
+    Mutation("cache-no-tenant", "serve/governance/response_cache.py",
+             'scope = "shared" if policy.shared else f"t:{_digest(tenant)}"', 'scope = "shared"',
+             ("tests/test_response_cache_tenants.py",), "no tenant reads another's cached answers"),
+    Mutation("prefix-no-tenant", "serve/http/exchange.py",
+             'return hashlib.sha256(b"qvpic-tenant\\x00" + tenant.encode()).digest()', 'return b"qvpic-tenant"',
+             ("tests/test_prefix_cache.py", "tests/test_chat_conversations.py"),
+             "no tenant's request reuses another's prefix-cache blocks"),
+    Mutation("stop-off", "serve/engine/generator.py",
+             "if sampling.stop:  # the engine's matcher", "if False:  # the engine's matcher",
+             ("tests/test_openai_decoding.py", "tests/test_decoding_controls.py"),
+             "decoding stops at a stop string"),
+    Mutation("grammar-off", "schemas/decoding.py",
+             "return json_grammar(json.dumps(self.response_format.json_schema.schema_))", "return None",
+             ("tests/test_openai_decoding.py",), "a json_schema answer validates against the schema"),
+    Mutation("auth-open", "serve/http/guards.py",
+             "is_open = (lambda path: path in auth.open_paths",
+             "is_open = (lambda path: True or path in auth.open_paths",
+             ("tests/test_auth_routes.py",), "with keys, every route but the probes is 401 without one"),
+    Mutation("tool-parallel", "schemas/tools.py",
+             "repeat = ' (\"\\\\n\" call)*' if parallel else \"\"", "repeat = ' (\"\\\\n\" call)*'",
+             ("tests/test_tools.py",), "parallel_tool_calls false allows one call"),
+    Mutation("tools-not-keyed", "serve/routing/prompt.py",
+             "tools.digest_material() if tools is not None else None", "None",
+             ("tests/test_tools.py",), "the response cache keys on the tools"),
+    Mutation("tool-tag-shown", "serve/http/openai/tool_calls.py",
+             "keep = _held_tail(self.buffer)", "keep = 0",
+             ("tests/test_tools.py",), "a stream never shows half a tool-call tag as text"),
+    Mutation("logprobs-lumped", "serve/engine/generator.py",
+             "out.logprobs = tuple(self.entries(seq, sent, received))", "out.logprobs = ()",
+             ("tests/test_openai_decoding.py",), "streamed logprobs come with their text, not at the end"),
+    Mutation("readiness-all", "serve/http/health.py",
+             'return (deployment == INSPECTOR) == (path == UI_PREFIX or path.startswith(UI_PREFIX + "/"))',
+             "return True", ("tests/test_readiness.py",), "a request waits only for its route's deployments"),
+)
+
+
+def copy_tree(into: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+
+
+def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[int, float]:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    try:
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=tree,
+                            env=env, capture_output=True, timeout=TIMEOUT_S).returncode
+    except subprocess.TimeoutExpired:
+        rc = -1
+    return rc, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="qvpic bench mutations", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=[m.name for m in MUTATIONS])
+    p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    command = ("python -m benchmarks.mutations " + " ".join(argv)).strip()
+    with tempfile.TemporaryDirectory(prefix="qvpic-mutations-") as scratch:
+        tree = Path(scratch)
+        copy_tree(tree)
+        for m in chosen:  # every mutation applies exactly once, before anything runs
+            count = (tree / m.path).read_text().count(m.old)
+            if count != 1:
+                print(f"{m.name}: its source occurs {count} times in {m.path} (expected once)", file=sys.stderr)
+                return 2
+        baseline = sorted({t for m in chosen for t in m.tests})
+        rc, seconds = run_tests(tree, tuple(baseline))
+        print(f"baseline ({len(baseline)} test files): exit {rc} in {seconds:.0f} s", flush=True)
+        if rc != 0:
+            print("the unmutated tests fail: no mutation result would mean anything", file=sys.stderr)
+            return 1
+        rows, caught = [], 0
+        for m in chosen:
+            path = tree / m.path
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new, 1))
+            try:
+                rc, seconds = run_tests(tree, m.tests)
+            finally:
+                path.write_text(original)
+            verdict = {0: "MISSED", 1: "caught"}.get(rc, "timeout" if rc == -1 else f"error (exit {rc})")
+            caught += verdict == "caught"
+            rows.append([m.name, m.why, f"`{m.path}`", ", ".join(f"`{t}`" for t in m.tests), verdict,
+                         round(seconds)])
+            print(f"{m.name:>18}: {verdict} ({seconds:.0f} s)", flush=True)
+    body = (f"Baseline: the {len(baseline)} test files below pass unmutated. Each mutation then replaces one exact "
+            "piece of source (found exactly once) and runs the tests meant to catch it.\n\n"
+            + markdown_table(["mutation", "what the tests claim", "file", "tests", "result", "s"], rows)
+            + f"\n\n**{caught} of {len(chosen)} caught.**")
+    print(body)
+    if not args.no_write:
+        write_section("mutations", "Mutations: the tests fail when the code is wrong (issue 38)", command, body)
+    return 0 if caught == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
