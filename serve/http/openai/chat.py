@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from schemas.api import AnswerReport, AnswerRequest
@@ -43,7 +43,7 @@ from serve.config import ApiSpec
 from serve.governance import Route
 from serve.http.backend import api_error, sse
 from serve.http.exchange import Turns
-from serve.http.openai.errors import openai_error, openai_error_body
+from serve.http.openai.errors import openai_error_body
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -102,14 +102,6 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
         if model != api.served_model_name:
             raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {[card.id]}")
         return card
-
-    @routes.post("/v1/completions", include_in_schema=False)
-    @routes.post("/v1/embeddings", include_in_schema=False)
-    async def not_served(http: Request) -> JSONResponse:
-        """OpenAI's 404 shape with the way forward, not a bare `{"detail": "Not Found"}` the client reads as None."""
-        what = "legacy completions" if http.url.path.endswith("completions") else "embeddings"
-        return openai_error(404, f"{what} are not served here: use POST /v1/chat/completions (LlamaIndex: "
-                                 "OpenAILike(is_chat_model=True))", code="not_found")
 
     @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
