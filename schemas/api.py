@@ -350,6 +350,7 @@ class StoreInfo(Strict):
     tiers: dict[str, int]  # tier name -> DPI
     variants: list[Variant]
     embedder: str
+    embedding_dim: int  # of the embedder's vectors (POST /v1/embeddings)
     num_chunks: int
     num_documents: int
     num_entries: int

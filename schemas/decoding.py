@@ -1,7 +1,8 @@
 """Decoding controls beyond temperature and top-p, as OpenAI's chat API names them: stop strings, presence and
-frequency penalties, a logit bias. The native `/v1/answer` and the OpenAI-compatible request both take them
-(schemas/api.py `AnswerRequest`, schemas/chat.py `ChatCompletionRequest`); schemas/sampling.py `Sampling` is what
-the engine reads, pipeline/runtime/model.py `adjust_logits` applies the penalties and the bias, and
+frequency penalties, a logit bias (`Controls`, which legacy completions take too: schemas/completions.py), and a
+response format and log-probabilities (`Decoding`). The native `/v1/answer` and the OpenAI-compatible chat request
+both take them (schemas/api.py `AnswerRequest`, schemas/chat.py `ChatCompletionRequest`); schemas/sampling.py
+`Sampling` is what the engine reads, pipeline/runtime/model.py `adjust_logits` applies the penalties and the bias, and
 serve/engine/stops.py matches the stop strings on the decoded text."""
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class Decoding(BaseModel):
+class Controls(BaseModel):
+    """The controls both OpenAI request shapes take as they are: chat's and legacy completions'
+    (schemas/completions.py `CompletionRequest`, whose `logprobs` is another field)."""
+
     model_config = ConfigDict(extra="forbid")
 
     stop: StopString | list[StopString] | None = Field(None, description=(
@@ -57,6 +61,36 @@ class Decoding(BaseModel):
     logit_bias: dict[str, JsonFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS, description=(
         "token id (as a string) -> a bias in [-100, 100] added to its logit before sampling; -100 bans it, 100 "
         "all but forces it. Ids past the model's vocabulary are refused (400)"))
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isascii() or not token.isdigit() or int(token) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {token[:40]!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
+        return bias
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+        """The bias as (token id, bias) pairs, by id: what the engine and the response cache's key read."""
+        return tuple(sorted((int(token), value) for token, value in (self.logit_bias or {}).items()))
+
+
+class Decoding(Controls):
+    """`Controls` and what OpenAI's chat request adds: a response format and log-probabilities."""
 
     response_format: ResponseFormat | None = Field(None, description=(
         "text (default), json_object (any JSON object) or json_schema: decoding is constrained to the grammar, so "
@@ -90,32 +124,6 @@ class Decoding(BaseModel):
     def logprobs_top(self) -> int | None:
         """None: no log-probabilities; else how many alternatives each position lists."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-        return stop
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for token, value in (bias or {}).items():
-            if not token.isascii() or not token.isdigit() or int(token) > MAX_TOKEN_ID:
-                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {token[:40]!r}")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
-        return bias
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-    @property
-    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
-        """The bias as (token id, bias) pairs, by id: what the engine and the response cache's key read."""
-        return tuple(sorted((int(token), value) for token, value in (self.logit_bias or {}).items()))
 
 
 class TopLogprob(BaseModel):

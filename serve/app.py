@@ -36,8 +36,9 @@ def api_spec(args: AppConfig) -> ApiSpec:
     manifest = generation.manifest  # counts from the generation record: nothing re-reads the tables
     info = StoreInfo(fingerprint=manifest.fingerprint, model_id=manifest.model.id,
                      tiers={t.name: t.dpi for t in manifest.tiers}, variants=list(manifest.variants),
-                     embedder=manifest.embedder, num_chunks=generation.num_chunks,
-                     num_documents=generation.num_documents, num_entries=generation.num_entries,
+                     embedder=manifest.embedder, embedding_dim=manifest.embedding_dim,
+                     num_chunks=generation.num_chunks, num_documents=generation.num_documents,
+                     num_entries=generation.num_entries,
                      modes=servable_modes(manifest.variants), kv_quant=manifest.kv_quant)
     return ApiSpec(served_model_name=args.ingress.served_model_name, default_top_k=args.ingress.default_top_k,
                    store=info, created=int(manifest.created_at.timestamp()))

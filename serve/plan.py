@@ -187,3 +187,11 @@ class Answer:
     text: str
     report: AnswerReport
     logprobs: ChoiceLogprobs | None = None  # with `logprobs` asked: each answer token's, in OpenAI's shape
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """Texts as the router's embedder embeds them: what `POST /v1/embeddings` answers."""
+
+    vectors: np.ndarray  # float32 [n, dim], unit rows: the vectors retrieval compares
+    prompt_tokens: int  # the embedder's tokens read, over all texts

@@ -128,6 +128,10 @@ def test_openai_client(base_url, client):
     assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
     with pytest.raises(openai.NotFoundError, match="not served here"):
         api.chat.completions.create(model="gpt-4", messages=messages)
+    legacy = api.completions.create(model="qvpic", prompt=QUERY, max_tokens=8, temperature=0, extra_body=extra)
+    assert legacy.choices[0].text == completion.choices[0].message.content  # the chat of one user message
+    vectors = api.embeddings.create(model="qvpic", input=[QUERY, "another"])  # through the router's Serve handle
+    assert len(vectors.data) == 2 and abs(sum(v * v for v in vectors.data[0].embedding) - 1) < 1e-5
     systems = [api.chat.completions.create(model="qvpic", max_tokens=4, extra_body=extra,
                                            messages=[{"role": "system", "content": text}, *messages])
                for text in ("Be brief.", "Be brief. " * 9 + "Quote the part number.")]

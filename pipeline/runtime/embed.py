@@ -81,6 +81,15 @@ class Embedder:
             vectors = vectors[[row_of[text] for text in texts]]
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
+    def num_tokens(self, texts: Sequence[str]) -> int:
+        """The tokens `embed` reads of `texts`: its tokenizer's, special ones included, each text cut at the
+        model's window (`max_seq_length`) as encoding cuts it."""
+        if not texts:
+            return 0
+        ids = self._model.tokenizer(list(texts), add_special_tokens=True, truncation=True,
+                                    max_length=self._model.max_seq_length)["input_ids"]
+        return sum(map(len, ids))
+
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Ray Data batch UDF: reads column `text`, adds column `embedding` ([n, dim] float32)."""
         if TEXT_COLUMN not in batch:

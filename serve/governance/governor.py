@@ -37,11 +37,14 @@ log = logging.getLogger(__name__)
 class Route(str, Enum):
     ANSWER = "answer"
     CHAT = "chat"
+    COMPLETIONS = "completions"  # legacy completions: each prompt one turn, as a chat of one user message
+    EMBEDDINGS = "embeddings"  # the store's embedder: request rate charged, tokens logged (no token budget)
     ESTIMATE = "estimate"
     INSPECT = "inspect"  # the inspector's data routes (/ui/api/*): authenticated, rate-limited, logged
 
 
 ROUTE_OF_PATH = {"/v1/answer": Route.ANSWER, "/v1/chat/completions": Route.CHAT, "/v1/estimate": Route.ESTIMATE,
+                 "/v1/completions": Route.COMPLETIONS, "/v1/embeddings": Route.EMBEDDINGS,
                  "/ui/api/page": Route.INSPECT, "/ui/api/store": Route.INSPECT}
 
 
@@ -68,12 +71,25 @@ class Governor:
 
     async def begin(self, http: Request, request: AnswerRequest, route: Route) -> Turn:
         """Authenticate, then charge the tenant's request rate (401, 400 or 429 before any work)."""
+        turn = self._open(http, request, route, request.mode.value, request.user, request.task_type)
+        turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(turn.record.tenant))
+        await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
+        return turn
+
+    async def begin_embeddings(self, http: Request, user: str | None) -> Turn:
+        """An embeddings request's turn: authenticated and charged to the request rate like the others; no
+        plan, so no token budget or response cache (its tokens are recorded as `query_tokens`)."""
+        turn = self._open(http, None, Route.EMBEDDINGS, "none", user, None)
+        await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
+        return turn
+
+    def _open(self, http: Request, request: AnswerRequest | None, route: Route, mode: str, user: str | None,
+              task_type: str | None) -> Turn:
         started = time.perf_counter()
         tenant = self.auth.tenant(http.headers)
-        task_type = request.task_type or header_label(http.headers, "X-Task-Type")
+        task_type = task_type or header_label(http.headers, "X-Task-Type")
         record = RequestRecord(time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
-                               task_type=task_type, route=route.value, mode=request.mode.value,
-                               end_user=request.user)
+                               task_type=task_type, route=route.value, mode=mode, end_user=user)
         cap = self.config.limits.policy(tenant).max_in_flight
         if cap is not None and self.in_flight[tenant] >= cap:
             raise TooManyInFlightError(f"tenant {tenant!r} already has {cap} requests in progress (max_in_flight); "
@@ -81,9 +97,7 @@ class Governor:
         turn = http.state.turn = Turn(self, request, record, started, CacheDirectives.of(http.headers))
         self.in_flight[tenant] += 1  # given back by `release` when the response has been sent (or abandoned)
         turn.holds_slot = True
-        self.metrics.requests.inc(route=route.value, mode=request.mode.value)
-        turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(tenant))
-        await self.limits.take(tenant, Limit.REQUESTS, 1)
+        self.metrics.requests.inc(route=route.value, mode=mode)
         return turn
 
     async def inspect(self, http: Request) -> str:

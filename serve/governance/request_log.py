@@ -34,7 +34,7 @@ REQUEST_LOG_SCHEMA = pa.schema([
     pa.field("request_id", pa.string(), nullable=False),
     pa.field("tenant", pa.string(), nullable=False),
     pa.field("task_type", pa.string()),
-    pa.field("route", pa.string(), nullable=False),  # answer | chat | estimate
+    pa.field("route", pa.string(), nullable=False),  # answer | chat | completions | embeddings | estimate
     pa.field("mode", pa.string(), nullable=False),
     pa.field("status", pa.int16(), nullable=False),  # HTTP status (a stream's error event counts as its status)
     pa.field("cache_level", pa.string()),  # l1 | l2 | l3 when the response cache answered; null: the model did

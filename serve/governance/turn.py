@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 class Turn:
     """One governed request, from `Governor.begin` to `finish`."""
 
-    def __init__(self, governor: Governor, request: AnswerRequest, record: RequestRecord, started: float,
+    def __init__(self, governor: Governor, request: AnswerRequest | None, record: RequestRecord, started: float,
                  directives: CacheDirectives = CacheDirectives()):
         self.governor, self.request, self.record, self.started = governor, request, record, started
         self.holds_slot = False  # one of its tenant's max_in_flight slots (Governor.release gives it back)
@@ -138,6 +138,11 @@ class Turn:
                 await self.governor.cache.store(self.keys, answer, self.plan.query_embedding)
         self.finish(200, answer)
         return answer
+
+    def embedded(self, prompt_tokens: int) -> None:
+        """An embeddings request answered: its tokens recorded, the turn finished with 200."""
+        self.record.query_tokens = prompt_tokens
+        self.finish(200)
 
     def finish(self, status: int, answer: Answer | None = None) -> None:
         """Record the turn's metrics and log row; only the first call counts."""

@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
 from serve.handles import cancelling
-from serve.plan import Answer, Plan
+from serve.plan import Answer, Embedded, Plan
 
 if TYPE_CHECKING:  # the in-process roles; the ingress never imports them
     from serve.engine import Generator
@@ -48,6 +48,7 @@ class Backend(Protocol):
     def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]: ...
     async def cache_stats(self) -> CacheStats: ...
     async def device_cache_stats(self) -> CacheStats: ...
+    async def embed(self, texts: list[str]) -> Embedded: ...
 
 
 class HandleBackend:
@@ -57,6 +58,9 @@ class HandleBackend:
 
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
         return await retried_once("route", lambda: cancelling(self.router.plan.remote(request, budget_tokens)))
+
+    async def embed(self, texts: list[str]) -> Embedded:
+        return await retried_once("embed", lambda: cancelling(self.router.embed.remote(texts)))
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
         remaining = Remaining(timeout_s)
@@ -102,6 +106,9 @@ class InProcessBackend:
 
     async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
         return await self.router.plan(request, budget_tokens)
+
+    async def embed(self, texts: list[str]) -> Embedded:
+        return await self.router.embed(texts)
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
         return await self.generator.generate(plan, sampling, timeout_s, loader=self.loader)

@@ -3,8 +3,8 @@
 `Turns.begin` opens a request's governance turn (serve/governance/turn.py) within its lifetime
 (serve/http/lifetime.py: a deadline, and cancellation when the client goes away). The `Exchange` it
 returns routes, answers — from the response cache, or through the backend's generator — and hands each
-result to the turn, for the native `/v1/answer` and the OpenAI `/v1/chat/completions` alike: only
-their wire formats differ.
+result to the turn, for the native `/v1/answer` and the OpenAI `/v1/chat/completions` and `/v1/completions`
+alike: only their wire formats differ. `Turns.embed` is `/v1/embeddings`' turn: governed, no plan.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
 from serve.http.backend import Backend, error_status
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
-from serve.plan import Answer, Plan
+from serve.plan import Answer, Embedded, Plan
 
 
 def tenant_salt(tenant: str) -> bytes:
@@ -40,6 +40,16 @@ class Turns:
         turn = await self.governor.begin(http, request, route)
         life = Lifetime(http, request_timeout_s(http, request.timeout_s, self.timeout_s))
         return Exchange(self.backend, turn, life, Sampling.of(request))
+
+    async def embed(self, http: Request, response: Response, texts: list[str], user: str | None) -> Embedded:
+        """`texts` embedded by the router's embedder, as one governed turn (401, 429 before any work) within the
+        request's lifetime (header X-Request-Timeout, else the server's default); `response` carries its headers."""
+        turn = await self.governor.begin_embeddings(http, user)
+        response.headers.update(turn.headers)
+        life = Lifetime(http, request_timeout_s(http, None, self.timeout_s))
+        embedded = await life.run(self.backend.embed(texts))
+        turn.embedded(embedded.prompt_tokens)
+        return embedded
 
 
 @dataclass

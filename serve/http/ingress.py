@@ -39,7 +39,7 @@ from serve.http.backend import Backend, HandleBackend, api_error, error_cause, s
 from serve.http.exchange import Turns
 from serve.http.guards import ReleaseTurn, install_guards
 from serve.http.health import ReadinessProbe, install_readiness
-from serve.http.openai import is_openai_path, openai_error, openai_routes
+from serve.http.openai import completion_routes, embedding_routes, is_openai_path, openai_error, openai_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
 from serve.ui import install_ui
@@ -115,7 +115,8 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=exchange.headers)
 
-    app.include_router(openai_routes(turns, api))
+    for routes in (openai_routes, completion_routes, embedding_routes):
+        app.include_router(routes(turns, api))
     # 401 without a key (when keys exist), 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
     install_guards(app, governor.rejected, governor.auth)
     app.add_middleware(ReleaseTurn, release=governor.release)  # a tenant's in-flight slot, back when it ends

@@ -26,7 +26,7 @@ from schemas.errors import ApiError, ContextLengthError, TooLargeError
 from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
-from serve.plan import Plan, PlannedChunk
+from serve.plan import Embedded, Plan, PlannedChunk
 from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
 from serve.routing.prompt import PromptTemplate, conversation_chain, conversation_digest
 from serve.routing.retrieval import Snapshot, open_snapshot
@@ -78,6 +78,12 @@ class Router:
 
     async def embed_query(self, query: str) -> np.ndarray:
         return (await asyncio.to_thread(self.embedder.embed, [query]))[0]  # [dim], off the event loop
+
+    async def embed(self, texts: list[str]) -> Embedded:
+        """`texts` embedded as queries and chunks are (batched by the embedder), off the event loop."""
+        def work() -> Embedded:
+            return Embedded(vectors=self.embedder.embed(texts), prompt_tokens=self.embedder.num_tokens(texts))
+        return await asyncio.to_thread(work)
 
     async def plan(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
         """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made."""

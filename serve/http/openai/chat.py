@@ -17,7 +17,7 @@ import uuid
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from schemas.api import AnswerRequest, FinishReason
@@ -37,8 +37,17 @@ from serve.config import ApiSpec
 from serve.governance import Route
 from serve.http.exchange import Turns
 from serve.http.openai.chat_stream import ChatStream, chat_usage
-from serve.http.openai.errors import openai_error
 from serve.http.openai.tool_calls import read_calls
+
+# what a generating route answers: JSON, SSE, or OpenAI's error shape
+GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
+                        **{status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413, 429, 503)}}
+
+
+def require_served(model: str, api: ApiSpec) -> None:
+    """404 `model_not_found` for a model this server does not serve."""
+    if model != api.served_model_name:
+        raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {[api.served_model_name]}")
 
 
 def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
@@ -81,21 +90,9 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
             raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {[card.id]}")
         return card
 
-    @routes.post("/v1/completions", include_in_schema=False)
-    @routes.post("/v1/embeddings", include_in_schema=False)
-    async def not_served(http: Request) -> JSONResponse:
-        """OpenAI's 404 shape with the way forward, not a bare `{"detail": "Not Found"}` the client reads as None."""
-        what = "legacy completions" if http.url.path.endswith("completions") else "embeddings"
-        return openai_error(404, f"{what} are not served here: use POST /v1/chat/completions (LlamaIndex: "
-                                 "OpenAILike(is_chat_model=True))", code="not_found")
-
-    @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses={
-        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
-        **{status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413, 429, 503)}})
+    @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses=GENERATION_RESPONSES)
     async def chat_completions(request: ChatCompletionRequest, http: Request, response: Response):
-        if request.model != api.served_model_name:
-            available = [api.served_model_name]
-            raise UnknownModelError(f"model {request.model!r} is not served here; available: {available}")
+        require_served(request.model, api)
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT)
