@@ -19,7 +19,14 @@ from tests.test_fuzz_api import app  # noqa: F401  (pytest fixture)
 VALID_BODIES = {"/v1/answer": {"query": QUERY, "top_k": 1, "max_new_tokens": 2},
                 "/v1/estimate": {"query": QUERY, "top_k": 1},
                 "/v1/chat/completions": {"model": "qvpic", "messages": [{"role": "user", "content": QUERY}],
-                                         "max_tokens": 2, "qvpic": {"top_k": 1}, "stream_options": {}}}
+                                         "max_tokens": 2, "qvpic": {"top_k": 1}, "stream_options": {}},
+                "/v1/completions": {"model": "qvpic", "prompt": QUERY, "max_tokens": 2, "qvpic": {"top_k": 1}},
+                "/v1/embeddings": {"model": "qvpic", "input": QUERY}}
+# The routes that speak OpenAI's error shape (a 400 `OpenAIErrorBody`); the native ones answer FastAPI's 422.
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# The free-text field of each route's body: where a lone surrogate or a JSON-only token goes.
+TEXT_FIELD = {"/v1/answer": "query", "/v1/estimate": "query", "/v1/chat/completions": "messages",
+              "/v1/completions": "prompt", "/v1/embeddings": "input"}
 # Tokens Python's JSON parser takes but JSON cannot carry back (`1e400` parses to infinity; 5000 digits
 # are over Python's int-parsing limit), and strings no UTF-8 encoder takes.
 NOT_ECHOABLE = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "9" * 5000, '"\\ud800"', '"a\\udfffb"']
@@ -65,11 +72,11 @@ def raw_with_token(body: dict, path: tuple, token: str) -> bytes:
 
 def refused_in_route_shape(spec: dict, path: str, response) -> None:
     """A 422 (OpenAI's routes: a 400) whose body is strict JSON (no NaN) in the error shape the route documents."""
-    status = 400 if path.startswith("/v1/chat/") else 422
+    status = 400 if path in OPENAI_ROUTES else 422
     assert response.status_code == status, (path, response.status_code, response.text[:300])
     assert response.headers["content-type"] == "application/json"
     body = json.loads(response.content, parse_constant=lambda token: pytest.fail(f"{token} in a response"))
-    conforms(spec, "OpenAIErrorBody" if path.startswith("/v1/chat/") else "HTTPValidationError", body)
+    conforms(spec, "OpenAIErrorBody" if path in OPENAI_ROUTES else "HTTPValidationError", body)
 
 
 def test_every_post_route_has_a_valid_body_here(app):
@@ -86,11 +93,14 @@ def test_values_json_cannot_carry_are_a_json_422_on_every_route(app, path):
     spec = call(app, "GET", "/openapi.json").json()
     body = VALID_BODIES[path]
     fields = [*scalar_fields(spec, spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]),
-              ("query",) if "query" in body else ("messages",)]
-    assert {("temperature",), ("seed",), ("top_k",)} & set(fields) or path == "/v1/estimate", fields
+              (TEXT_FIELD[path],)]
+    assert {("temperature",), ("seed",), ("top_k",)} & set(fields) or path in ("/v1/estimate", "/v1/embeddings"), fields
     raw = [raw_with_token(body, field, token) for field in fields for token in NOT_ECHOABLE]
-    raw += [raw_with_token(body, ("messages",), '[{"role": "user", "content": "\\ud800"}]'),
-            raw_with_token(body, ("messages",), '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]')]
+    if path == "/v1/chat/completions":
+        raw += [raw_with_token(body, ("messages",), '[{"role": "user", "content": "\\ud800"}]'),
+                raw_with_token(body, ("messages",), '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]')]
+    elif path in OPENAI_ROUTES:  # prompt and input also take a list of texts
+        raw += [raw_with_token(body, (TEXT_FIELD[path],), '["ok", "\\ud800"]')]
     raw += [json.dumps(body).replace("{", f'{{"{key}": 1, ', 1).encode() for key in HOSTILE_KEYS]
     raw += [token.encode() for token in NOT_ECHOABLE]  # as the whole body
     for content in raw:
@@ -120,7 +130,7 @@ def test_numbers_and_booleans_take_only_what_the_schema_allows(app, path):
     request_schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     validator = jsonschema.Draft202012Validator({**request_schema, "components": spec["components"]})
     fields = scalar_fields(spec, request_schema)
-    assert len(fields) >= 2, fields
+    assert len(fields) >= (1 if path == "/v1/embeddings" else 2), fields  # embeddings: `dimensions` alone
     for field, json_type in fields.items():
         for value in WRONG_TYPE[json_type]:
             body = with_field(VALID_BODIES[path], field, value)

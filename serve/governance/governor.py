@@ -78,8 +78,10 @@ class Governor:
 
     async def begin_embeddings(self, http: Request, user: str | None) -> Turn:
         """An embeddings request's turn: authenticated and charged to the request rate like the others; no
-        plan, so no token budget or response cache (its tokens are recorded as `query_tokens`)."""
+        plan, so no token budget or response cache (its tokens are recorded as `query_tokens`). The budget
+        header is still parsed: a malformed one is the same 400 on every route, never ignored on some."""
         turn = self._open(http, None, Route.EMBEDDINGS, "none", user, None)
+        token_budget(http.headers, self.config.limits.policy(turn.record.tenant))
         await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
         return turn
 
