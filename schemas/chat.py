@@ -25,6 +25,7 @@ from schemas.api import (
 )
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.decoding import ChoiceLogprobs, Decoding
+from schemas.sampling import MAX_CHOICES
 from schemas.tools import MAX_TOOLS, ToolChoice, ToolDef, ToolUse
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
@@ -84,7 +85,8 @@ class ChatCompletionRequest(Strict, Decoding):
     max_completion_tokens: JsonInt | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     temperature: JsonFloat = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
-    n: JsonInt = Field(1, ge=1, le=128)  # OpenAI's range; above 1 refused below
+    n: JsonInt = Field(1, ge=1, le=128, description=f"choices, up to {MAX_CHOICES}: one prefill, n rows decoded in "
+                       "the batch (choice i seeded seed + i); not streamed")  # OpenAI's range; past MAX_CHOICES a 400
     seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: JsonBool = False
     stream_options: StreamOptions | None = None
@@ -114,8 +116,11 @@ class ChatCompletionRequest(Strict, Decoding):
     @model_validator(mode="after")
     def _refused(self) -> ChatCompletionRequest:
         """The parameters this server does not implement yet: refused by name, never silently ignored."""
-        if self.n > 1:
-            raise ValueError(f"n: only 1 choice per request is supported, got {self.n}")
+        if self.n > MAX_CHOICES:
+            raise ValueError(f"n: at most {MAX_CHOICES} choices per request, got {self.n}")
+        if self.n > 1 and self.stream:
+            raise ValueError("n: several choices are answered whole; stream them with n = 1 (n > 1 with stream: "
+                             "true is not supported)")
         if self.store:
             raise ValueError("store: this server stores no completions (store: true is not supported)")
         if not self.tools and self.tool_choice not in (None, "none", "auto"):

@@ -15,6 +15,7 @@ from schemas.api import MAX_NEW_TOKENS, MAX_SEED, AnswerReport, FinishReason, St
 from schemas.chat import ChatCompletionRequest, ChatUsage, QvpicOptions, StreamOptions
 from schemas.conversation import MAX_TEXT_CHARS, Message
 from schemas.decoding import ChoiceLogprobs, Controls
+from schemas.sampling import MAX_CHOICES
 from schemas.wire import JsonBool, JsonFloat, JsonInt, Utf8Str
 
 MAX_PROMPTS = 64  # prompts of one request: each is its own governed turn, answered in order
@@ -67,8 +68,11 @@ class CompletionRequest(Strict, Controls):
 
     @model_validator(mode="after")
     def _refused(self) -> CompletionRequest:
-        if self.n > 1:
-            raise ValueError(f"n: only 1 choice per prompt is supported, got {self.n}")
+        if self.n > MAX_CHOICES:
+            raise ValueError(f"n: at most {MAX_CHOICES} choices per prompt, got {self.n}")
+        if self.n > 1 and self.stream:
+            raise ValueError("n: several choices are answered whole; stream them with n = 1 (n > 1 with stream: "
+                             "true is not supported)")
         if self.best_of is not None and self.best_of > 1:
             raise ValueError(f"best_of: only 1 is supported, got {self.best_of}")
         if self.echo:

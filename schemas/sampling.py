@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+MAX_CHOICES = 8  # `n`: choices decoded from one prefill, each a row of the batch
 
 
 class SamplingFields(Protocol):
@@ -38,17 +40,25 @@ class Sampling:
     # call's; serve/engine/grammar.py); `grammar_param` is the request field a grammar that does not compile names
     grammar: str | None = None
     grammar_param: str = "response_format"
+    n: int = 1  # choices: one prefill, then n rows decoded in the batch (serve/engine/loop.py forks)
 
     def __post_init__(self) -> None:
         if (self.max_new_tokens < 1 or not math.isfinite(self.temperature) or self.temperature < 0
                 or not 0 < self.top_p <= 1 or not -2 <= self.presence_penalty <= 2
-                or not -2 <= self.frequency_penalty <= 2 or any(not -100 <= b <= 100 for _, b in self.logit_bias)):
+                or not -2 <= self.frequency_penalty <= 2 or any(not -100 <= b <= 100 for _, b in self.logit_bias)
+                or not 1 <= self.n <= MAX_CHOICES):
             raise ValueError(f"invalid sampling parameters {self}")
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether a token's logits depend on more than the model: a penalty or a bias is set."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def choice(self, index: int) -> Sampling:
+        """Choice `index`'s own decoding: one row, seeded `seed + index` (choice 0 decodes as the same request with
+        n = 1 would; each choice is reproducible on its own). Greedy choices are alike, as OpenAI's and vLLM's."""
+        seed = None if self.seed is None else (self.seed + index) % 2**64
+        return replace(self, n=1, seed=seed)
 
     @classmethod
     def of(cls, request: SamplingFields) -> Sampling:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from schemas.api import AnswerReport, CacheReport, FallbackReport, KVSource, TierReason
+from schemas.api import AnswerReport, CacheReport, FallbackReport, FinishReason, KVSource, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
 from schemas.decoding import ChoiceLogprobs, TokenLogprob
 from schemas.prompt import PromptLayout
@@ -181,12 +181,23 @@ class TextDelta(str):
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One more answer to the same prompt (`n` > 1): choices 1..n-1 beside the `Answer`'s own text, choice 0."""
+
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int
+    logprobs: ChoiceLogprobs | None = None
+
+
+@dataclass(frozen=True)
 class Answer:
     """What the generator returns: the answer text and the report of how it was made."""
 
     text: str
-    report: AnswerReport
+    report: AnswerReport  # its usage counts every choice's completion tokens; its finish_reason is choice 0's
     logprobs: ChoiceLogprobs | None = None  # with `logprobs` asked: each answer token's, in OpenAI's shape
+    choices: tuple[Choice, ...] = ()  # with n > 1: the other choices, in order (index 1..n-1)
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ def test_chat_completions(app):
     ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]},
      400, "must end with a user or tool message"),
     ({"model": "qvpic", "messages": []}, 400, "at least 1 item"),
-    ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "only 1 choice per request"),
+    ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "at most 8 choices"),
     ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "qvpic": {"top_k": 1, "doc_ids": ["a"]}},
      400, "at most one of"),
     ({"model": "qvpic", "messages": [{"role": "user", "content": "hi"}], "qvpic": {"doc_ids": ["ghost"]}},

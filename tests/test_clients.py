@@ -151,6 +151,15 @@ def test_langchain_stop_and_the_openai_clients_decoding_controls(chat_model, api
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_path(serving_store.model), local_files_only=True)
     assert controlled.choices[0].message.content == tokenizer.decode([15] * 4)  # forced by its +100
+    several = api.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": question}], n=3,
+                                          max_tokens=6, temperature=1.0, seed=9)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    third = api.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": question}],
+                                        max_tokens=6, temperature=1.0, seed=11)  # choice 2 is seed 9 + 2 alone
+    assert several.choices[2].message.content == third.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": question}], n=9)
+    assert refused.value.param == "n"
 
 
 def test_langchain_structured_output_and_logprobs(chat_model):

@@ -18,6 +18,7 @@ from pipeline.runtime.linked_prompt import native_prompt
 from schemas.config import CompilePrefix, EngineSpec
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
+from serve.engine import loop as loop_module
 from serve.engine.loop import Engine, LinkedContext, OnlineContext, column_nbytes
 from serve.engine.sequence import End, Finished, Sequence, Status
 
@@ -257,3 +258,67 @@ def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks)
     assert joined[:3] == [2, 4, 5]
     rec.run()
     assert len({tuple(s.token_ids) for s in seqs}) == 1  # the same request, joined at different steps
+
+
+def forked(rec: Recorder, context, max_new_tokens: int, n: int, **fields) -> list[Sequence]:
+    """A request of `n` choices as the generator submits it: the leader queued, its forks riding with it."""
+    sampling = Sampling(max_new_tokens=max_new_tokens, n=n, **fields)
+    members = []
+    for i in range(n):
+        seq = Sequence(sampling.choice(i), context, context.prompt.num_tokens, len(context.query_ids), emit=None)
+        seq.emit = rec.events.setdefault(seq.id, []).append
+        rec.logits[seq.id] = []
+        members.append(seq)
+    members[0].forks = members[1:]
+    rec.engine.submit(members[0])
+    return members
+
+
+@pytest.mark.parametrize("online_neighbour", [False, True])
+def test_n_choices_are_one_prefill_and_each_decodes_as_its_own_request(vlm, chunks, monkeypatch, online_neighbour):
+    """n = 3 sampled choices: the prompt's query turn is prefilled once (one row of the batched prefill), and
+    choice i's tokens are those of the same request asked alone with n = 1 and seed + i — beside an unrelated row
+    (linked, or an online one prefilled alone in the same step), which is unchanged too."""
+    rows = []
+    real = loop_module.prefill_queries
+    monkeypatch.setattr(loop_module, "prefill_queries",
+                        lambda vlm, bases, *rest: rows.append(len(bases)) or real(vlm, bases, *rest))
+    sampling = dict(temperature=1.2, top_p=0.95, seed=40)
+    context = linked(vlm, chunks[:2], "When does it ship?")
+    rec = Recorder(vlm)
+    neighbour = (rec.submit(online(vlm, ["Part QZ-19 ships on 3 April."], "Which?"), 5) if online_neighbour
+                 else rec.submit(linked(vlm, [chunks[4]], "Which part?"), 5))
+    members = forked(rec, context, 7, 3, **sampling)
+    rec.run()
+    assert rows == ([1] if online_neighbour else [2])  # the three choices took one prefill row
+    for i, seq in enumerate(members):
+        solo = Recorder(vlm)
+        by_itself = solo.submit(context, 7, **{**sampling, "seed": 40 + i})
+        solo.run()
+        assert seq.token_ids == by_itself.token_ids, i
+        assert seq.end in (End.STOP, End.LENGTH) and rec.events[seq.id][-1] == Finished(seq.end)
+    assert len({tuple(s.token_ids) for s in members}) > 1  # seeds differ: so do the choices (a control)
+    tokens, _ = alone(vlm, neighbour.context, 5)
+    assert neighbour.token_ids == tokens
+    assert rec.engine.slab is None and not rec.engine.scheduler.running
+
+
+def test_n_choices_count_as_n_rows_and_leave_together_when_cancelled(vlm, chunks):
+    context = linked(vlm, chunks[:2], "When?")
+    per_row = (context.prompt.num_tokens + 10 - 1) * column_nbytes(vlm)
+    rec = Recorder(vlm, EngineSpec(max_batch_size=4, max_kv_nbytes=3 * per_row))
+    with pytest.raises(TooLargeError, match="max_kv_nbytes"):
+        forked(rec, context, 10, 4)  # four rows of its reservation do not fit where three do
+    with pytest.raises(TooLargeError, match="max_batch_size"):
+        forked(Recorder(vlm, EngineSpec(max_batch_size=2)), context, 10, 3)
+    waiting = forked(rec, context, 10, 3)
+    rec.engine.cancel(waiting[0])  # cancelled before it joined: its forks end with it
+    rec.run()
+    assert [s.end for s in waiting] == [End.CANCELLED] * 3
+    running = forked(rec, context, 10, 3)
+    rec.run(steps=2)
+    assert len(rec.engine.scheduler.running) == 3
+    for seq in running:
+        rec.engine.cancel(seq)
+    rec.run()
+    assert all(s.end is End.CANCELLED for s in running) and rec.engine.slab is None

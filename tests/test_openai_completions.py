@@ -81,6 +81,17 @@ def test_a_list_of_prompts_is_one_choice_each_in_order(app):
         assert answer["usage"][field] == sum(s["usage"][field] for s in singles), field
 
 
+def test_n_choices_per_prompt_in_openais_order(app):
+    """Two prompts × `n: 2` sampled: index = prompt × n + j, choice j of a prompt the chat answer with seed + j
+    (expected from separate chat requests, n = 1)."""
+    prompts = [PROMPT, "Which part ships on 3 April?"]
+    answer = complete(app, prompt=prompts, n=2, temperature=1.0, seed=5)
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3] and len(answer["qvpic"]) == 2
+    expected = [chat(app, p, temperature=1.0, seed=5 + j)["choices"][0]["message"]["content"]
+                for p in prompts for j in range(2)]
+    assert [c["text"] for c in answer["choices"]] == expected
+
+
 def test_stop_ends_the_text_before_it(app):
     text = complete(app, max_tokens=16)["choices"][0]["text"]
     assert len(text) >= 8, text
@@ -153,7 +164,8 @@ def test_llamaindex_openailike_completes_by_default(app):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"n": 9}, "n"), ({"n": 2, "stream": True}, "n"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
     ({"logprobs": 6}, "logprobs"), ({"logprobs": 1, "stream": True}, "logprobs"),
     ({"prompt": [101, 2023]}, "prompt"), ({"prompt": [[101, 2023]]}, "prompt"),
     ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"), ({"prompt": []}, "prompt"),

@@ -161,3 +161,30 @@ def test_a_schema_the_grammar_cannot_take_is_400(app):
     response = call(app, "POST", "/v1/chat/completions", json=body, headers=NO_CACHE)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format"
+
+
+def test_n_choices_each_as_the_request_with_its_own_seed(app):
+    """`n: 3` sampled: three choices, index 0..2, choice i the text of the same request with n = 1 and seed + i
+    (the expected values come from three separate requests); usage counts every choice's tokens; greedy choices
+    are alike (as OpenAI's and vLLM's)."""
+    sampled = dict(temperature=1.1, seed=123, max_tokens=10)
+    answer = chat(app, n=3, **sampled)
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    singles = [chat(app, **{**sampled, "seed": 123 + i})["choices"][0] for i in range(3)]
+    assert [c["message"]["content"] for c in answer["choices"]] == [s["message"]["content"] for s in singles]
+    assert [c["finish_reason"] for c in answer["choices"]] == [s["finish_reason"] for s in singles]
+    assert len({c["message"]["content"] for c in answer["choices"]}) > 1  # seeds differ: so do the choices
+    one = chat(app, **{**sampled, "seed": 123})
+    tokens = [chat(app, **{**sampled, "seed": 123 + i})["usage"]["completion_tokens"] for i in range(3)]
+    assert answer["usage"]["completion_tokens"] == sum(tokens)
+    assert answer["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # one prompt, prefilled once
+    greedy = chat(app, n=2, max_tokens=6, logprobs=True)["choices"]
+    assert greedy[0]["message"] == greedy[1]["message"] and greedy[0]["logprobs"] == greedy[1]["logprobs"]
+
+
+@pytest.mark.parametrize("fields", [{"n": 9}, {"n": 2, "stream": True}])
+def test_n_past_the_limit_or_streamed_is_400_naming_n(app, fields):
+    body = {"model": "qvpic", "messages": QUESTION, "max_tokens": 2, **SELECTION, **fields}
+    response = call(app, "POST", "/v1/chat/completions", json=body, headers=NO_CACHE)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n", response.json()

@@ -42,11 +42,11 @@ from serve.engine.context import ContextBuilder
 from serve.engine.detokenizer import Detokenizer, token_text
 from serve.engine.loop import Engine, EngineStats, LinkedContext
 from serve.engine.repair import Repairer
-from serve.engine.report import answer_report
+from serve.engine.report import FINISH, answer_report
 from serve.engine.sequence import End, Finished, Sequence
 from serve.engine.stops import Step, StopMatcher
 from serve.kv import CacheLoader, HotTier
-from serve.plan import Answer, LoadResult, Plan, TextDelta
+from serve.plan import Answer, Choice, LoadResult, Plan, TextDelta
 
 
 def text_of(step: str | Step) -> str:
@@ -99,63 +99,33 @@ class Generator:
                 context = await self.contexts.build(plan, loaded, loader or self.loader)
         except TimeoutError:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
         prefill = context.prefill
         num_query = len(prefill.query_ids) if isinstance(prefill, LinkedContext) else 0
         if isinstance(prefill, LinkedContext):
             num_prompt = prefill.prompt.num_tokens  # as served: a lazily compiled entry's own count
         else:
             num_prompt = sum(t.num_tokens for t in prefill.texts) + sum(c.num_tokens for c in plan.chunks)
-        seq = Sequence(sampling, context.prefill, num_prompt, num_query,
-                       emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), deadline=deadline)
-        if sampling.grammar is not None:  # compiled here: a bad schema is a 400 before the request is queued
-            seq.grammar = self.engine.chooser.grammars.matcher(sampling.grammar, sampling.grammar_param)
-        if sampling.stop:  # the engine's matcher ends decoding at a match; this one cuts the text the same way
-            seq.stops = StopMatcher(self.vlm.tokenizer, sampling.stop)
-        text = StopMatcher(self.vlm.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.vlm.tokenizer)
-        self.engine.submit(seq)
-        # sent: tokens whose log-probabilities went out with a piece; received: tokens delivered so far (the engine
-        # appends a token's log-probabilities before it delivers the token, and may run ahead of this loop)
-        pieces, sent, received = [], 0, 0
-
-        def delta(piece: str) -> TextDelta:
-            nonlocal sent
-            pieces.append(piece)
-            out = TextDelta(piece)
-            if sampling.logprobs is not None:
-                out.logprobs = tuple(self.entries(seq, sent, received))
-                sent = received
-            return out
-
+        loop = asyncio.get_running_loop()
+        runs = [Run(self, sampling.choice(i), prefill, num_prompt, num_query, deadline, loop)
+                for i in range(sampling.n)]
+        leader = runs[0].seq
+        leader.forks = [run.seq for run in runs[1:]]  # prefilled once, decoded as n rows (serve/engine/loop.py)
+        self.engine.submit(leader)
         try:
-            while not isinstance(event := await events.get(), Finished):
-                received += 1
-                if piece := text_of(text.add(event)):
-                    yield delta(piece)
-            if event.end is End.DEADLINE:
-                raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline; its decoding stopped "
-                                            f"after {len(seq.token_ids)} tokens")
-            if event.end is not End.STOP and event.end is not End.LENGTH:
-                raise event.error or RuntimeError(f"generation ended: {event.end.value}")
-            if piece := text_of(text.flush()):
-                yield delta(piece)  # any tokens after it (a stop string's) come with the answer
+            if len(runs) == 1:
+                async for piece in runs[0].pieces(timeout_s):
+                    yield piece
+            else:  # n choices: whole answers only (the OpenAI routes refuse a stream of several)
+                for ended in await asyncio.gather(*(run.drain(timeout_s) for run in runs), return_exceptions=True):
+                    if isinstance(ended, BaseException):
+                        raise ended
             after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after
-            yield Answer(text="".join(pieces), report=answer_report(plan, context, seq, after.num_tokens),
-                         logprobs=self.logprobs(seq) if sampling.logprobs is not None else None)
+            first, *others = runs
+            yield Answer(text=first.text, report=answer_report(plan, context, leader, after.num_tokens),
+                         logprobs=first.logprobs(), choices=tuple(run.choice() for run in others))
         finally:
-            self.engine.cancel(seq)  # a no-op once finished; else the caller went away: the row leaves
-
-    def logprobs(self, seq: Sequence) -> ChoiceLogprobs:
-        """Each emitted token's log-probability and alternatives (the engine's), with their text and bytes."""
-        return ChoiceLogprobs(content=self.entries(seq, 0, len(seq.token_logprobs)))
-
-    def entries(self, seq: Sequence, start: int, end: int) -> list[TokenLogprob]:
-        """Tokens `start..end` of the answer as OpenAI's logprobs entries."""
-        def entry(token: int, logprob: float) -> dict:
-            text, raw = token_text(self.vlm.tokenizer, token)
-            return {"token": text, "logprob": logprob, "bytes": raw}
-        return [TokenLogprob(**entry(token, logprob), top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in top])
-                for token, (logprob, top) in zip(seq.token_ids[start:end], seq.token_logprobs[start:end])]
+            for run in runs:
+                self.engine.cancel(run.seq)  # a no-op once finished; else the caller went away: the row leaves
 
     def generate_blocking(self, plan: Plan, sampling: Sampling, *, loaded: LoadResult | None = None,
                           loader: CacheLoader | None = None) -> Answer:
@@ -189,3 +159,72 @@ class Generator:
     def clear_prefix_cache(self) -> None:
         """Drop the prefix KV cache (a cold measurement)."""
         self.engine.clear_prefix_cache()
+
+
+class Run:
+    """One choice of a request: its engine sequence, and the request side of its events — the text as it decodes
+    (stop strings cut, log-probabilities attached) and how it ended."""
+
+    def __init__(self, generator: Generator, sampling: Sampling, prefill, num_prompt: int, num_query: int,
+                 deadline: float | None, loop: asyncio.AbstractEventLoop):
+        self.tokenizer = generator.vlm.tokenizer
+        self.sampling = sampling
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.seq = seq = Sequence(sampling, prefill, num_prompt, num_query, deadline=deadline,
+                                  emit=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
+        if sampling.grammar is not None:  # compiled here: a bad schema is a 400 before the request is queued
+            seq.grammar = generator.engine.chooser.grammars.matcher(sampling.grammar, sampling.grammar_param)
+        if sampling.stop:  # the engine's matcher ends decoding at a match; this one cuts the text the same way
+            seq.stops = StopMatcher(self.tokenizer, sampling.stop)
+        self.detokenizer = StopMatcher(self.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.tokenizer)
+        self.text = ""
+        # sent: tokens whose log-probabilities went out with a piece; received: tokens delivered so far (the engine
+        # appends a token's log-probabilities before it delivers the token, and may run ahead of this loop)
+        self.sent = self.received = 0
+
+    async def pieces(self, timeout_s: float | None) -> AsyncIterator[TextDelta]:
+        """The answer's text as it decodes; raises when the sequence ended by deadline or failure."""
+        seq = self.seq
+        while not isinstance(event := await self.events.get(), Finished):
+            self.received += 1
+            if piece := text_of(self.detokenizer.add(event)):
+                yield self.delta(piece)
+        if event.end is End.DEADLINE:
+            raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline; its decoding stopped "
+                                        f"after {len(seq.token_ids)} tokens")
+        if event.end is not End.STOP and event.end is not End.LENGTH:
+            raise event.error or RuntimeError(f"generation ended: {event.end.value}")
+        if piece := text_of(self.detokenizer.flush()):
+            yield self.delta(piece)  # any tokens after it (a stop string's) come with the answer
+
+    async def drain(self, timeout_s: float | None) -> None:
+        async for _ in self.pieces(timeout_s):
+            pass
+
+    def delta(self, piece: str) -> TextDelta:
+        self.text += piece
+        out = TextDelta(piece)
+        if self.sampling.logprobs is not None:
+            out.logprobs = tuple(self.entries(self.sent, self.received))
+            self.sent = self.received
+        return out
+
+    def logprobs(self) -> ChoiceLogprobs | None:
+        """Each emitted token's log-probability and alternatives (the engine's), with their text and bytes."""
+        if self.sampling.logprobs is None:
+            return None
+        return ChoiceLogprobs(content=self.entries(0, len(self.seq.token_logprobs)))
+
+    def entries(self, start: int, end: int) -> list[TokenLogprob]:
+        """Tokens `start..end` of the answer as OpenAI's logprobs entries."""
+        def entry(token: int, logprob: float) -> dict:
+            text, raw = token_text(self.tokenizer, token)
+            return {"token": text, "logprob": logprob, "bytes": raw}
+        seq = self.seq
+        return [TokenLogprob(**entry(token, logprob), top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in top])
+                for token, (logprob, top) in zip(seq.token_ids[start:end], seq.token_logprobs[start:end])]
+
+    def choice(self) -> Choice:
+        """A choice beside the first: its text, how it ended, its tokens."""
+        return Choice(text=self.text, finish_reason=FINISH[self.seq.end], completion_tokens=len(self.seq.token_ids),
+                      logprobs=self.logprobs())

@@ -166,7 +166,8 @@ class Engine:
         with self._work:
             for seq in [s for s in self.scheduler.waiting if s.cancelled or s.expired(now)]:
                 self.scheduler.waiting.remove(seq)
-                self._finish(seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
+                for member in seq.members:  # its forks never joined either
+                    self._finish(member, End.CANCELLED if seq.cancelled else End.DEADLINE)
         gone = set()
         for seq in self.scheduler.running:
             if seq.status is not Status.FINISHED and (seq.cancelled or seq.expired(now)):
@@ -196,6 +197,11 @@ class Engine:
         slabs, linked = self._prefill_linked(linked) if linked else ([], [])
         slabs += [self._prefill_online(s) for s in online]
         joining = linked + online  # the new slabs' row order
+        if any(s.forks for s in joining):  # n choices: each fork's row a copy of its leader's prompt KV
+            index = [row for row, seq in enumerate(joining) for _ in seq.members]
+            capacity = max(slab.capacity for slab in slabs)
+            slabs = [Slab.merge(slabs, capacity).keep(index, capacity)]
+            joining = [member for seq in joining for member in seq.members]
         # Each row reserves what it can still fill: its prompt as laid out, then max_new_tokens - 1 tokens.
         lengths = torch.cat([slab.lengths for slab in slabs]).tolist()
         reserved = {s.id: length + s.sampling.max_new_tokens - 1 for s, length in zip(joining, lengths)}
@@ -302,22 +308,32 @@ class Engine:
         """Each sequence's next token from its logits row `[vocab]`: emitted, or the sequence ends."""
         greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
         elapsed_ms = ms_since(prefill_started if prefill_started is not None else decode_started, self.vlm.device)
-        for seq, row, best in zip(seqs, logits, greedy):
-            if prefill_started is not None:
-                seq.prefill_ms, seq.status = elapsed_ms, Status.RUNNING
-            else:
-                seq.decode_ms += elapsed_ms
-            if self.on_logits is not None:
-                self.on_logits(seq, row)
-            token = self.chooser.token(seq, row, best)
-            if token in self.vlm.adapter.end_of_turn_ids:
-                self._finish(seq, End.STOP)
+        for leader, row, best in zip(seqs, logits, greedy):
+            if prefill_started is None:
+                leader.decode_ms += elapsed_ms
+                self._pick_one(leader, row, best)
                 continue
-            seq.token_ids.append(token)
-            self.decoded_tokens += 1
-            seq.deliver(token)
-            if (end := self.chooser.ending(seq, token)) is not None:
-                self._finish(seq, end)
+            for seq in leader.members:  # a fork's first token comes from its leader's prefill, with its own sampler
+                seq.prefill_ms, seq.status = elapsed_ms, Status.RUNNING
+                if seq is not leader:
+                    seq.resumed, seq.num_prompt_tokens = leader.resumed, leader.num_prompt_tokens
+                    seq.prefix_cached_tokens, seq.queue_ms = leader.prefix_cached_tokens, leader.queue_ms
+                    seq.reanchor_ms = leader.reanchor_ms
+                self._pick_one(seq, row, best)
+
+    def _pick_one(self, seq: Sequence, row: torch.Tensor, best: int) -> None:
+        """`seq`'s next token from its logits row `[vocab]` (`best`: the row's argmax)."""
+        if self.on_logits is not None:
+            self.on_logits(seq, row)
+        token = self.chooser.token(seq, row, best)
+        if token in self.vlm.adapter.end_of_turn_ids:
+            self._finish(seq, End.STOP)
+            return
+        seq.token_ids.append(token)
+        self.decoded_tokens += 1
+        seq.deliver(token)
+        if (end := self.chooser.ending(seq, token)) is not None:
+            self._finish(seq, end)
 
     def _finish(self, seq: Sequence, end: End, error: Exception | None = None) -> None:
         if seq.status is not Status.FINISHED:
@@ -334,7 +350,7 @@ class Engine:
     def _fail(self, error: Exception) -> None:
         """A step raised: every request in flight ends with it; the engine starts over empty."""
         with self._work:
-            for seq in self.scheduler.running + self._joining:
+            for seq in self.scheduler.running + [m for s in self._joining for m in s.members]:
                 self._finish(seq, End.FAILED, error)
             self.scheduler.leave({s.id for s in self.scheduler.running})
             self.slab, self._joining = None, []

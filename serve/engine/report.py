@@ -34,7 +34,7 @@ def answer_report(plan: Plan, context: Context, seq: Sequence, query_tokens: int
         context_tokens=context_tokens, context_vision_tokens=vision_tokens,
         context_text_tokens=context_tokens - vision_tokens, cached_tokens=cached,
         prefix_cached_tokens=seq.prefix_cached_tokens,
-        query_tokens=query_tokens, completion_tokens=len(seq.token_ids),
+        query_tokens=query_tokens, completion_tokens=sum(len(s.token_ids) for s in seq.members),  # every choice
     )
     phases = (plan.route_ms, context.load_ms, context.render_ms, seq.queue_ms, seq.reanchor_ms, seq.prefill_ms,
               seq.decode_ms)

@@ -34,10 +34,14 @@ class Scheduler:
         self.reserved: dict[int, int] = {}  # sequence id -> columns reserved when it joined
 
     def add(self, seq: Sequence) -> None:
-        nbytes = seq.max_columns * self.column_nbytes
+        rows = len(seq.members)  # n choices: n rows of its reservation
+        nbytes = rows * seq.max_columns * self.column_nbytes
         if nbytes > self.spec.max_kv_nbytes:
-            raise TooLargeError(f"the request needs {nbytes} bytes of KV ({seq.max_columns} tokens); this generator's "
-                                f"batch holds at most {self.spec.max_kv_nbytes} (max_kv_nbytes)")
+            raise TooLargeError(f"the request needs {nbytes} bytes of KV ({rows} × {seq.max_columns} tokens); this "
+                                f"generator's batch holds at most {self.spec.max_kv_nbytes} (max_kv_nbytes)")
+        if rows > self.spec.max_batch_size:
+            raise TooLargeError(f"the request asks for {rows} choices; this generator's batch holds at most "
+                                f"{self.spec.max_batch_size} rows (max_batch_size)")
         if len(self.waiting) >= self.spec.max_waiting:
             raise BusyError(f"the generator is full ({len(self.running)} running, {len(self.waiting)} waiting); "
                             "retry shortly", self.retry_after_s())
@@ -80,7 +84,7 @@ class Scheduler:
         return {s.id: s.max_columns + (0 if is_online(s) else longest - s.num_query_tokens) for s in joining}
 
     def _fits(self, joining: list[Sequence], is_online) -> bool:
-        rows = len(self.running) + len(joining)
+        rows = len(self.running) + sum(len(s.members) for s in joining)
         if rows > self.spec.max_batch_size:
             return False
         columns = max(self.capacity(), *self.reservations(joining, is_online).values())

@@ -53,6 +53,9 @@ class Sequence:
     # its stop strings over the decoded text (serve/engine/stops.py `StopMatcher`), fed by the engine's thread
     # alone: a completed match finishes it (End.STOP) before another decode step; None without stop strings
     stops: Any = None
+    # n > 1: the other choices' sequences. Only this one is queued and prefilled; at its join each fork takes a copy
+    # of its prompt's KV row and picks its first token from the same logits row (one prefill, n rows decoded)
+    forks: list[Sequence] = field(default_factory=list)
     grammar: Any = None  # an llguidance matcher when the answer is constrained to a JSON schema (engine thread only)
     # with sampling.logprobs: per emitted token (its log-probability, ((id, log-probability), …) of the best
     # `logprobs` alternatives), appended by the engine's thread before the token is delivered
@@ -77,6 +80,11 @@ class Sequence:
         """Tokens its join runs through the model: its query on a linked context (the context's KV is
         copied, not computed), its whole prompt when prefilled alone."""
         return self.num_query_tokens or self.num_prompt_tokens
+
+    @property
+    def members(self) -> list[Sequence]:
+        """It and its forks: the rows it takes once it joins."""
+        return [self, *self.forks]
 
     @property
     def max_columns(self) -> int:

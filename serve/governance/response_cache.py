@@ -178,7 +178,7 @@ def normalise_query(query: str) -> str:
 
 def cacheable(sampling: Sampling) -> bool:
     """Greedy, or sampled with a seed: the same request gives the same answer."""
-    if sampling.logprobs is not None:  # the entry holds no log-probabilities: computed each time
+    if sampling.logprobs is not None or sampling.n > 1:  # an entry holds one answer, no log-probabilities
         return False
     return sampling.temperature == 0.0 or sampling.seed is not None
 

@@ -9,6 +9,7 @@ and `/v1/estimate` stops after priced. The turn is handed each result: it never 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator
@@ -107,7 +108,7 @@ class Turn:
         if hit is not None:
             self.hit = self._from_cache(hit)
             return self.hit
-        cost = self.price.context_tokens + self.price.query_tokens + sampling.max_new_tokens
+        cost = self.price.context_tokens + self.price.query_tokens + sampling.n * sampling.max_new_tokens
         await governor.limits.take(self.record.tenant, Limit.TOKENS, cost)
         return None
 
@@ -131,7 +132,7 @@ class Turn:
         unless the request said `no-store` or `no-cache`; the turn finishes with 200."""
         if self.hit is None:
             if self.lookup_ms is not None:
-                answer = Answer(text=answer.text, report=answer.report.model_copy(
+                answer = dataclasses.replace(answer, report=answer.report.model_copy(
                     update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)}))
             # no-cache computed a fresh answer without reading the entry: it must not overwrite it either
             if self.keys is not None and self.directives.store and self.directives.lookup:

@@ -35,11 +35,11 @@ class Turns:
     governor: Governor
     timeout_s: float  # the deadline of a request that sets none
 
-    async def begin(self, http: Request, request: AnswerRequest, route: Route) -> Exchange:
-        """Authenticated and rate-checked (401, 400, 429 before any work), with its deadline set."""
+    async def begin(self, http: Request, request: AnswerRequest, route: Route, n: int = 1) -> Exchange:
+        """Authenticated and rate-checked (401, 400, 429 before any work), with its deadline set; `n` choices."""
         turn = await self.governor.begin(http, request, route)
         life = Lifetime(http, request_timeout_s(http, request.timeout_s, self.timeout_s))
-        return Exchange(self.backend, turn, life, Sampling.of(request))
+        return Exchange(self.backend, turn, life, dataclasses.replace(Sampling.of(request), n=n))
 
     async def embed(self, http: Request, response: Response, texts: list[str], user: str | None) -> Embedded:
         """`texts` embedded by the router's embedder, as one governed turn (401, 429 before any work) within the

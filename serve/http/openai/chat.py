@@ -33,11 +33,13 @@ from schemas.chat import (
 )
 from schemas.decoding import Decoding
 from schemas.errors import UnknownModelError
+from schemas.tools import ToolUse
 from serve.config import ApiSpec
 from serve.governance import Route
 from serve.http.exchange import Turns
 from serve.http.openai.chat_stream import ChatStream, chat_usage
 from serve.http.openai.tool_calls import read_calls
+from serve.plan import Choice
 
 # what a generating route answers: JSON, SSE, or OpenAI's error shape
 GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
@@ -75,6 +77,14 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
         raise RequestValidationError(error.errors()) from error
 
 
+def chat_choice(index: int, choice: Choice, tools: ToolUse | None) -> ChatChoice:
+    """Choice `index` as OpenAI's: its text read for tool calls when tools were offered."""
+    content, calls = read_calls(choice.text, tools)
+    finish = FinishReason.TOOL_CALLS if calls else choice.finish_reason
+    return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=calls or None),
+                      finish_reason=finish, logprobs=choice.logprobs)
+
+
 def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
     routes = APIRouter(tags=["openai"])
 
@@ -95,18 +105,17 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
         require_served(request.model, api)
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT)
+        exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT, n=request.n)
         await exchange.admit()
         tools = request.tool_use
         if not request.stream:
             answer = await exchange.answer(response)
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
-            content, calls = read_calls(answer.text, tools)
-            finish = FinishReason.TOOL_CALLS if calls else report.finish_reason
-            message = AssistantMessage(content=content, tool_calls=calls or None)
+            first_tokens = report.usage.completion_tokens - sum(c.completion_tokens for c in answer.choices)
+            choices = [Choice(answer.text, report.finish_reason, first_tokens, answer.logprobs), *answer.choices]
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
-                choices=[ChatChoice(message=message, finish_reason=finish, logprobs=answer.logprobs)])
+                choices=[chat_choice(i, choice, tools) for i, choice in enumerate(choices)])
 
         stream = ChatStream(completion_id, created, request.model, tools=tools, logprobs=bool(request.logprobs),
                             include_usage=request.stream_options is not None and request.stream_options.include_usage,

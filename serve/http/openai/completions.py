@@ -5,7 +5,8 @@ Each prompt is the text of one user message of a chat (schemas/completions.py `C
 as `/v1/chat/completions` runs it — the model's chat template, retrieval on the prompt's text, the `qvpic`
 extension — so a prompt answers as that chat does; it is not continued raw as vLLM continues it (qvpic's
 linked chunks live in the template's context). A list of prompts is answered in order, one governed turn per
-prompt (each charged and logged), one choice each; `usage` sums them and `qvpic` lists each choice's report.
+prompt (each charged and logged), `n` choices each (index `prompt × n + j`, unstreamed); `usage` sums them and
+`qvpic` lists each prompt's report.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
 
     async def admitted(http: Request, request: CompletionRequest, prompt: str) -> Exchange:
         """The prompt's turn, routed and admitted (401, 404, 413, 429 here, before any generation)."""
-        exchange = await turns.begin(http, answer_request(request.chat(prompt), api.default_top_k), Route.COMPLETIONS)
+        exchange = await turns.begin(http, answer_request(request.chat(prompt), api.default_top_k), Route.COMPLETIONS,
+                                     n=request.n)
         await exchange.admit()
         return exchange
 
@@ -63,9 +65,13 @@ def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
                 answer = await exchange.answer(response)
                 if index < len(prompts) - 1:  # the last one's slot goes back once the response is sent
                     turns.governor.release(exchange.turn)
-                reports.append(report_of(answer))
-                choices.append(CompletionChoice(index=index, text=answer.text, finish_reason=reports[-1].finish_reason,
-                                                logprobs=CompletionLogprobs.of(answer.logprobs)))
+                reports.append(report := report_of(answer))
+                # OpenAI's order: prompt by prompt, each prompt's n choices together
+                for j, (text, finish, logprobs) in enumerate([(answer.text, report.finish_reason, answer.logprobs),
+                                                              *((c.text, c.finish_reason, c.logprobs)
+                                                                for c in answer.choices)]):
+                    choices.append(CompletionChoice(index=index * request.n + j, text=text, finish_reason=finish,
+                                                    logprobs=CompletionLogprobs.of(logprobs)))
             return Completion(id=completion_id, created=created, model=request.model, choices=choices,
                               usage=summed([chat_usage(r) for r in reports]), qvpic=reports)
 
