@@ -10,16 +10,21 @@ question keeps its chunks) and reports which chunks it placed before which user 
 vLLM gets exactly those pages as images at the start of the same user messages, and the same history (each
 earlier answer a fixed "Noted.", so both engines see identical text). One new token per request (TTFT over
 HTTP); qvpic with `Cache-Control: no-cache` and no response cache, vLLM's server stopped (SIGSTOP) while qvpic
-is timed. Workloads: (a) the first turn sent again `REPEATS` times; (b) turns 1–4 of each conversation.
+is timed. Workloads: (a) the first turn sent again `REPEATS` times; (b) turns 1–4 of each conversation; (c)
+`INTERLEAVED` further conversations, `IN_FLIGHT` at a time (each its turns in order), streamed with
+`DECODE_TOKENS` new tokens per turn: TTFT (first content chunk) p50/p99 per turn and decode throughput (completion
+tokens over the phase's wall time), qvpic's phase first with vLLM paused, then vLLM's over the same pages.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -34,6 +39,8 @@ from pipeline.runtime import resolve_path
 from schemas.config import DType, ModelSpec
 
 TURNS, CHUNKS_PER_TURN, REPEATS = 4, 8, 5
+INTERLEAVED, IN_FLIGHT, DECODE_TOKENS = 16, 4, 32  # (c)
+TARGET_THROUGHPUT = 1.0  # (c): qvpic's decode tokens/s over vLLM's
 ANSWER = "Noted."  # every earlier answer, for both engines: the history is the same text
 TARGET_IDENTICAL, TARGET_FOLLOW_UP = 1.0, 0.3  # qvpic / vLLM TTFT: (a), and turns 2-4 of (b)
 
@@ -61,12 +68,46 @@ class Pair:
         self.client = httpx.Client(timeout=900)
         self.index = {chunk_id: i for i, chunk_id in enumerate(corpus.chunk_ids)}
 
-    def ask_qvpic(self, turns: list[str]) -> tuple[float, dict]:
+    @staticmethod
+    def qvpic_body(turns: list[str], max_tokens: int = 1) -> dict:
         history = []
         for q in turns[:-1]:
             history += [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]
-        body = {"model": "qvpic", "messages": history + [{"role": "user", "content": turns[-1]}], "max_tokens": 1,
-                "temperature": 0.0, "qvpic": {"top_k": CHUNKS_PER_TURN, "max_high_res": 0, "mode": "qvpic"}}
+        return {"model": "qvpic", "messages": history + [{"role": "user", "content": turns[-1]}],
+                "max_tokens": max_tokens, "temperature": 0.0,
+                "qvpic": {"top_k": CHUNKS_PER_TURN, "max_high_res": 0, "mode": "qvpic"}}
+
+    def vllm_body(self, turns: list[str], placed: list[dict], max_tokens: int = 1) -> dict:
+        chat = []
+        for group, q in enumerate(turns):
+            pages = [{"image": page} for c in placed if c["group"] == group
+                     for page in self.corpus.pages[self.index[c["chunk_id"]]]]
+            chat += vllm_user_message(pages + [{"text": q}])
+            if group < len(turns) - 1:
+                chat.append({"role": "assistant", "content": ANSWER})
+        return {"model": str(resolve_path(self.spec)), "messages": chat, "max_tokens": max_tokens, "temperature": 0.0}
+
+    def streamed(self, url: str, body: dict, headers: dict | None = None) -> dict:
+        """One streamed request: time to its first content chunk and to its end, its usage and its last report."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        started, first, usage, report = time.perf_counter(), None, None, None
+        with self.client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers or {}) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                    first = time.perf_counter()
+                usage = event.get("usage") or usage
+                report = event.get("qvpic") or report
+        ended = time.perf_counter()
+        return {"ttft_ms": ((first or ended) - started) * 1e3, "total_ms": (ended - started) * 1e3,
+                "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
+                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, "report": report}
+
+    def ask_qvpic(self, turns: list[str]) -> tuple[float, dict]:
+        body = self.qvpic_body(turns)
         with self.vllm.paused():
             started = time.perf_counter()
             reply = self.client.post(self.ours + "/v1/chat/completions", json=body,
@@ -76,14 +117,7 @@ class Pair:
         return ms, reply.json()
 
     def ask_vllm(self, turns: list[str], placed: list[dict]) -> tuple[float, dict]:
-        chat = []
-        for group, q in enumerate(turns):
-            pages = [{"image": page} for c in placed if c["group"] == group
-                     for page in self.corpus.pages[self.index[c["chunk_id"]]]]
-            chat += vllm_user_message(pages + [{"text": q}])
-            if group < len(turns) - 1:
-                chat.append({"role": "assistant", "content": ANSWER})
-        body = {"model": str(resolve_path(self.spec)), "messages": chat, "max_tokens": 1, "temperature": 0.0}
+        body = self.vllm_body(turns, placed)
         started = time.perf_counter()
         reply = self.client.post(self.vllm.url + "/v1/chat/completions", json=body)
         ms = (time.perf_counter() - started) * 1e3
@@ -101,9 +135,33 @@ class Pair:
                 "chunks": len(ours["qvpic"]["chunks"])}
 
 
+def interleaved(pair: Pair, plans: list[list[str]]) -> dict[str, list[list[dict]]]:
+    """(c): the conversations of `plans`, `IN_FLIGHT` at a time, each its turns in order; qvpic's phase (vLLM paused),
+    then vLLM's over the pages qvpic placed. Per engine: per conversation, per turn, the streamed measurements."""
+    def qvpic_conversation(turns: list[str]) -> list[dict]:
+        return [pair.streamed(pair.ours, pair.qvpic_body(turns[:t + 1], DECODE_TOKENS),
+                              {"Cache-Control": "no-cache"}) for t in range(len(turns))]
+
+    def vllm_conversation(args) -> list[dict]:
+        turns, ours = args
+        return [pair.streamed(pair.vllm.url, pair.vllm_body(turns[:t + 1], m["report"]["chunks"], DECODE_TOKENS))
+                for t, m in enumerate(ours)]
+
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        with pair.vllm.paused():
+            started = time.perf_counter()
+            ours = list(pool.map(qvpic_conversation, plans))
+            ours_s = time.perf_counter() - started
+        started = time.perf_counter()
+        theirs = list(pool.map(vllm_conversation, zip(plans, ours)))
+        theirs_s = time.perf_counter() - started
+    return {"qvpic": ours, "vllm": theirs, "wall_s": {"qvpic": ours_s, "vllm": theirs_s}}
+
+
 def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
     conversations = 2 if quick else 4
-    pool = (conversations + 1) * TURNS * 2  # room for each question's chunk and its neighbours
+    mixed = IN_FLIGHT if quick else INTERLEAVED  # (c)'s conversations
+    pool = (conversations + mixed + 1) * TURNS * 2  # room for each question's chunk and its neighbours
     started = time.perf_counter()
     corpus = build_corpus(spec, workdir, pool)
     build_s = time.perf_counter() - started
@@ -123,7 +181,42 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
                 rows.append((c, t, pair.turn(plan[c][:t + 1])))
         for _ in range(REPEATS):  # (a): the first turn of the first conversation, again
             identical.append(pair.turn(plan[0][:1]))
-    return report(spec, quick, conversations, rows, identical, build_s, time.perf_counter() - started)
+        others = [[question(corpus, ((conversations + 1 + c) * TURNS + t) * 2 % len(corpus.texts))
+                   for t in range(TURNS)] for c in range(mixed)]
+        mixed_run = interleaved(pair, others)
+    return (report(spec, quick, conversations, rows, identical, build_s, time.perf_counter() - started)
+            + "\n\n" + interleaved_report(mixed_run))
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def interleaved_report(run: dict) -> str:
+    """(c)'s table: TTFT p50/p99 per turn for both engines, cached tokens, then decode throughput."""
+    table = []
+    for t in range(TURNS):
+        cells = {name: [conversation[t] for conversation in run[name]] for name in ("qvpic", "vllm")}
+        q, v = ([m["ttft_ms"] for m in cells[name]] for name in ("qvpic", "vllm"))
+        table.append([f"(c) turn {t + 1}", f"{_pct(q, 0.5):.0f} / {_pct(q, 0.99):.0f}",
+                      f"{_pct(v, 0.5):.0f} / {_pct(v, 0.99):.0f}", f"{_pct(q, 0.5) / _pct(v, 0.5):.2f}×",
+                      f"{statistics.median(m['cached'] for m in cells['qvpic']):.0f} of "
+                      f"{statistics.median(m['prompt'] for m in cells['qvpic']):.0f}",
+                      f"{statistics.median(m['cached'] for m in cells['vllm']):.0f} of "
+                      f"{statistics.median(m['prompt'] for m in cells['vllm']):.0f}"])
+    rates = {name: sum(m["tokens"] for c in run[name] for m in c) / run["wall_s"][name] for name in ("qvpic", "vllm")}
+    tokens = {name: sum(m["tokens"] for c in run[name] for m in c) for name in ("qvpic", "vllm")}
+    ratio = rates["qvpic"] / rates["vllm"]
+    met = "met" if ratio >= TARGET_THROUGHPUT else "missed"
+    header = ["workload", "qvpic TTFT p50 / p99 ms", "vLLM TTFT p50 / p99 ms", "qvpic / vLLM (p50)",
+              "qvpic cached tokens (median)", "vLLM cached tokens (median)"]
+    return (f"(c) {len(run['qvpic'])} conversations of {TURNS} turns, {IN_FLIGHT} in flight, streamed, up to "
+            f"{DECODE_TOKENS} new tokens a turn (greedy); TTFT = the first content chunk.\n\n"
+            f"{markdown_table(header, table)}\n\nThroughput: qvpic {rates['qvpic']:.1f} tokens/s ({tokens['qvpic']} "
+            f"tokens in {run['wall_s']['qvpic']:.1f} s), vLLM {rates['vllm']:.1f} tokens/s ({tokens['vllm']} tokens "
+            f"in {run['wall_s']['vllm']:.1f} s): {ratio:.2f}×. Target: (c) ≥ {TARGET_THROUGHPUT}× vLLM's tokens/s "
+            f"— **{met}**. The phase's wall time includes every turn's prefill, as a user's conversations would.")
 
 
 def _median(cells: list[dict], key: str) -> float:
@@ -168,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.conversation", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 conversations instead of 4")
+    p.add_argument("--quick", action="store_true", help="2 conversations instead of 4, and 4 instead of 16 in (c)")
     p.add_argument("--model", default="bench-qwen")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)

@@ -97,8 +97,9 @@ def test_values_json_cannot_carry_are_a_json_422_on_every_route(app, path):
     assert {("temperature",), ("seed",), ("top_k",)} & set(fields) or path in ("/v1/estimate", "/v1/embeddings"), fields
     raw = [raw_with_token(body, field, token) for field in fields for token in NOT_ECHOABLE]
     if path == "/v1/chat/completions":
+        parts = '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]'
         raw += [raw_with_token(body, ("messages",), '[{"role": "user", "content": "\\ud800"}]'),
-                raw_with_token(body, ("messages",), '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]')]
+                raw_with_token(body, ("messages",), parts)]
     elif path in OPENAI_ROUTES:  # prompt and input also take a list of texts
         raw += [raw_with_token(body, (TEXT_FIELD[path],), '["ok", "\\ud800"]')]
     raw += [json.dumps(body).replace("{", f'{{"{key}": 1, ', 1).encode() for key in HOSTILE_KEYS]

@@ -9,16 +9,15 @@ margins (top-1 minus top-2: random weights make near-ties, where float rounding 
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from benchmarks import ttft_store
-from pipeline.eval import markdown_table
+from pipeline.eval import markdown_table, oracle
+from pipeline.eval.oracle import transposed_grids  # noqa: F401  (the grid control: benchmarks/peer_vllm.py)
 from pipeline.runtime import VLM, Renderer
 from schemas.config import Mode, ModelSpec, RenderSpec
 
@@ -72,30 +71,6 @@ def reordered(reqs: list[Request]) -> list[Request]:
     return [Request(r.mode, r.pieces[::-1], r.query) if len(r.pieces) > 1 else r for r in reqs]
 
 
-@contextlib.contextmanager
-def transposed_grids(vlm: VLM) -> Iterator[None]:
-    """The second negative control, for images only: every image token's M-RoPE height and width positions
-    swapped (row r, column c sits at (c, r)). The same tokens, the same vision features, and the text after
-    an image at the same positions (it starts past the largest axis, which a swap keeps): only the grid moved.
-    Reordering chunks left 11 of 16 image requests agreeing; a slip in vision-token positions must show more."""
-    real = vlm.positions
-
-    def swapped(input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
-        pos = real(input_ids, grids, start)  # (axes, 1, L): temporal, height, width
-        if grids is None or pos.shape[0] < 3:
-            return pos
-        image = input_ids[0] == vlm.adapter.image_token_id
-        pos = pos.clone()
-        pos[1, 0, image], pos[2, 0, image] = pos[2, 0, image], pos[1, 0, image].clone()
-        return pos
-
-    vlm.positions = swapped
-    try:
-        yield
-    finally:
-        del vlm.positions  # the class's method again
-
-
 def control_agreement(reqs: list[Request], control: list[dict], theirs: list[dict],
                       modes: tuple[Mode, ...] = (Mode.FULL_TEXT, Mode.FULL_IMAGE), multi_chunk: bool = True) -> str:
     """Per mode, the share of the control's requests whose first tokens still equal vLLM's for the original
@@ -119,8 +94,7 @@ def margin_gap(reqs: list[Request], ours: list[dict], theirs: list[dict], mode: 
 
 
 def margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
+    return oracle.margin(oracle.top_steps(logits))
 
 
 @torch.inference_mode()

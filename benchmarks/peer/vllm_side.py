@@ -9,6 +9,8 @@ messages (the checkpoint's own chat template, images as base64 data URLs, parts 
 templates, tokenises and preprocesses the images itself. Tasks (`kind`):
 - `oracle`: greedy, `max_tokens` each; per request its prompt token ids, output ids and the top-2 logprobs
   of every step (their difference is the logit margin);
+- `oracle_top`: as `oracle`, keeping each step's `top` best (token id, log-probability), and vLLM's version
+  (benchmarks/peer/record_oracle.py records it for tests/test_vllm_oracle.py);
 - `ttft`: the `warm` requests once (the prefix cache then holds whatever it can of the measured ones), then
   each of `requests` alone, one new token, timed (ms), with its prompt tokens;
 - `decode`: the requests submitted together at each `concurrency`, `max_tokens` new tokens each, no early
@@ -65,6 +67,21 @@ def oracle(chat, sampling, task: dict) -> dict:
     return {"results": results}
 
 
+def oracle_top(chat, sampling, task: dict) -> dict:
+    import vllm
+
+    params = sampling(temperature=0.0, max_tokens=task["max_tokens"], logprobs=task["top"])
+    results = []
+    for parts in task["requests"]:
+        (o,) = chat([parts], params)
+        # vLLM lists the top k and the sampled token (k + 1 entries when it is not among them): keep the k best
+        steps = [sorted(([int(t), lp.logprob] for t, lp in step.items()), key=lambda e: -e[1])[:task["top"]]
+                 for step in o.outputs[0].logprobs]
+        results.append({"prompt_ids": list(o.prompt_token_ids), "output_ids": list(o.outputs[0].token_ids),
+                        "top": steps})
+    return {"results": results, "vllm": vllm.__version__}
+
+
 def ttft(chat, sampling, task: dict) -> dict:
     one = sampling(temperature=0.0, max_tokens=1)
     for parts in task["warm"]:
@@ -91,7 +108,7 @@ def decode(chat, sampling, task: dict) -> dict:
     return {"tokens_per_s": rates}
 
 
-TASKS = {"oracle": oracle, "ttft": ttft, "decode": decode}
+TASKS = {"oracle": oracle, "oracle_top": oracle_top, "ttft": ttft, "decode": decode}
 
 
 if __name__ == "__main__":  # vLLM starts its engine with `spawn`: the work must sit behind this guard

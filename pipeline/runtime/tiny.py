@@ -68,10 +68,22 @@ class TinySize:
     vision_hidden_size: int
     vision_heads: int
     vocab_size: int = 4096
+    init_std: float = 0.02  # the LLM's initializer_range (transformers' default); larger: peakier attention
+    # Weights drawn by numpy's PCG64 and rounded to a 2^-12 grid: the same bits on every CPU. torch's normal_ runs
+    # an AVX2 kernel on some CPUs and a scalar one on others (different roundings), and a recording stamped with
+    # the weights' hash (the vLLM oracle's) must not go stale on another machine.
+    portable: bool = False
 
 
 SIZES = {
     "tiny": TinySize(64, 2, 4, 2, 128, vision_depth=2, vision_hidden_size=32, vision_heads=2),
+    # The smallest size vLLM's CPU attention takes (head_dim 64; it refuses 16): the vLLM oracle's recorded tokens
+    # (tests/data/vllm_oracle.json) are this checkpoint's, so CI compares against them without vLLM.
+    # Its LLM's weights are drawn wider than the default so that attention is not near-uniform: a misplaced token
+    # (the oracle's controls) then moves the logits far above the two engines' float rounding. The vision tower
+    # keeps the default: wide there, its activations grow and so does the engines' rounding gap on images.
+    "oracle": TinySize(128, 2, 2, 1, 256, vision_depth=2, vision_hidden_size=64, vision_heads=2, init_std=0.1,
+                       portable=True),
     # ~100M LLM parameters: the size the benchmarks use.
     "bench": TinySize(768, 12, 12, 2, 2048, vision_depth=4, vision_hidden_size=256, vision_heads=4),
 }
@@ -80,6 +92,7 @@ BUILTIN = {
     "tiny-qwen2": (ModelFamily.QWEN2_VL, "tiny"),
     "tiny-glm": (ModelFamily.GLM4V, "tiny"),
     "tiny-llava": (ModelFamily.LLAVA_ONEVISION, "tiny"),
+    "oracle-qwen": (ModelFamily.QWEN2_5_VL, "oracle"),
     "bench-qwen": (ModelFamily.QWEN2_5_VL, "bench"),
     "bench-glm": (ModelFamily.GLM4V, "bench"),
 }
@@ -121,6 +134,7 @@ def _text_config(size: TinySize, vocab_size: int, rope_parameters: dict, **token
         vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
         num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads, num_key_value_heads=size.num_kv_heads,
         max_position_embeddings=32768, rope_parameters=rope_parameters, **token_ids,
+        **({"initializer_range": size.init_std} if size.init_std != 0.02 else {}),
     )
 
 
@@ -222,6 +236,22 @@ def _glm_model(size: TinySize, tok):
     return Glm4vForConditionalGeneration(config), Glm4vImageProcessorPil()
 
 
+def _redraw_portably(model, seed: int, std: float) -> None:
+    """Every matrix redrawn from numpy's PCG64 (the LLM's at `std`, the vision tower's at transformers' 0.02), rounded
+    to 2^-12; vectors (norm weights, biases) stay as initialised (ones and zeros: exact on every CPU)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() < 2:
+                continue
+            scale = 0.02 if ".visual." in f".{name}" else std
+            drawn = np.round(rng.standard_normal(tuple(param.shape)) * scale * 4096) / 4096
+            param.copy_(torch.from_numpy(drawn))
+
+
 def _mrope_section(num_freqs: int) -> list[int]:
     """Split rotary frequencies over (t, h, w) in Qwen's 16:24:24 proportion; sums to `num_freqs`."""
     t = max(1, num_freqs // 4)
@@ -245,6 +275,8 @@ def build(name: str, out_dir: Path, seed: int = 0, chat_template: str | None = N
     tok = build_tokenizer(specials, size.vocab_size, chat_template or template)
     torch.manual_seed(seed)
     model, image_processor = make(size, tok)
+    if size.portable:
+        _redraw_portably(model, seed, size.init_std)
     return publish(out_dir, model, tok, image_processor, "qvpic_builtin.json",
                    {"name": name, "seed": seed, "factory": _FACTORY_VERSION})
 
