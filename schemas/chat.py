@@ -86,7 +86,7 @@ class ChatCompletionRequest(Strict, Decoding):
     temperature: JsonFloat = Field(1.0, ge=0.0, le=2.0)  # OpenAI's defaults
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
     n: JsonInt = Field(1, ge=1, le=128, description=f"choices, up to {MAX_CHOICES}: one prefill, n rows decoded in "
-                       "the batch (choice i seeded seed + i); not streamed")  # OpenAI's range; past MAX_CHOICES a 400
+                       "the batch (choice i seeded seed + i)")  # OpenAI's range; past MAX_CHOICES a 400
     seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: JsonBool = False
     stream_options: StreamOptions | None = None
@@ -118,9 +118,6 @@ class ChatCompletionRequest(Strict, Decoding):
         """The parameters this server does not implement yet: refused by name, never silently ignored."""
         if self.n > MAX_CHOICES:
             raise ValueError(f"n: at most {MAX_CHOICES} choices per request, got {self.n}")
-        if self.n > 1 and self.stream:
-            raise ValueError("n: several choices are answered whole; stream them with n = 1 (n > 1 with stream: "
-                             "true is not supported)")
         if self.store:
             raise ValueError("store: this server stores no completions (store: true is not supported)")
         if not self.tools and self.tool_choice not in (None, "none", "auto"):

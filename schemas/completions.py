@@ -70,9 +70,6 @@ class CompletionRequest(Strict, Controls):
     def _refused(self) -> CompletionRequest:
         if self.n > MAX_CHOICES:
             raise ValueError(f"n: at most {MAX_CHOICES} choices per prompt, got {self.n}")
-        if self.n > 1 and self.stream:
-            raise ValueError("n: several choices are answered whole; stream them with n = 1 (n > 1 with stream: "
-                             "true is not supported)")
         if self.best_of is not None and self.best_of > 1:
             raise ValueError(f"best_of: only 1 is supported, got {self.best_of}")
         if self.echo:

@@ -175,9 +175,10 @@ class LoadResult:
 class TextDelta(str):
     """A streamed piece of answer text (a `str`, so every consumer of text deltas reads it as one) carrying, when
     log-probabilities were asked, the entries of the tokens decoded since the previous piece (`logprobs`; a piece
-    may hold several tokens, or none when a tail of the text was held back)."""
+    may hold several tokens, or none when a tail of the text was held back), and its choice's `index`."""
 
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 @dataclass(frozen=True)

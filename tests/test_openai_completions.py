@@ -90,6 +90,11 @@ def test_n_choices_per_prompt_in_openais_order(app):
     expected = [chat(app, p, temperature=1.0, seed=5 + j)["choices"][0]["message"]["content"]
                 for p in prompts for j in range(2)]
     assert [c["text"] for c in answer["choices"]] == expected
+    events = streamed(app, prompt=prompts, n=2, temperature=1.0, seed=5)
+    texts = ["".join(c["text"] for e in events for c in e["choices"] if c["index"] == i) for i in range(4)]
+    assert texts == expected
+    ends = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert sorted(ends) == [0, 1, 2, 3]
 
 
 def test_stop_ends_the_text_before_it(app):
@@ -164,7 +169,7 @@ def test_llamaindex_openailike_completes_by_default(app):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 9}, "n"), ({"n": 2, "stream": True}, "n"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
+    ({"n": 9}, "n"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
     ({"logprobs": 6}, "logprobs"), ({"logprobs": 1, "stream": True}, "logprobs"),
     ({"prompt": [101, 2023]}, "prompt"), ({"prompt": [[101, 2023]]}, "prompt"),

@@ -182,9 +182,31 @@ def test_n_choices_each_as_the_request_with_its_own_seed(app):
     assert greedy[0]["message"] == greedy[1]["message"] and greedy[0]["logprobs"] == greedy[1]["logprobs"]
 
 
-@pytest.mark.parametrize("fields", [{"n": 9}, {"n": 2, "stream": True}])
-def test_n_past_the_limit_or_streamed_is_400_naming_n(app, fields):
-    body = {"model": "qvpic", "messages": QUESTION, "max_tokens": 2, **SELECTION, **fields}
+def test_n_choices_stream_each_under_its_index(app):
+    """Streamed, `n: 3` with logprobs: a role chunk per choice, each choice's deltas (joined) are its non-streamed
+    text, its entries its logprobs, one finish chunk per choice; the report rides with the last."""
+    fields = dict(n=3, temperature=1.1, seed=123, max_tokens=10, logprobs=True, top_logprobs=1)
+    whole = chat(app, **fields)["choices"]
+    body = {"model": "qvpic", "messages": QUESTION, **SELECTION, **fields, "stream": True,
+            "stream_options": {"include_usage": True}}
+    response = call(app, "POST", "/v1/chat/completions", json=body, headers=NO_CACHE)
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [c for e in events for c in e["choices"]]
+    assert [c["index"] for c in choices if c["delta"].get("role")] == [0, 1, 2]
+    for i in range(3):
+        mine = [c for c in choices if c["index"] == i]
+        assert "".join(c["delta"].get("content") or "" for c in mine) == whole[i]["message"]["content"]
+        entries = [x for c in mine for x in (c.get("logprobs") or {}).get("content") or []]
+        assert entries == whole[i]["logprobs"]["content"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [whole[i]["finish_reason"]]
+    assert [e["qvpic"] is not None for e in events if "qvpic" in e] == [True]
+    assert events[-1]["usage"]["completion_tokens"] == chat(app, **fields)["usage"]["completion_tokens"]
+
+
+def test_n_past_the_limit_is_400_naming_n(app):
+    body = {"model": "qvpic", "messages": QUESTION, "max_tokens": 2, **SELECTION, "n": 9}
     response = call(app, "POST", "/v1/chat/completions", json=body, headers=NO_CACHE)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "n", response.json()

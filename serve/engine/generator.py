@@ -112,13 +112,8 @@ class Generator:
         leader.forks = [run.seq for run in runs[1:]]  # prefilled once, decoded as n rows (serve/engine/loop.py)
         self.engine.submit(leader)
         try:
-            if len(runs) == 1:
-                async for piece in runs[0].pieces(timeout_s):
-                    yield piece
-            else:  # n choices: whole answers only (the OpenAI routes refuse a stream of several)
-                for ended in await asyncio.gather(*(run.drain(timeout_s) for run in runs), return_exceptions=True):
-                    if isinstance(ended, BaseException):
-                        raise ended
+            async for piece in runs[0].pieces(timeout_s) if len(runs) == 1 else merged(runs, timeout_s):
+                yield piece
             after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after
             first, *others = runs
             yield Answer(text=first.text, report=answer_report(plan, context, leader, after.num_tokens),
@@ -161,6 +156,36 @@ class Generator:
         self.engine.clear_prefix_cache()
 
 
+async def merged(runs: list[Run], timeout_s: float | None) -> AsyncIterator[TextDelta]:
+    """n choices' pieces as each decodes, every piece marked with its choice's `index`; the first failure raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, run: Run) -> None:
+        try:
+            async for piece in run.pieces(timeout_s):
+                piece.index = index
+                queue.put_nowait(piece)
+        except Exception as error:  # noqa: BLE001  handed to the reader, which raises it
+            queue.put_nowait(error)
+            return
+        queue.put_nowait(None)  # this choice is done
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        done = 0
+        while done < len(runs):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class Run:
     """One choice of a request: its engine sequence, and the request side of its events — the text as it decodes
     (stop strings cut, log-probabilities attached) and how it ended."""
@@ -196,10 +221,6 @@ class Run:
             raise event.error or RuntimeError(f"generation ended: {event.end.value}")
         if piece := text_of(self.detokenizer.flush()):
             yield self.delta(piece)  # any tokens after it (a stop string's) come with the answer
-
-    async def drain(self, timeout_s: float | None) -> None:
-        async for _ in self.pieces(timeout_s):
-            pass
 
     def delta(self, piece: str) -> TextDelta:
         self.text += piece

@@ -119,7 +119,7 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
 
         stream = ChatStream(completion_id, created, request.model, tools=tools, logprobs=bool(request.logprobs),
                             include_usage=request.stream_options is not None and request.stream_options.include_usage,
-                            started=started, request_id=exchange.turn.record.request_id)
+                            started=started, request_id=exchange.turn.record.request_id, n=request.n)
         return StreamingResponse(stream.events(exchange.stream()), media_type="text/event-stream",
                                  headers=exchange.headers)
 

@@ -1,9 +1,9 @@
 """A streamed chat completion as OpenAI sends it: SSE chunks, then `data: [DONE]`.
 
-    role chunk            {"delta": {"role": "assistant", "content": ""}}
+    role chunk            {"delta": {"role": "assistant", "content": ""}}  (one per choice: `index` 0..n-1)
     content chunks        {"delta": {"content": …}, "logprobs": {"content": [the entries of its tokens]}}
     tool-call chunks      {"delta": {"tool_calls": [{index, id, type, function}]}}  (serve/http/openai/tool_calls.py)
-    finish chunk          {"delta": {}, "finish_reason": …} + the `qvpic` report
+    finish chunk          {"delta": {}, "finish_reason": …}, per choice; the last carries the `qvpic` report
     usage chunk           {"choices": [], "usage": …}  with stream_options.include_usage
 
 Log-probabilities travel with the text they belong to (serve/plan.py `TextDelta`): a chunk carries the entries
@@ -31,7 +31,7 @@ from schemas.tools import ToolUse
 from serve.http.backend import api_error, sse
 from serve.http.openai.errors import openai_error_body
 from serve.http.openai.tool_calls import CallStream, names
-from serve.plan import Answer
+from serve.plan import Answer, TextDelta
 
 
 def chat_usage(report: AnswerReport) -> ChatUsage:
@@ -51,54 +51,77 @@ def chunk_event(chunk: ChatCompletionChunk) -> str:
     return sse({k: v for k, v in data.items() if v is not None or k == "choices"})
 
 
-class ChatStream:
-    """The chunks of one streamed completion; `events(answer_events)` turns the generator's text deltas and its
-    final `Answer` into them."""
+class ChoiceState:
+    """One choice's side of a stream: its tool-call parser and the log-probability entries not yet sent."""
 
-    def __init__(self, completion_id: str, created: int, model: str, *, tools: ToolUse | None, logprobs: bool,
-                 include_usage: bool, started: float, request_id: str):
-        self.completion_id, self.created, self.model = completion_id, created, model
-        offered = names(tools)
+    def __init__(self, offered: set[str] | None):
         self.calls = CallStream(offered) if offered is not None else None
-        self.logprobs, self.include_usage = logprobs, include_usage
-        self.started, self.request_id = started, request_id
         self.pending: list[TokenLogprob] = []  # entries of tokens whose text has not gone out yet
         self.sent = 0  # entries sent
+
+
+class ChatStream:
+    """The chunks of one streamed completion; `events(answer_events)` turns the generator's text deltas (each marked
+    with its choice's index when n > 1) and its final `Answer` into them."""
+
+    def __init__(self, completion_id: str, created: int, model: str, *, tools: ToolUse | None, logprobs: bool,
+                 include_usage: bool, started: float, request_id: str, n: int = 1):
+        self.completion_id, self.created, self.model = completion_id, created, model
+        offered = names(tools)
+        self.choices = [ChoiceState(offered) for _ in range(n)]
+        self.logprobs, self.include_usage = logprobs, include_usage
+        self.started, self.request_id = started, request_id
 
     def chunk(self, **fields) -> str:
         return chunk_event(ChatCompletionChunk(id=self.completion_id, created=self.created, model=self.model,
                                                **fields))
 
-    def content(self, text: str) -> str:
-        entries, self.pending = self.pending, []
-        self.sent += len(entries)
+    def content(self, index: int, text: str) -> str:
+        state = self.choices[index]
+        entries, state.pending = state.pending, []
+        state.sent += len(entries)
         logprobs = ChoiceLogprobs(content=entries) if self.logprobs else None
-        return self.chunk(choices=[ChunkChoice(delta=ChunkDelta(content=text), logprobs=logprobs)])
+        return self.chunk(choices=[ChunkChoice(index=index, delta=ChunkDelta(content=text), logprobs=logprobs)])
 
-    def piece(self, piece: str | ToolCallDelta) -> str:
+    def piece(self, index: int, piece: str | ToolCallDelta) -> str:
         if isinstance(piece, str):
-            return self.content(piece)
-        return self.chunk(choices=[ChunkChoice(delta=ChunkDelta(tool_calls=[piece]))])
+            return self.content(index, piece)
+        return self.chunk(choices=[ChunkChoice(index=index, delta=ChunkDelta(tool_calls=[piece]))])
+
+    def ending(self, index: int, finish_reason: FinishReason,
+               logprobs: ChoiceLogprobs | None) -> tuple[list[str], ChunkChoice]:
+        """Choice `index`'s last chunks: held-back text and tool calls, log-probability entries not yet sent (a
+        stop string's tokens), then its finish chunk (without the report: that goes with the last choice's)."""
+        state, out = self.choices[index], []
+        out += [self.piece(index, piece) for piece in (state.calls.finish() if state.calls is not None else [])]
+        if self.logprobs and logprobs is not None and len(logprobs.content) > state.sent:
+            state.pending = list(logprobs.content[state.sent:])
+            out.append(self.content(index, ""))
+        called = state.calls is not None and state.calls.calls
+        return out, ChunkChoice(index=index, delta=ChunkDelta(),
+                                finish_reason=FinishReason.TOOL_CALLS if called else finish_reason)
 
     async def events(self, answer_events: AsyncIterator[str | Answer]) -> AsyncIterator[str]:
-        yield self.chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+        for index in range(len(self.choices)):
+            yield self.chunk(choices=[ChunkChoice(index=index, delta=ChunkDelta(role="assistant", content=""))])
         try:
             async for event in answer_events:
                 if isinstance(event, str):
-                    self.pending.extend(getattr(event, "logprobs", ()))
-                    for piece in self.calls.feed(event) if self.calls is not None else [event]:
-                        yield self.piece(piece)
+                    index = event.index if isinstance(event, TextDelta) else 0  # a cached answer's pieces: plain str
+                    state = self.choices[index]
+                    state.pending.extend(getattr(event, "logprobs", ()))
+                    for piece in state.calls.feed(event) if state.calls is not None else [event]:
+                        yield self.piece(index, piece)
                     continue
-                for piece in self.calls.finish() if self.calls is not None else []:
-                    yield self.piece(piece)
-                if self.logprobs and event.logprobs is not None and len(event.logprobs.content) > self.sent:
-                    self.pending = list(event.logprobs.content[self.sent:])
-                    yield self.content("")
                 report = event.report.with_total_ms((time.perf_counter() - self.started) * 1e3)
-                called = self.calls is not None and self.calls.calls
-                finish = ChunkChoice(delta=ChunkDelta(), finish_reason=FinishReason.TOOL_CALLS if called
-                                     else report.finish_reason)
-                yield self.chunk(choices=[finish], qvpic=report)
+                endings = [(report.finish_reason, event.logprobs),
+                           *((c.finish_reason, c.logprobs) for c in event.choices)]
+                for index, (finish_reason, logprobs) in enumerate(endings):
+                    pieces, finish = self.ending(index, finish_reason, logprobs)
+                    for piece in pieces:
+                        yield piece
+                    last = index == len(endings) - 1
+                    yield self.chunk(choices=[finish], **({"qvpic": report} if last else {}))
                 if self.include_usage:
                     yield self.chunk(choices=[], usage=chat_usage(report))
         except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises

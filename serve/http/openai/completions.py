@@ -5,8 +5,8 @@ Each prompt is the text of one user message of a chat (schemas/completions.py `C
 as `/v1/chat/completions` runs it — the model's chat template, retrieval on the prompt's text, the `qvpic`
 extension — so a prompt answers as that chat does; it is not continued raw as vLLM continues it (qvpic's
 linked chunks live in the template's context). A list of prompts is answered in order, one governed turn per
-prompt (each charged and logged), `n` choices each (index `prompt × n + j`, unstreamed); `usage` sums them and
-`qvpic` lists each prompt's report.
+prompt (each charged and logged), `n` choices each (index `prompt × n + j`); `usage` sums them and `qvpic` lists
+each prompt's report.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from serve.http.backend import api_error, error_status, sse
 from serve.http.exchange import Exchange, Turns
 from serve.http.openai.chat import GENERATION_RESPONSES, answer_request, chat_usage, require_served
 from serve.http.openai.errors import openai_error_body
+from serve.plan import TextDelta
 
 
 def summed(usages: list[ChatUsage]) -> ChatUsage:
@@ -91,13 +92,16 @@ def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
                         turns.governor.release(exchange.turn)
                         exchange = await admitted(http, request, prompt)
                     async for event in exchange.stream():
-                        if isinstance(event, str):
-                            yield chunk(choices=[CompletionChoice(index=index, text=event, finish_reason=None)])
+                        if isinstance(event, str):  # choice j of prompt `index` (OpenAI's index: index × n + j)
+                            choice = index * request.n + (event.index if isinstance(event, TextDelta) else 0)
+                            yield chunk(choices=[CompletionChoice(index=choice, text=event, finish_reason=None)])
                             continue
                         report = report_of(event)
                         usages.append(chat_usage(report))
-                        end = CompletionChoice(index=index, text="", finish_reason=report.finish_reason)
-                        yield chunk(choices=[end], qvpic=[report])
+                        reasons = [report.finish_reason, *(c.finish_reason for c in event.choices)]
+                        for j, reason in enumerate(reasons):
+                            end = CompletionChoice(index=index * request.n + j, text="", finish_reason=reason)
+                            yield chunk(choices=[end], **({"qvpic": [report]} if j == len(reasons) - 1 else {}))
                 if include_usage:
                     yield chunk(choices=[], usage=summed(usages))
             except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
