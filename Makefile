@@ -72,7 +72,7 @@ lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.tom
 	$(BIN)/ruff check .
 
 test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~45 min on 2 cores)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider
 
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e"

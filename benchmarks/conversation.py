@@ -41,6 +41,7 @@ from schemas.config import DType, ModelSpec
 TURNS, CHUNKS_PER_TURN, REPEATS = 4, 8, 5
 INTERLEAVED, IN_FLIGHT, DECODE_TOKENS = 16, 4, 32  # (c)
 TARGET_THROUGHPUT = 1.0  # (c): qvpic's decode tokens/s over vLLM's
+PHASES = ("route", "load", "queue", "reanchor", "prefill")  # qvpic's report (`qvpic.timings`), per request
 ANSWER = "Noted."  # every earlier answer, for both engines: the history is the same text
 TARGET_IDENTICAL, TARGET_FOLLOW_UP = 1.0, 0.3  # qvpic / vLLM TTFT: (a), and turns 2-4 of (b)
 
@@ -128,7 +129,9 @@ class Pair:
         ours_ms, ours = self.ask_qvpic(turns)
         theirs_ms, theirs = self.ask_vllm(turns, ours["qvpic"]["chunks"])
         details = theirs["usage"].get("prompt_tokens_details") or {}
-        return {"qvpic_ms": ours_ms, "vllm_ms": theirs_ms, "qvpic_prompt": ours["usage"]["prompt_tokens"],
+        timings = ours["qvpic"]["timings"]
+        phases = {f"qvpic_{phase}": timings[f"{phase}_ms"] or 0.0 for phase in PHASES}
+        return {"qvpic_ms": ours_ms, **phases, "vllm_ms": theirs_ms, "qvpic_prompt": ours["usage"]["prompt_tokens"],
                 "qvpic_cached": ours["usage"]["prompt_tokens_details"]["cached_tokens"],
                 "qvpic_prefix": ours["qvpic"]["usage"]["prefix_cached_tokens"],
                 "vllm_prompt": theirs["usage"]["prompt_tokens"], "vllm_cached": details.get("cached_tokens"),
@@ -231,7 +234,9 @@ def row(name: str, cells: list[dict]) -> tuple[list, float]:
             f"{_median(cells, 'qvpic_cached'):.0f} of {_median(cells, 'qvpic_prompt'):.0f} "
             f"({_median(cells, 'qvpic_prefix'):.0f} prefix cache)",
             f"{_median(cells, 'vllm_cached'):.0f} of {_median(cells, 'vllm_prompt'):.0f}",
-            f"{_median(cells, 'chunks'):.0f}"], q / v
+            f"{_median(cells, 'chunks'):.0f}",
+            " / ".join(f"{_median(cells, 'qvpic_' + phase):.0f}" for phase in PHASES)
+            + f" / {q - sum(_median(cells, 'qvpic_' + phase) for phase in PHASES):.0f}"], q / v
 
 
 def report(spec, quick, conversations, rows, identical, build_s, wall_s) -> str:
@@ -247,14 +252,17 @@ def report(spec, quick, conversations, rows, identical, build_s, wall_s) -> str:
     verdict = (f"Targets: (a) ≤ {TARGET_IDENTICAL}× vLLM's TTFT — **{met_a}** ({identical_ratio:.2f}×); (b) turns "
                f"2–{TURNS} ≤ {TARGET_FOLLOW_UP}× vLLM's — **{met_b}** (worst turn {follow:.2f}×).")
     header = ["workload", "qvpic TTFT p50 / max ms", "vLLM TTFT p50 / max ms", "qvpic / vLLM",
-              "qvpic cached tokens (median)", "vLLM cached tokens (median)", "chunks"]
+              "qvpic cached tokens (median)", "vLLM cached tokens (median)", "chunks",
+              "qvpic ms: " + " / ".join(PHASES) + " / the rest"]
     return (f"{spec.path} {spec.dtype.value}, {torch.get_num_threads()} threads for each engine; CPU flags: "
             f"{cpu_flags()}. {conversations} conversations of {TURNS} turns (plus one warm-up conversation, not "
             f"timed), {CHUNKS_PER_TURN} chunks retrieved per turn, every chunk at the lowest tier; (a) "
             f"{REPEATS} repeats. Store built in {build_s:.0f} s; the whole run {wall_s:.0f} s. TTFT: the whole "
             f"one-token HTTP response. Cached tokens: `usage.prompt_tokens_details.cached_tokens` (qvpic: linked "
             f"chunk KV from the store plus its prefix cache; vLLM: its prefix cache, "
-            f"`--enable-prompt-tokens-details`).\n\n{markdown_table(header, table)}\n\n{verdict}")
+            f"`--enable-prompt-tokens-details`). qvpic's phases are its report's medians (`qvpic.timings`); the rest "
+            f"is the HTTP response's time outside them (ingress, Serve's hops between deployments, serialisation)."
+            f"\n\n{markdown_table(header, table)}\n\n{verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
