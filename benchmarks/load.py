@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         serve.run(build_app({"store": {"uri": store_dir}, "model": model.model_dump(mode="json"),
-                             "loader": {"max_nbytes": args.cache_max_nbytes}}), name=APP_NAME, route_prefix="/")
+                             "loader": {"max_nbytes": args.cache_max_nbytes},
+                             "loader_placement": "deployment"}),  # DEPLOYMENTS: its memory is measured apart
+                  name=APP_NAME, route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         try:
             doc_ids = sorted({json.loads(line)["doc_id"] for line in SAMPLE_CORPUS.read_text().splitlines()})

@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     from serve.config import AppConfig
 
     console.rule("2. start the Serve application")
-    console.print("five deployments — ingress (HTTP), router, cache loader, generator, inspector (/ui) — on the "
-                  "local Ray …")
+    console.print("four deployments — ingress (HTTP), router, generator (with its KV cache loader), inspector (/ui) — "
+                  "on the local Ray …")
     started = time.perf_counter()
     logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -77,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="return once deployed (needs --address)")
     p.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"],
                    help="Serve's HTTP proxies: on every node, or the head only (default: the --config file's, "
-                        "else EveryNode). HeadOnly: a worker node that dies resets no client connection")
+                        "else HeadOnly, as serve/config-gpu.yaml). HeadOnly: a worker node that dies resets no client "
+                        "connection")
     p.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM, how long replicas finish in-flight requests (default 20; keep it under the "
                         "supervisor's kill timeout: Kubernetes' terminationGracePeriodSeconds, systemd's "
@@ -128,7 +129,7 @@ def _file_config(ns: argparse.Namespace) -> dict[str, Any]:
 def proxy_location(ns: argparse.Namespace) -> str:
     if ns.proxy_location is not None:
         return ns.proxy_location
-    return _file_config(ns).get("proxy_location", "EveryNode")
+    return _file_config(ns).get("proxy_location", "HeadOnly")  # serve/config-gpu.yaml's: HTTP beside the ingress
 
 
 def http_host(ns: argparse.Namespace) -> str:

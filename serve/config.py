@@ -315,12 +315,16 @@ class AppConfig(StoreBound):
     ingress: IngressConfig = IngressConfig()
     routing: Routing = Routing.AFFINITY  # across generator replicas (docs/BENCHMARKS.md `affinity`)
     affinity: AffinitySpec = AffinitySpec()
-    loader_placement: LoaderPlacement = LoaderPlacement.DEPLOYMENT  # docs/BENCHMARKS.md `affinity` measures both
+    # The defaults are serve/config-gpu.yaml's topology (docs/DEPLOY.md "Topology"), so `qvpic serve` without
+    # --config places replicas as the shipped config does: the host LRU in each generator (no loader deployment to
+    # lose; docs/BENCHMARKS.md `affinity` measures both), the CPU deployments on the head, whose loss loses the
+    # cluster anyway — never the only router on a worker whose loss answers 503 until Serve restarts it elsewhere.
+    loader_placement: LoaderPlacement = LoaderPlacement.IN_GENERATOR
     drain_timeout_s: float = Field(20.0, ge=0)  # how long a stopping replica finishes in-flight requests
-    ingress_deployment: DeploymentConfig = DeploymentConfig()
-    inspector_deployment: DeploymentConfig = DeploymentConfig()  # the /ui pages' store side (serve/ui/)
-    router_deployment: DeploymentConfig = DeploymentConfig()
-    loader_deployment: DeploymentConfig = DeploymentConfig()
+    ingress_deployment: DeploymentConfig = DeploymentConfig(placement=Placement.HEAD)
+    inspector_deployment: DeploymentConfig = DeploymentConfig(placement=Placement.HEAD)  # the /ui pages' store side
+    router_deployment: DeploymentConfig = DeploymentConfig(placement=Placement.HEAD)
+    loader_deployment: DeploymentConfig = DeploymentConfig(placement=Placement.HEAD)
     # Serve holds what the engine cannot take yet: a full batch plus its queue
     generator_deployment: DeploymentConfig = DeploymentConfig(max_ongoing_requests=80)
 

@@ -197,6 +197,7 @@ def served(ray_session, serving_store):
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
             "router": {"max_chunks": MAX_CHUNKS},
+            "loader_placement": "deployment",  # the CacheLoader deployment whose replica the test kills
             "ingress": {"default_top_k": 2,
                         "governance": {"redis_url": redis.url, "response_cache": {"backend": "redis"}}}}
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")

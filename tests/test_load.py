@@ -33,6 +33,7 @@ def base_url(ray_session, serving_store):
     args = {"store": {"uri": serving_store.uri}, "model": serving_store.model.model_dump(mode="json"),
             "router": {"max_chunks": MAX_CHUNKS}, "ingress": {"default_top_k": 2},
             "loader": {"max_nbytes": LRU_MAX_NBYTES},
+            "loader_placement": "deployment",  # the CacheLoader deployment's LRU and memory are what this bounds
             # no device hot tier: it would hold the whole store after the warm-up, and the loader's LRU,
             # what this test bounds, would then see repeats only when two requests race for an entry
             "generator": {"engine": {"hot_tier_nbytes": 0}}}

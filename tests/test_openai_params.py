@@ -81,6 +81,31 @@ def test_the_routes_beside_chat_answer_in_openais_shape(app):
         assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("route, name, status, example", CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_the_openai_client_sends_every_row(app, route, name, status, example):
+    """The same rows through the openai SDK itself (what users run): every supported and ignored parameter answers,
+    every refused one raises `openai.BadRequestError` whose `param` names it."""
+    import httpx
+
+    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1", max_retries=0,
+                           http_client=httpx.Client(transport=SyncASGI(app)))
+    base = ROUTES[route][2]
+    body = {**base, **(example if isinstance(example, dict) and name in example else {name: example})}
+    body["stream"] = False
+    if route == "/v1/embeddings":
+        body.pop("stream")
+    extension = {"qvpic": body.pop("qvpic")} if "qvpic" in body else {}
+    create = {"/v1/chat/completions": client.chat.completions.create, "/v1/completions": client.completions.create,
+              "/v1/embeddings": client.embeddings.create}[route]
+    call_it = lambda: create(**body, extra_body=extension or None, extra_headers={"Cache-Control": "no-cache"})  # noqa: E731
+    if status == "refused":
+        with pytest.raises(openai.BadRequestError) as raised:
+            call_it()
+        assert raised.value.param == name and raised.value.code is not None
+    else:
+        assert call_it().object == OBJECTS[route]
+
+
 def test_the_openai_client_reads_the_refusal_as_bad_request(app):
     """`except openai.BadRequestError` catches what the server refuses, with its param."""
     import httpx
