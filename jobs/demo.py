@@ -99,9 +99,12 @@ def questions_table(client, questions: list[dict], top_k: int):
     return table
 
 
-def modes_table(client, question: dict, modes: list[str], repeats: int, lowest_tier: str | None = None):
+def modes_table(client, question: dict, modes: list[str], repeats: int, lowest_tier: str | None = None,
+                clear_prefix_cache=lambda: None):
     """The same request in every mode: one warm-up round, then `repeats` rounds, modes interleaved in each
-    round so that drift of a busy machine hits them alike; medians."""
+    round so that drift of a busy machine hits them alike; medians. Each request meets an empty prefix cache
+    (`clear_prefix_cache` before it): a repeat would otherwise find its whole prompt cached in every mode, and the
+    table would show what the prefix cache buys, not what reusing the store's chunk KV buys."""
     from rich.table import Table
 
     body = {"query": question["question"], "doc_ids": question["doc_ids"], "max_new_tokens": 1}
@@ -112,6 +115,7 @@ def modes_table(client, question: dict, modes: list[str], repeats: int, lowest_t
     replies: dict[str, list[dict]] = {label: [] for label in requests}
     for round_index in range(repeats + 1):
         for label, request in requests.items():
+            clear_prefix_cache()
             reply = ask(client, request)
             if round_index:
                 replies[label].append(reply)
@@ -123,8 +127,10 @@ def modes_table(client, question: dict, modes: list[str], repeats: int, lowest_t
                           "prefill, as the server timed them for a one-token answer; prefill ms is the model's "
                           "share. × qvpic: the mode's TTFT divided by qvpic's — 2.00 means twice as slow as "
                           "qvpic, below 1 faster. Cached tokens: context whose KV came from the store instead of "
-                          "a forward pass. The tiny model computes in milliseconds, so routing and KV loading "
-                          "weigh more here than with a real 7B model, where prefill dominates "
+                          "a forward pass (each request met an empty prefix cache: repeats of a request are "
+                          "served from it in every mode, docs/DEPLOY.md). The tiny model computes in "
+                          "milliseconds, so routing and KV loading weigh more here than with a real 7B model, where "
+                          "prefill dominates "
                           "(docs/BENCHMARKS.md).")
     for column in ("mode", "context tokens", "cached tokens", "prefill ms", "TTFT ms", "× qvpic"):
         table.add_column(column, justify="left" if column == "mode" else "right")
@@ -207,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("4. what qvpic buys: the same request in every mode")
             store = client.get("/v1/store").json()
             tiers = sorted((store.get("tiers") or {}).items(), key=lambda item: item[1])  # (name, dpi), lowest first
+            generator = serve.get_deployment_handle("Generator", app_name=APP_NAME)
             console.print(modes_table(client, questions[0], store["modes"], args.repeats,
-                                      tiers[0][0] if tiers else None))
+                                      tiers[0][0] if tiers else None,
+                                      lambda: generator.clear_prefix_cache.remote().result()))
             console.print(cache_hit_line(client, questions[0], args.top_k))
     except (RuntimeError, httpx.HTTPError) as error:
         console.print(f"[red]qvpic demo: {error}[/red]")

@@ -87,6 +87,9 @@ def test_demo_runs_end_to_end_and_says_only_what_a_user_needs(demo):
     qvpic_row = next(line for line in table.splitlines() if line.startswith("│ qvpic "))
     assert qvpic_row.rstrip(" │").endswith("1.00")
     assert "× qvpic: the mode's TTFT divided by qvpic's" in " ".join(table.split())
+    for mode in ("full_text", "full_image"):  # a full prefill computes its whole context: nothing came cached
+        row = next(line for line in table.splitlines() if line.startswith(f"│ {mode} "))  # (a warm prefix cache
+        assert row.split("│")[3].strip() == "0", row                                  # would hold it all)
     # the response cache, asked once without no-cache, answers and says so
     assert "came from the response cache (level l1, `cache_hit: true`)" in " ".join(output.split())
     assert "done. The store stays in" in output and (store / "manifest.json").exists()
