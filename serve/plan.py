@@ -200,6 +200,12 @@ class Answer:
     logprobs: ChoiceLogprobs | None = None  # with `logprobs` asked: each answer token's, in OpenAI's shape
     choices: tuple[Choice, ...] = ()  # with n > 1: the other choices, in order (index 1..n-1)
 
+    @property
+    def every_choice(self) -> tuple[Choice, ...]:
+        """All n choices in order: choice 0 from this answer's own text, finish reason and logprobs, then the rest."""
+        first_tokens = self.report.usage.completion_tokens - sum(c.completion_tokens for c in self.choices)
+        return (Choice(self.text, self.report.finish_reason, first_tokens, self.logprobs), *self.choices)
+
 
 @dataclass(frozen=True)
 class Embedded:

@@ -111,11 +111,9 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
         if not request.stream:
             answer = await exchange.answer(response)
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
-            first_tokens = report.usage.completion_tokens - sum(c.completion_tokens for c in answer.choices)
-            choices = [Choice(answer.text, report.finish_reason, first_tokens, answer.logprobs), *answer.choices]
             return ChatCompletion(
                 id=completion_id, created=created, model=request.model, usage=chat_usage(report), qvpic=report,
-                choices=[chat_choice(i, choice, tools) for i, choice in enumerate(choices)])
+                choices=[chat_choice(i, choice, tools) for i, choice in enumerate(answer.every_choice)])
 
         stream = ChatStream(completion_id, created, request.model, tools=tools, logprobs=bool(request.logprobs),
                             include_usage=request.stream_options is not None and request.stream_options.include_usage,

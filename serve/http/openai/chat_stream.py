@@ -114,13 +114,12 @@ class ChatStream:
                         yield self.piece(index, piece)
                     continue
                 report = event.report.with_total_ms((time.perf_counter() - self.started) * 1e3)
-                endings = [(report.finish_reason, event.logprobs),
-                           *((c.finish_reason, c.logprobs) for c in event.choices)]
-                for index, (finish_reason, logprobs) in enumerate(endings):
-                    pieces, finish = self.ending(index, finish_reason, logprobs)
+                every = event.every_choice
+                for index, choice in enumerate(every):
+                    pieces, finish = self.ending(index, choice.finish_reason, choice.logprobs)
                     for piece in pieces:
                         yield piece
-                    last = index == len(endings) - 1
+                    last = index == len(every) - 1
                     yield self.chunk(choices=[finish], **({"qvpic": report} if last else {}))
                 if self.include_usage:
                     yield self.chunk(choices=[], usage=chat_usage(report))

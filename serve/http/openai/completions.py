@@ -66,13 +66,11 @@ def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
                 answer = await exchange.answer(response)
                 if index < len(prompts) - 1:  # the last one's slot goes back once the response is sent
                     turns.governor.release(exchange.turn)
-                reports.append(report := report_of(answer))
+                reports.append(report_of(answer))
                 # OpenAI's order: prompt by prompt, each prompt's n choices together
-                for j, (text, finish, logprobs) in enumerate([(answer.text, report.finish_reason, answer.logprobs),
-                                                              *((c.text, c.finish_reason, c.logprobs)
-                                                                for c in answer.choices)]):
-                    choices.append(CompletionChoice(index=index * request.n + j, text=text, finish_reason=finish,
-                                                    logprobs=CompletionLogprobs.of(logprobs)))
+                choices += [CompletionChoice(index=index * request.n + j, text=c.text, finish_reason=c.finish_reason,
+                                             logprobs=CompletionLogprobs.of(c.logprobs))
+                            for j, c in enumerate(answer.every_choice)]
             return Completion(id=completion_id, created=created, model=request.model, choices=choices,
                               usage=summed([chat_usage(r) for r in reports]), qvpic=reports)
 
@@ -98,10 +96,10 @@ def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
                             continue
                         report = report_of(event)
                         usages.append(chat_usage(report))
-                        reasons = [report.finish_reason, *(c.finish_reason for c in event.choices)]
-                        for j, reason in enumerate(reasons):
-                            end = CompletionChoice(index=index * request.n + j, text="", finish_reason=reason)
-                            yield chunk(choices=[end], **({"qvpic": [report]} if j == len(reasons) - 1 else {}))
+                        every = event.every_choice
+                        for j, c in enumerate(every):
+                            end = CompletionChoice(index=index * request.n + j, text="", finish_reason=c.finish_reason)
+                            yield chunk(choices=[end], **({"qvpic": [report]} if j == len(every) - 1 else {}))
                 if include_usage:
                     yield chunk(choices=[], usage=summed(usages))
             except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
