@@ -300,6 +300,25 @@ class PrefixCacheSpec(Frozen):
     host_nbytes: int = Field(2 << 30, ge=0)  # LRU in host memory for what the device tier evicts; 0: none
 
 
+class ForwardSpec(Frozen):
+    """How the engine runs the language model's batched forwards (decode steps, query-turn prefills):
+    pipeline/runtime/fused.py. Full prefills of images and the offline compile always run transformers'."""
+
+    fused: bool = True  # the written-out forward where the checkpoint's decoder supports it (else transformers')
+    prepack: bool = True  # on CPU: weights reordered once for oneDNN (one more copy of the LLM's weights)
+    # The dtype of the fused forward's matrix products (weights cast once, activations at each product, fp32
+    # accumulation); None = the model's. bfloat16 on a CPU with AMX/avx512_bf16 is ~3x faster from 16 rows and is
+    # no longer exact: tests/test_fused_forward.py states and tests its tolerance. Needs `fused`.
+    matmul_dtype: DType | None = None
+
+    @model_validator(mode="after")
+    def _needs_fused(self) -> "ForwardSpec":
+        if self.matmul_dtype is not None and not self.fused:
+            raise ValueError("forward.matmul_dtype needs forward.fused: true "
+                             "(transformers' forward runs the model's dtype)")
+        return self
+
+
 class EngineSpec(Frozen):
     """The generator's batching engine: how many requests share a forward pass and how much KV they
     may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
@@ -314,3 +333,4 @@ class EngineSpec(Frozen):
     max_prefill_tokens: int = Field(8192, ge=1)
     hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
+    forward: ForwardSpec = Field(default_factory=ForwardSpec)

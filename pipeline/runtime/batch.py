@@ -262,6 +262,10 @@ def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
 
 def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     positions, mask = slab.prepare(real, vlm.dtype)
+    if vlm.fused is not None:  # pipeline/runtime/fused.py: new tokens are text, so one position axis says all
+        logits = vlm.fused.forward(slab, ids, positions[0], mask)
+        slab.advance(real)
+        return logits
     if vlm.adapter.rope_axes == 1:  # plain 1-D RoPE (LLaVA-OneVision): `[rows, new]`
         positions = positions[0]
     out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=slab, use_cache=True,

@@ -22,9 +22,10 @@ from pipeline.runtime.adapters import Adapter, family_classes
 from pipeline.runtime.checkpoint import resolve_device, resolve_path
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.dtypes import TORCH_DTYPES
+from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.sampling import adjust_logits, select_token
-from schemas.config import ChunkKind, CompilePrefix, ModelSpec, Variant
+from schemas.config import ChunkKind, CompilePrefix, ForwardSpec, ModelSpec, Variant
 from schemas.sampling import Sampling
 
 PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)
@@ -64,6 +65,18 @@ class VLM:
         self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
         self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
         self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
+        self.fused: FusedDecoder | None = None  # the batched engine's forward, once `use_forward` chose it
+
+    def use_forward(self, spec: ForwardSpec) -> None:
+        """How the batched engine's forwards run from now on (pipeline/runtime/batch.py `forward`): the written-out
+        forward where `spec.fused` and the decoder supports it, else transformers'."""
+        if spec.fused and not FusedDecoder.supports(self.model):
+            if spec.matmul_dtype is not None:
+                raise ValueError(f"forward.matmul_dtype needs the fused forward, which {self.family.value}'s "
+                                 "decoder does not have")
+            self.fused = None
+            return
+        self.fused = FusedDecoder(self.model, spec) if spec.fused else None
 
     # ---- compile (offline) -------------------------------------------------------------------
     def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -95,6 +95,7 @@ class Engine:
     def __init__(self, vlm: VLM, spec: EngineSpec, start: bool = True,
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
         self.vlm, self.spec = vlm, spec
+        vlm.use_forward(spec.forward)
         self.metrics = serve_metrics()
         self.scheduler = Scheduler(spec, column_nbytes(vlm))
         cache = spec.prefix_cache

@@ -1,0 +1,195 @@
+"""The language model's forward over a slab, written out: what the batched engine runs at every decode step and
+every query-turn prefill (pipeline/runtime/batch.py), in place of transformers' generic forward.
+
+Why: a decode step of a ~80M-parameter model is a dozen small matrix products per layer, and transformers
+spends as long again around them (mask and position bookkeeping, per-layer cache objects, seven projections
+where three do). This forward computes the same function with
+- QKV fused into one `[hidden, q + 2·kv]` projection and gate/up into one `[hidden, 2·intermediate]` (one
+  weight read and one kernel call each, where there were three and two),
+- RoPE's cos/sin looked up from a table built once per model (the new tokens of a slab forward are text,
+  whose three M-RoPE axes are equal, so M-RoPE reduces to 1-D RoPE at that position),
+- keys and values written straight into the slab's columns (`SlabLayer.update`) and read by SDPA with
+  grouped-query heads (no `repeat_kv` copy),
+- logits of each row's last token only.
+It is exact against transformers' forward to float rounding (tests/test_fused_forward.py, with controls).
+
+Families: the Qwen2 decoder (Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision's Qwen2 LLM) with default RoPE. Anything
+else (GLM-4.1V's decoder, a scaled RoPE) keeps transformers' forward: `FusedDecoder.supports` says which.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.runtime.dtypes import TORCH_DTYPES
+from schemas.config import ForwardSpec
+
+ROPE_TABLE_POSITIONS = 32_768  # positions covered by the cos/sin table (grown on demand past it)
+
+
+PACK_ROWS = 16  # oneDNN's batch-size hint for the packed layout: the engine's decode batch (1.6x aten's at 16 rows)
+
+
+class Projection:
+    """`x @ weight.T + bias` as the engine runs it: on CPU with `prepack`, oneDNN's reordered weight for products
+    of more than one row (at one row aten's own GEMV on the plain weight is as fast); with a `matmul_dtype`, the
+    weight cast once (then only its packed form is kept) and the activations at each product (fp32
+    accumulation), the result back in the activations' dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, spec: ForwardSpec):
+        dtype = TORCH_DTYPES[spec.matmul_dtype] if spec.matmul_dtype is not None else weight.dtype
+        self.cast = dtype != weight.dtype
+        weight = weight.to(dtype).contiguous() if self.cast else weight  # [out, in]
+        self.bias = bias.to(dtype) if bias is not None and self.cast else bias
+        self.packed = None
+        if spec.prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        self.weight = None if self.cast and self.packed is not None else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(self.packed.dtype if self.packed is not None else self.weight.dtype) if self.cast else x
+        if self.packed is not None and (self.weight is None or x.numel() > x.shape[-1]):
+            y = torch.ops.mkldnn._linear_pointwise(y, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(y, self.weight, self.bias)
+        return y.to(x.dtype) if self.cast else y
+
+
+def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights (and biases) stacked along their outputs, `[sum(out), in]`; each linear's own
+    parameters become views into it, so fusing costs no memory and transformers' forward reads the same bytes."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    row = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[row:row + rows]
+        if bias is not None:
+            lin.bias.data = bias[row:row + rows]
+        row += rows
+    return weight, bias
+
+
+class FusedLayer:
+    """One decoder layer's weights: QKV fused, gate/up fused, the norms as (weight, eps)."""
+
+    def __init__(self, layer: torch.nn.Module, spec: ForwardSpec):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = Projection(*fuse([attn.q_proj, attn.k_proj, attn.v_proj]), spec)
+        self.o = Projection(attn.o_proj.weight.detach(), None, spec)
+        self.gate_up = Projection(*fuse([mlp.gate_proj, mlp.up_proj]), spec)
+        self.down = Projection(mlp.down_proj.weight.detach(), None, spec)
+        self.input_norm = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
+        self.post_norm = (layer.post_attention_layernorm.weight.detach(),
+                          layer.post_attention_layernorm.variance_epsilon)
+
+
+def rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """transformers' Qwen2RMSNorm, operation for operation (the variance in float32)."""
+    weight, eps = norm
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Qwen's RoPE (rotate the two halves): x `[rows, heads, new, head_dim]`, cos/sin `[rows, 1, new, head_dim]`."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention as two batched products: q `[rows, heads, new, d]`, keys/values `[rows, kv_heads,
+    width, d]` (the slab's columns, read in place), mask `[rows, 1, new, width]` additive → `[rows, heads, new, d]`.
+
+    Head h reads kv head h // group (transformers' `repeat_kv` order), so the group's queries stack into one
+    `[group · new, d]` matrix per kv head: no copy of the keys per head, and at one new token a product of
+    `group` rows instead of SDPA's CPU kernel, which is ~2x slower at one query row."""
+    rows, heads, new, dim = q.shape
+    kv_heads, width = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(rows, kv_heads, group * new, dim), keys.transpose(-1, -2)) * scale
+    scores = scores.view(rows, kv_heads, group, new, width) + mask[:, :, None]  # mask → [rows, 1, 1, new, width]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(weights.view(rows, kv_heads, group * new, width), values)
+    return out.view(rows, heads, new, dim)
+
+
+class FusedDecoder:
+    """The text decoder of a loaded transformers VLM, as one function of (slab, ids, positions, mask)."""
+
+    def __init__(self, model: torch.nn.Module, spec: ForwardSpec):
+        text = language_model(model)
+        self.spec = spec
+        config = text.config
+        self.embed = model.get_input_embeddings().weight.detach()  # [vocab, hidden]
+        self.lm_head = Projection(model.get_output_embeddings().weight.detach(), None, spec)  # [vocab, hidden]
+        self.layers = [FusedLayer(layer, spec) for layer in text.layers]
+        self.norm = (text.norm.weight.detach(), text.norm.variance_epsilon)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+        rotary = text.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().to(torch.float32)  # [head_dim / 2]
+        self.attention_scaling = float(rotary.attention_scaling)
+        self.dtype = self.embed.dtype
+        self._cos = self._sin = torch.empty(0)
+        self._table(ROPE_TABLE_POSITIONS)
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Whether this forward computes `model`'s function: a Qwen2-style decoder with default RoPE."""
+        try:
+            text = language_model(model)
+        except AttributeError:
+            return False
+        config, layer = text.config, text.layers[0]
+        rope = getattr(config, "rope_parameters", None) or {}
+        return (all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+                and all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+                and layer.self_attn.q_proj.bias is not None and layer.self_attn.o_proj.bias is None
+                and hasattr(layer, "post_attention_layernorm") and hasattr(text, "rotary_emb")
+                and rope.get("rope_type", "default") == "default"
+                and getattr(config, "hidden_act", "silu") == "silu"
+                and not getattr(config, "use_sliding_window", False))
+
+    def _table(self, positions: int) -> None:
+        """cos/sin `[positions, head_dim]` in the model dtype, computed as transformers computes them (float32)."""
+        freqs = torch.arange(positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        device = self.embed.device
+        self._cos = (freqs.cos() * self.attention_scaling).to(device, self.dtype)
+        self._sin = (freqs.sin() * self.attention_scaling).to(device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, slab, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits `[rows, vocab]` of each row's last new token.
+
+        slab: a prepared `Slab` (its write columns and width set for these tokens); ids `[rows, new]`;
+        positions `[rows, new]` (text: one per token); mask `[rows, 1, new, width]` additive, model dtype.
+        """
+        rows, new = ids.shape
+        if int(positions.max()) >= self._cos.shape[0]:
+            self._table(2 * int(positions.max()) + 1)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, new, head_dim]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden = F.embedding(ids, self.embed)  # [rows, new, hidden]
+        for layer, cache in zip(self.layers, slab.layers):
+            x = rms_norm(hidden, layer.input_norm)
+            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            q = rotate(q.view(rows, new, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = rotate(k.view(rows, new, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(rows, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            keys, values = cache.update(k, v)  # [rows, kv_heads, width, head_dim], the new ones written in place
+            out = attend(q, keys, values, mask, self.scale)
+            hidden = hidden + layer.o(out.transpose(1, 2).reshape(rows, new, q_size))
+            x = rms_norm(hidden, layer.post_norm)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return self.lm_head(rms_norm(hidden[:, -1], self.norm))
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder inside a transformers VLM (`model.model.language_model` in transformers 5)."""
+    return model.model.language_model

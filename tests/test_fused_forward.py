@@ -1,0 +1,141 @@
+"""The engine's written-out forward (pipeline/runtime/fused.py) against transformers' own forward of the same
+checkpoint over the same slab: logits and the KV it writes, for every family it claims, on ragged rows (pads,
+different context lengths, a prefill then decode steps). Controls show the comparison catches a position off
+by one and a wrong grouped-query head map; bf16 products are held to a stated tolerance (and must differ from
+fp32, or the test would not be testing them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.runtime import fused as fused_module
+from pipeline.runtime.batch import Slab, forward
+from pipeline.runtime.fused import FusedDecoder
+from pipeline.runtime.model import VLM
+from schemas.config import DType, EngineSpec, ForwardSpec, ModelSpec
+from serve.engine.loop import Engine
+
+EXACT = 1e-5  # the suite's fp32 tolerance (tests/test_runtime_exactness.py)
+# bf16 products (fp32 accumulation, KV and attention in fp32), measured on oracle-qwen (the peakiest built-in
+# model: logits' std ~1.1): KL 2e-4, max |Δlogit| 0.076 over 32 rows. Stated with headroom:
+BF16_KL, BF16_LOGIT = 1e-3, 0.15
+CONTEXT = [37, 52, 45]  # each row's context columns (random KV standing in for linked chunks)
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen", "tiny-qwen2", "tiny-llava"])
+def vlm(request) -> VLM:
+    return VLM(ModelSpec(path=request.param))
+
+
+def ragged_slab(vlm: VLM, seed: int = 0) -> Slab:
+    """Three rows with contexts of different lengths at different positions, room for 8 more tokens each."""
+    shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
+    generator = torch.Generator().manual_seed(seed)
+    slab = Slab.empty(shape.shape[0], len(CONTEXT), shape.shape[2], max(CONTEXT) + 8, shape.shape[4], vlm.dtype,
+                      vlm.device)
+    for row, length in enumerate(CONTEXT):
+        slab.kv[:, :, row, :, :length] = torch.randn(shape.shape[0], 2, shape.shape[2], length, shape.shape[4],
+                                                     generator=generator)
+        slab.valid[row, :length] = True
+        slab.lengths[row], slab.next_positions[row] = length, 100 * row + length
+    return slab
+
+
+def copy(slab: Slab) -> Slab:
+    return Slab(slab.kv.clone(), slab.valid.clone(), slab.lengths.clone(), slab.next_positions.clone())
+
+
+@torch.inference_mode()  # as the engine runs it
+def run(vlm: VLM, decoder: FusedDecoder | None, slab: Slab) -> list[torch.Tensor]:
+    """A left-padded prefill (rows of 4, 2 and 3 real tokens), then two decode steps: the logits of each."""
+    vlm.fused = decoder
+    try:
+        ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10], [0, 11, 12, 13]])
+        real = ids != 0
+        out = [forward(vlm, slab, ids, real)]
+        for step in range(2):
+            ids = torch.tensor([[20 + step], [30 + step], [40 + step]])
+            out.append(forward(vlm, slab, ids, torch.ones_like(ids, dtype=torch.bool)))
+        return out
+    finally:
+        vlm.fused = None
+
+
+def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_fused_forward_equals_transformers(vlm):
+    assert FusedDecoder.supports(vlm.model)
+    decoder = FusedDecoder(vlm.model, ForwardSpec())
+    reference, ours = ragged_slab(vlm), ragged_slab(vlm)
+    expected, got = run(vlm, None, reference), run(vlm, decoder, ours)
+    assert gap(expected, got) <= EXACT
+    assert float((reference.kv - ours.kv).abs().max()) <= EXACT  # the KV it wrote, every column
+    assert torch.equal(reference.valid, ours.valid) and torch.equal(reference.lengths, ours.lengths)
+
+
+def test_fused_forward_without_prepacking_is_the_same(vlm):
+    slab = ragged_slab(vlm)
+    expected = run(vlm, None, copy(slab))
+    assert gap(expected, run(vlm, FusedDecoder(vlm.model, ForwardSpec(prepack=False)), slab)) <= EXACT
+
+
+def test_controls_a_shifted_position_and_a_wrong_head_map_are_caught(vlm, monkeypatch):
+    decoder = FusedDecoder(vlm.model, ForwardSpec())
+    slab = ragged_slab(vlm)
+    expected = run(vlm, None, copy(slab))
+    shifted = copy(slab)
+    shifted.next_positions += 1  # RoPE Δ+1 on the new tokens only
+    assert gap(expected, run(vlm, decoder, shifted)) > 100 * EXACT
+
+    heads, kv_heads = vlm.model.config.get_text_config().num_attention_heads, decoder.num_kv_heads
+    if heads == kv_heads:
+        pytest.skip("no grouped-query heads in this model: nothing to map wrongly")
+    attend = fused_module.attend
+
+    def interleaved(q, keys, values, mask, scale):  # head h reads kv head h % kv_heads, not h // group
+        group = heads // kv_heads
+        order = torch.arange(heads).view(kv_heads, group).T.reshape(-1)  # regroup so the fused grouping is wrong
+        return attend(q[:, order], keys, values, mask, scale)[:, torch.argsort(order)]
+
+    monkeypatch.setattr(fused_module, "attend", interleaved)
+    assert gap(expected, run(vlm, decoder, copy(slab))) > 100 * EXACT
+
+
+def test_fusing_shares_the_models_weights(vlm):
+    """QKV and gate/up are fused in place: the model's own projections become views of the fused weight."""
+    layer = vlm.model.model.language_model.layers[0]
+    decoder = FusedDecoder(vlm.model, ForwardSpec(prepack=False))
+    fused_qkv = decoder.layers[0].qkv.weight
+    assert layer.self_attn.q_proj.weight.data_ptr() == fused_qkv.data_ptr()
+    assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == fused_qkv.untyped_storage().data_ptr()
+
+
+def test_bf16_products_within_the_stated_tolerance():
+    vlm = VLM(ModelSpec(path="oracle-qwen"))
+    slab = ragged_slab(vlm)
+    exact = run(vlm, FusedDecoder(vlm.model, ForwardSpec()), copy(slab))
+    low = run(vlm, FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16)), slab)
+    assert gap(exact, low) > 100 * EXACT  # control: the bf16 products did run
+    assert gap(exact, low) <= BF16_LOGIT
+    for p, q in zip(exact, low):
+        p, q = p.log_softmax(-1), q.log_softmax(-1)
+        assert float((p.exp() * (p - q)).sum(-1).max()) <= BF16_KL
+
+
+def test_the_engine_picks_the_forward_its_spec_asks_for():
+    qwen = VLM(ModelSpec(path="tiny-qwen"))
+    Engine(qwen, EngineSpec(), start=False)
+    assert isinstance(qwen.fused, FusedDecoder)
+    Engine(qwen, EngineSpec(forward=ForwardSpec(fused=False)), start=False)
+    assert qwen.fused is None
+    glm = VLM(ModelSpec(path="tiny-glm"))  # its decoder (fused gate_up, post-norms) is not the Qwen2 one
+    assert not FusedDecoder.supports(glm.model)
+    Engine(glm, EngineSpec(), start=False)
+    assert glm.fused is None
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        Engine(glm, EngineSpec(forward=ForwardSpec(matmul_dtype=DType.BFLOAT16)), start=False)
+    with pytest.raises(ValueError, match="matmul_dtype needs forward.fused"):
+        ForwardSpec(fused=False, matmul_dtype=DType.BFLOAT16)
