@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.machine import cpu_flags
 from benchmarks.peer import servers
 from benchmarks.peer.speed import build_corpus
 from benchmarks.peer.vllm_side import messages as vllm_user_message
@@ -44,16 +45,6 @@ TARGET_THROUGHPUT = 1.0  # (c): qvpic's decode tokens/s over vLLM's
 PHASES = ("route", "load", "queue", "reanchor", "prefill")  # qvpic's report (`qvpic.timings`), per request
 ANSWER = "Noted."  # every earlier answer, for both engines: the history is the same text
 TARGET_IDENTICAL, TARGET_FOLLOW_UP = 1.0, 0.3  # qvpic / vLLM TTFT: (a), and turns 2-4 of (b)
-
-
-def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
-    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
 
 
 def question(corpus, index: int) -> str:

@@ -1,0 +1,201 @@
+"""The machine's limits and the engine's forwards against them, in one run (issue 39).
+
+    python -m benchmarks.limits            # bench-qwen and the Qwen2.5-VL-7B shape at 2 layers
+    python -m benchmarks.limits --quick    # bench-qwen only, fewer repeats
+
+1. Memory bandwidth: a STREAM-like copy and a read (sum) of a 1 GiB float32 array, far larger than the caches.
+2. Matrix products at bench-qwen's decoder shapes, 1–64 rows: aten's fp32, oneDNN's prepacked fp32 and bf16
+   (pipeline/runtime/fused.py's `Projection`), GFLOP/s of one layer's five products.
+3. Bounds: a one-token forward reads every decoder and output weight once (bytes / read bandwidth); an n-token
+   forward is the larger of that and its FLOPs at the best product rate measured at n rows.
+4. The forwards the engine runs (`pipeline/runtime/batch.py` `forward` over a slab with a 600-token context):
+   transformers' forward, the fused forward in fp32 and with bf16 products — one token, a 21-token query turn,
+   a 16-row decode step — each timed side by side (interleaved, medians) and set against its bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.machine import machine_line
+from jobs.help import HelpFormatter
+from pipeline.eval import markdown_table, write_section
+from pipeline.runtime import VLM
+from pipeline.runtime.batch import Slab, forward
+from pipeline.runtime.fused import FusedDecoder, Projection, language_model
+from pipeline.runtime.real_shapes import ensure_real_shape
+from schemas.config import DType, ForwardSpec, ModelSpec
+
+GIB = 1 << 30
+CONTEXT_TOKENS = 600  # ~8 linked chunks before the query
+QUERY_TOKENS = 21  # the query turn of issue 23's benchmark
+DECODE_ROWS = 16
+ROWS = (1, 2, 4, 8, 16, 21, 32, 64)
+TARGET_QUERY_OVER_ONE, TARGET_ONE_OVER_BOUND = 1.5, 2.0
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()  # warm-up: first-call allocations, oneDNN primitive creation
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def bandwidth(repeats: int) -> dict[str, float]:
+    """GB/s of a copy (bytes read + written) and of a read (bytes read) of a 1 GiB float32 array."""
+    src = torch.ones(GIB // 4)
+    dst = torch.empty_like(src)
+    copy_s = median_s(lambda: dst.copy_(src), repeats)
+    read_s = median_s(lambda: src.sum(), repeats)
+    return {"copy": 2 * GIB / copy_s / 1e9, "read": GIB / read_s / 1e9}
+
+
+def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's products as the fused forward runs them: QKV, O, gate/up, down."""
+    config = language_model(model).config
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    return [(hidden + 2 * kv_heads * head_dim, hidden), (hidden, hidden), (2 * config.intermediate_size, hidden),
+            (hidden, config.intermediate_size)]
+
+
+def product_rates(shapes: list[tuple[int, int]], repeats: int) -> dict[str, dict[int, float]]:
+    """GFLOP/s of one layer's products at each row count, per kernel."""
+    weights = [torch.randn(out, inp) * 0.02 for out, inp in shapes]
+    kernels = {"fp32 aten": ForwardSpec(prepack=False), "fp32 prepacked": ForwardSpec(),
+               "bf16 prepacked": ForwardSpec(matmul_dtype=DType.BFLOAT16)}
+    rates: dict[str, dict[int, float]] = {}
+    for name, spec in kernels.items():
+        projections = [Projection(w, None, spec) for w in weights]
+        if name == "fp32 prepacked":  # force the packed path at one row too, to show why it is not taken there
+            for p in projections:
+                p.weight = None
+        rates[name] = {}
+        for rows in ROWS:
+            xs = [torch.randn(rows, inp) for _, inp in shapes]
+            seconds = median_s(lambda ps=projections, xs=xs: [p(x) for p, x in zip(ps, xs)], repeats)
+            rates[name][rows] = 2 * rows * sum(o * i for o, i in shapes) / seconds / 1e9
+    return rates
+
+
+def weight_bytes(model: torch.nn.Module, element_size: int) -> int:
+    """Bytes a one-token forward reads: the decoder's weights and the output projection (not the embedding
+    table, of which it reads one row)."""
+    text = language_model(model)
+    params = sum(p.numel() for p in text.layers.parameters()) + model.get_output_embeddings().weight.numel()
+    return params * element_size
+
+
+def context_slab(vlm: VLM, rows: int) -> Slab:
+    shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
+    slab = Slab.empty(shape.shape[0], rows, shape.shape[2], CONTEXT_TOKENS + QUERY_TOKENS + 2, shape.shape[4],
+                      vlm.dtype, vlm.device)
+    slab.kv[:, :, :, :, :CONTEXT_TOKENS] = torch.randn_like(slab.kv[:, :, :, :, :CONTEXT_TOKENS]) * 0.5
+    slab.valid[:, :CONTEXT_TOKENS] = True
+    slab.lengths[:] = CONTEXT_TOKENS
+    slab.next_positions[:] = CONTEXT_TOKENS
+    return slab
+
+
+def forwards(vlm: VLM, repeats: int) -> dict[str, dict[str, float]]:
+    """Seconds (median) of each engine forward per path, interleaved so noise hits every path alike."""
+    paths = {"transformers": None, "fused fp32": FusedDecoder(vlm.model, ForwardSpec()),
+             "fused bf16": FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16))}
+    cases = {"one token": (1, 1), f"{QUERY_TOKENS}-token query turn": (1, QUERY_TOKENS),
+             f"decode step, {DECODE_ROWS} rows": (DECODE_ROWS, 1)}
+    times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in cases} for p in paths}
+    slabs = {c: context_slab(vlm, rows) for c, (rows, _) in cases.items()}
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            for case, (rows, new) in cases.items():
+                ids = torch.randint(10, vlm.vocab_size - 10, (rows, new))
+                real = torch.ones_like(ids, dtype=torch.bool)
+                for path, decoder in paths.items():
+                    slab = slabs[case]
+                    slab.lengths[:], slab.next_positions[:] = CONTEXT_TOKENS, CONTEXT_TOKENS
+                    vlm.fused = decoder
+                    started = time.perf_counter()
+                    forward(vlm, slab, ids, real)
+                    if repeat:  # the first round warms every path up
+                        times[path][case].append(time.perf_counter() - started)
+    vlm.fused = None
+    return {p: {c: statistics.median(t) for c, t in by_case.items()} for p, by_case in times.items()}
+
+
+def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> tuple[str, dict]:
+    shapes = layer_shapes(vlm.model)
+    rates = product_rates(shapes, max(3, repeats // 2))
+    layers = len(language_model(vlm.model).layers)
+    flops_per_token = 2 * weight_bytes(vlm.model, 1)  # 2 FLOPs per weight (attention over 600 tokens adds <5%)
+    bounds = {}
+    for name, size in (("fp32", 4), ("bf16", 2)):
+        memory_s = weight_bytes(vlm.model, size) / (bw["read"] * 1e9)
+        best = max(r[QUERY_TOKENS] for k, r in rates.items() if k.startswith(name))
+        best16 = max(r[DECODE_ROWS] for k, r in rates.items() if k.startswith(name))
+        bounds[name] = {"one token": memory_s,
+                        f"{QUERY_TOKENS}-token query turn": max(memory_s, QUERY_TOKENS * flops_per_token / best / 1e9),
+                        f"decode step, {DECODE_ROWS} rows": max(memory_s, DECODE_ROWS * flops_per_token / best16 / 1e9)}
+    measured = forwards(vlm, repeats)
+    rows = []
+    for case in bounds["fp32"]:
+        row = [case, f"{bounds['fp32'][case] * 1e3:.1f}", f"{bounds['bf16'][case] * 1e3:.1f}"]
+        for path, by_case in measured.items():
+            bound = bounds["bf16" if "bf16" in path else "fp32"][case]
+            row.append(f"{by_case[case] * 1e3:.1f} ({by_case[case] / bound:.2f}×)")
+        rows.append(row)
+    table = markdown_table(["forward", "bound fp32 ms", "bound bf16 ms", *[f"{p} ms (× bound)" for p in measured]],
+                           rows)
+    rate_rows = [[k, *[f"{r[n]:.0f}" for n in ROWS]] for k, r in rates.items()]
+    rate_table = markdown_table(["GFLOP/s of one layer's products", *[f"{n} rows" for n in ROWS]], rate_rows)
+    one = {p: m["one token"] for p, m in measured.items()}
+    query = {p: m[f"{QUERY_TOKENS}-token query turn"] for p, m in measured.items()}
+    ratios = {p: query[p] / one[p] for p in measured}
+    summary = (f"Decoder: {layers} layers, shapes (out, in) {shapes}; weights read per token "
+               f"{weight_bytes(vlm.model, 4) / 1e6:.0f} MB fp32. Query turn / one token: "
+               + ", ".join(f"{p} {r:.2f}×" for p, r in ratios.items())
+               + f" (target ≤ {TARGET_QUERY_OVER_ONE}×); one token / its bandwidth bound: "
+               + ", ".join(f"{p} {one[p] / bounds['bf16' if 'bf16' in p else 'fp32']['one token']:.2f}×"
+                           for p in measured) + f" (target ≤ {TARGET_ONE_OVER_BOUND}×).")
+    body = f"### {label}\n\n{summary}\n\n{table}\n\n{rate_table}\n"
+    return body, {"measured": measured, "bounds": bounds, "rates": rates}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="bench-qwen only, 5 repeats")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args(argv)
+    repeats = 5 if args.quick else args.repeats
+    print(machine_line(), flush=True)
+    bw = bandwidth(max(3, repeats // 2))
+    print(f"bandwidth: copy {bw['copy']:.1f} GB/s, read {bw['read']:.1f} GB/s", flush=True)
+    models = [("bench-qwen", ModelSpec(path="bench-qwen"))]
+    if not args.quick:
+        models.append(("Qwen2.5-VL-7B shape, 2 decoder layers",
+                       ModelSpec(path=str(ensure_real_shape("qwen2.5-vl-7b")))))
+    sections = []
+    for label, spec in models:
+        body, _ = model_section(label, VLM(spec), bw, repeats)
+        print(body, flush=True)
+        sections.append(body)
+    if not args.no_write:
+        command = "python -m benchmarks.limits" + (" --quick" if args.quick else "")
+        intro = (f"Machine: {machine_line()}. Memory bandwidth (1 GiB float32): copy {bw['copy']:.1f} GB/s, read "
+                 f"{bw['read']:.1f} GB/s. Bounds: one token = weight bytes / read bandwidth; n tokens = the larger "
+                 "of that and n × 2 FLOPs per weight at the best product rate measured at n rows. Forwards: "
+                 f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context, "
+                 f"medians of {repeats} interleaved runs.\n\n")
+        print(write_section("limits", "The machine's limits and the engine's forward (issue 39)", command,
+                            intro + "\n".join(sections)))
+
+
+if __name__ == "__main__":
+    main()
