@@ -12,10 +12,11 @@ from PIL import Image, ImageDraw
 from transformers import DynamicCache
 
 from pipeline.runtime import VLM, batch
+from pipeline.runtime import kv as kv_module
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import RotationTable
 from pipeline.runtime.linked_prompt import native_prompt
-from schemas.config import CompilePrefix, EngineSpec
+from schemas.config import CompilePrefix, EngineSpec, ModelFamily
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
 from serve.engine import loop as loop_module
@@ -236,6 +237,27 @@ def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_
     table(torch.tensor([1, 2, 3]), head_dim)  # past max_entries: the least recently used (5) goes
     table(torch.tensor([5]), head_dim)
     assert calls[-1] == [5]
+
+
+def test_rotating_halves_equals_the_matrix_product_for_qwen_and_glm_keeps_the_product(vlm):
+    """Re-anchoring by per-channel factors (`RotationTable.halves`) is the model's rotation matrix applied:
+    the assembled keys equal the matrix product's, at shifts both small and past 10k; GLM's interleaved pairs
+    have no such factors (they keep the product); a control with the halves' factors swapped is caught."""
+    head_dim = vlm.prefix.kv.shape[-1]
+    deltas = torch.tensor([1, 37, 12_345])
+    table = RotationTable(vlm.adapter.rotation_matrices)
+    if vlm.family is ModelFamily.GLM4V:  # interleaved pairs: no halves factors, the product stays
+        assert table.halves(deltas, head_dim) is None
+        return
+    diag, cross = table.halves(deltas, head_dim)
+    keys = torch.randn(2, 3, 50, head_dim)
+    for i in range(len(deltas)):
+        out = torch.empty_like(keys)
+        kv_module.rotate_halves(keys, diag[i], cross[i], out)
+        expected = keys @ vlm.adapter.rotation_matrices(deltas[i:i + 1], head_dim)[0]
+        assert float((out - expected).abs().max()) <= 1e-5
+        kv_module.rotate_halves(keys, cross[i], diag[i], out)  # control: the factors swapped
+        assert float((out - expected).abs().max()) > 1e-2
 
 
 def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):

@@ -215,8 +215,9 @@ class Adapter:
 
         Rotation is linear, so M_Δ's rows are the basis vectors rotated by the model's own code:
         the same layout (halves, interleaved pairs, pass-through channels of partial rotary) for free.
-        A chunk's keys all shift by one Δ, so one small matmul re-anchors the whole chunk in a single
-        cache-friendly pass instead of several elementwise passes over every cached key.
+        A chunk's keys all shift by one Δ, so one matrix re-anchors the whole chunk; where it pairs channels
+        only across halves (Qwen), `RotationTable.halves` reads per-channel factors off it instead, which two
+        elementwise passes apply faster than the product (pipeline/runtime/kv.py).
         """
         basis = torch.eye(head_dim, device=deltas.device).repeat(deltas.numel(), 1)  # [n·head_dim, head_dim]
         self.rotate_keys_(basis.unsqueeze(0), deltas.repeat_interleave(head_dim))
