@@ -269,6 +269,7 @@ class RouterConfig(StoreBound):
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
     scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
+    query_cache_entries: int = Field(4096, ge=0)  # query vectors remembered per router replica, keyed per tenant
 
 
 class LoaderConfig(StoreBound):

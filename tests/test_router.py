@@ -12,10 +12,12 @@ from pydantic import ValidationError
 
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ScoreNormalisation, Variant
+from schemas.conversation import Message
 from schemas.errors import ApiError, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
 from serve.plan import Plan
 from serve.routing import Router
 from serve.routing.placement import allocate, relevance_shares
+from serve.routing.query_vectors import QueryVectors
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, roles, serving_store  # noqa: F401  (fixtures)
 
 
@@ -325,3 +327,42 @@ def test_ablation_tiers_widen_the_plain_and_dummy_slots(serving_store):
     assert entry_slots(wide, variants) == [("low", Variant.TEMPLATE), ("high", Variant.TEMPLATE),
                                            ("low", Variant.PLAIN), ("high", Variant.PLAIN),
                                            ("low", Variant.DUMMY), ("high", Variant.DUMMY), (None, Variant.TEXT)]
+
+
+def test_query_vectors_are_remembered_per_tenant(roles, monkeypatch):
+    """A follow-up embeds only its new question (its earlier user messages' vectors are remembered), another
+    tenant's identical conversation embeds everything again (no hit across tenants), and the plans are the
+    same with the memory as without it; with 0 entries (the control) every plan embeds every message."""
+    router = roles.router
+    embedded: list[str] = []
+    embed = router.embed_query
+
+    async def counting(query):
+        embedded.append(query)
+        return await embed(query)
+
+    monkeypatch.setattr(router, "embed_query", counting)
+    questions = ["When does part XK-4471-B ship?", "What does the recipe need?", "Who signed the invoice?"]
+
+    def conversation(turns: int) -> AnswerRequest:
+        messages = []
+        for q in questions[:turns - 1]:
+            messages += [Message(role="user", content=q), Message(role="assistant", content="Noted.")]
+        return AnswerRequest(query=questions[turns - 1], messages=messages + [
+            Message(role="user", content=questions[turns - 1])], top_k=2)
+
+    def chunks(request: AnswerRequest, salt: bytes) -> list[tuple[str, int]]:
+        return [(c.chunk_id, c.group) for c in asyncio.run(router.plan(request, cache_salt=salt)).chunks]
+
+    monkeypatch.setattr(router, "query_vectors", QueryVectors(16))
+    first = chunks(conversation(2), b"tenant-a")
+    assert embedded == questions[:2]
+    embedded.clear()
+    third = chunks(conversation(3), b"tenant-a")
+    assert embedded == questions[2:3]  # the two earlier messages came from memory
+    embedded.clear()
+    assert chunks(conversation(3), b"tenant-b") == third and embedded == questions[:3]  # no hit across tenants
+    embedded.clear()
+    monkeypatch.setattr(router, "query_vectors", QueryVectors(0))  # the control: nothing remembered
+    assert chunks(conversation(2), b"tenant-a") == first and chunks(conversation(3), b"tenant-a") == third
+    assert embedded == questions[:2] + questions[:3]

@@ -81,9 +81,11 @@ class Exchange:
         return self.life.stream(self._stream(self.life.remaining_s()))
 
     async def _route(self) -> Plan:
-        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens)
-        # The prefix cache keys every block under the tenant the server authenticated, never one the client chose.
-        return self.turn.priced(dataclasses.replace(plan, cache_salt=tenant_salt(self.turn.record.tenant)))
+        # The prefix cache and the router's query vectors key everything under the tenant the server authenticated,
+        # never one the client chose.
+        salt = tenant_salt(self.turn.record.tenant)
+        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens, salt)
+        return self.turn.priced(dataclasses.replace(plan, cache_salt=salt))
 
     async def _admit(self) -> None:
         await self._route()

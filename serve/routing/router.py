@@ -29,6 +29,7 @@ from serve.kv import lazy_planner
 from serve.plan import Embedded, Plan, PlannedChunk
 from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
 from serve.routing.prompt import PromptTemplate, conversation_chain, conversation_digest
+from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
 
 
@@ -52,6 +53,7 @@ class Router:
         self.store = Store.open(config.store)
         self.prompt = PromptTemplate.load(config.model)
         self.embedder = Embedder(config.embedder_dir)
+        self.query_vectors = QueryVectors(config.query_cache_entries)
         self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
         self.keeper = LeaseKeeper(self.store, "router", config.reload)
         ensure_generation(self.store)  # a store no job published yet: snapshot it once, here
@@ -85,13 +87,17 @@ class Router:
             return Embedded(vectors=self.embedder.embed(texts), prompt_tokens=self.embedder.num_tokens(texts))
         return await asyncio.to_thread(work)
 
-    async def plan(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
-        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made."""
+    async def plan(self, request: AnswerRequest, budget_tokens: int | None = None, cache_salt: bytes = b"") -> Plan:
+        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made. `cache_salt`:
+        the tenant's (server-side), under which query vectors are remembered (serve/routing/query_vectors.py)."""
         started = time.perf_counter()
         queries = self.group_queries(request)
-        vectors = await asyncio.gather(*(self.embed_query(q) for q in queries if q))
-        found = iter(vectors)
-        return self.route(request, [next(found) if q else None for q in queries], budget_tokens, started)
+        vectors = [self.query_vectors.get(cache_salt, q) if q else None for q in queries]
+        missing = [i for i, (q, v) in enumerate(zip(queries, vectors)) if q and v is None]
+        for i, vector in zip(missing, await asyncio.gather(*(self.embed_query(queries[i]) for i in missing))):
+            vectors[i] = vector
+            self.query_vectors.put(cache_salt, queries[i], vector)
+        return self.route(request, vectors, budget_tokens, started)
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
         """What each group of chunks is scored against, oldest first: a conversation's earlier user messages (with
