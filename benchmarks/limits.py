@@ -2,6 +2,7 @@
 
     python -m benchmarks.limits            # bench-qwen and the Qwen2.5-VL-7B shape at 2 layers
     python -m benchmarks.limits --quick    # bench-qwen only, fewer repeats
+    python -m benchmarks.limits --device cuda --out limits_gpu.md   # on a GPU (benchmarks/gpu.sh runs it)
 
 1. Memory bandwidth: a STREAM-like copy and a read (sum) of a 1 GiB float32 array, far larger than the caches.
 2. Matrix products at bench-qwen's decoder shapes, 1–64 rows: aten's fp32, oneDNN's prepacked fp32 and bf16
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,19 +40,29 @@ ROWS = (1, 2, 4, 8, 16, 21, 32, 64)
 TARGET_QUERY_OVER_ONE, TARGET_ONE_OVER_BOUND = 1.5, 2.0
 
 
+DEVICE = torch.device("cpu")  # set by main (--device)
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def median_s(fn, repeats: int) -> float:
     fn()  # warm-up: first-call allocations, oneDNN primitive creation
     times = []
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
 def bandwidth(repeats: int) -> dict[str, float]:
     """GB/s of a copy (bytes read + written) and of a read (bytes read) of a 1 GiB float32 array."""
-    src = torch.ones(GIB // 4)
+    src = torch.ones(GIB // 4, device=DEVICE)
     dst = torch.empty_like(src)
     copy_s = median_s(lambda: dst.copy_(src), repeats)
     read_s = median_s(lambda: src.sum(), repeats)
@@ -68,18 +80,18 @@ def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
 
 def product_rates(shapes: list[tuple[int, int]], repeats: int) -> dict[str, dict[int, float]]:
     """GFLOP/s of one layer's products at each row count, per kernel."""
-    weights = [torch.randn(out, inp) * 0.02 for out, inp in shapes]
+    weights = [torch.randn(out, inp, device=DEVICE) * 0.02 for out, inp in shapes]
     kernels = {"fp32 aten": ForwardSpec(prepack=False), "fp32 prepacked": ForwardSpec(),
                "bf16 prepacked": ForwardSpec(matmul_dtype=DType.BFLOAT16)}
     rates: dict[str, dict[int, float]] = {}
     for name, spec in kernels.items():
         projections = [Projection(w, None, spec) for w in weights]
-        if name == "fp32 prepacked":  # force the packed path at one row too, to show why it is not taken there
-            for p in projections:
+        if name == "fp32 prepacked" and projections[0].packed is not None:  # the packed path at one row too, to show
+            for p in projections:  # why it is not taken there
                 p.weight = None
         rates[name] = {}
         for rows in ROWS:
-            xs = [torch.randn(rows, inp) for _, inp in shapes]
+            xs = [torch.randn(rows, inp, device=DEVICE) for _, inp in shapes]
             seconds = median_s(lambda ps=projections, xs=xs: [p(x) for p, x in zip(ps, xs)], repeats)
             rates[name][rows] = 2 * rows * sum(o * i for o, i in shapes) / seconds / 1e9
     return rates
@@ -115,14 +127,16 @@ def forwards(vlm: VLM, repeats: int) -> dict[str, dict[str, float]]:
     with torch.inference_mode():
         for repeat in range(repeats + 1):
             for case, (rows, new) in cases.items():
-                ids = torch.randint(10, vlm.vocab_size - 10, (rows, new))
+                ids = torch.randint(10, vlm.vocab_size - 10, (rows, new), device=vlm.device)
                 real = torch.ones_like(ids, dtype=torch.bool)
                 for path, decoder in paths.items():
                     slab = slabs[case]
                     slab.lengths[:], slab.next_positions[:] = CONTEXT_TOKENS, CONTEXT_TOKENS
                     vlm.fused = decoder
+                    sync()
                     started = time.perf_counter()
                     forward(vlm, slab, ids, real)
+                    sync()
                     if repeat:  # the first round warms every path up
                         times[path][case].append(time.perf_counter() - started)
     vlm.fused = None
@@ -169,32 +183,41 @@ def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> t
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="bench-qwen only, 5 repeats")
+    parser.add_argument("--quick", action="store_true", help="the small model only, 5 repeats")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--model", default="bench-qwen", help="the small model measured first (a built-in name)")
+    parser.add_argument("--out", help="write the section to this Markdown file instead of docs/BENCHMARKS.md")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     repeats = 5 if args.quick else args.repeats
     print(machine_line(), flush=True)
     bw = bandwidth(max(3, repeats // 2))
     print(f"bandwidth: copy {bw['copy']:.1f} GB/s, read {bw['read']:.1f} GB/s", flush=True)
-    models = [("bench-qwen", ModelSpec(path="bench-qwen"))]
+    models = [(args.model, ModelSpec(path=args.model, device=args.device))]
     if not args.quick:
         models.append(("Qwen2.5-VL-7B shape, 2 decoder layers",
-                       ModelSpec(path=str(ensure_real_shape("qwen2.5-vl-7b")))))
+                       ModelSpec(path=str(ensure_real_shape("qwen2.5-vl-7b")), device=args.device)))
     sections = []
     for label, spec in models:
         body, _ = model_section(label, VLM(spec), bw, repeats)
         print(body, flush=True)
         sections.append(body)
     if not args.no_write:
-        command = "python -m benchmarks.limits" + (" --quick" if args.quick else "")
+        command = "python -m benchmarks.limits" + (" --quick" if args.quick else "") + (
+            f" --device {args.device}" if args.device != "cpu" else "")
         intro = (f"Machine: {machine_line()}. Memory bandwidth (1 GiB float32): copy {bw['copy']:.1f} GB/s, read "
                  f"{bw['read']:.1f} GB/s. Bounds: one token = weight bytes / read bandwidth; n tokens = the larger "
                  "of that and n × 2 FLOPs per weight at the best product rate measured at n rows. Forwards: "
                  f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context, "
                  f"medians of {repeats} interleaved runs.\n\n")
+        target = {"path": Path(args.out)} if args.out else {}
+        if DEVICE.type == "cuda":
+            intro = f"Device: {torch.cuda.get_device_name(DEVICE)}. " + intro
         print(write_section("limits", "The machine's limits and the engine's forward (issue 39)", command,
-                            intro + "\n".join(sections)))
+                            intro + "\n".join(sections), **target))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ def test_gpu_script_cpu_fallback_runs_the_gpu_benchmark(tmp_path):
     compile_rows = [line.split("|")[1].strip() for line in (tmp_path / "compile_batch_gpu.md").read_text().splitlines()
                     if line.startswith("|")]
     assert [cell for cell in compile_rows if cell.isdigit()] == ["1", "4"]  # chunks/s by compile batch size
+    limits = (tmp_path / "limits_gpu.md").read_text()  # the limits and the forwards against them, same path
+    assert "### tiny-qwen" in limits and "GB/s" in limits
+    forwards = [row for row in limits.splitlines() if row.startswith("| one token") or row.startswith("| decode step")]
+    assert len(forwards) == 2 and all(row.count("×)") == 3 for row in forwards)  # three paths, each against its bound
 
 
 def test_real_size_checkpoints_keep_the_public_shapes_and_build_on_the_device(tmp_path):
