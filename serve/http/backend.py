@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan: ...
+    # `collections`: the authenticated tenant's grant; only their chunks exist for the request
+    async def route(self, request: AnswerRequest, budget_tokens: int | None,
+                    collections: frozenset[str]) -> Plan: ...
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer: ...
     def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]: ...
     async def cache_stats(self) -> CacheStats: ...
@@ -56,8 +58,9 @@ class HandleBackend:
         """`loader` None: each generator replica has its own (loader_placement in_generator)."""
         self.router, self.loader, self.generator = router, loader, generator
 
-    async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
-        return await retried_once("route", lambda: cancelling(self.router.plan.remote(request, budget_tokens)))
+    async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str]) -> Plan:
+        return await retried_once("route", lambda: cancelling(self.router.plan.remote(request, budget_tokens,
+                                                                                       collections)))
 
     async def embed(self, texts: list[str]) -> Embedded:
         return await retried_once("embed", lambda: cancelling(self.router.embed.remote(texts)))
@@ -104,8 +107,8 @@ class InProcessBackend:
     def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
         self.router, self.loader, self.generator = router, loader, generator
 
-    async def route(self, request: AnswerRequest, budget_tokens: int | None = None) -> Plan:
-        return await self.router.plan(request, budget_tokens)
+    async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str]) -> Plan:
+        return await self.router.plan(request, budget_tokens, collections)
 
     async def embed(self, texts: list[str]) -> Embedded:
         return await self.router.embed(texts)

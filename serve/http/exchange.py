@@ -81,7 +81,8 @@ class Exchange:
         return self.life.stream(self._stream(self.life.remaining_s()))
 
     async def _route(self) -> Plan:
-        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens)
+        # Only the chunks of the collections granted to the tenant the server authenticated exist for it.
+        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens, self.turn.collections)
         # The prefix cache keys every block under the tenant the server authenticated, never one the client chose.
         return self.turn.priced(dataclasses.replace(plan, cache_salt=tenant_salt(self.turn.record.tenant)))
 
