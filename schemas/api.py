@@ -351,9 +351,10 @@ class StoreInfo(Strict):
     variants: list[Variant]
     embedder: str
     embedding_dim: int  # of the embedder's vectors (POST /v1/embeddings)
-    num_chunks: int
+    num_chunks: int  # within the collections the caller's key reads
     num_documents: int
-    num_entries: int
+    # KV entries are shared by content across collections: counted only for a key that reads every collection
+    num_entries: int | None
     modes: list[Mode]  # the modes the store's variants can serve
     kv_quant: KVQuant = KVQuant.NONE  # how the store keeps its KV (dequantised on the generator's device)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import unicodedata
 from collections.abc import Mapping
 from enum import Enum
@@ -20,6 +21,22 @@ from schemas.config import Frozen
 # Metadata keys the readers set. User metadata may not use the prefix, so a JSONL record can never
 # pose as a page image by carrying its own `image_path`.
 RESERVED_META_PREFIX = "qvpic."
+
+# Collections: who may read a document. Each document names its collection in this user metadata field
+# (`{"doc_id": …, "text": …, "metadata": {"collection": "acme"}}`); one that names none is in the default
+# collection, as is every chunk of a store ingested before collections existed. Keys are granted
+# collections in the serving config (serve/config.py `AuthConfig.collections`).
+COLLECTION_KEY = "collection"
+DEFAULT_COLLECTION = "public"
+ALL_COLLECTIONS = "*"  # in a grant: every collection, present and future (an operator's key)
+COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}$"  # a tenant label's alphabet (schemas.api.Label)
+
+
+def collection_problem(value: str) -> str | None:
+    """Why `value` is not a collection name, or None."""
+    if re.fullmatch(COLLECTION_PATTERN, value):
+        return None
+    return f"metadata {COLLECTION_KEY!r} must be 1-64 characters of [A-Za-z0-9_.:@-], got {value[:80]!r}"
 
 
 class MetaKey(str, Enum):
@@ -91,6 +108,10 @@ class Document(Frozen):
     @property
     def image_path(self) -> str | None:
         return self.metadata.get(MetaKey.IMAGE_PATH.value)
+
+    @property
+    def collection(self) -> str:
+        return self.metadata.get(COLLECTION_KEY, DEFAULT_COLLECTION)
 
     def to_row(self) -> dict[str, str]:
         """A flat row for Ray Data / Arrow: metadata keys differ per document, so they travel as JSON."""

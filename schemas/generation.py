@@ -25,6 +25,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from schemas.config import Frozen
+from schemas.corpus import ALL_COLLECTIONS, DEFAULT_COLLECTION
 from schemas.store import Manifest
 
 SERVING_DIR = "serving"
@@ -116,6 +117,23 @@ StoreRelPath = Annotated[str, StringConstraints(max_length=512,
                          AfterValidator(_inside_store)]
 
 
+class CollectionCounts(Frozen):
+    num_chunks: int = Field(ge=0)
+    num_documents: int = Field(ge=0)
+
+
+def reads_all(grant: frozenset[str] | None) -> bool:
+    """Whether `grant` reads every collection: None (offline callers) or one holding `ALL_COLLECTIONS`."""
+    return grant is None or ALL_COLLECTIONS in grant
+
+
+def counts_within(counts: dict[str, CollectionCounts], grant: frozenset[str] | None) -> CollectionCounts:
+    """The chunks and documents of the collections `grant` reads (a document is in one collection)."""
+    within = [c for name, c in counts.items() if reads_all(grant) or name in grant]
+    return CollectionCounts(num_chunks=sum(c.num_chunks for c in within),
+                            num_documents=sum(c.num_documents for c in within))
+
+
 class Generation(Frozen):
     """One published serving snapshot."""
 
@@ -129,6 +147,14 @@ class Generation(Frozen):
     search: SearchInfo
     job_id: str
     published_at: datetime
+    # chunks and documents per collection; empty in a generation published before collections existed
+    collections: dict[str, CollectionCounts] = Field(default_factory=dict)
+
+    def collection_counts(self) -> dict[str, CollectionCounts]:
+        """Counts per collection: an older generation's rows are all in the default collection."""
+        if self.collections:
+            return self.collections
+        return {DEFAULT_COLLECTION: CollectionCounts(num_chunks=self.num_chunks, num_documents=self.num_documents)}
 
 
 class Lease(Frozen):

@@ -30,6 +30,9 @@ CHUNKS_SCHEMA = pa.schema([
     pa.field("embedding", pa.list_(pa.float32()), nullable=False),
     pa.field("source", pa.string(), nullable=False),
     pa.field("image_path", pa.string(), nullable=True),  # the original page image of an OCR'd document
+    # who may read the chunk (schemas/corpus.py COLLECTION_KEY): its document's collection. Optional: parts
+    # written before collections existed read it as null, which is the default collection.
+    pa.field("collection", pa.string(), nullable=True, metadata={OPTIONAL: b"1"}),
 ])
 
 INDEX_SCHEMA = pa.schema([

@@ -41,7 +41,8 @@ def api_spec(args: AppConfig) -> ApiSpec:
                      num_entries=generation.num_entries,
                      modes=servable_modes(manifest.variants), kv_quant=manifest.kv_quant)
     return ApiSpec(served_model_name=args.ingress.served_model_name, default_top_k=args.ingress.default_top_k,
-                   store=info, created=int(manifest.created_at.timestamp()))
+                   store=info, created=int(manifest.created_at.timestamp()),
+                   collections=generation.collection_counts())
 
 
 def preflight(args: AppConfig) -> None:

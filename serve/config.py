@@ -15,13 +15,14 @@ import math
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, Label, ResponseCacheLevel, StoreInfo
 from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
-from schemas.generation import ReloadSpec, ScanSpec
+from schemas.corpus import ALL_COLLECTIONS, COLLECTION_PATTERN, DEFAULT_COLLECTION
+from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
 from schemas.store import StoreSpec
 
 
@@ -184,6 +185,10 @@ class RequestLogConfig(Frozen):
 Sha256Hex = str  # 64 lowercase hex digits, checked by AuthConfig
 
 
+# A collection a tenant may read, or "*" for every collection (an operator's key).
+CollectionGrant = Annotated[str, StringConstraints(pattern=rf"^(\{ALL_COLLECTIONS}|{COLLECTION_PATTERN[1:-1]})$")]
+
+
 class AuthConfig(Frozen):
     """API-key auth (serve/governance/auth.py): sha256 hex digests of the keys, never the keys."""
 
@@ -202,6 +207,16 @@ class AuthConfig(Frozen):
     insecure_no_auth: bool = Field(False, description=(
         "serve beyond loopback with no API keys (anyone who reaches the port spends any tenant's budget); "
         "`qvpic serve` refuses such a bind without it and warns at every start with it"))
+    collections: dict[Label, frozenset[CollectionGrant]] = Field(default_factory=dict, description=(
+        "tenant -> the document collections it reads (`*`: all): retrieval, chunk_ids, doc_ids, the inspector "
+        "and /v1/store see only those; a chunk outside them is unknown (404), like one that does not exist. "
+        "Resolved from the authenticated tenant (without keys: X-Tenant or default_tenant, so not isolation)"))
+    default_collections: frozenset[CollectionGrant] = Field(frozenset({DEFAULT_COLLECTION}), description=(
+        "what a tenant not listed in `collections` reads"))
+
+    def grant(self, tenant: str) -> frozenset[str]:
+        """The collections `tenant` reads."""
+        return self.collections.get(tenant, self.default_collections)
 
     @field_validator("api_key_sha256", "trusted_proxy_sha256")
     @classmethod
@@ -296,8 +311,18 @@ class ApiSpec(Frozen):
 
     served_model_name: str
     default_top_k: int
-    store: StoreInfo
+    store: StoreInfo  # as a key reading every collection sees it
     created: int  # unix seconds: when the store was created
+    collections: dict[str, CollectionCounts] = Field(default_factory=dict)  # the serving generation's, per collection
+
+    def store_for(self, grant: frozenset[str]) -> StoreInfo:
+        """`store` as a key reading the collections of `grant` sees it: the counts of those collections only
+        (the whole store's when it reads every collection the store holds)."""
+        if reads_all(grant) or set(self.collections) <= grant:
+            return self.store
+        counts = counts_within(self.collections, grant)
+        return self.store.model_copy(update={"num_chunks": counts.num_chunks, "num_documents": counts.num_documents,
+                                            "num_entries": None})
 
 
 # The top-level fields each role gets a copy of; a role section may not set them itself.

@@ -189,7 +189,7 @@ def reference_answer(cluster: RayCluster, bucket: str, query: str) -> str:
 
     async def answer() -> str:
         backend = InProcessBackend(router, loader, Generator(app.generator))
-        plan = await backend.route(request, app.ingress.governance.limits.default.token_budget)
+        plan = await backend.route(request, app.ingress.governance.limits.default.token_budget, frozenset({"public"}))
         return (await backend.generate(plan, Sampling.of(request))).text
 
     try:

@@ -16,6 +16,7 @@ import pytest
 
 from pipeline.ingest.corpus import DocRef, discover, read_file
 from pipeline.ingest.corpus.readers import CorpusError, read_corpus
+from pipeline.ingest.corpus.records import parse_record
 from pipeline.ingest.corpus.repeats import cross_file_rejections
 from schemas.corpus import (
     Chunk,
@@ -258,3 +259,15 @@ def test_unreadable_images_are_quarantined(tmp_path: Path) -> None:
     assert got == {"blank.png": [R.OCR_EMPTY], "truncated.png": [R.IMAGE_UNREADABLE], "bomb.png": [R.IMAGE_UNREADABLE],
                    "text.jpg": [R.IMAGE_UNREADABLE], "gif_inside.png": [R.IMAGE_UNREADABLE]}
     assert _reasons(_read(tmp_path / "blank.png", ReaderSpec(max_image_pixels=1000))) == [R.IMAGE_UNREADABLE]
+
+
+def test_a_documents_collection_comes_from_its_metadata():
+    spec = ReaderSpec()
+    assert parse_record({"doc_id": "a", "text": "x", "metadata": {"collection": "acme"}}, "f#L1", spec).collection \
+        == "acme"
+    assert parse_record({"doc_id": "a", "text": "x", "collection": "acme.eu"}, "f#L1", spec).collection == "acme.eu"
+    assert parse_record({"doc_id": "a", "text": "x"}, "f#L1", spec).collection == "public"
+    for bad in ("acme corp", "", "*", "x" * 65, ["acme"]):
+        rejected = parse_record({"doc_id": "a", "text": "x", "metadata": {"collection": bad}}, "f#L1", spec)
+        assert isinstance(rejected, Rejection) and rejected.reason is RejectReason.MALFORMED_RECORD, bad
+        assert "metadata 'collection' must be 1-64 characters" in rejected.detail

@@ -18,7 +18,14 @@ from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.ingest import CompileResources, IngestConfig, RecompileConfig, ingest, recompile, unchanged
 from pipeline.runtime.render import resolve_font
-from pipeline.store import Store, StoreBusyError, entry_slots, publish_generation
+from pipeline.store import (
+    Store,
+    StoreBusyError,
+    current_generation_number,
+    entry_slots,
+    publish_generation,
+    read_generation,
+)
 from schemas.config import RenderSpec
 from schemas.store import StoreSpec
 from tests.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
@@ -37,8 +44,11 @@ GOOD = [
 def make_corpus(root: Path) -> dict[str, int]:
     """A corpus with good and bad inputs; returns the quarantine reasons it must produce."""
     root.mkdir(parents=True)
-    lines = [json.dumps({"doc_id": d, "text": t}) for d, t in GOOD]
+    # collections: dune's in its metadata, cobalt's as a top-level field (extras are metadata); the rest public
+    extra = {"dune": {"metadata": {"collection": "acme"}}, "cobalt": {"collection": "globex"}}
+    lines = [json.dumps({"doc_id": d, "text": t, **extra.get(d, {})}) for d, t in GOOD]
     lines += [
+        json.dumps({"doc_id": "misfiled", "text": "x", "metadata": {"collection": "acme corp"}}),  # not a name
         json.dumps({"doc_id": "atlas-copy", "text": GOOD[0][1]}),  # same text as atlas: deduplicated
         json.dumps({"doc_id": "blank", "text": "   \n  "}),
         json.dumps({"text": "no id here"}),
@@ -58,7 +68,7 @@ def make_corpus(root: Path) -> dict[str, int]:
     ImageDraw.Draw(page).text((20, 40), "Glacier order 5521 ships Friday.", fill="black",
                               font=ImageFont.truetype(str(resolve_font("DejaVuSans.ttf")), 40))
     page.save(root / "scan.png")
-    return {"empty_text": 1, "missing_id": 1, "duplicate_id": 1, "non_string_text": 1, "malformed_record": 1,
+    return {"empty_text": 1, "missing_id": 1, "duplicate_id": 1, "non_string_text": 1, "malformed_record": 2,
             "control_characters": 1, "unsupported_file": 1, "path_outside_root": 1}
 
 
@@ -91,7 +101,7 @@ def ingested(ray_session, corpus, tmp_path_factory):
 def test_mixed_corpus_every_input_accounted_for(ingested, corpus):
     cfg, summary = ingested
     assert summary.balanced, summary.to_dict()
-    assert summary.inputs == 16  # 11 JSONL records + 1 md + 1 LongBench + 1 binary + 1 link + 1 page image
+    assert summary.inputs == 17  # 12 JSONL records + 1 md + 1 LongBench + 1 binary + 1 link + 1 page image
     for reason, count in corpus[1].items():
         assert summary.quarantined.get(reason) == count, (reason, summary.quarantined)
     assert summary.deduplicated == 1 and summary.indexed == 7
@@ -102,6 +112,13 @@ def test_mixed_corpus_every_input_accounted_for(ingested, corpus):
     assert_complete(store)
     scan = store.chunks_for(doc_ids=["scan.png"]).to_pylist()
     assert scan[0]["image_path"].endswith("scan.png") and "5521" in scan[0]["text"]
+    # each chunk carries its document's collection from the metadata; no collection named: public
+    collections = {r["doc_id"]: r["collection"] for r in store.chunks().to_pylist()}
+    assert (collections["dune"], collections["cobalt"]) == ("acme", "globex")
+    assert {collections[d] for d in docs - {"dune", "cobalt"}} == {"public"}
+    assert "misfiled" in set(store.quarantined()["doc_id"].to_pylist())
+    counts = read_generation(store, current_generation_number(store)).collections
+    assert {name: c.num_documents for name, c in counts.items()} == {"acme": 1, "globex": 1, "public": 6}
 
 
 def test_store_is_compacted_and_shards_are_packed(ingested):
@@ -152,15 +169,19 @@ def test_only_new_and_changed_documents_cost_model_work(ray_session, tmp_path):
                                 resources=CompileResources(batch_size=2)))
     assert first.num_chunks_compiled == first.num_chunks_embedded == first.num_chunk_texts == 4
     changed = [(d, t + " Revised." if d == "cobalt" else t) for d, t in GOOD]
-    (corpus / "a.jsonl").write_text("".join(json.dumps({"doc_id": d, "text": t}) + "\n" for d, t in changed))
+    moved = {"dune": {"collection": "acme"}}  # same text, another collection: republished, nothing compiled
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"doc_id": d, "text": t, **moved.get(d, {})}) + "\n"
+                                            for d, t in changed))
     (corpus / "b.jsonl").write_text(json.dumps({"doc_id": "eel", "text": "Eel valve EV-203 holds 16 bar."}) + "\n"
                                     + json.dumps({"doc_id": "atlas-again", "text": GOOD[0][1]}) + "\n")
     second = ingest(IngestConfig(corpus=str(corpus), store=spec, chunk_tokens=64))
     assert second.balanced and (second.indexed, second.deduplicated) == (5, 1)
     assert second.num_chunks_compiled == second.num_chunks_embedded == 2  # cobalt's new text and eel
-    assert second.num_chunks_published == 3  # cobalt (changed), eel, atlas-again (a stored text: not re-embedded)
+    # cobalt (changed), dune (moved), eel, atlas-again (a stored text: not re-embedded)
+    assert second.num_chunks_published == 4
     store = Store.open(spec)
     assert_complete(store)
+    assert store.chunks_for(doc_ids=["dune"]).column("collection").to_pylist() == ["acme"]
     assert store.chunks_for(doc_ids=["cobalt"]).column("text").to_pylist()[0].endswith("Revised.")
     # the record of the last run decides a rerun: by content (a touched file is unchanged) ...
     os.utime(corpus / "b.jsonl", (0, 0))

@@ -25,7 +25,7 @@ class FakeInspector:
     def __init__(self):
         self.pages = 0
 
-        async def page_png(chunk_id, tier, page):
+        async def page_png(chunk_id, tier, page, collections):
             self.pages += 1
             return b"\x89PNG fake"
         self.page_png = SimpleNamespace(remote=page_png)

@@ -33,6 +33,7 @@ class Kind(str, Enum):
 OCCURRENCE_TYPE = pa.struct([
     ("chunk_id", pa.string()), ("doc_id", pa.string()), ("order", pa.int32()), ("text", pa.string()),
     ("num_text_tokens", pa.int32()), ("source", pa.string()), ("image_path", pa.string()),
+    ("collection", pa.string()),
 ])
 PAGES_TYPE = pa.list_(pa.struct([("tier", pa.string()), ("png", pa.list_(pa.binary()))]))
 
@@ -45,6 +46,7 @@ ROW_SCHEMA = pa.schema([
     ("duplicate", pa.bool_()),
     # chunks and units
     ("chunk_id", pa.string()), ("order", pa.int32()), ("chunk_key", pa.string()), ("num_text_tokens", pa.int32()),
+    ("collection", pa.string()),  # who may read the chunk: its document's collection (schemas/corpus.py)
     ("occurrences", pa.list_(OCCURRENCE_TYPE)), ("slots_json", pa.string()), ("needs_embedding", pa.bool_()),
     ("pages", PAGES_TYPE), ("missing_glyphs", pa.int32()), ("embedding", pa.list_(pa.float32())),
     ("error", pa.string()), ("entries_json", pa.string()), ("representative", pa.bool_()),

@@ -44,7 +44,8 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
     record = Generation(
         generation=number, manifest=manifest, chunks_dir=chunks_rel, entries_dir=entries_rel,
         num_chunks=chunk_counts["num_chunks"], num_documents=chunk_counts["num_documents"],
-        num_entries=entry_counts["num_entries"], search=search, job_id=job_id, published_at=datetime.now(timezone.utc))
+        num_entries=entry_counts["num_entries"], search=search, job_id=job_id, published_at=datetime.now(timezone.utc),
+        collections=chunk_counts.get("collections", {}))  # a chunks dir from before collections: none recorded
     write_generation(store, record)
     collect_generations(store)
     return record

@@ -42,9 +42,10 @@ def chunks_snapshot(store: Store, manifest: Manifest, spec: SearchSpec) -> tuple
     rel = f"{CHUNKS_DIR}/{parts_digest(parts, salt)}"
 
     def write(out: Path) -> dict:
-        _, num_chunks, num_documents = write_chunks_dir(store, parts, manifest.embedding_dim, spec, out)
+        _, num_chunks, num_documents, collections = write_chunks_dir(store, parts, manifest.embedding_dim, spec,
+                                                                     out)
         write_parts_record(log, parts, out)
-        return {"num_chunks": num_chunks, "num_documents": num_documents}
+        return {"num_chunks": num_chunks, "num_documents": num_documents, "collections": collections}
 
     return rel, _snapshot(store, rel, write)
 

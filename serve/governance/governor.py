@@ -102,14 +102,18 @@ class Governor:
         self.metrics.requests.inc(route=route.value, mode=mode)
         return turn
 
-    async def inspect(self, http: Request) -> str:
+    async def inspect(self, http: Request) -> frozenset[str]:
         """An inspector data request (`/ui/api/*`): authenticated (401) and charged to the tenant's request rate
-        (429) before any work, counted and logged like the API's; returns the tenant."""
+        (429) before any work, counted and logged like the API's; returns the collections the tenant reads."""
         tenant = self.auth.tenant(http.headers)
         self.metrics.requests.inc(route=Route.INSPECT.value, mode="none")
         log.info("inspect tenant=%s path=%s", tenant, http.url.path)  # refused ones too: who probed what
         await self.limits.take(tenant, Limit.REQUESTS, 1)
-        return tenant
+        return self.config.auth.grant(tenant)
+
+    def collections(self, http: Request) -> frozenset[str]:
+        """The collections the request's tenant reads (401 when keys are configured and none is given)."""
+        return self.config.auth.grant(self.auth.tenant(http.headers))
 
     def release(self, turn: Turn | None) -> None:
         """The request's response is over (sent, failed or abandoned): its in-flight slot is free again."""

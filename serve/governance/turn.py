@@ -43,6 +43,7 @@ class Turn:
                  directives: CacheDirectives = CacheDirectives()):
         self.governor, self.request, self.record, self.started = governor, request, record, started
         self.holds_slot = False  # one of its tenant's max_in_flight slots (Governor.release gives it back)
+        self.collections = governor.config.auth.grant(record.tenant)  # the only chunks that exist for it
         self.directives = directives
         self.cache_status: str | None = None  # RFC 9211 Cache-Status, once the cache was consulted
         self.lookup_ms: float | None = None

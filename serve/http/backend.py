@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    async def route(self, request: AnswerRequest, budget_tokens: int | None = None,
-                    cache_salt: bytes = b"") -> Plan: ...
+    # `collections`: the authenticated tenant's grant (only their chunks exist for the request); `cache_salt`: that
+    # tenant's salt, under which the router remembers query vectors
+    async def route(self, request: AnswerRequest, budget_tokens: int | None,
+                    collections: frozenset[str], cache_salt: bytes = b"") -> Plan: ...
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer: ...
     def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]: ...
     async def cache_stats(self) -> CacheStats: ...
@@ -57,9 +59,10 @@ class HandleBackend:
         """`loader` None: each generator replica has its own (loader_placement in_generator)."""
         self.router, self.loader, self.generator = router, loader, generator
 
-    async def route(self, request: AnswerRequest, budget_tokens: int | None = None, cache_salt: bytes = b"") -> Plan:
+    async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str],
+                    cache_salt: bytes = b"") -> Plan:
         return await retried_once("route", lambda: cancelling(self.router.plan.remote(request, budget_tokens,
-                                                                                      cache_salt)))
+                                                                                       collections, cache_salt)))
 
     async def embed(self, texts: list[str]) -> Embedded:
         return await retried_once("embed", lambda: cancelling(self.router.embed.remote(texts)))
@@ -106,8 +109,9 @@ class InProcessBackend:
     def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
         self.router, self.loader, self.generator = router, loader, generator
 
-    async def route(self, request: AnswerRequest, budget_tokens: int | None = None, cache_salt: bytes = b"") -> Plan:
-        return await self.router.plan(request, budget_tokens, cache_salt)
+    async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str],
+                    cache_salt: bytes = b"") -> Plan:
+        return await self.router.plan(request, budget_tokens, collections, cache_salt)
 
     async def embed(self, texts: list[str]) -> Embedded:
         return await self.router.embed(texts)

@@ -81,10 +81,10 @@ class Exchange:
         return self.life.stream(self._stream(self.life.remaining_s()))
 
     async def _route(self) -> Plan:
-        # The prefix cache and the router's query vectors key everything under the tenant the server authenticated,
-        # never one the client chose.
+        # Only the chunks of the collections granted to the tenant the server authenticated exist for it; the prefix
+        # cache and the router's query vectors key everything under that tenant, never one the client chose.
         salt = tenant_salt(self.turn.record.tenant)
-        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens, salt)
+        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens, self.turn.collections, salt)
         return self.turn.priced(dataclasses.replace(plan, cache_salt=salt))
 
     async def _admit(self) -> None:

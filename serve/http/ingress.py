@@ -72,8 +72,10 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
         return Health()
 
     @app.get("/v1/store")
-    async def store_status() -> StoreStatus:
-        return StoreStatus(**api.store.model_dump(), cache=await backend.cache_stats(),
+    async def store_status(http: Request) -> StoreStatus:
+        """What the store holds, counted within the collections the caller's key reads."""
+        store = api.store_for(governor.collections(http))
+        return StoreStatus(**store.model_dump(), cache=await backend.cache_stats(),
                            device_cache=await backend.device_cache_stats())
 
     @app.get("/metrics", include_in_schema=False)

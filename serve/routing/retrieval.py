@@ -62,27 +62,32 @@ class Snapshot:
     def high(self) -> TierSpec:
         return self.manifest.render.highest_tier
 
-    def select(self, request: AnswerRequest, query_vector: np.ndarray,
-               max_chunks: int) -> tuple[list[int], list[float]]:
+    def select(self, request: AnswerRequest, query_vector: np.ndarray, max_chunks: int,
+               collections: frozenset[str] | None = None) -> tuple[list[int], list[float]]:
         """Catalog rows the request names (chunk_ids, or doc_ids' chunks in order) or retrieves (top_k,
         best first, ties by catalog order; `ChunkOrder.SOURCE`: in catalog order, which keeps each document's
         chunks contiguous and in document order), with their cosine relevance to the query.
 
+        Only rows in `collections` exist for the request (None: every collection — offline callers; the
+        HTTP surface always passes the tenant's grant): a named id outside them is unknown, exactly as one the
+        store never held, and retrieval is the top-k within them.
+
         Named ids are deduplicated (first mention wins) and their chunk count is checked against `max_chunks`
         before any row list is built: one small request naming many large documents costs a lookup, not
         arrays of every chunk they hold."""
+        readable = self.catalog.readable(collections)
         if request.chunk_ids is not None:
             chunk_ids = list(dict.fromkeys(request.chunk_ids))
             check_count(len(chunk_ids), max_chunks)
-            rows, missing = self.catalog.rows_of_chunks(chunk_ids)
+            rows, missing = self.catalog.rows_of_chunks(chunk_ids, readable)
             require_known("chunk_ids", missing)
         elif request.doc_ids is not None:
-            spans, missing = self.catalog.doc_spans(list(dict.fromkeys(request.doc_ids)))
+            spans, missing = self.catalog.doc_spans(list(dict.fromkeys(request.doc_ids)), readable)
             require_known("doc_ids", missing)
             check_count(sum(count for _, count in spans), max_chunks)
             rows = [row for start, count in spans for row in range(start, start + count)]
-        else:
-            found, scores = self.catalog.vectors.search(query_vector, request.top_k)  # top_k is bounded by the schema
+        else:  # top_k is bounded by the schema
+            found, scores = self.catalog.vectors.search(query_vector, request.top_k, readable)
             check_count(len(found), max_chunks)
             if request.order is ChunkOrder.SOURCE:
                 by_row = np.argsort(found, kind="stable")

@@ -87,9 +87,12 @@ class Router:
             return Embedded(vectors=self.embedder.embed(texts), prompt_tokens=self.embedder.num_tokens(texts))
         return await asyncio.to_thread(work)
 
-    async def plan(self, request: AnswerRequest, budget_tokens: int | None = None, cache_salt: bytes = b"") -> Plan:
-        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made. `cache_salt`:
-        the tenant's (server-side), under which query vectors are remembered (serve/routing/query_vectors.py)."""
+    async def plan(self, request: AnswerRequest, budget_tokens: int | None = None,
+                   collections: frozenset[str] | None = None, cache_salt: bytes = b"") -> Plan:
+        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made. Only the
+        chunks of `collections` exist for the request (None: every collection, for offline callers; the
+        ingress passes the authenticated tenant's grant, never anything a client sent). `cache_salt`: the
+        tenant's (server-side), under which query vectors are remembered (serve/routing/query_vectors.py)."""
         started = time.perf_counter()
         queries = self.group_queries(request)
         vectors = [self.query_vectors.get(cache_salt, q) if q else None for q in queries]
@@ -97,7 +100,7 @@ class Router:
         for i, vector in zip(missing, await asyncio.gather(*(self.embed_query(queries[i]) for i in missing))):
             vectors[i] = vector
             self.query_vectors.put(cache_salt, queries[i], vector)
-        return self.route(request, vectors, budget_tokens, started)
+        return self.route(request, vectors, budget_tokens, started, collections)
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
         """What each group of chunks is scored against, oldest first: a conversation's earlier user messages (with
@@ -111,7 +114,8 @@ class Router:
         return earlier + [request.query]
 
     def route(self, request: AnswerRequest, vectors: list[np.ndarray | None] | np.ndarray | None,
-              budget_tokens: int | None = None, started: float | None = None) -> Plan:
+              budget_tokens: int | None = None, started: float | None = None,
+              collections: frozenset[str] | None = None) -> Plan:
         """The plan of `request` for its embedded queries (one per group, see `group_queries`): retrieval and
         placement against one generation. A conversation's groups sit at its user messages, the last at the
         question; the oldest history groups are left empty when the context cannot hold them all."""
@@ -134,7 +138,7 @@ class Router:
         groups: list[list[PlannedChunk]] = []
         fallbacks: list = []
         for g, vector in reversed(list(enumerate(vectors))):  # the question first: it gets the room it needs
-            chunks, dropped = self.group(request, vector, snapshot, spec, room_tokens, g)
+            chunks, dropped = self.group(request, vector, snapshot, spec, room_tokens, g, collections)
             if g < len(vectors) - 1 and (sum(c.num_tokens for c in chunks) > room_tokens
                                          or sum(map(len, groups)) + len(chunks) > self.config.max_chunks):
                 chunks, dropped = [], []  # an earlier question's chunks that no longer fit: that group stays empty
@@ -180,14 +184,15 @@ class Router:
                              pending=lazy_planner(snapshot.manifest, self.config.model))
 
     def group(self, request: AnswerRequest, vector: np.ndarray | None, snapshot: Snapshot, spec: PlacementSpec,
-              room_tokens: int, group: int) -> tuple[list[PlannedChunk], list]:
+              room_tokens: int, group: int, collections: frozenset[str] | None = None
+              ) -> tuple[list[PlannedChunk], list]:
         """One group's chunks, placed: what `vector` retrieves (or the named chunks, scored against it)."""
         named = request.chunk_ids is not None or request.doc_ids is not None
         if vector is None and not named:
             return [], []  # top_k 0 (plain chat), or nothing to retrieve with (an image-only question)
         if vector is None:  # named chunks without a question to score them against: relevance 0
             vector = np.zeros(self.embedder.dim, dtype=np.float32)
-        rows, relevance = snapshot.select(request, vector, self.config.max_chunks)  # 413 past max_chunks
+        rows, relevance = snapshot.select(request, vector, self.config.max_chunks, collections)  # 413 past max_chunks
         catalog = snapshot.catalog
         selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
                              texts=lambda: catalog.texts(rows))

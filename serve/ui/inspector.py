@@ -5,7 +5,11 @@ reader imports torch. A page image is rendered from the chunk's stored text with
 `RenderSpec` at the requested tier (or, for an ingested page image, that page scaled as ingest scaled it),
 through `page_images`, the function compile used: the same pixels the model saw. Ids are looked up, never
 opened: a chunk id the store does not know or a tier it does not have is a 404, and no path is ever built
-from a request. PNGs are kept in a small LRU (rendering a page costs tens of milliseconds).
+from a request. PNGs are kept in a small LRU (rendering a page costs tens of milliseconds), each with its
+chunk's collection: a chunk outside the caller's collections is the same 404 as one the store lacks, cached
+or not. The overview of a key that does not read every collection counts only its collections' chunks and
+documents, and shows no store-wide figures (KV entries, shared by content across collections) nor the
+quarantine (whose samples name other tenants' inputs).
 """
 
 from __future__ import annotations
@@ -17,12 +21,18 @@ from pydantic import Field
 
 from pipeline.runtime import Renderer
 from pipeline.store import Store, StoreError, current_generation_number, encode_png, page_images, read_generation
+from schemas.corpus import DEFAULT_COLLECTION
 from schemas.errors import UnknownIdsError, UnknownTierError
+from schemas.generation import counts_within, reads_all
 from serve.config import StoreBound
 from serve.kv.lru import ByteLRU
 from serve.ui.overview import EntryGroup, QuarantineReason, StoreOverview
 
 QUARANTINE_SAMPLES = 3  # sample inputs shown per quarantine reason
+
+
+def readable(grant: frozenset[str], collection: str) -> bool:
+    return reads_all(grant) or collection in grant
 
 
 class InspectorConfig(StoreBound):
@@ -34,33 +44,54 @@ class Inspector:
         self.store = Store.open(config.store)
         self.manifest = self.store.load_manifest_or_raise()
         self.renderer = Renderer(self.manifest.render)
-        self.pngs: ByteLRU[bytes] = ByteLRU(config.page_cache_nbytes, len)
+        # (the chunk's collection, PNG bytes): the collection is checked on every hit
+        self.pngs: ByteLRU[tuple[str, bytes]] = ByteLRU(config.page_cache_nbytes, lambda item: len(item[1]))
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
 
-    def page_png(self, chunk_id: str, tier: str, page: int) -> bytes:
-        """Page `page` of the chunk at `tier`, as PNG bytes; a 404 error for what the store lacks."""
+    def page_png(self, chunk_id: str, tier: str, page: int, collections: frozenset[str]) -> bytes:
+        """Page `page` of the chunk at `tier`, as PNG bytes; a 404 error for what the store lacks, and for a
+        chunk outside `collections` (the caller's grant), with the same message."""
         if tier not in {t.name for t in self.manifest.tiers}:
             raise UnknownTierError(f"the store has no tier {tier!r}")
+        unknown = UnknownIdsError(f"unknown chunk {chunk_id!r}")
         key = f"{chunk_id}\x00{tier}\x00{page}"  # ids cannot hold NUL (schemas.api.StoreId): keys cannot collide
         with self._lock:
             cached = self.pngs.get(key)
         if cached is not None:
-            return cached
+            collection, png = cached
+            if not readable(collections, collection):
+                raise unknown
+            return png
         try:
-            row = self.store.chunks_for(chunk_ids=[chunk_id]).select(["text", "image_path"]).to_pylist()[0]
+            rows = self.store.chunks_for(chunk_ids=[chunk_id])
+            row = rows.select(["text", "image_path", "collection"]).to_pylist()[0]
         except StoreError:
-            raise UnknownIdsError(f"unknown chunk {chunk_id!r}") from None
+            raise unknown from None
+        collection = row["collection"] or DEFAULT_COLLECTION  # null: written before collections existed
+        if not readable(collections, collection):
+            raise unknown
         pages, _ = page_images(self.renderer, row["text"], row["image_path"] or None, self.manifest.render.tier(tier))
         if not 0 <= page < len(pages):
             raise UnknownIdsError(f"chunk {chunk_id!r} has {len(pages)} page(s) at tier {tier!r}")
         png = encode_png(pages[page])
         with self._lock:
-            self.pngs.put(key, png)
+            self.pngs.put(key, (collection, png))
         return png
 
-    def overview(self) -> StoreOverview:
-        """What the store holds under its serving generation, by variant and tier, and what it refused."""
+    def overview(self, collections: frozenset[str]) -> StoreOverview:
+        """What the store holds under its serving generation, by variant and tier, and what it refused — all
+        of it for a key reading every collection the store holds; else its collections' counts only."""
         generation = read_generation(self.store, current_generation_number(self.store))
+        manifest = generation.manifest
+        counts = generation.collection_counts()
+        if not (reads_all(collections) or set(counts) <= collections):
+            within = counts_within(counts, collections)
+            return StoreOverview(
+                fingerprint=manifest.fingerprint, model_id=manifest.model.id,
+                tiers={t.name: t.dpi for t in manifest.tiers}, kv_quant=manifest.kv_quant,
+                generation=generation.generation, published_at=generation.published_at, job_id=generation.job_id,
+                num_documents=within.num_documents, num_chunks=within.num_chunks, num_entries=None, entries=[],
+                quarantine=[])
         stats = self.store.stats()
         quarantined = self.store.quarantined().select(["reason", "source", "detail"]).to_pylist()
         counts = Counter(q["reason"] for q in quarantined)
@@ -68,7 +99,6 @@ class Inspector:
                                     samples=[f"{q['source']}: {q['detail']}" for q in quarantined
                                              if q["reason"] == reason][:QUARANTINE_SAMPLES])
                    for reason, count in counts.most_common()]
-        manifest = generation.manifest
         return StoreOverview(
             fingerprint=manifest.fingerprint, model_id=manifest.model.id,
             tiers={t.name: t.dpi for t in manifest.tiers}, kv_quant=manifest.kv_quant,

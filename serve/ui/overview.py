@@ -32,7 +32,7 @@ class StoreOverview(Strict):
     job_id: str  # the job that published it
     num_documents: int
     num_chunks: int
-    num_entries: int
+    num_entries: int | None  # null (and `entries`, `quarantine` empty) for a key not reading every collection
     entries: list[EntryGroup]  # per (tier, variant)
     quarantine: list[QuarantineReason]  # most frequent first
 

@@ -73,15 +73,15 @@ def ui_routes(inspector: DeploymentHandle, backend: CacheStatsSource, governor: 
                          page: Annotated[int, Query(ge=0, le=MAX_PAGE)] = 0) -> Response:
         """One page of a chunk at a tier, as PNG: 422 for a malformed id, 404 for a chunk, tier or page the
         store lacks (the inspector's `UnknownIdsError`, answered by the app's ApiError handler)."""
-        await governor.inspect(http)  # 401 / 429 before any work
-        png = await inspector.page_png.remote(chunk_id, tier, page)
+        collections = await governor.inspect(http)  # 401 / 429 before any work
+        png = await inspector.page_png.remote(chunk_id, tier, page, collections)
         return Response(png, media_type="image/png",
                         headers={**SECURITY_HEADERS, "Cache-Control": "private, max-age=3600"})
 
     @router.get("/ui/api/store")
     async def store(http: Request) -> UiStore:
-        await governor.inspect(http)
-        overview = await inspector.overview.remote()
+        collections = await governor.inspect(http)
+        overview = await inspector.overview.remote(collections)
         return UiStore(store=overview, host_cache=CacheTier.of(await backend.cache_stats()),
                        device_cache=CacheTier.of(await backend.device_cache_stats()))
 

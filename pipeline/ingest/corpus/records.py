@@ -12,7 +12,16 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from schemas.corpus import RESERVED_META_PREFIX, Document, MetaKey, ReaderSpec, Rejection, RejectReason
+from schemas.corpus import (
+    COLLECTION_KEY,
+    RESERVED_META_PREFIX,
+    Document,
+    MetaKey,
+    ReaderSpec,
+    Rejection,
+    RejectReason,
+    collection_problem,
+)
 
 NEWLINES = re.compile(r"\r\n?|\f")
 CONTROLS = re.compile(r"[\x01-\x08\x0b\x0e-\x1f\x7f-\x9f]")  # keeps \t \n; \r \f are rewritten first
@@ -88,7 +97,9 @@ def parse_metadata(explicit: Any, extras: dict[str, Any]) -> dict[str, str] | st
         if SURROGATES.search(key + text):
             return f"metadata {key!r} holds a lone surrogate"
         out[key] = text
-    return out
+    # a document in a misspelt collection would be readable by nobody (or by the wrong tenant): refused here
+    problem = collection_problem(out[COLLECTION_KEY]) if COLLECTION_KEY in out else None
+    return problem or out
 
 
 def parse_record(record: Any, source: str, spec: ReaderSpec) -> Document | Rejection:

@@ -19,7 +19,7 @@ from schemas.config import ModelSpec
 from schemas.corpus import Document, MetaKey, Rejection, RejectReason
 
 NEEDS = ("kind", "doc_id", "source", "text", "metadata_json", "order_key", "text_key", "image_path")
-ADDS = ("chunk_id", "order", "chunk_key", "num_text_tokens")
+ADDS = ("chunk_id", "order", "chunk_key", "num_text_tokens", "collection")
 
 
 def token_counter(model: ModelSpec) -> Callable[[str], int]:
@@ -58,7 +58,7 @@ class ChunkStage:
         if doc.image_path and pieces:
             pieces = [pieces[0].build(doc.doc_id, 0, doc.text, sum(p.num_text_tokens for p in pieces))]
         return [{"kind": Kind.CHUNK.value, "key": c.chunk_key, **c.model_dump(), "source": doc.source,
-                 "image_path": doc.image_path} for c in pieces]
+                 "image_path": doc.image_path, "collection": doc.collection} for c in pieces]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         require_columns(batch, NEEDS, "chunk")

@@ -29,7 +29,7 @@ from schemas.corpus import ReaderSpec, RejectReason
 from schemas.store import CacheKey, Manifest
 
 NEEDS = ("kind", "key", "doc_id", "source", "order_key", "text_key", "image_phash", "image_path", "chunk_id",
-         "chunk_key", "text", "order", "num_text_tokens", "slot", "embedding")
+         "chunk_key", "text", "order", "num_text_tokens", "collection", "slot", "embedding")
 ADDS = ("duplicate", "occurrences", "slots_json", "needs_embedding", "error")
 
 
@@ -89,7 +89,7 @@ class ContentUnits:
                 "kind": Kind.UNIT.value, "key": key, "chunk_key": key, "text": rep["text"],
                 "image_path": rep["image_path"],
                 "occurrences": [{f: r[f] for f in ("chunk_id", "doc_id", "order", "text", "num_text_tokens", "source",
-                                                   "image_path")} for r in occ],
+                                                   "image_path", "collection")} for r in occ],
                 "slots_json": json.dumps(missing), "needs_embedding": key not in embedding_row, "error": ""})
             stored_at.append(embedding_row.get(key))
         units_table = rows_table(units)

@@ -26,10 +26,11 @@ from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind, requi
 from pipeline.ingest.shuffle import read_parts, shuffle
 from pipeline.ingest.summary import TALLY_SCHEMA, entry_groups, node_work
 from pipeline.store import Store
+from schemas.corpus import DEFAULT_COLLECTION
 from schemas.store import StoreSpec
 from schemas.tables import CHUNKS_SCHEMA
 
-_OCCURRENCE_FIELDS = ("chunk_id", "doc_id", "order", "text", "num_text_tokens", "source", "image_path")
+_OCCURRENCE_FIELDS = ("chunk_id", "doc_id", "order", "text", "num_text_tokens", "source", "image_path", "collection")
 _UNIT_FIELDS = ("chunk_key", "embedding", "error", "entries_json", "needs_embedding", "slots_json")
 NEEDS = ("kind", "key", "occurrences", "count", "reason", "detail", "duplicate", *_OCCURRENCE_FIELDS,
          *_UNIT_FIELDS)
@@ -56,14 +57,18 @@ def explode_units(batch: pa.Table) -> pa.Table:
 
 def _stored_rows(batch: pa.Table) -> pa.Table:
     kinds = pa.array([Kind.STORED_CHUNK.value] * batch.num_rows, pa.string())
+    # parts written before collections existed lack the column (a read of only those omits it): the default
+    collection = (pc.fill_null(batch["collection"], DEFAULT_COLLECTION) if "collection" in batch.column_names
+                  else pa.array([DEFAULT_COLLECTION] * batch.num_rows, pa.string()))
     return conform_rows(pa.table({"kind": kinds, "key": batch["doc_id"], "chunk_id": batch["chunk_id"],
                                   "chunk_key": batch["chunk_key"], "source": batch["source"],
-                                  "stored_at": batch["path"]}))
+                                  "collection": collection, "stored_at": batch["path"]}))
 
 
 def stored_chunk_rows(store: Store, plan: StagePlan) -> ray.data.Dataset | None:
     """The store's chunk rows keyed by document, with the part they came from (parts sort in write order)."""
-    ds = read_parts(store, "chunks", ["doc_id", "chunk_id", "chunk_key", "source"], plan, include_paths=True)
+    ds = read_parts(store, "chunks", ["doc_id", "chunk_id", "chunk_key", "source", "collection"], plan,
+                    include_paths=True)
     return None if ds is None else ds.map_batches(_stored_rows, batch_format="pyarrow", num_cpus=plan.task_cpus)
 
 
@@ -84,13 +89,15 @@ class DocumentWriter:
                                                                      "detail"]).to_pylist()]
         duplicate = {r["doc_id"]: r["duplicate"]
                      for r in of_kind(batch, Kind.MARKER).select(["doc_id", "duplicate"]).to_pylist()}
-        stored: dict[str, tuple[str, str]] = {}
-        for r in sorted(of_kind(batch, Kind.STORED_CHUNK).select(["chunk_id", "chunk_key", "source", "stored_at"])
+        stored: dict[str, tuple[str, str, str]] = {}
+        for r in sorted(of_kind(batch, Kind.STORED_CHUNK).select(["chunk_id", "chunk_key", "source", "collection",
+                                                                  "stored_at"])
                         .to_pylist(), key=lambda r: r["stored_at"]):
-            stored[r["chunk_id"]] = (r["chunk_key"], r["source"])  # the newest part wins, as readers see it
+            # the newest part wins, as readers see it; a document moved to another collection is republished
+            stored[r["chunk_id"]] = (r["chunk_key"], r["source"], r["collection"])
         occurrences = of_kind(batch, Kind.OCCURRENCE)
-        rows = occurrences.select(["doc_id", "chunk_id", "order", "chunk_key", "source", "error", "representative",
-                                   "entries_json", "needs_embedding"]).to_pylist()
+        rows = occurrences.select(["doc_id", "chunk_id", "order", "chunk_key", "source", "collection", "error",
+                                   "representative", "entries_json", "needs_embedding"]).to_pylist()
         failed: dict[str, dict[str, Any]] = {}
         for row in sorted(rows, key=lambda r: (r["doc_id"], r["order"])):
             if row["error"] and row["doc_id"] not in failed:
@@ -100,7 +107,7 @@ class DocumentWriter:
             quarantine.append({"source": row["source"], "doc_id": doc_id, "reason": reason, "detail": detail})
         ok_docs = set(duplicate) - set(failed)
         publish = [i for i, r in enumerate(rows) if r["doc_id"] in ok_docs
-                   and stored.get(r["chunk_id"]) != (r["chunk_key"], r["source"])]
+                   and stored.get(r["chunk_id"]) != (r["chunk_key"], r["source"], r["collection"])]
         store = Store.open(self.spec)
         if publish:
             table = occurrences.take(pa.array(publish, pa.int64())).select(CHUNKS_SCHEMA.names)

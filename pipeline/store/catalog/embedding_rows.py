@@ -59,6 +59,8 @@ class EmbeddingRows:
         if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"rows outside [0, {len(self)})")
         out = np.empty((len(rows), self.shape[1]), np.float16)
+        if not len(rows):  # a search that found nothing (a filter reading no row in the lists it probed)
+            return out
         view = memoryview(out).cast("B")
         for i, row in enumerate(rows.tolist()):
             os.preadv(self._fd, [view[i * self.row_nbytes:(i + 1) * self.row_nbytes]],

@@ -15,6 +15,8 @@ chunks dir (shared by generations whose chunk tables are identical; named by a d
     doc_ids.npy       [(hash, start, count)] sorted by hash: document -> its range of rows
     vectors-*.faiss   the vector index (pipeline/store/catalog/vector_index.py; its files are listed in search.json,
                       with its SearchInfo)
+    collections.npy   int32 [rows]: each row's collection, as a code of collections.json (names and counts);
+                      absent from a dir written before collections existed (pipeline/store/catalog/collections.py)
 entries dir (named by a digest of the chunks dir, the index parts and the served fingerprints):
     entries.arrow     index rows current under the generation's manifest, sorted by chunk_key
     ranges.npy        [rows, 2] (start, count) of each catalog row's entries in entries.arrow
@@ -34,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from pipeline.store.catalog.collections import RowCollections, RowFilter
 from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from pipeline.store.catalog.vector_index import VectorIndex
 from schemas.config import Variant
@@ -117,29 +120,39 @@ class Catalog:
         self.text_rows = RowFile(texts)
         if not (self.catalog.num_rows == len(self.ranges) == len(self.vectors) == self.text_rows.num_rows):
             raise ValueError(f"catalog {chunks_dir} and entries {entries_dir} disagree on the number of chunks")
+        self.collections = RowCollections(chunks_dir, self.catalog.num_rows)
+
+    def readable(self, grant: frozenset[str] | None) -> RowFilter | None:
+        """The rows the collections of `grant` hold (None: every row; `grant` None is every collection)."""
+        return self.collections.filter(grant)
 
     @property
     def num_rows(self) -> int:
         return self.catalog.num_rows
 
-    def rows_of_chunks(self, chunk_ids: list[str]) -> tuple[list[int], list[str]]:
-        """Catalog rows of `chunk_ids` in request order, and the ids not in the catalog."""
-        spans, missing = self._find(chunk_ids, self.chunk_lookup, lambda entry: (int(entry["row"]), 1), "chunk_id")
+    def rows_of_chunks(self, chunk_ids: list[str],
+                       readable: RowFilter | None = None) -> tuple[list[int], list[str]]:
+        """Catalog rows of `chunk_ids` in request order, and the ids not in the catalog — or not `readable`
+        (None: every row), which are answered exactly as ids the catalog lacks."""
+        spans, missing = self._find(chunk_ids, self.chunk_lookup, lambda entry: (int(entry["row"]), 1), "chunk_id",
+                                    readable)
         return [start for start, _ in spans], missing
 
-    def doc_spans(self, doc_ids: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
+    def doc_spans(self, doc_ids: list[str],
+                  readable: RowFilter | None = None) -> tuple[list[tuple[int, int]], list[str]]:
         """(first row, chunk count) of each document in `doc_ids`, in request order, and the ids not in the
-        catalog: what a caller checks against its limits before expanding them into rows."""
+        catalog (or not `readable`, as in `rows_of_chunks`): what a caller checks against its limits before
+        expanding them into rows."""
         return self._find(doc_ids, self.doc_lookup, lambda entry: (int(entry["start"]), int(entry["count"])),
-                          "doc_id")
+                          "doc_id", readable)
 
-    def rows_of_docs(self, doc_ids: list[str]) -> tuple[list[int], list[str]]:
+    def rows_of_docs(self, doc_ids: list[str], readable: RowFilter | None = None) -> tuple[list[int], list[str]]:
         """Every chunk row of each document in `doc_ids`, by (document in request order, order)."""
-        spans, missing = self.doc_spans(doc_ids)
+        spans, missing = self.doc_spans(doc_ids, readable)
         return [row for start, count in spans for row in range(start, start + count)], missing
 
-    def _find(self, ids: list[str], lookup: np.ndarray, span_of: Callable,
-              column: str) -> tuple[list[tuple[int, int]], list[str]]:
+    def _find(self, ids: list[str], lookup: np.ndarray, span_of: Callable, column: str,
+              readable: RowFilter | None) -> tuple[list[tuple[int, int]], list[str]]:
         hashes = id_hashes(ids)
         lefts = np.searchsorted(lookup["hash"], hashes, "left")
         rights = np.searchsorted(lookup["hash"], hashes, "right")
@@ -151,6 +164,9 @@ class Catalog:
         for (i, span), name in zip(candidates, names):
             if name[column] == ids[i]:
                 matched.setdefault(i, span)
+        if readable is not None:  # a row outside the request's collections is one the catalog does not hold
+            spans = list(matched.items())
+            matched = {i: span for (i, span), ok in zip(spans, readable.spans_readable([s for _, s in spans])) if ok}
         found = [matched[i] for i in range(len(ids)) if i in matched]
         return found, [wanted for i, wanted in enumerate(ids) if i not in matched]
 

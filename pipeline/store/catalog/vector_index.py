@@ -37,6 +37,7 @@ import faiss
 import numpy as np
 
 from pipeline.store.catalog.ann_calibration import calibrate, choose, exact_top_k, recall_at_k  # noqa: F401  (re-exported)
+from pipeline.store.catalog.collections import RowFilter
 from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from schemas.generation import ScanSpec, SearchInfo, SearchKind, SearchSpec
 
@@ -161,13 +162,16 @@ class VectorIndex:
         if old is not None:
             old.shutdown(wait=False)
 
-    def candidates(self, query: np.ndarray, count: int) -> np.ndarray:
-        """Rows of the `count` best int8-code scores for a unit `query` [dim]."""
+    def candidates(self, query: np.ndarray, count: int, readable: RowFilter | None = None) -> np.ndarray:
+        """Rows of the `count` best int8-code scores for a unit `query` [dim], among the `readable` rows (None:
+        all). The filter runs inside the scan (a faiss ID selector), so the candidates are the best readable
+        rows, not the best rows with the unreadable ones dropped afterwards (which could leave none)."""
         codes = (query * self.info.code_scale)[None].astype(np.float32)
+        params = [self.params] * len(self.shards) if readable is None else self._filtered_params(readable)
 
         def scan(group: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
             for i in group:
-                scores, rows = self.shards[i].search(codes, min(count, self.shards[i].ntotal), params=self.params)
+                scores, rows = self.shards[i].search(codes, min(count, self.shards[i].ntotal), params=params[i])
                 keep = rows[0] >= 0
                 yield scores[0][keep], rows[0][keep] + self.offsets[i]
 
@@ -182,12 +186,36 @@ class VectorIndex:
             rows = rows[np.argpartition(-scores, count - 1)[:count]]
         return rows
 
-    def search(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The `k` best rows for a unit `query` [dim]: (rows, float16-row cosines), best first, ties by row."""
-        k = min(k, len(self))
+    def _filtered_params(self, readable: RowFilter) -> list[faiss.SearchParameters]:
+        """Per shard: search parameters that scan only the readable rows. An IVF probes more lists the fewer
+        rows are readable (`nprobe` / readable share, up to every list), so that about as many readable rows
+        are scored as `nprobe` scores rows unfiltered: the calibrated recall holds within the collections."""
+        params = []
+        for i, shard in enumerate(self.shards):
+            bits = np.packbits(readable.mask[self.offsets[i]:self.offsets[i + 1]], bitorder="little")
+            selector = faiss.IDSelectorBitmap(shard.ntotal, faiss.swig_ptr(bits))
+            selector.bits_kept = bits  # faiss holds a raw pointer: the array lives as long as the selector
+            if self.info.kind is SearchKind.IVF:
+                share = max(readable.count, 1) / len(self)
+                nprobe = min(self.info.num_lists or shard.nlist, math.ceil(self.info.nprobe / share))
+                params.append(faiss.SearchParametersIVF(nprobe=nprobe, sel=selector))
+            else:
+                params.append(faiss.SearchParameters(sel=selector))
+            params[-1].selector_kept = selector
+        return params
+
+    def search(self, query: np.ndarray, k: int, readable: RowFilter | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The `k` best rows for a unit `query` [dim] among the `readable` rows (None: every row): (rows,
+        float16-row cosines), best first, ties by row."""
+        limit = len(self) if readable is None else readable.count
+        k = min(k, limit)
         if k <= 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
-        found = self.candidates(query, min(len(self), max(self.rerank_candidates, 8 * k)))
+        wanted = min(limit, max(self.rerank_candidates, 8 * k))
+        if readable is not None and wanted == limit:  # few enough to rescore every readable row: exact
+            found = readable.rows
+        else:
+            found = self.candidates(query, wanted, readable)
         rows, scores = self.embeddings.rerank(query, found, k)
         keep = rows >= 0
         return rows[keep], scores[:keep.sum()]

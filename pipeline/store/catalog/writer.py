@@ -27,6 +27,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.store.blobs import StoreError
+from pipeline.store.catalog.collections import write_collections
 from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from pipeline.store.catalog.reader import (
     BATCH_ROWS,
@@ -46,6 +47,7 @@ from pipeline.store.catalog.spill import ExactBatches, NpyRows, Spill, bucket_of
 from pipeline.store.catalog.vector_index import build_index
 from pipeline.store.store import Store
 from schemas.config import Variant
+from schemas.corpus import DEFAULT_COLLECTION
 from schemas.generation import SearchInfo, SearchSpec
 from schemas.tables import CHUNKS_SCHEMA, INDEX_SCHEMA, optional_names, with_optional
 
@@ -87,14 +89,16 @@ def _bucket_count(parts: list[pafs.FileInfo], store: Store, table: str) -> int:
 
 # ---- chunks dir -----------------------------------------------------------------------------------
 def write_chunks_dir(store: Store, parts: list[pafs.FileInfo], dim: int, spec: SearchSpec,
-                     out: Path) -> tuple[SearchInfo, int, int]:
+                     out: Path) -> tuple[SearchInfo, int, int, dict[str, dict]]:
     """Write the chunks dir of the chunk table held by `parts` into `out`; returns (search info, chunks,
-    documents)."""
+    documents, {collection: its counts})."""
     read_schema = pa.schema([CHUNKS_SCHEMA.field(c) for c in ("chunk_id", "doc_id", "order", "chunk_key",
-                                                               "num_text_tokens", "text", "image_path", "embedding")])
+                                                               "num_text_tokens", "text", "image_path", "embedding",
+                                                               "collection")])
     spilled = pa.schema([pa.field("doc_hash", pa.uint64()), pa.field("chunk_hash", pa.uint64()),
                          pa.field("seq", pa.int64()), *[CHUNKS_SCHEMA.field(c) for c in CATALOG_COLUMNS],
-                         *[CHUNKS_SCHEMA.field(c) for c in TEXT_COLUMNS], pa.field("embedding", pa.binary(2 * dim))])
+                         *[CHUNKS_SCHEMA.field(c) for c in TEXT_COLUMNS], pa.field("embedding", pa.binary(2 * dim)),
+                         CHUNKS_SCHEMA.field("collection")])
     work = Path(tempfile.mkdtemp(prefix="spill-", dir=out))
     try:
         spill = Spill(work, _bucket_count(parts, store, "chunks"))
@@ -109,7 +113,8 @@ def write_chunks_dir(store: Store, parts: list[pafs.FileInfo], dim: int, spec: S
             spill.add(pa.RecordBatch.from_arrays(
                 [pa.array(doc_hash), pa.array(chunk_hash), pa.array(seqs),
                  *[batch[c] for c in CATALOG_COLUMNS], *[batch[c] for c in TEXT_COLUMNS],
-                 _float16_rows(batch["embedding"], dim)], schema=spilled), bucket_of(doc_hash, spill.count))
+                 _float16_rows(batch["embedding"], dim), batch["collection"]], schema=spilled),
+                bucket_of(doc_hash, spill.count))
         moved = _moved_chunk_rows(np.concatenate(owners) if owners else np.empty((0, 4), np.uint64))
         del owners
         catalog_schema = pa.schema([CHUNKS_SCHEMA.field(c) for c in CATALOG_COLUMNS])
@@ -117,6 +122,8 @@ def write_chunks_dir(store: Store, parts: list[pafs.FileInfo], dim: int, spec: S
         texts = ExactBatches(out / TEXTS, pa.schema([CHUNKS_SCHEMA.field(c) for c in TEXT_COLUMNS]), BATCH_ROWS[TEXTS])
         embeddings = NpyRows(out / EMBEDDINGS, np.float16, dim)
         chunk_lookup, doc_lookup, rows = [], [], 0
+        names: dict[str, int] = {}  # collection -> its code, in order of first appearance
+        codes: list[np.ndarray] = []
         for table in spill.tables():
             if len(moved):  # a chunk id republished under another document: only its newest row counts
                 table = table.filter(pc.invert(pc.is_in(table["seq"], pa.array(moved))))
@@ -131,6 +138,9 @@ def write_chunks_dir(store: Store, parts: list[pafs.FileInfo], dim: int, spec: S
             chunk_lookup.append(np.stack([table["chunk_hash"].to_numpy().view(np.int64),
                                           np.arange(rows, rows + table.num_rows)], 1))
             doc_lookup.append(_doc_ranges(table, rows))
+            # a row of a part written before collections existed (null) is in the default collection
+            collections = pc.fill_null(table["collection"], DEFAULT_COLLECTION).to_pylist()
+            codes.append(np.array([names.setdefault(c, len(names)) for c in collections], np.int32))
             rows += table.num_rows
         catalog.close()
         texts.close()
@@ -139,13 +149,16 @@ def write_chunks_dir(store: Store, parts: list[pafs.FileInfo], dim: int, spec: S
         shutil.rmtree(work, ignore_errors=True)
     _save_lookup(out / CHUNK_IDS, chunk_lookup, [("hash", "<u8"), ("row", "<i8")])
     documents = _save_lookup(out / DOC_IDS, doc_lookup, [("hash", "<u8"), ("start", "<i8"), ("count", "<i8")])
+    row_codes = np.concatenate(codes) if codes else np.empty(0, np.int32)
+    doc_starts = np.concatenate([d[:, 1] for d in doc_lookup]) if doc_lookup else np.empty(0, np.int64)
+    counts = write_collections(out, row_codes, list(names) or [DEFAULT_COLLECTION], row_codes[doc_starts])
     vectors = EmbeddingRows(path=out / EMBEDDINGS)
     try:
         info = build_index(vectors, spec, out)
     finally:
         vectors.close()
     (out / SEARCH).write_text(info.model_dump_json(indent=2))
-    return info, rows, documents
+    return info, rows, documents, counts
 
 
 def _wide_hashes(ids: list[str]) -> np.ndarray:

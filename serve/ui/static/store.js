@@ -25,7 +25,7 @@ async function load() {
     ["tiers", Object.entries(s.tiers).map(([n, dpi]) => n + " " + dpi + " DPI").join(", ")],
     ["KV format", s.kv_quant], ["serving generation", s.generation],
     ["last published", s.published_at + " by " + s.job_id], ["documents", s.num_documents],
-    ["chunks", s.num_chunks], ["entries", s.num_entries]];
+    ["chunks", s.num_chunks], ["entries", s.num_entries === null ? "not shown: your key reads some collections only" : s.num_entries]];
   const dl = $("facts");
   qv.clear(dl);
   for (const [name, value] of facts) { dl.appendChild(qv.el("dt", {}, name)); dl.appendChild(qv.el("dd", {}, value)); }
