@@ -81,7 +81,7 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
     generator = deployment(Generator, "Generator", args.generator_deployment, **generator_routing(args)).bind(
         config=args.generator, loader=args.loader if loader is None else loader)
     inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
-        config=InspectorConfig(store=args.store))
+        config=InspectorConfig(store=args.store, images_root=args.images_root))
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(
         router=router, loader=loader, generator=generator, inspector=inspector, config=args.ingress,
         api=api_spec(args))

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from schemas.api import MAX_TIMEOUT_S, Label, ResponseCacheLevel, StoreInfo
 from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import ReloadSpec, ScanSpec
-from schemas.store import StoreSpec
+from schemas.store import ImagesRoot, StoreSpec
 
 
 class Placement(str, Enum):
@@ -280,6 +280,7 @@ class GeneratorConfig(StoreBound):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()  # the batch: caps, queue, device hot tier
     recompute: RecomputeSpec = RecomputeSpec()  # linked chunks' tokens recomputed on the context (off by default)
+    images_root: ImagesRoot | None = None  # scanned pages are read only under it (AppConfig.images_root)
 
 
 class IngressConfig(Frozen):
@@ -300,7 +301,8 @@ class ApiSpec(Frozen):
 
 
 # The top-level fields each role gets a copy of; a role section may not set them itself.
-SHARED = {"router": ("store", "model", "reload"), "loader": ("store", "reload"), "generator": ("store", "model")}
+SHARED = {"router": ("store", "model", "reload"), "loader": ("store", "reload"),
+          "generator": ("store", "model", "images_root")}
 DERIVED = {"router": ("carry_sources",)}  # router.carry_sources = generator.recompute.enabled
 
 
@@ -309,6 +311,9 @@ class AppConfig(StoreBound):
 
     model: ModelSpec = ModelSpec()
     reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
+    # The directory scanned page images are read from (full_image, recompute, repair, the inspector's pages); a
+    # chunk's stored `image_path` outside it is refused unread. None: no page image is read (docs/SECURITY.md).
+    images_root: ImagesRoot | None = None
     router: RouterConfig
     loader: LoaderConfig
     generator: GeneratorConfig
@@ -336,7 +341,8 @@ class AppConfig(StoreBound):
             return data
         data = dict(data)
         shared = {name: data[name] if name in data else cls.model_fields[name].get_default(call_default_factory=True)
-                  for name in ("model", "reload")} | ({"store": data["store"]} if "store" in data else {})
+                  for name in ("model", "reload")}
+        shared |= {name: data[name] for name in ("store", "images_root") if name in data}
         sections = {role: data.get(role) or {} for role in SHARED}
         if not all(isinstance(section, Mapping) for section in sections.values()):
             return data  # pydantic names the section that is not a mapping

@@ -184,9 +184,15 @@ def rows_per_batch(batch_size: int) -> int:
     return 4 * batch_size
 
 
-def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
-    return rows.map_batches(RenderStage, fn_constructor_kwargs={"render": manifest.render}, batch_format="pyarrow",
-                            batch_size=rows_per_batch(batch_size), num_cpus=plan.render_cpus,
+def corpus_images_root(corpus: str) -> str:
+    """Where this corpus's page images lie: the root the readers confined them to (a file's folder)."""
+    return os.path.abspath(corpus if os.path.isdir(corpus) else os.path.dirname(os.path.abspath(corpus)))
+
+
+def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_size: int,
+           images_root: str | None) -> ray.data.Dataset:
+    return rows.map_batches(RenderStage, fn_constructor_kwargs={"render": manifest.render, "images_root": images_root},
+                            batch_format="pyarrow", batch_size=rows_per_batch(batch_size), num_cpus=plan.render_cpus,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
@@ -270,7 +276,7 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         units, rest = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json", "needs_embedding"))
         rows = rest
         if units is not None:
-            units = render(units, manifest, plan, cfg.resources.batch_size)
+            units = render(units, manifest, plan, cfg.resources.batch_size, corpus_images_root(cfg.corpus))
             units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
             rows = compile_kv(units, compile_plan, plan).union(rest)
         tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined

@@ -27,7 +27,7 @@ from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
 from pipeline.store import Store, StoreLease, entry_slots, publish_generation, remove_orphans
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
-from schemas.store import ORPHAN_GRACE_S, Manifest, StoreSpec
+from schemas.store import ORPHAN_GRACE_S, ImagesRoot, Manifest, StoreSpec
 
 MAX_LISTED_FAILURES = 100  # in the summary; every failure is in the quarantine table
 _TALLY = pa.schema([("units", pa.int64()), ("compiled", pa.int64()), ("nbytes", pa.int64()),
@@ -42,6 +42,7 @@ class RecompileConfig(JobResources):
     orphan_grace_s: float = Field(ORPHAN_GRACE_S, ge=0)  # shards younger than this may belong to a job still running
     job_id: str = Field(default_factory=lambda: f"recompile-{uuid.uuid4().hex[:12]}")
     kv_quant: KVQuant | None = None  # None: the store's own KV format; another one rebuilds every entry
+    images_root: ImagesRoot | None = None  # the store's scanned pages are read only under it (None: not at all)
 
 
 @dataclass
@@ -146,7 +147,8 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
         # of the rest, the tally counts the units (with nothing to rebuild); the chunk rows it does not count
         rows = rest.map_batches(of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
         if work is not None:
-            rows = compile_kv(render(work, new, plan, cfg.resources.batch_size), compile_plan, plan).union(rows)
+            rendered = render(work, new, plan, cfg.resources.batch_size, cfg.images_root)
+            rows = compile_kv(rendered, compile_plan, plan).union(rows)
         tallies = rows.map_batches(_tally, fn_kwargs={"tally": Tally(store.spec, cfg.job_id, stamp_ns)},
                                    batch_format="pyarrow", batch_size=256, num_cpus=plan.task_cpus)
         units = compiled = nbytes = num_failed = 0

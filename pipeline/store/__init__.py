@@ -9,8 +9,8 @@ from pipeline.facade import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "blobs": ["Blobs", "StoreError"],
     "entries": [
-        "PageImageError", "TEXT_SOURCED", "build_sized_entry", "compile_entries", "decode_png", "encode_png",
-        "index_row", "page_images"
+        "PageImageError", "PageImageRefused", "TEXT_SOURCED", "build_sized_entry", "compile_entries", "decode_png",
+        "encode_png", "index_row", "page_image_file", "page_images"
     ],
     "filesystem": ["resolve_filesystem"],
     "gc": ["collect_generations", "remove_orphans"],
