@@ -269,6 +269,7 @@ class RouterConfig(StoreBound):
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
     scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
+    hmac_key_file: Path | None = None  # AppConfig.hmac_key_file: only generations sealed with it are served
 
 
 class LoaderConfig(StoreBound):
@@ -301,7 +302,7 @@ class ApiSpec(Frozen):
 
 
 # The top-level fields each role gets a copy of; a role section may not set them itself.
-SHARED = {"router": ("store", "model", "reload"), "loader": ("store", "reload"),
+SHARED = {"router": ("store", "model", "reload", "hmac_key_file"), "loader": ("store", "reload"),
           "generator": ("store", "model", "images_root")}
 DERIVED = {"router": ("carry_sources",)}  # router.carry_sources = generator.recompute.enabled
 
@@ -314,6 +315,10 @@ class AppConfig(StoreBound):
     # The directory scanned page images are read from (full_image, recompute, repair, the inspector's pages); a
     # chunk's stored `image_path` outside it is refused unread. None: no page image is read (docs/SECURITY.md).
     images_root: ImagesRoot | None = None
+    # A file holding the key generations are sealed with (pipeline/store/seal.py), on every router host: the app
+    # refuses to start on, and routers refuse to switch to, a generation whose seal is missing or wrong. Unset:
+    # the QVPIC_HMAC_KEY environment variable if set, else seals are not checked. Never the key itself.
+    hmac_key_file: Path | None = None
     router: RouterConfig
     loader: LoaderConfig
     generator: GeneratorConfig
@@ -342,7 +347,7 @@ class AppConfig(StoreBound):
         data = dict(data)
         shared = {name: data[name] if name in data else cls.model_fields[name].get_default(call_default_factory=True)
                   for name in ("model", "reload")}
-        shared |= {name: data[name] for name in ("store", "images_root") if name in data}
+        shared |= {name: data[name] for name in ("store", "images_root", "hmac_key_file") if name in data}
         sections = {role: data.get(role) or {} for role in SHARED}
         if not all(isinstance(section, Mapping) for section in sections.values()):
             return data  # pydantic names the section that is not a mapping

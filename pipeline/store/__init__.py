@@ -20,6 +20,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "parts": ["parts_checks", "require_recorded_parts"],
     "publish": ["ensure_generation", "publish_generation"],
     "reload": ["GenerationWatcher", "acquire_current"],
+    "seal": ["SealError", "check_seal", "hmac_key", "write_seal"],
     "snapshots": ["local_copy"],
     "shards": ["ShardCorruptError", "ShardReader", "write_shard"],
     "slots": ["entry_slots", "required_keys", "slot_name"],
