@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         units = rows_table([{"kind": Kind.UNIT.value, "key": f"{i:064x}", "chunk_key": f"{i:064x}", "text": text,
                              "slots_json": slots, "error": ""}
                             for i, text in enumerate(texts(model, args.chunks, args.chunk_tokens))])
-        rendered = RenderStage(manifest.render)(units)
+        rendered = RenderStage(manifest.render, None)(units)
         for batch_size in args.batch_sizes:
             stage = CompileStage(CompilePlan(model, store.spec, manifest.to_json(), batch_size), vlm=vlm)
             stage(rendered.slice(0, batch_size))  # warm-up: kernels, allocator

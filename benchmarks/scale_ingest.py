@@ -134,7 +134,7 @@ def stage_costs(corpus: Path, batch_size: int, sample: int) -> dict[str, float]:
         units = rows_table([{"kind": Kind.UNIT.value, "key": c["chunk_key"], "chunk_key": c["chunk_key"],
                              "text": c["text"], "slots_json": slots, "error": "", "needs_embedding": True}
                             for c in chunks])
-        renderer, embedder = RenderStage(manifest.render), Embedder()
+        renderer, embedder = RenderStage(manifest.render, None), Embedder()
         compiler = CompileStage(CompilePlan(ModelSpec(), store.spec, manifest.to_json(), batch_size),
                                 vlm=VLM(ModelSpec()))
         compiler(renderer(units.slice(0, batch_size)))  # warm-up outside the timings

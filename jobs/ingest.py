@@ -37,6 +37,11 @@ def store_args(parser: argparse.ArgumentParser, help: str | None = None) -> None
     parser.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, …)")
 
 
+def seal_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--hmac-key-file", default=None, help=f"{what} with the HMAC key in this file (unset: the "
+                        "QVPIC_HMAC_KEY environment variable, if set). Keep it off the store; docs/SECURITY.md")
+
+
 def store_spec(args: argparse.Namespace) -> StoreSpec:
     from schemas.store import StoreSpec
 
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true",
                         help="run the pipeline even when the corpus and the store are unchanged since the last ingest "
                              "(by default such a rerun is a no-op: it hashes the corpus and stops)")
+    seal_args(parser, "seal the generation this job publishes")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     logs.add_verbose_flag(parser)
     args = parser.parse_args(argv)
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus=args.corpus, store=store_spec(args), model=model_spec(args), render=render_spec(args),
         chunk_tokens=args.chunk_tokens, variants=tuple(args.variants), embedder_dir=args.embedder_dir,
         kv_quant=args.kv_quant, force=args.force, lazy_high_tier=args.lazy_high_tier, legibility=args.legibility,
-        ablation_tiers=args.ablation_tiers, **job_resources(args)))
+        ablation_tiers=args.ablation_tiers, hmac_key_file=args.hmac_key_file, **job_resources(args)))
     if cfg is None:
         return 2
 

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from jobs.help import HelpFormatter
+from jobs.ingest import seal_args
 from schemas.generation import SearchSpec
 
 
@@ -23,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="chunks from which an IVF index is considered (below: exhaustive scan)")
     parser.add_argument("--target-recall", type=float, default=SearchSpec().target_recall)
     parser.add_argument("--collect", action="store_true", help="collect unused generations only")
+    seal_args(parser, "seal the generation")
     args = parser.parse_args(argv)
-    from pipeline.store import Store, StoreError, collect_generations, publish_generation
+    from pipeline.store import Store, StoreError, collect_generations, hmac_key, publish_generation
     from schemas.store import StoreSpec
 
     try:
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed generations: {collect_generations(store)}")
             return 0
         spec = SearchSpec(ann_min_rows=args.ann_min_rows, target_recall=args.target_recall)
-        record = publish_generation(store, "publish", spec)
+        record = publish_generation(store, "publish", spec, hmac_key=hmac_key(args.hmac_key_file))
     except (StoreError, ValueError) as e:
         print(f"qvpic publish: {e}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ from jobs.ingest import (
     render_spec,
     resource_args,
     run_job,
+    seal_args,
     store_args,
     store_spec,
     variant_args,
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     variant_args(parser, None,
                  kv_quant_help="store KV as none/int8/fp8 (default: keep the store's); a change rebuilds every entry")
     resource_args(parser)
+    parser.add_argument("--images-root", help="absolute directory the store's scanned page images are read from; "
+                        "an image_path outside it is refused and its entries quarantined (default: none is read)")
+    seal_args(parser, "seal the generation this job publishes")
     parser.add_argument("--orphan-grace-s", type=float, default=ORPHAN_GRACE_S)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     logs.add_verbose_flag(parser)
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         render=None if args.tiers is args.font_size_pt is args.line_height_pt is args.font_names is None
         else render_spec(args),
         variants=None if args.variants is None else tuple(args.variants), orphan_grace_s=args.orphan_grace_s,
-        kv_quant=args.kv_quant, **job_resources(args)))
+        kv_quant=args.kv_quant, images_root=args.images_root, hmac_key_file=args.hmac_key_file,
+        **job_resources(args)))
     if cfg is None:
         return 2
     init_ray(quiet=args.json)

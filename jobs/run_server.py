@@ -49,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid", action="store_true", default=None,
                    help="qvpic mode serves a chunk as its text entry where text is cheaper than its pages, or its "
                         "pages scored illegible at ingest (`qvpic ingest --legibility`)")
+    p.add_argument("--images-root", help="absolute directory scanned page images are read from; a stored image_path "
+                   "outside it is refused unread (default: none is read)")
+    p.add_argument("--hmac-key-file", help="serve only generations sealed with the HMAC key in this file (on every "
+                   "router host; unset: QVPIC_HMAC_KEY if set, else seals are not checked). docs/SECURITY.md")
     p.add_argument("--cache-nbytes", type=int, help="host-memory KV cache per loader replica, bytes")
     p.add_argument("--max-chunks", type=int, help="most chunks one request may put in context")
     p.add_argument("--max-context-tokens", type=int, help="context limit (default: the model's)")
@@ -113,7 +117,8 @@ def app_args(ns: argparse.Namespace):
              "ingress.default_top_k": ns.top_k, "ingress.served_model_name": ns.served_model_name,
              "ingress.request_timeout_s": ns.request_timeout_s, "generator_deployment.num_gpus": ns.generator_gpus,
              "generator_deployment.num_replicas": ns.generator_replicas, "drain_timeout_s": ns.drain_timeout_s,
-             "ingress.governance.auth.insecure_no_auth": ns.insecure_no_auth}
+             "ingress.governance.auth.insecure_no_auth": ns.insecure_no_auth, "images_root": ns.images_root,
+             "hmac_key_file": ns.hmac_key_file}
     for path, value in flags.items():
         if value is not None:
             _set(args, path, value)

@@ -11,6 +11,8 @@ and refuse a store that lost parts.
 index rows pointing at missing or corrupt entries (then `qvpic recompile` rebuilds exactly those),
 deletes orphan files and shards older than --grace-s. It never deletes what a live generation uses.
 
+--hmac-key-file (or QVPIC_HMAC_KEY): the current generation's seal must match the key (docs/SECURITY.md).
+
 Exit status: 0 consistent, 1 problems found (after --repair: problems left), 2 usage error.
 """
 
@@ -34,6 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grace-s", type=float, default=ORPHAN_GRACE_S,
                         help="orphans younger than this may belong to a job still writing: not reported, not deleted")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    parser.add_argument("--hmac-key-file", default=None, help="also check that the current generation is sealed with "
+                        "the HMAC key in this file (unset: the QVPIC_HMAC_KEY environment variable, if set; neither: "
+                        "seals are not checked). A missing or wrong seal is a problem: exit 1")
     args = parser.parse_args(argv)
     if args.grace_s < 0:
         parser.error("--grace-s must be >= 0")
@@ -62,19 +67,24 @@ def print_report(report, repaired: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipeline.store import Store, StoreError
+    from pipeline.store import SealError, Store, StoreError, hmac_key
     from pipeline.store.check import verify
     from schemas.store import StoreSpec
 
     try:
+        key = hmac_key(args.hmac_key_file)
+    except SealError as e:  # an unreadable or short key file: a usage error, before the store is read
+        print(f"qvpic verify: {e}", file=sys.stderr)
+        return 2
+    try:
         store = Store.open(StoreSpec(uri=args.store, endpoint_url=args.s3_endpoint))
-        report = verify(store, args.deep, args.grace_s)
+        report = verify(store, args.deep, args.grace_s, key)
         repaired: list[str] = []
         if args.repair and report.problems:
             from pipeline.store.check import repair
 
             repaired = repair(store, report, args.grace_s)
-            report = verify(store, args.deep, args.grace_s)  # what is left
+            report = verify(store, args.deep, args.grace_s, key)  # what is left
             report.repaired = repaired
     except StoreError as e:  # no manifest, an unreadable one, a busy store (--repair)
         if args.json:

@@ -112,6 +112,13 @@ class UnservableError(ApiError):
     status_code = 503
 
 
+class PageImageRefusedError(ApiError):
+    """A chunk's stored page image lies outside the server's images root (or none is configured): it is not read,
+    so a mode that needs the chunk's pixels cannot serve it (the message names the chunk and the reason)."""
+
+    status_code = 422
+
+
 class BusyError(RetryLaterError):
     """The generator's batch and queue are full (its KV or batch cap): retry after `retry_after_s`."""
 

@@ -13,6 +13,7 @@ Layout under the store root (every file written atomically, never rewritten):
                                              generations whose chunk tables are identical)
     serving/entries/{digest}/...             current-fingerprint entries and each catalog row's range
     serving/leases/{holder}.json             `Lease` records, renewed by a heartbeat
+    serving/seals/{N:012d}.json              the generation's HMAC seal, when published with a key
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ GENERATIONS_DIR = f"{SERVING_DIR}/generations"
 CHUNKS_DIR = f"{SERVING_DIR}/chunks"
 ENTRIES_DIR = f"{SERVING_DIR}/entries"
 LEASES_DIR = f"{SERVING_DIR}/leases"
+SEALS_DIR = f"{SERVING_DIR}/seals"  # a generation's HMAC seal, when its publisher held the key (pipeline/store/seal.py)
 HOLDER = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 def generation_path(generation: int) -> str:
     return f"{GENERATIONS_DIR}/{generation:012d}.json"
+
+
+def seal_path(generation: int) -> str:
+    return f"{SEALS_DIR}/{generation:012d}.json"
 
 
 class SearchKind(str, Enum):

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from schemas.config import (
     DUMMY_PREFIX_SEED,
@@ -255,6 +256,18 @@ class Manifest(Frozen):
             return cls.model_validate_json(text)
         except ValidationError as e:
             raise ManifestError(f"invalid manifest: {e}") from e
+
+
+def _absolute_dir(path: str) -> str:
+    if not os.path.isabs(path):
+        raise ValueError(f"images_root must be an absolute path, not {path!r}")
+    return path
+
+
+# The one directory a serving host (or a recompile) reads scanned page images from: a chunk's `image_path` is
+# opened only when it resolves (symlinks, `..`) inside it (pipeline/store/entries.py `page_image_file`).
+# None: no page image is read at all, and chunks ingested from page images are answered from their KV alone.
+ImagesRoot = Annotated[str, AfterValidator(_absolute_dir)]
 
 
 class StoreSpec(Frozen):

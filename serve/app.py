@@ -19,7 +19,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from pipeline.runtime import check_store
-from pipeline.store import Store, ensure_generation, read_generation, require_recorded_parts
+from pipeline.store import (
+    Store,
+    check_seal,
+    current_generation_number,
+    ensure_generation,
+    hmac_key,
+    read_generation,
+    require_recorded_parts,
+)
 from schemas.api import StoreInfo
 from serve.config import ApiSpec, AppConfig, DeploymentConfig, LoaderPlacement, Routing
 from serve.engine import Generator
@@ -47,12 +55,16 @@ def api_spec(args: AppConfig) -> ApiSpec:
 
 def preflight(args: AppConfig) -> None:
     """Fail fast, before any replica starts, when the store was compiled for another model or has lost
-    table parts since its current generation (a listing per table, O(parts)); publish a serving
-    generation once when no job has (so replicas never race to build one)."""
+    table parts since its current generation (a listing per table, O(parts)), or, with an HMAC key configured,
+    when its current generation's seal is missing or wrong (`SealError`); publish a serving generation once
+    when no job has (so replicas never race to build one; unsealed, so a keyed app then refuses it)."""
     store = Store.open(args.store)
     check_store(store.load_manifest_or_raise(), args.model)
     require_recorded_parts(store, "not serving (docs/RELIABILITY.md: a store one publish away from losing entries)")
+    key = hmac_key(args.hmac_key_file)
     ensure_generation(store)
+    if key is not None:
+        check_seal(store, read_generation(store, current_generation_number(store)), key)
 
 
 def generator_routing(args: AppConfig) -> dict[str, Any]:
@@ -82,7 +94,7 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
     generator = deployment(Generator, "Generator", args.generator_deployment, **generator_routing(args)).bind(
         config=args.generator, loader=args.loader if loader is None else loader)
     inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
-        config=InspectorConfig(store=args.store))
+        config=InspectorConfig(store=args.store, images_root=args.images_root))
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(
         router=router, loader=loader, generator=generator, inspector=inspector, config=args.ingress,
         api=api_spec(args))

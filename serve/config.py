@@ -23,7 +23,7 @@ from schemas.api import MAX_TIMEOUT_S, Label, ResponseCacheLevel, StoreInfo
 from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.corpus import ALL_COLLECTIONS, COLLECTION_PATTERN, DEFAULT_COLLECTION
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
-from schemas.store import StoreSpec
+from schemas.store import ImagesRoot, StoreSpec
 
 
 class Placement(str, Enum):
@@ -285,6 +285,7 @@ class RouterConfig(StoreBound):
     scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
     query_cache_entries: int = Field(4096, ge=0)  # query vectors remembered per router replica, keyed per tenant
+    hmac_key_file: Path | None = None  # AppConfig.hmac_key_file: only generations sealed with it are served
 
 
 class LoaderConfig(StoreBound):
@@ -296,6 +297,7 @@ class GeneratorConfig(StoreBound):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()  # the batch: caps, queue, device hot tier
     recompute: RecomputeSpec = RecomputeSpec()  # linked chunks' tokens recomputed on the context (off by default)
+    images_root: ImagesRoot | None = None  # scanned pages are read only under it (AppConfig.images_root)
 
 
 class IngressConfig(Frozen):
@@ -326,7 +328,8 @@ class ApiSpec(Frozen):
 
 
 # The top-level fields each role gets a copy of; a role section may not set them itself.
-SHARED = {"router": ("store", "model", "reload"), "loader": ("store", "reload"), "generator": ("store", "model")}
+SHARED = {"router": ("store", "model", "reload", "hmac_key_file"), "loader": ("store", "reload"),
+          "generator": ("store", "model", "images_root")}
 DERIVED = {"router": ("carry_sources",)}  # router.carry_sources = generator.recompute.enabled
 
 
@@ -335,6 +338,13 @@ class AppConfig(StoreBound):
 
     model: ModelSpec = ModelSpec()
     reload: ReloadSpec = ReloadSpec()  # how router and loader follow the store's published generations
+    # The directory scanned page images are read from (full_image, recompute, repair, the inspector's pages); a
+    # chunk's stored `image_path` outside it is refused unread. None: no page image is read (docs/SECURITY.md).
+    images_root: ImagesRoot | None = None
+    # A file holding the key generations are sealed with (pipeline/store/seal.py), on every router host: the app
+    # refuses to start on, and routers refuse to switch to, a generation whose seal is missing or wrong. Unset:
+    # the QVPIC_HMAC_KEY environment variable if set, else seals are not checked. Never the key itself.
+    hmac_key_file: Path | None = None
     router: RouterConfig
     loader: LoaderConfig
     generator: GeneratorConfig
@@ -362,7 +372,8 @@ class AppConfig(StoreBound):
             return data
         data = dict(data)
         shared = {name: data[name] if name in data else cls.model_fields[name].get_default(call_default_factory=True)
-                  for name in ("model", "reload")} | ({"store": data["store"]} if "store" in data else {})
+                  for name in ("model", "reload")}
+        shared |= {name: data[name] for name in ("store", "images_root", "hmac_key_file") if name in data}
         sections = {role: data.get(role) or {} for role in SHARED}
         if not all(isinstance(section, Mapping) for section in sections.values()):
             return data  # pydantic names the section that is not a mapping

@@ -39,8 +39,9 @@ class S3Server:
         return f"http://{self.host}:{self.port}"
 
     def filesystem(self) -> pafs.S3FileSystem:
-        # allow_delayed_open: objects under ~10 MiB go up as one PUT; moto 5.2's CompleteMultipartUpload
-        # reply is rejected by pyarrow 26, so tests keep objects below one part.
+        # allow_delayed_open: objects under ~10 MiB go up as one PUT, as the store's own filesystem does; larger
+        # ones go multipart, which moto 5.2.5 completes for pyarrow 26.0.1 (tests/test_store_s3.py). What does
+        # not round-trip is an anonymous write: pyarrow then stores aws-chunked framing in the object (below).
         return pafs.S3FileSystem(
             access_key=S3_ENV["AWS_ACCESS_KEY_ID"], secret_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
             region=S3_ENV["AWS_DEFAULT_REGION"], endpoint_override=f"{self.host}:{self.port}", scheme="http",

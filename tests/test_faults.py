@@ -100,7 +100,8 @@ def add_scanned_page(root: Path, serving: ServingStore, image_path: Path) -> str
     store = Store.open(str(root))
     manifest = store.load_manifest_or_raise()
     chunk = Chunk.build("scan.png", 0, SCAN_TEXT, len(serving.vlm.adapter.encode(SCAN_TEXT)))
-    assert not compile_in_process(store, manifest, serving.vlm, [(chunk.chunk_key, chunk.text, str(image_path))])
+    assert not compile_in_process(store, manifest, serving.vlm, [(chunk.chunk_key, chunk.text, str(image_path))],
+                                  images_root=str(image_path.parent))
     store.publish_chunks([dict(chunk.model_dump(), embedding=serving.embedder.embed([chunk.text])[0].tolist(),
                                source="scan.png", image_path=str(image_path))])
     publish_generation(store, "tests")  # as a job ends: serving switches to what it wrote
@@ -113,7 +114,7 @@ def test_unrebuildable_entries_take_their_backup_or_are_a_clean_503(serving_stor
     image_path = tmp_path / "scan.png"
     scan = add_scanned_page(root, serving_store, image_path)
     router = Router(RouterConfig(store=str(root), model=serving_store.model, max_chunks=MAX_CHUNKS))
-    generator = Generator(GeneratorConfig(store=str(root), model=serving_store.model))
+    generator = Generator(GeneratorConfig(store=str(root), model=serving_store.model, images_root=str(tmp_path)))
     body = {"query": "When does the Glacier order ship?", "chunk_ids": [scan], "mode": "qvpic", "tau": 1.0,
             "max_new_tokens": 4}
     planned = asyncio.run(router.plan(AnswerRequest(**body)))

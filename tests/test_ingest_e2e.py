@@ -236,7 +236,8 @@ def test_recompile_after_renderer_change(ingested, tmp_path):
     store = Store.open(cfg.store)
     before = store.load_manifest_or_raise()
     num_texts = len(set(store.chunks()["chunk_key"].to_pylist()))
-    summary = recompile(RecompileConfig(store=cfg.store, render=RenderSpec(font_size_pt=10.0), orphan_grace_s=0.0))
+    summary = recompile(RecompileConfig(store=cfg.store, render=RenderSpec(font_size_pt=10.0), orphan_grace_s=0.0,
+                                        images_root=cfg.corpus))  # scan.png is read again from the corpus
     after = Store.open(cfg.store).load_manifest_or_raise()
     assert after.render.font_size_pt == 10.0 and before.render.font_size_pt == 9.0
     assert summary.num_compiled == num_texts and summary.num_failed == 0

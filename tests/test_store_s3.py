@@ -60,3 +60,22 @@ def test_objects_replaced_by_another_writer_are_detected(s3_server: S3Server, s3
     for row in rows:
         with pytest.raises(ShardCorruptError, match=row["shard_path"]):
             store.load_kv(row)
+
+
+def test_a_shard_above_one_part_goes_up_multipart_and_reads_back_across_the_boundary(s3_server: S3Server,
+                                                                                      s3_bucket: str) -> None:
+    """Issue 38: pyarrow uploads an object over its ~10 MiB part size as a multipart upload. Two ~7 MiB entries
+    make a ~14 MiB shard: S3 names a multipart object's ETag `<md5 of part md5s>-<number of parts>`, so the `-2`
+    proves the boundary was crossed, and the second entry's byte range straddles it."""
+    store = Store.open(f"s3://{s3_bucket}/mp", filesystem=s3_server.filesystem(), create=True)
+    generator = torch.Generator().manual_seed(38)
+    tensors = {name: torch.randn(2, 2, 2, 28_672, 8, generator=generator) for name in ("a", "b")}  # 7 MiB each
+    entries = store.write_shard(tensors)
+    (shard,) = {e.shard_path for e in entries}
+    head = s3_server.client().head_object(Bucket=s3_bucket, Key=f"mp/{shard}")
+    assert head["ContentLength"] > 10 * 2**20 and head["ETag"].strip('"').endswith("-2"), head["ETag"]
+    second = entries[1].index_fields()
+    assert second["byte_offset"] < 10 * 2**20 < second["byte_offset"] + second["nbytes"]  # straddles part 1 | 2
+    reader = Store.open(f"s3://{s3_bucket}/mp", filesystem=s3_server.filesystem(), create=True)  # a fresh client
+    loaded = reader.load_many([e.index_fields() for e in entries])  # each entry checked against its sha256
+    assert all(torch.equal(got, tensors[name]) for got, name in zip(loaded, ("a", "b")))

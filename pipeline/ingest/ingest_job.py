@@ -14,6 +14,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
@@ -41,7 +42,7 @@ from pipeline.ingest.stages import (
 )
 from pipeline.ingest.summary import IngestSummary
 from pipeline.runtime import Embedder, model_identity
-from pipeline.store import Store, StoreLease, current_generation_number, entry_slots, publish_generation
+from pipeline.store import Store, StoreLease, current_generation_number, entry_slots, hmac_key, publish_generation
 from schemas.config import AblationTiers, KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
 from schemas.store import Manifest, StoredModel, StoreSpec
@@ -65,6 +66,8 @@ class IngestConfig(JobResources):
     ablation_tiers: AblationTiers = AblationTiers.LOWEST
     legibility: bool = False  # OCR every image entry's pages into its index row (`--legibility`)
     force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
+    # seal the published generation with this key (pipeline/store/seal.py); unset: QVPIC_HMAC_KEY, else no seal
+    hmac_key_file: Path | None = None
 
     @field_validator("variants")
     @classmethod
@@ -184,9 +187,15 @@ def rows_per_batch(batch_size: int) -> int:
     return 4 * batch_size
 
 
-def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_size: int) -> ray.data.Dataset:
-    return rows.map_batches(RenderStage, fn_constructor_kwargs={"render": manifest.render}, batch_format="pyarrow",
-                            batch_size=rows_per_batch(batch_size), num_cpus=plan.render_cpus,
+def corpus_images_root(corpus: str) -> str:
+    """Where this corpus's page images lie: the root the readers confined them to (a file's folder)."""
+    return os.path.abspath(corpus if os.path.isdir(corpus) else os.path.dirname(os.path.abspath(corpus)))
+
+
+def render(rows: ray.data.Dataset, manifest: Manifest, plan: StagePlan, batch_size: int,
+           images_root: str | None) -> ray.data.Dataset:
+    return rows.map_batches(RenderStage, fn_constructor_kwargs={"render": manifest.render, "images_root": images_root},
+                            batch_format="pyarrow", batch_size=rows_per_batch(batch_size), num_cpus=plan.render_cpus,
                             compute=ActorPoolStrategy(min_size=1, max_size=plan.pool_max))
 
 
@@ -222,12 +231,12 @@ def in_a_task(fn: Callable[..., T], plan: StagePlan, *args: Any) -> T:
     return ray.get(ray.remote(fn).options(num_cpus=plan.task_cpus).remote(*args))
 
 
-def finish(spec: StoreSpec, job_id: str) -> None:
+def finish(spec: StoreSpec, job_id: str, key: bytes | None) -> None:
     """Compact what the job appended, then publish the generation serving switches to (catalog, entries,
-    vector index). Both are idempotent: a retried task redoes them."""
+    vector index; sealed with `key`). Both are idempotent: a retried task redoes them."""
     store = Store.open(spec)
     store.compact()
-    publish_generation(store, job_id)
+    publish_generation(store, job_id, hmac_key=key)
 
 
 def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
@@ -248,6 +257,7 @@ def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
 def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
     """Run the job (`key`: what `unchanged(cfg)` returned, when the caller asked it first)."""
     started, stamp_ns = time.perf_counter(), time.time_ns()
+    seal_key = hmac_key(cfg.hmac_key_file)  # an unreadable or short key fails here, before any work
     if key is None:
         key, skipped = unchanged(cfg)
         if skipped is not None:
@@ -270,13 +280,13 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         units, rest = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json", "needs_embedding"))
         rows = rest
         if units is not None:
-            units = render(units, manifest, plan, cfg.resources.batch_size)
+            units = render(units, manifest, plan, cfg.resources.batch_size, corpus_images_root(cfg.corpus))
             units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
             rows = compile_kv(units, compile_plan, plan).union(rest)
         tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined
 
         summary = IngestSummary.from_tallies(cfg.job_id, tallies.iter_batches(batch_size=None, batch_format="pyarrow"))
-        in_a_task(finish, plan, store.spec, cfg.job_id)
+        in_a_task(finish, plan, store.spec, cfg.job_id, seal_key)
         generation = current_generation_number(store)
         if generation is not None:  # under the lease: nothing else published in between
             write_record(store, key, summary, generation)

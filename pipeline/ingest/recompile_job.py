@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import ray.data
@@ -24,10 +25,10 @@ from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, conform_rows, of_kind
 from pipeline.ingest.shuffle import read_parts
 from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
-from pipeline.store import Store, StoreLease, entry_slots, publish_generation, remove_orphans
+from pipeline.store import Store, StoreLease, entry_slots, hmac_key, publish_generation, remove_orphans
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import ReaderSpec
-from schemas.store import ORPHAN_GRACE_S, Manifest, StoreSpec
+from schemas.store import ORPHAN_GRACE_S, ImagesRoot, Manifest, StoreSpec
 
 MAX_LISTED_FAILURES = 100  # in the summary; every failure is in the quarantine table
 _TALLY = pa.schema([("units", pa.int64()), ("compiled", pa.int64()), ("nbytes", pa.int64()),
@@ -42,6 +43,8 @@ class RecompileConfig(JobResources):
     orphan_grace_s: float = Field(ORPHAN_GRACE_S, ge=0)  # shards younger than this may belong to a job still running
     job_id: str = Field(default_factory=lambda: f"recompile-{uuid.uuid4().hex[:12]}")
     kv_quant: KVQuant | None = None  # None: the store's own KV format; another one rebuilds every entry
+    images_root: ImagesRoot | None = None  # the store's scanned pages are read only under it (None: not at all)
+    hmac_key_file: Path | None = None  # seal the published generation (unset: QVPIC_HMAC_KEY, else no seal)
 
 
 @dataclass
@@ -112,7 +115,8 @@ def _tally(batch: pa.Table, tally: Tally) -> pa.Table:
     return tally(batch)
 
 
-def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: float) -> tuple[int, int]:
+def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: float,
+           key: bytes | None) -> tuple[int, int]:
     """Switch to `new` (None: a failed job, which only compacts what it appended), publish the generation
     serving follows (the generations it still serves stay live), drop stale rows and collect orphan
     shards. Returns (index rows dropped, shards removed)."""
@@ -121,7 +125,7 @@ def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: f
         store.compact()
         return 0, 0
     store.write_manifest(new)  # the switch: atomic, and only once every new entry exists
-    publish_generation(store, job_id)
+    publish_generation(store, job_id, hmac_key=key)
     before = store.index().num_rows
     store.compact(keep_fingerprints={new.entry_fingerprint(v, t)
                                       for t, v in entry_slots(new, new.variants, include_lazy=True)})
@@ -130,6 +134,7 @@ def finish(spec: StoreSpec, job_id: str, new: Manifest | None, orphan_grace_s: f
 
 def recompile(cfg: RecompileConfig) -> RecompileSummary:
     started, stamp_ns = time.perf_counter(), time.time_ns()
+    seal_key = hmac_key(cfg.hmac_key_file)  # an unreadable or short key fails here, before any work
     store = Store.open(cfg.store)
     plan = plan_stages(cfg.resources, cfg.resource_wait_s, stages=("render",))  # or a clear refusal
     plan.apply(cfg.stall_timeout_s)
@@ -146,7 +151,8 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
         # of the rest, the tally counts the units (with nothing to rebuild); the chunk rows it does not count
         rows = rest.map_batches(of_kind, fn_args=(Kind.UNIT,), batch_format="pyarrow", num_cpus=plan.task_cpus)
         if work is not None:
-            rows = compile_kv(render(work, new, plan, cfg.resources.batch_size), compile_plan, plan).union(rows)
+            rendered = render(work, new, plan, cfg.resources.batch_size, cfg.images_root)
+            rows = compile_kv(rendered, compile_plan, plan).union(rows)
         tallies = rows.map_batches(_tally, fn_kwargs={"tally": Tally(store.spec, cfg.job_id, stamp_ns)},
                                    batch_format="pyarrow", batch_size=256, num_cpus=plan.task_cpus)
         units = compiled = nbytes = num_failed = 0
@@ -158,7 +164,8 @@ def recompile(cfg: RecompileConfig) -> RecompileSummary:
                 num_failed += len(batch_failures)
                 failures.update(list(batch_failures.items())[:max(0, MAX_LISTED_FAILURES - len(failures))])
         switch = not num_failed  # else keep serving the old manifest: the new one would point at missing entries
-        dropped, orphans = in_a_task(finish, plan, store.spec, cfg.job_id, new if switch else None, cfg.orphan_grace_s)
+        dropped, orphans = in_a_task(finish, plan, store.spec, cfg.job_id, new if switch else None, cfg.orphan_grace_s,
+                                     seal_key)
     return RecompileSummary(
         job_id=cfg.job_id, old_fingerprint=old.fingerprint, new_fingerprint=new.fingerprint, num_chunk_texts=units,
         num_compiled=compiled, num_failed=num_failed, failures=failures, num_entries_dropped=dropped,

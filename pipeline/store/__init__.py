@@ -9,8 +9,8 @@ from pipeline.facade import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "blobs": ["Blobs", "StoreError"],
     "entries": [
-        "PageImageError", "TEXT_SOURCED", "build_sized_entry", "compile_entries", "decode_png", "encode_png",
-        "index_row", "page_images"
+        "PageImageError", "PageImageRefused", "TEXT_SOURCED", "build_sized_entry", "compile_entries", "decode_png",
+        "encode_png", "index_row", "page_image_file", "page_images"
     ],
     "filesystem": ["resolve_filesystem"],
     "gc": ["collect_generations", "remove_orphans"],
@@ -20,6 +20,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "parts": ["parts_checks", "require_recorded_parts"],
     "publish": ["ensure_generation", "publish_generation"],
     "reload": ["GenerationWatcher", "acquire_current"],
+    "seal": ["SealError", "check_seal", "hmac_key", "write_seal"],
     "snapshots": ["local_copy"],
     "shards": ["ShardCorruptError", "ShardReader", "write_shard"],
     "slots": ["entry_slots", "required_keys", "slot_name"],

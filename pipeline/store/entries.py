@@ -10,6 +10,8 @@ path compiles one through `build_sized_entry`. Same source, same call, same byte
 from __future__ import annotations
 
 import io
+import os
+import stat
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,33 @@ TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compile
 
 class PageImageError(ValueError):
     """A chunk's page image cannot be read here."""
+
+
+class PageImageRefused(PageImageError):
+    """A chunk's `image_path` names a file outside the images root (or no root is configured): never opened.
+    The path comes from the store, whose checksums prove integrity, not authenticity: whoever can write the
+    store must not be able to make a serving host read (and return the pixels of) any file it can open."""
+
+
+def page_image_file(image_path: str, images_root: str | None) -> str:
+    """The file `image_path` names, symlinks and `..` resolved, when it is a regular file under `images_root`
+    (a relative path is taken relative to the root); `PageImageRefused` otherwise, before anything is opened.
+    A path swapped for a link between this check and the open needs write access under the root itself."""
+    if images_root is None:
+        raise PageImageRefused("page images are not read here: no images_root is configured")
+    if "\x00" in image_path:
+        raise PageImageRefused("page image path holds a NUL byte: not read")
+    root = os.path.realpath(images_root)
+    resolved = os.path.realpath(os.path.join(root, image_path))
+    if os.path.commonpath([root, resolved]) != root:
+        raise PageImageRefused(f"page image {image_path!r} lies outside images_root: not read")
+    try:
+        mode = os.stat(resolved).st_mode
+    except OSError as error:
+        raise PageImageError(f"page image {image_path!r} is not readable here: {error.strerror}") from None
+    if not stat.S_ISREG(mode):  # a FIFO or device under the root would hang or stream without end
+        raise PageImageRefused(f"page image {image_path!r} is not a regular file: not read")
+    return resolved
 
 
 def compile_entries(vlm: VLM, variant: Variant, sources: Sequence[Source]) -> list[ChunkKV]:
@@ -56,26 +85,29 @@ def scale_page(image: Image.Image, render: RenderSpec, tier: TierSpec) -> Image.
     return image.convert("RGB").resize((width_px, height_px), Image.Resampling.LANCZOS)
 
 
-def page_images(renderer: Renderer, text: str, image_path: str | None, tier: TierSpec) -> tuple[list[Image.Image], int]:
+def page_images(renderer: Renderer, text: str, image_path: str | None, tier: TierSpec, *,
+                images_root: str | None) -> tuple[list[Image.Image], int]:
     """A chunk's pages at `tier` and how many glyphs its fonts lack: its text rendered, or, for a
-    scanned page, the page image scaled. Raises RenderError (a ValueError) or PageImageError."""
+    scanned page, the page image scaled — read only under `images_root` (`page_image_file`). Raises
+    RenderError (a ValueError) or PageImageError (PageImageRefused for a path outside the root)."""
     if not image_path:
         rendered = renderer.render(text, tier)
         return rendered.pages, rendered.missing_glyphs
+    path = page_image_file(image_path, images_root)
     try:
-        with Image.open(image_path) as image:
+        with Image.open(path) as image:
             return [scale_page(image, renderer.spec, tier)], 0
     except OSError as error:
         raise PageImageError(f"page image {image_path} is not readable here: {error}") from error
 
 
 def build_sized_entry(vlm: VLM, renderer: Renderer, text: str, image_path: str | None, tier: str | None,
-                      variant: Variant) -> tuple[ChunkKV, list[list[int]]]:
+                      variant: Variant, *, images_root: str | None) -> tuple[ChunkKV, list[list[int]]]:
     """One entry from its chunk's stored source, exactly as ingest builds it, and the [width, height] of each
     page it compiled (its index row's `image_sizes_px`)."""
     if variant in TEXT_SOURCED:
         return compile_entries(vlm, variant, [text])[0], []
-    pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""))
+    pages, _ = page_images(renderer, text, image_path, renderer.spec.tier(tier or ""), images_root=images_root)
     return compile_entries(vlm, variant, [pages])[0], [[p.width, p.height] for p in pages]
 
 

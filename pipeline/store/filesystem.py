@@ -31,7 +31,8 @@ def _s3_filesystem(spec: StoreSpec) -> pafs.S3FileSystem:
     endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     # Delayed open turns an object under one part (~10 MiB) into a single PUT instead of a multipart
-    # upload: fewer round trips, and moto 5.2's CompleteMultipartUpload reply is rejected by pyarrow 26.
+    # upload (create, part, complete): fewer round trips. Larger objects go up multipart, atomically
+    # (tests/test_store_s3.py crosses the part boundary).
     options: dict[str, Any] = {"region": region, "allow_delayed_open": True}
     if endpoint:
         scheme, _, host = endpoint.partition("://")

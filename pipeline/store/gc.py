@@ -26,7 +26,7 @@ from pipeline.store.generations import current_generation_number, list_generatio
 from pipeline.store.leases import drop_expired_leases, read_leases
 from pipeline.store.snapshots import COMPLETE
 from pipeline.store.store import Store
-from schemas.generation import CHUNKS_DIR, ENTRIES_DIR, SERVING_DIR, generation_path
+from schemas.generation import CHUNKS_DIR, ENTRIES_DIR, SERVING_DIR, generation_path, seal_path
 from schemas.store import ORPHAN_GRACE_S
 
 STAGING_GRACE_S = 3600.0  # staging dirs older than this were left by a crashed job
@@ -84,6 +84,8 @@ def collect_generations(store: Store, now: datetime | None = None, min_dir_age_s
     removed = [number for number in list_generations(store) if number not in live]
     for number in removed:
         store.blobs.delete(generation_path(number))
+        if store.blobs.exists([seal_path(number)])[0]:
+            store.blobs.delete(seal_path(number))
     kept_dirs = set()
     for number in list_generations(store):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from pipeline.store.seal import write_seal
 from pipeline.store.store import Store
 from schemas.generation import CURRENT, GENERATIONS_DIR, Generation, generation_path
 
@@ -41,7 +42,10 @@ def list_generations(store: Store) -> list[int]:
                   if i.base_name.endswith(".json") and i.base_name[:-5].isdigit())
 
 
-def write_generation(store: Store, record: Generation) -> None:
-    """Write `record` and make it current: the pointer moves last, once the record is readable."""
+def write_generation(store: Store, record: Generation, hmac_key: bytes | None = None) -> None:
+    """Write `record` (and its seal, with `hmac_key`) and make it current: the pointer moves last, once the
+    record is readable and sealed, so a replica checking seals never sees the pointer before the seal."""
     store.blobs.put(generation_path(record.generation), record.model_dump_json(indent=2).encode())
+    if hmac_key is not None:
+        write_seal(store, record, hmac_key)
     store.blobs.put_json(CURRENT, {"generation": record.generation})  # the switch

@@ -24,11 +24,13 @@ from schemas.generation import Generation, SearchInfo, SearchSpec
 _PART_RETRIES = 5
 
 
-def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec()) -> Generation:
+def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(),
+                       hmac_key: bytes | None = None) -> Generation:
     """Snapshot what `store` serves now into a new generation and make it current; then collect the
     generations no live service needs. Snapshots are streamed from the table parts (memory holds one
     bucket of rows at any store size) and reused while the parts are unchanged, so a recompile rebuilds
-    only the entry table, and a rerun that changed nothing rebuilds nothing."""
+    only the entry table, and a rerun that changed nothing rebuilds nothing. With `hmac_key` the generation
+    is sealed (pipeline/store/seal.py) before serving is pointed at it."""
     manifest = store.load_manifest_or_raise()
     require_recorded_parts(store, "not publishing (the new generation would silently serve less)")
     for attempt in range(_PART_RETRIES):
@@ -46,7 +48,7 @@ def publish_generation(store: Store, job_id: str, spec: SearchSpec = SearchSpec(
         num_chunks=chunk_counts["num_chunks"], num_documents=chunk_counts["num_documents"],
         num_entries=entry_counts["num_entries"], search=search, job_id=job_id, published_at=datetime.now(timezone.utc),
         collections=chunk_counts.get("collections", {}))  # a chunks dir from before collections: none recorded
-    write_generation(store, record)
+    write_generation(store, record, hmac_key)
     collect_generations(store)
     return record
 

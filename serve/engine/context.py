@@ -19,10 +19,10 @@ from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.runtime import VLM, ChunkKV, LinkedPrompt, PreparedSegment, Renderer, prepare_segment
-from pipeline.store import PageImageError, page_images
+from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.api import CacheReport, FallbackReport, KVSource
 from schemas.config import Mode, RecomputeSpec, RenderSpec
-from schemas.errors import UnservableError
+from schemas.errors import PageImageRefusedError, UnservableError
 from serve.engine.loop import LinkedContext, OnlineContext
 from serve.engine.repair import Repairer
 from serve.handles import cancelling
@@ -59,8 +59,9 @@ def kv_sources(read: LoadResult, repaired: LoadResult) -> list[KVSource | None]:
 
 class ContextBuilder:
     def __init__(self, vlm: VLM, renderer: Renderer, render_spec: RenderSpec, hot: HotTier, recompute: RecomputeSpec,
-                 repairer: Repairer):
+                 repairer: Repairer, images_root: str | None):
         self.vlm, self.renderer, self.render_spec, self.recompute = vlm, renderer, render_spec, recompute
+        self.images_root = images_root  # scanned pages are read only under it
         self.hot = hot  # chunk KV resident on the device
         self.repairer = repairer
         # entry key → done when the request fetching it has put it in the hot tier (or failed); one event loop
@@ -77,7 +78,7 @@ class ContextBuilder:
             started = time.perf_counter()
             last = [i for i, c in enumerate(plan.chunks) if c.group == len(plan.layout.texts) - 2]  # recomputed group
             inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, [plan.chunks[i] for i in last],
-                                             [context.served[i] for i in last])
+                                             [context.served[i] for i in last], self.images_root)
             context.prefill.recompute = (self.recompute, inputs)
             context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
         return context
@@ -179,6 +180,9 @@ class ContextBuilder:
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:
         """A chunk's pages at its tier, made the way ingest made the ones it compiled."""
         try:
-            return page_images(self.renderer, chunk.text, chunk.image_path, self.render_spec.tier(chunk.tier))[0]
+            return page_images(self.renderer, chunk.text, chunk.image_path, self.render_spec.tier(chunk.tier),
+                               images_root=self.images_root)[0]
+        except PageImageRefused as error:
+            raise PageImageRefusedError(f"chunk {chunk.chunk_id}: {error}") from None
         except PageImageError as error:
             raise UnservableError(f"chunk {chunk.chunk_id}: {error}") from error

@@ -68,9 +68,9 @@ class Generator:
         # where the hot tier's misses come from; a LoaderConfig: this replica's own (loader_placement in_generator)
         self.loader = CacheLoader(loader) if isinstance(loader, LoaderConfig) else loader
         self.engine = Engine(self.vlm, config.engine)
-        self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock)
+        self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock, config.images_root)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),
-                                       config.recompute, self.repairer)
+                                       config.recompute, self.repairer, config.images_root)
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
                        loaded: LoadResult | None = None, loader: CacheLoader | None = None) -> Answer:

@@ -28,9 +28,11 @@ from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 
 
 class Repairer:
-    def __init__(self, store: Store, manifest: Manifest, vlm: VLM, renderer: Renderer, model_lock: threading.Lock):
+    def __init__(self, store: Store, manifest: Manifest, vlm: VLM, renderer: Renderer, model_lock: threading.Lock,
+                 images_root: str | None):
         self.store = store  # its chunk table is read only to rebuild an unreadable entry
         self.vlm, self.renderer = vlm, renderer
+        self.images_root = images_root  # a scanned page outside it is refused: the entry is not rebuilt
         self.model_lock = model_lock  # the engine's: a compile runs between its steps
         self.kv_quant = manifest.kv_quant  # a rebuilt entry is stored as the store's own are
         self.metrics = serve_metrics()
@@ -84,4 +86,4 @@ class Repairer:
         source = min(rows.select(["chunk_id", "text", "image_path"]).to_pylist(), key=lambda r: r["chunk_id"])
         with self.model_lock:  # between engine steps
             return build_sized_entry(self.vlm, self.renderer, source["text"], source["image_path"], entry.tier,
-                                     entry.variant)
+                                     entry.variant, images_root=self.images_root)

@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.runtime import VLM, ChunkInputs, Renderer, chunk_inputs
-from pipeline.store import TEXT_SOURCED, PageImageError, page_images
-from schemas.errors import UnservableError
+from pipeline.store import TEXT_SOURCED, PageImageError, PageImageRefused, page_images
+from schemas.errors import PageImageRefusedError, UnservableError
 from serve.plan import Entry, PlannedChunk
 
 
 def recompute_inputs(vlm: VLM, renderer: Renderer, chunks: Sequence[PlannedChunk],
-                     served: Sequence[Entry]) -> list[ChunkInputs]:
-    """The inputs of every linked chunk, from its planned source and the entry it is served from."""
+                     served: Sequence[Entry], images_root: str | None) -> list[ChunkInputs]:
+    """The inputs of every linked chunk, from its planned source and the entry it is served from (a scanned
+    page read only under `images_root`)."""
     if any(c.text is None for c in chunks):
         raise UnservableError("recompute needs the chunks' text: the router must carry it (RouterConfig.carry_sources)")
     inputs = []
@@ -28,7 +29,10 @@ def recompute_inputs(vlm: VLM, renderer: Renderer, chunks: Sequence[PlannedChunk
             inputs.append(chunk_inputs(vlm, chunk.text))
             continue
         try:
-            pages = page_images(renderer, chunk.text, chunk.image_path, renderer.spec.tier(entry.tier or ""))[0]
+            pages = page_images(renderer, chunk.text, chunk.image_path, renderer.spec.tier(entry.tier or ""),
+                                images_root=images_root)[0]
+        except PageImageRefused as error:
+            raise PageImageRefusedError(f"cannot recompute chunk {chunk.chunk_id}: {error}") from None
         except PageImageError as error:
             raise UnservableError(f"cannot recompute chunk {chunk.chunk_id}: {error}") from error
         inputs.append(chunk_inputs(vlm, pages))

@@ -19,7 +19,16 @@ import numpy as np
 from ray import serve
 
 from pipeline.runtime import Embedder, check_store
-from pipeline.store import GenerationWatcher, LeaseKeeper, Store, acquire_current, ensure_generation
+from pipeline.store import (
+    GenerationWatcher,
+    LeaseKeeper,
+    Store,
+    acquire_current,
+    check_seal,
+    ensure_generation,
+    hmac_key,
+    read_generation,
+)
 from schemas.api import MAX_QUERY_CHARS, AnswerRequest
 from schemas.config import check_tau
 from schemas.errors import ApiError, ContextLengthError, TooLargeError
@@ -56,6 +65,7 @@ class Router:
         self.query_vectors = QueryVectors(config.query_cache_entries)
         self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
         self.keeper = LeaseKeeper(self.store, "router", config.reload)
+        self.hmac_key = hmac_key(config.hmac_key_file)  # None: seals are not checked
         ensure_generation(self.store)  # a store no job published yet: snapshot it once, here
         current = acquire_current(self.store, self.keeper)
         self.snapshot: Snapshot = self.open_generation(current)  # swapped whole on reload
@@ -63,7 +73,10 @@ class Router:
                                          self._install)
 
     def open_generation(self, generation: int) -> Snapshot:
-        """`generation` opened and checked against this router's model and embedder (`ManifestError`)."""
+        """`generation` opened and checked against this router's model and embedder, and its seal against the HMAC
+        key when one is configured, before anything of it is opened (`ManifestError`; `SealError` is one)."""
+        if self.hmac_key is not None:
+            check_seal(self.store, read_generation(self.store, generation), self.hmac_key)
         snapshot = open_snapshot(self.store, generation, self.config.scan)
         check_store(snapshot.manifest, self.config.model)
         if self.embedder.model_name != snapshot.manifest.embedder:

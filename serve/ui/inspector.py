@@ -5,7 +5,8 @@ reader imports torch. A page image is rendered from the chunk's stored text with
 `RenderSpec` at the requested tier (or, for an ingested page image, that page scaled as ingest scaled it),
 through `page_images`, the function compile used: the same pixels the model saw. Ids are looked up, never
 opened: a chunk id the store does not know or a tier it does not have is a 404, and no path is ever built
-from a request. PNGs are kept in a small LRU (rendering a page costs tens of milliseconds), each with its
+from a request; a stored `image_path` outside the configured images root is refused unread (422). PNGs are
+kept in a small LRU (rendering a page costs tens of milliseconds), each with its
 chunk's collection: a chunk outside the caller's collections is the same 404 as one the store lacks, cached
 or not. The overview of a key that does not read every collection counts only its collections' chunks and
 documents, and shows no store-wide figures (KV entries, shared by content across collections) nor the
@@ -20,10 +21,19 @@ from collections import Counter
 from pydantic import Field
 
 from pipeline.runtime import Renderer
-from pipeline.store import Store, StoreError, current_generation_number, encode_png, page_images, read_generation
+from pipeline.store import (
+    PageImageRefused,
+    Store,
+    StoreError,
+    current_generation_number,
+    encode_png,
+    page_images,
+    read_generation,
+)
 from schemas.corpus import DEFAULT_COLLECTION
-from schemas.errors import UnknownIdsError, UnknownTierError
+from schemas.errors import PageImageRefusedError, UnknownIdsError, UnknownTierError
 from schemas.generation import counts_within, reads_all
+from schemas.store import ImagesRoot
 from serve.config import StoreBound
 from serve.kv.lru import ByteLRU
 from serve.ui.overview import EntryGroup, QuarantineReason, StoreOverview
@@ -37,6 +47,7 @@ def readable(grant: frozenset[str], collection: str) -> bool:
 
 class InspectorConfig(StoreBound):
     page_cache_nbytes: int = Field(64 * 2**20, ge=0)  # PNG bytes kept in memory
+    images_root: ImagesRoot | None = None  # AppConfig.images_root: a scanned page outside it is refused unread
 
 
 class Inspector:
@@ -44,6 +55,7 @@ class Inspector:
         self.store = Store.open(config.store)
         self.manifest = self.store.load_manifest_or_raise()
         self.renderer = Renderer(self.manifest.render)
+        self.images_root = config.images_root
         # (the chunk's collection, PNG bytes): the collection is checked on every hit
         self.pngs: ByteLRU[tuple[str, bytes]] = ByteLRU(config.page_cache_nbytes, lambda item: len(item[1]))
         self._lock = threading.Lock()  # Serve runs sync methods on a thread pool
@@ -70,7 +82,11 @@ class Inspector:
         collection = row["collection"] or DEFAULT_COLLECTION  # null: written before collections existed
         if not readable(collections, collection):
             raise unknown
-        pages, _ = page_images(self.renderer, row["text"], row["image_path"] or None, self.manifest.render.tier(tier))
+        try:
+            pages, _ = page_images(self.renderer, row["text"], row["image_path"] or None,
+                                   self.manifest.render.tier(tier), images_root=self.images_root)
+        except PageImageRefused as error:
+            raise PageImageRefusedError(f"chunk {chunk_id!r}: {error}") from None
         if not 0 <= page < len(pages):
             raise UnknownIdsError(f"chunk {chunk_id!r} has {len(pages)} page(s) at tier {tier!r}")
         png = encode_png(pages[page])

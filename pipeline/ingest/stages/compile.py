@@ -170,10 +170,10 @@ class CompileStage:
 
 
 def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list[tuple[str, str, str | None]],
-                       batch_size: int = 8, legibility: bool = False) -> dict[str, str]:
+                       batch_size: int = 8, legibility: bool = False, images_root: str | None = None) -> dict[str, str]:
     """Render and compile the entries the manifest needs and the store lacks for `(chunk_key, text,
     image_path)` sources in this process, through the pipeline's own stages (tests and benchmarks that
-    build stores without Ray). Returns the errors by chunk key."""
+    build stores without Ray; scanned pages read only under `images_root`). Returns the errors by chunk key."""
     units = []
     for key, text, image_path in dict.fromkeys(sources):
         keys = required_keys(manifest, key, manifest.variants)
@@ -185,5 +185,5 @@ def compile_in_process(store: Store, manifest: Manifest, vlm: VLM, sources: list
     if not units:
         return {}
     plan = CompilePlan(vlm.spec, store.spec, manifest.to_json(), batch_size, legibility=legibility)
-    built = CompileStage(plan, vlm=vlm)(RenderStage(manifest.render)(rows_table(units)))
+    built = CompileStage(plan, vlm=vlm)(RenderStage(manifest.render, images_root)(rows_table(units)))
     return {row["chunk_key"]: row["error"] for row in built.select(["chunk_key", "error"]).to_pylist() if row["error"]}

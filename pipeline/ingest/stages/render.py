@@ -25,14 +25,16 @@ ADDS = ("pages", "missing_glyphs", "error")
 class RenderStage:
     """Units → the same units with the pages (PNG per page, per tier) their missing slots need."""
 
-    def __init__(self, render: RenderSpec):
+    def __init__(self, render: RenderSpec, images_root: str | None):
         self.renderer = Renderer(render)
+        self.images_root = images_root  # scanned page images are read only under it
 
     def pages(self, unit: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
         tiers = {tier for tier, variant in json.loads(unit["slots_json"]) if Variant(variant) not in TEXT_SOURCED}
         out, missing = [], 0
         for tier in (t for t in self.renderer.spec.tiers if t.name in tiers):
-            pages, lacking = page_images(self.renderer, unit["text"], unit["image_path"], tier)
+            pages, lacking = page_images(self.renderer, unit["text"], unit["image_path"], tier,
+                                         images_root=self.images_root)
             out.append({"tier": tier.name, "png": [encode_png(p) for p in pages]})
             missing = max(missing, lacking)
         return out, missing

@@ -30,6 +30,7 @@ from pipeline.store.gc import protected_shards
 from pipeline.store.generations import current_generation_number, read_generation
 from pipeline.store.part_log import PART_PREFIX, PART_SUFFIX
 from pipeline.store.parts import parts_checks
+from pipeline.store.seal import SealError, check_seal
 from pipeline.store.shards import ShardCorruptError
 from pipeline.store.slots import entry_slots
 from pipeline.store.snapshots import is_complete
@@ -42,10 +43,14 @@ _SCAN = ["shard_path", "tensor_key", "byte_offset", "nbytes"]
 _DEEP = [*_SCAN, "dtype", "shape", "checksum"]
 
 
-def verify(store: Store, deep: bool = False, grace_s: float = ORPHAN_GRACE_S) -> Report:
+def verify(store: Store, deep: bool = False, grace_s: float = ORPHAN_GRACE_S, hmac_key: bytes | None = None
+           ) -> Report:
+    """The store's findings; with `hmac_key`, the current generation's seal is checked too."""
     report = Report(store=store.uri, deep=deep)
     manifest = store.load_manifest_or_raise()
     check_generation(store, report)
+    if hmac_key is not None:
+        check_current_seal(store, report, hmac_key)
     check_parts(store, report, deep)
     check_table_dirs(store, report, grace_s)
     shards = {store.blobs.rel(i.path): i for i in store.blobs.list("shards", recursive=True)}
@@ -64,6 +69,18 @@ def verify(store: Store, deep: bool = False, grace_s: float = ORPHAN_GRACE_S) ->
     report.add(Check.ORPHAN_SHARD, len(orphans), f"shards older than {grace_s:g} s that no index row and no live "
                "generation references", orphans, "deleted (remove_orphans, the recompile's own sweep)")
     return report
+
+
+def check_current_seal(store: Store, report: Report, key: bytes) -> None:
+    number = current_generation_number(store)
+    try:
+        if number is None:
+            raise SealError("no serving generation is published, so none is sealed")
+        check_seal(store, read_generation(store, number), key)
+        report.counts["sealed generation"] = number
+    except (FileNotFoundError, ValueError) as e:  # SealError is a ValueError; an unreadable record too
+        report.add(Check.SEAL, 1, str(e), repair="none: check the store, then `qvpic publish --hmac-key-file` "
+                   "seals a new generation of what it holds now")
 
 
 def check_generation(store: Store, report: Report) -> None:

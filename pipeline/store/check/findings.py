@@ -16,6 +16,7 @@ class Check(str, Enum):
 
     MANIFEST = "manifest"  # manifest.json missing or unreadable
     GENERATION = "generation"  # the current serving generation's record or snapshot is broken
+    SEAL = "seal"  # the current generation's HMAC seal is missing or does not match the key (--hmac-key-file)
     MISSING_PART = "missing_part"  # a part the current generation was built from is gone
     UNPUBLISHED_PART = "unpublished_part"  # a part written after the current generation (a note, not a problem)
     CHANGED_PART = "changed_part"  # a part changed size since (parts are written once)
