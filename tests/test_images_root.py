@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pipeline.ingest.stages import compile_in_process
 from pipeline.store import PageImageError, PageImageRefused, Store, page_image_file, publish_generation
 from schemas.api import AnswerRequest
-from schemas.corpus import Chunk
+from schemas.corpus import ALL_COLLECTIONS, Chunk
 from schemas.errors import PageImageRefusedError
 from serve.app import api_spec
 from serve.config import AppConfig, GeneratorConfig, RouterConfig
@@ -33,6 +33,7 @@ from tests.store_factory import MAX_CHUNKS, corrupt_entry, loader_of, serving_st
 from tests.test_api import call
 from tests.test_faults import SCAN_TEXT, add_scanned_page
 
+EVERY = frozenset({ALL_COLLECTIONS})  # the page tests read every collection: the root is what they test
 HOSTILE = {"a-absolute": "/etc/passwd", "b-dotdot": "../../x.png", "c-link": "link.png"}  # doc id -> stored path
 
 
@@ -139,16 +140,16 @@ def app_over(root: Path, serving, images_root: str | None):
 def test_the_inspector_returns_no_pixels_from_outside_the_root(hostile_store: Path, tree: Path,
                                                                  opened: list[str]) -> None:
     inspector = Inspector(InspectorConfig(store=str(hostile_store), images_root=str(tree)))
-    assert inspector.page_png("scan.png#00000", "low", 0).startswith(b"\x89PNG")  # the control: inside the root
+    assert inspector.page_png("scan.png#00000", "low", 0, EVERY).startswith(b"\x89PNG")  # the control: inside the root
     assert opened == [str(tree / "scan.png")]
     for doc in HOSTILE:
         with pytest.raises(PageImageRefusedError, match="outside images_root") as refused:
-            inspector.page_png(f"{doc}#00000", "low", 0)
+            inspector.page_png(f"{doc}#00000", "low", 0, EVERY)
         assert refused.value.status_code == 422 and doc in str(refused.value)
     assert opened == [str(tree / "scan.png")]  # nothing more was opened
     unset = Inspector(InspectorConfig(store=str(hostile_store)))
     with pytest.raises(PageImageRefusedError, match="no images_root is configured"):
-        unset.page_png("scan.png#00000", "low", 0)
+        unset.page_png("scan.png#00000", "low", 0, EVERY)
     assert len(opened) == 1
 
 
