@@ -13,31 +13,28 @@ connection, a client timeout past the deadline a hang.
     ingress and router on the head) — the worker killed is the one holding a generator ("generator node")
     and, where the loader is on a worker, the one holding it ("loader node"). Then the node is replaced for
     the next run.
-  - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened for
-    the run (`AUTOSCALING`: upscale after 2 s, downscale after 15 s, 12 s look-back); one client for
-    `CALM_S`, then `BUSY_CLIENTS` until the second replica runs and `BUSY_AFTER_S` more, then none. The
-    time to the second replica is split in two: to Serve's decision (the deployment turns UPSCALING) and
-    from it to the replica RUNNING (scheduling, its worker process, the model and the store opened).
+  - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened
+    (`GENERATOR_AUTOSCALING` of tests/cluster_fixtures.py, as tests/test_cluster.py runs it: upscale after
+    2 s, downscale after 15 s, 12 s look-back); one client for `CALM_S`, then `BUSY_CLIENTS` until the
+    second replica runs and `BUSY_AFTER_S` more, then none. The time to the second replica is split in
+    two: to Serve's decision (the deployment turns UPSCALING) and from it to the replica RUNNING
+    (scheduling, its worker process, the model and the store opened).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import yaml
 
 from pipeline.eval import markdown_table, write_section
-from tests.cluster_fixtures import LOOPBACK, REPO, RayCluster, start_cluster
+from tests.cluster_fixtures import GENERATOR_AUTOSCALING, LOOPBACK, REPO, Load, Outcome, RayCluster, start_cluster
 from tests.fixtures_s3 import running_s3
 from tests.ray_fixtures import free_port
 from tests.store_factory import DOCUMENTS
@@ -45,54 +42,7 @@ from tests.store_factory import DOCUMENTS
 QUERY = "When does part XK-4471-B ship?"
 DEADLINE_S = 60.0
 LOSS_AT_S, LOSS_RUN_S = 8.0, 30.0
-# target 1: one client keeps a generator below it, six above it on two. Replicas push their metrics every 10 s
-# (Ray's RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S): the look-back must exceed that.
-AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 2,
-               "downscale_delay_s": 15, "look_back_period_s": 12}
 CALM_S, BUSY_CLIENTS, BUSY_AFTER_S, IDLE_WAIT_S, UPSCALE_WAIT_S = 10.0, 6, 15.0, 120.0, 300.0
-
-
-@dataclass
-class Outcome:
-    started_s: float  # since the run's start
-    ended_s: float
-    result: int | str  # HTTP status, or the client error's name
-
-
-@dataclass
-class Load:
-    """Client threads sending requests until stopped; every outcome kept."""
-
-    url: str
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    t0: float = field(default_factory=time.monotonic)
-    threads: list[threading.Thread] = field(default_factory=list)
-    numbers: Iterator[int] = field(default_factory=itertools.count)  # distinct queries: no two alike
-
-    def add_clients(self, n: int) -> None:
-        for _ in range(n):
-            thread = threading.Thread(target=self._client, daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _client(self) -> None:
-        with httpx.Client(timeout=DEADLINE_S + 15) as client:  # the client outwaits the request's deadline
-            while not self.stop.is_set():
-                body = {"query": f"{QUERY} ({next(self.numbers)})", "max_new_tokens": 8, "top_k": 2,
-                        "timeout_s": DEADLINE_S}
-                started = time.monotonic() - self.t0
-                try:
-                    result: int | str = client.post(f"{self.url}/v1/answer", json=body).status_code
-                except httpx.HTTPError as error:
-                    result = type(error).__name__
-                self.outcomes.append(Outcome(started, time.monotonic() - self.t0, result))
-
-    def finish(self) -> list[Outcome]:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join()
-        return sorted(self.outcomes, key=lambda o: o.started_s)
 
 
 def app_args(cluster: RayCluster, bucket: str, loader: str, generator: dict) -> dict:
@@ -173,7 +123,7 @@ def node_loss(cluster: RayCluster, url: str, bucket: str) -> list[list]:
             if node is None:
                 rows.append([loader, kind, "no worker holds one", *[None] * 6])
                 continue
-            load = Load(url)
+            load = Load(url, QUERY, max_new_tokens=8, deadline_s=DEADLINE_S)
             load.add_clients(4)
             time.sleep(LOSS_AT_S)
             lost_at = time.monotonic() - load.t0
@@ -186,8 +136,8 @@ def node_loss(cluster: RayCluster, url: str, bucket: str) -> list[list]:
 
 
 def autoscaling(cluster: RayCluster, url: str, bucket: str) -> list[list]:
-    deploy(app_args(cluster, bucket, "head", {"num_replicas": None, "autoscaling_config": AUTOSCALING}))
-    load = Load(url)
+    deploy(app_args(cluster, bucket, "head", {"num_replicas": None, "autoscaling_config": GENERATOR_AUTOSCALING}))
+    load = Load(url, QUERY, max_new_tokens=8, deadline_s=DEADLINE_S)
 
     def watch(for_s: float, until: Callable[[str, int], bool] = lambda status, running: False) -> float | None:
         """Samples the Generator's status every 0.25 s for `for_s`; the time `until` first held, else None."""
@@ -273,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "that was not answered 200):\n\n"
         + markdown_table(["loader on", "node lost", "sent", "answered", "503", "other 5xx", "resets", "hangs",
                           "recovery s"], losses)
-        + f"\n\nGenerator autoscaling (min 1, max 2; Serve's delays shortened for the run: {AUTOSCALING}), one "
-        f"client for {CALM_S:g} s, then {BUSY_CLIENTS}:\n\n"
+        + "\n\nGenerator autoscaling (min 1, max 2; Serve's delays shortened for the run: "
+        f"{GENERATOR_AUTOSCALING}), one client for {CALM_S:g} s, then {BUSY_CLIENTS}:\n\n"
         + markdown_table(["s to Serve's decision", "s to start the replica", "sent meanwhile",
                           "answered meanwhile", "p50 ms calm", "p50 ms ramp", "p50 ms 2 replicas",
                           "scale-down: s after idle"], scaling)

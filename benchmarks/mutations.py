@@ -52,7 +52,7 @@ MUTATIONS = (
              "return Choice(tuple(ranks), Decision.AFFINITY, held)", "return Choice((), Decision.NO_STATS, {})",
              ("tests/test_affinity.py",), "requests go to the replica holding their chunks"),
     Mutation("retry-off", "serve/http/backend.py",
-             "if not replica_died(error):\n            raise", "if True:\n            raise",
+             "RETRY_ON_REPLICA_DEATH = True", "RETRY_ON_REPLICA_DEATH = False",
              ("tests/test_cluster_retry.py",), "a call whose replica died is retried once"),
     Mutation("cache-no-tenant", "serve/governance/response_cache.py",
              'scope = "shared" if policy.shared else f"t:{_digest(tenant)}"', 'scope = "shared"',

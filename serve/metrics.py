@@ -123,6 +123,10 @@ class ServeMetrics:
                                            "their KV came from: hit (the prefix cache) or computed", "outcome")
         self.prefix_cache_evictions = gauge("qvpic_prefix_cache_evicted_blocks", "Prefix-cache blocks dropped "
                                             "since the replica started (host tier full, or none)")
+        # by call (route, embed: the router's; generate, stream: the generator's): Ray reserves the `deployment` tag
+        self.replica_retries = counter("qvpic_replica_retries", "Calls the ingress made again because the replica "
+                                       "serving them died under them (its node lost, its process killed), by call; "
+                                       "a stream only before its first event", "call")
         self.tier_fallbacks = counter("qvpic_tier_fallbacks", "Chunks served from a lower tier than planned")
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
                                       "(l1/l2/l3 hit, miss, bypass: nothing cacheable, e.g. sampled; no_cache: the "

@@ -14,10 +14,12 @@ Import into a test module: `from tests.cluster_fixtures import ray_cluster, s3_s
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +36,12 @@ REPO = Path(__file__).resolve().parent.parent
 HEAD_CPUS = 4  # ingress, router, loader, the job driver and Ray Data's CPU stages
 WORKER_CPUS = 2  # a generator (1 CPU) beside a compile actor
 OBJECT_STORE_NBYTES = 200 * 2**20  # per node; tests move KiBs of KV
+# The generator's Serve autoscaling with its delays shortened (the defaults wait 30 s up, 600 s down), for
+# tests/test_cluster.py and benchmarks/cluster.py. Target 1: one client keeps a generator below it, a few
+# clients keep two above it. Replicas push their metrics every 10 s (Ray's
+# RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S): the look-back must exceed that.
+GENERATOR_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 2,
+                         "downscale_delay_s": 15, "look_back_period_s": 12}
 # Ray turns a loopback bootstrap address into the machine's routable one (services.resolve_ip_for_localhost),
 # where nodes bound to 127.0.0.1 cannot be found, unless it takes multi-node clusters to be off: its
 # Windows/macOS switch, read by every process that joins (drivers, `ray job submit`, workers).
@@ -89,6 +97,57 @@ class RayCluster:
         import ray
 
         return {n["NodeID"]: "gpu" if n["Resources"].get("GPU") else "head" for n in ray.nodes() if n["Alive"]}
+
+
+@dataclass
+class Outcome:
+    started_s: float  # since the load's start
+    ended_s: float
+    result: int | str  # HTTP status, or the client error's name (a reset connection; ReadTimeout: a hang)
+
+
+@dataclass
+class Load:
+    """Client threads each sending distinct non-streaming `/v1/answer` requests (no two alike, so no response
+    cache answers them) one after another until stopped, each with a deadline the client outwaits; every
+    outcome kept."""
+
+    url: str
+    query: str
+    max_new_tokens: int
+    deadline_s: float = 60.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    t0: float = field(default_factory=time.monotonic)
+    threads: list[threading.Thread] = field(default_factory=list)
+    numbers: Iterator[int] = field(default_factory=itertools.count)
+
+    def add_clients(self, n: int) -> None:
+        for _ in range(n):
+            thread = threading.Thread(target=self._client, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _client(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=self.deadline_s + 15) as client:
+            while not self.stop.is_set():
+                body = {"query": f"{self.query} ({next(self.numbers)})", "max_new_tokens": self.max_new_tokens,
+                        "top_k": 2, "timeout_s": self.deadline_s}
+                started = time.monotonic() - self.t0
+                try:
+                    result: int | str = client.post(f"{self.url}/v1/answer", json=body).status_code
+                except httpx.HTTPError as error:
+                    result = type(error).__name__
+                self.outcomes.append(Outcome(started, time.monotonic() - self.t0, result))
+
+    def finish(self) -> list[Outcome]:
+        """Stops the clients once their requests in flight end; every outcome, in the order they started."""
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+        return sorted(self.outcomes, key=lambda o: o.started_s)
 
 
 def node_env(scratch: Path) -> dict[str, str]:

@@ -1,14 +1,22 @@
 """qvpic on a real 3-node Ray cluster (tests/cluster_fixtures.py): ingest submitted to the job server spreads
-its compile actors over both GPU nodes and builds the store a one-node run builds; `qvpic serve --address`
-puts a generator on each GPU node and the rest on the head; a recompile lands while the app serves; and a
-lost generator node costs no request that had not streamed yet."""
+its compile actors over both GPU nodes and builds the store a one-node run builds; an autoscaled generator
+(min 1, max 2) starts its second replica on the other GPU node under load and drops it when idle; `qvpic
+serve --address` puts a generator on each GPU node and the rest on the head; a recompile lands while the app
+serves; and a lost generator node costs no request that had not streamed yet (counted retries), a stream on
+it ending with an error event.
+
+The module shares one cluster, so order matters: the node loss runs last (it leaves one GPU node), and every
+deploy uses one HTTP port (Serve keeps the HTTP options of its first start)."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +24,15 @@ import torch
 
 from pipeline.store import Store
 from schemas.store import StoreSpec
-from tests.cluster_fixtures import LOOPBACK, REPO, RayCluster, ray_cluster, s3_server  # noqa: F401  (fixtures)
+from tests.cluster_fixtures import (  # noqa: F401  (fixtures)
+    GENERATOR_AUTOSCALING,
+    LOOPBACK,
+    REPO,
+    Load,
+    RayCluster,
+    ray_cluster,
+    s3_server,
+)
 from tests.ray_fixtures import free_port
 from tests.store_factory import DOCUMENTS
 
@@ -146,13 +162,26 @@ def app_config(cluster: RayCluster, bucket: str):
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster: RayCluster, ingested: dict, bucket: str) -> str:
-    port = free_port()
-    done = ray_cluster.qvpic("serve", "--address", ray_cluster.address, "--detach", "--config", str(GPU_CONFIG),
-                             "--store", ray_cluster.store_uri(bucket), "--endpoint-url", ray_cluster.s3.endpoint_url,
-                             "--generator-replicas", "2", "--host", LOOPBACK, "--port", str(port))
+def http_port() -> int:
+    return free_port()
+
+
+def qvpic_serve(cluster: RayCluster, bucket: str, port: int, config: Path, *flags: str) -> str:
+    """`qvpic serve --detach` of `config` over the cluster's store (returns once every deployment runs); its URL."""
+    done = cluster.qvpic("serve", "--address", cluster.address, "--detach", "--config", str(config), "--store",
+                         cluster.store_uri(bucket), "--endpoint-url", cluster.s3.endpoint_url, *flags,
+                         "--host", LOOPBACK, "--port", str(port))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return f"http://{LOOPBACK}:{port}"
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster: RayCluster, ingested: dict, bucket: str, http_port: int) -> str:
+    """Deployed over the autoscaling test's app (one generator by then): `qvpic serve` returns once every
+    deployment has a replica running (/readyz), so the second generator is waited for here."""
+    url = qvpic_serve(ray_cluster, bucket, http_port, GPU_CONFIG, "--generator-replicas", "2")
+    assert wait_for(lambda: generators_running() == 2, SCALE_OUT_WAIT_S), "the second generator never ran"
+    return url
 
 
 def ask(url: str, query: str = QUERY, timeout_s: float = 60, **fields) -> httpx.Response:
@@ -199,6 +228,59 @@ def reference_answer(cluster: RayCluster, bucket: str, query: str) -> str:
         loader.close()
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Whether `condition()` held within `timeout_s` (a bound on a wait, not a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def generators_running() -> int:
+    """The Generator's RUNNING replicas, as the Serve controller counts them."""
+    from ray import serve
+
+    return serve.status().applications["qvpic"].deployments["Generator"].replica_states.get("RUNNING", 0)
+
+
+# Four clients keep four requests on one replica, four times GENERATOR_AUTOSCALING's target of one; 32 tokens
+# each keeps them well under serve/config-gpu.yaml's 20 requests/s per tenant. Serve decided within 5 s and
+# the replica ran 17 s later in benchmarks/cluster.py; idle, it dropped it 20 s later: the waits bound those.
+SCALING_CLIENTS, SCALING_TOKENS, SCALE_OUT_WAIT_S, SCALE_IN_WAIT_S = 4, 32, 180, 120
+
+
+def test_the_generator_scales_out_to_the_other_gpu_node_under_load_and_back_in_when_idle(
+        ray_cluster, ingested, bucket, http_port, tmp_path):
+    """serve/config-gpu.yaml with the generator autoscaled from 1 to 2 replicas (GENERATOR_AUTOSCALING: Serve's
+    delays shortened). Runs before `served` redeploys the app with two fixed replicas."""
+    import yaml
+
+    config = yaml.safe_load(GPU_CONFIG.read_text())
+    config["applications"][0]["args"]["generator_deployment"]["autoscaling_config"] = GENERATOR_AUTOSCALING
+    (path := tmp_path / "config-autoscaling.yaml").write_text(yaml.safe_dump(config))
+    url = qvpic_serve(ray_cluster, bucket, http_port, path)
+    kinds = ray_cluster.node_kinds()
+    assert generators_running() == 1
+    (first,) = replica_nodes()["Generator"]
+    load = Load(url, QUERY, max_new_tokens=SCALING_TOKENS)
+    load.add_clients(SCALING_CLIENTS)
+    try:
+        scaled_out = wait_for(lambda: generators_running() == 2, SCALE_OUT_WAIT_S)
+        nodes = replica_nodes()["Generator"]
+        two_from_s = time.monotonic() - load.t0
+        # and the load goes on until requests sent to two replicas are answered too
+        wait_for(lambda: sum(o.started_s > two_from_s for o in load.outcomes) >= SCALING_CLIENTS, 60)
+    finally:
+        outcomes = load.finish()
+    assert scaled_out, f"no second generator within {SCALE_OUT_WAIT_S} s of {SCALING_CLIENTS} clients"
+    assert first in nodes and len(set(nodes)) == 2 and {kinds[n] for n in nodes} == {"gpu"}, (first, nodes, kinds)
+    assert Counter(o.result for o in outcomes) == Counter({200: len(outcomes)})
+    assert sum(o.started_s > two_from_s for o in outcomes) >= SCALING_CLIENTS
+    assert wait_for(lambda: generators_running() == 1, SCALE_IN_WAIT_S), "still two generators after idling"
+
+
 def test_serve_puts_a_generator_on_each_gpu_node_and_the_rest_on_the_head(ray_cluster, served, bucket):
     kinds, nodes = ray_cluster.node_kinds(), replica_nodes()
     assert sorted(kinds[n] for n in nodes["Generator"]) == ["gpu", "gpu"] and len(set(nodes["Generator"])) == 2
@@ -242,33 +324,92 @@ def test_recompile_while_serving_switches_every_replica(ray_cluster, served, buc
     # replica's old lease may linger until it expires; the set check above says none names an old generation)
 
 
+def generator_requests() -> dict[str, int]:
+    """Ray node id → requests in flight in the generator replica there, as the replica counts them (Serve's
+    `ReplicaActor.get_num_ongoing_requests`, Ray-internal: checked on 2.60; Serve turns Ray's task events off
+    on its actors, so `ray.util.state.list_tasks` lists none), the replicas found through `ray.util.state`."""
+    import ray
+    from ray.util.state import list_actors
+
+    return {actor.node_id: ray.get(ray.get_actor(actor.name, namespace=actor.ray_namespace)
+                                   .get_num_ongoing_requests.remote(), timeout=30)
+            for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            if actor.class_name == "ServeReplica:qvpic:Generator"}
+
+
+def replica_retries(url: str) -> Counter[str]:
+    """`qvpic_replica_retries_total` by call, from the ingress's `GET /metrics`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return Counter({sample.labels["call"]: sample.value for family in text_string_to_metric_families(text)
+                    for sample in family.samples if sample.name == "qvpic_replica_retries_total"})
+
+
+class Stream:
+    """A streamed `/v1/answer` read in a thread: `started` is set at its first text event, `last` is its last
+    event once `thread` ends."""
+
+    def __init__(self, url: str, max_new_tokens: int):
+        self.url, self.max_new_tokens = url, max_new_tokens
+        self.started, self.last = threading.Event(), {}
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        body = {"query": f"{QUERY} (stream)", "max_new_tokens": self.max_new_tokens, "top_k": 2, "timeout_s": 60,
+                "stream": True}
+        with httpx.stream("POST", f"{self.url}/v1/answer", json=body, timeout=75) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.last = json.loads(line.removeprefix("data: "))
+                    if self.last.get("type") == "delta":
+                        self.started.set()
+
+
+# Seven answers beside the stream: eight in flight, the ingress's autoscaling target (serve/config-gpu.yaml),
+# so it stays one replica and its /metrics counts every retry. 384 tokens keep them decoding for seconds
+# (tiny-qwen decodes to max_new_tokens); the stream's 2,048 outlast the loss.
+PLAINS, PLAIN_TOKENS, STREAM_TOKENS = 7, 384, 2048
+
+
 def test_losing_a_generator_node_loses_no_request_that_had_not_streamed(ray_cluster, served, bucket):
-    """In-flight requests when a GPU node dies: those that had streamed nothing are retried on the other
-    generator (serve/http/backend.py), a stream already under way ends with an error event, none hangs."""
+    """The GPU node killed is the one whose generator holds a stream that has sent text and, beside it, answers
+    that have sent nothing: those are retried on the other generator (serve/http/backend.py, counted in
+    qvpic_replica_retries_total) and answered 200; the stream ends with an error event, never retried."""
+    assert len(replica_nodes()["Ingress"]) == 1  # /metrics is one ingress replica's
+    assert wait_for(lambda: sum(generator_requests().values()) == 0, 60)  # nothing left from the tests before
+    before = replica_retries(served)
+    stream = Stream(served, STREAM_TOKENS)
+    assert stream.started.wait(60), stream.last
+    seen: dict[str, int] = {}
+
+    def in_flight() -> dict[str, int]:
+        seen.clear()
+        seen.update(generator_requests())
+        return seen
+
+    assert wait_for(lambda: sum(in_flight().values()) == 1, 30), seen
+    (lost,) = [node for node, n in seen.items() if n == 1]  # the stream alone is in flight: it is there
 
     def plain(i: int) -> int | str:
         try:
-            return ask(served, f"{QUERY} ({i})", max_new_tokens=24).status_code
+            return ask(served, f"{QUERY} ({i})", max_new_tokens=PLAIN_TOKENS).status_code
         except httpx.HTTPError as error:  # a reset connection or a hang past the deadline
             return type(error).__name__
 
-    def stream() -> str:
-        body = {"query": f"{QUERY} (stream)", "max_new_tokens": 48, "top_k": 2, "timeout_s": 60, "stream": True}
-        last = ""
-        with httpx.stream("POST", f"{served}/v1/answer", json=body, timeout=75) as response:
-            for line in response.iter_lines():
-                last = line or last
-        return json.loads(last.removeprefix("data: "))["type"]
-
-    with ThreadPoolExecutor(9) as pool:
-        plains = [pool.submit(plain, i) for i in range(8)]
-        streamed = pool.submit(stream)
-        time.sleep(1.5)  # the requests are in the generators' batches
-        ray_cluster.remove_worker(ray_cluster.workers[0])
+    with ThreadPoolExecutor(PLAINS) as pool:
+        plains = [pool.submit(plain, i) for i in range(PLAINS)]
+        # the stream and at least one answer that has sent nothing (none is streamed) on the node to lose
+        assert wait_for(lambda: in_flight().get(lost, 0) >= 2, 30, poll_s=0.1), seen
+        ray_cluster.remove_worker(next(node for node in ray_cluster.workers if node.node_id == lost))
         statuses = Counter(f.result() for f in plains)
-        last_event = streamed.result()
-    assert statuses == Counter({200: 8}), statuses
-    assert last_event in ("done", "error")
+    stream.thread.join(75)
+    retried = replica_retries(served)
+    retried.subtract(before)
+    assert statuses == Counter({200: PLAINS}), statuses
+    assert retried["generate"] >= 1 and retried["stream"] == 0, retried
+    assert stream.last.get("type") == "error" and stream.last.get("status_code") == 503, stream.last
     assert ask(served, f"{QUERY} after the loss").status_code == 200
     verify = ray_cluster.qvpic("verify", "--store", ray_cluster.store_uri(bucket), "--s3-endpoint",
                                ray_cluster.s3.endpoint_url)

@@ -106,3 +106,21 @@ def test_a_stream_is_retried_before_its_first_event_and_ends_in_the_error_after_
         asyncio.run(read())
     assert events == ["a"] and len(started.calls) == 1  # the client had text: no second answer after it
     assert started_responses[0].cancelled
+
+
+def retries(call: str) -> float:
+    """`qvpic_replica_retries_total` of this process (0 before its first increment)."""
+    from serve.metrics import serve_metrics
+
+    return serve_metrics().registry.get_sample_value("qvpic_replica_retries_total", {"call": call}) or 0.0
+
+
+def test_each_retry_is_counted_by_call_and_nothing_else_is():
+    before = {call: retries(call) for call in ("generate", "stream", "route")}
+    asyncio.run(backend(Handle(iter([Response(DIED), Response("answer")]))).generate("plan", "sampling"))
+    collect(backend(Handle(iter([Response(DIED), Response(None, ["a", "done"])]))).stream("plan", "sampling"))
+    with pytest.raises(ValueError):  # not a replica's death: no retry, no count
+        asyncio.run(backend(Handle(iter([Response(ValueError("bad"))]))).route("request"))
+    with pytest.raises(ActorDiedError):  # died after its first event: no retry, no count
+        collect(backend(Handle(iter([Response(DIED, ["a"])]))).stream("plan", "sampling"))
+    assert {call: retries(call) - before[call] for call in before} == {"generate": 1.0, "stream": 1.0, "route": 0.0}

@@ -146,6 +146,17 @@ def test_the_dashboard_reads_every_metric_and_only_those():
     assert [name for name, series in exported.items() if not series & used] == []  # every metric has a panel
 
 
+def test_no_metric_takes_a_tag_ray_serve_reserves():
+    """Inside a replica Ray Serve adds these tags itself and refuses a metric that declares one: the replica
+    (the ingress, for qvpic_replica_retries with a `deployment` label) then fails to start. Outside a replica,
+    as here, nothing checks it."""
+    from ray.serve.metrics import APPLICATION_TAG, DEPLOYMENT_TAG, REPLICA_TAG
+
+    reserved = {APPLICATION_TAG, DEPLOYMENT_TAG, REPLICA_TAG}
+    assert {family.name: set(family.labels) & reserved for family in serve_metrics().families()
+            if set(family.labels) & reserved} == {}
+
+
 @pytest.mark.e2e
 def test_serve_exports_metrics_and_flushes_the_request_log(ray_session, serving_store, tmp_path):
     from ray import serve

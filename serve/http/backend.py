@@ -31,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
 from serve.handles import cancelling
+from serve.metrics import serve_metrics
 from serve.plan import Answer, Embedded, Plan
 
 if TYPE_CHECKING:  # the in-process roles; the ingress never imports them
@@ -85,11 +86,12 @@ class HandleBackend:
                 finished = True
                 return
             except Exception as error:
-                if streamed or retried or not replica_died(error):
+                if streamed or retried or not retryable(error):
                     raise
                 retried = True
                 log.warning("stream: %s before its first event; retrying once on another replica",
                             type(error_cause(error)).__name__)
+                serve_metrics().replica_retries.inc(call="stream")
             finally:
                 if not finished:  # the reader went away (disconnect, deadline) or the stream failed
                     events.cancel()
@@ -134,6 +136,9 @@ def error_cause(error: Exception) -> Exception:
     return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
 
 
+# False only to show that tests fail without the retry: the node-loss control of tests/test_cluster.py, and
+# benchmarks/mutations.py `retry-off`.
+RETRY_ON_REPLICA_DEATH = True
 # The replica behind a call is gone (its actor or node died): the call never ran to an end there.
 REPLICA_DEATHS = (RayActorError, WorkerCrashedError, ObjectLostError)
 # A replica died, was unreachable or shed load mid-request: Serve restarts or scales it, so a retry can succeed.
@@ -153,14 +158,20 @@ def replica_died(error: Exception) -> bool:
     return failure_in(error, REPLICA_DEATHS) is not None
 
 
+def retryable(error: Exception) -> bool:
+    return RETRY_ON_REPLICA_DEATH and replica_died(error)
+
+
 async def retried_once(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """`call()`, and once more when its replica died under it (Serve routes the retry to a live one)."""
+    """`call()`, and once more when its replica died under it (Serve routes the retry to a live one);
+    each retry counted in `qvpic_replica_retries_total`."""
     try:
         return await call()
     except Exception as error:
-        if not replica_died(error):
+        if not retryable(error):
             raise
         log.warning("%s: %s; retrying once on another replica", what, type(error_cause(error)).__name__)
+        serve_metrics().replica_retries.inc(call=what)
     return await call()
 
 
