@@ -85,7 +85,7 @@ def test_only_a_replica_death_is_retried_and_only_once():
     assert len(other.calls) == 1  # negative control: an ordinary error is the answer
     twice = Handle(iter([Response(DIED), Response(DIED), Response("answer")]))
     with pytest.raises(ActorDiedError) as raised:
-        asyncio.run(backend(twice).route("request"))
+        asyncio.run(backend(twice).route("request", None, frozenset({"public"})))
     assert len(twice.calls) == 2
     assert api_error(raised.value) == (503, "a serving replica failed during this request (ActorDiedError); retry it")
 
@@ -120,7 +120,7 @@ def test_each_retry_is_counted_by_call_and_nothing_else_is():
     asyncio.run(backend(Handle(iter([Response(DIED), Response("answer")]))).generate("plan", "sampling"))
     collect(backend(Handle(iter([Response(DIED), Response(None, ["a", "done"])]))).stream("plan", "sampling"))
     with pytest.raises(ValueError):  # not a replica's death: no retry, no count
-        asyncio.run(backend(Handle(iter([Response(ValueError("bad"))]))).route("request"))
+        asyncio.run(backend(Handle(iter([Response(ValueError("bad"))]))).route("request", None, frozenset({"public"})))
     with pytest.raises(ActorDiedError):  # died after its first event: no retry, no count
         collect(backend(Handle(iter([Response(DIED, ["a"])]))).stream("plan", "sampling"))
     assert {call: retries(call) - before[call] for call in before} == {"generate": 1.0, "stream": 1.0, "route": 0.0}
