@@ -122,7 +122,10 @@ class Slab(Cache):
 
     @property
     def rows_index(self) -> torch.Tensor:
-        return torch.arange(self.num_rows, device=self.lengths.device)[:, None]
+        """`[rows, 1]`: 0..rows-1, made once per slab (every layer's cache update indexes with it)."""
+        if getattr(self, "_rows_index", None) is None or self._rows_index.shape[0] != self.num_rows:
+            self._rows_index = torch.arange(self.num_rows, device=self.lengths.device)[:, None]
+        return self._rows_index
 
     # ---- rows joining and leaving --------------------------------------------------------------
     @staticmethod

@@ -86,8 +86,10 @@ class FusedLayer:
 
 
 def rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """transformers' Qwen2RMSNorm, operation for operation (the variance in float32)."""
+    """transformers' Qwen2RMSNorm (the variance in float32), as torch's one fused kernel where x is float32."""
     weight, eps = norm
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.to(torch.float32)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
