@@ -3,8 +3,9 @@ imported by the project's code (vllm is imported inside `main`, so the project's
 
     .peer-vllm/bin/python benchmarks/peer/vllm_side.py JOB.json OUT.json
 
-A job is JSON: the checkpoint, dtype and image pixel budget, and a list of tasks run on one engine (one
-start); a request is one user turn of parts, `{"text": ...}` or `{"image": "/path.png"}`, sent as chat
+A job is JSON: the checkpoint, dtype and image pixel budget (optionally `prefix_caching` false, and a
+`kv_connector_path` for vLLM's ExampleConnector), and a list of tasks run on one engine (one start); a request
+is one user turn of parts, `{"text": ...}` or `{"image": "/path.png"}`, sent as chat
 messages (the checkpoint's own chat template, images as base64 data URLs, parts in order), so that vLLM
 templates, tokenises and preprocesses the images itself. Tasks (`kind`):
 - `oracle`: greedy, `max_tokens` each; per request its prompt token ids, output ids and the top-2 logprobs
@@ -12,7 +13,7 @@ templates, tokenises and preprocesses the images itself. Tasks (`kind`):
 - `oracle_top`: as `oracle`, keeping each step's `top` best (token id, log-probability), and vLLM's version
   (benchmarks/peer/record_oracle.py records it for tests/test_vllm_oracle.py);
 - `ttft`: the `warm` requests once (the prefix cache then holds whatever it can of the measured ones), then
-  each of `requests` alone, one new token, timed (ms), with its prompt tokens;
+  each of `requests` alone, one new token, timed (ms), with its prompt tokens and the token it chose;
 - `decode`: the requests submitted together at each `concurrency`, `max_tokens` new tokens each, no early
   stop; tokens/s = new tokens / wall time, after a warm pass (their prompts in the prefix cache).
 """
@@ -42,9 +43,17 @@ def main(job_path: str, out_path: str) -> int:
 
     with open(job_path) as f:
         job = json.load(f)
+    extra = {}
+    if job.get("kv_connector_path"):  # benchmarks/connector_spike.py: KV saved to and loaded from this folder
+        from vllm.config import KVTransferConfig
+
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": job["kv_connector_path"]})
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
-              enable_prefix_caching=True, limit_mm_per_prompt={"image": job["max_images"], "video": 0},
-              mm_processor_kwargs={"min_pixels": job["min_pixels"], "max_pixels": job["max_pixels"]})
+              enable_prefix_caching=job.get("prefix_caching", True),
+              limit_mm_per_prompt={"image": job["max_images"], "video": 0},
+              mm_processor_kwargs={"min_pixels": job["min_pixels"], "max_pixels": job["max_pixels"]}, **extra)
 
     def chat(batch, params):
         return llm.chat([messages(parts) for parts in batch], params, chat_template_content_format="openai",
@@ -86,13 +95,14 @@ def ttft(chat, sampling, task: dict) -> dict:
     one = sampling(temperature=0.0, max_tokens=1)
     for parts in task["warm"]:
         chat([parts], one)
-    times, tokens = [], []
+    times, tokens, first = [], [], []
     for parts in task["requests"]:
         started = time.perf_counter()
         (o,) = chat([parts], one)
         times.append((time.perf_counter() - started) * 1e3)
         tokens.append(len(o.prompt_token_ids))
-    return {"ttft_ms": times, "context_tokens": tokens}
+        first.append(o.outputs[0].token_ids[0] if o.outputs[0].token_ids else None)
+    return {"ttft_ms": times, "context_tokens": tokens, "first_tokens": first}
 
 
 def decode(chat, sampling, task: dict) -> dict:
