@@ -201,7 +201,8 @@ def test_recompile_keeps_the_store_lazy_and_its_written_back_entries(lazy_root, 
     new, _ = recompile_manifest(store.load_manifest_or_raise(), RecompileConfig(store=store.spec,
                                                                                  model=serving_store.model))
     assert new.lazy_tiers == ("high",)  # a recompile builds no high tier either
-    finish(store.spec, "recompile-test", new, orphan_grace_s=3600.0)  # publish, compact to current fingerprints
+    finish(store.spec, "recompile-test", new, orphan_grace_s=3600.0, key=None)  # publish, compact to current
+    # fingerprints (no seal key)
     assert Store.open(uri).has_entries([key]) == {key}
     eager_only = {new.entry_fingerprint(v, t) for t, v in entry_slots(new, new.variants)}
     Store.open(uri).compact(keep_fingerprints=eager_only)  # negative control: what keeping jobs' slots alone drops

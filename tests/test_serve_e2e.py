@@ -28,11 +28,15 @@ MODEL = ModelSpec(path="tiny-qwen", device="cpu")
 
 
 @pytest.fixture(scope="module")
-def store_uri(ray_session, tmp_path_factory) -> str:
+def corpus(tmp_path_factory):
+    return tmp_path_factory.mktemp("corpus")  # also the app's images_root: scan.png is read from here
+
+
+@pytest.fixture(scope="module")
+def store_uri(ray_session, corpus, tmp_path_factory) -> str:
     from ray.data import DataContext
 
     DataContext.get_current().enable_progress_bars = False
-    corpus = tmp_path_factory.mktemp("corpus")
     lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)}) for doc_id, texts in DOCUMENTS.items()]
     (corpus / "docs.jsonl").write_text("\n".join(lines) + "\n")
     page = Image.new("RGB", (900, 260), "white")
@@ -47,7 +51,7 @@ def store_uri(ray_session, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def base_url(store_uri):
+def base_url(store_uri, corpus):
     from ray import serve
 
     from serve.app import build_app
@@ -55,7 +59,7 @@ def base_url(store_uri):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
-    args = {"store": {"uri": store_uri}, "model": MODEL.model_dump(mode="json"),
+    args = {"store": {"uri": store_uri}, "model": MODEL.model_dump(mode="json"), "images_root": str(corpus),
             "router": {"max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS},
             "ingress": {"default_top_k": 2},
             "generator_deployment": {"num_gpus": 1}}  # placed on the (logical) GPU; the model stays on MODEL.device
