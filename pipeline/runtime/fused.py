@@ -43,7 +43,9 @@ class Projection:
         weight = weight.to(dtype).contiguous() if self.cast else weight  # [out, in]
         self.bias = bias.to(dtype) if bias is not None and self.cast else bias
         self.packed = None
-        if spec.prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if spec.prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+                dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            # (a CPU without native bf16, e.g. AVX2 only, keeps aten's bf16 product: slow, but the same numbers)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         self.weight = None if self.cast and self.packed is not None else weight
 
