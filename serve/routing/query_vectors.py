@@ -8,42 +8,31 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
+from serve.kv.lru import ByteLRU
+
 
 class QueryVectors:
-    """LRU of `max_entries` query vectors (`[dim]` float32, ~1.5 KB each for MiniLM); 0 entries: off."""
+    """The last `max_entries` query vectors (`[dim]` float32, ~1.5 KB each for MiniLM), least recently used
+    first out (the tiers' `ByteLRU`, each entry weighing 1); 0 entries: off."""
 
     def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._vectors: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self._vectors: ByteLRU[np.ndarray] = ByteLRU(max_entries, lambda _: 1)
+        self._lock = threading.Lock()  # ByteLRU is not thread-safe on its own
 
     @staticmethod
-    def key(salt: bytes, text: str) -> bytes:
-        return hashlib.sha256(salt + b"\x00" + text.encode("utf-8", "surrogatepass")).digest()
+    def key(salt: bytes, text: str) -> str:
+        return hashlib.sha256(salt + b"\x00" + text.encode("utf-8", "surrogatepass")).hexdigest()
 
     def get(self, salt: bytes, text: str) -> np.ndarray | None:
-        key = self.key(salt, text)
         with self._lock:
-            vector = self._vectors.get(key)
-            if vector is None:
-                self.misses += 1
-                return None
-            self._vectors.move_to_end(key)
-            self.hits += 1
-            return vector
+            return self._vectors.get(self.key(salt, text))
 
     def put(self, salt: bytes, text: str, vector: np.ndarray) -> None:
-        if not self.max_entries:
-            return
         with self._lock:
-            self._vectors[self.key(salt, text)] = vector
-            while len(self._vectors) > self.max_entries:
-                self._vectors.popitem(last=False)
+            self._vectors.put(self.key(salt, text), vector)
 
     def __len__(self) -> int:
         return len(self._vectors)
