@@ -156,8 +156,8 @@ def test_a_mask_that_lets_padding_through_breaks_the_equality(vlm, chunks, monke
     """Negative control: the same batch with padded columns left visible no longer matches."""
     original = batch.Slab.prepare
 
-    def leaky(self, real, dtype):
-        positions, mask = original(self, real, dtype)
+    def leaky(self, real, dtype, *explicit):
+        positions, mask = original(self, real, dtype, *explicit)
         return positions, torch.zeros_like(mask)  # attend to everything, pads included
 
     monkeypatch.setattr(batch.Slab, "prepare", leaky)

@@ -167,3 +167,59 @@ def test_bytes_stay_bounded_and_evicted_blocks_come_back_from_the_host_tier():
     found = cache.match(hashes[3:5])  # on the host tier: promoted back, values intact
     assert len(found) == 2 and torch.equal(found[1].kv, kv[:, :, :, 16:20])
     assert cache.stats.device_nbytes <= 3 * block_nbytes
+
+
+def two_group_prompt(vlm, chunks, first_answer: list[int]) -> LinkedPrompt:
+    """Turn 2 as the conversation layout renders it: `[system][turn 1's chunks][turn 1's question, its answer,
+    the next user header][turn 2's chunks][turn 2's question]` — two groups, a text run between them."""
+    first = native_prompt(vlm, chunks[:2], "When does invoice 4471 ship?")
+    between = (first.after.ids + first_answer + vlm.adapter.encode("<|im_end|>\n<|im_start|>user\n"))
+    return LinkedPrompt([first.before, PreparedSegment(between), PreparedSegment(vlm.query_turn_ids("And QZ-19?"))],
+                        [first.chunks, [chunks[2]]], [first.identities[0], [b"qz-19"]])
+
+
+def sequential_logits(vlm, prompt: LinkedPrompt) -> torch.Tensor:
+    """The reference: transformers' own forward over a DynamicCache, one part after another (each text run
+    forwarded, each group re-anchored after it by `assemble`), the first answer token's logits `[vocab]`."""
+    from transformers import DynamicCache
+
+    from pipeline.runtime.kv import ChunkKV, assemble
+    from schemas.config import ChunkKind
+
+    cache, position, kv = DynamicCache(), 0, None
+    for i, text in enumerate(prompt.texts):
+        state = vlm._forward(torch.tensor([text.ids]), cache, position)
+        cache, position = state.cache, state.next_position
+        if i == len(prompt.groups):
+            return state.logits[0, -1]
+        kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+        context = assemble(ChunkKV(kv, position, 0, ChunkKind.TEXT), prompt.groups[i], vlm.rotations)
+        cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in context.layers])
+        position = context.next_position
+
+
+def test_text_between_groups_is_computed_in_the_query_forward_and_equals_the_sequential_reference(vlm, chunks,
+                                                                                                  monkeypatch):
+    """A follow-up's text between its cached run and its new chunks is a hole in the row, forwarded with the
+    question in one pass: transformers' own forward is never called (it was, once per text run), and the first
+    token's logits equal the reference of forwarding each part in turn — cold (every text a hole) and warm (the
+    earlier turn from the prefix cache)."""
+    warm, cold = Driver(vlm), Driver(vlm, cache_nbytes=0)
+    first = warm.run(native_prompt(vlm, chunks[:2], "When does invoice 4471 ship?"), max_new_tokens=4)
+    prompt = two_group_prompt(vlm, chunks, first.token_ids)
+    reference = sequential_logits(vlm, prompt)
+    calls = []
+    monkeypatch.setattr(vlm, "_forward", lambda *a, **k: calls.append(a) or pytest.fail("a separate forward ran"))
+    seqs = {"cold": cold.run(prompt, max_new_tokens=1), "warm": warm.run(prompt, max_new_tokens=1)}
+    assert not calls
+    assert seqs["cold"].prefix_cached_tokens == 0
+    assert seqs["warm"].prefix_cached_tokens >= prompt.starts()[2]  # turn 1's system and chunks at least
+    for name, driver in (("cold", cold), ("warm", warm)):
+        logits = driver.logits[seqs[name].id][0]
+        assert (logits - reference).abs().max().item() < TOLERANCE, name
+        assert int(logits.argmax()) == int(reference.argmax())
+    # Control: turn 2's chunk linked before the text run instead of after it is told apart, by the engine too.
+    moved = LinkedPrompt([prompt.texts[0], PreparedSegment(prompt.texts[1].ids + prompt.texts[2].ids)],
+                         [prompt.groups[0] + prompt.groups[1]], [prompt.identities[0] + prompt.identities[1]])
+    other = cold.run(moved, max_new_tokens=1)
+    assert (cold.logits[other.id][0] - reference).abs().max().item() > 10 * TOLERANCE

@@ -30,10 +30,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
+from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
 from pipeline.runtime.timing import ms_since
-from schemas.config import RecomputeSpec
+from schemas.config import ChunkKind, RecomputeSpec
 
 
 class SlabLayer(CacheLayerMixin):
@@ -158,20 +159,30 @@ class Slab(Cache):
         return kept
 
     # ---- one forward -----------------------------------------------------------------------------
-    def prepare(self, real: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, real: torch.Tensor, dtype: torch.dtype, columns: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Set where this forward writes (`real` [rows, new]: which new tokens are real, pad slots first)
         and return its `(3, rows, new)` positions (M-RoPE's axes, equal for text) and `[rows, 1, new, width]`
-        additive mask."""
+        additive mask.
+
+        By default each row writes its new tokens at its next columns and positions. `columns` and `positions`
+        `[rows, new]` place them explicitly instead (a row's text runs between linked chunks, then its query:
+        pipeline/runtime/linked_prompt.py `Hole`), ascending along each row's real slots; a token then sees the
+        written columns before its own and the new tokens before it, never a linked chunk that lies after it."""
         num_rows, num_new = real.shape
         steps = torch.arange(num_new, device=real.device)
-        self.write_columns = self.lengths[:, None] + steps  # [rows, new]
+        self.write_columns = self.lengths[:, None] + steps if columns is None else columns  # [rows, new]
         self.width = int(self.write_columns.max()) + 1
         if self.width > self.capacity:
             raise RuntimeError(f"slab of {self.capacity} columns cannot take column {self.width - 1}")
-        # Real tokens take consecutive positions; a pad slot repeats its row's first one (it is masked out).
-        offsets = (real.long().cumsum(1) - 1).clamp(min=0)
-        positions = (self.next_positions[:, None] + offsets).unsqueeze(0).expand(3, -1, -1)
+        if positions is None:
+            # Real tokens take consecutive positions; a pad slot repeats its row's first one (it is masked out).
+            offsets = (real.long().cumsum(1) - 1).clamp(min=0)
+            positions = self.next_positions[:, None] + offsets
+        positions = positions.unsqueeze(0).expand(3, -1, -1)
         allowed = self.valid[:, None, :self.width].expand(num_rows, num_new, self.width).clone()
+        if columns is not None:  # written columns after a token (chunks linked past its run) are hidden from it
+            allowed &= torch.arange(self.width, device=real.device) < self.write_columns[:, :, None]
         causal = real[:, None, :] & (steps[None, :, None] >= steps[None, None, :])  # [rows, t, t'≤t real]
         allowed.scatter_(2, self.write_columns[:, None, :].expand(num_rows, num_new, num_new), causal)
         allowed[self.rows_index, steps[None, :], self.write_columns] = True  # pad slots see themselves: finite
@@ -179,53 +190,96 @@ class Slab(Cache):
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return positions, mask.unsqueeze(1)
 
-    def advance(self, real: torch.Tensor) -> None:
-        """After the forward: mark the real tokens' columns written, move lengths and positions on."""
+    def advance(self, real: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """After the forward: mark the real tokens' columns written, move lengths and positions on (`positions`:
+        the explicit ones `prepare` was given; each row's last slot is real)."""
         self.valid[self.rows_index, self.write_columns] = real
-        self.lengths = self.lengths + real.shape[1]
-        self.next_positions = self.next_positions + real.long().sum(1)
+        if positions is None:
+            self.lengths = self.lengths + real.shape[1]
+            self.next_positions = self.next_positions + real.long().sum(1)
+        else:
+            self.lengths = self.write_columns.max(1).values + 1
+            self.next_positions = positions[:, -1] + 1
 
 
 @torch.inference_mode()
 def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | None], contexts: Sequence[Sequence[ChunkKV]],
                     queries: Sequence[list[int]], reserves: Sequence[int],
                     recomputes: Sequence[tuple[RecomputeSpec, list[ChunkInputs]] | None] | None = None,
-                    ) -> tuple[Slab, torch.Tensor, list[float]]:
+                    holes: Sequence[Sequence[Hole]] | None = None) -> tuple[Slab, torch.Tensor, list[float]]:
     """Assemble every context straight into its row of a new slab, then prefill every query on top of its
     own context in one forward.
 
     Row j holds `[bases[j]][context j's chunks, re-anchored after it]` at columns `[0, C_j)` — the base is what
     precedes the chunks at positions 0.. (the prompt's text before them, or a prefix-cache run; see
-    pipeline/runtime/linked_prompt.py) — and its query right after, left-padded to the longest query (so every
-    row's last token is real and only its logits are computed); `reserves[j]` more columns are kept for its
-    decoded tokens. Returns the slab, the logits `[rows, vocab]` and each row's assembly time (ms).
+    pipeline/runtime/linked_prompt.py) — then each of `holes[j]`: a text run left unwritten and the chunks linked
+    after it, then its query. The runs and the query are the row's new tokens, forwarded together in this one
+    pass (each sees only the columns before it), left-padded to the longest row (so every row's last token is
+    real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens.
+    Returns the slab, the logits `[rows, vocab]` and each row's assembly time (ms).
     `recomputes[j]` (spec, chunk inputs): recompute row j's selected chunk tokens after its assembly (its time
     counts as prefill, not assembly; see pipeline/runtime/selective_recompute.py).
     """
-    num_rows, longest = len(queries), max(len(q) for q in queries)
-    if longest == 0:
+    holes = holes if holes is not None else [[] for _ in queries]
+    if any(len(q) == 0 for q in queries):
         raise ValueError("every row needs at least one query token to prefill")
+    # Each row's new tokens: its holes' text runs, then its query; left-padded to the longest row.
+    counts = [sum(h.text.num_tokens for h in row) + len(q) for row, q in zip(holes, queries)]
+    num_rows, longest = len(queries), max(counts)
     shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]: the slab's shape
-    context_lengths = [(base.num_tokens if base is not None else 0) + sum(c.num_tokens for c in chunks)
-                       for base, chunks in zip(bases, contexts)]
-    capacity = max(n + longest + r for n, r in zip(context_lengths, reserves))
+    linked_lengths = [(base.num_tokens if base is not None else 0) + sum(c.num_tokens for c in chunks)
+                      + sum(c.num_tokens for h in row for c in h.chunks)
+                      for base, chunks, row in zip(bases, contexts, holes)]
+    capacity = max(n + longest + r for n, r in zip(linked_lengths, reserves))
     slab = Slab.empty(shape.shape[0], num_rows, shape.shape[2], capacity, shape.shape[4], vlm.dtype, vlm.device)
+    pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((num_rows, longest), pad, dtype=torch.long)
+    real = torch.zeros(num_rows, longest, dtype=torch.bool)
+    columns = torch.zeros(num_rows, longest, dtype=torch.long)  # where each slot is written
+    positions = torch.zeros(num_rows, longest, dtype=torch.long)  # and its (text) position
     assembly_ms = []
     for row, (base, chunks) in enumerate(zip(bases, contexts)):
         started = time.perf_counter()
         context = assemble_row(vlm, base, chunks, slab.kv[:, :, row])
         slab.valid[row, :context.num_tokens] = True
-        slab.lengths[row], slab.next_positions[row] = context.num_tokens, context.next_position
+        column, position, slot = context.num_tokens, context.next_position, longest - counts[row]
+        for hole in holes[row]:  # the run's columns stay unwritten (invalid) until the forward fills them
+            column, position, slot = _place(ids, columns, positions, row, slot, hole.text.ids, column, position)
+            if hole.chunks:
+                linked = link_at(vlm, hole.chunks, position, slab.kv[:, :, row, :, column:])
+                slab.valid[row, column:column + linked.num_tokens] = True
+                column, position = column + linked.num_tokens, linked.next_position
         assembly_ms.append(ms_since(started, vlm.device))
         if recomputes is not None and recomputes[row] is not None:
             recompute(vlm, context, chunks, recomputes[row][1], recomputes[row][0])
-    pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
-    ids = torch.full((num_rows, longest), pad, dtype=torch.long, device=vlm.device)
-    real = torch.zeros(num_rows, longest, dtype=torch.bool, device=vlm.device)
-    for row, query in enumerate(queries):
-        ids[row, longest - len(query):] = torch.tensor(query, device=vlm.device)
-        real[row, longest - len(query):] = True
-    return slab, forward(vlm, slab, ids, real), assembly_ms
+        # Pad slots (invisible) take the columns between the linked context and the query.
+        pads = longest - counts[row]
+        columns[row, :pads] = torch.arange(column, column + pads)
+        positions[row, :pads] = position
+        _place(ids, columns, positions, row, slot, queries[row], column + pads, position)
+        real[row, pads:] = True
+    ids, real, columns, positions = (t.to(vlm.device) for t in (ids, real, columns, positions))
+    return slab, forward(vlm, slab, ids, real, columns, positions), assembly_ms
+
+
+def _place(ids: torch.Tensor, columns: torch.Tensor, positions: torch.Tensor, row: int, slot: int,
+           tokens: Sequence[int], column: int, position: int) -> tuple[int, int, int]:
+    """Text `tokens` into `row`'s slots from `slot`, at consecutive columns and positions; where all three end."""
+    n = len(tokens)
+    ids[row, slot:slot + n] = torch.tensor(list(tokens), dtype=torch.long)
+    columns[row, slot:slot + n] = torch.arange(column, column + n)
+    positions[row, slot:slot + n] = torch.arange(position, position + n)
+    return column + n, position + n, slot + n
+
+
+def link_at(vlm: VLM, chunks: Sequence[ChunkKV], position: int, out: torch.Tensor) -> AssembledContext:
+    """`chunks` re-anchored from `position` into `out` `[layers, 2, kv_heads, ≥tokens, head_dim]` from its first
+    column (after a text run of the same row: an empty base carries the position)."""
+    if position <= 0:
+        raise ValueError("chunks linked after a text run start past position 0")
+    layers, _, heads, _, head_dim = out.shape
+    empty = ChunkKV(out.new_empty(layers, 2, heads, 0, head_dim), position, 0, ChunkKind.TEXT)
+    return assemble_row(vlm, empty, chunks, out)
 
 
 def assemble_row(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], out: torch.Tensor) -> AssembledContext:
@@ -263,15 +317,17 @@ def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
     return forward(vlm, slab, ids, torch.ones_like(ids, dtype=torch.bool))
 
 
-def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    positions, mask = slab.prepare(real, vlm.dtype)
+def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor, columns: torch.Tensor | None = None,
+            explicit: torch.Tensor | None = None) -> torch.Tensor:
+    """`columns`/`explicit` `[rows, new]`: where the new tokens go and their positions (`Slab.prepare`)."""
+    positions, mask = slab.prepare(real, vlm.dtype, columns, explicit)
     if vlm.fused is not None:  # pipeline/runtime/fused.py: new tokens are text, so one position axis says all
         logits = vlm.fused.forward(slab, ids, positions[0], mask)
-        slab.advance(real)
+        slab.advance(real, explicit)
         return logits
     if vlm.adapter.rope_axes == 1:  # plain 1-D RoPE (LLaVA-OneVision): `[rows, new]`
         positions = positions[0]
     out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=slab, use_cache=True,
                     logits_to_keep=1)
-    slab.advance(real)
+    slab.advance(real, explicit)
     return out.logits[:, -1]

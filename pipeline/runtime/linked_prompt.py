@@ -7,6 +7,9 @@ prompt's blocks up in the prefix cache (pipeline/runtime/prefix_cache.py) and re
     base    KV of every column before the last group's part still to link, at positions 0.. — the cached run,
             then what remains of the earlier texts forwarded and of the earlier groups linked, in order
     chunks  the last group's chunks still to link after `base` (none when the cached run covers them)
+    holes   with `defer_texts`: the texts still to compute before the last group, each with the chunks linked
+            after it — left as holes in the row, computed by the batched prefill in the tail's forward (one read
+            of the weights for a follow-up turn, not one per text run)
     tail    what the batched query prefill still has to run of the last text (at least its last token, whose
             logits pick the first answer token)
 
@@ -19,7 +22,7 @@ is cut back to its start, and the chunk is linked from its own KV.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,13 +74,28 @@ class LinkedPrompt:
 
 
 @dataclass
+class Hole:
+    """A text run left unwritten in the row, then chunks linked after it: the run is computed in the same forward
+    as the tail (its tokens see only the columns before them; pipeline/runtime/batch.py `Slab.prepare`)."""
+
+    text: PreparedSegment  # text only (a run holding an image is forwarded on its own, in `resume`)
+    chunks: list[ChunkKV]  # linked right after the run, re-anchored at the position the run ends at
+
+
+@dataclass
 class Resumed:
     base: ChunkKV | None  # columns [0, n): compile_start 0, position_span = the next position
-    chunks: list[ChunkKV]  # of the last group, to link after `base`
+    chunks: list[ChunkKV]  # linked right after `base`
     tail: PreparedSegment  # of the last text, to prefill after them
     cached_columns: int  # columns of `base` that came from the prefix cache
     stream: StreamKeys  # the prompt's column keys (the decoded tokens are added when it is stored)
     ends: tuple[int, ...]  # where each text before a group ends, and the prompt: partial blocks are kept there
+    holes: list[Hole] = field(default_factory=list)  # after `chunks`, before `tail`, in order
+
+    @property
+    def linked_tokens(self) -> int:
+        """Columns linked from chunk KV (after the cached run): `chunks` and every hole's."""
+        return sum(c.num_tokens for c in self.chunks) + sum(c.num_tokens for h in self.holes for c in h.chunks)
 
 
 def segment_keys(vlm, stream: StreamKeys, segment: PreparedSegment, start: int) -> int:
@@ -112,8 +130,11 @@ def prompt_keys(vlm, prompt: LinkedPrompt) -> StreamKeys:
 
 
 @torch.inference_mode()
-def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, past_groups: bool = True) -> Resumed:
-    """`past_groups=False`: use cached columns only before the last group (selective recompute re-derives it)."""
+def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, past_groups: bool = True,
+           defer_texts: bool = False) -> Resumed:
+    """`past_groups=False`: use cached columns only before the last group (selective recompute re-derives it).
+    `defer_texts`: the texts still to compute before the last group come back as `holes` for the batched
+    prefill (when none of them holds an image), instead of being forwarded here one by one."""
     stream = prompt_keys(vlm, prompt)
     starts = prompt.starts()  # [t0, g0, t1, g1, …, tn, end]
     last_group, last_text = starts[-3], starts[-2]
@@ -140,19 +161,26 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
     position = int(next_positions[columns - 1]) if columns else 0
     if columns >= last_text:  # the run reaches into the last text
         return Resumed(_base(kv, position), [], prompt.after.tail(columns - last_text), columns, stream, ends)
-    # Compute what remains before the last group: the rest of each text, the rest of each earlier group.
-    for i, text in enumerate(prompt.texts[:-1]):
-        text_start, group_start = starts[2 * i], starts[2 * i + 1]
-        if columns < group_start:
-            kv, position = _forward(vlm, kv, text.tail(max(columns - text_start, 0)), position)
-        group, group_end = prompt.groups[i], starts[2 * i + 2]
-        if i == len(prompt.groups) - 1:  # the last group: linked by the batched prefill, after `base`
-            return Resumed(_base(kv, position), _from(group, max(columns, group_start) - group_start), prompt.after,
-                           columns, stream, ends)
-        if columns < group_end:
-            rest = _from(group, max(columns - group_start, 0))
-            kv, position = _link(vlm, kv, rest, position)
-    raise AssertionError("a prompt has at least one group")
+    # What remains before the last group: the rest of each text, the rest of each earlier group.
+    rests = [text.tail(max(columns - starts[2 * i], 0)) if columns < starts[2 * i + 1] else None
+             for i, text in enumerate(prompt.texts[:-1])]
+    defer = defer_texts and not any(r is not None and r.image_spans for r in rests)
+    linked: list[ChunkKV] = []  # chunks after `base` before any hole (deferred), or the last group's
+    holes: list[Hole] = []
+    for i, rest in enumerate(rests):
+        if rest is not None and defer:
+            holes.append(Hole(rest, []))
+        elif rest is not None:
+            kv, position = _forward(vlm, kv, rest, position)
+        group_start, group_end = starts[2 * i + 1], starts[2 * i + 2]
+        last = i == len(prompt.groups) - 1
+        if columns < group_end or last:
+            group = _from(prompt.groups[i], max(columns - group_start, 0))
+            if defer or last:  # linked by the batched prefill's assembly
+                (holes[-1].chunks if holes else linked).extend(group)
+            else:
+                kv, position = _link(vlm, kv, group, position)
+    return Resumed(_base(kv, position), linked, prompt.after, columns, stream, ends, holes)
 
 
 def _from(group: list[ChunkKV], columns: int) -> list[ChunkKV]:

@@ -231,8 +231,11 @@ class Engine:
         started = time.perf_counter()
         for seq in seqs:
             context = seq.context
+            # Texts before the last group are computed in the batched forward (holes) unless the row is prefilled
+            # alone (an image in its last text) or recomputes chunk tokens (they would attend to unwritten runs).
             seq.resumed = resume(self.vlm, self.prefix_cache, context.salt, context.prompt,
-                                 past_groups=context.recompute is None)
+                                 past_groups=context.recompute is None,
+                                 defer_texts=context.recompute is None and not context.prompt.after.image_spans)
             seq.num_prompt_tokens = context.prompt.num_tokens
             self._count_prefix(seq)
         head_ms = ms_since(started, self.vlm.device)
@@ -244,7 +247,7 @@ class Engine:
             slab, logits, assembly_ms = prefill_queries(
                 self.vlm, [s.resumed.base for s in batched], [s.resumed.chunks for s in batched],
                 [s.resumed.tail.ids for s in batched], [s.sampling.max_new_tokens - 1 for s in batched],
-                [s.context.recompute for s in batched])
+                [s.context.recompute for s in batched], [s.resumed.holes for s in batched])
             for seq, reanchor_ms in zip(batched, assembly_ms):
                 seq.reanchor_ms = reanchor_ms
             self._pick(batched, logits, prefill_started=started + sum(assembly_ms) / 1e3 - head_ms / 1e3)
