@@ -32,6 +32,7 @@ from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
+from pipeline.runtime.prefix_cache import CachedRun
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
 from pipeline.runtime.timing import ms_since
 from schemas.config import ChunkKind, RecomputeSpec
@@ -82,9 +83,11 @@ class Slab(Cache):
 
     @classmethod
     def empty(cls, num_layers: int, num_rows: int, num_heads: int, capacity: int, head_dim: int,
-              dtype: torch.dtype, device: torch.device) -> Slab:
-        """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN)."""
-        kv = torch.zeros(num_layers, 2, num_rows, num_heads, capacity, head_dim, dtype=dtype, device=device)
+              dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> Slab:
+        """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN); `zeroed=False`
+        for a caller that writes or zeroes every column itself."""
+        make = torch.zeros if zeroed else torch.empty
+        kv = make(num_layers, 2, num_rows, num_heads, capacity, head_dim, dtype=dtype, device=device)
         return cls(kv, torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device))
@@ -231,7 +234,12 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | None], contexts: Sequenc
                       + sum(c.num_tokens for h in row for c in h.chunks)
                       for base, chunks, row in zip(bases, contexts, holes)]
     capacity = max(n + longest + r for n, r in zip(linked_lengths, reserves))
-    slab = Slab.empty(shape.shape[0], num_rows, shape.shape[2], capacity, shape.shape[4], vlm.dtype, vlm.device)
+    # Every column below a row's linked context plus `longest` is written (assembled here, or by the forward:
+    # holes, pads and query); only the rest is zeroed, not the whole slab.
+    slab = Slab.empty(shape.shape[0], num_rows, shape.shape[2], capacity, shape.shape[4], vlm.dtype, vlm.device,
+                      zeroed=False)
+    for row, linked_length in enumerate(linked_lengths):
+        slab.kv[:, :, row, :, linked_length + longest:].zero_()
     pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
     ids = torch.full((num_rows, longest), pad, dtype=torch.long)
     real = torch.zeros(num_rows, longest, dtype=torch.bool)
@@ -282,11 +290,20 @@ def link_at(vlm: VLM, chunks: Sequence[ChunkKV], position: int, out: torch.Tenso
     return assemble_row(vlm, empty, chunks, out)
 
 
-def assemble_row(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], out: torch.Tensor) -> AssembledContext:
+def assemble_row(vlm: VLM, base: ChunkKV | CachedRun | None, chunks: Sequence[ChunkKV],
+                 out: torch.Tensor) -> AssembledContext:
     """`[base][chunks re-anchored]` into `out` `[layers, 2, kv_heads, capacity, head_dim]` (an empty one when
     there is neither: a prompt whose whole text comes after its chunks, none of them linked)."""
     moved = [c if c.kv.device == vlm.device else ChunkKV(c.kv.to(vlm.device), c.position_span, c.compile_start,
                                                            c.kind, c.grid_thw, c.vision_tokens) for c in chunks]
+    if isinstance(base, CachedRun):  # its blocks straight into the row, then the chunks re-anchored after them
+        base.write(out)
+        linked = link_at(vlm, moved, base.position_span, out[:, :, :, base.num_tokens:]) if moved else None
+        total = base.num_tokens + (linked.num_tokens if linked else 0)
+        return AssembledContext(layers=[(out[i, 0, :, :total][None], out[i, 1, :, :total][None])
+                                        for i in range(out.shape[0])],
+                                next_position=linked.next_position if linked else base.position_span,
+                                chunk_starts=linked.chunk_starts if linked else [])
     if base is None and not moved:
         return AssembledContext(layers=[(out[i, 0, :, :0][None], out[i, 1, :, :0][None]) for i in range(out.shape[0])],
                                 next_position=0, chunk_starts=[])

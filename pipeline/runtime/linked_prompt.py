@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import ChunkKV, assemble
-from pipeline.runtime.prefix_cache import PrefixCache, StreamKeys, block_hashes, gather, partial_key, resume_point
+from pipeline.runtime.prefix_cache import CachedRun, PrefixCache, StreamKeys, block_hashes, partial_key, resume_point
 from schemas.config import ChunkKind
 
 
@@ -84,7 +84,7 @@ class Hole:
 
 @dataclass
 class Resumed:
-    base: ChunkKV | None  # columns [0, n): compile_start 0, position_span = the next position
+    base: ChunkKV | CachedRun | None  # columns [0, n): compile_start 0, position_span = the next position
     chunks: list[ChunkKV]  # linked right after `base`
     tail: PreparedSegment  # of the last text, to prefill after them
     cached_columns: int  # columns of `base` that came from the prefix cache
@@ -157,21 +157,23 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
                 break
         cache.stats.hit_tokens += columns
     _, next_positions = stream.joined()
-    kv = gather(blocks, columns) if columns else None  # [layers, 2, kv_heads, columns, head_dim]
     position = int(next_positions[columns - 1]) if columns else 0
+    run = CachedRun(blocks, columns, position) if columns else None  # its KV is copied where it is used
     if columns >= last_text:  # the run reaches into the last text
-        return Resumed(_base(kv, position), [], prompt.after.tail(columns - last_text), columns, stream, ends)
+        return Resumed(run, [], prompt.after.tail(columns - last_text), columns, stream, ends)
     # What remains before the last group: the rest of each text, the rest of each earlier group.
     rests = [text.tail(max(columns - starts[2 * i], 0)) if columns < starts[2 * i + 1] else None
              for i, text in enumerate(prompt.texts[:-1])]
     defer = defer_texts and not any(r is not None and r.image_spans for r in rests)
     linked: list[ChunkKV] = []  # chunks after `base` before any hole (deferred), or the last group's
     holes: list[Hole] = []
+    base: ChunkKV | CachedRun | None = run
     for i, rest in enumerate(rests):
         if rest is not None and defer:
             holes.append(Hole(rest, []))
         elif rest is not None:
-            kv, position = _forward(vlm, kv, rest, position)
+            kv, position = _forward(vlm, base.kv if base is not None else None, rest, position)
+            base = _base(kv, position)
         group_start, group_end = starts[2 * i + 1], starts[2 * i + 2]
         last = i == len(prompt.groups) - 1
         if columns < group_end or last:
@@ -179,8 +181,9 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
             if defer or last:  # linked by the batched prefill's assembly
                 (holes[-1].chunks if holes else linked).extend(group)
             else:
-                kv, position = _link(vlm, kv, group, position)
-    return Resumed(_base(kv, position), linked, prompt.after, columns, stream, ends, holes)
+                kv, position = _link(vlm, base.kv if base is not None else None, group, position)
+                base = _base(kv, position)
+    return Resumed(base, linked, prompt.after, columns, stream, ends, holes)
 
 
 def _from(group: list[ChunkKV], columns: int) -> list[ChunkKV]:

@@ -270,7 +270,11 @@ class Engine:
         if not self.prefix_cache.enabled or seq.end not in (End.STOP, End.LENGTH) or seq.resumed is None:
             return
         columns = slab.valid[row]  # [capacity]: a row's real columns, in order (pad slots are not)
-        kv = slab.kv[:, :, row][:, :, :, columns]  # [layers, 2, kv_heads, columns, head_dim]
+        length = int(slab.lengths[row])
+        if bool(columns[:length].all()):  # no pad slot inside: a view (the cache copies only its new blocks)
+            kv = slab.kv[:, :, row, :, :length]  # [layers, 2, kv_heads, columns, head_dim]
+        else:
+            kv = slab.kv[:, :, row][:, :, :, columns]
         store(self.vlm, self.prefix_cache, seq.context.salt, seq.resumed, kv, seq.token_ids,
               int(slab.next_positions[row]))
 
