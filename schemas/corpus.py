@@ -25,7 +25,7 @@ RESERVED_META_PREFIX = "qvpic."
 # Collections: who may read a document. Each document names its collection in this user metadata field
 # (`{"doc_id": …, "text": …, "metadata": {"collection": "acme"}}`); one that names none is in the default
 # collection, as is every chunk of a store ingested before collections existed. Keys are granted
-# collections in the serving config (serve/config.py `AuthConfig.collections`).
+# collections in the serving config (serve/governance/config.py `AuthConfig.collections`).
 COLLECTION_KEY = "collection"
 DEFAULT_COLLECTION = "public"
 ALL_COLLECTIONS = "*"  # in a grant: every collection, present and future (an operator's key)

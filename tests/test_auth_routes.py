@@ -8,9 +8,9 @@ import re
 import pytest
 from fastapi.routing import APIRoute
 
-from serve.config import AuthConfig
 from serve.governance import key_digest
 from serve.governance.auth import Authenticator, read_key_file
+from serve.governance.config import AuthConfig
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call
 from tests.test_budget import governed_app

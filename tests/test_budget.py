@@ -12,9 +12,10 @@ from fastapi import FastAPI
 
 from schemas.errors import BudgetExceededError, RateLimitedError
 from serve.app import api_spec
-from serve.config import AppConfig, Limit, RateLimitConfig, TenantPolicy
+from serve.config import AppConfig
 from serve.governance import Governor
 from serve.governance.budget import RateLimiter, TokenBucket
+from serve.governance.config import Limit, RateLimitConfig, TenantPolicy
 from serve.http import InProcessBackend, make_api
 from tests.fixtures_redis import redis_url  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)

@@ -13,8 +13,8 @@ from PIL import Image
 
 from jobs import cost_report
 from schemas.store import StoreSpec
-from serve.config import AuthConfig, RequestLogConfig
 from serve.governance import key_digest
+from serve.governance.config import AuthConfig, RequestLogConfig
 from serve.governance.request_log import RequestLog, RequestRecord
 from tests.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)

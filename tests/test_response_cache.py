@@ -12,8 +12,9 @@ import pytest
 
 from schemas.api import ResponseCacheLevel
 from serve.app import api_spec
-from serve.config import AppConfig, ResponseCacheConfig
+from serve.config import AppConfig
 from serve.governance import Governor
+from serve.governance.config import ResponseCacheConfig
 from serve.governance.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.http import InProcessBackend, make_api

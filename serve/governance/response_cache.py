@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from schemas.api import AnswerReport, ResponseCacheLevel
 from schemas.sampling import Sampling
-from serve.config import ResponseCacheConfig
+from serve.governance.config import ResponseCacheConfig
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.plan import Answer, Plan
 

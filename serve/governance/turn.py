@@ -26,8 +26,8 @@ from schemas.api import (
 )
 from schemas.config import Mode
 from schemas.sampling import Sampling
-from serve.config import Limit
 from serve.governance.budget import Price, check_budget
+from serve.governance.config import Limit
 from serve.governance.request_log import RequestRecord
 from serve.governance.response_cache import CacheDirectives, CacheHit, CacheKeys
 from serve.plan import Answer, Plan
