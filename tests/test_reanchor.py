@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,21 +47,22 @@ def test_the_factors_are_their_matrix_product_in_every_layout(path, head_dim):
     rotate = native() if path == "native kernel" else reanchor.rotate_halves_torch
     generator = torch.Generator().manual_seed(head_dim)
     diag, cross = torch.randn(2, head_dim, generator=generator)
-    keys = torch.randn(3, 2, 40, head_dim, generator=generator)
+    keys = torch.randn(3, 2, 100, head_dim, generator=generator)  # head_dim ≥ 64: past the grain, threads split it
+    assert (keys.numel() >= reanchor.PARALLEL_GRAIN) == (head_dim >= 64)
     expected = keys @ factors_matrix(diag, cross)
     assert float((keys @ factors_matrix(diag, cross, partner_shift=1) - expected).abs().max()) > 1e-2  # control
-    slab = torch.full((3, 2, 2, 50, head_dim), float("nan"))  # [layers, K/V, heads, width, head_dim]
-    cases = [(keys, slab[:, 0, :, 5:45]),  # a chunk's keys into a slab row's strided columns
-             (keys[1], torch.empty(2, 40, head_dim)),  # 3-D, 2-D, 1-D: leading dims filled in
-             (keys[1, 0], torch.empty(40, head_dim)), (keys[1, 0, 3], torch.empty(head_dim)),
-             (keys.transpose(1, 2), torch.empty(3, 40, 2, head_dim))]  # strided input
+    slab = torch.full((3, 2, 2, 110, head_dim), float("nan"))  # [layers, K/V, heads, width, head_dim]
+    cases = [(keys, slab[:, 0, :, 5:105]),  # a chunk's keys into a slab row's strided columns
+             (keys[1], torch.empty(2, 100, head_dim)),  # 3-D, 2-D, 1-D: leading dims filled in
+             (keys[1, 0], torch.empty(100, head_dim)), (keys[1, 0, 3], torch.empty(head_dim)),
+             (keys.transpose(1, 2), torch.empty(3, 100, 2, head_dim))]  # strided input
     for source, out in cases:
         if path == "native kernel":
             assert rotate.accepts(source, diag, cross, out)
         rotate(source, diag, cross, out)
         reference = source @ factors_matrix(diag, cross)
         assert float((out - reference).abs().max()) <= TOLERANCE
-    assert slab[:, 0, :, :5].isnan().all() and slab[:, 0, :, 45:].isnan().all() and slab[:, 1].isnan().all()
+    assert slab[:, 0, :, :5].isnan().all() and slab[:, 0, :, 105:].isnan().all() and slab[:, 1].isnan().all()
 
 
 @pytest.mark.parametrize("path", ["native kernel", "torch ops"])
@@ -130,3 +133,26 @@ def test_the_assembly_rotates_cpu_keys_with_the_kernel_and_the_rest_with_torch_o
         one_ulp = TOLERANCE if dtype == torch.float32 else 2**-7  # bf16, float16 (2⁻¹⁰): each rounds once
         for (keys, _), (expected, _) in zip(context.layers, product.layers):
             assert ((keys.float() - expected.float()).abs() <= one_ulp * expected.float().abs().clamp(min=1)).all()
+
+
+def test_the_kernel_is_built_from_the_package_source_in_a_private_directory_then_removed(monkeypatch):
+    """What docs/SECURITY.md says: the one native library qvpic builds is its own rotate_halves.cpp, compiled into
+    a fresh directory only this user can enter, which is gone once the library is loaded."""
+    native()
+    seen = []
+    run = reanchor.subprocess.run
+
+    def recording(command, **kwargs):
+        target = Path(command[command.index("-o") + 1])
+        seen.append((list(command), target.parent, stat.S_IMODE(target.parent.stat().st_mode)))
+        return run(command, **kwargs)
+
+    monkeypatch.setattr(reanchor.subprocess, "run", recording)
+    kernel = reanchor.NativeRotation.build()
+    (command, directory, mode), = seen
+    assert str(reanchor.SOURCE) in command and reanchor.SOURCE.parent == Path(reanchor.__file__).parent
+    assert mode == 0o700 and not directory.exists()
+    keys, (diag, cross) = torch.randn(3, 8), torch.randn(2, 8)
+    out = torch.empty_like(keys)
+    kernel(keys, diag, cross, out)  # loaded and working after its directory went
+    assert float((out - keys @ factors_matrix(diag, cross)).abs().max()) <= TOLERANCE

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rotate_halves.cpp")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 COMPILE_TIMEOUT_S = 120  # a cold compiler on a loaded 2-core machine takes ~1 s; past this, torch ops serve
+# Below this many elements one thread does the work, as torch's own grain (at::internal::GRAIN_SIZE): waking a
+# second thread costs more than it saves, and on a busy machine a parallel region can wait milliseconds for it.
+PARALLEL_GRAIN = 32_768
 
 
 class KernelUnavailable(RuntimeError):
@@ -85,8 +88,9 @@ class NativeRotation:
         key_strides = (0,) * lead + keys.stride()
         out_strides = (0,) * lead + out.stride()
         diag, cross = diag.contiguous(), cross.contiguous()
+        threads = torch.get_num_threads() if keys.numel() >= PARALLEL_GRAIN else 1
         self.functions[keys.dtype](keys.data_ptr(), out.data_ptr(), diag.data_ptr(), cross.data_ptr(), *shape,
-                                   *key_strides[:3], *out_strides[:3], torch.get_num_threads())
+                                   *key_strides[:3], *out_strides[:3], threads)
 
 
 _lock = threading.Lock()
