@@ -140,7 +140,7 @@ def rotate_halves_torch(keys: torch.Tensor, diag: torch.Tensor, cross: torch.Ten
 def rotate_halves(keys: torch.Tensor, diag: torch.Tensor, cross: torch.Tensor, out: torch.Tensor) -> None:
     """out = keys · diag + swap_halves(keys) · cross (`[..., head_dim]`, any dtype), computed in float32 and
     written into `out`: by the native kernel where it takes these tensors, else by torch ops."""
-    kernel = native_kernel() if keys.device.type == "cpu" else None
+    kernel = native_kernel() if keys.device.type == out.device.type == "cpu" else None  # a GPU builds nothing
     if kernel is not None and kernel.accepts(keys, diag, cross, out):
         kernel(keys, diag, cross, out)
     else:
