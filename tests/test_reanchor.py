@@ -92,6 +92,8 @@ def test_without_a_compiler_the_torch_ops_serve_and_say_so(monkeypatch, caplog):
         reanchor.NativeRotation.build()
     with pytest.raises(reanchor.KernelUnavailable, match="could not build"):
         reanchor.NativeRotation.build("/bin/false")  # a compiler that fails
+    with pytest.raises(reanchor.KernelUnavailable, match="does not load"):
+        reanchor.NativeRotation.build("/bin/true")  # "succeeds" and leaves no library
     monkeypatch.setattr(reanchor, "_state", {})  # a process that has not tried yet
     with caplog.at_level(logging.WARNING, logger=reanchor.__name__):
         assert reanchor.native_kernel() is None

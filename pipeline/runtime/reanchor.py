@@ -72,7 +72,10 @@ class NativeRotation:
             except (OSError, subprocess.SubprocessError) as error:
                 detail = getattr(error, "stderr", None) or error
                 raise KernelUnavailable(f"{cxx} could not build {SOURCE.name}: {detail}") from error
-            return cls(ctypes.CDLL(str(target)))  # mapped: it outlives the directory
+            try:
+                return cls(ctypes.CDLL(str(target)))  # mapped: it outlives the directory
+            except (OSError, AttributeError) as error:  # a library that does not load, or lacks a function
+                raise KernelUnavailable(f"{cxx} built {SOURCE.name}, but it does not load: {error}") from error
 
     def accepts(self, keys: torch.Tensor, diag: torch.Tensor, cross: torch.Tensor, out: torch.Tensor) -> bool:
         return (keys.device.type == out.device.type == diag.device.type == cross.device.type == "cpu"
@@ -105,7 +108,8 @@ def native_kernel() -> NativeRotation | None:
                 try:
                     _state["kernel"] = NativeRotation.build()
                 except KernelUnavailable as error:
-                    log.warning("re-anchoring uses torch ops, ~2x slower on the CPU: %s", error)
+                    log.warning("re-anchoring uses torch ops, slower on the CPU (docs/BENCHMARKS.md `limits`): %s",
+                                error)
                     _state["kernel"] = None
     return _state["kernel"]
 
