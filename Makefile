@@ -20,8 +20,10 @@ LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
 UV_ARGS ?=
 # chromium + chromium-driver: the browser tests of the /ui pages (tests/test_ui.py) drive Debian's Chromium
 # through /usr/bin/chromedriver with selenium; nothing downloads a browser or a driver.
+# g++: builds the CPU re-anchoring kernel at first use (pipeline/runtime/reanchor.py; torch ops without it,
+# but CI's kernel tests fail rather than skip).
 APT_PACKAGES := python3-venv fonts-dejavu-core fonts-noto-core fonts-noto-cjk tesseract-ocr tesseract-ocr-eng \
-                redis-server chromium chromium-driver
+                redis-server chromium chromium-driver g++
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0

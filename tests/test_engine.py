@@ -4,6 +4,7 @@ leaving early, and of different modes in one batch. Plus the caps, cancellation 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import DynamicCache
 
-from pipeline.runtime import VLM, batch
+from pipeline.runtime import VLM, batch, reanchor
 from pipeline.runtime import kv as kv_module
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import RotationTable
@@ -239,25 +240,71 @@ def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_
     assert calls[-1] == [5]
 
 
-def test_rotating_halves_equals_the_matrix_product_for_qwen_and_glm_keeps_the_product(vlm):
-    """Re-anchoring by per-channel factors (`RotationTable.halves`) is the model's rotation matrix applied:
-    the assembled keys equal the matrix product's, at shifts both small and past 10k; GLM's interleaved pairs
-    have no such factors (they keep the product); a control with the halves' factors swapped is caught."""
+def native_rotation() -> reanchor.NativeRotation:
+    """This process's native re-anchoring kernel; in CI (g++ on its image) its absence fails."""
+    kernel = reanchor.native_kernel()
+    if kernel is None:
+        if os.environ.get("CI"):  # .ci/run: a kernel test that skips there proves nothing
+            pytest.fail("no native re-anchoring kernel: CI's image has g++ (pipeline/runtime/reanchor.py)")
+        pytest.skip("no C++ compiler here: re-anchoring runs on torch ops")
+    return kernel
+
+
+@pytest.mark.parametrize("path", ["native kernel", "torch ops"])
+def test_rotating_halves_equals_the_matrix_product_for_qwen_and_glm_keeps_the_product(vlm, path):
+    """Re-anchoring by per-channel factors (`RotationTable.halves`) is the model's rotation matrix applied, by
+    the native kernel and by the torch ops that stand in without a compiler: keys written into a slab's strided
+    row equal the matrix product's at shifts from 1 to 12,345 (M-RoPE's sections included: the factors are read
+    off the model's matrices); GLM's interleaved pairs have no such factors (they keep the product). Controls:
+    the factors swapped, and the factors of Δ against the product of Δ + 1, are both caught."""
     head_dim = vlm.prefix.kv.shape[-1]
-    deltas = torch.tensor([1, 37, 12_345])
+    deltas = torch.tensor([1, 2, 37, 1_000, 12_345])
     table = RotationTable(vlm.adapter.rotation_matrices)
     if vlm.family is ModelFamily.GLM4V:  # interleaved pairs: no halves factors, the product stays
         assert table.halves(deltas, head_dim) is None
         return
+    rotate = native_rotation() if path == "native kernel" else reanchor.rotate_halves_torch
     diag, cross = table.halves(deltas, head_dim)
     keys = torch.randn(2, 3, 50, head_dim)
+    slab = torch.full((2, 3, 64, head_dim), float("nan"))  # a wider row: the output is a strided view
+    out = slab[:, :, 7:57]
+    if path == "native kernel":
+        assert rotate.accepts(keys, diag[0], cross[0], out)
+    matrices = vlm.adapter.rotation_matrices(torch.cat([deltas, deltas + 1]), head_dim)
     for i in range(len(deltas)):
-        out = torch.empty_like(keys)
-        kv_module.rotate_halves(keys, diag[i], cross[i], out)
-        expected = keys @ vlm.adapter.rotation_matrices(deltas[i:i + 1], head_dim)[0]
-        assert float((out - expected).abs().max()) <= 1e-5
-        kv_module.rotate_halves(keys, cross[i], diag[i], out)  # control: the factors swapped
+        rotate(keys, diag[i], cross[i], out)
+        expected = keys @ matrices[i]
+        assert float((out - expected).abs().max()) <= TOLERANCE
+        assert slab[:, :, :7].isnan().all() and slab[:, :, 57:].isnan().all()  # nothing outside the row written
+        assert float((out - keys @ matrices[len(deltas) + i]).abs().max()) > 1e-2  # control: Δ + 1
+        rotate(keys, cross[i], diag[i], out)  # control: the factors swapped
         assert float((out - expected).abs().max()) > 1e-2
+
+
+def test_assembly_reanchors_with_the_native_kernel_as_the_matrix_product_does(vlm, chunks):
+    """The served assembly (factors, the native kernel where it runs, into a slab row) equals the same assembly
+    by the model's matrices, with shifts of either sign up to 12,345; with torch ops only, the same. Control: one
+    chunk's Δ off by one."""
+    native_rotation()
+    compiled_at = [chunks[0].compile_start, 0, 12_345, 5_000, 1]  # placed after the prefix: Δ = s_i − these
+    moved = [kv_module.ChunkKV(c.kv, c.position_span, at, c.kind) for c, at in zip(chunks, compiled_at)]
+    width = vlm.prefix.num_tokens + sum(c.num_tokens for c in moved)
+    shape = vlm.prefix.kv.shape
+
+    def assembled(rotations, chunk_list=moved) -> torch.Tensor:
+        out = torch.full((shape[0], 2, shape[2], width + 3, shape[4]), float("nan"))
+        kv_module.assemble(vlm.prefix, chunk_list, rotations, out)
+        return out[:, :, :, :width]
+
+    product = assembled(lambda d, h: vlm.rotations(d, h))  # not a RotationTable: the matrix product
+    served = assembled(vlm.rotations)
+    with reanchor.torch_ops_only():
+        fallback = assembled(vlm.rotations)
+    assert not product.isnan().any()
+    assert float((served - product).abs().max()) <= TOLERANCE
+    assert float((fallback - product).abs().max()) <= TOLERANCE
+    off = [kv_module.ChunkKV(c.kv, c.position_span, c.compile_start + (i == 2), c.kind) for i, c in enumerate(moved)]
+    assert float((assembled(vlm.rotations, off) - product).abs().max()) > 1e-3  # control: chunk 2's Δ − 1
 
 
 def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):

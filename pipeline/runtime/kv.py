@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from pipeline.runtime.reanchor import rotate_halves
 from schemas.config import ChunkKind
 
 
@@ -59,15 +60,16 @@ class RotationTable:
 
     `compute(deltas [n], head_dim) -> [n, head_dim, head_dim]` is the model's own (Adapter.rotation_matrices);
     what it returns for a Δ never changes, so the table keeps the `max_entries` most recently used
-    (16 KiB each at head_dim 64, float32) and a request computes only the shifts it has not seen.
+    (16 KiB each at head_dim 64, float32, and its per-channel factors once asked for) and a request computes
+    only the shifts it has not seen.
     """
 
     def __init__(self, compute, max_entries: int = 8192):
         self.compute, self.max_entries = compute, max_entries
-        self._table: OrderedDict[tuple[int, int, torch.device], torch.Tensor] = OrderedDict()
+        self._table: OrderedDict[tuple[int, int, torch.device], _Rotation] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __call__(self, deltas: torch.Tensor, head_dim: int) -> torch.Tensor:
+    def _rotations(self, deltas: torch.Tensor, head_dim: int) -> list[_Rotation]:
         keys = [(int(d), head_dim, deltas.device) for d in deltas.tolist()]
         with self._lock:
             missing = list(dict.fromkeys(k for k in keys if k not in self._table))
@@ -75,7 +77,7 @@ class RotationTable:
             fresh = self.compute(torch.tensor([k[0] for k in missing], device=deltas.device), head_dim)
             with self._lock:
                 for key, matrix in zip(missing, fresh):
-                    self._table[key] = matrix
+                    self._table[key] = _Rotation(matrix)
                 while len(self._table) > self.max_entries:
                     self._table.popitem(last=False)
         with self._lock:
@@ -83,39 +85,49 @@ class RotationTable:
             for key in keys:
                 self._table.move_to_end(key)
                 found.append(self._table[key])
-        return torch.stack(found)
+        return found
+
+    def __call__(self, deltas: torch.Tensor, head_dim: int) -> torch.Tensor:
+        return torch.stack([rotation.matrix for rotation in self._rotations(deltas, head_dim)])
 
     def halves(self, deltas: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The same rotations as per-channel factors `(diag, cross)` `[n, head_dim]` with
         rotate(k, Δ) = k · diag + swap_halves(k) · cross — when every matrix pairs channel i only with
         i ± head_dim/2 (Qwen's rotate-half layout, pass-through channels having cross 0); None otherwise
-        (GLM's interleaved pairs keep the matrix product). Two elementwise passes over the keys instead of a
-        `head_dim`-wide product per key: ~1.6x faster on one core, and exact (a column's other entries are 0)."""
-        matrices = self(deltas, head_dim)  # [n, head_dim, head_dim]
-        half = head_dim // 2
-        channels = torch.arange(head_dim, device=matrices.device)
-        partner = (channels + half) % head_dim
-        diag = matrices.diagonal(dim1=1, dim2=2)  # [n, head_dim]: M[i, i]
-        cross = matrices[:, partner, channels]  # [n, head_dim]: M[partner(i), i]
-        rest = matrices.clone()
-        rest[:, channels, channels] = 0
-        rest[:, partner, channels] = 0
-        if head_dim % 2 or bool(rest.any()):
+        (GLM's interleaved pairs keep the matrix product). One elementwise pass over the keys instead of a
+        `head_dim`-wide product per key (pipeline/runtime/reanchor.py), and exact (a column's other entries are 0).
+        Read off each matrix once and kept with it: a request pays a lookup."""
+        factors = [rotation.factors() for rotation in self._rotations(deltas, head_dim)]
+        if any(f is None for f in factors):
             return None
-        return diag, cross
+        return torch.stack([f[0] for f in factors]), torch.stack([f[1] for f in factors])
 
 
-def rotate_halves(keys: torch.Tensor, diag: torch.Tensor, cross: torch.Tensor, out: torch.Tensor) -> None:
-    """out = keys · diag + swap_halves(keys) · cross, in float32, written into `out` (`[..., head_dim]`, any dtype)."""
-    half = keys.shape[-1] // 2
-    keys = keys.float()
-    lo, hi = keys[..., :half], keys[..., half:]
-    if out.dtype == torch.float32:
-        torch.mul(lo, diag[:half], out=out[..., :half]).addcmul_(hi, cross[:half])
-        torch.mul(hi, diag[half:], out=out[..., half:]).addcmul_(lo, cross[half:])
-    else:
-        out[..., :half] = (lo * diag[:half] + hi * cross[:half]).to(out.dtype)
-        out[..., half:] = (hi * diag[half:] + lo * cross[half:]).to(out.dtype)
+class _Rotation:
+    """One shift's matrix and, once asked for, its per-channel factors (None: it pairs channels otherwise)."""
+
+    def __init__(self, matrix: torch.Tensor):
+        self.matrix = matrix
+        self._factors: tuple[torch.Tensor, torch.Tensor] | None | bool = False  # False: not read off yet
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._factors is False:  # two threads may both read them off: the same tensors, no harm
+            self._factors = _halves_factors(self.matrix)
+        return self._factors
+
+
+def _halves_factors(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    head_dim = matrix.shape[-1]
+    channels = torch.arange(head_dim, device=matrix.device)
+    partner = (channels + head_dim // 2) % head_dim
+    diag = matrix.diagonal().contiguous()  # M[i, i]
+    cross = matrix[partner, channels]  # M[partner(i), i]
+    rest = matrix.clone()
+    rest[channels, channels] = 0
+    rest[partner, channels] = 0
+    if head_dim % 2 or bool(rest.any()):
+        return None
+    return diag, cross
 
 
 def chunk_starts(prefix_span: int, chunks: Sequence[ChunkKV]) -> list[int]:
@@ -150,16 +162,17 @@ def assemble(prefix: ChunkKV | None, chunks: Sequence[ChunkKV], rotation_matrice
         kv = torch.empty(num_layers, 2, num_heads, total, head_dim, dtype=first.dtype, device=first.device)
     else:
         kv = out[:, :, :, :total]
-    deltas = torch.tensor([s - c.compile_start for c, s in zip(chunks, starts)], dtype=torch.long)
-    factors = (rotation_matrices.halves(deltas.to(first.device), head_dim)
-               if chunks and isinstance(rotation_matrices, RotationTable) else None)
-    matrices = rotation_matrices(deltas.to(first.device), head_dim) if chunks and factors is None else None
+    shifts = [s - c.compile_start for c, s in zip(chunks, starts)]
+    deltas = torch.tensor(shifts, dtype=torch.long, device=first.device)
+    factors = rotation_matrices.halves(deltas, head_dim) if chunks and isinstance(rotation_matrices, RotationTable) \
+        else None
+    matrices = rotation_matrices(deltas, head_dim) if chunks and factors is None else None
     offset = 0
     for i, part in enumerate(parts):
         end = offset + part.num_tokens
         chunk_index = i - (prefix is not None)
         kv[:, 1, :, offset:end] = part.kv[:, 1]  # values carry no position
-        if chunk_index < 0 or deltas[chunk_index] == 0:
+        if chunk_index < 0 or shifts[chunk_index] == 0:
             kv[:, 0, :, offset:end] = part.kv[:, 0]
         elif factors is not None:
             rotate_halves(part.kv[:, 0], factors[0][chunk_index], factors[1][chunk_index], kv[:, 0, :, offset:end])
