@@ -92,3 +92,5 @@ def test_a_single_object_and_a_missing_location(s3_server: S3Server, s3_bucket: 
     assert entry.relpath == "docs.jsonl" and [d.doc_id for d in single.read(entry, SPEC)] == ["a"]
     with pytest.raises(CorpusError, match="does not exist"):
         RemoteFiles(StoreSpec(uri=f"s3://{s3_bucket}/nothing", endpoint_url=s3_server.endpoint_url)).discover()
+    with pytest.raises(CorpusError, match="qvpic-no-such-bucket"):  # a clear error, not a traceback
+        RemoteFiles(StoreSpec(uri="s3://qvpic-no-such-bucket/c", endpoint_url=s3_server.endpoint_url)).discover()

@@ -73,13 +73,16 @@ class RemoteFiles:
         (a single object: itself, relative to its parent). A location that holds nothing is an error."""
         from pipeline.ingest.corpus.readers import CorpusError, corpus_file
 
-        info = self.fs.get_file_info(self.root)
-        if info.type == pafs.FileType.File:
-            parent = self.root.rsplit("/", 1)[0]
-            return [corpus_file(self.root, parent)], []
-        if info.type != pafs.FileType.Directory:
-            raise CorpusError(f"corpus {self.location.uri!r} does not exist")
-        infos = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=True))
+        try:
+            info = self.fs.get_file_info(self.root)
+            if info.type == pafs.FileType.File:
+                parent = self.root.rsplit("/", 1)[0]
+                return [corpus_file(self.root, parent)], []
+            if info.type != pafs.FileType.Directory:
+                raise CorpusError(f"corpus {self.location.uri!r} does not exist")
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=True))
+        except OSError as error:  # no such bucket, no credentials, endpoint unreachable: say so, no traceback
+            raise CorpusError(f"corpus {self.location.uri!r} cannot be listed: {error}") from None
         files = [corpus_file(i.path, self.root) for i in infos if i.type == pafs.FileType.File]
         if not files:
             raise CorpusError(f"corpus {self.location.uri!r} holds no objects")
