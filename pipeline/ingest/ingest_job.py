@@ -22,7 +22,7 @@ import ray.data
 from pydantic import Field, field_validator
 from ray.data import ActorPoolStrategy
 
-from pipeline.ingest.corpus import RemoteFiles, discover, is_remote
+from pipeline.ingest.corpus import RemoteFiles, corpus_location, discover
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, needing_work, not_needing_work, rows_table
@@ -70,12 +70,8 @@ class IngestConfig(JobResources):
     hmac_key_file: Path | None = None
 
     @property
-    def corpus_location(self) -> StoreSpec | None:
-        """An object-store corpus (`s3://bucket/prefix`), read through the store's endpoint and region
-        (pipeline/ingest/corpus/remote.py); None: a local path."""
-        if not is_remote(self.corpus):
-            return None
-        return StoreSpec(uri=self.corpus, endpoint_url=self.store.endpoint_url, region=self.store.region)
+    def corpus_location(self) -> StoreSpec | None:  # an s3:// corpus (None: a local path)
+        return corpus_location(self.corpus, self.store)
 
     @field_validator("variants")
     @classmethod
@@ -197,8 +193,8 @@ def rows_per_batch(batch_size: int) -> int:
 
 
 def corpus_images_root(corpus: str, location: StoreSpec | None = None) -> str | None:
-    """Where this corpus's page images lie: the root the readers confined them to (a file's folder); None for
-    an object-store corpus, whose page images are rejected at read (pipeline/ingest/corpus/remote.py)."""
+    """Where this corpus's page images lie: the root the readers confined them to (a file's folder); None on
+    an object store (remote.py rejects its page images)."""
     if location is not None:
         return None
     return os.path.abspath(corpus if os.path.isdir(corpus) else os.path.dirname(os.path.abspath(corpus)))

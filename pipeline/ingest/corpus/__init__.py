@@ -5,6 +5,6 @@ from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "readers": ["discover", "file_format", "read_file"],
-    "remote": ["RemoteFiles", "is_remote"],
+    "remote": ["RemoteFiles", "corpus_location", "is_remote"],
     "repeats": ["DocRef", "near_duplicate_images", "source_order_key"],
 })

@@ -32,6 +32,13 @@ def is_remote(corpus: str) -> bool:
     return "://" in corpus and not corpus.startswith("file://")
 
 
+def corpus_location(corpus: str, store: StoreSpec) -> StoreSpec | None:
+    """Where an object-store corpus lives, reached through `store`'s endpoint and region; None: a local path."""
+    if not is_remote(corpus):
+        return None
+    return StoreSpec(uri=corpus, endpoint_url=store.endpoint_url, region=store.region)
+
+
 class _Raw(io.RawIOBase):
     """A pyarrow random-access file as a Python raw stream, so `io.BufferedReader` gives it `readline`
     (the JSONL reader's bounded line reads) and Parquet can seek in it."""
