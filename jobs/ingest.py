@@ -176,7 +176,8 @@ def print_summary(summary: IngestSummary, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qvpic ingest", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--corpus", required=True,
-                        help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages")
+                        help="file or folder: jsonl, parquet, .txt/.md, LongBench jsonl, PNG/JPEG pages; or "
+                             "s3://bucket/prefix, read through the store's --s3-endpoint (page images: local only)")
     store_args(parser, help="local directory or s3://bucket/prefix")
     model_args(parser)
     render_args(parser)

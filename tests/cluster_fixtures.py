@@ -84,10 +84,11 @@ class RayCluster:
                    "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", *argv]
         return subprocess.run(command, env=self.driver_env, capture_output=True, text=True, timeout=timeout_s)
 
-    def qvpic(self, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-        """`qvpic <argv>` as a driver joining the cluster from this machine."""
-        return subprocess.run([sys.executable, "-m", "jobs.cli", *argv], env=self.driver_env, cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout_s)
+    def qvpic(self, *argv: str, timeout_s: float = 300, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+        """`qvpic <argv>` as a driver joining the cluster from this machine (`env`: added to the driver's)."""
+        return subprocess.run([sys.executable, "-m", "jobs.cli", *argv], env={**self.driver_env, **(env or {})},
+                              cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
 
     def s3_env(self) -> dict[str, str]:
         return {k: v for k, v in self.driver_env.items() if k.startswith("AWS_")}

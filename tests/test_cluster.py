@@ -1,12 +1,15 @@
-"""qvpic on a real 3-node Ray cluster (tests/cluster_fixtures.py): ingest submitted to the job server spreads
-its compile actors over both GPU nodes and builds the store a one-node run builds; an autoscaled generator
+"""qvpic on a real 3-node Ray cluster (tests/cluster_fixtures.py): ingest submitted to the job server reads its
+corpus from S3, spreads its compile actors over both GPU nodes and builds the store a one-node run builds; the
+served answer equals one computed without the serving graph (tests/linked_reference.py), and a wrong chunk
+placement on the generator's node makes it differ (the control perturbs the system); an autoscaled generator
 (min 1, max 2) starts its second replica on the other GPU node under load and drops it when idle; `qvpic
 serve --address` puts a generator on each GPU node and the rest on the head; a recompile lands while the app
 serves; and a lost generator node costs no request that had not streamed yet (counted retries), a stream on
 it ending with an error event.
 
-The module shares one cluster, so order matters: the node loss runs last (it leaves one GPU node), and every
-deploy uses one HTTP port (Serve keeps the HTTP options of its first start)."""
+The module shares one cluster, so order matters: the node loss runs after the tests that need both GPU nodes
+(it leaves one), the misplacement control last (it redeploys the app with a perturbation), and every deploy
+uses one HTTP port (Serve keeps the HTTP options of its first start)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from tests.cluster_fixtures import (  # noqa: F401  (fixtures)
     ray_cluster,
     s3_server,
 )
+from tests.linked_reference import Reference, independent_answer, linked_chunks, mismatch
 from tests.ray_fixtures import free_port
 from tests.store_factory import DOCUMENTS
 
@@ -85,17 +89,18 @@ NUM_CHUNKS = 5 + len(FILLER)  # one chunk per paragraph at 50 tokens: DOCUMENTS 
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("corpus")
-    lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)})
-             for doc_id, texts in {**DOCUMENTS, **FILLER}.items()]
-    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    return str(root)
+def bucket(ray_cluster: RayCluster) -> str:
+    return ray_cluster.s3.new_bucket()
 
 
 @pytest.fixture(scope="module")
-def bucket(ray_cluster: RayCluster) -> str:
-    return ray_cluster.s3.new_bucket()
+def corpus(ray_cluster: RayCluster, bucket: str) -> str:
+    """The corpus as an object in the cluster's S3 bucket, beside the store: the ingest job lists it and each read
+    task fetches it on whichever node runs (pipeline/ingest/corpus/remote.py); no disk is shared."""
+    lines = [json.dumps({"doc_id": doc_id, "text": "\n\n".join(texts)})
+             for doc_id, texts in {**DOCUMENTS, **FILLER}.items()]
+    ray_cluster.s3.client().put_object(Bucket=bucket, Key="corpus/docs.jsonl", Body=("\n".join(lines) + "\n").encode())
+    return f"s3://{bucket}/corpus"
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +120,7 @@ def store_on(cluster: RayCluster, bucket: str, prefix: str = "store") -> Store:
 def test_ingest_job_compiles_on_both_gpu_nodes_only(ray_cluster, ingested):
     kinds = ray_cluster.node_kinds()
     assert ingested["balanced"] and ingested["num_chunks"] == NUM_CHUNKS and not ingested["quarantined"]
+    assert ingested["inputs"] == ingested["indexed"] == len(DOCUMENTS) + len(FILLER)  # every record, read from S3
     per_node = ingested["per_node"]
     assert {kinds[node] for node in per_node} == {"gpu"} and len(per_node) == 2, (per_node, kinds)
     assert all(n["entries"] > 0 for n in per_node.values())
@@ -166,11 +172,12 @@ def http_port() -> int:
     return free_port()
 
 
-def qvpic_serve(cluster: RayCluster, bucket: str, port: int, config: Path, *flags: str) -> str:
+def qvpic_serve(cluster: RayCluster, bucket: str, port: int, config: Path, *flags: str,
+                env: dict[str, str] | None = None) -> str:
     """`qvpic serve --detach` of `config` over the cluster's store (returns once every deployment runs); its URL."""
     done = cluster.qvpic("serve", "--address", cluster.address, "--detach", "--config", str(config), "--store",
                          cluster.store_uri(bucket), "--endpoint-url", cluster.s3.endpoint_url, *flags,
-                         "--host", LOOPBACK, "--port", str(port))
+                         "--host", LOOPBACK, "--port", str(port), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return f"http://{LOOPBACK}:{port}"
 
@@ -184,9 +191,18 @@ def served(ray_cluster: RayCluster, ingested: dict, bucket: str, http_port: int)
     return url
 
 
+MAX_NEW_TOKENS, TOP_LOGPROBS = 8, 5
+
+
 def ask(url: str, query: str = QUERY, timeout_s: float = 60, **fields) -> httpx.Response:
-    body = {"query": query, "max_new_tokens": 8, "top_k": 2, "timeout_s": timeout_s, **fields}
+    body = {"query": query, "max_new_tokens": MAX_NEW_TOKENS, "top_k": 2, "timeout_s": timeout_s, **fields}
     return httpx.post(f"{url}/v1/answer", json=body, timeout=timeout_s + 15)  # the client outwaits the deadline
+
+
+def ask_with_logprobs(url: str, query: str) -> dict:
+    response = ask(url, query, logprobs=True, top_logprobs=TOP_LOGPROBS)
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 def replica_nodes() -> dict[str, list[str]]:
@@ -200,32 +216,21 @@ def replica_nodes() -> dict[str, list[str]]:
     return nodes
 
 
-def reference_answer(cluster: RayCluster, bucket: str, query: str) -> str:
-    """The same request answered by the three roles in this process (no Ray) over the same store."""
-    import asyncio
+def reference_of(cluster: RayCluster, bucket: str, body: dict, query: str) -> Reference:
+    """What the served `body` must be, without the serving graph (tests/linked_reference.py): the chunks it
+    reports linking, read from the store, assembled and decoded greedily in this process by the batch-1 runtime."""
+    from pipeline.runtime import VLM
 
-    from schemas.api import AnswerRequest
-    from schemas.sampling import Sampling
-    from serve.engine import Generator
-    from serve.http import InProcessBackend
-    from serve.kv import CacheLoader
-    from serve.routing import Router
+    vlm = VLM(app_config(cluster, bucket).model.model_copy(update={"device": "cpu"}))  # the served checkpoint
+    return independent_answer(vlm, linked_chunks(store_on(cluster, bucket), body["chunks"]), query, MAX_NEW_TOKENS)
 
-    app = app_config(cluster, bucket)
-    request = AnswerRequest(query=query, max_new_tokens=8, top_k=2)
 
-    router, loader = Router(app.router), CacheLoader(app.loader)
+def generator_actors() -> set[str]:
+    """Actor ids of the Generator's live replicas."""
+    from ray.util.state import list_actors
 
-    async def answer() -> str:
-        backend = InProcessBackend(router, loader, Generator(app.generator))
-        plan = await backend.route(request, app.ingress.governance.limits.default.token_budget, frozenset({"public"}))
-        return (await backend.generate(plan, Sampling.of(request))).text
-
-    try:
-        return asyncio.run(answer())
-    finally:  # their pollers and lease heartbeats would outlive the test, reading S3 until the session ends
-        router.close()
-        loader.close()
+    return {actor.actor_id for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            if actor.class_name == "ServeReplica:qvpic:Generator"}
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> bool:
@@ -289,11 +294,9 @@ def test_serve_puts_a_generator_on_each_gpu_node_and_the_rest_on_the_head(ray_cl
     assert "CacheLoader" not in nodes  # loader_placement in_generator: each generator has its own
     ready = httpx.get(f"{served}/readyz", timeout=10)
     assert ready.status_code == 200, ready.text
-    response = ask(served)
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["chunks"][0]["chunk_id"] == EXPECTED_CHUNK
-    assert body["answer"] == reference_answer(ray_cluster, bucket, QUERY)
+    body = ask_with_logprobs(served, QUERY)
+    assert body["chunks"][0]["chunk_id"] == EXPECTED_CHUNK and len(body["chunks"]) == 2
+    assert mismatch(body, reference_of(ray_cluster, bucket, body, QUERY)) is None
 
 
 def test_recompile_while_serving_switches_every_replica(ray_cluster, served, bucket):
@@ -414,3 +417,28 @@ def test_losing_a_generator_node_loses_no_request_that_had_not_streamed(ray_clus
     verify = ray_cluster.qvpic("verify", "--store", ray_cluster.store_uri(bucket), "--s3-endpoint",
                                ray_cluster.s3.endpoint_url)
     assert verify.returncode == 0, verify.stdout[-3000:]
+
+
+# Ray runs this in every worker process the deploy starts (its runtime_env, which Serve gives each replica):
+# tests/cluster_perturb.py, outside product code.
+MISPLACED_CHUNKS = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
+    {"runtime_env": {"worker_process_setup_hook": "tests.cluster_perturb.swap_first_two_chunk_slots"}})}
+
+
+def test_a_wrong_chunk_placement_on_the_generator_node_fails_the_reference(ray_cluster, served, bucket, http_port):
+    """The control of the served-vs-reference check, perturbing the system and not the comparison: the app
+    redeployed with its replicas linking each request's two chunks in each other's position slots. The answer's
+    text stays the same on tiny-qwen (its random weights barely care where a chunk sits); its log-probabilities
+    move by ~2e-3, 18x LOGPROB_ATOL (measured in-process). Last: it redeploys the app the other tests use."""
+    before = generator_actors()
+    qvpic_serve(ray_cluster, bucket, http_port, GPU_CONFIG, "--generator-replicas", "1", env=MISPLACED_CHUNKS)
+    # `qvpic serve` returns once every deployment has a running replica, which the old generator still is while
+    # Serve rolls the update out: wait until only a new one (started with the hook) runs
+    assert wait_for(lambda: (now := generator_actors()) and not now & before and generators_running() == 1,
+                    SCALE_OUT_WAIT_S), (before, generator_actors())
+    kinds, nodes = ray_cluster.node_kinds(), replica_nodes()["Generator"]
+    assert [kinds[n] for n in nodes] == ["gpu"], (nodes, kinds)
+    query = f"{QUERY} (misplaced)"  # not an answer the response cache holds
+    body = ask_with_logprobs(served, query)
+    assert len(body["chunks"]) == 2
+    assert mismatch(body, reference_of(ray_cluster, bucket, body, query)) is not None

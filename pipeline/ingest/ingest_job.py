@@ -22,7 +22,7 @@ import ray.data
 from pydantic import Field, field_validator
 from ray.data import ActorPoolStrategy
 
-from pipeline.ingest.corpus import discover
+from pipeline.ingest.corpus import RemoteFiles, corpus_location, discover
 from pipeline.ingest.record import run_key, skipped_summary, unchanged_since, write_record
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, needing_work, not_needing_work, rows_table
@@ -68,6 +68,10 @@ class IngestConfig(JobResources):
     force: bool = False  # run the pipeline even when the corpus and the store are unchanged since the last job
     # seal the published generation with this key (pipeline/store/seal.py); unset: QVPIC_HMAC_KEY, else no seal
     hmac_key_file: Path | None = None
+
+    @property
+    def corpus_location(self) -> StoreSpec | None:  # an s3:// corpus (None: a local path)
+        return corpus_location(self.corpus, self.store)
 
     @field_validator("variants")
     @classmethod
@@ -138,16 +142,17 @@ def open_store(cfg: IngestConfig) -> tuple[Store, Manifest]:
 
 
 # ---- the stages, each sized by the plan ---------------------------------------------------------------
-def read(corpus: str, reader: ReaderSpec, plan: StagePlan) -> ray.data.Dataset:
-    """Corpus files → documents, rejections and per-file record counts; names that cannot be files are refused."""
-    files, refused = discover(corpus)
+def read(corpus: str, location: StoreSpec | None, reader: ReaderSpec, plan: StagePlan) -> ray.data.Dataset:
+    """Corpus files → documents, rejections and per-file record counts; names that cannot be files are refused.
+    `location`: the corpus is on an object store there (each read task opens its objects itself)."""
+    files, refused = discover(corpus) if location is None else RemoteFiles(location).discover()
     table = pa.table({"path": [f.path for f in files], "root": [f.root for f in files],
                       "relpath": [f.relpath for f in files]},
                      schema=pa.schema([("path", pa.string()), ("root", pa.string()), ("relpath", pa.string())]))
     per_block = max(1, -(-table.num_rows // 256))  # ≤ 256 blocks however many files; one read call per file
     blocks = [table.slice(i, per_block) for i in range(0, table.num_rows, per_block)] or [table]
-    rows = ray.data.from_arrow(blocks).map_batches(read_files, fn_kwargs={"reader": reader}, batch_size=1,
-                                                   batch_format="pyarrow", num_cpus=plan.task_cpus)
+    rows = ray.data.from_arrow(blocks).map_batches(read_files, fn_kwargs={"reader": reader, "location": location},
+                                                   batch_size=1, batch_format="pyarrow", num_cpus=plan.task_cpus)
     if refused:
         counted = [{"kind": Kind.FILE.value, "key": "", "source": r.source, "count": 1} for r in refused]
         rows = rows.union(ray.data.from_arrow(rows_table([rejected_row(r) for r in refused] + counted)))
@@ -187,8 +192,11 @@ def rows_per_batch(batch_size: int) -> int:
     return 4 * batch_size
 
 
-def corpus_images_root(corpus: str) -> str:
-    """Where this corpus's page images lie: the root the readers confined them to (a file's folder)."""
+def corpus_images_root(corpus: str, location: StoreSpec | None = None) -> str | None:
+    """Where this corpus's page images lie: the root the readers confined them to (a file's folder); None on
+    an object store (remote.py rejects its page images)."""
+    if location is not None:
+        return None
     return os.path.abspath(corpus if os.path.isdir(corpus) else os.path.dirname(os.path.abspath(corpus)))
 
 
@@ -244,8 +252,8 @@ def unchanged(cfg: IngestConfig) -> tuple[str, IngestSummary | None]:
     changed since; None when the pipeline must run). Needs no Ray: a no-op rerun never starts one."""
     started = time.perf_counter()
     store = Store.open(cfg.store, create=True)
-    key = run_key(cfg.corpus, cfg.reader, cfg.chunk_tokens, cfg.variants, target_manifest(store, cfg),
-                  {"legibility": cfg.legibility})
+    key = run_key(cfg.corpus, cfg.corpus_location, cfg.reader, cfg.chunk_tokens, cfg.variants,
+                  target_manifest(store, cfg), {"legibility": cfg.legibility})
     record = None if cfg.force else unchanged_since(store, key, current_generation_number(store))
     if record is None:
         return key, None
@@ -272,7 +280,7 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         compile_plan = CompilePlan(cfg.model, store.spec, manifest.to_json(), cfg.resources.batch_size, stamp_ns,
                                    cfg.job_id, cfg.legibility)
 
-        rows = read(cfg.corpus, cfg.reader, plan)
+        rows = read(cfg.corpus, cfg.corpus_location, cfg.reader, plan)
         rows = check_ids(rows, plan)
         rows = chunk(rows, cfg, plan)
         stored = [ds for ds in (stored_entries(store, manifest, slots, plan), stored_embeddings(store, plan)) if ds]
@@ -280,7 +288,8 @@ def ingest(cfg: IngestConfig, key: str | None = None) -> IngestSummary:
         units, rest = work_blocks(rows, cfg.resources.batch_size, plan, needs=("slots_json", "needs_embedding"))
         rows = rest
         if units is not None:
-            units = render(units, manifest, plan, cfg.resources.batch_size, corpus_images_root(cfg.corpus))
+            images_root = corpus_images_root(cfg.corpus, cfg.corpus_location)
+            units = render(units, manifest, plan, cfg.resources.batch_size, images_root)
             units = embed(units, cfg.embedder_dir, plan, cfg.resources.batch_size)
             rows = compile_kv(units, compile_plan, plan).union(rest)
         tallies = write_documents(rows, store, cfg.job_id, stamp_ns, plan)  # whole docs, or quarantined

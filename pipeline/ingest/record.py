@@ -23,20 +23,23 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.ingest.corpus import discover
+from pipeline.ingest.corpus import RemoteFiles, discover
 from pipeline.ingest.summary import IngestSummary
 from pipeline.store import Store, entry_slots, slot_name
 from schemas.config import Variant
 from schemas.corpus import ReaderSpec
-from schemas.store import Manifest
+from schemas.store import Manifest, StoreSpec
 
 RECORDS = "ingests"
 _READ_NBYTES = 1 << 20
 
 
-def corpus_digest(corpus: str) -> str:
+def corpus_digest(corpus: str, location: StoreSpec | None = None) -> str:
     """sha256 over every corpus file's relative path, size and contents, in path order (names refused by
-    `discover` included, so a refused file appearing changes the digest too)."""
+    `discover` included, so a refused file appearing changes the digest too). `location`: an object-store
+    corpus, digested by the same definition (remote.RemoteFiles.digest)."""
+    if location is not None:
+        return RemoteFiles(location).digest()
     files, refused = discover(corpus)
     digest = hashlib.sha256()
     for f in files:
@@ -61,12 +64,13 @@ def corpus_digest(corpus: str) -> str:
     return digest.hexdigest()
 
 
-def run_key(corpus: str, reader: ReaderSpec, chunk_tokens: int, variants: tuple[Variant, ...],
-            manifest: Manifest, options: dict[str, Any]) -> str:
+def run_key(corpus: str, location: StoreSpec | None, reader: ReaderSpec, chunk_tokens: int,
+            variants: tuple[Variant, ...], manifest: Manifest, options: dict[str, Any]) -> str:
     """What a job reads and how it builds: equal keys over an unchanged store produce the same store.
     `options`: the job's other switches that change what it writes (e.g. legibility scores)."""
     slots = {slot_name(t, v): manifest.entry_fingerprint(v, t) for t, v in entry_slots(manifest, variants)}
-    spec = {"corpus": corpus_digest(corpus), "reader": reader.model_dump(mode="json"), "chunk_tokens": chunk_tokens,
+    spec = {"corpus": corpus_digest(corpus, location), "reader": reader.model_dump(mode="json"),
+            "chunk_tokens": chunk_tokens,
             "slots": slots, "lazy_tiers": list(manifest.lazy_tiers),
             "embedder": [manifest.embedder, manifest.embedding_dim],
             "options": options}

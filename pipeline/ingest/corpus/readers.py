@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import pyarrow as pa
 
@@ -43,7 +44,7 @@ def discover(root: str) -> tuple[list[CorpusFile], list[Rejection]]:
     if SURROGATES.search(os.path.abspath(root)):
         raise CorpusError(f"corpus root {_printable(root)!r} is not a valid UTF-8 path")
     if not os.path.isdir(root):
-        entries = [_entry(os.path.abspath(root), os.path.dirname(os.path.abspath(root)))]
+        entries = [corpus_file(os.path.abspath(root), os.path.dirname(os.path.abspath(root)))]
     else:
         entries = []
         real_root = os.path.realpath(root)
@@ -51,8 +52,8 @@ def discover(root: str) -> tuple[list[CorpusFile], list[Rejection]]:
             for name in dirnames:
                 link = os.path.join(folder, name)
                 if os.path.islink(link) and not _inside(os.path.realpath(link), real_root):
-                    entries.append(_entry(link, root))
-            entries.extend(_entry(os.path.join(folder, name), root) for name in filenames)
+                    entries.append(corpus_file(link, root))
+            entries.extend(corpus_file(os.path.join(folder, name), root) for name in filenames)
     files = sorted((e for e in entries if not SURROGATES.search(e.relpath)), key=lambda e: e.relpath)
     refused = [reject(_printable(e.relpath), None, RejectReason.INVALID_UTF8, "file name is not valid UTF-8")
                for e in entries if SURROGATES.search(e.relpath)]
@@ -64,10 +65,25 @@ def _printable(name: str) -> str:
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _entry(path: str, root: str) -> CorpusFile:
-    ext = os.path.splitext(path)[1].lower()
-    return CorpusFile(path=path, root=root, relpath=os.path.relpath(path, root),
-                      format=_FORMATS.get(ext, FileFormat.UNSUPPORTED))
+def file_format(path: str) -> FileFormat:
+    return _FORMATS.get(os.path.splitext(path)[1].lower(), FileFormat.UNSUPPORTED)
+
+
+def corpus_file(path: str, root: str) -> CorpusFile:
+    """The entry of `path` found under `root` (its format from its extension)."""
+    return CorpusFile(path=path, root=root, relpath=os.path.relpath(path, root), format=file_format(path))
+
+
+class LocalFiles:
+    """Files on this machine's disk, as `read_entry` reads them (remote.RemoteFiles: on an object store)."""
+
+    @staticmethod
+    def size(path: str) -> int:
+        return os.path.getsize(path)
+
+    @staticmethod
+    def open(path: str) -> BinaryIO:
+        return open(path, "rb")
 
 
 def _inside(real_path: str, real_root: str) -> bool:
@@ -81,7 +97,7 @@ def read_file(path: str, root: str, spec: ReaderSpec = ReaderSpec()) -> Iterator
                      "file name is not valid UTF-8")
         return
     base = root if os.path.isdir(root) else os.path.dirname(os.path.abspath(root))
-    entry = _entry(path, base)
+    entry = corpus_file(path, base)
     real_root = os.path.realpath(base)
     if not _inside(os.path.realpath(path), real_root):
         yield reject(entry.relpath, None, RejectReason.PATH_OUTSIDE_ROOT,
@@ -90,31 +106,39 @@ def read_file(path: str, root: str, spec: ReaderSpec = ReaderSpec()) -> Iterator
     if not os.path.isfile(path):  # a dangling link, a folder link, a FIFO that would block a read
         yield reject(entry.relpath, None, RejectReason.UNREADABLE_FILE, "not a readable regular file")
         return
+    yield from read_entry(entry, LocalFiles(), spec)
+
+
+def read_entry(entry: CorpusFile, files, spec: ReaderSpec) -> Iterator[Document | Rejection]:
+    """Documents and rejections of one listed file, read through `files` (`LocalFiles`, or an object store's
+    `remote.RemoteFiles`): the one place a format maps to its reader."""
     if entry.format is FileFormat.UNSUPPORTED:
         yield reject(entry.relpath, None, RejectReason.UNSUPPORTED_FILE,
-                     f"extension {os.path.splitext(path)[1]!r} is not one of {sorted(_FORMATS)}")
+                     f"extension {os.path.splitext(entry.path)[1]!r} is not one of {sorted(_FORMATS)}")
         return
     try:
         if entry.format is FileFormat.JSONL:
-            yield from read_jsonl(path, entry.relpath, spec)
+            with files.open(entry.path) as stream:
+                yield from read_jsonl(stream, entry.relpath, spec)
         elif entry.format is FileFormat.PARQUET:
-            yield from read_parquet(path, entry.relpath, spec)
+            with files.open(entry.path) as stream:
+                yield from read_parquet(stream, entry.relpath, spec)
         elif entry.format is FileFormat.TEXT:
-            yield _read_text(path, entry.relpath, spec)
+            yield _read_text(files, entry.path, entry.relpath, spec)
         else:
-            yield _page_image_document(path, entry.relpath, spec)
+            yield _page_image_document(entry.path, entry.relpath, spec)
     except (OSError, pa.ArrowException) as exc:  # records yielded before the failure stand
         yield reject(entry.relpath, None, RejectReason.UNREADABLE_FILE, f"{type(exc).__name__}: {exc}")
 
 
-def _read_text(path: str, relpath: str, spec: ReaderSpec) -> Document | Rejection:
+def _read_text(files, path: str, relpath: str, spec: ReaderSpec) -> Document | Rejection:
     doc_id = file_doc_id(relpath, spec)
     if isinstance(doc_id, Rejection):
         return doc_id
-    nbytes = os.path.getsize(path)
+    nbytes = files.size(path)
     if nbytes > 4 * spec.max_doc_chars:  # UTF-8 spends at most 4 bytes per character
         return reject(relpath, doc_id, RejectReason.TOO_LARGE, f"{nbytes} bytes > 4 * max_doc_chars")
-    with open(path, "rb") as stream:
+    with files.open(path) as stream:
         raw = stream.read()
     try:
         text = raw.decode("utf-8-sig")

@@ -33,9 +33,9 @@ def _lines(stream: BinaryIO, max_nbytes: int) -> Iterator[tuple[int, bytes | Non
         yield line_no, None, nbytes
 
 
-def read_jsonl(path: str, relpath: str, spec: ReaderSpec) -> Iterator[Document | Rejection]:
-    with open(path, "rb") as stream:
-        yield from unique_ids(_jsonl_records(stream, relpath, spec))
+def read_jsonl(stream: BinaryIO, relpath: str, spec: ReaderSpec) -> Iterator[Document | Rejection]:
+    """The records of an open JSONL file (local or on an object store: readers.read_entry opens it)."""
+    yield from unique_ids(_jsonl_records(stream, relpath, spec))
 
 
 def _jsonl_records(stream: BinaryIO, relpath: str, spec: ReaderSpec) -> Iterator[Document | Rejection]:
@@ -64,8 +64,9 @@ def _jsonl_records(stream: BinaryIO, relpath: str, spec: ReaderSpec) -> Iterator
         yield parse_record(record, source, spec)
 
 
-def read_parquet(path: str, relpath: str, spec: ReaderSpec) -> Iterator[Document | Rejection]:
-    with pq.ParquetFile(path) as parquet:
+def read_parquet(stream: BinaryIO, relpath: str, spec: ReaderSpec) -> Iterator[Document | Rejection]:
+    """The records of an open, seekable Parquet file."""
+    with pq.ParquetFile(stream) as parquet:
         names = set(parquet.schema_arrow.names)
         if not ({"doc_id", "text"} <= names or {"_id", "context"} <= names):
             yield reject(relpath, None, RejectReason.MALFORMED_RECORD,
