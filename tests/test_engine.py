@@ -4,7 +4,6 @@ leaving early, and of different modes in one batch. Plus the caps, cancellation 
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from schemas.sampling import Sampling
 from serve.engine import loop as loop_module
 from serve.engine.loop import Engine, LinkedContext, OnlineContext, column_nbytes
 from serve.engine.sequence import End, Finished, Sequence, Status
+from tests.test_reanchor import native
 
 TOLERANCE = 1e-5
 
@@ -240,16 +240,6 @@ def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_
     assert calls[-1] == [5]
 
 
-def native_rotation() -> reanchor.NativeRotation:
-    """This process's native re-anchoring kernel; in CI (g++ on its image) its absence fails."""
-    kernel = reanchor.native_kernel()
-    if kernel is None:
-        if os.environ.get("CI"):  # .ci/run: a kernel test that skips there proves nothing
-            pytest.fail("no native re-anchoring kernel: CI's image has g++ (pipeline/runtime/reanchor.py)")
-        pytest.skip("no C++ compiler here: re-anchoring runs on torch ops")
-    return kernel
-
-
 @pytest.mark.parametrize("path", ["native kernel", "torch ops"])
 def test_rotating_halves_equals_the_matrix_product_for_qwen_and_glm_keeps_the_product(vlm, path):
     """Re-anchoring by per-channel factors (`RotationTable.halves`) is the model's rotation matrix applied, by
@@ -263,7 +253,7 @@ def test_rotating_halves_equals_the_matrix_product_for_qwen_and_glm_keeps_the_pr
     if vlm.family is ModelFamily.GLM4V:  # interleaved pairs: no halves factors, the product stays
         assert table.halves(deltas, head_dim) is None
         return
-    rotate = native_rotation() if path == "native kernel" else reanchor.rotate_halves_torch
+    rotate = native() if path == "native kernel" else reanchor.rotate_halves_torch
     diag, cross = table.halves(deltas, head_dim)
     keys = torch.randn(2, 3, 50, head_dim)
     slab = torch.full((2, 3, 64, head_dim), float("nan"))  # a wider row: the output is a strided view
@@ -285,7 +275,7 @@ def test_assembly_reanchors_with_the_native_kernel_as_the_matrix_product_does(vl
     """The served assembly (factors, the native kernel where it runs, into a slab row) equals the same assembly
     by the model's matrices, with shifts of either sign up to 12,345; with torch ops only, the same. Control: one
     chunk's Δ off by one."""
-    native_rotation()
+    native()
     compiled_at = [chunks[0].compile_start, 0, 12_345, 5_000, 1]  # placed after the prefix: Δ = s_i − these
     moved = [kv_module.ChunkKV(c.kv, c.position_span, at, c.kind) for c, at in zip(chunks, compiled_at)]
     width = vlm.prefix.num_tokens + sum(c.num_tokens for c in moved)
