@@ -420,9 +420,11 @@ def test_losing_a_generator_node_loses_no_request_that_had_not_streamed(ray_clus
 
 
 # Ray runs this in every worker process the deploy starts (its runtime_env, which Serve gives each replica):
-# tests/cluster_perturb.py, outside product code.
+# tests/cluster_perturb.py, outside product code. The checkout goes on the workers' PYTHONPATH with it: an installed
+# qvpic (CI's fresh venv) has no `tests` package, and a hook that cannot be imported kills every replica it starts.
 MISPLACED_CHUNKS = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
-    {"runtime_env": {"worker_process_setup_hook": "tests.cluster_perturb.swap_first_two_chunk_slots"}})}
+    {"runtime_env": {"worker_process_setup_hook": "tests.cluster_perturb.swap_first_two_chunk_slots",
+                     "env_vars": {"PYTHONPATH": str(REPO)}}})}
 
 
 def test_a_wrong_chunk_placement_on_the_generator_node_fails_the_reference(ray_cluster, served, bucket, http_port):
