@@ -164,6 +164,7 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
     # What remains before the last group: the rest of each text, the rest of each earlier group.
     rests = [text.tail(max(columns - starts[2 * i], 0)) if columns < starts[2 * i + 1] else None
              for i, text in enumerate(prompt.texts[:-1])]
+    rests = [r if r is not None and r.ids else None for r in rests]  # an empty text leaves no hole
     defer = defer_texts and not any(r is not None and r.image_spans for r in rests)
     linked: list[ChunkKV] = []  # chunks after `base` before any hole (deferred), or the last group's
     holes: list[Hole] = []
