@@ -32,7 +32,6 @@ from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
 from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
-from pipeline.runtime.prefix_cache import CachedRun
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
 from pipeline.runtime.timing import ms_since
 from schemas.config import ChunkKind, RecomputeSpec
@@ -290,20 +289,11 @@ def link_at(vlm: VLM, chunks: Sequence[ChunkKV], position: int, out: torch.Tenso
     return assemble_row(vlm, empty, chunks, out)
 
 
-def assemble_row(vlm: VLM, base: ChunkKV | CachedRun | None, chunks: Sequence[ChunkKV],
-                 out: torch.Tensor) -> AssembledContext:
+def assemble_row(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], out: torch.Tensor) -> AssembledContext:
     """`[base][chunks re-anchored]` into `out` `[layers, 2, kv_heads, capacity, head_dim]` (an empty one when
     there is neither: a prompt whose whole text comes after its chunks, none of them linked)."""
     moved = [c if c.kv.device == vlm.device else ChunkKV(c.kv.to(vlm.device), c.position_span, c.compile_start,
                                                            c.kind, c.grid_thw, c.vision_tokens) for c in chunks]
-    if isinstance(base, CachedRun):  # its blocks straight into the row, then the chunks re-anchored after them
-        base.write(out)
-        linked = link_at(vlm, moved, base.position_span, out[:, :, :, base.num_tokens:]) if moved else None
-        total = base.num_tokens + (linked.num_tokens if linked else 0)
-        return AssembledContext(layers=[(out[i, 0, :, :total][None], out[i, 1, :, :total][None])
-                                        for i in range(out.shape[0])],
-                                next_position=linked.next_position if linked else base.position_span,
-                                chunk_starts=linked.chunk_starts if linked else [])
     if base is None and not moved:
         return AssembledContext(layers=[(out[i, 0, :, :0][None], out[i, 1, :, :0][None]) for i in range(out.shape[0])],
                                 next_position=0, chunk_starts=[])

@@ -6,7 +6,7 @@ prompt's blocks up in the prefix cache (pipeline/runtime/prefix_cache.py) and re
 
     base    KV of every column before the last group's part still to link, at positions 0.. — the cached run,
             then what remains of the earlier texts forwarded and of the earlier groups linked, in order
-    chunks  the last group's chunks still to link after `base` (none when the cached run covers them)
+    chunks  chunks to link right after `base` (without holes: the last group's, none when the cached run covers them)
     holes   with `defer_texts`: the texts still to compute before the last group, each with the chunks linked
             after it — left as holes in the row, computed by the batched prefill in the tail's forward (one read
             of the weights for a follow-up turn, not one per text run)
@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import ChunkKV, assemble
-from pipeline.runtime.prefix_cache import CachedRun, PrefixCache, StreamKeys, block_hashes, partial_key, resume_point
+from pipeline.runtime.prefix_cache import PrefixCache, StreamKeys, block_hashes, gather, partial_key, resume_point
 from schemas.config import ChunkKind
 
 
@@ -84,7 +84,7 @@ class Hole:
 
 @dataclass
 class Resumed:
-    base: ChunkKV | CachedRun | None  # columns [0, n): compile_start 0, position_span = the next position
+    base: ChunkKV | None  # columns [0, n): compile_start 0, position_span = the next position
     chunks: list[ChunkKV]  # linked right after `base`
     tail: PreparedSegment  # of the last text, to prefill after them
     cached_columns: int  # columns of `base` that came from the prefix cache
@@ -158,9 +158,9 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
         cache.stats.hit_tokens += columns
     _, next_positions = stream.joined()
     position = int(next_positions[columns - 1]) if columns else 0
-    run = CachedRun(blocks, columns, position) if columns else None  # its KV is copied where it is used
+    base = _base(gather(blocks, columns), position) if columns else None  # the cached run
     if columns >= last_text:  # the run reaches into the last text
-        return Resumed(run, [], prompt.after.tail(columns - last_text), columns, stream, ends)
+        return Resumed(base, [], prompt.after.tail(columns - last_text), columns, stream, ends)
     # What remains before the last group: the rest of each text, the rest of each earlier group.
     rests = [text.tail(max(columns - starts[2 * i], 0)) if columns < starts[2 * i + 1] else None
              for i, text in enumerate(prompt.texts[:-1])]
@@ -168,7 +168,6 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
     defer = defer_texts and not any(r is not None and r.image_spans for r in rests)
     linked: list[ChunkKV] = []  # chunks after `base` before any hole (deferred), or the last group's
     holes: list[Hole] = []
-    base: ChunkKV | CachedRun | None = run
     for i, rest in enumerate(rests):
         if rest is not None and defer:
             holes.append(Hole(rest, []))

@@ -210,31 +210,3 @@ def gather(blocks: list[Block], columns: int) -> torch.Tensor:
     """The first `columns` columns of `blocks` as one `[layers, 2, kv_heads, columns, head_dim]` tensor."""
     return torch.cat([b.kv for b in blocks], dim=3)[:, :, :, :columns]
 
-
-class CachedRun:
-    """A prompt's first `columns` columns found in the cache, at positions 0..: the base a row is built on.
-
-    It answers as a `ChunkKV` compiled at 0 (`num_tokens`, `position_span`, `kv`), but the batched prefill
-    `write`s its blocks straight into the slab row: one copy of the cached KV per request, not a concatenation
-    and then a copy (`kv` concatenates, for the paths that forward after it on their own)."""
-
-    compile_start = 0
-
-    def __init__(self, blocks: list[Block], columns: int, next_position: int):
-        self.blocks, self.num_tokens = blocks, columns
-        self.position_span = max(next_position, 1)  # as a ChunkKV's: where the text after the run starts
-        self._kv: torch.Tensor | None = None
-
-    @property
-    def kv(self) -> torch.Tensor:
-        """`[layers, 2, kv_heads, columns, head_dim]`, made once."""
-        if self._kv is None:
-            self._kv = gather(self.blocks, self.num_tokens)
-        return self._kv
-
-    def write(self, out: torch.Tensor) -> None:
-        """The run into `out` `[layers, 2, kv_heads, ≥columns, head_dim]` from its first column: one
-        concatenation and one copy, whatever the number of blocks. (Served, the conversation benchmark's turn 4
-        still spends 58–75 ms assembling 1,152 cached columns and 8 chunks, in-process 5 ms: not explained yet.)"""
-        # not kept: the request holds its run until it ends
-        out[:, :, :, :self.num_tokens] = self._kv if self._kv is not None else gather(self.blocks, self.num_tokens)
