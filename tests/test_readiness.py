@@ -20,6 +20,7 @@ from serve.http import InProcessBackend, make_api
 from serve.http.health import (
     INGRESS_ONLY_PATHS,
     ReadinessProbe,
+    all_healthy,
     app_readiness,
     fits,
     holding_back,
@@ -85,6 +86,31 @@ def test_ready_when_every_deployment_runs_and_not_while_deleting():
     assert not deleting.ready and "being deleted" in deleting.detail
     absent = app_readiness("qvpic", None, [CPU_NODE], {})
     assert not absent.ready and absent.detail == "application 'qvpic' is not deployed"
+
+
+def overview(app_status, *statuses):
+    """The fields of Serve's StatusOverview that the gate's cheap check reads."""
+    return SimpleNamespace(app_status=SimpleNamespace(status=app_status), deployment_statuses=[
+        SimpleNamespace(name=f"d{i}", status=s) for i, s in enumerate(statuses)])
+
+
+@pytest.mark.parametrize("app_status", list(ApplicationStatus))
+@pytest.mark.parametrize("statuses", [
+    (DeploymentStatus.HEALTHY,) * 2, (DeploymentStatus.HEALTHY, DeploymentStatus.UPSCALING),
+    (DeploymentStatus.DOWNSCALING,), (DeploymentStatus.UPDATING,), (DeploymentStatus.UNHEALTHY,),
+    (DeploymentStatus.DEPLOY_FAILED,), ()])
+def test_the_gates_cheap_check_calls_ready_only_what_the_full_report_calls_ready(app_status, statuses):
+    """The gate reads Serve's status overview and fetches the full details only when it is not all healthy: a
+    deployment scaling up from zero (UPSCALING, nothing running) or still starting must not pass as ready. The
+    expected verdicts are written out here: ready only for a RUNNING application whose deployments are all HEALTHY."""
+    assert all_healthy(overview(app_status, *statuses)) == (
+        app_status == ApplicationStatus.RUNNING and bool(statuses)
+        and all(s == DeploymentStatus.HEALTHY for s in statuses))
+    if all_healthy(overview(app_status, *statuses)):  # and the full report agrees for every replica count a
+        for target in (0, 1, 3):                      # HEALTHY deployment can have (running == target)
+            deployments = [deployment(f"d{i}", RUNNING * target, {"CPU": 1}, s, target=target)
+                           for i, s in enumerate(statuses)]
+            assert app_readiness("qvpic", application(*deployments, status=app_status), [CPU_NODE], {}).ready
 
 
 def test_a_failed_deployment_reports_serves_message():

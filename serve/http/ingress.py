@@ -38,7 +38,7 @@ from serve.governance.auth import exposure
 from serve.http.backend import Backend, HandleBackend, api_error, error_cause, sse
 from serve.http.exchange import Turns
 from serve.http.guards import ReleaseTurn, install_guards
-from serve.http.health import ReadinessProbe, install_readiness
+from serve.http.health import ReadinessProbe, fetch_gate_readiness, install_readiness
 from serve.http.openai import completion_routes, embedding_routes, is_openai_path, openai_error, openai_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
@@ -160,11 +160,14 @@ class Ingress:
         self.config, self.api = config, api
         self.governor = Governor(config.governance, api.store)
         refuse_open_bind(config)  # `serve run` / `serve deploy` of an edited config get qvpic serve's check too
-        self.readiness = ReadinessProbe(serve.get_replica_context().app_name)
+        app_name = serve.get_replica_context().app_name
+        self.readiness = ReadinessProbe(app_name, fetch_gate_readiness)  # before every request: cheap while healthy
+        self.readiness_detail = ReadinessProbe(app_name)  # GET /readyz: every deployment's replicas and resources
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = make_api(self.backend, self.api, self.governor, self.config)
-        install_readiness(app, self.readiness, self.governor.rejected)  # GET /readyz; 503 while a deployment is pending
+        # GET /readyz; 503 while a deployment is pending
+        install_readiness(app, self.readiness, self.governor.rejected, self.readiness_detail)
         install_ui(app, self.inspector, self.backend, self.governor)  # GET /ui, /ui/store and their data
         return app
 
