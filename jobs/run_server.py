@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -61,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generator-gpus", type=float, help="GPUs per generator replica")
     p.add_argument("--generator-replicas", type=int, help="generator replicas (fixed: drops the config's autoscaling)")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
+    p.add_argument("--forward-threads", type=int,
+                   help="torch threads of each generator replica (default: its num_cpus rounded up; a local CPU run "
+                        "without --config: this machine's cores over the generator replicas)")
     p.add_argument("--request-timeout-s", type=float, help="deadline of a request that sets none (504 past it)")
     p.add_argument("--recompute", choices=[k.value for k in RecomputeKind],
                    help="selective recompute of linked chunks before the query: leading (EPIC: the first "
@@ -98,6 +102,14 @@ def _set(tree: dict[str, Any], path: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def local_forward_threads(ns: argparse.Namespace) -> int | None:
+    """A local CPU run without a config file: the machine's cores shared among the generator replicas (their
+    default 0.1-CPU reservation would run each forward on one thread). None otherwise: the reservation decides."""
+    if ns.address is not None or ns.config is not None or ns.generator_gpus:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // (ns.generator_replicas or 1))
+
+
 def app_args(ns: argparse.Namespace):
     """The AppConfig the flags (over the config file, when given) describe."""
     from serve.config import AppConfig
@@ -112,6 +124,7 @@ def app_args(ns: argparse.Namespace):
              "router.defaults.hybrid.enabled": ns.hybrid, "router.max_chunks": ns.max_chunks,
              "router.max_context_tokens": ns.max_context_tokens, "router.scan.search_threads": ns.router_search_threads,
              "loader.max_nbytes": ns.cache_nbytes, "generator.engine.max_batch_size": ns.max_batch_size,
+             "generator.engine.forward.threads": ns.forward_threads or local_forward_threads(ns),
              "generator.recompute.kind": ns.recompute, "generator.recompute.leading_num_tokens": ns.recompute_tokens,
              "generator.recompute.deviation_fraction": ns.recompute_fraction,
              "ingress.default_top_k": ns.top_k, "ingress.served_model_name": ns.served_model_name,

@@ -310,6 +310,10 @@ class ForwardSpec(Frozen):
     # accumulation); None = the model's. bfloat16 on a CPU with AMX/avx512_bf16 is ~3x faster from 16 rows and is
     # no longer exact: tests/test_fused_forward.py states and tests its tolerance. Needs `fused`.
     matmul_dtype: DType | None = None
+    # torch's intra-op threads in the generator's process. None: the replica's CPU reservation rounded *up*
+    # (serve/engine/generator.py `forward_threads`): Ray sets OMP_NUM_THREADS to it rounded down, so a 1.5-CPU
+    # replica on a 2-core node ran its forwards on one thread, and the default 0.1 CPU always on one.
+    threads: int | None = Field(None, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _needs_fused(self) -> "ForwardSpec":

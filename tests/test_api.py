@@ -188,6 +188,22 @@ def test_server_flags_override_the_serve_config():
     assert run_server.main(["--store", "/data/store", "--detach"]) == 2  # nothing to detach from
 
 
+def test_a_local_cpu_serve_without_a_config_shares_the_machines_cores_among_its_generators(monkeypatch):
+    """The default 0.1-CPU generator would run its forwards on one thread; a local CPU run gives them the cores
+    this process may use (4 here), split among fixed replicas. A config file, a cluster or a GPU keep the replica's
+    reservation (rounded up, serve/engine/generator.py); the flag wins over all."""
+    monkeypatch.setattr(run_server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+
+    def threads(*flags: str) -> int | None:
+        return run_server.app_args(run_server.parser().parse_args(["--store", "/s", *flags])).generator.engine \
+            .forward.threads
+
+    assert threads() == 4 and threads("--generator-replicas", "2") == 2 and threads("--generator-replicas", "8") == 1
+    assert threads("--address", "auto") is None and threads("--generator-gpus", "1") is None
+    assert threads("--config", str(REPO / "serve" / "config.yaml")) is None
+    assert threads("--forward-threads", "3") == 3 and threads("--address", "auto", "--forward-threads", "2") == 2
+
+
 
 def test_each_flag_lands_in_its_role_and_shared_fields_are_set_once():
     ns = run_server.parser().parse_args([

@@ -139,3 +139,12 @@ def test_the_engine_picks_the_forward_its_spec_asks_for():
         Engine(glm, EngineSpec(forward=ForwardSpec(matmul_dtype=DType.BFLOAT16)), start=False)
     with pytest.raises(ValueError, match="matmul_dtype needs forward.fused"):
         ForwardSpec(fused=False, matmul_dtype=DType.BFLOAT16)
+
+
+@pytest.mark.parametrize(("configured", "reserved", "threads"), [
+    (None, 1.5, 2), (None, 0.1, 1), (None, 2.0, 2), (None, 1.0, 1), (None, None, None), (None, 0.0, None),
+    (3, 0.1, 3), (1, 4.0, 1)])
+def test_forward_threads_are_the_configured_count_else_the_reservation_rounded_up(configured, reserved, threads):
+    from serve.engine.generator import forward_threads
+
+    assert forward_threads(configured, reserved) == threads

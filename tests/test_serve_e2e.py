@@ -25,6 +25,7 @@ SCAN_CHUNK = "scan.png#00000"  # a page-image document: compiled from its own pi
 MAX_CHUNKS = 4
 MAX_CONTEXT_TOKENS = 1024
 MODEL = ModelSpec(path="tiny-qwen", device="cpu")
+GENERATOR_CPUS = 1.5  # the generator replica's reservation: its forwards run ceil(1.5) = 2 torch threads
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,8 @@ def base_url(store_uri, corpus):
     args = {"store": {"uri": store_uri}, "model": MODEL.model_dump(mode="json"), "images_root": str(corpus),
             "router": {"max_chunks": MAX_CHUNKS, "max_context_tokens": MAX_CONTEXT_TOKENS},
             "ingress": {"default_top_k": 2},
-            "generator_deployment": {"num_gpus": 1}}  # placed on the (logical) GPU; the model stays on MODEL.device
+            # placed on the (logical) GPU; the model stays on MODEL.device. 1.5 CPUs: Ray's OMP_NUM_THREADS would be 1
+            "generator_deployment": {"num_gpus": 1, "num_cpus": GENERATOR_CPUS}}
     serve.run(build_app(args), name="qvpic", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -96,6 +98,12 @@ def test_qvpic_is_token_identical_to_full_image_through_the_stack(client, tau, c
     assert linked["chunks"][0]["tier"] == online["chunks"][0]["tier"] == ("high" if tau else "low")
     assert linked["answer"] == online["answer"] and linked["usage"]["completion_tokens"] > 0
     assert linked["usage"]["context_tokens"] == online["usage"]["context_tokens"]
+
+
+def test_the_generator_runs_its_reservation_rounded_up_in_torch_threads(client):
+    """Ray sets OMP_NUM_THREADS to a replica's CPUs rounded down (1 for 1.5): a generator reserving 1.5 CPUs of a
+    2-core node ran every forward on one thread. It sets torch's threads to the reservation rounded up."""
+    assert generator_stats().forward_threads == 2
 
 
 def test_streaming_arrives_incrementally(client):

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.runtime import VLM, Renderer, check_store
@@ -54,10 +56,30 @@ def text_of(step: str | Step) -> str:
     return step if isinstance(step, str) else step.text
 
 
+def forward_threads(configured: int | None, reserved_cpus: float | None) -> int | None:
+    """Torch threads for this replica's forwards: `configured` (`engine.forward.threads`), else the replica's CPU
+    reservation rounded up (at least 1); None outside a Ray replica (no reservation: torch's own default stays)."""
+    if configured is not None:
+        return configured
+    return None if not reserved_cpus else max(1, math.ceil(reserved_cpus - 1e-9))
+
+
+def reserved_cpus() -> float | None:
+    """The CPUs Ray reserved for this process's actor (None in a driver or without Ray)."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    return ray.get_runtime_context().get_assigned_resources().get("CPU")
+
+
 class Generator:
     def __init__(self, config: GeneratorConfig,
                  loader: DeploymentHandle | CacheLoader | LoaderConfig | None = None):
         self.config = config
+        threads = forward_threads(config.engine.forward.threads, reserved_cpus())
+        if threads is not None:
+            torch.set_num_threads(threads)
         store = Store.open(config.store)
         manifest = store.load_manifest_or_raise()
         check_store(manifest, config.model)

@@ -83,6 +83,7 @@ class EngineStats:
     steps: int
     decoded_tokens: int
     ended: dict[str, int]  # requests by how they ended: stop, length, cancelled, deadline, failed
+    forward_threads: int  # torch's intra-op threads in this process (schemas.config.ForwardSpec.threads)
 
 
 def column_nbytes(vlm: VLM) -> int:
@@ -139,7 +140,7 @@ class Engine:
         with self._work:
             return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                                self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens,
-                               dict(self.ended))
+                               dict(self.ended), torch.get_num_threads())
 
     # ---- the engine's thread -----------------------------------------------------------------------
     def _loop(self) -> None:
