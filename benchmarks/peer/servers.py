@@ -212,7 +212,7 @@ def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> d
     for request in requests:
         plan = asyncio.run(router.plan(request))
         context = asyncio.run(generator.contexts.build(plan, None, loader)).prefill
-        assembled = vlm.assemble(context.chunks, context.instruction)
+        assembled = vlm.assemble(context.chunks)  # the default serving prefix: what a single-turn request uses
         vlm.prefill_query(assembled, plan.text_after_chunks)  # warm: the first forward at a new length pays more
         started = time.perf_counter()
         state = vlm.prefill_query(assembled, plan.text_after_chunks)
