@@ -127,10 +127,10 @@ def all_healthy(overview) -> bool:
 
 def fetch_gate_readiness(app_name: str) -> Readiness:
     """What the gate needs, cheaply: while every deployment is healthy, Serve's status overview (~2 ms) says so;
-    only otherwise the full report (`fetch_readiness`). The full one costs the controller `get_serve_details`
-    and the caller ~40 ms of parsing: asked once a second under traffic, it held ~0.3 of a core of a 2-core
-    machine (the controller's) and stole it from the generator's forward. A healthy report carries no per-deployment
-    detail (`GET /readyz` fetches the full one)."""
+    only otherwise the full report (`fetch_readiness`). The full one costs the controller `get_serve_details` and
+    the caller ~40 ms of parsing with the GIL held (measured on a 2-core machine): the gate asks once a second under
+    traffic, in the ingress's process. A healthy report carries no per-deployment detail (`GET /readyz` fetches
+    the full one)."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
