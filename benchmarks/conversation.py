@@ -14,6 +14,8 @@ is timed. Workloads: (a) the first turn sent again `REPEATS` times; (b) turns 1â
 `INTERLEAVED` further conversations, `IN_FLIGHT` at a time (each its turns in order), streamed with
 `DECODE_TOKENS` new tokens per turn: TTFT (first content chunk) p50/p99 per turn and decode throughput (completion
 tokens over the phase's wall time), qvpic's phase first with vLLM paused, then vLLM's over the same pages.
+Before vLLM's server starts, a control: as many other conversations of the same kind through qvpic alone (a
+resident second engine's process, even stopped, slowed qvpic's later turns on a small VM).
 """
 
 from __future__ import annotations
@@ -152,34 +154,72 @@ def interleaved(pair: Pair, plans: list[list[str]]) -> dict[str, list[list[dict]
     return {"qvpic": ours, "vllm": theirs, "wall_s": {"qvpic": ours_s, "vllm": theirs_s}}
 
 
+def qvpic_alone(url: str, plans: list[list[str]]) -> list[tuple[int, dict]]:
+    """(b)'s kind of turns with qvpic alone on the machine, before vLLM's server starts: (turn, measurements) per
+    request, the first conversation a warm-up (not returned). On a small VM a second engine's resident process,
+    even stopped, slowed qvpic's later turns 2-10x (docs/BENCHMARKS.md): this is the control for that."""
+    out = []
+    with httpx.Client(timeout=900) as client:
+        for c, turns in enumerate(plans):
+            for t in range(TURNS):
+                started = time.perf_counter()
+                reply = client.post(url + "/v1/chat/completions", json=Pair.qvpic_body(turns[:t + 1]),
+                                    headers={"Cache-Control": "no-cache"})
+                ms = (time.perf_counter() - started) * 1e3
+                reply.raise_for_status()
+                timings = reply.json()["qvpic"]["timings"]
+                if c:
+                    out.append((t, {"ms": ms, **{p: timings[f"{p}_ms"] or 0.0 for p in PHASES}}))
+    return out
+
+
+def alone_report(measured: list[tuple[int, dict]]) -> str:
+    table = []
+    for t in range(TURNS):
+        cells = [m for turn, m in measured if turn == t]
+        q = statistics.median(m["ms"] for m in cells)
+        phases = [statistics.median(m[p] for m in cells) for p in PHASES]
+        table.append([f"turn {t + 1}", f"{q:.0f} / {max(m['ms'] for m in cells):.0f}",
+                      " / ".join(f"{v:.0f}" for v in phases) + f" / {q - sum(phases):.0f}"])
+    header = ["turn", "qvpic TTFT p50 / max ms", "qvpic ms: " + " / ".join(PHASES) + " / the rest"]
+    return (f"The control: {len(measured) // TURNS} other conversations of the same kind (questions of their own) "
+            f"sent to qvpic before vLLM's server was started, so no second engine's process was resident:\n\n"
+            f"{markdown_table(header, table)}")
+
+
 def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
     conversations = 2 if quick else 4
     mixed = IN_FLIGHT if quick else INTERLEAVED  # (c)'s conversations
-    pool = (conversations + mixed + 1) * TURNS * 2  # room for each question's chunk and its neighbours
+    # room for each question's chunk and its neighbours: the paired conversations and their warm-up, the control's
+    # (the same count and a warm-up), then (c)'s
+    pool = (2 * (conversations + 1) + mixed) * TURNS * 2
     started = time.perf_counter()
     corpus = build_corpus(spec, workdir, pool)
     build_s = time.perf_counter() - started
     max_images = TURNS * CHUNKS_PER_TURN * max(len(p) for p in corpus.pages)
+
+    def plans(first: int, count: int) -> list[list[str]]:
+        return [[question(corpus, ((first + c) * TURNS + t) * 2 % len(corpus.texts)) for t in range(TURNS)]
+                for c in range(count)]
+
     rows = []  # (conversation, turn, measurements)
     identical = []
-    with servers.qvpic_server(spec, corpus.store_uri) as ours, \
-            servers.vllm_server(spec, max_images, workdir / "vllm-server.log",
-                                extra=("--enable-prompt-tokens-details",)) as vllm:
-        pair = Pair(spec, corpus, ours, vllm)
-        plan = [[question(corpus, (c * TURNS + t) * 2 % len(corpus.texts)) for t in range(TURNS)]
-                for c in range(conversations + 1)]
-        for t in range(TURNS):  # warm-up conversation: neither engine's first requests are timed
-            pair.turn(plan[-1][:t + 1])
-        for c in range(conversations):
-            for t in range(TURNS):
-                rows.append((c, t, pair.turn(plan[c][:t + 1])))
-        for _ in range(REPEATS):  # (a): the first turn of the first conversation, again
-            identical.append(pair.turn(plan[0][:1]))
-        others = [[question(corpus, ((conversations + 1 + c) * TURNS + t) * 2 % len(corpus.texts))
-                   for t in range(TURNS)] for c in range(mixed)]
-        mixed_run = interleaved(pair, others)
+    with servers.qvpic_server(spec, corpus.store_uri) as ours:
+        alone = qvpic_alone(ours, plans(conversations + 1, conversations + 1))
+        with servers.vllm_server(spec, max_images, workdir / "vllm-server.log",
+                                 extra=("--enable-prompt-tokens-details",)) as vllm:
+            pair = Pair(spec, corpus, ours, vllm)
+            plan = plans(0, conversations + 1)
+            for t in range(TURNS):  # warm-up conversation: neither engine's first requests are timed
+                pair.turn(plan[-1][:t + 1])
+            for c in range(conversations):
+                for t in range(TURNS):
+                    rows.append((c, t, pair.turn(plan[c][:t + 1])))
+            for _ in range(REPEATS):  # (a): the first turn of the first conversation, again
+                identical.append(pair.turn(plan[0][:1]))
+            mixed_run = interleaved(pair, plans(2 * (conversations + 1), mixed))
     return (report(spec, quick, conversations, rows, identical, build_s, time.perf_counter() - started)
-            + "\n\n" + interleaved_report(mixed_run))
+            + "\n\n" + alone_report(alone) + "\n\n" + interleaved_report(mixed_run))
 
 
 def _pct(values: list[float], q: float) -> float:
