@@ -54,6 +54,16 @@ def question(corpus, index: int) -> str:
     return "What does the passage say about " + " ".join(words[3:13]) + "?"
 
 
+def ask_qvpic(client: httpx.Client, url: str, turns: list[str]) -> tuple[float, dict]:
+    """One one-token chat request to qvpic (no response cache): its HTTP time (ms) and its reply."""
+    started = time.perf_counter()
+    reply = client.post(url + "/v1/chat/completions", json=Pair.qvpic_body(turns),
+                        headers={"Cache-Control": "no-cache"})
+    ms = (time.perf_counter() - started) * 1e3
+    reply.raise_for_status()
+    return ms, reply.json()
+
+
 class Pair:
     """Both servers and one HTTP client; qvpic's conversations as sent, vLLM's built from qvpic's placement."""
 
@@ -101,14 +111,8 @@ class Pair:
                 "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, "report": report}
 
     def ask_qvpic(self, turns: list[str]) -> tuple[float, dict]:
-        body = self.qvpic_body(turns)
         with self.vllm.paused():
-            started = time.perf_counter()
-            reply = self.client.post(self.ours + "/v1/chat/completions", json=body,
-                                     headers={"Cache-Control": "no-cache"})
-            ms = (time.perf_counter() - started) * 1e3
-        reply.raise_for_status()
-        return ms, reply.json()
+            return ask_qvpic(self.client, self.ours, turns)
 
     def ask_vllm(self, turns: list[str], placed: list[dict]) -> tuple[float, dict]:
         body = self.vllm_body(turns, placed)
@@ -162,12 +166,8 @@ def qvpic_alone(url: str, plans: list[list[str]]) -> list[tuple[int, dict]]:
     with httpx.Client(timeout=900) as client:
         for c, turns in enumerate(plans):
             for t in range(TURNS):
-                started = time.perf_counter()
-                reply = client.post(url + "/v1/chat/completions", json=Pair.qvpic_body(turns[:t + 1]),
-                                    headers={"Cache-Control": "no-cache"})
-                ms = (time.perf_counter() - started) * 1e3
-                reply.raise_for_status()
-                timings = reply.json()["qvpic"]["timings"]
+                ms, reply = ask_qvpic(client, url, turns[:t + 1])
+                timings = reply["qvpic"]["timings"]
                 if c:
                     out.append((t, {"ms": ms, **{p: timings[f"{p}_ms"] or 0.0 for p in PHASES}}))
     return out

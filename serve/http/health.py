@@ -134,12 +134,9 @@ def fetch_gate_readiness(app_name: str) -> Readiness:
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return Readiness(ready=False, application=app_name, status="NOT_STARTED", detail="Serve is not running")
-    overview = client.get_serve_status(app_name)
-    if all_healthy(overview):
+    if client is not None and all_healthy(overview := client.get_serve_status(app_name)):
         return Readiness(ready=True, application=app_name, status=overview.app_status.status.value)
-    return fetch_readiness(app_name)
+    return fetch_readiness(app_name)  # it answers "Serve is not running" itself
 
 
 class ReadinessProbe:
