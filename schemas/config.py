@@ -298,6 +298,10 @@ class PrefixCacheSpec(Frozen):
     block_tokens: int = Field(16, ge=1, le=1024)  # columns per block (vLLM: 16 on GPU, 128 on its CPU backend)
     device_nbytes: int = Field(1 << 30, ge=0)  # LRU on the generator's device; 0 switches the cache off
     host_nbytes: int = Field(2 << 30, ge=0)  # LRU in host memory for what the device tier evicts; 0: none
+    # Keep the logits a finished prompt's last column gave, under the prompt's key: the same request again (a retry,
+    # "regenerate") samples its first token from them and runs no forward. False: it recomputes that one column
+    # (vLLM's prefix cache does). `[vocab]` floats an entry (600 KB for Qwen2.5-VL), counted in the bounds above.
+    final_logits: bool = True
 
 
 class ForwardSpec(Frozen):

@@ -112,7 +112,7 @@ def test_a_conversation_equals_transformers_own_forward(vlm, images):
     assert any(t.image_spans for t in prompt.texts[:-1]) and prompt.after.image_spans  # images on both sides
     driver = Driver(vlm)
     cold, warm = driver.run(prompt, max_new_tokens=4), driver.run(prompt, max_new_tokens=4)
-    assert cold.prefix_cached_tokens == 0 and warm.prefix_cached_tokens == prompt.num_tokens - 1
+    assert cold.prefix_cached_tokens == 0 and warm.prefix_cached_tokens == prompt.num_tokens  # logits kept too
     for seq in (cold, warm):
         assert (driver.logits[seq.id][0] - expected).abs().max().item() < TOLERANCE
         assert seq.token_ids == cold.token_ids

@@ -2,7 +2,9 @@
 
 Each claim is checked on the engine's own counts (prompt columns served from the cache) and against the answer
 with the cache off (greedy tokens identical, logits within 1e-4 in float32):
-- an identical request prefills one token; its answer equals the uncached one;
+- an identical request runs no forward for its prompt (the cache kept its last column's logits; with
+  `final_logits` off it prefills one token, as vLLM's does); its answer equals the uncached one; a prompt that
+  differs only in its last token, or whose blocks were evicted, does not take those logits;
 - a follow-up turn (the earlier prompt, the decoded answer and a new question) finds the earlier turn's blocks,
   the decoded tokens included: it misses at most the last partial block of the earlier stream;
 - a shared system prompt (the text before the chunks) is computed once, then found, even with other chunks;
@@ -45,9 +47,10 @@ def chunks(vlm):
 class Driver:
     """An engine stepped in this thread; what each request saw."""
 
-    def __init__(self, vlm, cache_nbytes: int = 1 << 30, host_nbytes: int = 1 << 30, block_tokens: int = 16):
+    def __init__(self, vlm, cache_nbytes: int = 1 << 30, host_nbytes: int = 1 << 30, block_tokens: int = 16,
+                 final_logits: bool = True):
         spec = EngineSpec(prefix_cache=PrefixCacheSpec(block_tokens=block_tokens, device_nbytes=cache_nbytes,
-                                                       host_nbytes=host_nbytes))
+                                                       host_nbytes=host_nbytes, final_logits=final_logits))
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.engine = Engine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
 
@@ -67,15 +70,90 @@ def same_answer(driver_a: Driver, a: Sequence, driver_b: Driver, b: Sequence) ->
         assert (x - y).abs().max().item() < TOLERANCE
 
 
-def test_an_identical_request_prefills_one_token_and_answers_the_same(vlm, chunks):
+@pytest.fixture
+def forwards(monkeypatch):
+    """How many batched forwards (query prefills and decode steps) the engine ran."""
+    from pipeline.runtime import batch
+
+    calls, real = [], batch.forward
+    monkeypatch.setattr(batch, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def counted(forwards: list, run) -> tuple[Sequence, int]:
+    before = len(forwards)
+    seq = run()
+    return seq, len(forwards) - before
+
+
+def test_an_identical_request_runs_no_prompt_forward_and_answers_the_same(vlm, chunks, forwards):
     cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
     prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
     reference = cold.run(prompt)
-    first, second = warm.run(prompt), warm.run(prompt)
+    (first, first_forwards), (second, second_forwards) = (counted(forwards, lambda: warm.run(prompt)) for _ in "ab")
     assert reference.prefix_cached_tokens == 0 and first.prefix_cached_tokens == 0
-    assert second.prefix_cached_tokens == prompt.num_tokens - 1  # every column but the one whose logits it needs
+    assert second.prefix_cached_tokens == prompt.num_tokens  # every column, and the logits after the last
+    assert warm.engine.prefix_cache.stats.logits_hits == 1
+    assert len(first.token_ids) == len(second.token_ids) > 1
+    assert second_forwards == first_forwards - 1  # the decode steps only: no prefill forward
     same_answer(cold, reference, warm, first)
     same_answer(cold, reference, warm, second)
+
+
+def test_without_final_logits_an_identical_request_prefills_one_token(vlm, chunks, forwards):
+    warm = Driver(vlm, final_logits=False)
+    prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    (first, first_forwards), (second, second_forwards) = (counted(forwards, lambda: warm.run(prompt)) for _ in "ab")
+    assert second.prefix_cached_tokens == prompt.num_tokens - 1  # every column but the one whose logits it needs
+    assert second_forwards == first_forwards and warm.engine.prefix_cache.stats.logits_hits == 0
+    same_answer(warm, first, warm, second)
+
+
+def test_a_prompt_differing_only_in_its_last_token_does_not_take_the_cached_logits(vlm, chunks):
+    cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
+    prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    warm.run(prompt)
+    last = prompt.after.ids[-1]
+    other = LinkedPrompt.single(prompt.before, prompt.chunks, prompt.identities[0],
+                                PreparedSegment(prompt.after.ids[:-1] + [(last + 1) % vlm.tokenizer.vocab_size]))
+    seq = warm.run(other)
+    block = warm.engine.prefix_cache.block_tokens
+    assert other.num_tokens % block  # the last token sits in a partial block, whose key it changes:
+    assert seq.prefix_cached_tokens == (other.num_tokens // block) * block  # the full blocks are found, not it
+    assert warm.engine.prefix_cache.stats.logits_hits == 0
+    same_answer(cold, cold.run(other), warm, seq)
+
+
+def test_cached_logits_whose_blocks_were_evicted_are_not_used(vlm, chunks):
+    """The logits entry is the newest, so the LRU drops a prompt's first blocks before it: they are found, the
+    blocks are not, and the prompt is prefilled as if nothing were cached."""
+    prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    probe = Driver(vlm)
+    probe.run(prompt)
+    block_nbytes = probe.engine.prefix_cache.stats.device_nbytes // len(probe.engine.prefix_cache)  # roughly
+    cold, small = Driver(vlm, cache_nbytes=0), Driver(vlm, cache_nbytes=4 * block_nbytes, host_nbytes=0)
+    small.run(prompt)
+    seq = small.run(prompt)
+    assert small.engine.prefix_cache.stats.logits_hits == 1  # found...
+    # ...but the first full block is gone: at most a text before the chunks shorter than a block (its own partial
+    # entry) is used, and the rest is prefilled
+    assert seq.prefix_cached_tokens <= (prompt.before.num_tokens if prompt.before.num_tokens < 16 else 0)
+    same_answer(cold, cold.run(prompt), small, seq)
+
+
+def test_cached_logits_are_not_used_when_only_the_prompts_last_partial_block_is_gone(vlm, chunks):
+    """Every full block found, the prompt's last partial block evicted alone (another prompt sharing the rest kept
+    those recent): the logits after it must not be used on a base that lacks those columns."""
+    prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
+    warm.run(prompt)
+    cache = warm.engine.prefix_cache
+    block = cache.block_tokens
+    partials = [key for key, entry in cache._device.items() if 0 < len(entry.next_positions) < block]
+    del cache._device[partials[-1]]  # the newest partial block: the one at the prompt's end
+    seq = warm.run(prompt)
+    assert cache.stats.logits_hits == 1 and seq.prefix_cached_tokens == (prompt.num_tokens // block) * block
+    same_answer(cold, cold.run(prompt), warm, seq)
 
 
 def test_a_follow_up_turn_finds_the_earlier_turn_and_its_decoded_tokens(vlm, chunks):

@@ -110,6 +110,22 @@ class Slab(Cache):
         slab.next_positions[0] = state.next_position
         return slab
 
+    @classmethod
+    def of_cached(cls, bases: Sequence[ChunkKV], reserves: Sequence[int]) -> Slab:
+        """Rows whose whole prompt came from the prefix cache (pipeline/runtime/linked_prompt.py `Resumed.logits`):
+        each base's KV `[layers, 2, kv_heads, n, head_dim]` copied in, `reserves[j]` columns left for its decoded
+        tokens, and no forward: its next token is sampled from the cached logits."""
+        first = bases[0].kv
+        lengths = [base.num_tokens for base in bases]
+        slab = cls.empty(first.shape[0], len(bases), first.shape[2], max(n + r for n, r in zip(lengths, reserves)),
+                         first.shape[4], first.dtype, first.device)
+        for row, (base, length) in enumerate(zip(bases, lengths)):
+            slab.kv[:, :, row, :, :length] = base.kv
+            slab.valid[row, :length] = True
+            slab.lengths[row] = length
+            slab.next_positions[row] = base.position_span  # a cached run's base: the position after its last column
+        return slab
+
     # ---- shape ---------------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:

@@ -11,9 +11,12 @@ prompt's blocks up in the prefix cache (pipeline/runtime/prefix_cache.py) and re
             after it — left as holes in the row, computed by the batched prefill in the tail's forward (one read
             of the weights for a follow-up turn, not one per text run)
     tail    what the batched query prefill still has to run of the last text (at least its last token, whose
-            logits pick the first answer token)
+            logits pick the first answer token; nothing when `logits` came from the cache)
+    logits  with `final_logits`, when the cache holds the whole prompt and the logits its last column produced: those
+            logits `[vocab]` (base then holds every column, and nothing is left to prefill)
 
-so an identical request prefills one token, a follow-up turn only what its earlier turns did not hold (their
+so an identical request prefills nothing (one token without `final_logits`, as vLLM's prefix cache does), a
+follow-up turn only what its earlier turns did not hold (their
 questions' chunks, answers and headers are blocks of the earlier request's stream), and a request with a new
 system prompt computes that prompt once, then finds it. Chunks are never recomputed: a run that ends inside one
 is cut back to its start, and the chunk is linked from its own KV.
@@ -30,7 +33,15 @@ from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import ChunkKV, assemble
-from pipeline.runtime.prefix_cache import PrefixCache, StreamKeys, block_hashes, gather, partial_key, resume_point
+from pipeline.runtime.prefix_cache import (
+    PrefixCache,
+    StreamKeys,
+    block_hashes,
+    gather,
+    logits_key,
+    partial_key,
+    resume_point,
+)
 from schemas.config import ChunkKind
 
 
@@ -91,6 +102,7 @@ class Resumed:
     stream: StreamKeys  # the prompt's column keys (the decoded tokens are added when it is stored)
     ends: tuple[int, ...]  # where each text before a group ends, and the prompt: partial blocks are kept there
     holes: list[Hole] = field(default_factory=list)  # after `chunks`, before `tail`, in order
+    logits: torch.Tensor | None = None  # `[vocab]`: the whole prompt was cached, its last column's logits too
 
     @property
     def linked_tokens(self) -> int:
@@ -131,19 +143,23 @@ def prompt_keys(vlm, prompt: LinkedPrompt) -> StreamKeys:
 
 @torch.inference_mode()
 def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, past_groups: bool = True,
-           defer_texts: bool = False) -> Resumed:
+           defer_texts: bool = False, final_logits: bool = False) -> Resumed:
     """`past_groups=False`: use cached columns only before the last group (selective recompute re-derives it).
     `defer_texts`: the texts still to compute before the last group come back as `holes` for the batched
-    prefill (when none of them holds an image), instead of being forwarded here one by one."""
+    prefill (when none of them holds an image), instead of being forwarded here one by one.
+    `final_logits`: a prompt cached to its end with its last column's logits comes back whole, with them."""
     stream = prompt_keys(vlm, prompt)
     starts = prompt.starts()  # [t0, g0, t1, g1, …, tn, end]
     last_group, last_text = starts[-3], starts[-2]
     ends = tuple(starts[1:-1:2]) + (stream.num_columns,)
     limit = stream.num_columns - 1 if past_groups else min(last_group, stream.num_columns - 1)
-    blocks, columns = [], 0
+    blocks, columns, logits = [], 0, None
     if cache is not None and cache.enabled and limit > 0:
         size = cache.block_tokens
         hashes = block_hashes(salt, stream, size)  # every full block: a hit is cut back to `limit` below
+        if final_logits and past_groups:
+            logits = cache.get_logits(logits_key(salt, stream, hashes, size, stream.num_columns))
+            limit = stream.num_columns if logits is not None else limit  # the last column need not be recomputed
         blocks = cache.match(hashes)
         columns = resume_point(blocks, size, limit)
         # A text before a group, and the prompt as a whole, rarely end on a block: their last partial block is
@@ -155,12 +171,14 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
                 if partial is not None and partial.next_positions[usable - (end // size) * size - 1] >= 0:
                     blocks, columns = blocks + [partial], usable
                 break
+        if columns < stream.num_columns:  # a block of the prompt was evicted: its end is computed after all
+            logits = None
         cache.stats.hit_tokens += columns
     _, next_positions = stream.joined()
     position = int(next_positions[columns - 1]) if columns else 0
     base = _base(gather(blocks, columns), position) if columns else None  # the cached run
     if columns >= last_text:  # the run reaches into the last text
-        return Resumed(base, [], prompt.after.tail(columns - last_text), columns, stream, ends)
+        return Resumed(base, [], prompt.after.tail(columns - last_text), columns, stream, ends, logits=logits)
     # What remains before the last group: the rest of each text, the rest of each earlier group.
     rests = [text.tail(max(columns - starts[2 * i], 0)) if columns < starts[2 * i + 1] else None
              for i, text in enumerate(prompt.texts[:-1])]
@@ -227,9 +245,10 @@ def _link(vlm, cached: torch.Tensor | None, chunks: list[ChunkKV], start: int) -
 
 
 def store(vlm, cache: PrefixCache | None, salt: bytes, resumed: Resumed, kv: torch.Tensor, decoded: list[int],
-          next_position: int) -> None:
+          next_position: int, prompt_logits: torch.Tensor | None = None) -> None:
     """Keep a finished request's blocks: `kv` `[layers, 2, kv_heads, columns, head_dim]` is its prompt and the
-    decoded tokens it fed back (`decoded`, ending at `next_position`), column for column."""
+    decoded tokens it fed back (`decoded`, ending at `next_position`), column for column; `prompt_logits`
+    `[vocab]`, the logits the prompt's last column produced, under the prompt's end."""
     if cache is None or not cache.enabled:
         return
     stream = resumed.stream
@@ -247,6 +266,8 @@ def store(vlm, cache: PrefixCache | None, salt: bytes, resumed: Resumed, kv: tor
         if end % size and end <= kv.shape[3]:
             first = (end // size) * size
             cache.put(partial_key(salt, stream, hashes, size, end), kv[:, :, :, first:end], next_positions[first:end])
+    if prompt_logits is not None:
+        cache.put_logits(logits_key(salt, stream, hashes, size, resumed.ends[-1]), prompt_logits)
 
 
 def native_prompt(vlm, chunks: list[ChunkKV], query: str, instruction: str = "",

@@ -14,7 +14,9 @@ earlier turn, another chunk set or another tenant misses from the first block th
 
 Each block stores its KV `[layers, 2, kv_heads, block_tokens, head_dim]` and the position the next token
 takes after its last column, or -1 where a cut there cannot be resumed (inside an image or a chunk: the rest of
-an image cannot be encoded alone). Bytes are bounded twice: an LRU on the device, whose evictions move to an
+an image cannot be encoded alone). Where a finished prompt ends, the next-token logits its last column produced are
+kept too (`logits_key`): a causal model's logits there depend only on the columns before, so an identical request
+(a retry, a chat UI's "regenerate") samples its first token from them and prefills nothing. Bytes are bounded twice: an LRU on the device, whose evictions move to an
 LRU in host memory (a later hit moves them back), whose evictions are dropped. One thread uses it (the engine's).
 """
 
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 _DERIVED = np.int64(1) << np.int64(62)  # keys of image and chunk columns; token ids stay far below
+_NO_COLUMNS = np.zeros(0, dtype=np.int64)  # a logits entry's next_positions: it holds no columns
 
 
 @dataclass
@@ -94,9 +97,14 @@ def partial_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block
     return digest.digest()
 
 
+def logits_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block_tokens: int, end: int) -> bytes:
+    """Key of the logits after column `end - 1` (a prompt's end): everything before it, as `partial_key` says."""
+    return hashlib.sha256(b"logits\x00" + partial_key(salt, stream, full_hashes, block_tokens, end)).digest()
+
+
 @dataclass
 class Block:
-    kv: torch.Tensor  # [layers, 2, kv_heads, block_tokens, head_dim]
+    kv: torch.Tensor  # [layers, 2, kv_heads, block_tokens, head_dim]; a logits entry: `[vocab]` float
     next_positions: np.ndarray  # [block_tokens]: position after each column, -1 where no resume is possible
 
     @property
@@ -109,6 +117,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # columns served from the cache
     lookups: int = 0
     inserted_blocks: int = 0
+    logits_hits: int = 0  # prompts whose last column's logits were found: no forward at all
     evicted_blocks: int = 0  # dropped from the host tier (or from the device when there is none)
     demoted_blocks: int = 0  # moved from the device to the host tier
     device_nbytes: int = 0
@@ -157,6 +166,17 @@ class PrefixCache:
         if self.enabled and key not in self._device and key not in self._host:
             self.stats.inserted_blocks += 1
             self._put_device(key, Block(kv.clone(), next_positions.copy()))
+
+    def put_logits(self, key: bytes, logits: torch.Tensor) -> None:
+        """A prompt's last-column logits `[vocab]` (under `logits_key`), in the same LRU as the blocks."""
+        self.put(key, logits, _NO_COLUMNS)
+
+    def get_logits(self, key: bytes) -> torch.Tensor | None:
+        entry = self.get(key)
+        if entry is None:
+            return None
+        self.stats.logits_hits += 1
+        return entry.kv
 
     def insert(self, hashes: list[bytes], kv: torch.Tensor, next_positions: np.ndarray) -> None:
         """Store the blocks of `kv` `[layers, 2, kv_heads, columns, head_dim]` not cached yet (hashes: its blocks)."""

@@ -236,30 +236,45 @@ class Engine:
             # alone (an image in its last text) or recomputes chunk tokens (they would attend to unwritten runs).
             seq.resumed = resume(self.vlm, self.prefix_cache, context.salt, context.prompt,
                                  past_groups=context.recompute is None,
-                                 defer_texts=context.recompute is None and not context.prompt.after.image_spans)
+                                 defer_texts=context.recompute is None and not context.prompt.after.image_spans,
+                                 final_logits=self.spec.prefix_cache.final_logits)
             seq.num_prompt_tokens = context.prompt.num_tokens
             self._count_prefix(seq)
         head_ms = ms_since(started, self.vlm.device)
-        batched = [s for s in seqs if not s.resumed.tail.image_spans]
-        alone = [s for s in seqs if s.resumed.tail.image_spans]
+        cached = [s for s in seqs if s.resumed.logits is not None]  # whole prompt and its logits: no forward
+        batched = [s for s in seqs if s.resumed.logits is None and not s.resumed.tail.image_spans]
+        alone = [s for s in seqs if s.resumed.logits is None and s.resumed.tail.image_spans]
         slabs = []
+        if cached:
+            started = time.perf_counter()
+            slabs.append(Slab.of_cached([s.resumed.base for s in cached],
+                                        [s.sampling.max_new_tokens - 1 for s in cached]))
+            self._pick(cached, torch.stack([s.resumed.logits for s in cached]),
+                       prefill_started=started - head_ms / 1e3)
         if batched:
             started = time.perf_counter()
             slab, logits, assembly_ms = prefill_queries(
                 self.vlm, [s.resumed.base for s in batched], [s.resumed.chunks for s in batched],
                 [s.resumed.tail.ids for s in batched], [s.sampling.max_new_tokens - 1 for s in batched],
                 [s.context.recompute for s in batched], [s.resumed.holes for s in batched])
-            for seq, reanchor_ms in zip(batched, assembly_ms):
+            for seq, reanchor_ms, row in zip(batched, assembly_ms, logits):
                 seq.reanchor_ms = reanchor_ms
+                self._keep_logits(seq, row)
             self._pick(batched, logits, prefill_started=started + sum(assembly_ms) / 1e3 - head_ms / 1e3)
             slabs.append(slab)
         for seq in alone:
             started = time.perf_counter()
             slab, logits = prefill_alone(self.vlm, seq.resumed.base, seq.resumed.chunks, seq.resumed.tail,
                                          seq.sampling.max_new_tokens - 1)
+            self._keep_logits(seq, logits[0])
             self._pick([seq], logits, prefill_started=started - head_ms / 1e3)
             slabs.append(slab)
-        return slabs, batched + alone
+        return slabs, cached + batched + alone
+
+    def _keep_logits(self, seq: Sequence, row: torch.Tensor) -> None:
+        """The prompt's last-column logits `[vocab]`, kept until the row is stored (before any sampler sees them)."""
+        if self.prefix_cache.enabled and self.spec.prefix_cache.final_logits:
+            seq.prompt_logits = row.detach().clone()
 
     def _count_prefix(self, seq: Sequence) -> None:
         seq.prefix_cached_tokens = seq.resumed.cached_columns
@@ -268,6 +283,7 @@ class Engine:
 
     def _store_row(self, slab: Slab, row: int, seq: Sequence) -> None:
         """A row that ended well: its blocks (prompt, then the tokens fed back) into the prefix cache."""
+        prompt_logits, seq.prompt_logits = seq.prompt_logits, None
         if not self.prefix_cache.enabled or seq.end not in (End.STOP, End.LENGTH) or seq.resumed is None:
             return
         columns = slab.valid[row]  # [capacity]: a row's real columns, in order (pad slots are not)
@@ -277,7 +293,7 @@ class Engine:
         else:
             kv = slab.kv[:, :, row][:, :, :, columns]
         store(self.vlm, self.prefix_cache, seq.context.salt, seq.resumed, kv, seq.token_ids,
-              int(slab.next_positions[row]))
+              int(slab.next_positions[row]), prompt_logits)
 
     def _keep_prefixes(self, gone: set[int]) -> None:
         """Blocks of the rows that ended well go into the prefix cache: a follow-up turn (or the same
