@@ -14,10 +14,12 @@ earlier turn, another chunk set or another tenant misses from the first block th
 
 Each block stores its KV `[layers, 2, kv_heads, block_tokens, head_dim]` and the position the next token
 takes after its last column, or -1 where a cut there cannot be resumed (inside an image or a chunk: the rest of
-an image cannot be encoded alone). Where a finished prompt ends, the next-token logits its last column produced are
-kept too (`logits_key`): a causal model's logits there depend only on the columns before, so an identical request
-(a retry, a chat UI's "regenerate") samples its first token from them and prefills nothing. Bytes are bounded twice: an LRU on the device, whose evictions move to an
-LRU in host memory (a later hit moves them back), whose evictions are dropped. One thread uses it (the engine's).
+an image cannot be encoded alone). Where a finished prompt ends, the next-token logits its last column produced
+are kept too (`logits_key`): a causal model's logits there depend only on the columns before, so an identical
+request (a retry, a chat UI's "regenerate") samples its first token from them and prefills nothing.
+
+Bytes are bounded twice: an LRU on the device, whose evictions move to an LRU in host memory (a later hit moves
+them back), whose evictions are dropped. One thread uses it (the engine's).
 """
 
 from __future__ import annotations
