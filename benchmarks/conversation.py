@@ -302,10 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 conversations instead of 4, and 4 instead of 16 in (c)")
     p.add_argument("--model", default="bench-qwen")
+    p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType),
+                   help="both engines' dtype (bfloat16 only where the CPU has native bf16: AMX or avx512_bf16)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
     command = ("python -m benchmarks.conversation " + " ".join(argv)).strip()
-    spec = ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
+    spec = ModelSpec(path=args.model, dtype=args.dtype, device="cpu")
     resolve_path(spec)
     with tempfile.TemporaryDirectory(prefix="qvpic-conversation-") as folder:
         body = run(spec, args.quick, Path(folder))
