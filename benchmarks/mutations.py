@@ -100,6 +100,12 @@ MUTATIONS = (
     Mutation("readiness-all", "serve/http/health.py",
              'return (deployment == INSPECTOR) == (path == UI_PREFIX or path.startswith(UI_PREFIX + "/"))',
              "return True", ("tests/test_readiness.py",), "a request waits only for its route's deployments"),
+    Mutation("logits-torn-prompt", "pipeline/runtime/linked_prompt.py",
+             "if columns < stream.num_columns:", "if False:",
+             ("tests/test_prefix_cache.py",), "cached logits are used only on a prompt cached to its end"),
+    Mutation("logits-stale", "pipeline/runtime/prefix_cache.py",
+             "self.put(key, logits, _NO_COLUMNS)", "self.put(key, logits.roll(1), _NO_COLUMNS)",
+             ("tests/test_prefix_cache.py",), "an identical request's first token comes from its own prompt's logits"),
 )
 
 

@@ -148,3 +148,37 @@ def test_forward_threads_are_the_configured_count_else_the_reservation_rounded_u
     from serve.engine.generator import forward_threads
 
     assert forward_threads(configured, reserved) == threads
+
+
+def reference_attention(q, keys, values, mask, scale):
+    """Attention in float64 by its definition, kv head h // group for query head h (transformers' repeat_kv)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (t.double().repeat_interleave(group, dim=1) for t in (keys, values))
+    scores = q.double() @ keys.transpose(-1, -2) * scale + mask.double()
+    return torch.softmax(scores, dim=-1) @ values
+
+
+@pytest.mark.parametrize("new", [1, 5])
+def test_bf16_attention_reads_the_slab_in_place_within_bf16_rounding(new):
+    """The bf16 branch of `attend` (SDPA on the slab's strided keys and values) against the definition: within
+    bf16's rounding of the output, and the controls (the mask dropped; the head map interleaved) are not."""
+    from pipeline.runtime.fused import attend
+
+    generator = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, dim, width, capacity = 3, 12, 2, 64, 40, 48
+    slab = torch.randn(2, rows, kv_heads, capacity, dim, generator=generator).to(torch.bfloat16)
+    keys, values = slab[0][:, :, :width], slab[1][:, :, :width]  # views: strided like a slab layer's
+    q = torch.randn(rows, heads, new, dim, generator=generator).to(torch.bfloat16)
+    mask = torch.zeros(rows, 1, new, width, dtype=torch.bfloat16)
+    mask[0, :, :, 10:25] = torch.finfo(torch.bfloat16).min  # columns row 0 must not see
+    mask[2, :, :, 33:] = torch.finfo(torch.bfloat16).min
+    expected = reference_attention(q, keys, values, mask, 0.125)
+    got = attend(q, keys, values, mask, 0.125).double()
+    tolerance = 8e-3  # bf16 keeps 8 bits of mantissa: |out| ≲ 1.5 here, so ~6e-3 at most from the final rounding
+    assert (got - expected).abs().max().item() < tolerance
+    unmasked = reference_attention(q, keys, values, torch.zeros_like(mask), 0.125)
+    assert (got - unmasked).abs().max().item() > 10 * tolerance
+    group = heads // kv_heads
+    interleaved = torch.arange(heads).view(group, kv_heads).T.reshape(-1)  # query head h reading kv head h % 2
+    wrong = reference_attention(q[:, interleaved], keys, values, mask, 0.125)[:, torch.argsort(interleaved)]
+    assert (got - wrong).abs().max().item() > 10 * tolerance

@@ -189,6 +189,7 @@ def test_a_changed_earlier_token_another_chunk_set_or_another_tenant_misses(vlm,
     prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
     warm.run(prompt)
     assert warm.run(prompt, salt=TENANT_B).prefix_cached_tokens == 0  # the attacker's first block already differs
+    assert warm.engine.prefix_cache.stats.logits_hits == 0  # nor are tenant A's logits after that prompt found
     reordered = native_prompt(vlm, [chunks[1], chunks[0], chunks[2]], "When does invoice 4471 ship?")
     seq = warm.run(reordered)
     assert 0 < seq.prefix_cached_tokens <= prompt.before.num_tokens  # only the text before the chunks
