@@ -119,7 +119,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # columns served from the cache
     lookups: int = 0
     inserted_blocks: int = 0
-    logits_hits: int = 0  # prompts whose last column's logits were found: no forward at all
+    logits_hits: int = 0  # a prompt's last-column logits found (used only if every block of the prompt is too)
     evicted_blocks: int = 0  # dropped from the host tier (or from the device when there is none)
     demoted_blocks: int = 0  # moved from the device to the host tier
     device_nbytes: int = 0

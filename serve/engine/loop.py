@@ -272,8 +272,9 @@ class Engine:
         return slabs, cached + batched + alone
 
     def _keep_logits(self, seq: Sequence, row: torch.Tensor) -> None:
-        """The prompt's last-column logits `[vocab]`, kept until the row is stored (before any sampler sees them)."""
-        if self.prefix_cache.enabled and self.spec.prefix_cache.final_logits:
+        """The prompt's last-column logits `[vocab]`, kept until the row is stored (before any sampler sees them).
+        Not a row with recomputed chunk tokens: its logits are not those of the chunk KV its keys name."""
+        if self.prefix_cache.enabled and self.spec.prefix_cache.final_logits and seq.context.recompute is None:
             seq.prompt_logits = row.detach().clone()
 
     def _count_prefix(self, seq: Sequence) -> None:
