@@ -169,6 +169,11 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
     recomputed = logits(every, Mode.QVPIC)
     assert recomputed.shape == reference.shape and float((recomputed - reference).abs().max()) <= TOLERANCE
     assert float((logits(plain, Mode.QVPIC)[0] - reference[0]).abs().max()) > 100 * TOLERANCE
+    # A row with recomputed chunk tokens keeps no final logits (its keys name the stored chunk KV, not the recomputed
+    # one); the plain generator's qvpic request does (the control).
+    def logits_entries(generator: Generator) -> int:
+        return sum(len(b.next_positions) == 0 for b in generator.engine.prefix_cache._device.values())
+    assert logits_entries(every) == 0 and logits_entries(plain) == 1
 
 
 def test_recompute_without_carried_sources_is_a_clear_error(serving_store):
