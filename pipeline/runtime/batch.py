@@ -118,9 +118,10 @@ class Slab(Cache):
         first = bases[0].kv
         lengths = [base.num_tokens for base in bases]
         slab = cls.empty(first.shape[0], len(bases), first.shape[2], max(n + r for n, r in zip(lengths, reserves)),
-                         first.shape[4], first.dtype, first.device)
+                         first.shape[4], first.dtype, first.device, zeroed=False)
         for row, (base, length) in enumerate(zip(bases, lengths)):
             slab.kv[:, :, row, :, :length] = base.kv
+            slab.kv[:, :, row, :, length:].zero_()  # only the columns the copy leaves unwritten
             slab.valid[row, :length] = True
             slab.lengths[row] = length
             slab.next_positions[row] = base.position_span  # a cached run's base: the position after its last column
