@@ -11,7 +11,8 @@
 3. Bounds: a one-token forward reads every decoder and output weight once (bytes / read bandwidth); an n-token
    forward is the larger of that and its FLOPs at the best product rate measured at n rows.
 4. The forwards the engine runs (`pipeline/runtime/batch.py` `forward` over a slab with a 600-token context):
-   transformers' forward, the fused forward in fp32 and with bf16 products — one token, a 21-token query turn,
+   transformers' forward, the fused forward in fp32 (its small operations as torch ops, and as the native calls
+   it serves with: pipeline/runtime/decoder_ops.py) and with bf16 products — one token, a 21-token query turn,
    a 16-row decode step — each timed side by side (interleaved, medians) and set against its bound.
 5. Re-anchoring: 1,000 cached tokens assembled into a slab row by the matrix product, by per-channel factors on
    torch ops and on the native kernel (served on the CPU), and a plain copy, against the copy bound (interleaved).
@@ -128,7 +129,8 @@ def context_slab(vlm: VLM, rows: int) -> Slab:
 
 def forwards(vlm: VLM, repeats: int) -> dict[str, dict[str, float]]:
     """Seconds (median) of each engine forward per path, interleaved so noise hits every path alike."""
-    paths = {"transformers": None, "fused fp32": FusedDecoder(vlm.model, ForwardSpec()),
+    paths = {"transformers": None, "fused fp32, torch ops": FusedDecoder(vlm.model, ForwardSpec(native_ops=False)),
+             "fused fp32": FusedDecoder(vlm.model, ForwardSpec()),
              "fused bf16": FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16))}
     cases = {"one token": (1, 1), f"{QUERY_TOKENS}-token query turn": (1, QUERY_TOKENS),
              f"decode step, {DECODE_ROWS} rows": (DECODE_ROWS, 1)}

@@ -314,6 +314,9 @@ class ForwardSpec(Frozen):
     # accumulation); None = the model's. bfloat16 on a CPU with AMX/avx512_bf16 is ~3x faster from 16 rows and is
     # no longer exact: tests/test_fused_forward.py states and tests its tolerance. Needs `fused`.
     matmul_dtype: DType | None = None
+    # On CPU: the operations between the products (norms, residual adds, RoPE, the KV write, SiLU) as native calls
+    # (pipeline/runtime/decoder_ops.py, built at first use), the same numbers; false (or no compiler): torch ops
+    native_ops: bool = True
     # torch's intra-op threads in the generator's process. None: the replica's CPU reservation rounded *up*
     # (serve/engine/generator.py `forward_threads`): Ray sets OMP_NUM_THREADS to it rounded down, so a 1.5-CPU
     # replica on a 2-core node ran its forwards on one thread, and the default 0.1 CPU always on one.

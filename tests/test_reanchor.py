@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.runtime import kv as kv_module
+from pipeline.runtime import native as native_build
 from pipeline.runtime import reanchor
 from schemas.config import ChunkKind
 
@@ -94,7 +95,7 @@ def test_without_a_compiler_the_torch_ops_serve_and_say_so(monkeypatch, caplog):
         reanchor.NativeRotation.build("/bin/false")  # a compiler that fails
     with pytest.raises(reanchor.KernelUnavailable, match="does not load"):
         reanchor.NativeRotation.build("/bin/true")  # "succeeds" and leaves no library
-    monkeypatch.setattr(reanchor, "_state", {})  # a process that has not tried yet
+    monkeypatch.setattr(reanchor._kernel, "state", {})  # a process that has not tried yet
     with caplog.at_level(logging.WARNING, logger=reanchor.__name__):
         assert reanchor.native_kernel() is None
     assert "torch ops" in caplog.text and "no C++ compiler" in caplog.text
@@ -138,18 +139,18 @@ def test_the_assembly_rotates_cpu_keys_with_the_kernel_and_the_rest_with_torch_o
 
 
 def test_the_kernel_is_built_from_the_package_source_in_a_private_directory_then_removed(monkeypatch):
-    """What docs/SECURITY.md says: the one native library qvpic builds is its own rotate_halves.cpp, compiled into
-    a fresh directory only this user can enter, which is gone once the library is loaded."""
+    """What docs/SECURITY.md says: a native library qvpic builds is its own source (here rotate_halves.cpp), compiled
+    into a fresh directory only this user can enter, which is gone once the library is loaded."""
     native()
     seen = []
-    run = reanchor.subprocess.run
+    run = native_build.subprocess.run
 
     def recording(command, **kwargs):
         target = Path(command[command.index("-o") + 1])
         seen.append((list(command), target.parent, stat.S_IMODE(target.parent.stat().st_mode)))
         return run(command, **kwargs)
 
-    monkeypatch.setattr(reanchor.subprocess, "run", recording)
+    monkeypatch.setattr(native_build.subprocess, "run", recording)
     kernel = reanchor.NativeRotation.build()
     (command, directory, mode), = seen
     assert str(reanchor.SOURCE) in command and reanchor.SOURCE.parent == Path(reanchor.__file__).parent

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeline.runtime.decoder_ops import DecoderOps, native_decoder_ops, takes
 from pipeline.runtime.dtypes import TORCH_DTYPES
 from schemas.config import ForwardSpec
 
@@ -146,6 +147,8 @@ class FusedDecoder:
         self.dtype = self.embed.dtype
         self._cos = self._sin = torch.empty(0)
         self._table(ROPE_TABLE_POSITIONS)
+        if spec.native_ops and takes(self.embed):
+            native_decoder_ops()  # built now (~0.5 s, once per process), not in the first request's forward
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -182,6 +185,9 @@ class FusedDecoder:
         rows, new = ids.shape
         if int(positions.max()) >= self._cos.shape[0]:
             self._table(2 * int(positions.max()) + 1)
+        ops = native_decoder_ops() if self.spec.native_ops and takes(self.embed, slab.kv) else None
+        if ops is not None:
+            return self._forward_native(ops, slab, ids, positions, mask)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, new, head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         hidden = F.embedding(ids, self.embed)  # [rows, new, hidden]
@@ -198,6 +204,27 @@ class FusedDecoder:
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         return self.lm_head(rms_norm(hidden[:, -1], self.norm))
+
+    def _forward_native(self, ops: DecoderOps, slab, ids: torch.Tensor, positions: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+        """`forward` with the operations between the products as native calls (pipeline/runtime/decoder_ops.py):
+        the same function, the same rounding. Each layer's residual add is fused into the next norm."""
+        rows, new = ids.shape
+        q_size = self.num_heads * self.head_dim
+        hidden = F.embedding(ids, self.embed)  # [rows, new, hidden], updated in place by the residual adds
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        x = ops.add_rms_norm(hidden, None, *self.layers[0].input_norm)
+        for layer, cache, next_norm in zip(self.layers, slab.layers, norms):
+            q = ops.rope_qkv(layer.qkv(x), self._cos, self._sin, positions, slab.write_columns, cache.keys,
+                             cache.values, self.num_heads)  # [rows, heads, new, head_dim]; K and V into the slab
+            width = slab.width
+            out = attend(q, cache.keys[:, :, :width], cache.values[:, :, :width], mask, self.scale)
+            x = ops.add_rms_norm(hidden, layer.o(out.transpose(1, 2).reshape(rows, new, q_size)), *layer.post_norm)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if next_norm is self.norm:  # the last layer: only each row's last token goes on
+                hidden, down = hidden[:, -1], down[:, -1]
+            x = ops.add_rms_norm(hidden, down, *next_norm)
+        return self.lm_head(x)
 
 
 def language_model(model: torch.nn.Module) -> torch.nn.Module:

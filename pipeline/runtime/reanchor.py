@@ -2,10 +2,7 @@
 
 Two ways, the same numbers (≤ 1e-5 in float32; bf16 rounds once, to nearest even, either way):
 - `NativeRotation`: rotate_halves.cpp, one pass that reads each key once and writes it once into its slab row,
-  rows over torch's threads. Built on first use, once per process, by the machine's C++ compiler (`$CXX`, else
-  g++ or c++ on PATH) into a private temporary directory, loaded with ctypes, the directory removed: no cache
-  on disk that could go stale or be swapped by another user, for ~0.2 s of one core per process (a torch
-  extension of the same loop takes ~35 s, `torch.compile` ~6–20 s per process: docs/BENCHMARKS.md `limits`).
+  rows over torch's threads. Built on first use, once per process (pipeline/runtime/native.py: ~0.2 s).
 - `rotate_halves_torch`: torch ops, for CUDA, float16, a layout the kernel does not take, or no compiler.
 """
 
@@ -13,37 +10,20 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from pipeline.runtime.native import BuiltOnce, KernelUnavailable, build_library, compiler  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rotate_halves.cpp")
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-COMPILE_TIMEOUT_S = 120  # a cold compiler on a loaded 2-core machine takes ~1 s; past this, torch ops serve
 # Below this many elements one thread does the work, as torch's own grain (at::internal::GRAIN_SIZE): waking a
 # second thread costs more than it saves, and on a busy machine a parallel region can wait milliseconds for it.
 PARALLEL_GRAIN = 32_768
-
-
-class KernelUnavailable(RuntimeError):
-    """No native kernel in this process: no compiler, or it failed (the torch ops serve instead)."""
-
-
-def compiler() -> str | None:
-    """The C++ compiler to build with: `$CXX` if set (a name on PATH or a path), else g++ or c++."""
-    named = os.environ.get("CXX")
-    if named:
-        return shutil.which(named)
-    return shutil.which("g++") or shutil.which("c++")
 
 
 class NativeRotation:
@@ -61,21 +41,11 @@ class NativeRotation:
 
     @classmethod
     def build(cls, cxx: str | None = None) -> NativeRotation:
-        cxx = cxx or compiler()
-        if cxx is None:
-            raise KernelUnavailable("no C++ compiler on PATH (g++, c++ or $CXX)")
-        with tempfile.TemporaryDirectory(prefix="qvpic-rotate-") as build_dir:  # mode 0700: this user's alone
-            target = Path(build_dir) / "rotate_halves.so"
-            try:
-                subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(target)], check=True, capture_output=True,
-                               text=True, timeout=COMPILE_TIMEOUT_S)
-            except (OSError, subprocess.SubprocessError) as error:
-                detail = getattr(error, "stderr", None) or error
-                raise KernelUnavailable(f"{cxx} could not build {SOURCE.name}: {detail}") from error
-            try:
-                return cls(ctypes.CDLL(str(target)))  # mapped: it outlives the directory
-            except (OSError, AttributeError) as error:  # a library that does not load, or lacks a function
-                raise KernelUnavailable(f"{cxx} built {SOURCE.name}, but it does not load: {error}") from error
+        library = build_library(SOURCE, cxx)
+        try:
+            return cls(library)
+        except AttributeError as error:  # a library that lacks a function
+            raise KernelUnavailable(f"{SOURCE.name} built, but it does not load: {error}") from error
 
     def accepts(self, keys: torch.Tensor, diag: torch.Tensor, cross: torch.Tensor, out: torch.Tensor) -> bool:
         return (keys.device.type == out.device.type == diag.device.type == cross.device.type == "cpu"
@@ -96,22 +66,13 @@ class NativeRotation:
                                    *key_strides[:3], *out_strides[:3], threads)
 
 
-_lock = threading.Lock()
-_state: dict[str, NativeRotation | None] = {}  # "kernel" once tried: the kernel, or None when it is unavailable
+_kernel = BuiltOnce(lambda: NativeRotation.build(),
+                    "re-anchoring uses torch ops, slower on the CPU (docs/BENCHMARKS.md `limits`)", log)
 
 
 def native_kernel() -> NativeRotation | None:
     """This process's kernel, built on the first call (the only one that pays for it); None without one."""
-    if "kernel" not in _state:
-        with _lock:
-            if "kernel" not in _state:
-                try:
-                    _state["kernel"] = NativeRotation.build()
-                except KernelUnavailable as error:
-                    log.warning("re-anchoring uses torch ops, slower on the CPU (docs/BENCHMARKS.md `limits`): %s",
-                                error)
-                    _state["kernel"] = None
-    return _state["kernel"]
+    return _kernel.get()
 
 
 @contextmanager
@@ -119,13 +80,11 @@ def torch_ops_only() -> Iterator[None]:
     """Within it, this process re-anchors by torch ops as a machine without a compiler does (benchmarks time
     both paths side by side; tests hold the fallback to the same numbers). Not for serving: process-wide."""
     kernel = native_kernel()
-    with _lock:
-        _state["kernel"] = None
+    _kernel.state["built"] = None
     try:
         yield
     finally:
-        with _lock:
-            _state["kernel"] = kernel
+        _kernel.state["built"] = kernel
 
 
 def rotate_halves_torch(keys: torch.Tensor, diag: torch.Tensor, cross: torch.Tensor, out: torch.Tensor) -> None:
