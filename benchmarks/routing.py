@@ -1,13 +1,15 @@
 """Routing a new query (issue 39 item 3): where `Router.plan`'s milliseconds go, query embedding included, with
 the embedder on sentence-transformers' `encode` (before) and on ONNX Runtime (after), interleaved query by query
-in one process; then the vector search alone at 10^6 rows.
+in one process; a conversation's follow-ups, as served and as routed before this round's change
+(benchmarks/routing_follow_ups.py); then the vector search alone at 10^6 rows.
 
     python -m benchmarks.routing                          # builds the conversation benchmark's store (bench-qwen)
     python -m benchmarks.routing --store /tmp/bench-store # reuses a store built there by an earlier run
     python -m benchmarks.routing --million-rows 0         # without the 10^6-row search
 
 The store is `benchmarks.conversation`'s: the same chunks (its pool of 168, 192 tokens each) compiled by the
-same in-process ingest (benchmarks/ttft_store.py). Every query is new (the router's query-vector memory is off),
+same in-process ingest (benchmarks/ttft_store.py). Every query is new (the router's query-vector memory and its
+kept entries are off),
 one chat turn retrieving 8 chunks in qvpic mode, as that benchmark's turn 1 asks. The 10^6-row part builds a flat
 int8 index over random unit rows (what the store builds for them: no IVF reaches its recall target there,
 docs/BENCHMARKS.md `scale-serve`) and times `VectorIndex.search` as the router calls it.
@@ -30,12 +32,15 @@ import numpy as np
 import torch
 
 from benchmarks.machine import machine_line
+from benchmarks.routing_follow_ups import HEADER as FOLLOW_UP_HEADER
+from benchmarks.routing_follow_ups import describe, measure_follow_ups
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 
 POOL = (4 + 16 + 1) * 4 * 2  # benchmarks.conversation's store: (conversations + interleaved + warm-up) x turns x 2
 CHUNK_TOKENS = 192  # benchmarks/peer/speed.py's
 TOP_K, WARM_UP = 8, 10
+FOLLOW_UPS = 20  # conversations of 4 turns in the follow-up part (benchmarks/routing_follow_ups.py)
 TARGET_MS = {"store": 10.0, "million": 25.0}  # issue 39 item 3: p50 of a new query's route
 PARTS = ("embed", "tokenize", "model", "route", "layout", "search", "rows", "place")
 
@@ -101,11 +106,15 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
     from schemas.conversation import Message
     from serve.config import RouterConfig
     from serve.routing.query_vectors import QueryVectors
+    from serve.routing.retrieval import EntryCache
     from serve.routing.router import Router
 
     router = Router(RouterConfig(store=uri, model=ModelSpec(path=model, dtype=DType.FLOAT32, device="cpu"),
                                  query_cache_entries=0))
     router.query_vectors = QueryVectors(0)  # every query is new
+    kept_entries = router.snapshot.entry_cache
+    object.__setattr__(router.snapshot, "entry_cache", EntryCache(0))  # and so are its chunks' entries: each
+    # query's chunks are read as a new question's are (else the configuration timed first would read them for all)
     texts = [row["text"] for row in router.snapshot.catalog.texts(list(range(router.snapshot.catalog.num_rows)))]
     embedders = {}
     for count in threads:  # each runtime takes the process's torch threads when it is built
@@ -142,13 +151,18 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
                         cell[part].append(clock.spent.get(part, 0.0))
                         cell[part + " cpu"].append(clock.cpu.get(part, 0.0))
     loop.close()
+    torch.set_num_threads(1)  # a router replica's
+    object.__setattr__(router.snapshot, "entry_cache", kept_entries)
+    router.embedder = embedders[(min(threads), EmbedRuntime.ONNX)]
+    follow_ups = measure_follow_ups(router, [question(i) for i in range(FOLLOW_UPS * 4 + 4)], FOLLOW_UPS, TOP_K)
     rows = []
     for (count, runtime), cell in samples.items():
         median = {part: statistics.median(values) for part, values in cell.items()}
         p90 = float(np.percentile(cell["plan"], 90))
         rows.append([count, runtime.value, f"{median['plan']:.2f}", f"{p90:.2f}", f"{median['plan cpu']:.2f}",
                      *(f"{median[p]:.2f} / {median[p + ' cpu']:.2f}" for p in PARTS)])
-    return rows, {"rows": router.snapshot.catalog.num_rows, "index": router.snapshot.catalog.vectors.info.kind.value}
+    return rows, {"rows": router.snapshot.catalog.num_rows, "index": router.snapshot.catalog.vectors.info.kind.value,
+                  "follow_ups": follow_ups}
 
 
 def measure_million(num_rows: int, queries: int, threads: tuple[int, ...]) -> list[list]:
@@ -198,7 +212,8 @@ def report(store_rows: list[list], store: dict, million: list[list], queries: in
             f"in qvpic mode, the two embedders interleaved query by query. Route = `Plan.route_ms` (query "
             f"embedding included; one query, so no batching) and the process's CPU time over the same call; the parts' "
             f"columns are medians, wall / CPU ms.\n\n"
-            + markdown_table(header, store_rows))
+            + markdown_table(header, store_rows)
+            + "\n\n" + describe(FOLLOW_UPS, TOP_K) + "\n\n" + markdown_table(FOLLOW_UP_HEADER, store["follow_ups"]))
     if million:
         text += (f"\n\nThe vector search alone at {million[0][0]} rows (`VectorIndex.search`, top-8: int8 flat scan in "
                  f"{million[0][2]} shards, float16 rerank of 64 candidates; shards scanned on 1 or 2 threads, "

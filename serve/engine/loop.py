@@ -130,11 +130,16 @@ class Engine:
         """Drop the prefix KV cache (a cold measurement). A finished request's blocks are kept at the engine's next
         step, after its answer was delivered: wait for that first, or they would land in the cache just cleared
         (the next "cold" request would find them — a race the generator tests lost about one run in four)."""
-        with self._work:
-            self._work.wait_for(lambda: not any(s.status is Status.FINISHED for s in self.scheduler.running),
-                                timeout=timeout_s)
+        self.settle(timeout_s)
         with self.model_lock:
             self.prefix_cache.clear()
+
+    def settle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every finished request's blocks are in the prefix cache (they are kept at the engine's next
+        step, after the answer was delivered). False if some were still pending after `timeout_s`."""
+        with self._work:
+            return self._work.wait_for(lambda: not any(s.status is Status.FINISHED for s in self.scheduler.running),
+                                       timeout=timeout_s)
 
     def stats(self) -> EngineStats:
         with self._work:

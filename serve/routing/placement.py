@@ -44,6 +44,8 @@ class Selection:
     slots: list[EntrySlots]
     relevance: list[float]
     texts: Callable[[], list[dict[str, Any]]]
+    entries: list[ChunkEntries] | None = None  # `slots` made into entries where the caller keeps them (the
+    # router's, per snapshot: serve/routing/retrieval.py `EntryCache`); None: made here, for this placement alone
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ def _pending(pending: PendingPlanner | None, low: Entry | None, tier: str | None
 
 class ChunkEntries:
     """One chunk's entries, each made from its index row once: placement looks a chunk's low-tier entry up
-    to four times, and `entry_of` is most of what placement costs."""
+    to four times, and `entry_of` is most of what placement costs. Shared between requests and threads by the
+    router's `EntryCache`: `rows` are never changed, and `made` only gains what `entry_of` makes of them."""
 
     __slots__ = ("rows", "made")
 
@@ -185,12 +188,13 @@ def require(chunks: list[dict], slots: list[ChunkEntries], tier: str | None, var
     return found
 
 
-def place(mode: Mode, rows: Selection, spec: PlacementSpec,
-          room_tokens: int) -> tuple[list[PlannedChunk], list[FallbackReport]]:
-    """Planned chunks (request order) for the selected `rows` under `spec`. `room_tokens` is what the
-    context holds for chunks: promotions that would not fit stay low. The hybrid rule (when enabled)
-    serves qvpic chunks as text (serve/routing/hybrid.py)."""
-    chunks, slots, relevance = rows.chunks, [ChunkEntries(s) for s in rows.slots], rows.relevance
+def place(mode: Mode, rows: Selection, spec: PlacementSpec, room_tokens: int,
+          group: int = 0) -> tuple[list[PlannedChunk], list[FallbackReport]]:
+    """Planned chunks (request order) for the selected `rows` under `spec`, in prompt group `group`.
+    `room_tokens` is what the context holds for chunks: promotions that would not fit stay low. The hybrid
+    rule (when enabled) serves qvpic chunks as text (serve/routing/hybrid.py)."""
+    slots = rows.entries if rows.entries is not None else [ChunkEntries(s) for s in rows.slots]
+    chunks, relevance = rows.chunks, rows.relevance
     low, tier, pending, hybrid = spec.low, spec.tier, spec.pending, spec.policy.hybrid
     if mode is Mode.FULL_TEXT:
         planned = []
@@ -199,7 +203,7 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec,
             num_tokens = text_entry.num_tokens if text_entry else chunk["num_text_tokens"]
             planned.append(PlannedChunk(chunk_id=chunk["chunk_id"], doc_id=chunk["doc_id"], relevance=rel, tier=None,
                                         num_tokens=num_tokens, vision_tokens=0, position_span=num_tokens, entry=None,
-                                        text=source["text"]))
+                                        text=source["text"], group=group))
         return planned, []
     variant = PRICED_VARIANT[mode]
     hybrid_on = hybrid.enabled and mode is Mode.QVPIC
@@ -241,7 +245,8 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec,
                                     num_tokens=entry.num_tokens, vision_tokens=entry.vision_tokens,
                                     position_span=entry.position_span, entry=None if online else entry,
                                     fallback=None if online else backup, text=source["text"] if online else None,
-                                    image_path=(source["image_path"] or None) if online else None, tier_reason=reason))
+                                    image_path=(source["image_path"] or None) if online else None, tier_reason=reason,
+                                    group=group))
     if hybrid_on:
         planned = [hybrid_text(c, t) if first else c for c, t, first in zip(planned, text_entries, text_first)]
         planned = apply_rule(hybrid, planned, text_entries, room_tokens)

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
 from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
+from pipeline.runtime.text_encoder import text_encoder
 from pipeline.runtime.tool_turns import default_system, hermes_turns, renders_tools, tool_dicts
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
@@ -61,7 +62,7 @@ class PromptTemplate:
                    family_classes(config.model_type).family, spec, renders_tools(tokenizer), default_system(tokenizer))
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return text_encoder(self.tokenizer).encode(text)  # from any thread: the router frames on worker threads
 
     def count(self, text: str) -> int:
         return len(self.encode(text))

@@ -8,7 +8,10 @@ swaps whole snapshots on hot reload, and a plan uses the one it started with thr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -21,7 +24,9 @@ from schemas.config import ChunkOrder, TierSpec
 from schemas.errors import TooLargeError, UnknownIdsError
 from schemas.generation import Generation, ScanSpec
 from schemas.store import Manifest
+from serve.routing.placement import ChunkEntries, EntrySlots
 
+ENTRY_CACHE_ROWS = 4096  # chunks whose index rows and entries a router keeps made: a working set of conversations
 SERVING_CACHE = Path(os.environ.get("QVPIC_SERVING_CACHE", Path.home() / ".cache" / "qvpic" / "serving"))
 
 
@@ -37,10 +42,44 @@ def require_known(field: str, missing: list[str]) -> None:
         raise UnknownIdsError(f"unknown {field}: {missing[:10]}{more}")
 
 
+class EntryCache:
+    """Each catalog row's `ChunkEntries` (its index rows, and the entries placement makes of them), the last
+    `max_rows` rows used, for one snapshot's life (a generation's entries never change). A conversation's
+    follow-up places every earlier question's chunks again, and reading the index rows and making entries of
+    them was most of what placing a group cost (docs/BENCHMARKS.md `routing`, the follow-ups' table)."""
+
+    def __init__(self, max_rows: int = ENTRY_CACHE_ROWS):
+        self.max_rows = max_rows
+        self._rows: OrderedDict[int, ChunkEntries] = OrderedDict()
+        self._lock = threading.Lock()  # plans run on the replica's event loop and on worker threads
+        self.loads = 0  # catalog reads, for tests
+
+    def get(self, rows: list[int], load: Callable[[list[int]], list[EntrySlots]]) -> list[ChunkEntries]:
+        """`rows`' entries, in order; the rows not kept are read with one `load` call."""
+        with self._lock:
+            found = {row: self._rows.get(row) for row in rows}
+            for row, entries in found.items():
+                if entries is not None:
+                    self._rows.move_to_end(row)
+        missing = [row for row, entries in found.items() if entries is None]
+        if missing:
+            self.loads += 1
+            made = dict(zip(missing, map(ChunkEntries, load(missing))))
+            found.update(made)
+            with self._lock:
+                for row, entries in made.items():
+                    if self.max_rows > 0:
+                        self._rows[row] = entries
+                while len(self._rows) > self.max_rows:
+                    self._rows.popitem(last=False)
+        return [found[row] for row in rows]
+
+
 @dataclass(frozen=True)
 class Snapshot:
     record: Generation
     catalog: Catalog
+    entry_cache: EntryCache = field(default_factory=EntryCache, compare=False, repr=False)
 
     @property
     def generation(self) -> int:
@@ -61,6 +100,10 @@ class Snapshot:
     @property
     def high(self) -> TierSpec:
         return self.manifest.render.highest_tier
+
+    def chunk_entries(self, rows: list[int]) -> list[ChunkEntries]:
+        """Each catalog row's stored entries, ready for placement (kept: `EntryCache`)."""
+        return self.entry_cache.get(rows, self.catalog.entries_of)
 
     def select(self, request: AnswerRequest, query_vector: np.ndarray, max_chunks: int,
                collections: frozenset[str] | None = None) -> tuple[list[int], list[float]]:

@@ -32,6 +32,7 @@ from pipeline.store import (
 from schemas.api import MAX_QUERY_CHARS, AnswerRequest
 from schemas.config import check_tau
 from schemas.errors import ApiError, ContextLengthError, TooLargeError
+from schemas.prompt import PromptLayout
 from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
@@ -56,12 +57,20 @@ def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
     return pages + [c for c in chunks if c.tier is None], "", instruction + text_after
 
 
+@dataclasses.dataclass(frozen=True)
+class Framing:
+    """`Router.frame`'s result: the prompt's text around the chunks."""
+
+    layout: PromptLayout  # the texts between the groups of chunks
+    text_tokens: tuple[int, ...]  # tokens of each of `layout.texts`
+
+
 class Router:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.store = Store.open(config.store)
         self.prompt = PromptTemplate.load(config.model)
-        self.embedder = Embedder(config.embedder_dir)
+        self.embedder = Embedder(config.embedder_dir, threads=config.embed_threads)
         self.query_vectors = QueryVectors(config.query_cache_entries)
         self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
         self.keeper = LeaseKeeper(self.store, "router", config.reload)
@@ -110,10 +119,15 @@ class Router:
         queries = self.group_queries(request)
         vectors = [self.query_vectors.get(cache_salt, q) if q else None for q in queries]
         missing = [i for i, (q, v) in enumerate(zip(queries, vectors)) if q and v is None]
-        for i, vector in zip(missing, await asyncio.gather(*(self.embed_query(queries[i]) for i in missing))):
-            vectors[i] = vector
-            self.query_vectors.put(cache_salt, queries[i], vector)
-        return self.route(request, vectors, budget_tokens, started, collections)
+        framing = None
+        if missing:  # the prompt's text is laid out on another thread while the query embeds: the embedder's
+            # forward releases the GIL (ONNX Runtime, torch), so the layout's ~0.7 ms of Python costs no wall time
+            *embedded, framing = await asyncio.gather(*(self.embed_query(queries[i]) for i in missing),
+                                                      asyncio.to_thread(self.frame, request, len(queries)))
+            for i, vector in zip(missing, embedded):
+                vectors[i] = vector
+                self.query_vectors.put(cache_salt, queries[i], vector)
+        return self.route(request, vectors, budget_tokens, started, collections, framing)
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
         """What each group of chunks is scored against, oldest first: a conversation's earlier user messages (with
@@ -126,22 +140,29 @@ class Router:
         earlier = [m.text()[:MAX_QUERY_CHARS] for m in request.messages if m.role == "user"][:-1]
         return earlier + [request.query]
 
+    def frame(self, request: AnswerRequest, groups: int) -> Framing:
+        """The prompt's text around `groups` groups of chunks, laid out and counted: the part of a route that
+        needs no query vector. A conversation's groups sit at its last `groups` user messages."""
+        if request.messages is not None:
+            users = [i for i, m in enumerate(request.messages) if m.role == "user"]
+            layout = self.prompt.conversation(request.messages, users[-groups:], request.tools)
+        else:
+            layout = self.prompt.native(request.instruction, request.text_after_chunks)
+        return Framing(layout=layout, text_tokens=tuple(self.prompt.tokens(t) for t in layout.texts))
+
     def route(self, request: AnswerRequest, vectors: list[np.ndarray | None] | np.ndarray | None,
               budget_tokens: int | None = None, started: float | None = None,
-              collections: frozenset[str] | None = None) -> Plan:
+              collections: frozenset[str] | None = None, framing: Framing | None = None) -> Plan:
         """The plan of `request` for its embedded queries (one per group, see `group_queries`): retrieval and
         placement against one generation. A conversation's groups sit at its user messages, the last at the
-        question; the oldest history groups are left empty when the context cannot hold them all."""
+        question; the oldest history groups are left empty when the context cannot hold them all. `framing`:
+        `frame(request, len(vectors))`, where the caller already has it."""
         started = time.perf_counter() if started is None else started
         if vectors is None or isinstance(vectors, np.ndarray):
             vectors = [vectors]
         snapshot = self.snapshot
-        if request.messages is not None:
-            users = [i for i, m in enumerate(request.messages) if m.role == "user"]
-            layout = self.prompt.conversation(request.messages, users[-len(vectors):], request.tools)
-        else:
-            layout = self.prompt.native(request.instruction, request.text_after_chunks)
-        text_tokens = [self.prompt.tokens(t) for t in layout.texts]
+        framing = framing or self.frame(request, len(vectors))
+        layout, text_tokens = framing.layout, framing.text_tokens
         prefix_tokens, query_tokens = sum(text_tokens[:-1]), text_tokens[-1]
         fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
@@ -207,16 +228,17 @@ class Router:
             vector = np.zeros(self.embedder.dim, dtype=np.float32)
         rows, relevance = snapshot.select(request, vector, self.config.max_chunks, collections)  # 413 past max_chunks
         catalog = snapshot.catalog
-        selected = Selection(chunks=catalog.chunk_rows(rows), slots=catalog.entries_of(rows), relevance=relevance,
-                             texts=lambda: catalog.texts(rows))
-        chunks, fallbacks = place(request.mode, selected, spec, room_tokens)
+        entries = snapshot.chunk_entries(rows)
+        selected = Selection(chunks=catalog.chunk_rows(rows), slots=[e.rows for e in entries], relevance=relevance,
+                             texts=lambda: catalog.texts(rows), entries=entries)
+        chunks, fallbacks = place(request.mode, selected, spec, room_tokens, group)
         if self.config.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
             chunks = [c if c.text is not None else
                       dataclasses.replace(c, text=source["text"], image_path=source["image_path"] or None)
                       for c, source in zip(chunks, catalog.texts(rows))]
         if self.prompt.template.images_first and request.messages is not None:
             chunks = template_order(chunks, "", "")[0]  # pages first, as the template renders a turn
-        return [dataclasses.replace(c, group=group) for c in chunks] if group else chunks, list(fallbacks)
+        return chunks, list(fallbacks)
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""

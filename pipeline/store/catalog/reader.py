@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,32 +64,49 @@ class RowFile:
     Not memory-mapped: the page cache keeps file data in large folios here, and a mapped read of one
     row mapped 64 KB-4 MB around every column it touched (~3 MB per entry row; at 10^6 chunks the
     router's resident memory grew by 1.3 GB over 100 requests). Thread-safe.
+
+    The last `cache_rows` rows read are kept as Python dicts (LRU): the file never changes (a generation is
+    immutable), and reading a row's batch and converting it again cost ~0.1 ms a row — 1.5 ms of a new query's
+    3 ms route after its embedding went on the 8 chunks' catalog and entry rows (docs/BENCHMARKS.md `routing`).
     """
 
-    def __init__(self, source: Path | pa.NativeFile):
+    def __init__(self, source: Path | pa.NativeFile, cache_rows: int = 4096):
         self.file = pa.OSFile(str(source)) if isinstance(source, Path) else source
         self.reader = pa.ipc.open_file(self.file)
         self.schema, count = self.reader.schema, self.reader.num_record_batches
         self.batch_rows = self.reader.get_batch(0).num_rows if count else 1
         self.num_rows = (count - 1) * self.batch_rows + self.reader.get_batch(count - 1).num_rows if count else 0
         self._lock = threading.Lock()
+        self.cache_rows = cache_rows
+        self._cache: OrderedDict[int, dict[str, Any]] = OrderedDict()  # row -> every column; guarded by _lock
 
     def rows(self, rows: list[int], columns: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-        """`columns` (default: all) of `rows`, in their order. One read and one conversion per record batch
-        (converting row by row cost ~40 µs a row: 4 ms of a 16-chunk route went on entry rows alone)."""
-        positions: dict[int, list[int]] = defaultdict(list)  # record batch -> positions in `rows`
-        for position, row in enumerate(rows):
-            positions[row // self.batch_rows].append(position)
-        out: list[dict[str, Any]] = [{}] * len(rows)
+        """`columns` (default: all) of `rows`, in their order, each a new dict. Rows not cached: one read and
+        one conversion per record batch (converting row by row cost ~40 µs a row)."""
+        out: list[dict[str, Any] | None] = [None] * len(rows)
+        positions: dict[int, list[int]] = defaultdict(list)  # record batch -> positions in `rows` not cached
+        with self._lock:
+            for position, row in enumerate(rows):
+                if (values := self._cache.get(row)) is not None:
+                    self._cache.move_to_end(row)
+                    out[position] = values
+                else:
+                    positions[row // self.batch_rows].append(position)
         for batch, where in sorted(positions.items()):
             with self._lock:  # one reader, one file position on object stores
                 record = self.reader.get_batch(batch)
-            if columns is not None:
-                record = record.select(list(columns))
             offsets = pa.array([rows[p] % self.batch_rows for p in where], pa.int64())
-            for position, values in zip(where, record.take(offsets).to_pylist()):
-                out[position] = values
-        return out
+            read = record.take(offsets).to_pylist()
+            with self._lock:
+                for position, values in zip(where, read):
+                    out[position] = values
+                    if self.cache_rows > 0:
+                        self._cache[rows[position]] = values
+                        if len(self._cache) > self.cache_rows:
+                            self._cache.popitem(last=False)
+        if columns is None:  # copies: a caller's change never reaches the cache
+            return [dict(values) for values in out]
+        return [{name: values[name] for name in columns} for values in out]
 
     def close(self) -> None:
         self.file.close()
