@@ -15,7 +15,9 @@ is timed. Workloads: (a) the first turn sent again `REPEATS` times; (b) turns 1�
 `DECODE_TOKENS` new tokens per turn: TTFT (first content chunk) p50/p99 per turn and decode throughput (completion
 tokens over the phase's wall time), qvpic's phase first with vLLM paused, then vLLM's over the same pages.
 Before vLLM's server starts, a control: as many other conversations of the same kind through qvpic alone (a
-resident second engine's process, even stopped, slowed qvpic's later turns on a small VM).
+resident second engine's process, even stopped, slowed qvpic's later turns on a small VM); and (c) again with
+each engine alone on the machine — qvpic's phase before vLLM's server first starts, vLLM's on a fresh server
+after qvpic's has stopped, over the pages qvpic placed.
 """
 
 from __future__ import annotations
@@ -135,26 +137,35 @@ class Pair:
                 "chunks": len(ours["qvpic"]["chunks"])}
 
 
-def interleaved(pair: Pair, plans: list[list[str]]) -> dict[str, list[list[dict]]]:
-    """(c): the conversations of `plans`, `IN_FLIGHT` at a time, each its turns in order; qvpic's phase (vLLM paused),
-    then vLLM's over the pages qvpic placed. Per engine: per conversation, per turn, the streamed measurements."""
-    def qvpic_conversation(turns: list[str]) -> list[dict]:
+def qvpic_phase(pair: Pair, plans: list[list[str]]) -> tuple[list[list[dict]], float]:
+    """(c) on qvpic: the conversations of `plans`, `IN_FLIGHT` at a time, each its turns in order; per conversation,
+    per turn, the streamed measurements, and the phase's wall seconds."""
+    def conversation(turns: list[str]) -> list[dict]:
         return [pair.streamed(pair.ours, pair.qvpic_body(turns[:t + 1], DECODE_TOKENS),
                               {"Cache-Control": "no-cache"}) for t in range(len(turns))]
 
-    def vllm_conversation(args) -> list[dict]:
-        turns, ours = args
-        return [pair.streamed(pair.vllm.url, pair.vllm_body(turns[:t + 1], m["report"]["chunks"], DECODE_TOKENS))
-                for t, m in enumerate(ours)]
-
+    started = time.perf_counter()
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        with pair.vllm.paused():
-            started = time.perf_counter()
-            ours = list(pool.map(qvpic_conversation, plans))
-            ours_s = time.perf_counter() - started
-        started = time.perf_counter()
-        theirs = list(pool.map(vllm_conversation, zip(plans, ours)))
-        theirs_s = time.perf_counter() - started
+        return list(pool.map(conversation, plans)), time.perf_counter() - started
+
+
+def vllm_phase(pair: Pair, plans: list[list[str]], ours: list[list[dict]]) -> tuple[list[list[dict]], float]:
+    """(c) on vLLM, each turn with the pages qvpic placed in that turn (`ours`: `qvpic_phase`'s measurements)."""
+    def conversation(args) -> list[dict]:
+        turns, measured = args
+        return [pair.streamed(pair.vllm.url, pair.vllm_body(turns[:t + 1], m["report"]["chunks"], DECODE_TOKENS))
+                for t, m in enumerate(measured)]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        return list(pool.map(conversation, zip(plans, ours))), time.perf_counter() - started
+
+
+def interleaved(pair: Pair, plans: list[list[str]]) -> dict:
+    """(c) with both servers up: qvpic's phase (vLLM paused), then vLLM's over the pages qvpic placed."""
+    with pair.vllm.paused():
+        ours, ours_s = qvpic_phase(pair, plans)
+    theirs, theirs_s = vllm_phase(pair, plans, ours)
     return {"qvpic": ours, "vllm": theirs, "wall_s": {"qvpic": ours_s, "vllm": theirs_s}}
 
 
@@ -191,8 +202,8 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
     conversations = 2 if quick else 4
     mixed = IN_FLIGHT if quick else INTERLEAVED  # (c)'s conversations
     # room for each question's chunk and its neighbours: the paired conversations and their warm-up, the control's
-    # (the same count and a warm-up), then (c)'s
-    pool = (2 * (conversations + 1) + mixed) * TURNS * 2
+    # (the same count and a warm-up), then (c)'s, paired and alone
+    pool = (2 * (conversations + 1) + 2 * mixed) * TURNS * 2
     started = time.perf_counter()
     corpus = build_corpus(spec, workdir, pool)
     build_s = time.perf_counter() - started
@@ -204,8 +215,10 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
 
     rows = []  # (conversation, turn, measurements)
     identical = []
+    alone_plans = plans(2 * (conversations + 1) + mixed, mixed)  # (c) with each engine alone on the machine
     with servers.qvpic_server(spec, corpus.store_uri) as ours:
         alone = qvpic_alone(ours, plans(conversations + 1, conversations + 1))
+        ours_alone, ours_alone_s = qvpic_phase(Pair(spec, corpus, ours, None), alone_plans)
         with servers.vllm_server(spec, max_images, workdir / "vllm-server.log",
                                  extra=("--enable-prompt-tokens-details",)) as vllm:
             pair = Pair(spec, corpus, ours, vllm)
@@ -218,8 +231,15 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
             for _ in range(REPEATS):  # (a): the first turn of the first conversation, again
                 identical.append(pair.turn(plan[0][:1]))
             mixed_run = interleaved(pair, plans(2 * (conversations + 1), mixed))
+    # qvpic's server is gone: vLLM alone, as qvpic was in its alone phase (a fresh server: its prefix cache empty)
+    with servers.vllm_server(spec, max_images, workdir / "vllm-server-alone.log",
+                             extra=("--enable-prompt-tokens-details",)) as vllm:
+        theirs_alone, theirs_alone_s = vllm_phase(Pair(spec, corpus, None, vllm), alone_plans, ours_alone)
+    alone_run = {"qvpic": ours_alone, "vllm": theirs_alone,
+                 "wall_s": {"qvpic": ours_alone_s, "vllm": theirs_alone_s}}
     return (report(spec, quick, conversations, rows, identical, build_s, time.perf_counter() - started)
-            + "\n\n" + alone_report(alone) + "\n\n" + interleaved_report(mixed_run))
+            + "\n\n" + alone_report(alone) + "\n\n" + interleaved_report(mixed_run, PAIRED)
+            + "\n\n" + interleaved_report(alone_run, ALONE))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -227,7 +247,15 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def interleaved_report(run: dict) -> str:
+PAIRED = ("both servers up, qvpic's phase with vLLM's server paused (SIGSTOP), then vLLM's with qvpic's idle; "
+          "each turn of vLLM's with the pages qvpic placed in that turn")
+ALONE = ("each engine alone on the machine: qvpic's phase before vLLM's server first started (other conversations "
+         "than the paired phase's), vLLM's on a fresh server after qvpic's had stopped, with the pages qvpic placed. "
+         "A second engine's resident process, even stopped, slowed qvpic's turns (the control above): this is the "
+         "same workload with neither engine beside the other")
+
+
+def interleaved_report(run: dict, how: str) -> str:
     """(c)'s table: TTFT p50/p99 per turn for both engines, cached tokens, then decode throughput."""
     table = []
     for t in range(TURNS):
@@ -246,7 +274,7 @@ def interleaved_report(run: dict) -> str:
     header = ["workload", "qvpic TTFT p50 / p99 ms", "vLLM TTFT p50 / p99 ms", "qvpic / vLLM (p50)",
               "qvpic cached tokens (median)", "vLLM cached tokens (median)"]
     return (f"(c) {len(run['qvpic'])} conversations of {TURNS} turns, {IN_FLIGHT} in flight, streamed, up to "
-            f"{DECODE_TOKENS} new tokens a turn (greedy); TTFT = the first content chunk.\n\n"
+            f"{DECODE_TOKENS} new tokens a turn (greedy); TTFT = the first content chunk; {how}.\n\n"
             f"{markdown_table(header, table)}\n\nThroughput: qvpic {rates['qvpic']:.1f} tokens/s ({tokens['qvpic']} "
             f"tokens in {run['wall_s']['qvpic']:.1f} s), vLLM {rates['vllm']:.1f} tokens/s ({tokens['vllm']} tokens "
             f"in {run['wall_s']['vllm']:.1f} s): {ratio:.2f}×. Target: (c) ≥ {TARGET_THROUGHPUT}× vLLM's tokens/s "

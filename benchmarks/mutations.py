@@ -106,6 +106,21 @@ MUTATIONS = (
     Mutation("logits-stale", "pipeline/runtime/prefix_cache.py",
              "self.put(key, logits, _NO_COLUMNS)", "self.put(key, logits.roll(1), _NO_COLUMNS)",
              ("tests/test_prefix_cache.py",), "an identical request's first token comes from its own prompt's logits"),
+    Mutation("native-rope-half", "pipeline/runtime/decoder_ops.cpp",
+             "const float b = round_trip<E>(E::load(x[c - half]) * E::load(sin[c]));",
+             "const float b = round_trip<E>(E::load(x[c]) * E::load(sin[c]));",
+             ("tests/test_decoder_ops.py", "tests/test_fused_forward.py"),
+             "the native RoPE rotates the two halves as transformers' rotate_half does"),
+    Mutation("native-residual", "pipeline/runtime/fused.py",
+             "x = ops.add_rms_norm(hidden, down, *next_norm)", "x = ops.add_rms_norm(hidden, None, *next_norm)",
+             ("tests/test_fused_forward.py",), "the native path adds each layer's MLP output to the residual"),
+    Mutation("encoder-one-backend", "pipeline/runtime/text_encoder.py",
+             "copy = type(backend).from_str(backend.to_str())", "copy = backend",
+             ("tests/test_text_encoder.py", "tests/test_router.py"),
+             "a user's special-token text is split, the template's parsed, on every thread"),
+    Mutation("entries-not-kept", "serve/routing/retrieval.py",
+             "if self.max_rows > 0:", "if self.max_rows < 0:",
+             ("tests/test_entry_cache.py",), "a follow-up places its earlier groups without reading the index"),
 )
 
 

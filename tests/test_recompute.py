@@ -172,6 +172,7 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
     # A row with recomputed chunk tokens keeps no final logits (its keys name the stored chunk KV, not the recomputed
     # one); the plain generator's qvpic request does (the control).
     def logits_entries(generator: Generator) -> int:
+        assert generator.engine.settle()  # blocks are kept at the engine's next step, after the answer came back
         return sum(len(b.next_positions) == 0 for b in generator.engine.prefix_cache._device.values())
     assert logits_entries(every) == 0 and logits_entries(plain) == 1
 
