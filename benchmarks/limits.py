@@ -9,11 +9,14 @@
 2. Matrix products at bench-qwen's decoder shapes, 1–64 rows: aten's fp32, oneDNN's prepacked fp32 and bf16
    (pipeline/runtime/fused.py's `Projection`), GFLOP/s of one layer's five products.
 3. Bounds: a one-token forward reads every decoder and output weight once (bytes / read bandwidth); an n-token
-   forward is the larger of that and its FLOPs at the best product rate measured at n rows.
+   forward is the larger of that and its FLOPs (the products', and the attention's over the columns each new
+   token sees) at the best product rate measured at n rows.
 4. The forwards the engine runs (`pipeline/runtime/batch.py` `forward` over a slab with a 600-token context):
    transformers' forward, the fused forward in fp32 (its small operations as torch ops, and as the native calls
-   it serves with: pipeline/runtime/decoder_ops.py) and with bf16 products — one token, a 21-token query turn,
-   a 16-row decode step — each timed side by side (interleaved, medians) and set against its bound.
+   it serves with: pipeline/runtime/decoder_ops.py), its attention as two products at any length (the control for
+   SDPA on long turns: fused.py `SDPA_MIN_NEW`) and with bf16 products — one token, a 21-token query turn, a
+   16-row decode step, a 56-token follow-up turn over 1,500 columns, and on the small model a 512-token user turn
+   (its own context pasted in) — each timed side by side (interleaved, medians) and set against its bound.
 5. Re-anchoring: 1,000 cached tokens assembled into a slab row by the matrix product, by per-channel factors on
    torch ops and on the native kernel (served on the CPU), and a plain copy, against the copy bound (interleaved).
 """
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +35,7 @@ from benchmarks.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import VLM
+from pipeline.runtime import fused as fused_module
 from pipeline.runtime.batch import Slab, forward
 from pipeline.runtime.fused import FusedDecoder, Projection, language_model
 from pipeline.runtime.kv import ChunkKV, assemble
@@ -41,6 +46,10 @@ from schemas.config import ChunkKind, DType, ForwardSpec, ModelSpec
 GIB = 1 << 30
 CONTEXT_TOKENS = 600  # ~8 linked chunks before the query
 QUERY_TOKENS = 21  # the query turn of issue 23's benchmark
+# a conversation's follow-up turn (docs/BENCHMARKS.md `conversation`, turn 4): its new tokens over its columns
+FOLLOW_UP_TOKENS, FOLLOW_UP_CONTEXT = 56, 1_500
+# a user turn with its own context pasted in (a LangChain RAG chain with `retrieval: none`), the small model only
+LONG_TURN_TOKENS, LONG_TURN_CONTEXT = 512, 88
 DECODE_ROWS = 16
 ROWS = (1, 2, 4, 8, 16, 21, 32, 64)
 TARGET_QUERY_OVER_ONE, TARGET_ONE_OVER_BOUND = 1.5, 2.0
@@ -116,38 +125,63 @@ def weight_bytes(model: torch.nn.Module, element_size: int) -> int:
     return params * element_size
 
 
-def context_slab(vlm: VLM, rows: int) -> Slab:
+def context_slab(vlm: VLM, rows: int, context: int = CONTEXT_TOKENS, new: int = QUERY_TOKENS) -> Slab:
     shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
-    slab = Slab.empty(shape.shape[0], rows, shape.shape[2], CONTEXT_TOKENS + QUERY_TOKENS + 2, shape.shape[4],
-                      vlm.dtype, vlm.device)
-    slab.kv[:, :, :, :, :CONTEXT_TOKENS] = torch.randn_like(slab.kv[:, :, :, :, :CONTEXT_TOKENS]) * 0.5
-    slab.valid[:, :CONTEXT_TOKENS] = True
-    slab.lengths[:] = CONTEXT_TOKENS
-    slab.next_positions[:] = CONTEXT_TOKENS
+    slab = Slab.empty(shape.shape[0], rows, shape.shape[2], context + new + 2, shape.shape[4], vlm.dtype, vlm.device)
+    slab.kv[:, :, :, :, :context] = torch.randn_like(slab.kv[:, :, :, :, :context]) * 0.5
+    slab.valid[:, :context] = True
+    slab.lengths[:] = context
+    slab.next_positions[:] = context
     return slab
 
 
-def forwards(vlm: VLM, repeats: int) -> dict[str, dict[str, float]]:
+FOLLOW_UP_CASE = f"{FOLLOW_UP_TOKENS}-token follow-up turn over {FOLLOW_UP_CONTEXT:,} columns"
+LONG_CASE = f"{LONG_TURN_TOKENS}-token user turn after {LONG_TURN_CONTEXT} columns"
+
+
+def cases(long_turn: bool) -> dict[str, tuple[int, int, int]]:
+    """The forwards measured: name -> (rows, new tokens a row, columns before them)."""
+    out = {"one token": (1, 1, CONTEXT_TOKENS), f"{QUERY_TOKENS}-token query turn": (1, QUERY_TOKENS, CONTEXT_TOKENS),
+           f"decode step, {DECODE_ROWS} rows": (DECODE_ROWS, 1, CONTEXT_TOKENS),
+           FOLLOW_UP_CASE: (1, FOLLOW_UP_TOKENS, FOLLOW_UP_CONTEXT)}
+    return out | ({LONG_CASE: (1, LONG_TURN_TOKENS, LONG_TURN_CONTEXT)} if long_turn else {})
+PRODUCTS_ATTENTION = "fused fp32, attention as products"
+
+
+@contextlib.contextmanager
+def attention_as_products():
+    """The fused forward's fp32 attention as two products at any number of new tokens (as before SDPA took long
+    turns: pipeline/runtime/fused.py `SDPA_MIN_NEW`)."""
+    kept = fused_module.SDPA_MIN_NEW
+    fused_module.SDPA_MIN_NEW = 1 << 30
+    try:
+        yield
+    finally:
+        fused_module.SDPA_MIN_NEW = kept
+
+
+def forwards(vlm: VLM, repeats: int, long_turn: bool) -> dict[str, dict[str, float]]:
     """Seconds (median) of each engine forward per path, interleaved so noise hits every path alike."""
+    fp32 = FusedDecoder(vlm.model, ForwardSpec())
     paths = {"transformers": None, "fused fp32, torch ops": FusedDecoder(vlm.model, ForwardSpec(native_ops=False)),
-             "fused fp32": FusedDecoder(vlm.model, ForwardSpec()),
+             PRODUCTS_ATTENTION: fp32, "fused fp32": fp32,
              "fused bf16": FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16))}
-    cases = {"one token": (1, 1), f"{QUERY_TOKENS}-token query turn": (1, QUERY_TOKENS),
-             f"decode step, {DECODE_ROWS} rows": (DECODE_ROWS, 1)}
-    times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in cases} for p in paths}
-    slabs = {c: context_slab(vlm, rows) for c, (rows, _) in cases.items()}
+    measured = cases(long_turn)
+    times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in measured} for p in paths}
+    slabs = {c: context_slab(vlm, rows, context, new) for c, (rows, new, context) in measured.items()}
     with torch.inference_mode():
         for repeat in range(repeats + 1):
-            for case, (rows, new) in cases.items():
+            for case, (rows, new, context) in measured.items():
                 ids = torch.randint(10, vlm.vocab_size - 10, (rows, new), device=vlm.device)
                 real = torch.ones_like(ids, dtype=torch.bool)
                 for path, decoder in paths.items():
                     slab = slabs[case]
-                    slab.lengths[:], slab.next_positions[:] = CONTEXT_TOKENS, CONTEXT_TOKENS
+                    slab.lengths[:], slab.next_positions[:] = context, context
                     vlm.fused = decoder
                     sync()
                     started = time.perf_counter()
-                    forward(vlm, slab, ids, real)
+                    with attention_as_products() if path == PRODUCTS_ATTENTION else contextlib.nullcontext():
+                        forward(vlm, slab, ids, real)
                     sync()
                     if repeat:  # the first round warms every path up
                         times[path][case].append(time.perf_counter() - started)
@@ -207,20 +241,31 @@ def reanchoring(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> str
             + markdown_table(["assembly of 1,000 cached tokens", "ms"], rows) + "\n")
 
 
-def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> tuple[str, dict]:
+def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long_turn: bool = False
+                  ) -> tuple[str, dict]:
     shapes = layer_shapes(vlm.model)
     rates = product_rates(shapes, max(3, repeats // 2))
     layers = len(language_model(vlm.model).layers)
-    flops_per_token = 2 * weight_bytes(vlm.model, 1)  # 2 FLOPs per weight (attention over 600 tokens adds <5%)
+    flops_per_token = 2 * weight_bytes(vlm.model, 1)  # the products: 2 FLOPs per weight
+    hidden = language_model(vlm.model).config.hidden_size
+
+    def flops(rows: int, new: int, context: int) -> float:
+        """The products' and the attention's (QKᵀ and PV over every column a new token sees: not small for a
+        follow-up over 1,500 columns or a long turn; 2 FLOPs a multiply-add)."""
+        seen = new * context + new * (new + 1) // 2
+        return rows * (new * flops_per_token + 4 * hidden * layers * seen)
+
     bounds = {}
     for name, size in (("fp32", 4), ("bf16", 2)):
         memory_s = weight_bytes(vlm.model, size) / (bw["read"] * 1e9)
-        best = max(r[QUERY_TOKENS] for k, r in rates.items() if k.startswith(name))
-        best16 = max(r[DECODE_ROWS] for k, r in rates.items() if k.startswith(name))
-        bounds[name] = {"one token": memory_s,
-                        f"{QUERY_TOKENS}-token query turn": max(memory_s, QUERY_TOKENS * flops_per_token / best / 1e9),
-                        f"decode step, {DECODE_ROWS} rows": max(memory_s, DECODE_ROWS * flops_per_token / best16 / 1e9)}
-    measured = forwards(vlm, repeats)
+        bounds[name] = {}
+        for case, (rows, new, context) in cases(long_turn).items():
+            if rows * new == 1:  # one row's products are reads of the weights: the bandwidth bound
+                bounds[name][case] = memory_s
+                continue
+            best = max(r[max(n for n in ROWS if n <= rows * new)] for k, r in rates.items() if k.startswith(name))
+            bounds[name][case] = max(memory_s, flops(rows, new, context) / best / 1e9)
+    measured = forwards(vlm, repeats, long_turn)
     rows = []
     for case in bounds["fp32"]:
         row = [case, f"{bounds['fp32'][case] * 1e3:.1f}", f"{bounds['bf16'][case] * 1e3:.1f}"]
@@ -272,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     sections = []
     for label, spec in models:
-        body, _ = model_section(label, VLM(spec), bw, repeats)
+        body, _ = model_section(label, VLM(spec), bw, repeats, long_turn=not sections)  # the small model's
         print(body, flush=True)
         sections.append(body)
     if not args.no_write:
@@ -281,8 +326,10 @@ def main(argv: list[str] | None = None) -> None:
         intro = (f"Machine: {machine_line()}. Memory bandwidth (1 GiB float32): copy {bw['copy']:.1f} GB/s, read "
                  f"{bw['read']:.1f} GB/s (the faster of a sum and a one-row product). Bounds: one token = weight "
                  "bytes / read bandwidth; n tokens = the larger "
-                 "of that and n × 2 FLOPs per weight at the best product rate measured at n rows. Forwards: "
-                 f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context, "
+                 "of that and their FLOPs (2 per weight per token, and the attention's over the columns each token "
+                 "sees) at the best product rate measured at n rows (64 past 64). Forwards: "
+                 f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context "
+                 f"(the follow-up turn {FOLLOW_UP_CONTEXT:,}, the long turn {LONG_TURN_CONTEXT}), "
                  f"medians of {repeats} interleaved runs.\n\n")
         target = {"path": Path(args.out)} if args.out else {}
         if DEVICE.type == "cuda":

@@ -121,6 +121,14 @@ MUTATIONS = (
     Mutation("entries-not-kept", "serve/routing/retrieval.py",
              "if self.max_rows > 0:", "if self.max_rows < 0:",
              ("tests/test_entry_cache.py",), "a follow-up places its earlier groups without reading the index"),
+    Mutation("long-turn-products", "pipeline/runtime/fused.py",
+             "if q.dtype != torch.float32 or new >= SDPA_MIN_NEW:", "if q.dtype != torch.float32:",
+             ("tests/test_fused_forward.py",), "a long fp32 query turn attends in SDPA's tiled kernel"),
+    Mutation("long-turn-unmasked", "pipeline/runtime/fused.py",
+             "return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)",
+             "return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask * (new < SDPA_MIN_NEW), "
+             "scale=scale, enable_gqa=True)",
+             ("tests/test_fused_forward.py",), "a long query turn's attention keeps its mask (pads, causal order)"),
 )
 
 

@@ -112,47 +112,46 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
     router = Router(RouterConfig(store=uri, model=ModelSpec(path=model, dtype=DType.FLOAT32, device="cpu"),
                                  query_cache_entries=0))
     router.query_vectors = QueryVectors(0)  # every query is new
-    kept_entries = router.snapshot.entry_cache
-    object.__setattr__(router.snapshot, "entry_cache", EntryCache(0))  # and so are its chunks' entries: each
-    # query's chunks are read as a new question's are (else the configuration timed first would read them for all)
-    texts = [row["text"] for row in router.snapshot.catalog.texts(list(range(router.snapshot.catalog.num_rows)))]
-    embedders = {}
-    for count in threads:  # each runtime takes the process's torch threads when it is built
-        torch.set_num_threads(count)
-        embedders |= {(count, runtime): Embedder(runtime=runtime) for runtime in EmbedRuntime}
-    if any(e.runtime is not runtime for (_, runtime), e in embedders.items()):
-        raise RuntimeError("the ONNX embedder fell back to encode (its log says why): nothing to compare")
-    clock = Clock()
-    instrument(clock, router, list(embedders.values()))
+    # and so are its chunks' entries: each query's chunks are read as a new question's are (else the configuration
+    # timed first would read them for all); the follow-ups below keep theirs, as served
+    with router.snapshot.using(EntryCache(0)):
+        texts = [row["text"] for row in router.snapshot.catalog.texts(list(range(router.snapshot.catalog.num_rows)))]
+        embedders = {}
+        for count in threads:  # each runtime takes the process's torch threads when it is built
+            torch.set_num_threads(count)
+            embedders |= {(count, runtime): Embedder(runtime=runtime) for runtime in EmbedRuntime}
+        if any(e.runtime is not runtime for (_, runtime), e in embedders.items()):
+            raise RuntimeError("the ONNX embedder fell back to encode (its log says why): nothing to compare")
+        clock = Clock()
+        instrument(clock, router, list(embedders.values()))
 
-    def question(i: int) -> str:  # benchmarks.conversation's, from a chunk's words: it retrieves that chunk
-        words = texts[i % len(texts)].split()
-        return "What does the passage say about " + " ".join(words[3 + i // len(texts):13 + i // len(texts)]) + "?"
+        def question(i: int) -> str:  # benchmarks.conversation's, from a chunk's words: it retrieves that chunk
+            words = texts[i % len(texts)].split()
+            return "What does the passage say about " + " ".join(words[3 + i // len(texts):13 + i // len(texts)]) + "?"
 
-    def turn(text: str) -> AnswerRequest:
-        return AnswerRequest(query=text, top_k=TOP_K, mode="qvpic", messages=[Message(role="user", content=text)])
+        def turn(text: str) -> AnswerRequest:
+            return AnswerRequest(query=text, top_k=TOP_K, mode="qvpic", messages=[Message(role="user", content=text)])
 
-    samples: dict[tuple, dict[str, list[float]]] = {key: collections.defaultdict(list) for key in embedders}
-    loop = asyncio.new_event_loop()  # one loop, as a replica has: its default executor's threads stay up
-    for count in threads:
-        torch.set_num_threads(count)
-        for i in range(WARM_UP + queries):
-            for runtime in EmbedRuntime:  # interleaved: both see the same load
-                router.embedder = embedders[(count, runtime)]
-                clock.spent.clear()
-                clock.cpu.clear()
-                cpu = time.process_time()
-                plan = loop.run_until_complete(router.plan(turn(question(i))))
-                if i >= WARM_UP:
-                    cell = samples[(count, runtime)]
-                    cell["plan"].append(plan.route_ms)
-                    cell["plan cpu"].append((time.process_time() - cpu) * 1e3)
-                    for part in PARTS:
-                        cell[part].append(clock.spent.get(part, 0.0))
-                        cell[part + " cpu"].append(clock.cpu.get(part, 0.0))
-    loop.close()
-    torch.set_num_threads(1)  # a router replica's
-    object.__setattr__(router.snapshot, "entry_cache", kept_entries)
+        samples: dict[tuple, dict[str, list[float]]] = {key: collections.defaultdict(list) for key in embedders}
+        loop = asyncio.new_event_loop()  # one loop, as a replica has: its default executor's threads stay up
+        for count in threads:
+            torch.set_num_threads(count)
+            for i in range(WARM_UP + queries):
+                for runtime in EmbedRuntime:  # interleaved: both see the same load
+                    router.embedder = embedders[(count, runtime)]
+                    clock.spent.clear()
+                    clock.cpu.clear()
+                    cpu = time.process_time()
+                    plan = loop.run_until_complete(router.plan(turn(question(i))))
+                    if i >= WARM_UP:
+                        cell = samples[(count, runtime)]
+                        cell["plan"].append(plan.route_ms)
+                        cell["plan cpu"].append((time.process_time() - cpu) * 1e3)
+                        for part in PARTS:
+                            cell[part].append(clock.spent.get(part, 0.0))
+                            cell[part + " cpu"].append(clock.cpu.get(part, 0.0))
+        loop.close()
+        torch.set_num_threads(1)  # a router replica's
     router.embedder = embedders[(min(threads), EmbedRuntime.ONNX)]
     follow_ups = measure_follow_ups(router, [question(i) for i in range(FOLLOW_UPS * 4 + 4)], FOLLOW_UPS, TOP_K)
     rows = []

@@ -27,15 +27,14 @@ def before_this_change(router):
     from serve.routing.retrieval import EntryCache
 
     snapshot, tokenizer = router.snapshot, router.prompt.tokenizer
-    kept_cache, kept_encoder = snapshot.entry_cache, encoders.text_encoder(tokenizer)
+    kept_encoder = encoders.text_encoder(tokenizer)
     per_call = encoders.TextEncoder(tokenizer)
     per_call._backends, per_call._lock = None, threading.RLock()
-    object.__setattr__(snapshot, "entry_cache", EntryCache(0))
     encoders._ENCODERS[tokenizer] = per_call
     try:
-        yield
+        with snapshot.using(EntryCache(0)):
+            yield
     finally:
-        object.__setattr__(snapshot, "entry_cache", kept_cache)
         encoders._ENCODERS[tokenizer] = kept_encoder
 
 

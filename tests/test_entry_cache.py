@@ -5,22 +5,11 @@ come from the same router with nothing kept (the control)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from schemas.api import AnswerRequest
 from schemas.conversation import Message
 from serve.routing.retrieval import EntryCache, Snapshot
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
-
-
-@contextlib.contextmanager
-def entry_cache(snapshot: Snapshot, cache: EntryCache):
-    kept = snapshot.entry_cache
-    object.__setattr__(snapshot, "entry_cache", cache)  # a frozen dataclass
-    try:
-        yield cache
-    finally:
-        object.__setattr__(snapshot, "entry_cache", kept)
 
 
 def follow_up() -> AnswerRequest:
@@ -41,13 +30,13 @@ def test_a_follow_up_places_its_chunks_from_the_kept_entries(roles, monkeypatch)
         return entries_of(rows)
 
     monkeypatch.setattr(snapshot.catalog, "entries_of", counted)
-    with entry_cache(snapshot, EntryCache(0)):  # the control: nothing kept, every group reads the index
+    with snapshot.using(EntryCache(0)):  # the control: nothing kept, every group reads the index
         expected = asyncio.run(router.plan(follow_up()))
         again = asyncio.run(router.plan(follow_up()))
     assert len(reads) == 4 and again.chunks == expected.chunks
     assert {c.group for c in expected.chunks} == {0, 1} and len(expected.chunks) == 4
     reads.clear()
-    with entry_cache(snapshot, EntryCache()) as cache:
+    with snapshot.using(EntryCache()) as cache:
         first = asyncio.run(router.plan(follow_up()))
         assert len(reads) == 2 and cache.loads == 2  # one read per group
         second = asyncio.run(router.plan(follow_up()))

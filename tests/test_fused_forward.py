@@ -28,11 +28,11 @@ def vlm(request) -> VLM:
     return VLM(ModelSpec(path=request.param))
 
 
-def ragged_slab(vlm: VLM, seed: int = 0) -> Slab:
-    """Three rows with contexts of different lengths at different positions, room for 8 more tokens each."""
+def ragged_slab(vlm: VLM, seed: int = 0, room: int = 8) -> Slab:
+    """Three rows with contexts of different lengths at different positions, room for `room` more tokens each."""
     shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
     generator = torch.Generator().manual_seed(seed)
-    slab = Slab.empty(shape.shape[0], len(CONTEXT), shape.shape[2], max(CONTEXT) + 8, shape.shape[4], vlm.dtype,
+    slab = Slab.empty(shape.shape[0], len(CONTEXT), shape.shape[2], max(CONTEXT) + room, shape.shape[4], vlm.dtype,
                       vlm.device)
     for row, length in enumerate(CONTEXT):
         slab.kv[:, :, row, :, :length] = torch.randn(shape.shape[0], 2, shape.shape[2], length, shape.shape[4],
@@ -74,6 +74,37 @@ def test_fused_forward_equals_transformers(vlm):
     assert gap(expected, got) <= EXACT
     assert float((reference.kv - ours.kv).abs().max()) <= EXACT  # the KV it wrote, every column
     assert torch.equal(reference.valid, ours.valid) and torch.equal(reference.lengths, ours.lengths)
+
+
+@torch.inference_mode()
+def long_turn(vlm: VLM, decoder: FusedDecoder | None, slab: Slab, new: int) -> list[torch.Tensor]:
+    """A left-padded prefill of `new` tokens (rows of new, new - 7 and new - 3 real ones), then one decode step."""
+    vlm.fused = decoder
+    try:
+        ids = torch.arange(5, 5 + 3 * new).view(3, new)
+        ids[1, :7] = ids[2, :3] = 0
+        out = [forward(vlm, slab, ids, ids != 0)]
+        ids = torch.tensor([[20], [30], [40]])
+        return out + [forward(vlm, slab, ids, torch.ones_like(ids, dtype=torch.bool))]
+    finally:
+        vlm.fused = None
+
+
+@pytest.mark.parametrize("new", [fused_module.SDPA_MIN_NEW - 1, fused_module.SDPA_MIN_NEW + 8])
+def test_a_long_query_turn_equals_transformers_through_either_attention(vlm, new, monkeypatch):
+    """A query turn of `SDPA_MIN_NEW` tokens or more runs fp32 attention in SDPA's tiled kernel, a shorter one as two
+    products (counted, so a threshold that never fires fails); both equal transformers' forward, logits and KV."""
+    reference, ours = ragged_slab(vlm, room=new + 2), ragged_slab(vlm, room=new + 2)
+    expected = long_turn(vlm, None, reference, new)
+    calls, real = [], fused_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(fused_module.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    decoder = FusedDecoder(vlm.model, ForwardSpec())
+    got = long_turn(vlm, decoder, ours, new)
+    monkeypatch.undo()
+    assert len(calls) == (len(decoder.layers) if new >= fused_module.SDPA_MIN_NEW else 0)  # the decode step: products
+    assert gap(expected, got) <= EXACT
+    assert float((reference.kv - ours.kv).abs().max()) <= EXACT
 
 
 def test_fused_forward_without_prepacking_is_the_same(vlm):
@@ -156,6 +187,27 @@ def reference_attention(q, keys, values, mask, scale):
     keys, values = (t.double().repeat_interleave(group, dim=1) for t in (keys, values))
     scores = q.double() @ keys.transpose(-1, -2) * scale + mask.double()
     return torch.softmax(scores, dim=-1) @ values
+
+
+@pytest.mark.parametrize("new", [1, fused_module.SDPA_MIN_NEW - 1, fused_module.SDPA_MIN_NEW, 40])
+def test_fp32_attention_either_way_equals_the_definition(new):
+    """fp32 `attend`, as products below `SDPA_MIN_NEW` new tokens and SDPA's tiled kernel from it, on a slab's
+    strided keys and values against the float64 definition; controls: the mask dropped, the head map interleaved."""
+    generator = torch.Generator().manual_seed(4)
+    rows, heads, kv_heads, dim, width, capacity = 2, 12, 2, 64, 120, 130
+    slab = torch.randn(2, rows, kv_heads, capacity, dim, generator=generator)
+    keys, values = slab[0][:, :, :width], slab[1][:, :, :width]
+    q = torch.randn(rows, heads, new, dim, generator=generator)
+    mask = torch.zeros(rows, 1, new, width)
+    mask[0, :, :, 10:25] = torch.finfo(torch.float32).min
+    mask[1, :, :, width - new:] = torch.triu(torch.full((new, new), torch.finfo(torch.float32).min), 1)  # causal
+    expected = reference_attention(q, keys, values, mask, 0.125)
+    got = fused_module.attend(q, keys, values, mask, 0.125).double()
+    assert (got - expected).abs().max().item() < EXACT
+    assert (got - reference_attention(q, keys, values, torch.zeros_like(mask), 0.125)).abs().max().item() > 1e-2
+    interleaved = torch.arange(heads).view(heads // kv_heads, kv_heads).T.reshape(-1)
+    wrong = reference_attention(q[:, interleaved], keys, values, mask, 0.125)[:, torch.argsort(interleaved)]
+    assert (got - wrong).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("new", [1, 5])

@@ -29,6 +29,9 @@ from schemas.config import ForwardSpec
 ROPE_TABLE_POSITIONS = 32_768  # positions covered by the cos/sin table (grown on demand past it)
 
 
+# fp32 attention of this many new tokens or more per row goes to SDPA's tiled kernel (`attend`): a follow-up turn's
+# ~55 tokens over 1,500 columns took 1.5 ms a layer there against 3.3 as two products (bench-qwen's heads, 2 threads)
+SDPA_MIN_NEW = 32
 PACK_ROWS = 16  # oneDNN's batch-size hint for the packed layout: the engine's decode batch (1.6x aten's at 16 rows)
 
 
@@ -110,13 +113,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     Head h reads kv head h // group (transformers' `repeat_kv` order), so the group's queries stack into one
     `[group · new, d]` matrix per kv head: no copy of the keys per head, and at one new token a product of
     `group` rows instead of SDPA's CPU kernel, which is ~2x slower at one query row."""
-    if q.dtype != torch.float32:
+    rows, heads, new, dim = q.shape
+    if q.dtype != torch.float32 or new >= SDPA_MIN_NEW:
         # bf16: torch's matmul copies the slab's strided keys and values before every product (in a 16-row decode
         # step over 1,120 columns, 17 of its 46 ms); SDPA's CPU kernel reads them in place with grouped-query heads
         # and accumulates in fp32: 1.6-4x faster per layer at 1-16 rows (measured on AMX). fp32 keeps the products
-        # below: in a whole decode step over 1,120 columns they were as fast or faster at 1, 4 and 16 rows.
+        # below for few new tokens (decode steps, short turns): there they were as fast or faster. A long turn's
+        # scores `[kv_heads, group · new, width]` outgrow the caches, and SDPA's tiled kernel never writes them.
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    rows, heads, new, dim = q.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     scores = torch.matmul(q.reshape(rows, kv_heads, group * new, dim), keys.transpose(-1, -2)) * scale

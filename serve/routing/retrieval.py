@@ -7,10 +7,11 @@ swaps whole snapshots on hot reload, and a plan uses the one it started with thr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -104,6 +105,17 @@ class Snapshot:
     def chunk_entries(self, rows: list[int]) -> list[ChunkEntries]:
         """Each catalog row's stored entries, ready for placement (kept: `EntryCache`)."""
         return self.entry_cache.get(rows, self.catalog.entries_of)
+
+    @contextlib.contextmanager
+    def using(self, cache: EntryCache) -> Iterator[EntryCache]:
+        """Place with `cache` for the block, then the snapshot's own again (a benchmark's or a test's control:
+        `EntryCache(0)` keeps nothing, as the router placed before entries were kept)."""
+        kept = self.entry_cache
+        object.__setattr__(self, "entry_cache", cache)  # frozen: a snapshot is shared by the plans in flight
+        try:
+            yield cache
+        finally:
+            object.__setattr__(self, "entry_cache", kept)
 
     def select(self, request: AnswerRequest, query_vector: np.ndarray, max_chunks: int,
                collections: frozenset[str] | None = None) -> tuple[list[int], list[float]]:

@@ -132,7 +132,9 @@ class Catalog:
         self.doc_lookup = _npy(chunks_dir / DOC_IDS)
         info = SearchInfo.model_validate_json((chunks_dir / SEARCH).read_text())
         self.vectors = VectorIndex(chunks_dir, EmbeddingRows(path=chunks_dir / EMBEDDINGS), info, scan)
-        self.entries = RowFile(entries_dir / ENTRIES)
+        # no row cache here: the router keeps the entries it makes of these rows (serve/routing/retrieval.py
+        # `EntryCache`), and a second copy of each row behind it would only hold memory
+        self.entries = RowFile(entries_dir / ENTRIES, cache_rows=0)
         self.ranges = _npy(entries_dir / RANGES)
         self.text_rows = RowFile(texts)
         if not (self.catalog.num_rows == len(self.ranges) == len(self.vectors) == self.text_rows.num_rows):
