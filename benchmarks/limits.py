@@ -10,7 +10,7 @@
    (pipeline/runtime/fused.py's `Projection`), GFLOP/s of one layer's five products.
 3. Bounds: a one-token forward reads every decoder and output weight once (bytes / read bandwidth); an n-token
    forward is the larger of that and its FLOPs (the products', and the attention's over the columns each new
-   token sees) at the best product rate measured at n rows.
+   token sees) at the best product rate measured at the fewest rows not below n.
 4. The forwards the engine runs (`pipeline/runtime/batch.py` `forward` over a slab with a 600-token context):
    transformers' forward, the fused forward in fp32 (its small operations as torch ops, and as the native calls
    it serves with: pipeline/runtime/decoder_ops.py), its attention as two products at any length (the control for
@@ -51,7 +51,7 @@ FOLLOW_UP_TOKENS, FOLLOW_UP_CONTEXT = 56, 1_500
 # a user turn with its own context pasted in (a LangChain RAG chain with `retrieval: none`), the small model only
 LONG_TURN_TOKENS, LONG_TURN_CONTEXT = 512, 88
 DECODE_ROWS = 16
-ROWS = (1, 2, 4, 8, 16, 21, 32, 64)
+ROWS = (1, 2, 4, 8, 16, 21, 32, 64, 512)  # 512: the long turn's
 TARGET_QUERY_OVER_ONE, TARGET_ONE_OVER_BOUND = 1.5, 2.0
 TARGET_REANCHOR_MS = 1.5  # assembly of 1,000 cached tokens, re-anchoring included
 
@@ -263,7 +263,9 @@ def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long
             if rows * new == 1:  # one row's products are reads of the weights: the bandwidth bound
                 bounds[name][case] = memory_s
                 continue
-            best = max(r[max(n for n in ROWS if n <= rows * new)] for k, r in rates.items() if k.startswith(name))
+            # the rate at the fewest measured rows not below this forward's (rates grow with rows: a lower bound)
+            at = min((n for n in ROWS if n >= rows * new), default=ROWS[-1])
+            best = max(r[at] for k, r in rates.items() if k.startswith(name))
             bounds[name][case] = max(memory_s, flops(rows, new, context) / best / 1e9)
     measured = forwards(vlm, repeats, long_turn)
     rows = []
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"{bw['read']:.1f} GB/s (the faster of a sum and a one-row product). Bounds: one token = weight "
                  "bytes / read bandwidth; n tokens = the larger "
                  "of that and their FLOPs (2 per weight per token, and the attention's over the columns each token "
-                 "sees) at the best product rate measured at n rows (64 past 64). Forwards: "
+                 "sees) at the best product rate measured at the fewest rows not below n. Forwards: "
                  f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context "
                  f"(the follow-up turn {FOLLOW_UP_CONTEXT:,}, the long turn {LONG_TURN_CONTEXT}), "
                  f"medians of {repeats} interleaved runs.\n\n")

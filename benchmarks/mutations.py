@@ -129,6 +129,10 @@ MUTATIONS = (
              "return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask * (new < SDPA_MIN_NEW), "
              "scale=scale, enable_gqa=True)",
              ("tests/test_fused_forward.py",), "a long query turn's attention keeps its mask (pads, causal order)"),
+    Mutation("native-any-size", "pipeline/runtime/fused.py",
+             "native = self.spec.native_ops and rows * new <= NATIVE_MAX_TOKENS and",
+             "native = self.spec.native_ops and",
+             ("tests/test_fused_forward.py",), "a forward of many tokens runs torch's threaded operations"),
 )
 
 

@@ -90,19 +90,25 @@ def long_turn(vlm: VLM, decoder: FusedDecoder | None, slab: Slab, new: int) -> l
         vlm.fused = None
 
 
-@pytest.mark.parametrize("new", [fused_module.SDPA_MIN_NEW - 1, fused_module.SDPA_MIN_NEW + 8])
-def test_a_long_query_turn_equals_transformers_through_either_attention(vlm, new, monkeypatch):
+@pytest.mark.parametrize(("new", "native", "sdpa"), [(31, True, False), (40, True, True), (48, False, True)])
+def test_a_long_query_turn_equals_transformers_through_either_attention(vlm, new, native, sdpa, monkeypatch):
     """A query turn of `SDPA_MIN_NEW` tokens or more runs fp32 attention in SDPA's tiled kernel, a shorter one as two
-    products (counted, so a threshold that never fires fails); both equal transformers' forward, logits and KV."""
+    products; a forward of more than `NATIVE_MAX_TOKENS` tokens (3 rows of `new`) runs torch's operations between
+    the products, a smaller one the native calls (both counted, so a threshold that never fires fails). Every way
+    equals transformers' forward, logits and KV."""
+    assert fused_module.SDPA_MIN_NEW == 32 and fused_module.NATIVE_MAX_TOKENS == 128  # the cases' premise
     reference, ours = ragged_slab(vlm, room=new + 2), ragged_slab(vlm, room=new + 2)
     expected = long_turn(vlm, None, reference, new)
-    calls, real = [], fused_module.F.scaled_dot_product_attention
+    decoder = FusedDecoder(vlm.model, ForwardSpec())
+    calls, native_calls = [], []
+    real, real_ops = fused_module.F.scaled_dot_product_attention, fused_module.native_decoder_ops
     monkeypatch.setattr(fused_module.F, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    decoder = FusedDecoder(vlm.model, ForwardSpec())
+    monkeypatch.setattr(fused_module, "native_decoder_ops", lambda: native_calls.append(1) or real_ops())
     got = long_turn(vlm, decoder, ours, new)
     monkeypatch.undo()
-    assert len(calls) == (len(decoder.layers) if new >= fused_module.SDPA_MIN_NEW else 0)  # the decode step: products
+    assert len(calls) == (len(decoder.layers) if sdpa else 0)  # the decode step after it: products
+    assert len(native_calls) == (2 if native else 1)  # the prefill's (or not), then the decode step's
     assert gap(expected, got) <= EXACT
     assert float((reference.kv - ours.kv).abs().max()) <= EXACT
 

@@ -32,6 +32,10 @@ ROPE_TABLE_POSITIONS = 32_768  # positions covered by the cos/sin table (grown o
 # fp32 attention of this many new tokens or more per row goes to SDPA's tiled kernel (`attend`): a follow-up turn's
 # ~55 tokens over 1,500 columns took 1.5 ms a layer there against 3.3 as two products (bench-qwen's heads, 2 threads)
 SDPA_MIN_NEW = 32
+# The native operations between the products run on one thread (decoder_ops.cpp: written for decode steps and short
+# turns); past this many tokens in one forward torch's threaded ones are faster: a 512-token turn took 311 ms native
+# against 293 on torch ops, a 56-token turn 59.3 against 60.1, a 16-row decode step 34.8 against 37.5 (`limits`)
+NATIVE_MAX_TOKENS = 128
 PACK_ROWS = 16  # oneDNN's batch-size hint for the packed layout: the engine's decode batch (1.6x aten's at 16 rows)
 
 
@@ -189,7 +193,8 @@ class FusedDecoder:
         rows, new = ids.shape
         if int(positions.max()) >= self._cos.shape[0]:
             self._table(2 * int(positions.max()) + 1)
-        ops = native_decoder_ops() if self.spec.native_ops and takes(self.embed, slab.kv) else None
+        native = self.spec.native_ops and rows * new <= NATIVE_MAX_TOKENS and takes(self.embed, slab.kv)
+        ops = native_decoder_ops() if native else None
         if ops is not None:
             return self._forward_native(ops, slab, ids, positions, mask)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, new, head_dim]
