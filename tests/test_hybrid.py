@@ -19,6 +19,7 @@ from serve.engine import Generator
 from serve.plan import Entry, entry_of
 from serve.routing import PlacementSpec, Router, Selection, place
 from serve.routing.hybrid import Choice, choose
+from serve.routing.placement import ChunkEntries
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, loader_of, serving_store  # noqa: F401
 
 ON = HybridSpec(enabled=True)
@@ -57,7 +58,8 @@ def placed(hybrid: HybridSpec | None, chunks=(SHORT, DIGITS, PROSE_CHUNK), relev
            max_high_res: int = 1, room_tokens: int = 10_000):
     catalog = [{"chunk_id": f"c{i}", "doc_id": "d", "num_text_tokens": c[0]} for i, c in enumerate(chunks)]
     slots = [chunk_slots(*c) for c in chunks]
-    rows = Selection(chunks=catalog, slots=slots, relevance=list(relevance), texts=lambda: [])
+    rows = Selection(chunks=catalog, entries=[ChunkEntries(s) for s in slots], relevance=list(relevance),
+                     texts=lambda: [])
     policy = RouterSpec(tau=1.0, max_high_res=max_high_res, hybrid=hybrid or HybridSpec())
     planned, _ = place(Mode.QVPIC, rows, PlacementSpec(policy=policy, low=LOW, tier="high"), room_tokens)
     return [(c.tier, c.entry.variant.value, c.num_tokens) for c in planned]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.runtime.native import BuiltOnce, KernelUnavailable, build_library
+from pipeline.runtime.native import BuiltOnce, build_library
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,7 @@ class DecoderOps:
 
     @classmethod
     def build(cls, cxx: str | None = None) -> DecoderOps:
-        library = build_library(SOURCE, cxx, FLAGS)
-        try:
-            return cls(library)
-        except AttributeError as error:  # a library that lacks a function
-            raise KernelUnavailable(f"{SOURCE.name} built, but it does not load: {error}") from error
+        return build_library(SOURCE, cls, cxx, FLAGS)
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                      ) -> torch.Tensor:

@@ -38,8 +38,10 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
-def build_library(source: Path, cxx: str | None = None, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
-    """`source` compiled by `cxx` (default: `compiler()`) and loaded; `KernelUnavailable` says why not."""
+def build_library(source: Path, wrap: Callable[[ctypes.CDLL], T], cxx: str | None = None,
+                  flags: tuple[str, ...] = FLAGS) -> T:
+    """`source` compiled by `cxx` (default: `compiler()`), loaded and given to `wrap` (which binds its functions);
+    `KernelUnavailable` says why not."""
     cxx = cxx or compiler()
     if cxx is None:
         raise KernelUnavailable("no C++ compiler on PATH (g++, c++ or $CXX)")
@@ -52,8 +54,8 @@ def build_library(source: Path, cxx: str | None = None, flags: tuple[str, ...] =
             detail = getattr(error, "stderr", None) or error
             raise KernelUnavailable(f"{cxx} could not build {source.name}: {detail}") from error
         try:
-            return ctypes.CDLL(str(target))  # mapped: it outlives the directory
-        except OSError as error:
+            return wrap(ctypes.CDLL(str(target)))  # mapped: it outlives the directory
+        except (OSError, AttributeError) as error:  # a library that does not load, or lacks a function
             raise KernelUnavailable(f"{cxx} built {source.name}, but it does not load: {error}") from error
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.runtime.native import BuiltOnce, KernelUnavailable, build_library, compiler  # noqa: F401  (re-exported)
+from pipeline.runtime.native import BuiltOnce, KernelUnavailable, build_library  # noqa: F401  (KernelUnavailable: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,7 @@ class NativeRotation:
 
     @classmethod
     def build(cls, cxx: str | None = None) -> NativeRotation:
-        library = build_library(SOURCE, cxx)
-        try:
-            return cls(library)
-        except AttributeError as error:  # a library that lacks a function
-            raise KernelUnavailable(f"{SOURCE.name} built, but it does not load: {error}") from error
+        return build_library(SOURCE, cls, cxx)
 
     def accepts(self, keys: torch.Tensor, diag: torch.Tensor, cross: torch.Tensor, out: torch.Tensor) -> bool:
         return (keys.device.type == out.device.type == diag.device.type == cross.device.type == "cpu"

@@ -37,15 +37,14 @@ EntrySlots = dict[tuple[str | None, Variant], dict[str, Any]]  # one chunk's ind
 
 @dataclass(frozen=True)
 class Selection:
-    """What retrieval selected, aligned by position: catalog rows (CATALOG_COLUMNS), each one's entry rows
-    and its relevance. `texts()` reads their text and image path; only the online modes call it."""
+    """What retrieval selected, aligned by position: catalog rows (CATALOG_COLUMNS), each one's entries (its
+    entry rows, kept made by the router per snapshot: serve/routing/retrieval.py `EntryCache`) and its relevance.
+    `texts()` reads their text and image path; only the online modes call it."""
 
     chunks: list[dict[str, Any]]
-    slots: list[EntrySlots]
+    entries: list[ChunkEntries]
     relevance: list[float]
     texts: Callable[[], list[dict[str, Any]]]
-    entries: list[ChunkEntries] | None = None  # `slots` made into entries where the caller keeps them (the
-    # router's, per snapshot: serve/routing/retrieval.py `EntryCache`); None: made here, for this placement alone
 
 
 @dataclass(frozen=True)
@@ -193,8 +192,7 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec, room_tokens: int,
     """Planned chunks (request order) for the selected `rows` under `spec`, in prompt group `group`.
     `room_tokens` is what the context holds for chunks: promotions that would not fit stay low. The hybrid
     rule (when enabled) serves qvpic chunks as text (serve/routing/hybrid.py)."""
-    slots = rows.entries if rows.entries is not None else [ChunkEntries(s) for s in rows.slots]
-    chunks, relevance = rows.chunks, rows.relevance
+    chunks, slots, relevance = rows.chunks, rows.entries, rows.relevance
     low, tier, pending, hybrid = spec.low, spec.tier, spec.pending, spec.policy.hybrid
     if mode is Mode.FULL_TEXT:
         planned = []

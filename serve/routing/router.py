@@ -229,8 +229,8 @@ class Router:
         rows, relevance = snapshot.select(request, vector, self.config.max_chunks, collections)  # 413 past max_chunks
         catalog = snapshot.catalog
         entries = snapshot.chunk_entries(rows)
-        selected = Selection(chunks=catalog.chunk_rows(rows), slots=[e.rows for e in entries], relevance=relevance,
-                             texts=lambda: catalog.texts(rows), entries=entries)
+        selected = Selection(chunks=catalog.chunk_rows(rows), entries=entries, relevance=relevance,
+                             texts=lambda: catalog.texts(rows))
         chunks, fallbacks = place(request.mode, selected, spec, room_tokens, group)
         if self.config.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source
             chunks = [c if c.text is not None else
