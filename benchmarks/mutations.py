@@ -133,6 +133,13 @@ MUTATIONS = (
              "native = self.spec.native_ops and rows * new <= NATIVE_MAX_TOKENS and",
              "native = self.spec.native_ops and",
              ("tests/test_fused_forward.py",), "a forward of many tokens runs torch's threaded operations"),
+    Mutation("partial-only-at-ends", "pipeline/runtime/linked_prompt.py",
+             "for end in range(min(first + size - 1, stream.num_columns), first, -1):",
+             "for end in [e for e in ends if first < e < first + size][:1]:",
+             ("tests/test_prefix_cache.py",), "a follow-up finds the partial block where the earlier stream ended"),
+    Mutation("partial-not-at-stream-end", "pipeline/runtime/linked_prompt.py",
+             "for end in sorted({*resumed.ends, kv.shape[3]}):", "for end in sorted({*resumed.ends}):",
+             ("tests/test_prefix_cache.py",), "a finished stream's last partial block (decoded tokens) is kept"),
 )
 
 

@@ -5,8 +5,9 @@ with the cache off (greedy tokens identical, logits within 1e-4 in float32):
 - an identical request runs no forward for its prompt (the cache kept its last column's logits; with
   `final_logits` off it prefills one token, as vLLM's does); its answer equals the uncached one; a prompt that
   differs only in its last token, or whose blocks were evicted, does not take those logits;
-- a follow-up turn (the earlier prompt, the decoded answer and a new question) finds the earlier turn's blocks,
-  the decoded tokens included: it misses at most the last partial block of the earlier stream;
+- a follow-up turn (the earlier prompt, the decoded answer and a new question) finds the earlier turn's whole
+  stream, the decoded tokens and the partial block it ended in included; one whose history says something else
+  after the earlier prompt (a client's own text for the answer) finds that prompt whole, its last partial block too;
 - a shared system prompt (the text before the chunks) is computed once, then found, even with other chunks;
 - a changed earlier token, another chunk set or another tenant's salt misses from where they differ;
 - bytes stay within the device bound, evicted blocks move to the host tier, and a hit brings them back.
@@ -146,7 +147,7 @@ def test_cached_logits_are_not_used_when_only_the_prompts_last_partial_block_is_
     those recent): the logits after it must not be used on a base that lacks those columns."""
     prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
     cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
-    warm.run(prompt)
+    warm.run(prompt, max_new_tokens=1)  # no decoded token fed back: the newest partial block ends the prompt
     cache = warm.engine.prefix_cache
     block = cache.block_tokens
     partials = [key for key, entry in cache._device.items() if 0 < len(entry.next_positions) < block]
@@ -159,7 +160,9 @@ def test_cached_logits_are_not_used_when_only_the_prompts_last_partial_block_is_
 def test_a_follow_up_turn_finds_the_earlier_turn_and_its_decoded_tokens(vlm, chunks):
     cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
     first_prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
-    first = warm.run(first_prompt, max_new_tokens=12)
+    block = warm.engine.prefix_cache.block_tokens
+    # 11 or 12 decoded tokens fed back, so that the earlier stream ends inside a block
+    first = warm.run(first_prompt, max_new_tokens=12 if (first_prompt.num_tokens + 11) % block else 13)
     # The next turn, as the template renders it: the earlier turn's stream, its answer, then a new question.
     follow_up_ids = (first_prompt.after.ids + first.token_ids + vlm.adapter.encode("<|im_end|>\n")
                      + vlm.adapter.encode(" And the warranty?") + vlm.adapter.turn_suffix_ids)
@@ -167,9 +170,26 @@ def test_a_follow_up_turn_finds_the_earlier_turn_and_its_decoded_tokens(vlm, chu
                              PreparedSegment(follow_up_ids))
     second = warm.run(follow_up)
     earlier_columns = first_prompt.num_tokens + len(first.token_ids) - 1  # the last token was never fed back
+    assert earlier_columns % block  # it ends inside a block: that block is found too
+    assert second.prefix_cached_tokens == earlier_columns  # every column the earlier turn wrote, decoded ones too
+    same_answer(cold, cold.run(follow_up), warm, second)
+
+
+def test_a_follow_up_whose_history_differs_after_the_earlier_prompt_finds_that_prompt_whole(vlm, chunks):
+    """The client sends its own text as the earlier answer (a one-token probe, an edited reply): the follow-up's
+    stream leaves the earlier one right where that prompt ended, inside a block — a column no text of the
+    follow-up ends at — and still finds every column of it."""
+    cold, warm = Driver(vlm, cache_nbytes=0), Driver(vlm)
+    first_prompt = native_prompt(vlm, chunks, "When does invoice 4471 ship?")
+    warm.run(first_prompt, max_new_tokens=1)
+    follow_up_ids = (first_prompt.after.ids + vlm.adapter.encode("Noted.<|im_end|>\n")
+                     + vlm.adapter.encode(" And the warranty?") + vlm.adapter.turn_suffix_ids)
+    follow_up = LinkedPrompt.single(first_prompt.before, first_prompt.chunks, first_prompt.identities[0],
+                                    PreparedSegment(follow_up_ids))
     block = warm.engine.prefix_cache.block_tokens
-    assert second.prefix_cached_tokens >= earlier_columns - block + 1
-    assert second.prefix_cached_tokens >= (earlier_columns // block) * block  # every full block, decoded ones too
+    assert first_prompt.num_tokens % block and first_prompt.num_tokens not in follow_up.starts()
+    second = warm.run(follow_up)
+    assert second.prefix_cached_tokens == first_prompt.num_tokens
     same_answer(cold, cold.run(follow_up), warm, second)
 
 

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.conversation import PreparedSegment
-from pipeline.runtime.kv import AssembledContext, ChunkKV, assemble
+from pipeline.runtime.kv import AssembledContext, BlockRun, ChunkKV, assemble, write_kv
 from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
@@ -111,16 +111,16 @@ class Slab(Cache):
         return slab
 
     @classmethod
-    def of_cached(cls, bases: Sequence[ChunkKV], reserves: Sequence[int]) -> Slab:
+    def of_cached(cls, bases: Sequence[ChunkKV | BlockRun], reserves: Sequence[int]) -> Slab:
         """Rows whose whole prompt came from the prefix cache (pipeline/runtime/linked_prompt.py `Resumed.logits`):
         each base's KV `[layers, 2, kv_heads, n, head_dim]` copied in, `reserves[j]` columns left for its decoded
         tokens, and no forward: its next token is sampled from the cached logits."""
-        first = bases[0].kv
+        first = bases[0].like if isinstance(bases[0], BlockRun) else bases[0].kv
         lengths = [base.num_tokens for base in bases]
         slab = cls.empty(first.shape[0], len(bases), first.shape[2], max(n + r for n, r in zip(lengths, reserves)),
                          first.shape[4], first.dtype, first.device, zeroed=False)
         for row, (base, length) in enumerate(zip(bases, lengths)):
-            slab.kv[:, :, row, :, :length] = base.kv
+            write_kv(base, slab.kv[:, :, row])
             slab.kv[:, :, row, :, length:].zero_()  # only the columns the copy leaves unwritten
             slab.valid[row, :length] = True
             slab.lengths[row] = length
@@ -222,7 +222,7 @@ class Slab(Cache):
 
 
 @torch.inference_mode()
-def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | None], contexts: Sequence[Sequence[ChunkKV]],
+def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contexts: Sequence[Sequence[ChunkKV]],
                     queries: Sequence[list[int]], reserves: Sequence[int],
                     recomputes: Sequence[tuple[RecomputeSpec, list[ChunkInputs]] | None] | None = None,
                     holes: Sequence[Sequence[Hole]] | None = None) -> tuple[Slab, torch.Tensor, list[float]]:
@@ -306,7 +306,8 @@ def link_at(vlm: VLM, chunks: Sequence[ChunkKV], position: int, out: torch.Tenso
     return assemble_row(vlm, empty, chunks, out)
 
 
-def assemble_row(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], out: torch.Tensor) -> AssembledContext:
+def assemble_row(vlm: VLM, base: ChunkKV | BlockRun | None, chunks: Sequence[ChunkKV],
+                 out: torch.Tensor) -> AssembledContext:
     """`[base][chunks re-anchored]` into `out` `[layers, 2, kv_heads, capacity, head_dim]` (an empty one when
     there is neither: a prompt whose whole text comes after its chunks, none of them linked)."""
     moved = [c if c.kv.device == vlm.device else ChunkKV(c.kv.to(vlm.device), c.position_span, c.compile_start,
@@ -318,8 +319,8 @@ def assemble_row(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], out:
 
 
 @torch.inference_mode()
-def prefill_alone(vlm: VLM, base: ChunkKV | None, chunks: Sequence[ChunkKV], tail: PreparedSegment, reserve: int
-                  ) -> tuple[Slab, torch.Tensor]:
+def prefill_alone(vlm: VLM, base: ChunkKV | BlockRun | None, chunks: Sequence[ChunkKV], tail: PreparedSegment,
+                  reserve: int) -> tuple[Slab, torch.Tensor]:
     """One row whose text after the chunks holds images (a user's picture in the question): assembled, then its
     tail forwarded with its pixels alone (the batched query prefill takes text only). Its slab, logits `[1, vocab]`."""
     num_tokens = (base.num_tokens if base is not None else 0) + sum(c.num_tokens for c in chunks)

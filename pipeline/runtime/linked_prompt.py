@@ -32,12 +32,11 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
-from pipeline.runtime.kv import ChunkKV, assemble
+from pipeline.runtime.kv import BlockRun, ChunkKV, assemble
 from pipeline.runtime.prefix_cache import (
     PrefixCache,
     StreamKeys,
     block_hashes,
-    gather,
     logits_key,
     partial_key,
     resume_point,
@@ -95,7 +94,7 @@ class Hole:
 
 @dataclass
 class Resumed:
-    base: ChunkKV | None  # columns [0, n): compile_start 0, position_span = the next position
+    base: ChunkKV | BlockRun | None  # columns [0, n): compile_start 0, position_span = the next position
     chunks: list[ChunkKV]  # linked right after `base`
     tail: PreparedSegment  # of the last text, to prefill after them
     cached_columns: int  # columns of `base` that came from the prefix cache
@@ -162,21 +161,27 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
             limit = stream.num_columns if logits is not None else limit  # the last column need not be recomputed
         blocks = cache.match(hashes)
         columns = resume_point(blocks, size, limit)
-        # A text before a group, and the prompt as a whole, rarely end on a block: their last partial block is
-        # stored under its own key (an identical request then prefills one token, not up to a block).
-        for end in ends:
+        # A text before a group, a prompt and a whole stream (decoded tokens included) rarely end on a block: the
+        # last partial block of each is stored under its own key (`store`). So past the full blocks found, the
+        # longest partial block of this prompt's next columns is looked up, each length from the longest: an
+        # identical request then prefills one token, and a follow-up turn whose history goes on past where the
+        # earlier stream ended prefills none of that stream (≤ block_tokens - 1 keys of a few bytes each).
+        first, keys = len(blocks) * size, stream.joined()[0]
+        for end in range(min(first + size - 1, stream.num_columns), first, -1):
             usable = min(end, limit)
-            if (end // size) * size < usable and columns < usable and len(blocks) == end // size:
-                partial = cache.get(partial_key(salt, stream, hashes, size, end))
-                if partial is not None and partial.next_positions[usable - (end // size) * size - 1] >= 0:
-                    blocks, columns = blocks + [partial], usable
+            if usable <= columns:
+                break
+            partial = cache.get(partial_key(salt, stream, hashes, size, end, keys))
+            if partial is not None and partial.next_positions[usable - first - 1] >= 0:
+                blocks, columns = blocks + [partial], usable
                 break
         if columns < stream.num_columns:  # a block of the prompt was evicted: its end is computed after all
             logits = None
         cache.stats.hit_tokens += columns
     _, next_positions = stream.joined()
     position = int(next_positions[columns - 1]) if columns else 0
-    base = _base(gather(blocks, columns), position) if columns else None  # the cached run
+    # the cached run, copied block by block into the row it goes to (pipeline/runtime/kv.py `BlockRun`)
+    base = BlockRun([b.kv for b in blocks], columns, max(position, 1)) if columns else None
     if columns >= last_text:  # the run reaches into the last text
         return Resumed(base, [], prompt.after.tail(columns - last_text), columns, stream, ends, logits=logits)
     # What remains before the last group: the rest of each text, the rest of each earlier group.
@@ -262,7 +267,7 @@ def store(vlm, cache: PrefixCache | None, salt: bytes, resumed: Resumed, kv: tor
     hashes = block_hashes(salt, stream, size, kv.shape[3])
     _, next_positions = stream.joined()
     cache.insert(hashes, kv, next_positions)
-    for end in resumed.ends:
+    for end in sorted({*resumed.ends, kv.shape[3]}):  # the texts' ends, the prompt's, the whole stream's
         if end % size and end <= kv.shape[3]:
             first = (end // size) * size
             cache.put(partial_key(salt, stream, hashes, size, end), kv[:, :, :, first:end], next_positions[first:end])

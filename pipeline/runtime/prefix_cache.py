@@ -8,7 +8,8 @@ hash is `sha256(hash_{i-1} ‖ keys of its columns ‖ full identities of the it
 hash_{-1} the tenant's salt (set by the server from the authenticated tenant, never by the client: vLLM's
 `cache_salt`, CVE-2025-46570). So a block matches only when everything before it — every token, image and
 chunk, at the same positions, for the same tenant — matches too: an identical request finds its whole stream,
-a follow-up turn its earlier turns (decoded tokens included), a shared system prompt its blocks; a changed
+a follow-up turn its earlier turns (decoded tokens included, up to the stream's last column: the partial block
+where it ended is kept under its own key), a shared system prompt its blocks; a changed
 earlier turn, another chunk set or another tenant misses from the first block that differs (vLLM's
 `docs/design/prefix_caching.md`, extended with chunk identities as extra keys).
 
@@ -85,10 +86,12 @@ def block_hashes(salt: bytes, stream: StreamKeys, block_tokens: int, num_columns
     return hashes
 
 
-def partial_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block_tokens: int, end: int) -> bytes:
-    """Key of the columns after the last full block up to `end` (the end of the text before the chunks, which
-    is rarely a block multiple): cached too, so that text needs no forward of its own when it repeats."""
-    keys, _ = stream.joined()
+def partial_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block_tokens: int, end: int,
+                keys: np.ndarray | None = None) -> bytes:
+    """Key of the columns after the last full block up to `end` (where a text before the chunks, a prompt or a
+    whole stream with its decoded tokens ends, rarely a block multiple): cached too, so those columns need no
+    forward of their own when they repeat. `keys`: the stream's joined column keys, when the caller has them."""
+    keys = stream.joined()[0] if keys is None else keys
     first = (end // block_tokens) * block_tokens
     previous = full_hashes[first // block_tokens - 1] if first else hashlib.sha256(b"qvpic-prefix\x00" + salt).digest()
     digest = hashlib.sha256(b"partial\x00" + previous)
@@ -227,8 +230,4 @@ def resume_point(blocks: list[Block], block_tokens: int, limit: int) -> int:
             return column
     return 0
 
-
-def gather(blocks: list[Block], columns: int) -> torch.Tensor:
-    """The first `columns` columns of `blocks` as one `[layers, 2, kv_heads, columns, head_dim]` tensor."""
-    return torch.cat([b.kv for b in blocks], dim=3)[:, :, :, :columns]
 
