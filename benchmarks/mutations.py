@@ -140,6 +140,9 @@ MUTATIONS = (
     Mutation("partial-not-at-stream-end", "pipeline/runtime/linked_prompt.py",
              "for end in sorted({*resumed.ends, kv.shape[3]}):", "for end in sorted({*resumed.ends}):",
              ("tests/test_prefix_cache.py",), "a finished stream's last partial block (decoded tokens) is kept"),
+    Mutation("cached-run-order", "pipeline/runtime/kv.py",
+             "for block in self.blocks:", "for block in self.blocks[::-1]:",
+             ("tests/test_prefix_cache.py",), "a cached run lands in its row in its own column order"),
 )
 
 
