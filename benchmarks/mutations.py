@@ -143,6 +143,13 @@ MUTATIONS = (
     Mutation("cached-run-order", "pipeline/runtime/kv.py",
              "for block in self.blocks:", "for block in self.blocks[::-1]:",
              ("tests/test_prefix_cache.py",), "a cached run lands in its row in its own column order"),
+    Mutation("slab-memory-in-use", "pipeline/runtime/slab_memory.py",
+             "buffer = next((b for b in kept if _users(b) == 1), None)",
+             "buffer = next((b for b in kept if _users(b) >= 1), None)",
+             ("tests/test_slab_memory.py",), "memory a view of an old slab still holds is never handed out"),
+    Mutation("slab-owner-strong", "pipeline/runtime/batch.py",
+             "self.owner = weakref.proxy(owner)", "self.owner = owner",
+             ("tests/test_slab_memory.py",), "a dropped slab's memory is free at once, not after a collection"),
 )
 
 

@@ -343,5 +343,8 @@ class EngineSpec(Frozen):
     # ones keep decoding between them. A request larger than this still joins, alone.
     max_prefill_tokens: int = Field(8192, ge=1)
     hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device
+    # On a CPU, memory of finished slabs kept for the next ones (a fresh page faults at its first write:
+    # pipeline/runtime/slab_memory.py); 0 allocates every slab afresh. A GPU's caching allocator does this itself.
+    slab_reuse_nbytes: int = Field(1 << 30, ge=0)
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
     forward: ForwardSpec = Field(default_factory=ForwardSpec)

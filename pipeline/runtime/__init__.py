@@ -12,6 +12,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                      "prepare_segment", "render_layout"],
     "linked_prompt": ["LinkedPrompt", "Resumed", "native_prompt", "resume", "store"],
     "prefix_cache": ["PrefixCache", "PrefixCacheStats"],
+    "slab_memory": ["SLAB_MEMORY", "SlabMemory"],
     "dtypes": [
         "DTYPE_OF", "PAYLOAD_DTYPES", "PAYLOAD_MAX", "SCALE_DTYPE", "StoredFormat", "TORCH_DTYPES",
         "stored_format"

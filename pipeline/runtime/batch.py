@@ -22,6 +22,7 @@ logits equal the same request's run alone (to float rounding).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,7 @@ from pipeline.runtime.kv import AssembledContext, BlockRun, ChunkKV, assemble, w
 from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
+from pipeline.runtime.slab_memory import SLAB_MEMORY
 from pipeline.runtime.timing import ms_since
 from schemas.config import ChunkKind, RecomputeSpec
 
@@ -45,7 +47,10 @@ class SlabLayer(CacheLayerMixin):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: Slab):
         super().__init__()
-        self.keys, self.values, self.owner = keys, values, owner  # [rows, kv_heads, capacity, head_dim]
+        self.keys, self.values = keys, values  # [rows, kv_heads, capacity, head_dim]
+        # not a strong reference: a slab and its layers would form a cycle, and its memory (tens of MB to GB) would
+        # wait for the cyclic collector instead of going back at once (to pipeline/runtime/slab_memory.py's pool)
+        self.owner = weakref.proxy(owner)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -85,8 +90,10 @@ class Slab(Cache):
               dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> Slab:
         """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN); `zeroed=False`
         for a caller that writes or zeroes every column itself."""
-        make = torch.zeros if zeroed else torch.empty
-        kv = make(num_layers, 2, num_rows, num_heads, capacity, head_dim, dtype=dtype, device=device)
+        # on a CPU, memory a gone slab held (no page faults at first touch: pipeline/runtime/slab_memory.py)
+        kv = SLAB_MEMORY.empty((num_layers, 2, num_rows, num_heads, capacity, head_dim), dtype, device)
+        if zeroed:
+            kv.zero_()
         return cls(kv, torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device))

@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from pipeline.runtime import (
+    SLAB_MEMORY,
     VLM,
     ChunkInputs,
     LinkedPrompt,
@@ -97,6 +98,7 @@ class Engine:
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
         self.vlm, self.spec = vlm, spec
         vlm.use_forward(spec.forward)
+        SLAB_MEMORY.max_free_nbytes = spec.slab_reuse_nbytes  # the process's slabs (one engine per generator)
         self.metrics = serve_metrics()
         self.scheduler = Scheduler(spec, column_nbytes(vlm))
         cache = spec.prefix_cache
