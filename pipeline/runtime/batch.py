@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.conversation import PreparedSegment
-from pipeline.runtime.kv import AssembledContext, BlockRun, ChunkKV, assemble, write_kv
+from pipeline.runtime.kv import AssembledContext, BlockRun, ChunkKV, assemble
 from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
@@ -122,12 +122,12 @@ class Slab(Cache):
         """Rows whose whole prompt came from the prefix cache (pipeline/runtime/linked_prompt.py `Resumed.logits`):
         each base's KV `[layers, 2, kv_heads, n, head_dim]` copied in, `reserves[j]` columns left for its decoded
         tokens, and no forward: its next token is sampled from the cached logits."""
-        first = bases[0].like if isinstance(bases[0], BlockRun) else bases[0].kv
+        first = bases[0].like
         lengths = [base.num_tokens for base in bases]
         slab = cls.empty(first.shape[0], len(bases), first.shape[2], max(n + r for n, r in zip(lengths, reserves)),
                          first.shape[4], first.dtype, first.device, zeroed=False)
         for row, (base, length) in enumerate(zip(bases, lengths)):
-            write_kv(base, slab.kv[:, :, row])
+            base.write_into(slab.kv[:, :, row])
             slab.kv[:, :, row, :, length:].zero_()  # only the columns the copy leaves unwritten
             slab.valid[row, :length] = True
             slab.lengths[row] = length

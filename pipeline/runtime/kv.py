@@ -41,6 +41,15 @@ class ChunkKV:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    @property
+    def like(self) -> torch.Tensor:
+        """A tensor with the KV's layers, heads, head_dim, dtype and device."""
+        return self.kv
+
+    def write_into(self, out: torch.Tensor) -> None:
+        """The KV as it is (no rotation) into `out` `[layers, 2, kv_heads, ≥tokens, head_dim]` from column 0."""
+        out[:, :, :, :self.num_tokens] = self.kv
+
 
 @dataclass
 class BlockRun:
@@ -54,7 +63,6 @@ class BlockRun:
     num_tokens: int
     position_span: int
     compile_start: int = 0
-    kind: ChunkKind = ChunkKind.TEXT
 
     @property
     def like(self) -> torch.Tensor:
@@ -74,14 +82,6 @@ class BlockRun:
                 break
             out[:, :, :, column:column + n] = block[:, :, :, :n]
             column += n
-
-
-def write_kv(part: ChunkKV | BlockRun, out: torch.Tensor) -> None:
-    """`part`'s KV as it is (no rotation) into `out` `[layers, 2, kv_heads, ≥tokens, head_dim]` from column 0."""
-    if isinstance(part, BlockRun):
-        part.write_into(out)
-    else:
-        out[:, :, :, :part.num_tokens] = part.kv
 
 
 @dataclass
@@ -197,7 +197,7 @@ def assemble(prefix: ChunkKV | BlockRun | None, chunks: Sequence[ChunkKV], rotat
     if not parts:
         raise ValueError("nothing to assemble: no prefix and no chunks")
     starts = chunk_starts(prefix_span, chunks)
-    first = parts[0].like if isinstance(parts[0], BlockRun) else parts[0].kv
+    first = parts[0].like
     num_layers, _, num_heads, _, head_dim = first.shape
     total = sum(p.num_tokens for p in parts)
     if out is None:
@@ -214,7 +214,7 @@ def assemble(prefix: ChunkKV | BlockRun | None, chunks: Sequence[ChunkKV], rotat
         end = offset + part.num_tokens
         chunk_index = i - (prefix is not None)
         if chunk_index < 0:  # the prefix: at its own positions
-            write_kv(part, kv[:, :, :, offset:end])
+            part.write_into(kv[:, :, :, offset:end])
             offset = end
             continue
         kv[:, 1, :, offset:end] = part.kv[:, 1]  # values carry no position

@@ -166,12 +166,12 @@ def resume(vlm, cache: PrefixCache | None, salt: bytes, prompt: LinkedPrompt, pa
         # longest partial block of this prompt's next columns is looked up, each length from the longest: an
         # identical request then prefills one token, and a follow-up turn whose history goes on past where the
         # earlier stream ended prefills none of that stream (≤ block_tokens - 1 keys of a few bytes each).
-        first, keys = len(blocks) * size, stream.joined()[0]
+        first = len(blocks) * size
         for end in range(min(first + size - 1, stream.num_columns), first, -1):
             usable = min(end, limit)
             if usable <= columns:
                 break
-            partial = cache.get(partial_key(salt, stream, hashes, size, end, keys))
+            partial = cache.get(partial_key(salt, stream, hashes, size, end))
             if partial is not None and partial.next_positions[usable - first - 1] >= 0:
                 blocks, columns = blocks + [partial], usable
                 break

@@ -44,6 +44,8 @@ class StreamKeys:
     next_positions: list[np.ndarray] = field(default_factory=list)  # int64 runs: position after each column, or -1
     items: dict[int, bytes] = field(default_factory=dict)  # first column of an image or chunk -> its identity
     num_columns: int = 0
+    # the runs concatenated, kept until the next add: a request's hashes, partial keys and resume read them many times
+    _joined: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def add_tokens(self, ids, positions: np.ndarray) -> None:
         """Text tokens at their own positions (`positions[i]`: where token i sits; the next one follows)."""
@@ -62,11 +64,15 @@ class StreamKeys:
         self.keys.append(keys)
         self.next_positions.append(ends)
         self.num_columns += len(keys)
+        self._joined = None
 
     def joined(self) -> tuple[np.ndarray, np.ndarray]:
-        empty = np.zeros(0, dtype=np.int64)
-        return (np.concatenate(self.keys) if self.keys else empty,
-                np.concatenate(self.next_positions) if self.next_positions else empty)
+        """(column keys, next positions), each `[num_columns]` int64; shared: read them, never write."""
+        if self._joined is None:
+            empty = np.zeros(0, dtype=np.int64)
+            self._joined = (np.concatenate(self.keys) if self.keys else empty,
+                            np.concatenate(self.next_positions) if self.next_positions else empty)
+        return self._joined
 
 
 def block_hashes(salt: bytes, stream: StreamKeys, block_tokens: int, num_columns: int | None = None) -> list[bytes]:
@@ -86,12 +92,11 @@ def block_hashes(salt: bytes, stream: StreamKeys, block_tokens: int, num_columns
     return hashes
 
 
-def partial_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block_tokens: int, end: int,
-                keys: np.ndarray | None = None) -> bytes:
+def partial_key(salt: bytes, stream: StreamKeys, full_hashes: list[bytes], block_tokens: int, end: int) -> bytes:
     """Key of the columns after the last full block up to `end` (where a text before the chunks, a prompt or a
     whole stream with its decoded tokens ends, rarely a block multiple): cached too, so those columns need no
-    forward of their own when they repeat. `keys`: the stream's joined column keys, when the caller has them."""
-    keys = stream.joined()[0] if keys is None else keys
+    forward of their own when they repeat."""
+    keys, _ = stream.joined()
     first = (end // block_tokens) * block_tokens
     previous = full_hashes[first // block_tokens - 1] if first else hashlib.sha256(b"qvpic-prefix\x00" + salt).digest()
     digest = hashlib.sha256(b"partial\x00" + previous)

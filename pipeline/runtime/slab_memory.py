@@ -71,12 +71,6 @@ class SlabMemory:
         with self._lock:
             return sum(b.numel() * b.element_size() for b in self._free())
 
-    def clear(self) -> None:
-        """Forget every buffer (those in use stay valid: their slabs hold them)."""
-        with self._lock:
-            self._buffers.clear()
-            self._taken.clear()
-
     def _free(self) -> list[torch.Tensor]:
         return [b for kept in self._buffers.values() for b in kept if _users(b) == 1]
 
