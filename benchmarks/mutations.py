@@ -129,6 +129,10 @@ MUTATIONS = (
              "return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask * (new < SDPA_MIN_NEW), "
              "scale=scale, enable_gqa=True)",
              ("tests/test_fused_forward.py",), "a long query turn's attention keeps its mask (pads, causal order)"),
+    Mutation("stacked-mask-order", "pipeline/runtime/fused.py",
+             "stacked = mask if new == 1 else mask.repeat(1, 1, group, 1)",
+             "stacked = mask if new == 1 else mask.repeat_interleave(group, dim=2)",
+             ("tests/test_fused_forward.py",), "a short bf16 turn's stacked queries each keep their own token's mask"),
     Mutation("native-any-size", "pipeline/runtime/fused.py",
              "native = self.spec.native_ops and rows * new <= NATIVE_MAX_TOKENS and",
              "native = self.spec.native_ops and",

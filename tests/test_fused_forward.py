@@ -93,9 +93,9 @@ def long_turn(vlm: VLM, decoder: FusedDecoder | None, slab: Slab, new: int) -> l
 @pytest.mark.parametrize(("new", "native", "sdpa"), [(31, True, False), (40, True, True), (48, False, True)])
 def test_a_long_query_turn_equals_transformers_through_either_attention(vlm, new, native, sdpa, monkeypatch):
     """A query turn of `SDPA_MIN_NEW` tokens or more runs fp32 attention in SDPA's tiled kernel, a shorter one as two
-    products; a forward of more than `NATIVE_MAX_TOKENS` tokens (3 rows of `new`) runs torch's operations between
-    the products, a smaller one the native calls (both counted, so a threshold that never fires fails). Every way
-    equals transformers' forward, logits and KV."""
+    products, a decode step SDPA on the stacked queries; a forward of more than `NATIVE_MAX_TOKENS` tokens (3 rows
+    of `new`) runs torch's operations between the products, a smaller one the native calls (both counted, so a
+    threshold that never fires fails). Every way equals transformers' forward, logits and KV."""
     assert fused_module.SDPA_MIN_NEW == 32 and fused_module.NATIVE_MAX_TOKENS == 128  # the cases' premise
     reference, ours = ragged_slab(vlm, room=new + 2), ragged_slab(vlm, room=new + 2)
     expected = long_turn(vlm, None, reference, new)
@@ -103,11 +103,12 @@ def test_a_long_query_turn_equals_transformers_through_either_attention(vlm, new
     calls, native_calls = [], []
     real, real_ops = fused_module.F.scaled_dot_product_attention, fused_module.native_decoder_ops
     monkeypatch.setattr(fused_module.F, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+                        lambda *a, **k: calls.append(k.get("enable_gqa", False)) or real(*a, **k))
     monkeypatch.setattr(fused_module, "native_decoder_ops", lambda: native_calls.append(1) or real_ops())
     got = long_turn(vlm, decoder, ours, new)
     monkeypatch.undo()
-    assert len(calls) == (len(decoder.layers) if sdpa else 0)  # the decode step after it: products
+    layers = len(decoder.layers)  # the turn: SDPA with grouped-query heads (or products); the decode step after it:
+    assert calls == [True] * (layers if sdpa else 0) + [False] * layers  # SDPA on each kv head's stacked queries
     assert len(native_calls) == (2 if native else 1)  # the prefill's (or not), then the decode step's
     assert gap(expected, got) <= EXACT
     assert float((reference.kv - ours.kv).abs().max()) <= EXACT
@@ -216,10 +217,11 @@ def test_fp32_attention_either_way_equals_the_definition(new):
     assert (got - wrong).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("new", [1, 5])
+@pytest.mark.parametrize("new", [1, 5, fused_module.SDPA_MIN_NEW + 8])
 def test_bf16_attention_reads_the_slab_in_place_within_bf16_rounding(new):
-    """The bf16 branch of `attend` (SDPA on the slab's strided keys and values) against the definition: within
-    bf16's rounding of the output, and the controls (the mask dropped; the head map interleaved) are not."""
+    """bf16 `attend` (SDPA on the slab's strided keys and values: the group's queries stacked under
+    `SDPA_MIN_NEW` tokens, `enable_gqa` from it) against the definition: within bf16's rounding of the output, and
+    the controls (the mask dropped; each token given another token's mask row; the head map interleaved) are not."""
     from pipeline.runtime.fused import attend
 
     generator = torch.Generator().manual_seed(3)
@@ -230,12 +232,17 @@ def test_bf16_attention_reads_the_slab_in_place_within_bf16_rounding(new):
     mask = torch.zeros(rows, 1, new, width, dtype=torch.bfloat16)
     mask[0, :, :, 10:25] = torch.finfo(torch.bfloat16).min  # columns row 0 must not see
     mask[2, :, :, 33:] = torch.finfo(torch.bfloat16).min
+    causal = torch.triu(torch.full((new, new), torch.finfo(torch.bfloat16).min), 1)
+    mask[1, :, :, width - new:] = causal  # each token its own row: the new tokens in causal order
     expected = reference_attention(q, keys, values, mask, 0.125)
     got = attend(q, keys, values, mask, 0.125).double()
     tolerance = 8e-3  # bf16 keeps 8 bits of mantissa: |out| ≲ 1.5 here, so ~6e-3 at most from the final rounding
     assert (got - expected).abs().max().item() < tolerance
     unmasked = reference_attention(q, keys, values, torch.zeros_like(mask), 0.125)
     assert (got - unmasked).abs().max().item() > 10 * tolerance
+    if new > 1:
+        rolled = reference_attention(q, keys, values, mask.roll(1, dims=2), 0.125)  # token n under n - 1's mask row
+        assert (got - rolled).abs().max().item() > 10 * tolerance
     group = heads // kv_heads
     interleaved = torch.arange(heads).view(group, kv_heads).T.reshape(-1)  # query head h reading kv head h % 2
     wrong = reference_attention(q[:, interleaved], keys, values, mask, 0.125)[:, torch.argsort(interleaved)]

@@ -41,9 +41,10 @@ PACK_ROWS = 16  # oneDNN's batch-size hint for the packed layout: the engine's d
 
 class Projection:
     """`x @ weight.T + bias` as the engine runs it: on CPU with `prepack`, oneDNN's reordered weight for products
-    of more than one row (at one row aten's own GEMV on the plain weight is as fast); with a `matmul_dtype`, the
-    weight cast once (then only its packed form is kept) and the activations at each product (fp32
-    accumulation), the result back in the activations' dtype."""
+    of more than one row, and at one row in bf16 (one fp32 row: aten's own GEMV on the plain weight is faster,
+    13.9 against 15.0-16.6 ms a bench-qwen token; one bf16 row: aten's 12.8-15.2 against the packed 10.2-11.0);
+    with a `matmul_dtype`, the weight cast once (then only its packed form is kept) and the activations at each
+    product (fp32 accumulation), the result back in the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, spec: ForwardSpec):
         dtype = TORCH_DTYPES[spec.matmul_dtype] if spec.matmul_dtype is not None else weight.dtype
@@ -59,7 +60,8 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = x.to(self.packed.dtype if self.packed is not None else self.weight.dtype) if self.cast else x
-        if self.packed is not None and (self.weight is None or x.numel() > x.shape[-1]):
+        if self.packed is not None and (self.weight is None or self.packed.dtype != torch.float32
+                                        or x.numel() > x.shape[-1]):
             y = torch.ops.mkldnn._linear_pointwise(y, self.packed, self.bias, "none", [], "")
         else:
             y = F.linear(y, self.weight, self.bias)
@@ -111,22 +113,31 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention as two batched products: q `[rows, heads, new, d]`, keys/values `[rows, kv_heads,
-    width, d]` (the slab's columns, read in place), mask `[rows, 1, new, width]` additive → `[rows, heads, new, d]`.
+    """Grouped-query attention: q `[rows, heads, new, d]`, keys/values `[rows, kv_heads, width, d]` (the slab's
+    columns, read in place, never copied per head), mask `[rows, 1, new, width]` additive → `[rows, heads, new, d]`.
 
     Head h reads kv head h // group (transformers' `repeat_kv` order), so the group's queries stack into one
-    `[group · new, d]` matrix per kv head: no copy of the keys per head, and at one new token a product of
-    `group` rows instead of SDPA's CPU kernel, which is ~2x slower at one query row."""
+    `[group · new, d]` block per kv head (row g · new + n: head g of the group, token n). Which kernel runs, by
+    what was fastest on the CPU (docs/BENCHMARKS.md `limits`; per layer of bench-qwen):
+    - one new token (a decode step), or a bf16 turn under `SDPA_MIN_NEW`: SDPA on the stacked blocks. Its CPU
+      kernel then runs one block of `group · new` rows per kv head where `enable_gqa` ran one per query head: a
+      16-row decode step over 600 columns 0.59 → 0.30 ms in bf16, 0.42 (the products) → 0.37 in fp32;
+    - fp32 under `SDPA_MIN_NEW` tokens: two batched products on the stacked blocks (SDPA was as fast or slower);
+    - longer turns: SDPA with `enable_gqa` (stacked, it was slower from ~64 tokens: 0.41 against 0.34 ms in bf16).
+      Its tiled kernel never writes a long turn's scores `[kv_heads, group · new, width]`, which outgrow the
+      caches. bf16 never takes torch's matmul: it copies the slab's strided keys and values before every product
+      (17 of a 46 ms 16-row decode step over 1,120 columns)."""
     rows, heads, new, dim = q.shape
-    if q.dtype != torch.float32 or new >= SDPA_MIN_NEW:
-        # bf16: torch's matmul copies the slab's strided keys and values before every product (in a 16-row decode
-        # step over 1,120 columns, 17 of its 46 ms); SDPA's CPU kernel reads them in place with grouped-query heads
-        # and accumulates in fp32: 1.6-4x faster per layer at 1-16 rows (measured on AMX). fp32 keeps the products
-        # below for few new tokens (decode steps, short turns): there they were as fast or faster. A long turn's
-        # scores `[kv_heads, group · new, width]` outgrow the caches, and SDPA's tiled kernel never writes them.
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    kv_heads, width = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     group = heads // kv_heads
+    if new == 1 or (q.dtype != torch.float32 and new < SDPA_MIN_NEW):
+        stacked = mask if new == 1 else mask.repeat(1, 1, group, 1)  # [rows, 1, group · new, width]: row g · new + n
+        out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group * new, dim), keys, values,
+                                             attn_mask=stacked, scale=scale)
+        return out.view(rows, heads, new, dim)
+    if q.dtype != torch.float32 or new >= SDPA_MIN_NEW:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    width = keys.shape[2]
     scores = torch.matmul(q.reshape(rows, kv_heads, group * new, dim), keys.transpose(-1, -2)) * scale
     scores = scores.view(rows, kv_heads, group, new, width) + mask[:, :, None]  # mask → [rows, 1, 1, new, width]
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
