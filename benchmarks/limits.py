@@ -146,6 +146,9 @@ def cases(long_turn: bool) -> dict[str, tuple[int, int, int]]:
            FOLLOW_UP_CASE: (1, FOLLOW_UP_TOKENS, FOLLOW_UP_CONTEXT)}
     return out | ({LONG_CASE: (1, LONG_TURN_TOKENS, LONG_TURN_CONTEXT)} if long_turn else {})
 PRODUCTS_ATTENTION = "fused fp32, attention as products"
+# the checkpoint loaded in bf16 (weights, activations, KV): what `model.dtype: bfloat16` serves; "fused bf16" is the
+# fp32 model with bf16 products (`engine.forward.matmul_dtype`)
+BF16_MODEL = "bf16 model"
 
 
 @contextlib.contextmanager
@@ -160,32 +163,39 @@ def attention_as_products():
         fused_module.SDPA_MIN_NEW = kept
 
 
-def forwards(vlm: VLM, repeats: int, long_turn: bool) -> dict[str, dict[str, float]]:
-    """Seconds (median) of each engine forward per path, interleaved so noise hits every path alike."""
+def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = None) -> dict[str, dict[str, float]]:
+    """Seconds (median) of each engine forward per path, interleaved so noise hits every path alike. `bf16_vlm`:
+    the same checkpoint loaded in bf16, timed as `BF16_MODEL` over a bf16 slab."""
     fp32 = FusedDecoder(vlm.model, ForwardSpec())
-    paths = {"transformers": None, "fused fp32, torch ops": FusedDecoder(vlm.model, ForwardSpec(native_ops=False)),
-             PRODUCTS_ATTENTION: fp32, "fused fp32": fp32,
-             "fused bf16": FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16))}
+    paths = {"transformers": (vlm, None),
+             "fused fp32, torch ops": (vlm, FusedDecoder(vlm.model, ForwardSpec(native_ops=False))),
+             PRODUCTS_ATTENTION: (vlm, fp32), "fused fp32": (vlm, fp32),
+             "fused bf16": (vlm, FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16)))}
+    if bf16_vlm is not None:
+        paths[BF16_MODEL] = (bf16_vlm, FusedDecoder(bf16_vlm.model, ForwardSpec()))
     measured = cases(long_turn)
     times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in measured} for p in paths}
-    slabs = {c: context_slab(vlm, rows, context, new) for c, (rows, new, context) in measured.items()}
+    models = {id(model): model for model, _ in paths.values()}
+    slabs = {(c, key): context_slab(model, rows, context, new)
+             for c, (rows, new, context) in measured.items() for key, model in models.items()}
     with torch.inference_mode():
         for repeat in range(repeats + 1):
             for case, (rows, new, context) in measured.items():
                 ids = torch.randint(10, vlm.vocab_size - 10, (rows, new), device=vlm.device)
                 real = torch.ones_like(ids, dtype=torch.bool)
-                for path, decoder in paths.items():
-                    slab = slabs[case]
+                for path, (model, decoder) in paths.items():
+                    slab = slabs[case, id(model)]
                     slab.lengths[:], slab.next_positions[:] = context, context
-                    vlm.fused = decoder
+                    model.fused = decoder
                     sync()
                     started = time.perf_counter()
                     with attention_as_products() if path == PRODUCTS_ATTENTION else contextlib.nullcontext():
-                        forward(vlm, slab, ids, real)
+                        forward(model, slab, ids, real)
                     sync()
                     if repeat:  # the first round warms every path up
                         times[path][case].append(time.perf_counter() - started)
-    vlm.fused = None
+    for model in models.values():
+        model.fused = None
     return {p: {c: statistics.median(t) for c, t in by_case.items()} for p, by_case in times.items()}
 
 
@@ -241,8 +251,8 @@ def reanchoring(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> str
             + markdown_table(["assembly of 1,000 cached tokens", "ms"], rows) + "\n")
 
 
-def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long_turn: bool = False
-                  ) -> tuple[str, dict]:
+def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long_turn: bool = False,
+                  bf16_vlm: VLM | None = None) -> tuple[str, dict]:
     shapes = layer_shapes(vlm.model)
     rates = product_rates(shapes, max(3, repeats // 2))
     layers = len(language_model(vlm.model).layers)
@@ -267,7 +277,7 @@ def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long
             at = min((n for n in ROWS if n >= rows * new), default=ROWS[-1])
             best = max(r[at] for k, r in rates.items() if k.startswith(name))
             bounds[name][case] = max(memory_s, flops(rows, new, context) / best / 1e9)
-    measured = forwards(vlm, repeats, long_turn)
+    measured = forwards(vlm, repeats, long_turn, bf16_vlm)
     rows = []
     for case in bounds["fp32"]:
         row = [case, f"{bounds['fp32'][case] * 1e3:.1f}", f"{bounds['bf16'][case] * 1e3:.1f}"]
@@ -318,8 +328,12 @@ def main(argv: list[str] | None = None) -> None:
             print(reanchoring(label, VLM(spec), bw, repeats), flush=True)
         return
     sections = []
+    # the bf16 model's column where bf16 runs natively (AMX / avx512_bf16, or a GPU): elsewhere it is emulated
+    native_bf16 = DEVICE.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     for label, spec in models:
-        body, _ = model_section(label, VLM(spec), bw, repeats, long_turn=not sections)  # the small model's
+        bf16_vlm = VLM(spec.model_copy(update={"dtype": DType.BFLOAT16})) if native_bf16 else None
+        body, _ = model_section(label, VLM(spec), bw, repeats, long_turn=not sections,  # the small model's
+                                bf16_vlm=bf16_vlm)
         print(body, flush=True)
         sections.append(body)
     if not args.no_write:
@@ -332,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                  "sees) at the best product rate measured at the fewest rows not below n. Forwards: "
                  f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context "
                  f"(the follow-up turn {FOLLOW_UP_CONTEXT:,}, the long turn {LONG_TURN_CONTEXT}), "
-                 f"medians of {repeats} interleaved runs.\n\n")
+                 f"medians of {repeats} interleaved runs. \"fused bf16\": the fp32 checkpoint with bf16 products "
+                 "(`engine.forward.matmul_dtype`); \"bf16 model\": the checkpoint loaded in bf16 (weights, "
+                 "activations, KV), as `model.dtype: bfloat16` serves it.\n\n")
         target = {"path": Path(args.out)} if args.out else {}
         if DEVICE.type == "cuda":
             intro = f"Device: {torch.cuda.get_device_name(DEVICE)}. " + intro
