@@ -56,12 +56,14 @@ class Projection:
                 dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             # (a CPU without native bf16, e.g. AVX2 only, keeps aten's bf16 product: slow, but the same numbers)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-        self.weight = None if self.cast and self.packed is not None else weight
+        # the plain weight only where a one-row product reads it: an fp32 one not cast (every other packed product
+        # takes the packed form, and `weight` None says so)
+        plain = self.packed is None or (not self.cast and dtype == torch.float32)
+        self.weight = weight if plain else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = x.to(self.packed.dtype if self.packed is not None else self.weight.dtype) if self.cast else x
-        if self.packed is not None and (self.weight is None or self.packed.dtype != torch.float32
-                                        or x.numel() > x.shape[-1]):
+        if self.packed is not None and (self.weight is None or x.numel() > x.shape[-1]):
             y = torch.ops.mkldnn._linear_pointwise(y, self.packed, self.bias, "none", [], "")
         else:
             y = F.linear(y, self.weight, self.bias)
