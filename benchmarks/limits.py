@@ -37,6 +37,7 @@ from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import VLM
 from pipeline.runtime import fused as fused_module
 from pipeline.runtime.batch import Slab, forward
+from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.fused import FusedDecoder, Projection, language_model
 from pipeline.runtime.kv import ChunkKV, assemble
 from pipeline.runtime.real_shapes import ensure_real_shape
@@ -149,6 +150,9 @@ PRODUCTS_ATTENTION = "fused fp32, attention as products"
 # the checkpoint loaded in bf16 (weights, activations, KV): what `model.dtype: bfloat16` serves; "fused bf16" is the
 # fp32 model with bf16 products (`engine.forward.matmul_dtype`)
 BF16_MODEL = "bf16 model"
+# `engine.forward.compiled` (pipeline/runtime/compiled.py): one-row forwards as one torch.compile graph; a decode
+# step of several rows runs the eager fused forward there
+COMPILED_FP32, COMPILED_BF16 = "compiled fp32", "compiled bf16 model"
 
 
 @contextlib.contextmanager
@@ -163,9 +167,22 @@ def attention_as_products():
         fused_module.SDPA_MIN_NEW = kept
 
 
-def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = None) -> dict[str, dict[str, float]]:
+def compiled_decoder(vlm: VLM, spent: dict[str, float], label: str) -> FusedDecoder:
+    """A fused decoder with its one-row forwards compiled (`engine.forward.compiled`), warmed up as the engine
+    does at start; the seconds that took go in `spent`."""
+    decoder = FusedDecoder(vlm.model, ForwardSpec())
+    started = time.perf_counter()
+    decoder.compiled = CompiledForward(decoder)
+    decoder.compiled.warm_up(vlm.dtype, vlm.device)
+    spent[label] = time.perf_counter() - started
+    return decoder
+
+
+def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = None,
+             compiled: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Seconds (median) of each engine forward per path, interleaved so noise hits every path alike. `bf16_vlm`:
-    the same checkpoint loaded in bf16, timed as `BF16_MODEL` over a bf16 slab."""
+    the same checkpoint loaded in bf16, timed as `BF16_MODEL` over a bf16 slab. `compiled` (a dict): the compiled
+    paths too (`COMPILED_FP32`, `COMPILED_BF16`), their start-up compile seconds put in it."""
     fp32 = FusedDecoder(vlm.model, ForwardSpec())
     paths = {"transformers": (vlm, None),
              "fused fp32, torch ops": (vlm, FusedDecoder(vlm.model, ForwardSpec(native_ops=False))),
@@ -173,6 +190,10 @@ def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = Non
              "fused bf16": (vlm, FusedDecoder(vlm.model, ForwardSpec(matmul_dtype=DType.BFLOAT16)))}
     if bf16_vlm is not None:
         paths[BF16_MODEL] = (bf16_vlm, FusedDecoder(bf16_vlm.model, ForwardSpec()))
+    if compiled is not None:
+        paths[COMPILED_FP32] = (vlm, compiled_decoder(vlm, compiled, COMPILED_FP32))
+        if bf16_vlm is not None:
+            paths[COMPILED_BF16] = (bf16_vlm, compiled_decoder(bf16_vlm, compiled, COMPILED_BF16))
     measured = cases(long_turn)
     times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in measured} for p in paths}
     models = {id(model): model for model, _ in paths.values()}
@@ -196,6 +217,9 @@ def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = Non
                         times[path][case].append(time.perf_counter() - started)
     for model in models.values():
         model.fused = None
+    for path, (_, decoder) in paths.items():  # a compiled path that fell back to the eager forward measured nothing
+        if decoder is not None and decoder.compiled is not None and decoder.compiled.refused:
+            raise RuntimeError(f"{path}: {decoder.compiled.refused} forwards needed a recompile and ran eagerly")
     return {p: {c: statistics.median(t) for c, t in by_case.items()} for p, by_case in times.items()}
 
 
@@ -252,7 +276,7 @@ def reanchoring(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> str
 
 
 def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long_turn: bool = False,
-                  bf16_vlm: VLM | None = None) -> tuple[str, dict]:
+                  bf16_vlm: VLM | None = None, compiled: bool = False) -> tuple[str, dict]:
     shapes = layer_shapes(vlm.model)
     rates = product_rates(shapes, max(3, repeats // 2))
     layers = len(language_model(vlm.model).layers)
@@ -277,7 +301,8 @@ def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long
             at = min((n for n in ROWS if n >= rows * new), default=ROWS[-1])
             best = max(r[at] for k, r in rates.items() if k.startswith(name))
             bounds[name][case] = max(memory_s, flops(rows, new, context) / best / 1e9)
-    measured = forwards(vlm, repeats, long_turn, bf16_vlm)
+    spent: dict[str, float] | None = {} if compiled else None
+    measured = forwards(vlm, repeats, long_turn, bf16_vlm, spent)
     rows = []
     for case in bounds["fp32"]:
         row = [case, f"{bounds['fp32'][case] * 1e3:.1f}", f"{bounds['bf16'][case] * 1e3:.1f}"]
@@ -297,7 +322,8 @@ def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long
                + ", ".join(f"{p} {r:.2f}×" for p, r in ratios.items())
                + f" (target ≤ {TARGET_QUERY_OVER_ONE}×); one token / its bandwidth bound: "
                + ", ".join(f"{p} {one[p] / bounds['bf16' if 'bf16' in p else 'fp32']['one token']:.2f}×"
-                           for p in measured) + f" (target ≤ {TARGET_ONE_OVER_BOUND}×).")
+                           for p in measured) + f" (target ≤ {TARGET_ONE_OVER_BOUND}×)."
+               + ("".join(f" {p}: compiled at start in {s:.0f} s." for p, s in spent.items()) if spent else ""))
     body = f"### {label}\n\n{summary}\n\n{table}\n\n{rate_table}\n\n{reanchoring(label, vlm, bw, repeats)}"
     return body, {"measured": measured, "bounds": bounds, "rates": rates}
 
@@ -305,17 +331,19 @@ def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the small model only, 5 repeats")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, help="runs of each forward (default 15, 5 with --quick)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--model", default="bench-qwen", help="the small model measured first (a built-in name)")
     parser.add_argument("--out", help="write the section to this Markdown file instead of docs/BENCHMARKS.md")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also the compiled forwards (engine.forward.compiled): minutes of compiling per dtype")
     parser.add_argument("--reanchoring-only", action="store_true",
                         help="the bandwidth and the re-anchoring tables alone, printed (docs/BENCHMARKS.md untouched)")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = torch.device(args.device)
-    repeats = 5 if args.quick else args.repeats
+    repeats = args.repeats or (5 if args.quick else 15)
     print(machine_line(), flush=True)
     bw = bandwidth(max(3, repeats // 2))
     print(f"bandwidth: copy {bw['copy']:.1f} GB/s, read {bw['read']:.1f} GB/s", flush=True)
@@ -333,11 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     for label, spec in models:
         bf16_vlm = VLM(spec.model_copy(update={"dtype": DType.BFLOAT16})) if native_bf16 else None
         body, _ = model_section(label, VLM(spec), bw, repeats, long_turn=not sections,  # the small model's
-                                bf16_vlm=bf16_vlm)
+                                bf16_vlm=bf16_vlm, compiled=args.compiled)
         print(body, flush=True)
         sections.append(body)
     if not args.no_write:
         command = "python -m benchmarks.limits" + (" --quick" if args.quick else "") + (
+            " --compiled" if args.compiled else "") + (
             f" --device {args.device}" if args.device != "cpu" else "")
         intro = (f"Machine: {machine_line()}. Memory bandwidth (1 GiB float32): copy {bw['copy']:.1f} GB/s, read "
                  f"{bw['read']:.1f} GB/s (the faster of a sum and a one-row product). Bounds: one token = weight "

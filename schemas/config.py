@@ -321,12 +321,20 @@ class ForwardSpec(Frozen):
     # (serve/engine/generator.py `forward_threads`): Ray sets OMP_NUM_THREADS to it rounded down, so a 1.5-CPU
     # replica on a 2-core node ran its forwards on one thread, and the default 0.1 CPU always on one.
     threads: int | None = Field(None, ge=1, le=1024)
+    # One-row forwards (a query turn, a conversation's follow-up, a lone request's decode step) as one torch.compile
+    # graph (pipeline/runtime/compiled.py): a bf16 model's take ~0.65-0.77x the eager fused forward's time on an AMX
+    # CPU; an fp32 model's gain nothing (docs/BENCHMARKS.md `limits`). Costs ~3 minutes of compiling on 2 cores when
+    # the engine starts. Needs `fused` and the model's own dtype for the products.
+    compiled: bool = False
 
     @model_validator(mode="after")
     def _needs_fused(self) -> "ForwardSpec":
         if self.matmul_dtype is not None and not self.fused:
             raise ValueError("forward.matmul_dtype needs forward.fused: true "
                              "(transformers' forward runs the model's dtype)")
+        if self.compiled and (not self.fused or self.matmul_dtype is not None):
+            raise ValueError("forward.compiled needs forward.fused: true and no forward.matmul_dtype "
+                             "(the compiled graph runs the fused forward in the model's dtype)")
         return self
 
 

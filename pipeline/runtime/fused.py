@@ -90,10 +90,14 @@ class FusedLayer:
 
     def __init__(self, layer: torch.nn.Module, spec: ForwardSpec):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = Projection(*fuse([attn.q_proj, attn.k_proj, attn.v_proj]), spec)
-        self.o = Projection(attn.o_proj.weight.detach(), None, spec)
-        self.gate_up = Projection(*fuse([mlp.gate_proj, mlp.up_proj]), spec)
-        self.down = Projection(mlp.down_proj.weight.detach(), None, spec)
+        # the plain weights `[out, in]` (the compiled graph's: pipeline/runtime/compiled.py); fusing copies nothing
+        self.qkv_weight, self.qkv_bias = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_weight, self.gate_up_bias = fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_weight, self.down_weight = attn.o_proj.weight.detach(), mlp.down_proj.weight.detach()
+        self.qkv = Projection(self.qkv_weight, self.qkv_bias, spec)
+        self.o = Projection(self.o_weight, None, spec)
+        self.gate_up = Projection(self.gate_up_weight, self.gate_up_bias, spec)
+        self.down = Projection(self.down_weight, None, spec)
         self.input_norm = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight.detach(),
                           layer.post_attention_layernorm.variance_epsilon)
@@ -155,7 +159,8 @@ class FusedDecoder:
         self.spec = spec
         config = text.config
         self.embed = model.get_input_embeddings().weight.detach()  # [vocab, hidden]
-        self.lm_head = Projection(model.get_output_embeddings().weight.detach(), None, spec)  # [vocab, hidden]
+        self.lm_head_weight = model.get_output_embeddings().weight.detach()  # [vocab, hidden]
+        self.lm_head = Projection(self.lm_head_weight, None, spec)
         self.layers = [FusedLayer(layer, spec) for layer in text.layers]
         self.norm = (text.norm.weight.detach(), text.norm.variance_epsilon)
         self.num_heads = config.num_attention_heads
@@ -170,6 +175,7 @@ class FusedDecoder:
         self._table(ROPE_TABLE_POSITIONS)
         if spec.native_ops and takes(self.embed):
             native_decoder_ops()  # built now (~0.5 s, once per process), not in the first request's forward
+        self.compiled = None  # one-row forwards under torch.compile (pipeline/runtime/compiled.py), when configured
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -206,6 +212,10 @@ class FusedDecoder:
         rows, new = ids.shape
         if int(positions.max()) >= self._cos.shape[0]:
             self._table(2 * int(positions.max()) + 1)
+        if self.compiled is not None:
+            logits = self.compiled.run(slab, ids, positions, mask)
+            if logits is not None:
+                return logits
         native = self.spec.native_ops and rows * new <= NATIVE_MAX_TOKENS and takes(self.embed, slab.kv)
         ops = native_decoder_ops() if native else None
         if ops is not None:

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from pipeline.runtime.adapters import Adapter, family_classes
 from pipeline.runtime.checkpoint import resolve_device, resolve_path
+from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.fused import FusedDecoder
@@ -71,12 +72,15 @@ class VLM:
         """How the batched engine's forwards run from now on (pipeline/runtime/batch.py `forward`): the written-out
         forward where `spec.fused` and the decoder supports it, else transformers'."""
         if spec.fused and not FusedDecoder.supports(self.model):
-            if spec.matmul_dtype is not None:
-                raise ValueError(f"forward.matmul_dtype needs the fused forward, which {self.family.value}'s "
-                                 "decoder does not have")
+            if spec.matmul_dtype is not None or spec.compiled:
+                raise ValueError(f"forward.matmul_dtype and forward.compiled need the fused forward, which "
+                                 f"{self.family.value}'s decoder does not have")
             self.fused = None
             return
         self.fused = FusedDecoder(self.model, spec) if spec.fused else None
+        if spec.compiled:
+            self.fused.compiled = CompiledForward(self.fused)
+            self.fused.compiled.warm_up(self.dtype, self.device)
 
     # ---- compile (offline) -------------------------------------------------------------------
     def image_inputs(self, pages: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
