@@ -17,6 +17,8 @@
    SDPA on long turns: fused.py `SDPA_MIN_NEW`) and with bf16 products — one token, a 21-token query turn, a
    16-row decode step, a 56-token follow-up turn over 1,500 columns, and on the small model a 512-token user turn
    (its own context pasted in) — each timed side by side (interleaved, medians) and set against its bound.
+   `--compiled` adds `engine.forward.compiled` (pipeline/runtime/compiled.py) for the fp32 and the bf16 model,
+   after their start-up compile (minutes each); a path whose forwards fell back to the eager one fails the run.
 5. Re-anchoring: 1,000 cached tokens assembled into a slab row by the matrix product, by per-channel factors on
    torch ops and on the native kernel (served on the CPU), and a plain copy, against the copy bound (interleaved).
 """

@@ -322,7 +322,7 @@ class ForwardSpec(Frozen):
     # replica on a 2-core node ran its forwards on one thread, and the default 0.1 CPU always on one.
     threads: int | None = Field(None, ge=1, le=1024)
     # One-row forwards (a query turn, a conversation's follow-up, a lone request's decode step) as one torch.compile
-    # graph (pipeline/runtime/compiled.py): a bf16 model's take ~0.65-0.77x the eager fused forward's time on an AMX
+    # graph (pipeline/runtime/compiled.py): a bf16 model's take ~0.65-0.82x the eager fused forward's time on an AMX
     # CPU; an fp32 model's gain nothing (docs/BENCHMARKS.md `limits`). Costs ~3 minutes of compiling on 2 cores when
     # the engine starts. Needs `fused` and the model's own dtype for the products.
     compiled: bool = False
