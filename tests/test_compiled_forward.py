@@ -39,8 +39,8 @@ def compiled(vlm) -> CompiledForward:
 
 def one_row(vlm: VLM) -> Slab:
     shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
-    slab = Slab.empty(shape.shape[0], 1, shape.shape[2], CONTEXT + sum(TURNS) + 4, shape.shape[4], vlm.dtype,
-                      vlm.device)
+    # no spare column after the last forward (a served prefill's slab is often exactly full), spare ones before
+    slab = Slab.empty(shape.shape[0], 1, shape.shape[2], CONTEXT + sum(TURNS), shape.shape[4], vlm.dtype, vlm.device)
     generator = torch.Generator().manual_seed(0)
     slab.kv[:, :, 0, :, :CONTEXT] = torch.randn(shape.shape[0], 2, shape.shape[2], CONTEXT, shape.shape[4],
                                                 generator=generator)
@@ -78,7 +78,8 @@ def test_the_compiled_forward_equals_transformers(vlm, compiled, monkeypatch):
     expected = conversation(vlm, None, reference)
     calls = counted(compiled, monkeypatch)
     got = conversation(vlm, compiled.decoder, ours)
-    assert calls == TURNS and compiled.refused == 0  # every forward ran the graph, none needed a compile
+    # every forward ran the graph but the last, whose slab is full (eager: `CompiledForward.run`); none compiled
+    assert calls == TURNS[:-1] and compiled.refused == 0
     assert gap(expected, got) <= EXACT
     assert float((reference.kv - ours.kv).abs().max()) <= EXACT  # the KV written after the graph, every column
     assert torch.equal(reference.valid, ours.valid) and torch.equal(reference.lengths, ours.lengths)

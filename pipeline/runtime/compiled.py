@@ -107,9 +107,11 @@ class CompiledForward:
 
     def run(self, slab, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """The last token's logits `[1, vocab]`, the new keys and values written into the slab; None where the
-        graph does not apply (more than one row) or would have to compile again (after `warm_up`, a request never
-        waits for a compile)."""
-        if slab.kv.shape[2] != 1:
+        graph does not apply (more than one row, or a full slab) or would have to compile again (after `warm_up`, a
+        request never waits for a compile)."""
+        if slab.kv.shape[2] != 1 or slab.width == slab.kv.shape[4]:
+            # (a slab with no column past this forward's: the graphs are guarded on there being one, and compiling
+            # one more kind of graph at start for it cost more than it would buy; such a row runs eagerly)
             return None
         # the graph is guarded on its inputs' kind (inference tensor or not): the small ones always come as the
         # engine makes them (in inference mode), whoever made them; the slab comes either way (`warm_up`)
