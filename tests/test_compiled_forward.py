@@ -16,9 +16,9 @@ from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.model import VLM
 from schemas.config import DType, ForwardSpec, ModelSpec
+from tests.test_fused_forward import EXACT, gap  # the suite's fp32 tolerance; the largest logit gap of two runs
 
 pytestmark = pytest.mark.slow
-EXACT = 1e-5  # the suite's fp32 tolerance (tests/test_runtime_exactness.py)
 CONTEXT = 37  # columns of random KV before the conversation (linked chunks' stand-in)
 TURNS = [12, fused_module.SDPA_MIN_NEW + 9, 1, 1, 5]  # tokens per forward: turns and decode steps
 
@@ -60,10 +60,6 @@ def conversation(vlm: VLM, decoder: FusedDecoder | None, slab: Slab) -> list[tor
         return out
     finally:
         vlm.fused = None
-
-
-def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 def counted(compiled: CompiledForward, monkeypatch) -> list[int]:
