@@ -66,6 +66,26 @@ def ask_qvpic(client: httpx.Client, url: str, turns: list[str]) -> tuple[float, 
     return ms, reply.json()
 
 
+def streamed(client: httpx.Client, url: str, body: dict, headers: dict | None = None) -> dict:
+    """One streamed chat request: time to its first content chunk and to its end, its usage and its last report."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    started, first, usage, report = time.perf_counter(), None, None, None
+    with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers or {}) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                first = time.perf_counter()
+            usage = event.get("usage") or usage
+            report = event.get("qvpic") or report
+    ended = time.perf_counter()
+    return {"ttft_ms": ((first or ended) - started) * 1e3, "total_ms": (ended - started) * 1e3,
+            "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, "report": report}
+
+
 class Pair:
     """Both servers and one HTTP client; qvpic's conversations as sent, vLLM's built from qvpic's placement."""
 
@@ -94,23 +114,7 @@ class Pair:
         return {"model": str(resolve_path(self.spec)), "messages": chat, "max_tokens": max_tokens, "temperature": 0.0}
 
     def streamed(self, url: str, body: dict, headers: dict | None = None) -> dict:
-        """One streamed request: time to its first content chunk and to its end, its usage and its last report."""
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        started, first, usage, report = time.perf_counter(), None, None, None
-        with self.client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers or {}) as reply:
-            reply.raise_for_status()
-            for line in reply.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                    first = time.perf_counter()
-                usage = event.get("usage") or usage
-                report = event.get("qvpic") or report
-        ended = time.perf_counter()
-        return {"ttft_ms": ((first or ended) - started) * 1e3, "total_ms": (ended - started) * 1e3,
-                "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
-                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, "report": report}
+        return streamed(self.client, url, body, headers)
 
     def ask_qvpic(self, turns: list[str]) -> tuple[float, dict]:
         with self.vllm.paused():

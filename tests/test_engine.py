@@ -381,3 +381,22 @@ def test_n_choices_count_as_n_rows_and_leave_together_when_cancelled(vlm, chunks
         rec.engine.cancel(seq)
     rec.run()
     assert all(s.end is End.CANCELLED for s in running) and rec.engine.slab is None
+
+
+def test_a_request_being_prefilled_counts_as_running(vlm, chunks, monkeypatch):
+    """Between the queue and the batch (its prefill), a request is still in flight: `stats` must say so, or a
+    caller that waits for the engine to go idle reads its counters before the request has ended (the lifetime
+    tests' disconnect race)."""
+    rec = Recorder(vlm)
+    seen: list[tuple[int, int]] = []
+    prefill = Engine._prefill_linked
+
+    def watched(self, seqs):
+        stats = self.stats()
+        seen.append((stats.running, stats.waiting))
+        return prefill(self, seqs)
+
+    monkeypatch.setattr(Engine, "_prefill_linked", watched)
+    rec.submit(linked(vlm, chunks[:2], "When does it ship?"), 2)
+    rec.engine.step()
+    assert seen == [(1, 0)]

@@ -32,4 +32,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ],
     "tokens": ["MERGE_SIZE", "vision_grid", "vision_tokens"],
     "timing": ["ms_since"],
+    "threads": ["in_passing_thread", "off_loop", "serial_here"],
 })

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.runtime import VLM, ChunkKV, LinkedPrompt, PreparedSegment, Renderer, prepare_segment
+from pipeline.runtime import VLM, ChunkKV, LinkedPrompt, PreparedSegment, Renderer, off_loop, prepare_segment
 from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.api import CacheReport, FallbackReport, KVSource
 from schemas.config import Mode, RecomputeSpec, RenderSpec
@@ -77,7 +77,7 @@ class ContextBuilder:
         if self.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
             started = time.perf_counter()
             last = [i for i, c in enumerate(plan.chunks) if c.group == len(plan.layout.texts) - 2]  # recomputed group
-            inputs = await asyncio.to_thread(recompute_inputs, self.vlm, self.renderer, [plan.chunks[i] for i in last],
+            inputs = await off_loop(recompute_inputs, self.vlm, self.renderer, [plan.chunks[i] for i in last],
                                              [context.served[i] for i in last], self.images_root)
             context.prefill.recompute = (self.recompute, inputs)
             context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
@@ -88,7 +88,7 @@ class ContextBuilder:
         off the event loop)."""
         layout = plan.layout
         if layout.images:
-            return await asyncio.to_thread(lambda: [prepare_segment(self.vlm, t) for t in layout.texts])
+            return await off_loop(lambda: [prepare_segment(self.vlm, t) for t in layout.texts])
         return [prepare_segment(self.vlm, t) for t in layout.texts]
 
     def _prompt(self, plan: Plan, chunks: list[ChunkKV], served: list[Entry], texts) -> LinkedContext:
@@ -155,7 +155,7 @@ class ContextBuilder:
             pieces = [c.text for c in plan.chunks]
         else:
             started = time.perf_counter()
-            pieces = await asyncio.to_thread(lambda: [self.pages(c) for c in plan.chunks])
+            pieces = await off_loop(lambda: [self.pages(c) for c in plan.chunks])
             render_ms = (time.perf_counter() - started) * 1e3
         texts = await self.segments(plan)  # the instruction is in the first: prompt text, never a chunk
         groups: list[list] = [[] for _ in range(len(texts) - 1)]
@@ -169,7 +169,7 @@ class ContextBuilder:
             raise RuntimeError("this generator has no loader to fetch KV from")
         if isinstance(loader, DeploymentHandle):
             return await cancelling(loader.load.remote(plan))
-        return await asyncio.to_thread(loader.load, plan)
+        return await off_loop(loader.load, plan)
 
     def _chunk(self, kv: LoadedKV, copy: bool) -> ChunkKV:
         # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer; a quantised

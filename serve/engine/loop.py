@@ -78,13 +78,13 @@ class OnlineContext:
 
 @dataclass(frozen=True)
 class EngineStats:
-    running: int
+    running: int  # rows in the batch, and requests being prefilled to join it
     waiting: int
     kv_nbytes: int  # the batch's slab as allocated now
     steps: int
     decoded_tokens: int
     ended: dict[str, int]  # requests by how they ended: stop, length, cancelled, deadline, failed
-    forward_threads: int  # torch's intra-op threads in this process (schemas.config.ForwardSpec.threads)
+    forward_threads: int  # torch's intra-op threads on the thread that runs the forwards (ForwardSpec.threads)
 
 
 def column_nbytes(vlm: VLM) -> int:
@@ -111,6 +111,7 @@ class Engine:
         self._work = threading.Condition()
         self.chooser = Chooser(vlm)  # each row's next token under its request's decoding controls
         self._joining: list[Sequence] = []
+        self.forward_threads = torch.get_num_threads()  # the loop's own, once it runs (pipeline/runtime/threads.py)
         if start:
             threading.Thread(target=self._loop, name="qvpic-engine", daemon=True).start()
 
@@ -145,12 +146,14 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._work:
-            return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+            prefilling = sum(len(seq.members) for seq in self._joining)  # out of `waiting`, not yet in the batch
+            return EngineStats(len(self.scheduler.running) + prefilling, len(self.scheduler.waiting),
                                self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens,
-                               dict(self.ended), torch.get_num_threads())
+                               dict(self.ended), self.forward_threads)
 
     # ---- the engine's thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        self.forward_threads = torch.get_num_threads()  # per thread: the generator's event loop runs on one
         while True:
             with self._work:
                 while not (self.scheduler.waiting or self.scheduler.running):

@@ -10,14 +10,13 @@ lazily compiled tier takes the same path, through serve/kv/lazy_tier.py: compile
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import time
 
 import pyarrow.compute as pc
 
-from pipeline.runtime import VLM, ChunkKV, Renderer
+from pipeline.runtime import VLM, ChunkKV, Renderer, off_loop
 from pipeline.store import Store, build_sized_entry, stored
 from schemas.api import FallbackReport
 from schemas.errors import UnservableError
@@ -40,7 +39,7 @@ class Repairer:
 
     async def repaired(self, plan: Plan, loaded: LoadResult) -> LoadResult:
         """`repair`, off the event loop when there is anything to rebuild."""
-        return loaded if not loaded.unreadable else await asyncio.to_thread(self.repair, plan, loaded)
+        return loaded if not loaded.unreadable else await off_loop(self.repair, plan, loaded)
 
     def repair(self, plan: Plan, loaded: LoadResult) -> LoadResult:
         """`loaded` with every unreadable entry rebuilt (its time added to `load_ms`), or replaced by its
