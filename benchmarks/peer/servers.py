@@ -163,13 +163,17 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
 def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tokens: int, concurrency) -> dict:
     """qvpic in this process (router, loader, batched generator): TTFT per workload × mode (the route
     included), and decode tokens/s on `decode_sets` in `qvpic` mode at each concurrency."""
+    from pipeline.runtime import in_passing_thread
     from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
     from serve.engine import Generator
     from serve.kv import CacheLoader
     from serve.routing import Router
 
-    router = Router(RouterConfig(store=corpus.store_uri, model=spec, max_chunks=max(64, len(corpus.chunk_ids))))
-    loader = CacheLoader(LoaderConfig(store=corpus.store_uri, max_nbytes=4 << 30))
+    # Every phase on a thread that ends, the floor first: a thread of this script that kept an OpenMP pool beside
+    # the engine's would slow every forward ~1.4x (pipeline/runtime/threads.py), as served replicas no longer are
+    router = in_passing_thread(Router, RouterConfig(store=corpus.store_uri, model=spec,
+                                                    max_chunks=max(64, len(corpus.chunk_ids))))
+    loader = in_passing_thread(CacheLoader, LoaderConfig(store=corpus.store_uri, max_nbytes=4 << 30))
     generator = Generator(GeneratorConfig(store=corpus.store_uri, model=spec))
     one = Sampling(max_new_tokens=1)
 
@@ -177,29 +181,32 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
         return AnswerRequest(query=corpus.query, chunk_ids=[corpus.chunk_ids[c] for c in chunks], mode=mode,
                              max_new_tokens=tokens)
 
+    def answer(chunks: list[int], mode: Mode) -> float:
+        started = time.perf_counter()
+        generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
+        return (time.perf_counter() - started) * 1e3
+
+    floor = {(load.name, mode.value): in_passing_thread(forward_floor, generator, router, loader,
+                                                        [request(c, mode, 1) for c in load.requests])
+             for load in loads for mode in modes if mode in LINKED_MODES}  # before the engine's pool exists
     ttft = {}
     for load in loads:
         for mode in modes:
             for chunks in load.warm:
-                generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
-            times = []
-            for chunks in load.requests:
-                started = time.perf_counter()
-                generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
-                times.append((time.perf_counter() - started) * 1e3)
-            ttft[(load.name, mode.value)] = {"ms": times}
-    floor = {(load.name, mode.value): forward_floor(generator, router, loader, [request(c, mode, 1) for c in
-                                                                               load.requests])
-             for load in loads for mode in modes if mode in LINKED_MODES}
-    plans = [asyncio.run(router.plan(request(chunks, Mode.QVPIC, new_tokens))) for chunks in decode_sets]
+                in_passing_thread(answer, chunks, mode)
+            ttft[(load.name, mode.value)] = {"ms": [in_passing_thread(answer, chunks, mode)
+                                                    for chunks in load.requests]}
+    plans = in_passing_thread(lambda: [asyncio.run(router.plan(request(chunks, Mode.QVPIC, new_tokens)))
+                                       for chunks in decode_sets])
     sampling = Sampling(max_new_tokens=new_tokens)
     for plan in plans:  # warm: every chunk on the device hot tier, as vLLM's prompts are in its prefix cache
-        generator.generate_blocking(plan, one, loader=loader)
-    decode = {}
-    for level in concurrency:
-        result = asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, loader=loader), plans, level, sampling,
-                                       "qvpic"))
-        decode[level] = result.tokens_per_s
+        in_passing_thread(generator.generate_blocking, plan, one, loader=loader)
+
+    def decode_at(level: int) -> float:
+        return asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, loader=loader), plans, level, sampling,
+                                     "qvpic")).tokens_per_s
+
+    decode = {level: in_passing_thread(decode_at, level) for level in concurrency}
     return {"ttft": ttft, "decode": decode, "floor": floor}
 
 
