@@ -78,7 +78,7 @@ class ContextBuilder:
             started = time.perf_counter()
             last = [i for i, c in enumerate(plan.chunks) if c.group == len(plan.layout.texts) - 2]  # recomputed group
             inputs = await off_loop(recompute_inputs, self.vlm, self.renderer, [plan.chunks[i] for i in last],
-                                             [context.served[i] for i in last], self.images_root)
+                                    [context.served[i] for i in last], self.images_root)
             context.prefill.recompute = (self.recompute, inputs)
             context.render_ms = (time.perf_counter() - started) * 1e3  # pages rendered again, as full_image renders
         return context
