@@ -182,6 +182,12 @@ MUTATIONS = (
     Mutation("stats-caller-threads", "serve/engine/loop.py",
              "dict(self.ended), self.forward_threads)", "dict(self.ended), torch.get_num_threads())",
              ("tests/test_threads.py",), "the engine reports its own thread's count, not the caller's"),
+    Mutation("checksum-first-only", "pipeline/store/shards.py",
+             "for row, digest in zip(rows, sha256_many(", "for row, digest in zip(rows[:1], sha256_many(",
+             ("tests/test_store.py",), "every entry of a load is checked against its checksum before use"),
+    Mutation("checksum-one-share", "pipeline/store/shards.py",
+             "range(workers)))", "range(1))) * workers",
+             ("tests/test_store.py",), "each hashing thread's share goes back to its own entries"),
 )
 
 

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.store import ShardCorruptError, Store, StoreError, remove_orphans
+from pipeline.store import ShardCorruptError, Store, StoreError, remove_orphans, shards
 from schemas.config import ChunkKind, DType, ModelFamily, RenderSpec, TierSpec, Variant
 from schemas.store import (
     SCHEMA_VERSION,
@@ -392,3 +393,27 @@ def test_load_many_reads_each_shard_once(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(store.shards, "_read", lambda rel, rows: reads.append(rel) or original(rel, rows))
     loaded = store.load_many(rows[::-1])
     assert len(reads) == 2 and torch.equal(loaded[-1], kv(0)) and torch.equal(loaded[0], kv(9))
+
+
+def test_a_large_load_checks_every_entry_on_several_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `PARALLEL_SHA256_MIN_NBYTES` a load's checksums run on the hashing threads; a corrupt entry anywhere in
+    the load, here the fourth of six over two shards, still fails it, naming its shard."""
+    store = Store.open(str(tmp_path), create=True)
+    entries = store.write_shard({f"t{i}": kv(i, num_tokens=50) for i in range(4)})
+    rows = [{**e.index_fields()} for e in entries]
+    rows += [index_row(store, kv(9 + i), f"other {i}", "low") for i in range(2)]
+    monkeypatch.setattr(shards, "PARALLEL_SHA256_MIN_NBYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # the CPUs a replica may use: three hashing tasks
+    hashed_on: list[str] = []
+    sha256 = hashlib.sha256
+    monkeypatch.setattr(shards.hashlib, "sha256", lambda data: hashed_on.append(threading.current_thread().name)
+                        or sha256(data))
+    loaded = store.load_many(rows)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, [kv(i, num_tokens=50) for i in range(4)] + [kv(9), kv(10)]))
+    assert len(hashed_on) == 6 and all(name.startswith("qvpic-sha256") for name in hashed_on)
+    flip_byte(store, rows[3]["shard_path"], rows[3]["byte_offset"] + 5)
+    with pytest.raises(ShardCorruptError, match=r"'t3' of shard .*" + rows[3]["shard_path"]):
+        store.load_many(rows)
+    monkeypatch.setattr(shards, "PARALLEL_SHA256_MIN_NBYTES", 1 << 40)  # the sequential path finds it too
+    with pytest.raises(ShardCorruptError, match="'t3'"):
+        store.load_many(rows)

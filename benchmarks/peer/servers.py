@@ -24,7 +24,7 @@ import httpx
 import torch
 
 from benchmarks.batching import run_level
-from benchmarks.peer import engine
+from benchmarks.peer import engine, serve_floor
 from benchmarks.peer.vllm_side import messages
 from benchmarks.ttft_http import loopback_port
 from pipeline.runtime import resolve_path
@@ -115,12 +115,15 @@ def _healthy(url: str) -> bool:
 
 def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representations, log_path) -> dict:
     """{(engine, workload, mode or representation): {"ms": [...], "tokens": [...], "timings": [...]}} over
-    HTTP, interleaved; `timings`: qvpic's own account of each request (schemas.api.Timings), vLLM's empty."""
+    HTTP, interleaved; `timings`: qvpic's own account of each request (schemas.api.Timings), vLLM's empty.
+    Engine "serve", mode "floor": Ray Serve's own cost of a request of qvpic's topology (serve_floor.py), sent
+    after qvpic's modes each round; its `timings` are the floor ingress's (`serve_floor.HOPS`)."""
     out = defaultdict(lambda: {"ms": [], "tokens": [], "timings": []})
     model = str(resolve_path(spec))
     with qvpic_server(spec, corpus.store_uri) as ours, vllm_server(spec, max_images, log_path) as vllm, \
             httpx.Client(timeout=600) as client:
         theirs = vllm.url
+        serve_floor.deploy()  # beside qvpic's app: the same proxy, Ray processes and cores
 
         def ask_qvpic(chunks: list[int], mode: Mode) -> tuple[float, int, dict]:
             body = {"query": corpus.query, "chunk_ids": [corpus.chunk_ids[c] for c in chunks], "mode": mode.value,
@@ -133,6 +136,11 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
             if reply.json().get("cache_hit"):
                 raise RuntimeError("a response cache answered: every request must run the model")
             return ms, reply.json()["usage"]["context_tokens"], reply.json()["timings"]
+
+        def ask_floor(chunks: list[int]) -> tuple[float, int, dict]:
+            with vllm.paused():
+                ms, hops = serve_floor.ask(client, ours, {"query": corpus.query, "chunks": chunks})
+            return ms, 0, hops
 
         def ask_vllm(chunks: list[int], representation: str) -> tuple[float, int, dict]:
             body = {"model": model, "messages": messages(corpus.parts(chunks, representation)), "max_tokens": 1,
@@ -149,8 +157,10 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
                     ask_qvpic(chunks, mode)
                 for rep in representations:
                     ask_vllm(chunks, rep)
+                ask_floor(chunks)
             for chunks in load.requests:
                 for key, ask in [(("qvpic", m.value), lambda c, m=m: ask_qvpic(c, m)) for m in modes] + \
+                                [(("serve", "floor"), ask_floor)] + \
                                 [(("vllm", r), lambda c, r=r: ask_vllm(c, r)) for r in representations]:
                     ms, tokens, timings = ask(chunks)
                     cell = out[(key[0], load.name, key[1])]
@@ -211,21 +221,34 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
 
 
 def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> dict:
-    """The model's forwards alone over each request's assembled context (routing, loading and re-anchoring
-    done beforehand, untimed): the query turn's prefill (`VLM.prefill_query`, the floor of a linked mode's
-    TTFT in this engine) and a one-token forward (reading every weight once: the floor of any forward of this
+    """The engine's forwards alone over each request's assembled context (routing, loading and re-anchoring
+    done beforehand and untimed), through the path the served engine takes (pipeline/runtime/batch.py): the
+    query turn's prefill over `[serving prefix][chunks]` (the floor of a linked mode's TTFT in this engine) and
+    then a one-token step over the same slab (reading every weight once: the floor of any forward of this
     checkpoint on this machine), ms per request, and the query turn's tokens."""
+    from pipeline.runtime.batch import decode_step
+
     vlm, out = generator.vlm, {"query_ms": [], "one_token_ms": [], "query_tokens": []}
     for request in requests:
         plan = asyncio.run(router.plan(request))
-        context = asyncio.run(generator.contexts.build(plan, None, loader)).prefill
-        assembled = vlm.assemble(context.chunks)  # the default serving prefix: what a single-turn request uses
-        vlm.prefill_query(assembled, plan.text_after_chunks)  # warm: the first forward at a new length pays more
+        linked = asyncio.run(generator.contexts.build(plan, None, loader)).prefill  # serve.engine's LinkedContext
+        chunks, ids = linked.chunks, linked.query_ids
+
+        prefill_timed(vlm, chunks, ids)  # warm: the first forward at a new length pays more
+        slab, logits, ms = prefill_timed(vlm, chunks, ids)
+        out["query_ms"].append(ms)
         started = time.perf_counter()
-        state = vlm.prefill_query(assembled, plan.text_after_chunks)
-        out["query_ms"].append((time.perf_counter() - started) * 1e3)
-        started = time.perf_counter()
-        vlm.extend(state, [int(state.logits[0, -1].argmax())])  # one decode step over the same context
+        decode_step(vlm, slab, [int(logits[0].argmax())])  # one decode step over the same context
         out["one_token_ms"].append((time.perf_counter() - started) * 1e3)
-        out["query_tokens"].append(len(vlm.query_turn_ids(plan.text_after_chunks)))
+        out["query_tokens"].append(len(ids))
     return out
+
+
+def prefill_timed(vlm, chunks, ids: list[int]):
+    """The engine's prefill of one query over `[serving prefix][chunks]`, a reserve of one column: the slab, the
+    logits `[1, vocab]`, and the forward's ms (the assembly into the slab not counted)."""
+    from pipeline.runtime.batch import prefill_queries
+
+    started = time.perf_counter()
+    slab, logits, (assembly_ms,) = prefill_queries(vlm, [vlm.prefix], [chunks], [ids], [1])
+    return slab, logits, (time.perf_counter() - started) * 1e3 - assembly_ms

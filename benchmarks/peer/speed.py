@@ -29,7 +29,7 @@ import torch
 from benchmarks import ttft_store
 from benchmarks.batching import percentile
 from benchmarks.machine import cpu_flags
-from benchmarks.peer import engine, servers
+from benchmarks.peer import engine, serve_floor, servers
 from pipeline.eval import markdown_table
 from pipeline.runtime import Renderer, in_passing_thread
 from schemas.config import Mode, ModelSpec, RenderSpec
@@ -130,12 +130,42 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
 
 
 PHASES = ("route_ms", "load_ms", "queue_ms", "reanchor_ms", "prefill_ms", "total_ms")  # schemas.api.Timings
+MODEL_PHASES = PHASES[:-1]  # the server's work on a request; the rest of its HTTP time is transport
 
 
 def breakdown_row(over_http: dict, workload: str, mode: Mode) -> list:
     cell = over_http[("qvpic", workload, mode.value)]
     return [workload, mode.value, *(f"{statistics.median(t[k] or 0.0 for t in cell['timings']):.0f}" for k in PHASES),
             f"{statistics.median(cell['ms']):.0f}"]
+
+
+def serve_floor_table(over_http: dict, floor: dict, best_vllm_ms, verdicts: list[str]) -> str:
+    """Serve's floor beside qvpic's linked modes, per workload; a verdict per reuse workload on whether the 0.1×
+    target is above the least this engine on Serve could take (Serve's floor + the query-turn prefill alone)."""
+    rows = []
+    for name in ("identical", "reordered", "zipf"):
+        bare = over_http[("serve", name, "floor")]
+        bare_ms = statistics.median(bare["ms"])
+        hops = {k: statistics.median(t[k] for t in bare["timings"]) for k in serve_floor.HOPS}
+        mode = min(servers.LINKED_MODES, key=lambda m: statistics.median(over_http[("qvpic", name, m.value)]["ms"]))
+        cell = over_http[("qvpic", name, mode.value)]
+        ms = statistics.median(cell["ms"])
+        model = statistics.median(sum(t[k] or 0.0 for k in MODEL_PHASES) for t in cell["timings"])
+        prefill_alone = statistics.median(floor[(name, mode.value)]["query_ms"])
+        least, target = bare_ms + prefill_alone, TARGET_REUSE * best_vllm_ms(name)
+        # identical: its prefix cache answers, no query-turn prefill runs
+        rows.append([name, f"{bare_ms:.1f}", " / ".join(f"{hops[k]:.1f}" for k in serve_floor.HOPS),
+                     f"{mode.value} {ms:.0f}", f"{model:.0f}", f"{ms - model:.0f}",
+                     *(["", ""] if name == "identical" else [f"{least:.0f}", f"{target:.0f}"])])
+        if name != "identical":
+            verdicts.append(f"{name}: Serve's floor {bare_ms:.0f} ms + the query-turn prefill alone "
+                            f"{prefill_alone:.0f} ms = {least:.0f} ms, the least a linked request of this engine "
+                            f"takes over HTTP here; the 0.1× target is {target:.0f} ms: "
+                            + ("**below that floor**" if least > target else "above that floor"))
+    return markdown_table(["workload", "Serve's floor: HTTP p50",
+                           "in its ingress: body read / route hop / generate hop / all",
+                           "qvpic best linked: HTTP p50", "its server phases", "the rest",
+                           "Serve's floor + prefill alone", "0.1× vLLM's best"], rows)
 
 
 def _cell(times: list[float]) -> str:
@@ -178,6 +208,7 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
                   for (name, mode), f in ours["floor"].items()]
     floor = markdown_table(["workload", "mode", "query-turn tokens", "query-turn prefill alone ms",
                             "one-token forward ms", "prefill alone / vLLM's best HTTP TTFT"], floor_rows)
+    floor_http = serve_floor_table(over_http, ours["floor"], best_vllm_ms, verdicts)
     decode_rows = [[c, f"{ours['decode'][c]:.1f}", f"{vllm_decode[str(c)]:.1f}",
                     f"{ours['decode'][c] / vllm_decode[str(c)]:.2f}×"] for c in CONCURRENCY]
     ratio16 = ours["decode"][16] / vllm_decode["16"]
@@ -196,10 +227,18 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
             f"requests is their slowest.\n\n{ttft}\n\nWhere qvpic's HTTP TTFT went, medians in ms as the server "
             f"timed them (`timings` of each reply; prefill: the query-only prefill, the floor of the linked "
             f"modes; the client column adds HTTP, the ingress and Serve's hops):\n\n{breakdown}\n\n"
-            f"The floor, in-process: the model's forwards alone over each measured request's assembled context "
-            f"(routing, loading and re-anchoring done beforehand and not timed; medians). The query-turn prefill "
-            f"is the least a linked mode's TTFT can cost in this engine; the one-token forward, which reads every "
-            f"weight once, the least any forward of this checkpoint costs on this machine:\n\n{floor}\n\n"
+            f"The floor, in-process: the engine's forwards alone (pipeline/runtime/batch.py, the path the served "
+            f"engine takes) over each measured request's assembled context (routing, loading and re-anchoring done "
+            f"beforehand and not timed; medians). The query-turn prefill is the least a linked mode's TTFT can "
+            f"cost in this engine; the one-token step over the same slab, which reads every weight once, the least "
+            f"any forward of this checkpoint costs in it:\n\n{floor}\n\n"
+            f"Ray Serve's own cost, in the same run: a request of qvpic's topology (HTTP → proxy → ingress → a "
+            f"router-like deployment and back → a generator-like one and back) through an app that does nothing "
+            f"at any stop (benchmarks/peer/serve_floor.py), deployed beside qvpic's and sent a request after each "
+            f"of qvpic's. Beside it, qvpic's best linked mode: its server phases (route, load, queue, re-anchoring, "
+            f"prefill, as `timings` gives them) and the rest of its HTTP time; and the least a linked request can "
+            f"take over HTTP here, Serve's floor plus the query-turn prefill alone (the floor table), against the "
+            f"0.1× target (medians, ms):\n\n{floor_http}\n\n"
             f"Decode, {DECODE_REQUESTS} zipf requests, {NEW_TOKENS} new tokens each "
             f"(in-process):\n\n{decode}\n\nTargets:\n\n" + "\n".join(f"- {v}" for v in verdicts)
             + f"\n\nWall time {wall_s:.0f} s (store build {build_s:.0f} s).")
