@@ -130,7 +130,7 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
 
 
 PHASES = ("route_ms", "load_ms", "queue_ms", "reanchor_ms", "prefill_ms", "total_ms")  # schemas.api.Timings
-MODEL_PHASES = PHASES[:-1]  # the server's work on a request; the rest of its HTTP time is transport
+SERVER_PHASES = PHASES[:-1]  # the server's work on a request; the rest of its HTTP time is transport
 
 
 def breakdown_row(over_http: dict, workload: str, mode: Mode) -> list:
@@ -150,12 +150,12 @@ def serve_floor_table(over_http: dict, floor: dict, best_vllm_ms, verdicts: list
         mode = min(servers.LINKED_MODES, key=lambda m: statistics.median(over_http[("qvpic", name, m.value)]["ms"]))
         cell = over_http[("qvpic", name, mode.value)]
         ms = statistics.median(cell["ms"])
-        model = statistics.median(sum(t[k] or 0.0 for k in MODEL_PHASES) for t in cell["timings"])
+        phases_ms = statistics.median(sum(t[k] or 0.0 for k in SERVER_PHASES) for t in cell["timings"])
         prefill_alone = statistics.median(floor[(name, mode.value)]["query_ms"])
         least, target = bare_ms + prefill_alone, TARGET_REUSE * best_vllm_ms(name)
         # identical: its prefix cache answers, no query-turn prefill runs
         rows.append([name, f"{bare_ms:.1f}", " / ".join(f"{hops[k]:.1f}" for k in serve_floor.HOPS),
-                     f"{mode.value} {ms:.0f}", f"{model:.0f}", f"{ms - model:.0f}",
+                     f"{mode.value} {ms:.0f}", f"{phases_ms:.0f}", f"{ms - phases_ms:.0f}",
                      *(["", ""] if name == "identical" else [f"{least:.0f}", f"{target:.0f}"])])
         if name != "identical":
             verdicts.append(f"{name}: Serve's floor {bare_ms:.0f} ms + the query-turn prefill alone "
