@@ -27,7 +27,8 @@ from benchmarks.batching import run_level
 from benchmarks.peer import engine, serve_floor
 from benchmarks.peer.vllm_side import messages
 from benchmarks.ttft_http import loopback_port
-from pipeline.runtime import resolve_path
+from pipeline.runtime import in_passing_thread, resolve_path
+from pipeline.runtime.batch import decode_step, prefill_queries
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec
 from schemas.sampling import Sampling
@@ -173,7 +174,6 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
 def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tokens: int, concurrency) -> dict:
     """qvpic in this process (router, loader, batched generator): TTFT per workload × mode (the route
     included), and decode tokens/s on `decode_sets` in `qvpic` mode at each concurrency."""
-    from pipeline.runtime import in_passing_thread
     from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
     from serve.engine import Generator
     from serve.kv import CacheLoader
@@ -226,8 +226,6 @@ def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> d
     query turn's prefill over `[serving prefix][chunks]` (the floor of a linked mode's TTFT in this engine) and
     then a one-token step over the same slab (reading every weight once: the floor of any forward of this
     checkpoint on this machine), ms per request, and the query turn's tokens."""
-    from pipeline.runtime.batch import decode_step
-
     vlm, out = generator.vlm, {"query_ms": [], "one_token_ms": [], "query_tokens": []}
     for request in requests:
         plan = asyncio.run(router.plan(request))
@@ -247,8 +245,6 @@ def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> d
 def prefill_timed(vlm, chunks, ids: list[int]):
     """The engine's prefill of one query over `[serving prefix][chunks]`, a reserve of one column: the slab, the
     logits `[1, vocab]`, and the forward's ms (the assembly into the slab not counted)."""
-    from pipeline.runtime.batch import prefill_queries
-
     started = time.perf_counter()
     slab, logits, (assembly_ms,) = prefill_queries(vlm, [vlm.prefix], [chunks], [ids], [1])
     return slab, logits, (time.perf_counter() - started) * 1e3 - assembly_ms

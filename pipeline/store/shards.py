@@ -144,6 +144,7 @@ class ShardReader:
                 raise StoreError(f"row {i} has no valid shard_path: {row.get('shard_path')!r:.80}")
             by_shard[row["shard_path"]].append(i)
         out: list[StoredKV] = [torch.empty(0)] * len(rows)
+        records: list[torch.Tensor] = [torch.empty(0)] * len(rows)  # what each checksum covers
         for rel, positions in by_shard.items():
             wanted = [rows[i] for i in positions]
             tensors = self._read(rel, wanted)
@@ -153,9 +154,8 @@ class ShardReader:
                 if (record.nbytes != row["nbytes"]
                         or (not isinstance(tensor, QuantizedKV) and list(tensor.shape) != list(row["shape"]))):
                     raise self._corrupt(row)
-                out[i] = tensor
+                out[i], records[i] = tensor, record
         # every entry's checksum, all at once (on several threads when the load is large), before any is used
-        records = [t.record if isinstance(t, QuantizedKV) else t for t in out]
         for row, digest in zip(rows, sha256_many([_stored_bytes(r) for r in records])):
             if digest != row["checksum"]:
                 raise self._corrupt(row)
