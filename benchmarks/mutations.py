@@ -188,6 +188,9 @@ MUTATIONS = (
     Mutation("checksum-one-share", "pipeline/store/shards.py",
              "range(workers)))", "range(1))) * workers",
              ("tests/test_store.py",), "each hashing thread's share goes back to its own entries"),
+    Mutation("floor-transport-ignored", "benchmarks/peer/serve_floor.py",
+             "self.route = route.options(_by_reference=by_reference)", "self.route = route.options(_by_reference=True)",
+             ("tests/test_serve_floor.py",), "the floor app's calls take the transport they are asked for"),
 )
 
 

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 APP_NAME = "serve-floor"
-ROUTE_PREFIX = "/serve-floor"
+ROUTE_PREFIX = "/" + APP_NAME
 # Measured on the peer benchmark's reordered request (ray.cloudpickle, 2026-12-06): the AnswerRequest the
 # ingress sends the router, ~0.8 KB; the Plan it gets back and sends the generator, ~8 KB. Serialising either
 # takes < 0.2 ms, so the sizes matter little; they are kept for the shape.
@@ -39,8 +39,11 @@ class Echo:
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class FloorIngress:
-    def __init__(self, route: DeploymentHandle, generate: DeploymentHandle):
-        self.route, self.generate = route, generate
+    def __init__(self, route: DeploymentHandle, generate: DeploymentHandle, by_reference: bool):
+        # Serve's default, as qvpic's ingress calls its router and generator, is True: Ray actor calls whose results
+        # go through the object store; False: by value over the replicas' gRPC servers (benchmarks/serve_transport.py)
+        self.route = route.options(_by_reference=by_reference)
+        self.generate = generate.options(_by_reference=by_reference)
 
     @api.post("/")
     async def answer(self, request: Request) -> dict[str, float]:
@@ -52,19 +55,22 @@ class FloorIngress:
         await self.generate.echo.remote(plan, 64)
         done = time.perf_counter()
         return {"body_ms": (read - started) * 1e3, "route_hop_ms": (routed - read) * 1e3,
-                "generate_hop_ms": (done - routed) * 1e3, "server_ms": (time.perf_counter() - started) * 1e3}
+                "generate_hop_ms": (done - routed) * 1e3, "server_ms": (time.perf_counter() - started) * 1e3,
+                "by_reference": float(self.route.handle_options._by_reference)}  # the transport its calls took
 
 
-def deploy() -> None:
-    """The floor app beside the running Serve instance's others (its own name and route prefix)."""
-    app = FloorIngress.bind(Echo.options(name="FloorRoute").bind(), Echo.options(name="FloorGenerate").bind())
-    serve.run(app, name=APP_NAME, route_prefix=ROUTE_PREFIX)
+def deploy(by_reference: bool = True, name: str = APP_NAME) -> None:
+    """The floor app beside the running Serve instance's others (its own name, and route prefix `/<name>`), its
+    calls travelling as qvpic's do (`by_reference`: Serve's handle option)."""
+    app = FloorIngress.bind(Echo.options(name="FloorRoute").bind(), Echo.options(name="FloorGenerate").bind(),
+                            by_reference)
+    serve.run(app, name=name, route_prefix="/" + name)
 
 
-def ask(client: httpx.Client, base_url: str, body: dict) -> tuple[float, dict[str, float]]:
+def ask(client: httpx.Client, base_url: str, body: dict, prefix: str = ROUTE_PREFIX) -> tuple[float, dict[str, float]]:
     """One request through the floor app: its HTTP round trip in ms, and the ingress's own account (`HOPS`)."""
     started = time.perf_counter()
-    reply = client.post(base_url + ROUTE_PREFIX + "/", json=body)
+    reply = client.post(base_url + prefix + "/", json=body)
     ms = (time.perf_counter() - started) * 1e3
     reply.raise_for_status()
     return ms, reply.json()
