@@ -29,14 +29,9 @@ def run(requests: int, warmup: int) -> dict[str, list[tuple[float, dict[str, flo
     from ray import serve
 
     from benchmarks.peer import serve_floor
-    from benchmarks.peer.servers import loopback_port
-    from jobs.cluster import init_ray
+    from benchmarks.peer.servers import start_serve
 
-    init_ray()
-    port = loopback_port()
-    url = f"http://127.0.0.1:{port}"
-    serve.start(http_options={"host": "127.0.0.1", "port": port},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    url = start_serve()
     for name, by_reference in TRANSPORTS.items():
         serve_floor.deploy(by_reference, f"floor-{name}")
     out: dict[str, list] = {name: [] for name in TRANSPORTS}
@@ -57,10 +52,11 @@ def report(out: dict[str, list[tuple[float, dict[str, float]]]], requests: int) 
     rows = []
     for name, cell in out.items():
         ms = [m for m, _ in cell]
-        parts = [statistics.median(s[h] for _, s in cell) for h in ("server_ms", "route_hop_ms", "generate_hop_ms")]
-        rows.append([name, round(statistics.median(ms), 1), round(percentile(ms, 90), 1), round(parts[0], 1),
-                     round(statistics.median(ms) - parts[0], 1), round(parts[1], 2), round(parts[2], 2),
-                     f"{statistics.median(ms) / base:.2f}×"])
+        p50 = statistics.median(ms)
+        server, route, generate = (statistics.median(s[h] for _, s in cell)
+                                   for h in ("server_ms", "route_hop_ms", "generate_hop_ms"))
+        rows.append([name, round(p50, 1), round(percentile(ms, 90), 1), round(server, 1), round(p50 - server, 1),
+                     round(route, 2), round(generate, 2), f"{p50 / base:.2f}×"])
     return (f"Machine: {machine_line()}. {requests} measured requests per arm after a warm-up, the arms alternated "
             "request by request (each round's order reversed from the last); medians unless a column says p90. "
             "`server ms`: the floor ingress's own account, its two hops included; the rest of the HTTP time is "

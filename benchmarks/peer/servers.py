@@ -37,25 +37,35 @@ LINKED_MODES = (Mode.QVPIC, Mode.TEXT_PIC)  # the modes that link cached KV: the
 SERVER_START_S = 900  # vLLM's engine start (weights, warm-up compile) on a loaded 2-core machine
 
 
-@contextlib.contextmanager
-def qvpic_server(spec: ModelSpec, store_uri: str) -> Iterator[str]:
-    import ray
+def start_serve() -> str:
+    """Serve started on this process's Ray (a private local one unless attached), its HTTP proxy on a free
+    loopback port, access log off: the proxy's base URL."""
     from ray import serve
 
     from jobs.cluster import init_ray
-    from serve.app import build_app
 
     init_ray()
     port = loopback_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
+    return f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def qvpic_server(spec: ModelSpec, store_uri: str) -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from serve.app import build_app
+
+    url = start_serve()
     num_cpus = min(float(torch.get_num_threads()), ray.cluster_resources().get("CPU", 1.0) - 0.5)
     args = {"store": {"uri": store_uri}, "model": spec.model_dump(mode="json"),
             "generator_deployment": {"num_gpus": 0.0, "num_cpus": num_cpus},
             "ingress": {"governance": {"response_cache": {"levels": []}}}}
     serve.run(build_app(args), name="qvpic-peer", route_prefix="/")
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         serve.shutdown()
         ray.shutdown()
