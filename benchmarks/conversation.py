@@ -15,16 +15,16 @@ is timed. Workloads: (a) the first turn sent again `REPEATS` times; (b) turns 1�
 `DECODE_TOKENS` new tokens per turn: TTFT (first content chunk) p50/p99 per turn and decode throughput (completion
 tokens over the phase's wall time), qvpic's phase first with vLLM paused, then vLLM's over the same pages.
 Before vLLM's server starts, a control: as many other conversations of the same kind through qvpic alone (a
-resident second engine's process, even stopped, slowed qvpic's later turns on a small VM); and (c) again with
-each engine alone on the machine — qvpic's phase before vLLM's server first starts, vLLM's on a fresh server
-after qvpic's has stopped, over the pages qvpic placed.
+resident second engine's process, even stopped, slowed qvpic's later turns on a small VM), sent to vLLM alone too
+once qvpic's server has stopped (a fresh server, a warm-up conversation first, the pages qvpic placed); and (c)
+again with each engine alone on the machine — qvpic's phase before vLLM's server first starts, vLLM's on that
+fresh server, over the pages qvpic placed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -32,23 +32,30 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import torch
 
-from benchmarks.machine import cpu_flags
+from benchmarks.conversation_report import (
+    ALONE,
+    CHUNKS_PER_TURN,
+    DECODE_TOKENS,
+    IN_FLIGHT,
+    INTERLEAVED,
+    PAIRED,
+    PHASES,
+    REPEATS,
+    TURNS,
+    alone_report,
+    interleaved_report,
+    report,
+)
 from benchmarks.peer import servers
 from benchmarks.peer.speed import build_corpus
 from benchmarks.peer.vllm_side import messages as vllm_user_message
 from jobs.help import HelpFormatter
-from pipeline.eval import markdown_table, write_section
+from pipeline.eval import write_section
 from pipeline.runtime import resolve_path
 from schemas.config import DType, ModelSpec
 
-TURNS, CHUNKS_PER_TURN, REPEATS = 4, 8, 5
-INTERLEAVED, IN_FLIGHT, DECODE_TOKENS = 16, 4, 32  # (c)
-TARGET_THROUGHPUT = 1.0  # (c): qvpic's decode tokens/s over vLLM's
-PHASES = ("route", "load", "queue", "reanchor", "prefill")  # qvpic's report (`qvpic.timings`), per request
 ANSWER = "Noted."  # every earlier answer, for both engines: the history is the same text
-TARGET_IDENTICAL, TARGET_FOLLOW_UP = 1.0, 0.3  # qvpic / vLLM TTFT: (a), and turns 2-4 of (b)
 
 
 def question(corpus, index: int) -> str:
@@ -173,33 +180,30 @@ def interleaved(pair: Pair, plans: list[list[str]]) -> dict:
     return {"qvpic": ours, "vllm": theirs, "wall_s": {"qvpic": ours_s, "vllm": theirs_s}}
 
 
-def qvpic_alone(url: str, plans: list[list[str]]) -> list[tuple[int, dict]]:
-    """(b)'s kind of turns with qvpic alone on the machine, before vLLM's server starts: (turn, measurements) per
-    request, the first conversation a warm-up (not returned). On a small VM a second engine's resident process,
-    even stopped, slowed qvpic's later turns 2-10x (docs/BENCHMARKS.md): this is the control for that."""
+def qvpic_alone(url: str, plans: list[list[str]]) -> list[dict]:
+    """(b)'s kind of turns with qvpic alone on the machine, before vLLM's server starts: one record per request
+    (its conversation, turn, HTTP ms, phases and the chunks placed), the first conversation a warm-up. On a small VM
+    a second engine's resident process, even stopped, slowed qvpic's later turns 2-10x (docs/BENCHMARKS.md): this is
+    the control for that, and `vllm_alone` sends vLLM the same turns when qvpic's server is gone."""
     out = []
     with httpx.Client(timeout=900) as client:
         for c, turns in enumerate(plans):
             for t in range(TURNS):
                 ms, reply = ask_qvpic(client, url, turns[:t + 1])
                 timings = reply["qvpic"]["timings"]
-                if c:
-                    out.append((t, {"ms": ms, **{p: timings[f"{p}_ms"] or 0.0 for p in PHASES}}))
+                out.append({"conversation": c, "turn": t, "ms": ms, "chunks": reply["qvpic"]["chunks"],
+                            **{p: timings[f"{p}_ms"] or 0.0 for p in PHASES}})
     return out
 
 
-def alone_report(measured: list[tuple[int, dict]]) -> str:
-    table = []
-    for t in range(TURNS):
-        cells = [m for turn, m in measured if turn == t]
-        q = statistics.median(m["ms"] for m in cells)
-        phases = [statistics.median(m[p] for m in cells) for p in PHASES]
-        table.append([f"turn {t + 1}", f"{q:.0f} / {max(m['ms'] for m in cells):.0f}",
-                      " / ".join(f"{v:.0f}" for v in phases) + f" / {q - sum(phases):.0f}"])
-    header = ["turn", "qvpic TTFT p50 / max ms", "qvpic ms: " + " / ".join(PHASES) + " / the rest"]
-    return (f"The control: {len(measured) // TURNS} other conversations of the same kind (questions of their own) "
-            f"sent to qvpic before vLLM's server was started, so no second engine's process was resident:\n\n"
-            f"{markdown_table(header, table)}")
+def vllm_alone(pair: Pair, plans: list[list[str]], ours: list[dict]) -> list[dict]:
+    """The control's turns (`qvpic_alone`'s records) on vLLM alone on the machine, each with the pages qvpic placed
+    in it, one request at a time, the warm-up conversation first as for qvpic: `ours` with vLLM's HTTP ms added."""
+    out = []
+    for m in ours:
+        ms, _ = pair.ask_vllm(plans[m["conversation"]][:m["turn"] + 1], m["chunks"])
+        out.append({**m, "vllm_ms": ms})
+    return out
 
 
 def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
@@ -220,8 +224,9 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
     rows = []  # (conversation, turn, measurements)
     identical = []
     alone_plans = plans(2 * (conversations + 1) + mixed, mixed)  # (c) with each engine alone on the machine
+    control_plans = plans(conversations + 1, conversations + 1)  # (b) with each engine alone, a warm-up first
     with servers.qvpic_server(spec, corpus.store_uri) as ours:
-        alone = qvpic_alone(ours, plans(conversations + 1, conversations + 1))
+        alone = qvpic_alone(ours, control_plans)
         ours_alone, ours_alone_s = qvpic_phase(Pair(spec, corpus, ours, None), alone_plans)
         with servers.vllm_server(spec, max_images, workdir / "vllm-server.log",
                                  extra=("--enable-prompt-tokens-details",)) as vllm:
@@ -238,94 +243,13 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
     # qvpic's server is gone: vLLM alone, as qvpic was in its alone phase (a fresh server: its prefix cache empty)
     with servers.vllm_server(spec, max_images, workdir / "vllm-server-alone.log",
                              extra=("--enable-prompt-tokens-details",)) as vllm:
+        alone = vllm_alone(Pair(spec, corpus, None, vllm), control_plans, alone)
         theirs_alone, theirs_alone_s = vllm_phase(Pair(spec, corpus, None, vllm), alone_plans, ours_alone)
     alone_run = {"qvpic": ours_alone, "vllm": theirs_alone,
                  "wall_s": {"qvpic": ours_alone_s, "vllm": theirs_alone_s}}
     return (report(spec, quick, conversations, rows, identical, build_s, time.perf_counter() - started)
             + "\n\n" + alone_report(alone) + "\n\n" + interleaved_report(mixed_run, PAIRED)
             + "\n\n" + interleaved_report(alone_run, ALONE))
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-PAIRED = ("both servers up, qvpic's phase with vLLM's server paused (SIGSTOP), then vLLM's with qvpic's idle; "
-          "each turn of vLLM's with the pages qvpic placed in that turn")
-ALONE = ("each engine alone on the machine: qvpic's phase before vLLM's server first started (other conversations "
-         "than the paired phase's), vLLM's on a fresh server after qvpic's had stopped, with the pages qvpic placed. "
-         "A second engine's resident process, even stopped, slowed qvpic's turns (the control above): this is the "
-         "same workload with neither engine beside the other")
-
-
-def interleaved_report(run: dict, how: str) -> str:
-    """(c)'s table: TTFT p50/p99 per turn for both engines, cached tokens, then decode throughput."""
-    table = []
-    for t in range(TURNS):
-        cells = {name: [conversation[t] for conversation in run[name]] for name in ("qvpic", "vllm")}
-        q, v = ([m["ttft_ms"] for m in cells[name]] for name in ("qvpic", "vllm"))
-        table.append([f"(c) turn {t + 1}", f"{_pct(q, 0.5):.0f} / {_pct(q, 0.99):.0f}",
-                      f"{_pct(v, 0.5):.0f} / {_pct(v, 0.99):.0f}", f"{_pct(q, 0.5) / _pct(v, 0.5):.2f}×",
-                      f"{statistics.median(m['cached'] for m in cells['qvpic']):.0f} of "
-                      f"{statistics.median(m['prompt'] for m in cells['qvpic']):.0f}",
-                      f"{statistics.median(m['cached'] for m in cells['vllm']):.0f} of "
-                      f"{statistics.median(m['prompt'] for m in cells['vllm']):.0f}"])
-    rates = {name: sum(m["tokens"] for c in run[name] for m in c) / run["wall_s"][name] for name in ("qvpic", "vllm")}
-    tokens = {name: sum(m["tokens"] for c in run[name] for m in c) for name in ("qvpic", "vllm")}
-    ratio = rates["qvpic"] / rates["vllm"]
-    met = "met" if ratio >= TARGET_THROUGHPUT else "missed"
-    header = ["workload", "qvpic TTFT p50 / p99 ms", "vLLM TTFT p50 / p99 ms", "qvpic / vLLM (p50)",
-              "qvpic cached tokens (median)", "vLLM cached tokens (median)"]
-    return (f"(c) {len(run['qvpic'])} conversations of {TURNS} turns, {IN_FLIGHT} in flight, streamed, up to "
-            f"{DECODE_TOKENS} new tokens a turn (greedy); TTFT = the first content chunk; {how}.\n\n"
-            f"{markdown_table(header, table)}\n\nThroughput: qvpic {rates['qvpic']:.1f} tokens/s ({tokens['qvpic']} "
-            f"tokens in {run['wall_s']['qvpic']:.1f} s), vLLM {rates['vllm']:.1f} tokens/s ({tokens['vllm']} tokens "
-            f"in {run['wall_s']['vllm']:.1f} s): {ratio:.2f}×. Target: (c) ≥ {TARGET_THROUGHPUT}× vLLM's tokens/s "
-            f"— **{met}**. The phase's wall time includes every turn's prefill, as a user's conversations would.")
-
-
-def _median(cells: list[dict], key: str) -> float:
-    return statistics.median(m[key] or 0 for m in cells)
-
-
-def row(name: str, cells: list[dict]) -> tuple[list, float]:
-    """A table row of medians (and the slowest TTFT) over `cells`; its qvpic / vLLM TTFT ratio."""
-    q, v = _median(cells, "qvpic_ms"), _median(cells, "vllm_ms")
-    return [name, f"{q:.0f} / {max(m['qvpic_ms'] for m in cells):.0f}",
-            f"{v:.0f} / {max(m['vllm_ms'] for m in cells):.0f}", f"{q / v:.2f}×",
-            f"{_median(cells, 'qvpic_cached'):.0f} of {_median(cells, 'qvpic_prompt'):.0f} "
-            f"({_median(cells, 'qvpic_prefix'):.0f} prefix cache)",
-            f"{_median(cells, 'vllm_cached'):.0f} of {_median(cells, 'vllm_prompt'):.0f}",
-            f"{_median(cells, 'chunks'):.0f}",
-            " / ".join(f"{_median(cells, 'qvpic_' + phase):.0f}" for phase in PHASES)
-            + f" / {q - sum(_median(cells, 'qvpic_' + phase) for phase in PHASES):.0f}"], q / v
-
-
-def report(spec, quick, conversations, rows, identical, build_s, wall_s) -> str:
-    first, identical_ratio = row("(a) first turn again", identical)
-    table, ratios = [first], []
-    for t in range(TURNS):
-        line, ratio = row(f"(b) turn {t + 1}", [m for _, turn, m in rows if turn == t])
-        table.append(line)
-        ratios.append(ratio)
-    follow = max(ratios[1:])
-    met_a = "met" if identical_ratio <= TARGET_IDENTICAL else "missed"
-    met_b = "met" if follow <= TARGET_FOLLOW_UP else "missed"
-    verdict = (f"Targets: (a) ≤ {TARGET_IDENTICAL}× vLLM's TTFT — **{met_a}** ({identical_ratio:.2f}×); (b) turns "
-               f"2–{TURNS} ≤ {TARGET_FOLLOW_UP}× vLLM's — **{met_b}** (worst turn {follow:.2f}×).")
-    header = ["workload", "qvpic TTFT p50 / max ms", "vLLM TTFT p50 / max ms", "qvpic / vLLM",
-              "qvpic cached tokens (median)", "vLLM cached tokens (median)", "chunks",
-              "qvpic ms: " + " / ".join(PHASES) + " / the rest"]
-    return (f"{spec.path} {spec.dtype.value}, {torch.get_num_threads()} threads for each engine; CPU flags: "
-            f"{cpu_flags()}. {conversations} conversations of {TURNS} turns (plus one warm-up conversation, not "
-            f"timed), {CHUNKS_PER_TURN} chunks retrieved per turn, every chunk at the lowest tier; (a) "
-            f"{REPEATS} repeats. Store built in {build_s:.0f} s; the whole run {wall_s:.0f} s. TTFT: the whole "
-            f"one-token HTTP response. Cached tokens: `usage.prompt_tokens_details.cached_tokens` (qvpic: linked "
-            f"chunk KV from the store plus its prefix cache; vLLM: its prefix cache, "
-            f"`--enable-prompt-tokens-details`). qvpic's phases are its report's medians (`qvpic.timings`); the rest "
-            f"is the HTTP response's time outside them (ingress, Serve's hops between deployments, serialisation)."
-            f"\n\n{markdown_table(header, table)}\n\n{verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:

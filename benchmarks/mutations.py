@@ -191,6 +191,12 @@ MUTATIONS = (
     Mutation("floor-transport-ignored", "benchmarks/peer/serve_floor.py",
              "self.route = route.options(_by_reference=by_reference)", "self.route = route.options(_by_reference=True)",
              ("tests/test_serve_floor.py",), "the floor app's calls take the transport they are asked for"),
+    Mutation("control-warm-up-timed", "benchmarks/conversation_report.py",
+             'timed = [m for m in measured if m["conversation"]]', "timed = measured",
+             ("tests/test_conversation_report.py",), "the conversation benchmark's control leaves its warm-up out"),
+    Mutation("control-verdict-turn-1", "benchmarks/conversation_report.py",
+             "worst = max(ratios[1:])", "worst = max(ratios)",
+             ("tests/test_conversation_report.py",), "(b)'s verdict judges turns 2-4 only"),
 )
 
 

@@ -32,14 +32,15 @@ def run(requests: int, warmup: int) -> dict[str, list[tuple[float, dict[str, flo
     from benchmarks.peer.servers import start_serve
 
     url = start_serve()
+    apps = {name: f"floor-{name}" for name in TRANSPORTS}  # one Serve application per arm, routed at /<app>
     for name, by_reference in TRANSPORTS.items():
-        serve_floor.deploy(by_reference, f"floor-{name}")
+        serve_floor.deploy(by_reference, apps[name])
     out: dict[str, list] = {name: [] for name in TRANSPORTS}
     try:
         with httpx.Client(timeout=600) as client:
             for n in range(warmup + requests):
                 for name in (list(TRANSPORTS) if n % 2 else list(TRANSPORTS)[::-1]):  # neither arm always first
-                    row = serve_floor.ask(client, url, {"query": "q"}, f"/floor-{name}")
+                    row = serve_floor.ask(client, url, {"query": "q"}, "/" + apps[name])
                     if n >= warmup:
                         out[name].append(row)
     finally:
