@@ -25,6 +25,11 @@ def follow_up_verdict(ratios: list[float]) -> str:
     return f"turns 2–{TURNS} ≤ {TARGET_FOLLOW_UP}× vLLM's — **{met}** (worst turn {worst:.2f}×)."
 
 
+def phases_cell(ttft_ms: float, phase_ms: list[float]) -> str:
+    """The "qvpic ms" column: each of `PHASES`' medians, then the rest of the TTFT median outside them."""
+    return " / ".join(f"{x:.0f}" for x in phase_ms) + f" / {ttft_ms - sum(phase_ms):.0f}"
+
+
 def alone_report(measured: list[dict]) -> str:
     """The control's table: both engines alone, per turn (the warm-up conversation left out), and (b)'s verdict."""
     timed = [m for m in measured if m["conversation"]]
@@ -35,8 +40,7 @@ def alone_report(measured: list[dict]) -> str:
         phases = [statistics.median(m[p] for m in cells) for p in PHASES]
         ratios.append(q / v)
         table.append([f"turn {t + 1}", f"{q:.0f} / {max(m['ms'] for m in cells):.0f}",
-                      f"{v:.0f} / {max(m['vllm_ms'] for m in cells):.0f}", f"{q / v:.2f}×",
-                      " / ".join(f"{x:.0f}" for x in phases) + f" / {q - sum(phases):.0f}"])
+                      f"{v:.0f} / {max(m['vllm_ms'] for m in cells):.0f}", f"{q / v:.2f}×", phases_cell(q, phases)])
     header = ["turn", "qvpic TTFT p50 / max ms", "vLLM TTFT p50 / max ms", "qvpic / vLLM",
               "qvpic ms: " + " / ".join(PHASES) + " / the rest"]
     return (f"The control, (b) with each engine alone on the machine: {len(timed) // TURNS} other conversations of "
@@ -66,8 +70,8 @@ def interleaved_report(run: dict, how: str) -> str:
                       f"{statistics.median(m['prompt'] for m in cells['qvpic']):.0f}",
                       f"{statistics.median(m['cached'] for m in cells['vllm']):.0f} of "
                       f"{statistics.median(m['prompt'] for m in cells['vllm']):.0f}"])
-    rates = {name: sum(m["tokens"] for c in run[name] for m in c) / run["wall_s"][name] for name in ("qvpic", "vllm")}
     tokens = {name: sum(m["tokens"] for c in run[name] for m in c) for name in ("qvpic", "vllm")}
+    rates = {name: tokens[name] / run["wall_s"][name] for name in tokens}
     ratio = rates["qvpic"] / rates["vllm"]
     met = "met" if ratio >= TARGET_THROUGHPUT else "missed"
     header = ["workload", "qvpic TTFT p50 / p99 ms", "vLLM TTFT p50 / p99 ms", "qvpic / vLLM (p50)",
@@ -92,9 +96,7 @@ def row(name: str, cells: list[dict]) -> tuple[list, float]:
             f"{_median(cells, 'qvpic_cached'):.0f} of {_median(cells, 'qvpic_prompt'):.0f} "
             f"({_median(cells, 'qvpic_prefix'):.0f} prefix cache)",
             f"{_median(cells, 'vllm_cached'):.0f} of {_median(cells, 'vllm_prompt'):.0f}",
-            f"{_median(cells, 'chunks'):.0f}",
-            " / ".join(f"{_median(cells, 'qvpic_' + phase):.0f}" for phase in PHASES)
-            + f" / {q - sum(_median(cells, 'qvpic_' + phase) for phase in PHASES):.0f}"], q / v
+            f"{_median(cells, 'chunks'):.0f}", phases_cell(q, [_median(cells, "qvpic_" + p) for p in PHASES])], q / v
 
 
 def report(spec, quick, conversations, rows, identical, build_s, wall_s) -> str:
