@@ -400,3 +400,25 @@ def test_a_request_being_prefilled_counts_as_running(vlm, chunks, monkeypatch):
     rec.submit(linked(vlm, chunks[:2], "When does it ship?"), 2)
     rec.engine.step()
     assert seen == [(1, 0)]
+
+
+def test_a_join_where_one_row_ends_at_its_prefill_beside_one_that_goes_on_keeps_every_row(vlm, chunks):
+    """Under a mixed load (issue 57): one step admits a request that ends at its prefill (one token) beside one
+    that goes on, while another decodes. Each ends well with the tokens it has alone; the one that ended at once
+    leaves the slab, the other two keep their rows (a step that raised would fail all three)."""
+    rec = Recorder(vlm)
+    decoding = rec.submit(linked(vlm, [chunks[0]], "When?"), 6)
+    rec.run(steps=1)
+    assert decoding.status is Status.RUNNING
+    at_once = rec.submit(linked(vlm, [chunks[4]], "Which part?"), 1)
+    goes_on = rec.submit(linked(vlm, chunks[:2], "When does it ship?"), 5)
+    rec.engine.step()  # both join in this one step
+    assert at_once.status is Status.FINISHED and at_once.end is End.LENGTH
+    assert goes_on.status is Status.RUNNING and decoding.status is Status.RUNNING
+    assert rec.engine.scheduler.running == [decoding, goes_on] and rec.engine.slab.num_rows == 2
+    rec.run()
+    for seq in (decoding, at_once, goes_on):
+        tokens, _ = alone(vlm, seq.context, seq.sampling.max_new_tokens)
+        assert seq.token_ids == tokens and seq.end in (End.STOP, End.LENGTH), seq.end
+        assert rec.events[seq.id][-1] == Finished(seq.end)
+    assert rec.engine.slab is None and not rec.engine.scheduler.running

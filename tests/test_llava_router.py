@@ -15,7 +15,7 @@ import pytest
 from pipeline.runtime import VLM, Embedder
 from pipeline.runtime.tiny import build
 from schemas.api import AnswerRequest
-from schemas.config import ModelSpec
+from schemas.config import HybridSpec, ModelSpec
 from serve.config import RouterConfig
 from serve.routing import Router
 from tests.store_factory import build_store
@@ -61,3 +61,28 @@ def test_text_chunks_leave_the_instruction_where_it_was(llava):
     assert [c.chunk_id for c in planned.chunks] == IDS and all(c.tier is None for c in planned.chunks)
     assert planned.instruction == INSTRUCTION and planned.query_prompt is None
     assert planned.prefix_tokens == len(vlm.adapter.prefix_ids) + len(vlm.adapter.encode(INSTRUCTION))
+
+
+def test_a_conversation_puts_its_pages_before_its_text_chunks(llava):
+    """The chat path (issue 57: its branch in `Router.group` was unguarded): in one user turn the template renders
+    every image, then the text, so with the hybrid rule serving one chunk as text and one as pages, the pages come
+    first whatever the request's order. The rule's ratio is set between the two chunks' own text/page ratios, so
+    exactly the chunk named first is text; the expected order (pages, then text) is the template's, by hand."""
+    vlm, router = llava
+    ratios = {}
+    for chunk_id in IDS:  # each chunk's text tokens over its lowest-tier pages' (what rule 1 compares)
+        as_text = asyncio.run(router.plan(AnswerRequest(query=QUERY, chunk_ids=[chunk_id], mode="text_pic")))
+        as_pages = asyncio.run(router.plan(AnswerRequest(query=QUERY, chunk_ids=[chunk_id], mode="image_pic")))
+        ratios[chunk_id] = as_text.chunks[0].num_tokens / as_pages.chunks[0].num_tokens
+    first, second = sorted(IDS, key=ratios.get)  # `first` turns to text at a ratio `second` does not
+    assert ratios[first] < ratios[second]
+    config = router.config.model_copy(update={"defaults": router.config.defaults.model_copy(update={
+        "hybrid": HybridSpec(enabled=True, text_cost_ratio=(ratios[first] + ratios[second]) / 2)})})
+    hybrid = Router(config)
+    try:
+        messages = [{"role": "user", "content": QUERY}]
+        planned = asyncio.run(hybrid.plan(AnswerRequest(query=QUERY, messages=messages, chunk_ids=[first, second],
+                                                        mode="qvpic")))
+    finally:
+        hybrid.close()
+    assert [(c.chunk_id, c.tier is None) for c in planned.chunks] == [(second, False), (first, True)]

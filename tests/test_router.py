@@ -449,3 +449,27 @@ def test_prompts_framed_on_concurrent_threads_keep_a_users_special_tokens_as_tex
     shared._backends, shared._lock = None, contextlib.nullcontext()  # every call through the one shared backend
     monkeypatch.setitem(encoders._ENCODERS, prompt.tokenizer, shared)
     assert run() > 0  # the control
+
+
+@pytest.mark.parametrize("history_chunks", [False, True])
+def test_the_last_user_turn_drives_retrieval_in_a_conversation(roles, history_chunks):
+    """A chat of two user turns on different documents, through the chat edge (issue 57: which turn retrieves was
+    unguarded). The last turn's question retrieves the chunks placed at it, whatever came before: the warranty
+    chunk, not the invoice the first turn asked about. With history_chunks the first turn keeps its own chunk
+    in its own group, before it. Expected documents come from DOCUMENTS' texts (store_factory), read by hand."""
+    from schemas.chat import ChatCompletionRequest
+    from serve.http.openai.chat import answer_request
+
+    chat = ChatCompletionRequest(model="qvpic", messages=[
+        {"role": "user", "content": "Which part ships on 12 March, according to invoice 4471?"},
+        {"role": "assistant", "content": "Part XK-4471-B."},
+        {"role": "user", "content": "How many years does the warranty cover against normal use?"}],
+        qvpic={"top_k": 1, "history_chunks": history_chunks})
+    plan = asyncio.run(roles.router.plan(answer_request(chat, default_top_k=1)))
+    last = [c for c in plan.chunks if c.group == len(plan.layout.texts) - 2]
+    assert [c.chunk_id for c in last] == ["manual#00001"]
+    earlier = [c.chunk_id for c in plan.chunks if c not in last]
+    assert earlier == (["invoices#00000"] if history_chunks else [])
+    # and the last group sits at the start of the last user message: only that question is read after it
+    after = roles.generator.vlm.tokenizer.decode([t for piece in plan.layout.after.pieces for t in piece])
+    assert "warranty" in after and "12 March" not in after

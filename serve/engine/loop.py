@@ -220,8 +220,8 @@ class Engine:
         rows = self.scheduler.running + joining  # the merged slab's row order
         live = [s for s in joining if s.status is not Status.FINISHED]  # not done at once (EOS, 1 token)
         if len(live) < len(joining):  # done at once: their prompt KV goes into the prefix cache from here
-            rows = [(slab, row) for slab in slabs for row in range(len(slab.lengths))]
-            for (slab, row), seq in zip(rows, joining):
+            new_rows = [(slab, row) for slab in slabs for row in range(len(slab.lengths))]  # aligned with joining
+            for (slab, row), seq in zip(new_rows, joining):
                 if seq.status is Status.FINISHED:
                     self._store_row(slab, row, seq)
         with self._work:
