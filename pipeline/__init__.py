@@ -1,6 +1,6 @@
 """qvpic's offline path and the model runtime both paths share.
 
-    runtime/   the VLM (load, compile, re-anchor, assemble, batch, recompute), renderer, token estimator,
+    runtime/   the VLM (load, compile, re-anchor, assemble, forward, recompute), renderer, token estimator,
                embedder, OCR
     store/     the KV store: blob I/O, part log, shards, entries, generations; catalog/, check/
     ingest/    the Ray Data jobs (ingest, recompile) and their stages/

@@ -292,7 +292,7 @@ class RecomputeSpec(Frozen):
 
 
 class PrefixCacheSpec(Frozen):
-    """The generator's prefix KV cache (pipeline/runtime/prefix_cache.py): blocks of a finished request's prompt
+    """The generator's prefix KV cache (serve/engine/qvpic/prefix_cache.py): blocks of a finished request's prompt
     and answer, keyed by everything before them (tokens, images, linked chunks) and the tenant."""
 
     block_tokens: int = Field(16, ge=1, le=1024)  # columns per block (vLLM: 16 on GPU, 128 on its CPU backend)
@@ -352,7 +352,7 @@ class EngineSpec(Frozen):
     max_prefill_tokens: int = Field(8192, ge=1)
     hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device
     # On a CPU, memory of finished slabs kept for the next ones (a fresh page faults at its first write:
-    # pipeline/runtime/slab_memory.py); 0 allocates every slab afresh. A GPU's caching allocator does this itself.
+    # serve/engine/qvpic/slab_memory.py); 0 allocates every slab afresh. A GPU's caching allocator does this itself.
     slab_reuse_nbytes: int = Field(1 << 30, ge=0)
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
     forward: ForwardSpec = Field(default_factory=ForwardSpec)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.runtime import fused as fused_module
-from pipeline.runtime.batch import Slab, forward
+from serve.engine.qvpic.batch import Slab, forward
 from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.model import VLM

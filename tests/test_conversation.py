@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from pipeline.runtime.conversation import ChatPart, ChatTurn, decode_image, pil_image, prepare_segment, render_layout
-from pipeline.runtime.linked_prompt import LinkedPrompt
 from schemas.prompt import ImageRef
+from serve.engine.prepared import LinkedPrompt
 from tests.test_chat_templates import checkpoint, fixture_template, install  # noqa: F401  (a fixture)
 from tests.test_prefix_cache import Driver
 from tests.test_runtime_exactness import page

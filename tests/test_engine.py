@@ -11,16 +11,18 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import DynamicCache
 
-from pipeline.runtime import VLM, batch, reanchor
+from pipeline.runtime import VLM, reanchor
 from pipeline.runtime import kv as kv_module
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import RotationTable
-from pipeline.runtime.linked_prompt import native_prompt
 from schemas.config import CompilePrefix, EngineSpec, ModelFamily
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
-from serve.engine import loop as loop_module
-from serve.engine.loop import Engine, LinkedContext, OnlineContext, column_nbytes
+from serve.engine.prepared import LinkedContext, OnlineContext
+from serve.engine.qvpic import batch
+from serve.engine.qvpic import engine as loop_module
+from serve.engine.qvpic.engine import QvpicEngine, column_nbytes
+from serve.engine.qvpic.linked_prompt import native_prompt
 from serve.engine.sequence import End, Finished, Sequence, Status
 from tests.test_reanchor import native
 
@@ -84,7 +86,7 @@ class Recorder:
     def __init__(self, vlm: VLM, spec: EngineSpec = EngineSpec()):
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.events: dict[int, list] = {}
-        self.engine = Engine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
+        self.engine = QvpicEngine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
         self.vlm = vlm
 
     def submit(self, context, max_new_tokens: int, **fields) -> Sequence:
@@ -95,7 +97,7 @@ class Recorder:
                        emit=lambda e: None)
         seq.emit = self.events.setdefault(seq.id, []).append
         self.logits[seq.id] = []
-        self.engine.submit(seq)
+        self.engine.add(seq)
         return seq
 
     def run(self, steps: int | None = None) -> None:
@@ -189,7 +191,7 @@ def test_cancelled_and_expired_rows_leave_at_the_next_step_and_free_their_kv(vlm
     expires = rec.submit(linked(vlm, chunks[1:3], "Why?"), 40)
     rec.run(steps=2)
     full = rec.engine.slab.nbytes
-    rec.engine.cancel(leaves)
+    rec.engine.abort(leaves)
     expires.deadline = time.monotonic()
     rec.run(steps=1)
     assert (leaves.end, expires.end, keeps.status) == (End.CANCELLED, End.DEADLINE, Status.RUNNING)
@@ -329,7 +331,7 @@ def forked(rec: Recorder, context, max_new_tokens: int, n: int, **fields) -> lis
         rec.logits[seq.id] = []
         members.append(seq)
     members[0].forks = members[1:]
-    rec.engine.submit(members[0])
+    rec.engine.add(members[0])
     return members
 
 
@@ -371,14 +373,14 @@ def test_n_choices_count_as_n_rows_and_leave_together_when_cancelled(vlm, chunks
     with pytest.raises(TooLargeError, match="max_batch_size"):
         forked(Recorder(vlm, EngineSpec(max_batch_size=2)), context, 10, 3)
     waiting = forked(rec, context, 10, 3)
-    rec.engine.cancel(waiting[0])  # cancelled before it joined: its forks end with it
+    rec.engine.abort(waiting[0])  # cancelled before it joined: its forks end with it
     rec.run()
     assert [s.end for s in waiting] == [End.CANCELLED] * 3
     running = forked(rec, context, 10, 3)
     rec.run(steps=2)
     assert len(rec.engine.scheduler.running) == 3
     for seq in running:
-        rec.engine.cancel(seq)
+        rec.engine.abort(seq)
     rec.run()
     assert all(s.end is End.CANCELLED for s in running) and rec.engine.slab is None
 
@@ -389,14 +391,14 @@ def test_a_request_being_prefilled_counts_as_running(vlm, chunks, monkeypatch):
     tests' disconnect race)."""
     rec = Recorder(vlm)
     seen: list[tuple[int, int]] = []
-    prefill = Engine._prefill_linked
+    prefill = QvpicEngine._prefill_linked
 
     def watched(self, seqs):
         stats = self.stats()
         seen.append((stats.running, stats.waiting))
         return prefill(self, seqs)
 
-    monkeypatch.setattr(Engine, "_prefill_linked", watched)
+    monkeypatch.setattr(QvpicEngine, "_prefill_linked", watched)
     rec.submit(linked(vlm, chunks[:2], "When does it ship?"), 2)
     rec.engine.step()
     assert seen == [(1, 0)]

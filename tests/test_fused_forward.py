@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from pipeline.runtime import fused as fused_module
-from pipeline.runtime.batch import Slab, forward
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.model import VLM
 from schemas.config import DType, EngineSpec, ForwardSpec, ModelSpec
-from serve.engine.loop import Engine
+from serve.engine.qvpic.batch import Slab, forward
+from serve.engine.qvpic.engine import QvpicEngine
 
 EXACT = 1e-5  # the suite's fp32 tolerance (tests/test_runtime_exactness.py)
 # bf16 products (fp32 accumulation, KV and attention in fp32), measured on oracle-qwen (the peakiest built-in
@@ -165,16 +165,16 @@ def test_bf16_products_within_the_stated_tolerance():
 
 def test_the_engine_picks_the_forward_its_spec_asks_for():
     qwen = VLM(ModelSpec(path="tiny-qwen"))
-    Engine(qwen, EngineSpec(), start=False)
+    QvpicEngine(qwen, EngineSpec(), start=False)
     assert isinstance(qwen.fused, FusedDecoder)
-    Engine(qwen, EngineSpec(forward=ForwardSpec(fused=False)), start=False)
+    QvpicEngine(qwen, EngineSpec(forward=ForwardSpec(fused=False)), start=False)
     assert qwen.fused is None
     glm = VLM(ModelSpec(path="tiny-glm"))  # its decoder (fused gate_up, post-norms) is not the Qwen2 one
     assert not FusedDecoder.supports(glm.model)
-    Engine(glm, EngineSpec(), start=False)
+    QvpicEngine(glm, EngineSpec(), start=False)
     assert glm.fused is None
     with pytest.raises(ValueError, match="matmul_dtype"):
-        Engine(glm, EngineSpec(forward=ForwardSpec(matmul_dtype=DType.BFLOAT16)), start=False)
+        QvpicEngine(glm, EngineSpec(forward=ForwardSpec(matmul_dtype=DType.BFLOAT16)), start=False)
     with pytest.raises(ValueError, match="matmul_dtype needs forward.fused"):
         ForwardSpec(fused=False, matmul_dtype=DType.BFLOAT16)
 

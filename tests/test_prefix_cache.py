@@ -1,4 +1,4 @@
-"""The prefix KV cache around linked chunks (pipeline/runtime/prefix_cache.py, linked_prompt.py) in the engine.
+"""The prefix KV cache around linked chunks (serve/engine/qvpic/prefix_cache.py, linked_prompt.py) in the engine.
 
 Each claim is checked on the engine's own counts (prompt columns served from the cache) and against the answer
 with the cache off (greedy tokens identical, logits within 1e-4 in float32):
@@ -21,11 +21,12 @@ import torch
 from PIL import Image, ImageDraw
 
 from pipeline.runtime.conversation import PreparedSegment
-from pipeline.runtime.linked_prompt import LinkedPrompt, native_prompt
-from pipeline.runtime.prefix_cache import PrefixCache, StreamKeys, block_hashes
 from schemas.config import EngineSpec, PrefixCacheSpec
 from schemas.sampling import Sampling
-from serve.engine.loop import Engine, LinkedContext
+from serve.engine.prepared import LinkedContext, LinkedPrompt
+from serve.engine.qvpic.engine import QvpicEngine
+from serve.engine.qvpic.linked_prompt import native_prompt
+from serve.engine.qvpic.prefix_cache import PrefixCache, StreamKeys, block_hashes
 from serve.engine.sequence import Sequence
 
 TOLERANCE = 1e-4
@@ -53,13 +54,13 @@ class Driver:
         spec = EngineSpec(prefix_cache=PrefixCacheSpec(block_tokens=block_tokens, device_nbytes=cache_nbytes,
                                                        host_nbytes=host_nbytes, final_logits=final_logits))
         self.logits: dict[int, list[torch.Tensor]] = {}
-        self.engine = Engine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
+        self.engine = QvpicEngine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
 
     def run(self, prompt: LinkedPrompt, salt: bytes = TENANT_A, max_new_tokens: int = 6) -> Sequence:
         seq = Sequence(Sampling(max_new_tokens=max_new_tokens), LinkedContext(prompt, salt), prompt.num_tokens,
                        prompt.after.num_tokens, emit=lambda e: None)
         self.logits[seq.id] = []
-        self.engine.submit(seq)
+        self.engine.add(seq)
         while self.engine.scheduler.waiting or self.engine.scheduler.running:
             self.engine.step()
         return seq
@@ -74,7 +75,7 @@ def same_answer(driver_a: Driver, a: Sequence, driver_b: Driver, b: Sequence) ->
 @pytest.fixture
 def forwards(monkeypatch):
     """How many batched forwards (query prefills and decode steps) the engine ran."""
-    from pipeline.runtime import batch
+    from serve.engine.qvpic import batch
 
     calls, real = [], batch.forward
     monkeypatch.setattr(batch, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -1,4 +1,4 @@
-"""KV slab memory reused on a CPU (pipeline/runtime/slab_memory.py) — never while anything still uses it.
+"""KV slab memory reused on a CPU (serve/engine/qvpic/slab_memory.py) — never while anything still uses it.
 
 - a slab dropped gives its buffer to the next slab of its size class (the same memory: no fresh page to fault on),
   at once, without waiting for the cyclic collector (a slab's layers refer back to it weakly);
@@ -14,8 +14,8 @@ import gc
 
 import torch
 
-from pipeline.runtime.batch import Slab
-from pipeline.runtime.slab_memory import SLAB_MEMORY, SlabMemory, size_class
+from serve.engine.qvpic.batch import Slab
+from serve.engine.qvpic.slab_memory import SLAB_MEMORY, SlabMemory, size_class
 
 SHAPE = (2, 2, 1, 2, 300, 8)  # [layers, 2, rows, kv_heads, capacity, head_dim]
 
@@ -73,20 +73,21 @@ def test_free_memory_stays_within_its_bound_and_zero_keeps_none():
 
 
 def test_a_follow_up_turn_takes_the_memory_of_the_turn_before(vlm):
-    from pipeline.runtime.linked_prompt import native_prompt
     from schemas.config import EngineSpec
     from schemas.sampling import Sampling
-    from serve.engine.loop import Engine, LinkedContext
+    from serve.engine.prepared import LinkedContext
+    from serve.engine.qvpic.engine import QvpicEngine
+    from serve.engine.qvpic.linked_prompt import native_prompt
     from serve.engine.sequence import Sequence
 
-    engine = Engine(vlm, EngineSpec(), start=False)
+    engine = QvpicEngine(vlm, EngineSpec(), start=False)
     chunks = [vlm.compile_text("The warranty covers two years of normal use.")]
 
     def run(question: str) -> Sequence:
         prompt = native_prompt(vlm, chunks, question)
         seq = Sequence(Sampling(max_new_tokens=3), LinkedContext(prompt, b"tenant"), prompt.num_tokens,
                        prompt.after.num_tokens, emit=lambda e: None)
-        engine.submit(seq)
+        engine.add(seq)
         while engine.scheduler.waiting or engine.scheduler.running:
             engine.step()
         return seq

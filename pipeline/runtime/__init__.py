@@ -1,18 +1,15 @@
 """The VLM runtime both paths share: loading a model (or building a tiny or real-shape offline one), compiling
-a chunk's KV under the chat-template prefix, re-anchoring and assembling linked chunks (M-RoPE), batched prefill and
-decode, selective recompute; and what both paths compute beside the model — the page renderer, the
-vision-token estimator, the text embedder, OCR, and the one dtype map."""
+a chunk's KV under the chat-template prefix, re-anchoring and assembling linked chunks (M-RoPE), the fused and
+compiled forwards, selective recompute; and what both paths compute beside the model — the page renderer, the
+vision-token estimator, the text embedder, OCR, and the one dtype map. What batches and schedules requests over
+this runtime is serving's alone: serve/engine/."""
 
 from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "adapters": ["ChatTemplate", "family_classes"],
-    "batch": ["Slab", "decode_step", "prefill_alone", "prefill_queries"],
     "conversation": ["ChatPart", "ChatTurn", "ConversationError", "PreparedSegment", "decode_image", "pil_image",
                      "prepare_segment", "render_layout"],
-    "linked_prompt": ["LinkedPrompt", "Resumed", "native_prompt", "resume", "store"],
-    "prefix_cache": ["PrefixCache", "PrefixCacheStats"],
-    "slab_memory": ["SLAB_MEMORY", "SlabMemory"],
     "dtypes": [
         "DTYPE_OF", "PAYLOAD_DTYPES", "PAYLOAD_MAX", "SCALE_DTYPE", "StoredFormat", "TORCH_DTYPES",
         "stored_format"

@@ -102,7 +102,7 @@ def render_layout(tokenizer, template: ChatTemplate, image_token: str, turns: Se
     Templates differ in the content they take: most render a string as it is, some (llava-hf's) iterate over a
     list of parts and render nothing of a string. As vLLM's `--chat-template-content-format auto` does, string
     content is tried as a string first, then as one text part, and the form that renders every message is kept.
-    `tools` go to the template as they are (for one that renders them: pipeline/runtime/tool_turns.py)."""
+    `tools` go to the template as they are (for one that renders them: serve/routing/tool_turns.py)."""
     try:
         return _render(tokenizer, template, image_token, turns, chunks_at, tools, strings=True)
     except ConversationError as error:

@@ -1,5 +1,5 @@
 """The language model's forward over a slab, written out: what the batched engine runs at every decode step and
-every query-turn prefill (pipeline/runtime/batch.py), in place of transformers' generic forward.
+every query-turn prefill (serve/engine/qvpic/batch.py), in place of transformers' generic forward.
 
 Why: a decode step of a ~80M-parameter model is a dozen small matrix products per layer, and transformers
 spends as long again around them (mask and position bookkeeping, per-layer cache objects, seven projections

@@ -69,7 +69,7 @@ class VLM:
         self.fused: FusedDecoder | None = None  # the batched engine's forward, once `use_forward` chose it
 
     def use_forward(self, spec: ForwardSpec) -> None:
-        """How the batched engine's forwards run from now on (pipeline/runtime/batch.py `forward`): the written-out
+        """How the batched engine's forwards run from now on (serve/engine/qvpic/batch.py `forward`): the written-out
         forward where `spec.fused` and the decoder supports it, else transformers'."""
         if spec.fused and not FusedDecoder.supports(self.model):
             if spec.matmul_dtype is not None or spec.compiled:

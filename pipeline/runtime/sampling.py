@@ -1,5 +1,6 @@
 """Choosing the next token from one step's logits: OpenAI's penalties and logit bias, then greedy or temperature +
-nucleus sampling. The serving engine (serve/engine/loop.py) and `VLM.decode` both call these: one rule for both."""
+nucleus sampling. The serving engine (serve/engine/qvpic/sampler.py) and `VLM.decode` both call these: one rule for
+both."""
 
 from __future__ import annotations
 

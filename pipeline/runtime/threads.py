@@ -16,7 +16,7 @@ and what it sends off the event loop during requests (a conversation's images th
 rendered, an entry rebuilt) goes to a thread of its own that ends with the call (`off_loop`). The thread that
 runs the replica's event loop lives as long as the process, and its own tensor work (a loaded entry copied
 into the hot tier) would start a pool too: `serial_here` keeps that thread's kernels on one thread. Then the
-engine's thread (serve/engine/loop.py) holds the process's only pool. Starting a thread costs ~0.1 ms; these
+engine's thread (serve/engine/qvpic/engine.py) holds the process's only pool. Starting a thread costs ~0.1 ms; these
 calls are a few per request at most.
 """
 

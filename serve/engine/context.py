@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from PIL import Image
 from ray.serve.handle import DeploymentHandle
 
-from pipeline.runtime import VLM, ChunkKV, LinkedPrompt, PreparedSegment, Renderer, off_loop, prepare_segment
+from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
 from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.api import CacheReport, FallbackReport, KVSource
 from schemas.config import Mode, RecomputeSpec, RenderSpec
 from schemas.errors import PageImageRefusedError, UnservableError
-from serve.engine.loop import LinkedContext, OnlineContext
+from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer
 from serve.handles import cancelling
 from serve.kv import CacheLoader, HotTier, kv_tensor, recompute_inputs
@@ -36,7 +36,7 @@ ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
 class Context:
     """What one request puts in context, and where it came from."""
 
-    prefill: LinkedContext | OnlineContext
+    prefill: PreparedContext
     served: list[Entry | None]  # aligned with plan.chunks: the entry each linked chunk was served from
     cache: CacheReport
     fallbacks: tuple[FallbackReport, ...]
@@ -161,8 +161,8 @@ class ContextBuilder:
         groups: list[list] = [[] for _ in range(len(texts) - 1)]
         for planned, piece in zip(plan.chunks, pieces):
             groups[planned.group].append(piece)
-        return Context(OnlineContext(texts, groups, plan.cache_salt), [None] * len(plan.chunks), report, plan.fallbacks,
-                       render_ms=render_ms)
+        prefill = OnlineContext(texts, groups, plan.cache_salt, chunk_tokens=sum(c.num_tokens for c in plan.chunks))
+        return Context(prefill, [None] * len(plan.chunks), report, plan.fallbacks, render_ms=render_ms)
 
     async def _load(self, plan: Plan, loader) -> LoadResult:
         if loader is None:

@@ -42,7 +42,9 @@ from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig
 from serve.engine.context import ContextBuilder
 from serve.engine.detokenizer import Detokenizer, token_text
-from serve.engine.loop import Engine, EngineStats, LinkedContext
+from serve.engine.interface import EngineStats, PrefixCacheStats
+from serve.engine.prepared import PreparedContext
+from serve.engine.qvpic import QvpicEngine
 from serve.engine.repair import Repairer
 from serve.engine.report import FINISH, answer_report
 from serve.engine.sequence import End, Finished, Sequence
@@ -98,7 +100,7 @@ class Generator:
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
         # where the hot tier's misses come from; a LoaderConfig: this replica's own (loader_placement in_generator)
         self.loader = CacheLoader(loader) if isinstance(loader, LoaderConfig) else loader
-        self.engine = Engine(self.vlm, config.engine)
+        self.engine = QvpicEngine(self.vlm, config.engine)  # the Engine this generator drives
         self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock, config.images_root)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),
                                        config.recompute, self.repairer, config.images_root)
@@ -131,27 +133,20 @@ class Generator:
         except TimeoutError:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
         prefill = context.prefill
-        num_query = len(prefill.query_ids) if isinstance(prefill, LinkedContext) else 0
-        if isinstance(prefill, LinkedContext):
-            num_prompt = prefill.prompt.num_tokens  # as served: a lazily compiled entry's own count
-        else:
-            num_prompt = sum(t.num_tokens for t in prefill.texts) + sum(c.num_tokens for c in plan.chunks)
         loop = asyncio.get_running_loop()
-        runs = [Run(self, sampling.choice(i), prefill, num_prompt, num_query, deadline, loop)
-                for i in range(sampling.n)]
+        runs = [Run(self, sampling.choice(i), prefill, deadline, loop) for i in range(sampling.n)]
         leader = runs[0].seq
-        leader.forks = [run.seq for run in runs[1:]]  # prefilled once, decoded as n rows (serve/engine/loop.py)
-        self.engine.submit(leader)
+        leader.forks = [run.seq for run in runs[1:]]  # prefilled once, decoded as n rows
+        self.engine.add(leader)  # a grammar that does not compile is a 400 here, before anything is queued
         try:
             async for piece in runs[0].pieces(timeout_s) if len(runs) == 1 else merged(runs, timeout_s):
                 yield piece
-            after = prefill.prompt.after if isinstance(prefill, LinkedContext) else prefill.after
             first, *others = runs
-            yield Answer(text=first.text, report=answer_report(plan, context, leader, after.num_tokens),
+            yield Answer(text=first.text, report=answer_report(plan, context, leader, prefill.after.num_tokens),
                          logprobs=first.logprobs(), choices=tuple(run.choice() for run in others))
         finally:
             for run in runs:
-                self.engine.cancel(run.seq)  # a no-op once finished; else the caller went away: the row leaves
+                self.engine.abort(run.seq)  # a no-op once finished; else the caller went away: the row leaves
 
     def generate_blocking(self, plan: Plan, sampling: Sampling, *, loaded: LoadResult | None = None,
                           loader: CacheLoader | None = None) -> Answer:
@@ -179,8 +174,8 @@ class Generator:
         its hot tier's key sketch and counters."""
         return self.contexts.hot.report().to_stats()
 
-    def prefix_cache_stats(self):
-        return self.engine.prefix_cache.stats
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.engine.stats().prefix_cache
 
     def clear_prefix_cache(self) -> None:
         """Drop the prefix KV cache (a cold measurement)."""
@@ -221,17 +216,14 @@ class Run:
     """One choice of a request: its engine sequence, and the request side of its events — the text as it decodes
     (stop strings cut, log-probabilities attached) and how it ended."""
 
-    def __init__(self, generator: Generator, sampling: Sampling, prefill, num_prompt: int, num_query: int,
-                 deadline: float | None, loop: asyncio.AbstractEventLoop):
+    def __init__(self, generator: Generator, sampling: Sampling, prefill: PreparedContext, deadline: float | None,
+                 loop: asyncio.AbstractEventLoop):
         self.tokenizer = generator.vlm.tokenizer
         self.sampling = sampling
         self.events: asyncio.Queue = asyncio.Queue()
-        self.seq = seq = Sequence(sampling, prefill, num_prompt, num_query, deadline=deadline,
-                                  emit=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
-        if sampling.grammar is not None:  # compiled here: a bad schema is a 400 before the request is queued
-            seq.grammar = generator.engine.chooser.grammars.matcher(sampling.grammar, sampling.grammar_param)
-        if sampling.stop:  # the engine's matcher ends decoding at a match; this one cuts the text the same way
-            seq.stops = StopMatcher(self.tokenizer, sampling.stop)
+        self.seq = Sequence(sampling, prefill, prefill.num_prompt_tokens, prefill.num_query_tokens, deadline=deadline,
+                            emit=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
+        # the engine ends decoding at a stop string; this matcher cuts the text the same way
         self.detokenizer = StopMatcher(self.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.tokenizer)
         self.text = ""
         # sent: tokens whose log-probabilities went out with a piece; received: tokens delivered so far (the engine

@@ -45,7 +45,7 @@ class Finished:
 @dataclass(eq=False)
 class Sequence:
     sampling: Sampling
-    context: Any  # what the runner prefills: serve.engine.LinkedContext or OnlineContext
+    context: Any  # what the engine prefills: serve/engine/prepared.py `LinkedContext` or `OnlineContext`
     num_prompt_tokens: int  # context + query tokens: the columns it holds once prefilled
     num_query_tokens: int  # tokens of its batched query prefill (0: its whole prompt is prefilled alone)
     emit: Callable[[int | Finished], None]  # thread-safe: a token id, then one Finished

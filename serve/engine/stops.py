@@ -2,7 +2,7 @@
 
 A stop string may be split over several tokens, or begin inside one: the matcher holds back any tail of the text
 that could still begin a stop string, so a stream never shows part of one, and at a match it gives the text before
-the stop string and says so. Two matchers see the same tokens: the engine's (serve/engine/loop.py) ends the
+the stop string and says so. Two matchers see the same tokens: the engine's (serve/engine/qvpic/engine.py) ends the
 sequence at the match, before another decode step; the generator's (serve/engine/generator.py) turns the same
 tokens into the answer's text. Both are deterministic over the token ids, so they agree.
 """

@@ -18,14 +18,14 @@ from transformers import AutoConfig, AutoTokenizer
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
 from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
 from pipeline.runtime.text_encoder import text_encoder
-from pipeline.runtime.tool_turns import default_system, hermes_turns, renders_tools, tool_dicts
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
 from schemas.errors import ApiError
 from schemas.prompt import PromptLayout, Segment
 from schemas.tools import ToolUse
+from serve.routing.tool_turns import default_system, hermes_turns, renders_tools, tool_dicts
 
-# families whose language model is Qwen2 / Qwen2.5, trained on Qwen2.5's tool format (pipeline/runtime/tool_turns.py)
+# families whose language model is Qwen2 / Qwen2.5, trained on Qwen2.5's tool format (serve/routing/tool_turns.py)
 HERMES_FAMILIES = frozenset({ModelFamily.QWEN2_5_VL, ModelFamily.QWEN2_VL, ModelFamily.LLAVA_ONEVISION})
 
 

@@ -2,7 +2,7 @@
 
 A linked prompt is `[texts[0]][group 0][texts[1]] … [group n-1][texts[n]]` (pipeline/runtime/conversation.py):
 texts are token runs and images, a group is compiled chunk KV re-anchored where it lands. `resume` looks the
-prompt's blocks up in the prefix cache (pipeline/runtime/prefix_cache.py) and returns
+prompt's blocks up in the prefix cache (serve/engine/qvpic/prefix_cache.py) and returns
 
     base    KV of every column before the last group's part still to link, at positions 0.. — the cached run,
             then what remains of the earlier texts forwarded and of the earlier groups linked, in order
@@ -33,7 +33,9 @@ from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import BlockRun, ChunkKV, assemble
-from pipeline.runtime.prefix_cache import (
+from schemas.config import ChunkKind
+from serve.engine.prepared import LinkedPrompt
+from serve.engine.qvpic.prefix_cache import (
     PrefixCache,
     StreamKeys,
     block_hashes,
@@ -41,52 +43,12 @@ from pipeline.runtime.prefix_cache import (
     partial_key,
     resume_point,
 )
-from schemas.config import ChunkKind
-
-
-@dataclass
-class LinkedPrompt:
-    texts: list[PreparedSegment]  # one more than the groups
-    groups: list[list[ChunkKV]]  # loaded KV at compile-time positions, in request order
-    identities: list[list[bytes]]  # each chunk's entry key (chunk, tier, variant, fingerprint), as bytes
-
-    @classmethod
-    def single(cls, before: PreparedSegment, chunks: list[ChunkKV], identities: list[bytes],
-               after: PreparedSegment) -> LinkedPrompt:
-        return cls([before, after], [list(chunks)], [list(identities)])
-
-    @property
-    def before(self) -> PreparedSegment:
-        return self.texts[0]
-
-    @property
-    def after(self) -> PreparedSegment:
-        return self.texts[-1]
-
-    @property
-    def chunks(self) -> list[ChunkKV]:
-        return [c for group in self.groups for c in group]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(t.num_tokens for t in self.texts) + sum(c.num_tokens for c in self.chunks)
-
-    def starts(self) -> list[int]:
-        """First column of each part, in order: texts[0], group 0, texts[1], …, texts[n]; then the end."""
-        columns, starts = 0, []
-        for i, text in enumerate(self.texts):
-            starts.append(columns)
-            columns += text.num_tokens
-            if i < len(self.groups):
-                starts.append(columns)
-                columns += sum(c.num_tokens for c in self.groups[i])
-        return starts + [columns]
 
 
 @dataclass
 class Hole:
     """A text run left unwritten in the row, then chunks linked after it: the run is computed in the same forward
-    as the tail (its tokens see only the columns before them; pipeline/runtime/batch.py `Slab.prepare`)."""
+    as the tail (its tokens see only the columns before them; serve/engine/qvpic/batch.py `Slab.prepare`)."""
 
     text: PreparedSegment  # text only (a run holding an image is forwarded on its own, in `resume`)
     chunks: list[ChunkKV]  # linked right after the run, re-anchored at the position the run ends at

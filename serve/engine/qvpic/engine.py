@@ -11,80 +11,31 @@ goes away costs at most one more step. The model lock is held per step: the gene
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from PIL import Image
 
-from pipeline.runtime import (
-    SLAB_MEMORY,
-    VLM,
-    ChunkInputs,
-    LinkedPrompt,
-    PrefixCache,
-    Slab,
-    decode_step,
-    ms_since,
-    prefill_alone,
-    prefill_queries,
-    resume,
-    store,
-)
+from pipeline.runtime import VLM, ms_since
 from pipeline.runtime.conversation import PreparedSegment
-from schemas.config import EngineSpec, RecomputeSpec
-from serve.engine.choice import Chooser
-from serve.engine.scheduler import Scheduler
+from schemas.config import EngineSpec
+from serve.engine.interface import Engine, EngineStats
+from serve.engine.prepared import LinkedPrompt
+from serve.engine.qvpic.batch import Slab, decode_step, prefill_alone, prefill_queries
+from serve.engine.qvpic.linked_prompt import resume, store
+from serve.engine.qvpic.prefix_cache import PrefixCache
+from serve.engine.qvpic.sampler import Sampler
+from serve.engine.qvpic.scheduler import Scheduler
+from serve.engine.qvpic.slab_memory import SLAB_MEMORY
 from serve.engine.sequence import End, Sequence, Status
+from serve.engine.stops import StopMatcher
 from serve.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LinkedContext:
-    """A linked prompt `[before][chunks][after]` (cached chunk KV on the device, at compile-time positions) and the
-    tenant salt its prefix-cache blocks are keyed under (pipeline/runtime/linked_prompt.py)."""
-
-    prompt: LinkedPrompt
-    salt: bytes = b""  # set by the server from the authenticated tenant, never by the client
-    recompute: tuple[RecomputeSpec, list[ChunkInputs]] | None = None  # chunk tokens to recompute, and their sources
-
-    @property
-    def chunks(self):
-        return self.prompt.chunks
-
-    @property
-    def query_ids(self) -> list[int]:
-        return self.prompt.after.ids
-
-
-@dataclass
-class OnlineContext:
-    """The online modes' context: chunk text or page images, prefilled in full with the query."""
-
-    texts: list[PreparedSegment]  # the prompt around the groups (template start, system, history, the question)
-    groups: list[list[str | list[Image.Image]]]  # each group's chunks: text, or page images
-    salt: bytes = b""  # the tenant's prefix-cache salt, as LinkedContext's
-
-    @property
-    def after(self) -> PreparedSegment:
-        return self.texts[-1]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int  # rows in the batch, and requests being prefilled to join it
-    waiting: int
-    kv_nbytes: int  # the batch's slab as allocated now
-    steps: int
-    decoded_tokens: int
-    ended: dict[str, int]  # requests by how they ended: stop, length, cancelled, deadline, failed
-    forward_threads: int  # torch's intra-op threads on the thread that runs the forwards (ForwardSpec.threads)
 
 
 def column_nbytes(vlm: VLM) -> int:
@@ -93,7 +44,9 @@ def column_nbytes(vlm: VLM) -> int:
     return layers * 2 * heads * head_dim * torch.finfo(vlm.dtype).bits // 8
 
 
-class Engine:
+class QvpicEngine(Engine):
+    """qvpic's engine (serve/engine/interface.py states the contract it keeps)."""
+
     def __init__(self, vlm: VLM, spec: EngineSpec, start: bool = True,
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
         self.vlm, self.spec = vlm, spec
@@ -109,20 +62,28 @@ class Engine:
         self.steps = self.decoded_tokens = 0
         self.ended: Counter[str] = Counter()  # requests by how they ended
         self._work = threading.Condition()
-        self.chooser = Chooser(vlm)  # each row's next token under its request's decoding controls
+        self.sampler = Sampler(vlm)  # each row's next token under its request's decoding controls
         self._joining: list[Sequence] = []
         self.forward_threads = torch.get_num_threads()  # the loop's own, once it runs (pipeline/runtime/threads.py)
         if start:
             threading.Thread(target=self._loop, name="qvpic-engine", daemon=True).start()
 
     # ---- the request's side ------------------------------------------------------------------------
-    def submit(self, seq: Sequence) -> None:
-        """Queue `seq` (TooLargeError: it can never fit; BusyError: the queue is full)."""
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` and its forks: their grammars and stop strings made first (InvalidRequestError: a grammar
+        llguidance cannot compile), then the caps (TooLargeError: it can never fit; BusyError: the queue is full)."""
+        tokenizer = self.vlm.tokenizer
+        for member in seq.members:
+            sampling = member.sampling
+            if sampling.grammar is not None:
+                member.grammar = self.sampler.grammars.matcher(sampling.grammar, sampling.grammar_param)
+            if sampling.stop:  # a completed match ends decoding (the generator's own matcher cuts the text alike)
+                member.stops = StopMatcher(tokenizer, sampling.stop)
         with self._work:
             self.scheduler.add(seq)
             self._work.notify()
 
-    def cancel(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence) -> None:
         """Drop `seq` at the next step (a no-op once it finished)."""
         if seq.status is not Status.FINISHED:
             seq.cancel()
@@ -149,7 +110,7 @@ class Engine:
             prefilling = sum(len(seq.members) for seq in self._joining)  # out of `waiting`, not yet in the batch
             return EngineStats(len(self.scheduler.running) + prefilling, len(self.scheduler.waiting),
                                self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens,
-                               dict(self.ended), self.forward_threads)
+                               dict(self.ended), self.forward_threads, dataclasses.replace(self.prefix_cache.stats))
 
     # ---- the engine's thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -194,18 +155,18 @@ class Engine:
                 self.slab = self.slab.keep(kept, self.scheduler.capacity()) if kept else None
                 self._work.notify_all()  # clear_prefix_cache may be waiting for these rows' prefixes to be kept
             for seq_id in gone:
-                self.chooser.forget(seq_id)
+                self.sampler.forget(seq_id)
 
     def _admit(self) -> None:
         with self._work:
-            self._joining = self.scheduler.schedule(self._online)
+            self._joining = self.scheduler.schedule()
         if not self._joining:
             return
         now = time.monotonic()
         for seq in self._joining:
             seq.queue_ms = (now - seq.submitted_at) * 1e3
-        linked = [s for s in self._joining if not self._online(s)]
-        online = [s for s in self._joining if self._online(s)]
+        linked = [s for s in self._joining if not s.context.online]
+        online = [s for s in self._joining if s.context.online]
         slabs, linked = self._prefill_linked(linked) if linked else ([], [])
         slabs += [self._prefill_online(s) for s in online]
         joining = linked + online  # the new slabs' row order
@@ -361,14 +322,14 @@ class Engine:
         """`seq`'s next token from its logits row `[vocab]` (`best`: the row's argmax)."""
         if self.on_logits is not None:
             self.on_logits(seq, row)
-        token = self.chooser.token(seq, row, best)
+        token = self.sampler.token(seq, row, best)
         if token in self.vlm.adapter.end_of_turn_ids:
             self._finish(seq, End.STOP)
             return
         seq.token_ids.append(token)
         self.decoded_tokens += 1
         seq.deliver(token)
-        if (end := self.chooser.ending(seq, token)) is not None:
+        if (end := self.sampler.ending(seq, token)) is not None:
             self._finish(seq, end)
 
     def _finish(self, seq: Sequence, end: End, error: Exception | None = None) -> None:
@@ -390,8 +351,4 @@ class Engine:
                 self._finish(seq, End.FAILED, error)
             self.scheduler.leave({s.id for s in self.scheduler.running})
             self.slab, self._joining = None, []
-            self.chooser.forget()
-
-    @staticmethod
-    def _online(seq: Sequence) -> bool:
-        return isinstance(seq.context, OnlineContext)
+            self.sampler.forget()

@@ -31,12 +31,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import AssembledContext, BlockRun, ChunkKV, assemble
-from pipeline.runtime.linked_prompt import Hole
 from pipeline.runtime.model import VLM, Prefill
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
-from pipeline.runtime.slab_memory import SLAB_MEMORY
 from pipeline.runtime.timing import ms_since
 from schemas.config import ChunkKind, RecomputeSpec
+from serve.engine.qvpic.linked_prompt import Hole
+from serve.engine.qvpic.slab_memory import SLAB_MEMORY
 
 
 class SlabLayer(CacheLayerMixin):
@@ -49,7 +49,7 @@ class SlabLayer(CacheLayerMixin):
         super().__init__()
         self.keys, self.values = keys, values  # [rows, kv_heads, capacity, head_dim]
         # not a strong reference: a slab and its layers would form a cycle, and its memory (tens of MB to GB) would
-        # wait for the cyclic collector instead of going back at once (to pipeline/runtime/slab_memory.py's pool)
+        # wait for the cyclic collector instead of going back at once (to serve/engine/qvpic/slab_memory.py's pool)
         self.owner = weakref.proxy(owner)
         self.is_initialized = True
 
@@ -90,7 +90,7 @@ class Slab(Cache):
               dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> Slab:
         """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN); `zeroed=False`
         for a caller that writes or zeroes every column itself."""
-        # on a CPU, memory a gone slab held (no page faults at first touch: pipeline/runtime/slab_memory.py)
+        # on a CPU, memory a gone slab held (no page faults at first touch: serve/engine/qvpic/slab_memory.py)
         kv = SLAB_MEMORY.empty((num_layers, 2, num_rows, num_heads, capacity, head_dim), dtype, device)
         if zeroed:
             kv.zero_()
@@ -119,7 +119,7 @@ class Slab(Cache):
 
     @classmethod
     def of_cached(cls, bases: Sequence[ChunkKV | BlockRun], reserves: Sequence[int]) -> Slab:
-        """Rows whose whole prompt came from the prefix cache (pipeline/runtime/linked_prompt.py `Resumed.logits`):
+        """Rows whose whole prompt came from the prefix cache (serve/engine/qvpic/linked_prompt.py `Resumed.logits`):
         each base's KV `[layers, 2, kv_heads, n, head_dim]` copied in, `reserves[j]` columns left for its decoded
         tokens, and no forward: its next token is sampled from the cached logits."""
         first = bases[0].like
@@ -193,7 +193,7 @@ class Slab(Cache):
 
         By default each row writes its new tokens at its next columns and positions. `columns` and `positions`
         `[rows, new]` place them explicitly instead (a row's text runs between linked chunks, then its query:
-        pipeline/runtime/linked_prompt.py `Hole`), ascending along each row's real slots; a token then sees the
+        serve/engine/qvpic/linked_prompt.py `Hole`), ascending along each row's real slots; a token then sees the
         written columns before its own and the new tokens before it, never a linked chunk that lies after it."""
         num_rows, num_new = real.shape
         steps = torch.arange(num_new, device=real.device)
@@ -238,7 +238,7 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contex
 
     Row j holds `[bases[j]][context j's chunks, re-anchored after it]` at columns `[0, C_j)` — the base is what
     precedes the chunks at positions 0.. (the prompt's text before them, or a prefix-cache run; see
-    pipeline/runtime/linked_prompt.py) — then each of `holes[j]`: a text run left unwritten and the chunks linked
+    serve/engine/qvpic/linked_prompt.py) — then each of `holes[j]`: a text run left unwritten and the chunks linked
     after it, then its query. The runs and the query are the row's new tokens, forwarded together in this one
     pass (each sees only the columns before it), left-padded to the longest row (so every row's last token is
     real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens.

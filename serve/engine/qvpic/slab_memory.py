@@ -1,4 +1,4 @@
-"""Memory for KV slabs on a CPU, taken over from slabs that are gone (pipeline/runtime/batch.py `Slab`).
+"""Memory for KV slabs on a CPU, taken over from slabs that are gone (serve/engine/qvpic/batch.py `Slab`).
 
 Every prefill lays its rows out in a new slab, and every join or leave of the running batch builds another:
 `[layers, 2, rows, kv_heads, capacity, head_dim]`, ~20 MB for one 1,600-column row of bench-qwen. On a CPU the
@@ -86,5 +86,5 @@ class SlabMemory:
             del self._taken[id(buffer)]
 
 
-# The process's pool: the engine sets its bound from `EngineSpec.slab_reuse_nbytes` (serve/engine/loop.py).
+# The process's pool: the engine sets its bound from `EngineSpec.slab_reuse_nbytes` (serve/engine/qvpic/engine.py).
 SLAB_MEMORY = SlabMemory()

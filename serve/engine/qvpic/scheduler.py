@@ -47,18 +47,18 @@ class Scheduler:
                             "retry shortly", self.retry_after_s())
         self.waiting.append(seq)
 
-    def schedule(self, is_online) -> list[Sequence]:
-        """Pop the waiting requests that join now, in FIFO order (`is_online(seq)`: needs a full prefill)."""
+    def schedule(self) -> list[Sequence]:
+        """Pop the waiting requests that join now, in FIFO order."""
         joining: list[Sequence] = []
         prompt_tokens = 0
         while self.waiting:
             candidate = self.waiting[0]
-            online = sum(map(is_online, joining))
-            if is_online(candidate) and online >= ONLINE_PREFILLS_PER_STEP:
+            online = sum(s.context.online for s in joining)
+            if candidate.context.online and online >= ONLINE_PREFILLS_PER_STEP:
                 break
             if joining and prompt_tokens + candidate.num_prefill_tokens > self.spec.max_prefill_tokens:
                 break
-            if not self._fits(joining + [candidate], is_online):
+            if not self._fits(joining + [candidate]):
                 break
             prompt_tokens += candidate.num_prefill_tokens
             joining.append(self.waiting.popleft())
@@ -78,16 +78,16 @@ class Scheduler:
         return max((self.reserved[s.id] for s in self.running), default=0)
 
     # ---- the caps ----------------------------------------------------------------------------------
-    def reservations(self, joining: list[Sequence], is_online) -> dict[int, int]:
+    def reservations(self, joining: list[Sequence]) -> dict[int, int]:
         """Columns each joining request reserves: linked queries are left-padded to the longest one."""
-        longest = max((s.num_query_tokens for s in joining if not is_online(s)), default=0)
-        return {s.id: s.max_columns + (0 if is_online(s) else longest - s.num_query_tokens) for s in joining}
+        longest = max((s.num_query_tokens for s in joining if not s.context.online), default=0)
+        return {s.id: s.max_columns + (0 if s.context.online else longest - s.num_query_tokens) for s in joining}
 
-    def _fits(self, joining: list[Sequence], is_online) -> bool:
+    def _fits(self, joining: list[Sequence]) -> bool:
         rows = len(self.running) + sum(len(s.members) for s in joining)
         if rows > self.spec.max_batch_size:
             return False
-        columns = max(self.capacity(), *self.reservations(joining, is_online).values())
+        columns = max(self.capacity(), *self.reservations(joining).values())
         return rows * columns * self.column_nbytes <= self.spec.max_kv_nbytes
 
     def retry_after_s(self) -> float:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from serve.engine.interface import PrefixCacheStats
+
 _DERIVED = np.int64(1) << np.int64(62)  # keys of image and chunk columns; token ids stay far below
 _NO_COLUMNS = np.zeros(0, dtype=np.int64)  # a logits entry's next_positions: it holds no columns
 
@@ -120,18 +122,6 @@ class Block:
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
-
-
-@dataclass
-class PrefixCacheStats:
-    hit_tokens: int = 0  # columns served from the cache
-    lookups: int = 0
-    inserted_blocks: int = 0
-    logits_hits: int = 0  # a prompt's last-column logits found (used only if every block of the prompt is too)
-    evicted_blocks: int = 0  # dropped from the host tier (or from the device when there is none)
-    demoted_blocks: int = 0  # moved from the device to the host tier
-    device_nbytes: int = 0
-    host_nbytes: int = 0
 
 
 class PrefixCache:
