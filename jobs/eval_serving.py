@@ -29,7 +29,7 @@ from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader, kv_tensor
-from serve.routing import PRICED_VARIANT, Router
+from serve.routing import Router
 
 LRU_NBYTES = 4 << 30
 
@@ -90,7 +90,7 @@ class ServedTraces:
         answer = answer_token_ids(vlm, item, self.num_answer_tokens)
         query = plan.text_after_chunks
         cached = trace_linked(vlm, vlm.assemble(chunks, plan.instruction), query, answer)
-        text = PRICED_VARIANT[config.mode].kind is ChunkKind.TEXT
+        text = config.mode.kind is ChunkKind.TEXT
         tiers = tuple(kv.entry.tier for kv in loaded.kvs)  # as served, after any fallback
         key = (item.task, item.id, tiers)
         if key not in self._references:

@@ -6,6 +6,7 @@ config fails where it is written, not deep inside a Ray worker.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -81,11 +82,44 @@ _VARIANT_PREFIX = {Variant.TEMPLATE: CompilePrefix.TEMPLATE, Variant.PLAIN: Comp
                    Variant.TEXT_PLAIN: CompilePrefix.NONE}
 
 
+class Source(str, Enum):
+    """Where a mode's chunks come from when a request is served."""
+
+    LINKED = "linked"  # their KV, compiled offline: linked and re-anchored, only the text around them is prefilled
+    ONLINE = "online"  # their source (text, or pages): prefilled with the question, the reference baselines
+
+
+class Allocation(str, Enum):
+    """How a mode gives each chunk its tier."""
+
+    ROUTED = "routed"  # relevance routing promotes chunks from the lowest tier to a target tier (τ, B, token budget)
+    UNIFORM = "uniform"  # every chunk at one tier (or, for text, none)
+
+
+class TierDefault(str, Enum):
+    """The tier an image mode serves (uniform) or promotes to (routed) when the request names none."""
+
+    LOWEST = "lowest"
+    HIGHEST = "highest"
+
+
+@dataclass(frozen=True)
+class ModeShape:
+    """What a mode is: a source times an allocation, over one stored variant."""
+
+    source: Source
+    allocation: Allocation
+    variant: Variant | None  # the entries it links (or prices pages from); None: chunk text, priced from the catalog
+    tier: TierDefault | None = None  # image modes: the default tier (None for text)
+    fixed_tier: bool = False  # the tier is the mode's own (uniform_high): a request's `tier` is refused
+
+
 class Mode(str, Enum):
     """How the engine builds the context of a request; every mode is served side by side.
 
-    A mode is a choice of stored variant and of tiers (see serve/routing/placement.py `PRICED_VARIANT`); the
-    uniform ones serve every chunk at one tier, the request's `tier` or the mode's default.
+    The name is what a request carries (`mode`); what it means is its `shape` (a source times an allocation over one
+    stored variant), which everything downstream reads. The uniform ones serve every chunk at one tier, the
+    request's `tier` or the mode's default.
     """
 
     FULL_TEXT = "full_text"  # prefill every chunk's text online
@@ -103,11 +137,53 @@ class Mode(str, Enum):
     QVPIC_DUMMY = "qvpic_dummy"  # dummy-prefix image KV, relevance-routed dual resolution
 
     @property
+    def shape(self) -> ModeShape:
+        return _MODE_SHAPES[self]
+
+    @property
+    def source(self) -> Source:
+        return self.shape.source
+
+    @property
+    def online(self) -> bool:
+        """Its chunks are prefilled online (full_text, full_image), not linked."""
+        return self.shape.source is Source.ONLINE
+
+    @property
+    def routed(self) -> bool:
+        return self.shape.allocation is Allocation.ROUTED
+
+    @property
+    def variant(self) -> Variant | None:
+        """The stored variant it links (full_image: prices its pages from); None: full_text (the catalog's text)."""
+        return self.shape.variant
+
+    @property
+    def kind(self) -> ChunkKind:
+        """Whether its chunks are in context as text or as pages."""
+        return ChunkKind.TEXT if self.variant is None else self.variant.kind
+
+    @property
     def takes_tier(self) -> bool:
         """Whether a request's `tier` applies: the tier of every chunk (uniform modes) or the promotion
         target (routed modes). Text modes have no tiers; uniform_high's is fixed."""
-        return self in (Mode.FULL_IMAGE, Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY, Mode.UNIFORM, Mode.QVPIC,
-                        Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY)
+        return self.kind is ChunkKind.IMAGE and not self.shape.fixed_tier
+
+
+_LINKED_UNIFORM, _LINKED_ROUTED = (Source.LINKED, Allocation.UNIFORM), (Source.LINKED, Allocation.ROUTED)
+_MODE_SHAPES = {
+    Mode.FULL_TEXT: ModeShape(Source.ONLINE, Allocation.UNIFORM, None),
+    Mode.FULL_IMAGE: ModeShape(Source.ONLINE, Allocation.ROUTED, Variant.TEMPLATE, TierDefault.HIGHEST),
+    Mode.TEXT_PIC: ModeShape(*_LINKED_UNIFORM, Variant.TEXT),
+    Mode.TEXT_PIC_PLAIN: ModeShape(*_LINKED_UNIFORM, Variant.TEXT_PLAIN),
+    Mode.IMAGE_PIC: ModeShape(*_LINKED_UNIFORM, Variant.PLAIN, TierDefault.LOWEST),
+    Mode.IMAGE_PIC_DUMMY: ModeShape(*_LINKED_UNIFORM, Variant.DUMMY, TierDefault.LOWEST),
+    Mode.UNIFORM: ModeShape(*_LINKED_UNIFORM, Variant.TEMPLATE, TierDefault.HIGHEST),
+    Mode.UNIFORM_HIGH: ModeShape(*_LINKED_UNIFORM, Variant.TEMPLATE, TierDefault.HIGHEST, fixed_tier=True),
+    Mode.QVPIC: ModeShape(*_LINKED_ROUTED, Variant.TEMPLATE, TierDefault.HIGHEST),
+    Mode.QVPIC_PLAIN: ModeShape(*_LINKED_ROUTED, Variant.PLAIN, TierDefault.HIGHEST),
+    Mode.QVPIC_DUMMY: ModeShape(*_LINKED_ROUTED, Variant.DUMMY, TierDefault.HIGHEST),
+}
 
 
 class AblationTiers(str, Enum):

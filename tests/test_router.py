@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ScoreNormalisation, Variant
+from schemas.config import ChunkKind, Mode, ScoreNormalisation, Variant
 from schemas.conversation import Message
 from schemas.errors import ApiError, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
 from serve.plan import Plan
 from serve.routing import Router
-from serve.routing.placement import allocate, relevance_shares
+from serve.routing.placement import allocate, relevance_shares, servable_modes
 from serve.routing.query_vectors import QueryVectors
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, entries_read_each_time, roles, serving_store  # noqa: F401
 
@@ -167,6 +167,23 @@ def test_linked_modes_pick_their_variant_and_tiers(roles, mode, variant, tiers):
     assert {c.entry.variant for c in planned.chunks} == {variant}
     assert {c.tier for c in planned.chunks} == tiers
     assert all(c.text is None for c in planned.chunks)
+
+
+def test_each_mode_is_a_source_times_an_allocation_over_one_variant():
+    """The one mode type, against the README's table of modes (written by hand here, not read from the code)."""
+    online = {Mode.FULL_TEXT, Mode.FULL_IMAGE}
+    routed = {Mode.QVPIC, Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY, Mode.FULL_IMAGE}
+    text = {Mode.FULL_TEXT, Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN}
+    assert {m for m in Mode if m.online} == online and {m for m in Mode if m.routed} == routed
+    assert {m for m in Mode if m.kind is ChunkKind.TEXT} == text
+    assert {m: m.variant for m in Mode} == {
+        Mode.FULL_TEXT: None, Mode.FULL_IMAGE: Variant.TEMPLATE, Mode.TEXT_PIC: Variant.TEXT,
+        Mode.TEXT_PIC_PLAIN: Variant.TEXT_PLAIN, Mode.IMAGE_PIC: Variant.PLAIN, Mode.IMAGE_PIC_DUMMY: Variant.DUMMY,
+        Mode.UNIFORM: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE, Mode.QVPIC: Variant.TEMPLATE,
+        Mode.QVPIC_PLAIN: Variant.PLAIN, Mode.QVPIC_DUMMY: Variant.DUMMY}
+    # a store without text entries still serves full_text (its text is the catalog's), not text_pic
+    assert servable_modes([Variant.TEMPLATE]) == [Mode.FULL_TEXT, Mode.FULL_IMAGE, Mode.UNIFORM, Mode.UNIFORM_HIGH,
+                                                 Mode.QVPIC]
 
 
 def test_a_request_tier_sets_uniform_modes_and_the_promotion_target(roles):

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from pipeline.eval.evaluation import ServingConfig
 from pipeline.eval.longbench import QAItem
 from pipeline.runtime import AssembledContext
-from schemas.config import Mode
+from schemas.config import ChunkKind, Mode
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,9 @@ def answer_token_ids(vlm, item: QAItem, num_tokens: int) -> list[int]:
 
 
 # ---- over an evaluation's items and modes -----------------------------------------------------------
-CACHED_MODES = (Mode.QVPIC, Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY, Mode.UNIFORM, Mode.UNIFORM_HIGH, Mode.IMAGE_PIC,
-                Mode.IMAGE_PIC_DUMMY, Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN)
-REFERENCE_MODE = {mode: Mode.FULL_TEXT if mode in (Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN) else Mode.FULL_IMAGE
-                  for mode in CACHED_MODES}
+CACHED_MODES = tuple(m for m in Mode if not m.online)  # every linked mode
+# each one's uncached reference: the same chunks prefilled online, as text or as the pages it links
+REFERENCE_MODE = {mode: Mode.FULL_TEXT if mode.kind is ChunkKind.TEXT else Mode.FULL_IMAGE for mode in CACHED_MODES}
 
 TracePair = Callable[[QAItem, ServingConfig], tuple[Trace, Trace]]  # (cached, reference) of an item
 

@@ -21,15 +21,13 @@ from ray.serve.handle import DeploymentHandle
 from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
 from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.api import CacheReport, FallbackReport, KVSource
-from schemas.config import Mode, RecomputeSpec, RenderSpec
+from schemas.config import ChunkKind, RecomputeSpec, RenderSpec
 from schemas.errors import PageImageRefusedError, UnservableError
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer
 from serve.handles import cancelling
 from serve.kv import CacheLoader, HotTier, kv_tensor, recompute_inputs
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
-
-ONLINE_MODES = (Mode.FULL_TEXT, Mode.FULL_IMAGE)
 
 
 @dataclass
@@ -71,7 +69,7 @@ class ContextBuilder:
                     ) -> Context:
         """`loaded`: use this KV as it is (the hot tier is neither read nor filled); else the hot tier, and
         `loader` for its misses."""
-        if plan.mode in ONLINE_MODES:
+        if plan.mode.online:
             return await self._online(plan)
         context = await self._linked(plan, loaded, loader)
         if self.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
@@ -151,7 +149,7 @@ class ContextBuilder:
 
     async def _online(self, plan: Plan) -> Context:
         report, render_ms = CacheReport(hits=0, misses=0, nbytes_from_store=0), 0.0
-        if plan.mode is Mode.FULL_TEXT:
+        if plan.mode.kind is ChunkKind.TEXT:  # full_text
             pieces = [c.text for c in plan.chunks]
         else:
             started = time.perf_counter()

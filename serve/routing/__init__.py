@@ -6,6 +6,6 @@ from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "affinity": ["ChunkAffinityRouter", "Decision", "ReplicaView", "choose"],
-    "placement": ["PRICED_VARIANT", "PlacementSpec", "Selection", "place", "servable_modes"],
+    "placement": ["PlacementSpec", "Selection", "place", "servable_modes"],
     "router": ["BatchingRouter", "Router"],
 })

@@ -16,22 +16,13 @@ from typing import Any
 import numpy as np
 
 from schemas.api import FallbackReport, TierReason
-from schemas.config import ChunkKind, Mode, RouterSpec, ScoreNormalisation, TierSpec, Variant
+from schemas.config import ChunkKind, Mode, RouterSpec, ScoreNormalisation, TierDefault, TierSpec, Variant
 from schemas.errors import UnknownTierError, UnservableError
 from serve.kv import PendingPlanner
 from serve.plan import Entry, PlannedChunk, entry_of
 from serve.routing.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text
 from serve.routing.hybrid import as_text as hybrid_text
 
-# Each mode is a choice of stored variant and of tiers. Routed modes promote chunks from the lowest tier
-# to the request's `tier` (default: the highest); uniform modes serve every chunk at one tier.
-LINKED_VARIANT = {Mode.QVPIC: Variant.TEMPLATE, Mode.UNIFORM: Variant.TEMPLATE, Mode.UNIFORM_HIGH: Variant.TEMPLATE,
-                  Mode.IMAGE_PIC: Variant.PLAIN, Mode.IMAGE_PIC_DUMMY: Variant.DUMMY, Mode.TEXT_PIC: Variant.TEXT,
-                  Mode.TEXT_PIC_PLAIN: Variant.TEXT_PLAIN, Mode.QVPIC_PLAIN: Variant.PLAIN,
-                  Mode.QVPIC_DUMMY: Variant.DUMMY}
-PRICED_VARIANT = {**LINKED_VARIANT, Mode.FULL_IMAGE: Variant.TEMPLATE}  # full_image prices pages from TEMPLATE entries
-ROUTED_MODES = (Mode.QVPIC, Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY, Mode.FULL_IMAGE)
-UNIFORM_LOWEST = (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)  # baselines: the lowest tier unless the request names one
 EntrySlots = dict[tuple[str | None, Variant], dict[str, Any]]  # one chunk's index rows by (tier, variant)
 
 
@@ -58,8 +49,8 @@ class PlacementSpec:
 
 
 def servable_modes(variants: Sequence[Variant]) -> list[Mode]:
-    """Modes a store compiled with `variants` can serve."""
-    return [m for m in Mode if m not in PRICED_VARIANT or PRICED_VARIANT[m] in variants]
+    """Modes a store compiled with `variants` can serve (full_text needs none: its text is the catalog's)."""
+    return [m for m in Mode if m.variant is None or m.variant in variants]
 
 
 def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | None:
@@ -72,12 +63,12 @@ def mode_tier(mode: Mode, tier: str | None, tiers: Sequence[TierSpec]) -> str | 
         raise ValueError(f"mode {mode.value!r} takes no tier")
     if tier is not None and tier not in {t.name for t in tiers}:
         raise UnknownTierError(f"unknown tier {tier!r}; the store has {[t.name for t in tiers]}")
-    if PRICED_VARIANT.get(mode, Variant.TEXT).kind is ChunkKind.TEXT:
+    if mode.kind is ChunkKind.TEXT:
         return None
     if tier is not None:
         return tier
     lowest, highest = min(tiers, key=lambda t: t.dpi), max(tiers, key=lambda t: t.dpi)
-    return lowest.name if mode in UNIFORM_LOWEST else highest.name
+    return lowest.name if mode.shape.tier is TierDefault.LOWEST else highest.name
 
 
 def relevance_shares(relevance: Sequence[float], normalisation: ScoreNormalisation = ScoreNormalisation.LINEAR,
@@ -194,7 +185,7 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec, room_tokens: int,
     rule (when enabled) serves qvpic chunks as text (serve/routing/hybrid.py)."""
     chunks, slots, relevance = rows.chunks, rows.entries, rows.relevance
     low, tier, pending, hybrid = spec.low, spec.tier, spec.pending, spec.policy.hybrid
-    if mode is Mode.FULL_TEXT:
+    if mode.variant is None:  # full_text: each chunk's source text, counted from its text entry or the catalog
         planned = []
         for chunk, entries, rel, source in zip(chunks, slots, relevance, rows.texts()):
             text_entry = entries.find(None, Variant.TEXT)
@@ -203,9 +194,9 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec, room_tokens: int,
                                         num_tokens=num_tokens, vision_tokens=0, position_span=num_tokens, entry=None,
                                         text=source["text"], group=group))
         return planned, []
-    variant = PRICED_VARIANT[mode]
+    variant = mode.variant
     hybrid_on = hybrid.enabled and mode is Mode.QVPIC
-    if mode in ROUTED_MODES:  # price every promotion from the index, then allocate
+    if mode.routed:  # price every promotion from the index, then allocate
         lows = require(chunks, slots, low.name, variant, mode)
         highs = [s.find(tier, variant) or _pending(pending, lo, tier) for s, lo in zip(slots, lows)]
         text_entries = [s.find(None, TEXT_VARIANT) for s in slots] if hybrid_on else [None] * len(chunks)
@@ -222,7 +213,7 @@ def place(mode: Mode, rows: Selection, spec: PlacementSpec, room_tokens: int,
     else:
         wanted, reasons = [tier] * len(chunks), [TierReason.MODE] * len(chunks)
         text_entries, text_first = [None] * len(chunks), [False] * len(chunks)
-    online = mode is Mode.FULL_IMAGE  # prices from the stored entry, pages rendered and encoded online
+    online = mode.online  # full_image: priced from the stored entry, pages rendered and encoded online
     sources = rows.texts() if online else [None] * len(chunks)
     planned, fallbacks = [], []
     for chunk, entries, rel, wanted_tier, source, reason in zip(chunks, slots, relevance, wanted, sources, reasons):
