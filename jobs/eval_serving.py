@@ -26,35 +26,35 @@ from pipeline.runtime import ChunkKV
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
 from schemas.config import ChunkKind, ModelSpec, RouterSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
-from serve.engine import Generator
-from serve.kv import CacheLoader, kv_tensor
+from serve import LocalStack, build_local
+from serve.kv import kv_tensor
 from serve.routing import Router
 
 LRU_NBYTES = 4 << 30
 
 
 class InProcessAnswerer:
-    """The three serving roles as plain objects; TTFT = route + load + render + re-anchor + prefill,
-    each timed by the role that does it (the wall time to the first token, decoding excluded)."""
+    """The three serving roles as plain objects (serve/local.py `build_local`); TTFT = route + load + render +
+    re-anchor + prefill, each timed by the role that does it (the wall time to the first token, decoding excluded)."""
 
-    def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
-        self.router, self.loader, self.generator = router, loader, generator
+    def __init__(self, stack: LocalStack):
+        self.stack = stack
+        self.router, self.loader, self.generator = stack.router, stack.loader, stack.generator
 
     @classmethod
     def open(cls, store: str, model: ModelSpec, router: RouterSpec | None = None) -> InProcessAnswerer:
-        config = RouterConfig(store=store, model=model, defaults=router or RouterSpec(), max_chunks=MAX_IDS_PER_REQUEST)
-        return cls(Router(config), CacheLoader(LoaderConfig(store=store, max_nbytes=LRU_NBYTES)),
-                   Generator(GeneratorConfig(store=store, model=model)))
+        return cls(build_local({"store": store, "model": model.model_dump(),
+                                "router": {"defaults": (router or RouterSpec()).model_dump(),
+                                           "max_chunks": MAX_IDS_PER_REQUEST},
+                                "loader": {"max_nbytes": LRU_NBYTES}}))
 
     def clear_caches(self) -> None:
         """Empty the generator's device hot tier and the loader's host cache: the next request reads the store."""
-        self.loader.clear()
-        self.generator.clear_hot_tier()
+        self.stack.clear_caches()
 
     def __call__(self, request: AnswerRequest) -> Answered:
         plan = asyncio.run(self.router.plan(request))
-        answer = self.generator.generate_blocking(plan, Sampling.of(request), loader=self.loader)
+        answer = self.generator.generate_blocking(plan, Sampling.of(request))
         t = answer.report.timings
         return Answered(answer.text, answer.report, t.route_ms + t.load_ms + t.render_ms + t.reanchor_ms + t.prefill_ms)
 

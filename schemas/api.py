@@ -189,7 +189,7 @@ class TierReason(str, Enum):
     MODE = "mode"  # the mode serves every chunk at one tier (or as text): nothing was routed
 
 
-class KVSource(str, Enum):
+class KVOrigin(str, Enum):
     """Where a linked chunk's KV came from, fastest first."""
 
     DEVICE = "device"  # the generator's device hot tier
@@ -208,7 +208,7 @@ class ChunkReport(Strict):
     vision_tokens: int
     position_span: int
     tier_reason: TierReason
-    kv_source: KVSource | None = None  # null: the online (full_*) modes prefill the chunk, no KV is linked
+    kv_source: KVOrigin | None = None  # where its KV came from; null: the online (full_*) modes prefill the chunk
     kv_nbytes: int | None = None  # its KV on the generator's device ([layers, 2, kv_heads, tokens, head_dim])
     group: int = 0  # which user message it was placed before (a conversation: 0 = the first; else always 0)
 

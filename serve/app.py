@@ -3,8 +3,8 @@ the inspector behind the ingress's /ui pages (serve/ui/).
 
 `build_app` (`import_path: serve.app:build_app`) validates `AppConfig`, checks the store against the
 model before any replica starts, and binds each deployment by keyword with its own typed config, the
-one nested in `AppConfig` (serve/config.py). The generator holds the loader's handle and fetches
-from it only what its device hot tier lacks; the ingress holds the loader's handle only for
+one nested in `AppConfig` (serve/config.py). The generator reads what its device hot tier lacks through its
+KV source (serve/kv/source.py): the loader deployment's handle; the ingress holds the loader's handle only for
 `/v1/store`'s cache statistics. With `loader_placement: in_generator` there is no loader deployment: each
 generator replica keeps its own host LRU in its process and answers those statistics itself. With
 `routing: affinity` every handle to the generator routes a plan to the replica whose hot tier holds most
@@ -32,7 +32,7 @@ from schemas.api import StoreInfo
 from serve.config import ApiSpec, AppConfig, DeploymentConfig, LoaderPlacement, Routing
 from serve.engine import Generator
 from serve.http import Ingress
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LoaderDeployment, LocalLoader
 from serve.routing import BatchingRouter, ChunkAffinityRouter, servable_modes
 from serve.ui import Inspector, InspectorConfig
 
@@ -91,8 +91,10 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
     # in_generator: each generator replica builds its own loader from the config (no CacheLoader deployment)
     loader = (None if args.loader_placement is LoaderPlacement.IN_GENERATOR
               else deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader))
+    # the generator's KV source: its own loader, built in each replica from the config, or the deployment's handle
+    source = LocalLoader(args.loader) if loader is None else LoaderDeployment(loader)
     generator = deployment(Generator, "Generator", args.generator_deployment, **generator_routing(args)).bind(
-        config=args.generator, loader=args.loader if loader is None else loader)
+        config=args.generator, source=source)
     inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
         config=InspectorConfig(store=args.store, images_root=args.images_root))
     return deployment(Ingress, "Ingress", args.ingress_deployment).bind(

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from schemas.api import AnswerReport, CacheReport, FallbackReport, FinishReason, KVSource, TierReason
+from schemas.api import AnswerReport, CacheReport, FallbackReport, FinishReason, KVOrigin, TierReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
 from schemas.decoding import ChoiceLogprobs, TokenLogprob
 from schemas.prompt import PromptLayout
@@ -169,7 +169,7 @@ class LoadResult:
     unreadable: tuple[Unreadable, ...] = ()
     # aligned with kvs: HOST or STORE for what was read, None where kvs is None (an unreadable entry's backup
     # is at `Unreadable.backup`, its source here); the generator marks what it rebuilds COMPILED
-    sources: tuple[KVSource | None, ...] = ()
+    sources: tuple[KVOrigin | None, ...] = ()
 
 
 class TextDelta(str):

@@ -20,10 +20,9 @@ from pipeline.runtime import VLM, Embedder
 from pipeline.store import Store, publish_generation
 from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
 from schemas.corpus import Chunk
-from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
-from serve.engine import Generator
+from serve import LocalStack, build_local
+from serve.config import LoaderConfig
 from serve.kv import CacheLoader
-from serve.routing import Router
 
 ALL_VARIANTS = tuple(Variant)
 DOCUMENTS: dict[str, list[str]] = {
@@ -90,25 +89,23 @@ MAX_CHUNKS = 4  # below the store's 5 chunks, so a request can exceed it
 MAX_CONTEXT_TOKENS = 1024  # small enough that a request can exceed it
 
 
-@dataclass(frozen=True)
-class Roles:
-    router: Router
-    loader: CacheLoader
-    generator: Generator
-
-
 def loader_of(uri: str, max_nbytes: int = 1 << 20) -> CacheLoader:
     """A cache loader over the store at `uri`, as a test builds one in-process."""
     return CacheLoader(LoaderConfig(store=uri, max_nbytes=max_nbytes))
 
 
+def stack_of(uri: str, model: ModelSpec, max_chunks: int = MAX_CHUNKS, max_context_tokens: int | None = None,
+             loader_nbytes: int = 1 << 20, **router: object) -> LocalStack:
+    """The serving roles over the store at `uri`, in-process (serve/local.py `build_local`, as eval builds them)."""
+    return build_local({"store": uri, "model": model.model_dump(),
+                        "router": {"max_chunks": max_chunks, "max_context_tokens": max_context_tokens, **router},
+                        "loader": {"max_nbytes": loader_nbytes}, "ingress": {"default_top_k": min(2, max_chunks)}})
+
+
 @pytest.fixture(scope="session")
-def roles(serving_store: ServingStore) -> Roles:
+def roles(serving_store: ServingStore) -> LocalStack:
     """The three serving roles in-process (no Ray) over `serving_store`."""
-    router = Router(RouterConfig(store=serving_store.uri, model=serving_store.model, max_chunks=MAX_CHUNKS,
-                                 max_context_tokens=MAX_CONTEXT_TOKENS))
-    return Roles(router, loader_of(serving_store.uri),
-                 Generator(GeneratorConfig(store=serving_store.uri, model=serving_store.model)))
+    return stack_of(serving_store.uri, serving_store.model, max_context_tokens=MAX_CONTEXT_TOKENS)
 
 
 def entries_read_each_time(router, monkeypatch) -> None:

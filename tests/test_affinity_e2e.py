@@ -14,7 +14,7 @@ from schemas.sampling import Sampling
 from serve.app import generator_routing
 from serve.config import AppConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LoaderDeployment
 from serve.routing import Router
 from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
 from tests.store_factory import serving_store  # noqa: F401  (fixture)
@@ -44,7 +44,7 @@ def test_requests_for_one_chunk_set_land_on_one_replica(ray_session, serving_sto
         ray_actor_options={"num_cpus": 0.1}).bind(config=config.loader)
     generator = serve.deployment(Generator, name="Generator").options(
         num_replicas=2, ray_actor_options={"num_cpus": 0.1}, **generator_routing(config)).bind(
-        config=config.generator, loader=loader)
+        config=config.generator, source=LoaderDeployment(loader))
     serve.start(logging_config={"log_level": "WARNING", "enable_access_log": False})
     handle = serve.run(generator, name="affinity", route_prefix=None)
     try:

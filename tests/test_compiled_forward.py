@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pipeline.runtime import fused as fused_module
-from serve.engine.qvpic.batch import Slab, forward
 from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.model import VLM
 from schemas.config import DType, ForwardSpec, ModelSpec
+from serve.engine.qvpic.batch import Slab, forward
 from tests.test_fused_forward import EXACT, gap  # the suite's fp32 tolerance; the largest logit gap of two runs
 
 pytestmark = pytest.mark.slow

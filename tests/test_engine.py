@@ -86,7 +86,8 @@ class Recorder:
     def __init__(self, vlm: VLM, spec: EngineSpec = EngineSpec()):
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.events: dict[int, list] = {}
-        self.engine = QvpicEngine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
+        self.engine = QvpicEngine(vlm, spec, start=False,
+                                  on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
         self.vlm = vlm
 
     def submit(self, context, max_new_tokens: int, **fields) -> Sequence:

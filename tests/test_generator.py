@@ -12,16 +12,14 @@ import pytest
 import torch
 
 from pipeline.runtime import VLM
-from schemas.api import AnswerRequest, FinishReason
+from schemas.api import AnswerRequest, FinishReason, KVOrigin
 from schemas.config import DType, Mode, ModelSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
-from serve.engine import Generator
-from serve.kv import CacheLoader, HotTier, from_wire, store_row, to_wire
+from serve.config import LoaderConfig
+from serve.kv import CacheLoader, GivenKV, HotTier, LocalLoader, from_wire, store_row, to_wire
 from serve.kv.lru import ByteLRU
 from serve.plan import Answer, Plan
-from serve.routing import Router
-from tests.store_factory import Roles, build_store, corrupt_entry, loader_of, roles, serving_store  # noqa: F401  (fixtures)
+from tests.store_factory import build_store, corrupt_entry, loader_of, roles, serving_store, stack_of  # noqa: F401  (fixtures)
 
 QUERY = "When does part XK-4471-B ship?"
 DOCUMENT = "Invoice 4471: part XK-4471-B ships on 12 March. The total is $1,093.40."
@@ -34,7 +32,14 @@ def plan(roles, **fields) -> Plan:
 def answer(roles, max_new_tokens: int = 12, sampling: Sampling | None = None, **fields) -> Answer:
     planned = plan(roles, max_new_tokens=max_new_tokens, **fields)
     sampling = sampling or Sampling(max_new_tokens=max_new_tokens)
-    return roles.generator.generate_blocking(planned, sampling, loader=roles.loader)
+    return roles.generator.generate_blocking(planned, sampling)
+
+
+def as_given(generator, planned: Plan, sampling: Sampling, result) -> Answer:
+    """`planned` answered from exactly the KV in `result` (the device tier emptied first, so none of it is a hit):
+    the reference the tiers' answer must equal."""
+    generator.clear_hot_tier()
+    return generator.generate_blocking(planned, sampling, source=GivenKV(result))
 
 
 def collect(events) -> list:
@@ -94,23 +99,25 @@ def test_unreadable_entries_are_handed_on_with_their_backup_and_rebuilt(roles, s
     root = tmp_path / "store"
     shutil.copytree(serving_store.uri, root)
     planned = plan(roles, chunk_ids=["invoices#00000", "manual#00000"], mode=Mode.UNIFORM_HIGH)
-    clean = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loader=roles.loader)
+    clean = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4))
     corrupt_entry(root, store_row(planned.chunks[0].entry.row))
     result = loader_of(str(root)).load(planned)
     (unreadable,) = result.unreadable
     assert (unreadable.position, unreadable.entry.tier, unreadable.backup.entry.tier) == (0, "high", "low")
     assert result.kvs[0] is None and result.kvs[1].entry.tier == "high" and "checksum" in unreadable.reason
     # rebuilt, not downgraded
-    reply = roles.generator.generate_blocking(planned, Sampling(max_new_tokens=4), loaded=result)
+    reply = as_given(roles.generator, planned, Sampling(max_new_tokens=4), result)
     assert [c.tier for c in reply.report.chunks] == ["high", "high"] and reply.report.fallbacks == []
+    assert [c.kv_source for c in reply.report.chunks] == [KVOrigin.COMPILED, KVOrigin.STORE]
     assert reply.text == clean.text
 
     low_only = plan(roles, chunk_ids=["manual#00001"], mode=Mode.IMAGE_PIC)
     corrupt_entry(root, store_row(low_only.chunks[0].entry.row))
     result = loader_of(str(root)).load(low_only)
     assert result.kvs == (None,) and result.unreadable[0].backup is None
-    assert roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4), loaded=result).text == \
-        roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4), loader=roles.loader).text
+    rebuilt = as_given(roles.generator, low_only, Sampling(max_new_tokens=4), result)
+    assert rebuilt.report.chunks[0].kv_source is KVOrigin.COMPILED
+    assert rebuilt.text == roles.generator.generate_blocking(low_only, Sampling(max_new_tokens=4)).text
 
 
 # ---- generator ------------------------------------------------------------------------------------
@@ -174,7 +181,7 @@ def test_instruction_and_query_prompt_frame_the_chunks_in_every_mode(roles):
 
 def test_stream_deltas_add_up_to_the_answer(roles):
     planned = plan(roles, top_k=3, max_new_tokens=10)
-    events = collect(roles.generator.stream(planned, Sampling(max_new_tokens=10), loader=roles.loader))
+    events = collect(roles.generator.stream(planned, Sampling(max_new_tokens=10)))
     *deltas, final = events
     assert isinstance(final, Answer) and all(isinstance(d, str) and d for d in deltas)
     assert "".join(deltas) == final.text
@@ -196,8 +203,7 @@ def test_other_families_linked_answers_equal_online_answers(serving_store, tmp_p
     model = ModelSpec(path=name, device="cpu")
     build_store(tmp_path, VLM(model), serving_store.embedder, {"invoices": [DOCUMENT]})
     uri = str(tmp_path)
-    glm = Roles(Router(RouterConfig(store=uri, model=model, max_chunks=4)), loader_of(uri),
-                Generator(GeneratorConfig(store=uri, model=model)))
+    glm = stack_of(uri, model, max_chunks=4)
     for linked, online in ((Mode.QVPIC, Mode.FULL_IMAGE), (Mode.TEXT_PIC, Mode.FULL_TEXT)):
         fields = {"chunk_ids": ["invoices#00000"], "tau": 1.0, "max_new_tokens": 16}
         assert answer(glm, mode=linked, **fields).text == answer(glm, mode=online, **fields).text
@@ -223,15 +229,15 @@ def test_hot_chunks_cross_to_the_device_once_and_misses_fetch_only_what_is_missi
     second = plan(roles, chunk_ids=["manual#00000", "recipes#00000", "invoices#00000"], mode=Mode.TEXT_PIC,
                   max_new_tokens=4)
     sampling = Sampling(max_new_tokens=4)
-    cold = roles.generator.generate_blocking(first, sampling, loader=loader).report.cache
-    warm = roles.generator.generate_blocking(first, sampling, loader=loader).report.cache
-    mixed = roles.generator.generate_blocking(second, sampling, loader=loader).report.cache
+    cold = roles.generator.generate_blocking(first, sampling, source=LocalLoader(loader)).report.cache
+    warm = roles.generator.generate_blocking(first, sampling, source=LocalLoader(loader)).report.cache
+    mixed = roles.generator.generate_blocking(second, sampling, source=LocalLoader(loader)).report.cache
     assert (cold.device_hits, cold.misses) == (0, 2) and (warm.device_hits, warm.hits, warm.misses) == (2, 0, 0)
     assert (mixed.device_hits, mixed.hits + mixed.misses) == (2, 1)
     assert loader.asked == [[c.entry.key for c in first.chunks], [second.chunks[1].entry.key]]  # warm: no call
     # the same answer whichever tier served each chunk
-    given = roles.generator.generate_blocking(second, sampling, loaded=roles.loader.load(second))
-    assert roles.generator.generate_blocking(second, sampling, loader=loader).text == given.text
+    given = as_given(roles.generator, second, sampling, roles.loader.load(second))
+    assert roles.generator.generate_blocking(second, sampling, source=LocalLoader(loader)).text == given.text
 
 
 class GatedLoader(CountingLoader):
@@ -254,7 +260,7 @@ class GatedLoader(CountingLoader):
 def overlapping(generator, loader: GatedLoader, plans: list[Plan], sampling: Sampling) -> list:
     """Start every plan's request, open the loader's gate once all have reached the hot tier, gather."""
     async def run() -> list:
-        tasks = [asyncio.create_task(generator.generate(p, sampling, loader=loader)) for p in plans]
+        tasks = [asyncio.create_task(generator.generate(p, sampling, source=LocalLoader(loader))) for p in plans]
         await asyncio.sleep(0.5)  # every request has looked its entries up and waits on a read or on a fetch
         loader.gate.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -277,7 +283,7 @@ def test_requests_in_flight_for_the_same_entries_fetch_them_once(roles, serving_
     assert c.report.cache.device_hits == 1
     # the answers are those of the same plans served one at a time from what the loader reads
     for planned, got in ((first, a), (first, b), (overlap, c)):
-        assert got.text == roles.generator.generate_blocking(planned, sampling, loaded=roles.loader.load(planned)).text
+        assert got.text == as_given(roles.generator, planned, sampling, roles.loader.load(planned)).text
 
 
 def test_a_failed_fetch_leaves_its_waiters_to_fetch_for_themselves(roles, serving_store):
@@ -301,7 +307,7 @@ def test_the_hot_tier_keeps_its_byte_cap(roles, serving_store):
     try:
         for chunk_id in sizes:
             planned = plan(roles, chunk_ids=[chunk_id], mode=Mode.TEXT_PIC, max_new_tokens=2)
-            generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=roles.loader)
+            generator.generate_blocking(planned, Sampling(max_new_tokens=2))
             assert generator.contexts.hot.nbytes <= generator.contexts.hot.max_nbytes
         assert len(generator.contexts.hot.keys()) == 2 and generator.contexts.hot.stats().evictions >= 1
     finally:

@@ -16,6 +16,7 @@ from schemas.config import HybridSpec, Mode, RenderSpec, RouterSpec, Variant
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
+from serve.kv import LocalLoader
 from serve.plan import Entry, entry_of
 from serve.routing import PlacementSpec, Router, Selection, place
 from serve.routing.hybrid import Choice, choose
@@ -129,8 +130,9 @@ def test_ingest_stores_legibility_and_a_hybrid_context_is_served(legible_store, 
     kinds = [c.entry.variant for c in hybrid_plan.chunks]
     assert Variant.TEXT in kinds and Variant.TEMPLATE in kinds
     assert all(c.entry.variant is Variant.TEMPLATE for c in plain_plan.chunks)  # off: pure qvpic
-    generator = Generator(GeneratorConfig(store=legible_store, model=serving_store.model))
-    answer = generator.generate_blocking(hybrid_plan, Sampling(max_new_tokens=4), loader=loader_of(legible_store))
+    generator = Generator(GeneratorConfig(store=legible_store, model=serving_store.model),
+                          LocalLoader(loader_of(legible_store)))
+    answer = generator.generate_blocking(hybrid_plan, Sampling(max_new_tokens=4))
     assert [c.variant for c in answer.report.chunks] == kinds and answer.report.fallbacks == []
     assert answer.report.usage.context_text_tokens > generator.generate_blocking(
-        plain_plan, Sampling(max_new_tokens=4), loader=loader_of(legible_store)).report.usage.context_text_tokens
+        plain_plan, Sampling(max_new_tokens=4)).report.usage.context_text_tokens

@@ -16,9 +16,9 @@ from schemas.config import DType, KVQuant, RenderSpec, Variant
 from schemas.store import Manifest
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import kv_tensor
+from serve.kv import LocalLoader, kv_tensor
 from serve.routing import Router
-from tests.store_factory import Roles, build_store, loader_of, serving_store  # noqa: F401  (fixture)
+from tests.store_factory import build_store, loader_of, serving_store, stack_of  # noqa: F401  (fixture)
 
 QUANTS = (KVQuant.INT8, KVQuant.FP8)
 # Worst relative L2 error of any key channel / value token (over its own axis): int8's step is absmax/127,
@@ -187,16 +187,12 @@ def test_an_int8_store_serves_int8_entries_whose_logits_are_close_to_unquantised
     assert sum(index["nbytes"].to_pylist()) < 0.3 * sum(plain_index["nbytes"].to_pylist())  # of float32
 
     model, uri = serving_store.model, str(tmp_path)
-    quant = Roles(Router(RouterConfig(store=uri, model=model, max_chunks=4)), loader_of(uri, 1 << 24),
-                  Generator(GeneratorConfig(store=uri, model=model)))
-    plain = Roles(Router(RouterConfig(store=serving_store.uri, model=model, max_chunks=4)),
-                  loader_of(serving_store.uri, 1 << 24),
-                  Generator(GeneratorConfig(store=serving_store.uri, model=model)))
+    quant = stack_of(uri, model, max_chunks=4, loader_nbytes=1 << 24)
+    plain = stack_of(serving_store.uri, model, max_chunks=4, loader_nbytes=1 << 24)
     request = AnswerRequest(query="When does part XK-4471-B ship?", chunk_ids=["invoices#00000", "manual#00001"],
                             tau=1.0, max_new_tokens=8)
     from schemas.sampling import Sampling
-    reply = quant.generator.generate_blocking(asyncio.run(quant.router.plan(request)), Sampling(max_new_tokens=8),
-                                              loader=quant.loader)
+    reply = quant.generator.generate_blocking(asyncio.run(quant.router.plan(request)), Sampling(max_new_tokens=8))
     assert reply.report.usage.completion_tokens > 0 and reply.report.cache.nbytes_from_store > 0
     assert quant.loader.stats().nbytes == reply.report.cache.nbytes_from_store  # the LRU keeps the records
     from schemas.store import StoreSpec
@@ -233,9 +229,9 @@ def test_a_lazy_int8_store_writes_back_int8_and_serves_the_same_answer_from_it(s
     plan = asyncio.run(router.plan(request))
     (pending,) = [c.entry for c in plan.chunks if is_pending(c.entry)]
     first = Generator(GeneratorConfig(store=uri, model=model))
-    compiled = first.generate_blocking(plan, Sampling(max_new_tokens=6), loader=loader_of(uri))
+    compiled = first.generate_blocking(plan, Sampling(max_new_tokens=6), source=LocalLoader(loader_of(uri)))
     row = written_back(Store.open(uri), CacheKey.parse(pending.key))
     assert row is not None and row["dtype"] == "int8"
     other = Generator(GeneratorConfig(store=uri, model=model))  # another replica reads the written-back entry
-    from_store = other.generate_blocking(plan, Sampling(max_new_tokens=6), loader=loader_of(uri))
+    from_store = other.generate_blocking(plan, Sampling(max_new_tokens=6), source=LocalLoader(loader_of(uri)))
     assert other.repairer.lazy.stats.from_store == 1 and from_store.text == compiled.text

@@ -16,7 +16,7 @@ from schemas.sampling import Sampling
 from schemas.store import StoreSpec
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LocalLoader
 from serve.routing import Router
 from tests.ray_fixtures import ray_session  # noqa: F401  (pytest fixture)
 
@@ -32,7 +32,7 @@ def answer(uri: str) -> str:
     loader = CacheLoader(LoaderConfig(store=uri, max_nbytes=1 << 24))
     generator = Generator(GeneratorConfig(store=uri, model=model))
     plan = asyncio.run(router.plan(AnswerRequest(query="Where is the vault code?", top_k=2, max_new_tokens=4)))
-    return generator.generate_blocking(plan, Sampling(max_new_tokens=4), loader=loader).text
+    return generator.generate_blocking(plan, Sampling(max_new_tokens=4), source=LocalLoader(loader)).text
 
 
 def formats(store: Store) -> set[str]:

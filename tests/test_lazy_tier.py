@@ -24,7 +24,7 @@ from schemas.sampling import Sampling
 from schemas.store import CacheKey
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import is_pending, store_row, to_wire
+from serve.kv import LocalLoader, is_pending, store_row, to_wire
 from serve.kv.lazy_tier import SingleFlight
 from serve.plan import LoadedKV
 from serve.routing import Router
@@ -105,7 +105,7 @@ def test_first_promotion_compiles_once_writes_back_and_later_requests_hit(lazy_r
     key = CacheKey.parse(pending[0].entry.key)
     assert written_back(Store.open(uri), key) is None
 
-    first = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
+    first = generator.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     assert calls == [key.to_str()] and first.report.fallbacks == []
     assert [c.tier for c in first.report.chunks] == [c.tier for c in plan.chunks]
     row = written_back(Store.open(uri), key)
@@ -116,16 +116,16 @@ def test_first_promotion_compiles_once_writes_back_and_later_requests_hit(lazy_r
     # proportional): close, and the served counts are the compiled entry's own.
     assert abs(pending[0].num_tokens - row["num_tokens"]) <= 0.1 * row["num_tokens"]
 
-    second = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
+    second = generator.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     assert calls == [key.to_str()] and second.text == first.text and second.report.cache.device_hits == 2
     generator.contexts.hot.clear()  # evicted from the device: the written-back entry is read, not compiled
-    third = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
+    third = generator.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     assert calls == [key.to_str()] and third.text == first.text
     assert generator.repairer.lazy.stats.from_store == 1 and generator.repairer.lazy.stats.compiled == 1
 
     other = Generator(GeneratorConfig(store=uri, model=serving_store.model))  # another replica
     other_calls = counting(other)
-    assert other.generate_blocking(plan, SAMPLING, loader=loader_of(uri)).text == first.text
+    assert other.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri))).text == first.text
     assert other_calls == [] and other.repairer.lazy.stats.from_store == 1
 
 
@@ -166,17 +166,17 @@ def test_lazy_answer_equals_the_eager_store(lazy_root, serving_store, tmp_path):
     eager_router, eager_generator = serving(serving_store.uri, serving_store)
     lazy_plan, eager_plan = asyncio.run(lazy_router.plan(REQUEST)), asyncio.run(eager_router.plan(REQUEST))
     assert [c.tier for c in lazy_plan.chunks] == [c.tier for c in eager_plan.chunks]
-    lazy = lazy_generator.generate_blocking(lazy_plan, SAMPLING, loader=loader_of(uri))
+    lazy = lazy_generator.generate_blocking(lazy_plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     eager = eager_generator.generate_blocking(eager_plan, SAMPLING,
-                                              loader=loader_of(serving_store.uri))
+                                              source=LocalLoader(loader_of(serving_store.uri)))
     assert lazy.text == eager.text
     assert [(c.tier, c.num_tokens, c.position_span) for c in lazy.report.chunks] == \
         [(c.tier, c.num_tokens, c.position_span) for c in eager.report.chunks]
 
     vlm = serving_store.vlm
     lazy_store, eager_store = Store.open(uri), Store.open(serving_store.uri)
-    lazy_kvs = [lazy_generator.contexts.hot.get_many([c.entry.key])[c.entry.key][0] for c in lazy_plan.chunks]
-    eager_kvs = [eager_generator.contexts.hot.get_many([c.entry.key])[c.entry.key][0] for c in eager_plan.chunks]
+    lazy_kvs = [lazy_generator.contexts.hot.get_many([c.entry]).found[c.entry.key][0] for c in lazy_plan.chunks]
+    eager_kvs = [eager_generator.contexts.hot.get_many([c.entry]).found[c.entry.key][0] for c in eager_plan.chunks]
     high = next(i for i, c in enumerate(eager_plan.chunks) if c.tier == "high")
     stored_lazy = lazy_store.load_kv(written_back(lazy_store, CacheKey.parse(lazy_plan.chunks[high].entry.key)))
     assert float((stored_lazy - eager_store.load_kv(store_row(eager_plan.chunks[high].entry.row))).abs().max()) <= 1e-5
@@ -195,7 +195,7 @@ def test_recompile_keeps_the_store_lazy_and_its_written_back_entries(lazy_root, 
     uri = copy_of(lazy_root, tmp_path)
     router, generator = serving(uri, serving_store)
     plan = asyncio.run(router.plan(REQUEST))
-    generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
+    generator.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     key = CacheKey.parse(next(c.entry.key for c in plan.chunks if c.tier == "high"))
     store = Store.open(uri)
     new, _ = recompile_manifest(store.load_manifest_or_raise(), RecompileConfig(store=store.spec,
@@ -213,11 +213,11 @@ def test_an_unreadable_write_back_is_compiled_again(lazy_root, serving_store, tm
     uri = copy_of(lazy_root, tmp_path)
     router, generator = serving(uri, serving_store)
     plan = asyncio.run(router.plan(REQUEST))
-    first = generator.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
+    first = generator.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     key = CacheKey.parse(next(c.entry.key for c in plan.chunks if c.tier == "high"))
     corrupt_entry(Path(uri), written_back(Store.open(uri), key))
     other = Generator(GeneratorConfig(store=uri, model=serving_store.model))
     calls = counting(other)
-    again = other.generate_blocking(plan, SAMPLING, loader=loader_of(uri))
+    again = other.generate_blocking(plan, SAMPLING, source=LocalLoader(loader_of(uri)))
     assert calls == [key.to_str()] and again.text == first.text and again.report.fallbacks == []
     assert Store.open(uri).load_kv(written_back(Store.open(uri), key)) is not None  # written over: readable again

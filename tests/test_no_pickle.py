@@ -23,6 +23,7 @@ from schemas.config import Mode, ModelSpec
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
+from serve.kv import LocalLoader
 from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, loader_of, serving_store  # noqa: F401  (pytest fixture)
 
@@ -157,7 +158,7 @@ def test_load_paths_never_unpickle(serving_store):
         for mode in (Mode.QVPIC, Mode.TEXT_PIC, Mode.FULL_IMAGE):
             plan = asyncio.run(router.plan(AnswerRequest(query="When does part XK-4471-B ship?", top_k=2, mode=mode,
                                                          max_new_tokens=2)))
-            generator.generate_blocking(plan, Sampling(max_new_tokens=2), loader=loader)
+            generator.generate_blocking(plan, Sampling(max_new_tokens=2), source=LocalLoader(loader))
     assert seen.events == []
 
 

@@ -54,7 +54,8 @@ class Driver:
         spec = EngineSpec(prefix_cache=PrefixCacheSpec(block_tokens=block_tokens, device_nbytes=cache_nbytes,
                                                        host_nbytes=host_nbytes, final_logits=final_logits))
         self.logits: dict[int, list[torch.Tensor]] = {}
-        self.engine = QvpicEngine(vlm, spec, start=False, on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
+        self.engine = QvpicEngine(vlm, spec, start=False,
+                                  on_logits=lambda s, row: self.logits[s.id].append(row.clone()))
 
     def run(self, prompt: LinkedPrompt, salt: bytes = TENANT_A, max_new_tokens: int = 6) -> Sequence:
         seq = Sequence(Sampling(max_new_tokens=max_new_tokens), LinkedContext(prompt, salt), prompt.num_tokens,

@@ -24,6 +24,7 @@ from schemas.errors import UnservableError
 from schemas.sampling import Sampling
 from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator
+from serve.kv import LocalLoader
 from serve.routing import Router
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, loader_of, serving_store  # noqa: F401  (fixture)
 from tests.test_runtime_exactness import QUERY, TOLERANCE, page, random_text
@@ -161,7 +162,7 @@ def test_serving_with_full_recompute_equals_full_image(serving_store):
                                 max_new_tokens=6)
         planned = asyncio.run(router.plan(request))
         assert len(planned.chunks) > 1 and all(c.text for c in planned.chunks)
-        report = generator.generate_blocking(planned, Sampling(max_new_tokens=6), loader=loader).report
+        report = generator.generate_blocking(planned, Sampling(max_new_tokens=6), source=LocalLoader(loader)).report
         assert (report.timings.render_ms > 0) == (mode is Mode.FULL_IMAGE or generator is every)  # pages rendered again
         return torch.stack(rows)
 
@@ -184,4 +185,4 @@ def test_recompute_without_carried_sources_is_a_clear_error(serving_store):
     generator = Generator(GeneratorConfig(store=uri, model=model, recompute=EVERY_TOKEN[RecomputeKind.LEADING]))
     planned = asyncio.run(router.plan(AnswerRequest(query=QUERY, chunk_ids=["invoices#00000"], max_new_tokens=2)))
     with pytest.raises(UnservableError, match="carry_sources"):
-        generator.generate_blocking(planned, Sampling(max_new_tokens=2), loader=loader_of(uri))
+        generator.generate_blocking(planned, Sampling(max_new_tokens=2), source=LocalLoader(loader_of(uri)))

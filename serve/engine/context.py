@@ -16,17 +16,15 @@ import time
 from dataclasses import dataclass
 
 from PIL import Image
-from ray.serve.handle import DeploymentHandle
 
 from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
 from pipeline.store import PageImageError, PageImageRefused, page_images
-from schemas.api import CacheReport, FallbackReport, KVSource
+from schemas.api import CacheReport, FallbackReport, KVOrigin
 from schemas.config import ChunkKind, RecomputeSpec, RenderSpec
 from schemas.errors import PageImageRefusedError, UnservableError
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer
-from serve.handles import cancelling
-from serve.kv import CacheLoader, HotTier, kv_tensor, recompute_inputs
+from serve.kv import HotTier, KVSource, kv_tensor, recompute_inputs
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 
 
@@ -40,18 +38,18 @@ class Context:
     fallbacks: tuple[FallbackReport, ...]
     load_ms: float = 0.0
     render_ms: float = 0.0
-    sources: list[KVSource | None] | None = None  # aligned with plan.chunks: where each linked chunk's KV came from
+    sources: list[KVOrigin | None] | None = None  # aligned with plan.chunks: where each linked chunk's KV came from
     kv_nbytes: list[int | None] | None = None  # aligned with plan.chunks: each linked chunk's KV on the device
 
 
-def kv_sources(read: LoadResult, repaired: LoadResult) -> list[KVSource | None]:
+def kv_sources(read: LoadResult, repaired: LoadResult) -> list[KVOrigin | None]:
     """Where each of `repaired`'s KV came from: the loader's word for what it read (None where it had no
     entry to read: a hot chunk left out of the plan), COMPILED where the repairer rebuilt an entry rather
     than serving its backup."""
     sources = list(read.sources)
     for item in read.unreadable:
         if repaired.kvs[item.position] is not item.backup:
-            sources[item.position] = KVSource.COMPILED
+            sources[item.position] = KVOrigin.COMPILED
     return sources
 
 
@@ -65,13 +63,12 @@ class ContextBuilder:
         # entry key → done when the request fetching it has put it in the hot tier (or failed); one event loop
         self._fetching: dict[str, asyncio.Future[None]] = {}
 
-    async def build(self, plan: Plan, loaded: LoadResult | None, loader: DeploymentHandle | CacheLoader | None
-                    ) -> Context:
-        """`loaded`: use this KV as it is (the hot tier is neither read nor filled); else the hot tier, and
-        `loader` for its misses."""
+    async def build(self, plan: Plan, source: KVSource | None) -> Context:
+        """A linked plan's chunk KV from the device tier, its misses from `source` (the loader's host and store
+        tiers), what neither could read rebuilt; an online plan's chunk sources."""
         if plan.mode.online:
             return await self._online(plan)
-        context = await self._linked(plan, loaded, loader)
+        context = await self._linked(plan, source)
         if self.recompute.enabled:  # the chunks' sources, tokenised (and pages rendered) off the event loop
             started = time.perf_counter()
             last = [i for i, c in enumerate(plan.chunks) if c.group == len(plan.layout.texts) - 2]  # recomputed group
@@ -98,15 +95,10 @@ class ContextBuilder:
             identities[planned.group].append(entry.key.encode())
         return LinkedContext(LinkedPrompt(list(texts), groups, identities), plan.cache_salt)
 
-    async def _linked(self, plan: Plan, loaded: LoadResult | None, loader) -> Context:
+    async def _linked(self, plan: Plan, source: KVSource | None) -> Context:
+        """The fall-through of serve/kv/tier.py across the process boundary: the device tier here, then `source`
+        for its misses (host, then store), then the repairer for what no tier could read."""
         segments = await self.segments(plan)
-        if loaded is not None:
-            repaired = await self.repairer.repaired(plan, loaded)
-            chunks = [self._chunk(kv, copy=False) for kv in repaired.kvs]
-            served_entries = [kv.entry for kv in repaired.kvs]
-            return Context(self._prompt(plan, chunks, served_entries, segments), served_entries,
-                           repaired.cache, repaired.fallbacks, repaired.load_ms, sources=kv_sources(loaded, repaired),
-                           kv_nbytes=[c.kv.nbytes for c in chunks])
         started = time.perf_counter()
         keys = [c.entry.key for c in plan.chunks]
         # Entries another request is bringing onto the device: wait for that copy rather than fetch them again
@@ -114,7 +106,7 @@ class ContextBuilder:
         # awaits between this lookup and claiming the misses, so each entry has one fetcher.
         if waits := {self._fetching[k] for k in keys if k in self._fetching}:
             await asyncio.wait([asyncio.shield(w) for w in waits])
-        hot = self.hot.get_many(keys)
+        hot = self.hot.get_many([c.entry for c in plan.chunks]).found
         claimed = {k: asyncio.get_running_loop().create_future() for k in dict.fromkeys(keys)
                    if k not in hot and k not in self._fetching}
         self._fetching.update(claimed)
@@ -122,21 +114,24 @@ class ContextBuilder:
             missing = dataclasses.replace(plan, chunks=tuple(
                 c if c.entry.key not in hot else dataclasses.replace(c, entry=None, fallback=None)
                 for c in plan.chunks))
-            fetched, sources = None, [KVSource.DEVICE] * len(plan.chunks)
+            fetched, sources = None, [KVOrigin.DEVICE] * len(plan.chunks)
             if len(hot) < len(plan.chunks):
-                read = await self._load(missing, loader)
+                if source is None:
+                    raise RuntimeError("this generator has no KV source to load its misses from")
+                read = await source.load(missing)
                 fetched = await self.repairer.repaired(missing, read)
-                sources = [KVSource.DEVICE if s is None else s for s in kv_sources(read, fetched)]
-            chunks, served = [], []
+                sources = [KVOrigin.DEVICE if s is None else s for s in kv_sources(read, fetched)]
+            chunks, served, arrived = [], [], {}
             for position, planned in enumerate(plan.chunks):
                 if planned.entry.key in hot:
                     kv, entry = hot[planned.entry.key]
                 else:  # onto the device once; every later request re-anchors it there
                     loaded_kv = fetched.kvs[position]
                     kv, entry = self._chunk(loaded_kv, copy=True), loaded_kv.entry
-                    self.hot.put(entry.key, kv, entry)
+                    arrived[entry.key] = (kv, entry)
                 chunks.append(kv)
                 served.append(entry)
+            self.hot.put_many(arrived)
         finally:  # put, failed or cancelled: a waiter looks again (and fetches what is still not resident)
             for key, done in claimed.items():
                 self._fetching.pop(key, None)
@@ -161,13 +156,6 @@ class ContextBuilder:
             groups[planned.group].append(piece)
         prefill = OnlineContext(texts, groups, plan.cache_salt, chunk_tokens=sum(c.num_tokens for c in plan.chunks))
         return Context(prefill, [None] * len(plan.chunks), report, plan.fallbacks, render_ms=render_ms)
-
-    async def _load(self, plan: Plan, loader) -> LoadResult:
-        if loader is None:
-            raise RuntimeError("this generator has no loader to fetch KV from")
-        if isinstance(loader, DeploymentHandle):
-            return await cancelling(loader.load.remote(plan))
-        return await off_loop(loader.load, plan)
 
     def _chunk(self, kv: LoadedKV, copy: bool) -> ChunkKV:
         # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer; a quantised

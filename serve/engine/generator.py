@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-from ray.serve.handle import DeploymentHandle
 
 from pipeline.runtime import VLM, Renderer, check_store, in_passing_thread, serial_here
 from pipeline.store import Store, check_device
@@ -39,7 +38,7 @@ from schemas.api import CacheStats
 from schemas.decoding import ChoiceLogprobs, TokenLogprob, TopLogprob
 from schemas.errors import DeadlineExceededError, InvalidRequestError
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig, LoaderConfig
+from serve.config import GeneratorConfig
 from serve.engine.context import ContextBuilder
 from serve.engine.detokenizer import Detokenizer, token_text
 from serve.engine.interface import EngineStats, PrefixCacheStats
@@ -49,8 +48,8 @@ from serve.engine.repair import Repairer
 from serve.engine.report import FINISH, answer_report
 from serve.engine.sequence import End, Finished, Sequence
 from serve.engine.stops import Step, StopMatcher
-from serve.kv import CacheLoader, HotTier
-from serve.plan import Answer, Choice, LoadResult, Plan, TextDelta
+from serve.kv import HotTier, KVSource, LocalLoader
+from serve.plan import Answer, Choice, Plan, TextDelta
 
 
 def text_of(step: str | Step) -> str:
@@ -76,8 +75,9 @@ def reserved_cpus() -> float | None:
 
 
 class Generator:
-    def __init__(self, config: GeneratorConfig,
-                 loader: DeploymentHandle | CacheLoader | LoaderConfig | None = None):
+    def __init__(self, config: GeneratorConfig, source: KVSource | None = None):
+        """`source`: where the device tier's misses are read from (serve/kv/source.py); None: every request must
+        bring its own (`generate(..., source=...)`)."""
         self.config = config
         reserved = reserved_cpus()
         threads = forward_threads(config.engine.forward.threads, reserved)
@@ -86,11 +86,11 @@ class Generator:
         # The load, the serving prefix and any warm-up run parallel kernels: on a thread that ends, so that the
         # engine's thread holds the process's only OpenMP pool (pipeline/runtime/threads.py: a bf16 token 9.7
         # against 15.6 ms otherwise)
-        in_passing_thread(self._build, config, loader, name="qvpic-generator-start")
+        in_passing_thread(self._build, config, source, name="qvpic-generator-start")
         if reserved is not None:  # a Serve replica: this thread runs its event loop for as long as it lives. A
             serial_here()  # script's thread is left as it was (its own forwards would run on one thread)
 
-    def _build(self, config: GeneratorConfig, loader: DeploymentHandle | CacheLoader | LoaderConfig | None) -> None:
+    def _build(self, config: GeneratorConfig, source: KVSource | None) -> None:
         store = Store.open(config.store)
         manifest = store.load_manifest_or_raise()
         check_store(manifest, config.model)
@@ -98,28 +98,27 @@ class Generator:
         check_device(manifest.kv_quant, self.vlm.device)  # it dequantises the store's entries there
         renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
-        # where the hot tier's misses come from; a LoaderConfig: this replica's own (loader_placement in_generator)
-        self.loader = CacheLoader(loader) if isinstance(loader, LoaderConfig) else loader
+        self.source = source
+        if isinstance(source, LocalLoader):
+            source.loader  # noqa: B018  this replica's own loader (loader_placement in_generator), opened at start
         self.engine = QvpicEngine(self.vlm, config.engine)  # the Engine this generator drives
         self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock, config.images_root)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),
                                        config.recompute, self.repairer, config.images_root)
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
-                       loaded: LoadResult | None = None, loader: CacheLoader | None = None) -> Answer:
-        async with contextlib.aclosing(self.stream(plan, sampling, timeout_s, loaded=loaded, loader=loader)) as events:
+                       source: KVSource | None = None) -> Answer:
+        async with contextlib.aclosing(self.stream(plan, sampling, timeout_s, source=source)) as events:
             async for event in events:
                 if isinstance(event, Answer):
                     return event
         raise RuntimeError("the stream ended without an answer")
 
     async def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None, *,
-                     loaded: LoadResult | None = None,
-                     loader: CacheLoader | None = None) -> AsyncIterator[str | Answer]:
+                     source: KVSource | None = None) -> AsyncIterator[str | Answer]:
         """Answer text deltas as tokens decode, then the `Answer` (full text and report).
 
-        `loaded`: use this KV instead of the hot tier and the loader; `loader`: fetch misses from it
-        instead of the deployment's loader (in-process use)."""
+        `source`: read the device tier's misses from it instead of this generator's own (in-process use)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         vocab = self.vlm.vocab_size
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:  # sorted by id: the last is the largest
@@ -129,7 +128,7 @@ class Generator:
             raise error
         try:
             async with asyncio.timeout(timeout_s):
-                context = await self.contexts.build(plan, loaded, loader or self.loader)
+                context = await self.contexts.build(plan, source or self.source)
         except TimeoutError:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
         prefill = context.prefill
@@ -148,10 +147,9 @@ class Generator:
             for run in runs:
                 self.engine.abort(run.seq)  # a no-op once finished; else the caller went away: the row leaves
 
-    def generate_blocking(self, plan: Plan, sampling: Sampling, *, loaded: LoadResult | None = None,
-                          loader: CacheLoader | None = None) -> Answer:
+    def generate_blocking(self, plan: Plan, sampling: Sampling, *, source: KVSource | None = None) -> Answer:
         """`generate` for callers without an event loop (scripts, evaluation, tests)."""
-        return asyncio.run(self.generate(plan, sampling, loaded=loaded, loader=loader))
+        return asyncio.run(self.generate(plan, sampling, source=source))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -161,9 +159,9 @@ class Generator:
 
     def loader_stats(self) -> CacheStats:
         """The host LRU of this replica's own loader (loader_placement in_generator)."""
-        if not isinstance(self.loader, CacheLoader):
+        if not isinstance(self.source, LocalLoader):
             raise RuntimeError("this generator has no loader of its own: ask the CacheLoader deployment")
-        return self.loader.stats()
+        return self.source.loader.stats()
 
     def clear_hot_tier(self) -> None:
         """Drop the chunk KV resident on the device: the next request loads every entry (a cold measurement)."""

@@ -106,10 +106,14 @@ class HandleBackend:
 
 
 class InProcessBackend:
-    """The same roles as plain objects. The generator fetches its hot tier's misses from `loader`."""
+    """The same roles as plain objects (serve/local.py `build_local`): the generator reads its device tier's misses
+    through `loader`, which also answers the cache statistics."""
 
     def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
+        from serve.kv import LocalLoader  # the model stack: only in-process callers get here
+
         self.router, self.loader, self.generator = router, loader, generator
+        self.source = LocalLoader(loader)
 
     async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str],
                     cache_salt: bytes = b"") -> Plan:
@@ -119,10 +123,10 @@ class InProcessBackend:
         return await self.router.embed(texts)
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
-        return await self.generator.generate(plan, sampling, timeout_s, loader=self.loader)
+        return await self.generator.generate(plan, sampling, timeout_s, source=self.source)
 
     def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
-        return self.generator.stream(plan, sampling, timeout_s, loader=self.loader)
+        return self.generator.stream(plan, sampling, timeout_s, source=self.source)
 
     async def cache_stats(self) -> CacheStats:
         return self.loader.stats()

@@ -28,15 +28,16 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pipeline.runtime import ChunkKV
-from schemas.api import CacheStats
+from schemas.api import CacheStats, KVOrigin
 from serve.kv.lru import ByteLRU
+from serve.kv.tier import TierRead
 from serve.metrics import serve_metrics
 from serve.plan import Entry
 
@@ -115,14 +116,19 @@ class HotTierReport:
             return None
 
 
+Resident = tuple[ChunkKV, Entry]  # an entry's KV on the device, and the entry it is
+
+
 class HotTier:
-    """Least-recently-used map of entry key → (device KV, the entry); summed KV bytes ≤ `max_nbytes`
-    (serve/kv/lru.py, the loader's policy too). A KV larger than the whole cap is not kept. Thread-safe
-    (requests share it). Hits and misses are counted in entries and in device bytes (a miss's bytes when
-    its KV is put), here and in the replica's metrics (`qvpic_hot_tier_entries` / `_bytes`)."""
+    """The device cache tier (serve/kv/tier.py `KVTier`): a least-recently-used map of entry key → (device KV, the
+    entry); summed KV bytes ≤ `max_nbytes` (serve/kv/lru.py, the loader's policy too). A KV larger than the whole
+    cap is not kept. Thread-safe (requests share it). Hits and misses are counted in entries and in device bytes (a
+    miss's bytes when its KV is put), here and in the replica's metrics (`qvpic_hot_tier_entries` / `_bytes`)."""
+
+    origin = KVOrigin.DEVICE
 
     def __init__(self, max_nbytes: int):
-        self._lru: ByteLRU[tuple[ChunkKV, Entry]] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
+        self._lru: ByteLRU[Resident] = ByteLRU(max_nbytes, lambda item: item[0].nbytes)
         self._lock = threading.Lock()
         self._lookups = self._hit_nbytes = self._miss_nbytes = 0
         self._metrics = serve_metrics()
@@ -135,10 +141,10 @@ class HotTier:
     def nbytes(self) -> int:
         return self._lru.nbytes
 
-    def get_many(self, keys: Iterable[str]) -> dict[str, tuple[ChunkKV, Entry]]:
-        """The resident ones among `keys` (each counted as a hit or a miss once)."""
+    def get_many(self, entries: Sequence[Entry]) -> TierRead[Resident]:
+        """The resident ones among `entries` (each distinct one counted as a hit or a miss once)."""
         with self._lock:
-            found = {key: self._lru.get(key) for key in dict.fromkeys(keys)}
+            found = {key: self._lru.get(key) for key in dict.fromkeys(e.key for e in entries)}
             hits = {key: item for key, item in found.items() if item is not None}
             hit_nbytes = sum(kv.nbytes for kv, _ in hits.values())
             self._hit_nbytes += hit_nbytes
@@ -146,14 +152,16 @@ class HotTier:
         self._metrics.hot_tier_entries.inc(len(hits), outcome="hit")
         self._metrics.hot_tier_entries.inc(len(found) - len(hits), outcome="miss")
         self._metrics.hot_tier_bytes.inc(hit_nbytes, outcome="hit")
-        return hits
+        return TierRead(hits)
 
-    def put(self, key: str, kv: ChunkKV, entry: Entry) -> None:
-        """Keep a missed entry's KV (its bytes count as missed bytes)."""
+    def put_many(self, values: Mapping[str, Resident]) -> None:
+        """Keep missed entries' KV, already on the device (their bytes count as missed bytes)."""
+        nbytes = sum(kv.nbytes for kv, _ in values.values())
         with self._lock:
-            self._lru.put(key, (kv, entry))
-            self._miss_nbytes += kv.nbytes
-        self._metrics.hot_tier_bytes.inc(kv.nbytes, outcome="miss")
+            for key, item in values.items():
+                self._lru.put(key, item)
+            self._miss_nbytes += nbytes
+        self._metrics.hot_tier_bytes.inc(nbytes, outcome="miss")
 
     def keys(self) -> list[str]:
         """Resident keys, least recently used first."""

@@ -1,0 +1,76 @@
+"""The serving roles in this process, without Serve: `build_local(config)`, beside `build_app(config)`.
+
+`build_app` (serve/app.py) deploys router, loader and generator as Serve deployments behind the ingress;
+`build_local` builds the same classes from the same `AppConfig` as plain objects, checked by the same preflight,
+the generator reading its device tier's misses from the loader beside it (serve/kv/source.py `LocalLoader`). What
+runs in-process — `qvpic eval`, the benchmarks that time the roles, the tests — therefore measures what the service
+does: the same routing, the same stored KV, the same engine. `LocalStack.api()` puts the HTTP surface
+(serve/http/) in front of it, as the ingress replica does, for tests that drive it without a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+
+from schemas.api import AnswerRequest
+from schemas.sampling import Sampling
+from serve.app import api_spec, preflight
+from serve.config import AppConfig
+from serve.engine import Generator
+from serve.governance import Governor
+from serve.http import InProcessBackend, make_api
+from serve.kv import CacheLoader, LocalLoader
+from serve.plan import Answer
+from serve.routing import Router
+
+
+@dataclass(frozen=True)
+class LocalStack:
+    """Router, loader and generator of one `AppConfig`, as plain objects."""
+
+    config: AppConfig
+    router: Router
+    loader: CacheLoader  # the host tier and the store reader the generator's misses go through
+    generator: Generator
+
+    def backend(self) -> InProcessBackend:
+        """What the HTTP handlers call, on these objects."""
+        return InProcessBackend(self.router, self.loader, self.generator)
+
+    def api(self, governor: Governor | None = None) -> FastAPI:
+        """The ingress's HTTP surface over these roles (its governance from `config.ingress`, unless given)."""
+        return make_api(self.backend(), api_spec(self.config), governor, self.config.ingress)
+
+    async def answer(self, request: AnswerRequest, budget_tokens: int | None = None) -> Answer:
+        """Route `request`, then generate its answer (no governance: that is the ingress's)."""
+        plan = await self.router.plan(request, budget_tokens)
+        return await self.generator.generate(plan, Sampling.of(request))
+
+    def answer_blocking(self, request: AnswerRequest) -> Answer:
+        """`answer` for callers without an event loop (scripts, evaluation, tests)."""
+        return asyncio.run(self.answer(request))
+
+    def clear_caches(self) -> None:
+        """Empty the device tier and the host tier: the next request reads its chunks' KV from the store (the
+        engine's prefix cache is the generator's to clear: `generator.clear_prefix_cache()`)."""
+        self.loader.clear()
+        self.generator.clear_hot_tier()
+
+    def close(self) -> None:
+        """Drop the router's and the loader's leases on the store's generation (their owner calls it when done)."""
+        self.router.close()
+        self.loader.close()
+
+
+def build_local(config: AppConfig | Mapping[str, Any]) -> LocalStack:
+    """The roles of `config` (an `AppConfig`, or the mapping `serve/config.yaml` `args` holds) in this process,
+    after the same preflight as `build_app`: the store matches the model, its parts are all there, its seal holds."""
+    config = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
+    preflight(config)
+    loader = CacheLoader(config.loader)
+    return LocalStack(config, Router(config.router), loader, Generator(config.generator, LocalLoader(loader)))
