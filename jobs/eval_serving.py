@@ -14,7 +14,7 @@ from pipeline.eval import (
     QAItem,
     RoutedChunk,
     RoutePlanner,
-    ServingConfig,
+    ServingSpec,
     StoreView,
     Trace,
     answer_token_ids,
@@ -79,7 +79,7 @@ class ServedTraces:
         self.answerer, self.view, self.num_answer_tokens = answerer, view, num_answer_tokens
         self._references: dict[tuple, Trace] = {}
 
-    def __call__(self, item: QAItem, config: ServingConfig) -> tuple[Trace, Trace]:
+    def __call__(self, item: QAItem, config: ServingSpec) -> tuple[Trace, Trace]:
         router, loader, generator = self.answerer.router, self.answerer.loader, self.answerer.generator
         vlm = generator.vlm
         plan = asyncio.run(router.plan(item_request(item, self.view, config)))

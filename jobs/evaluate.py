@@ -44,7 +44,7 @@ from schemas.config import AblationTiers, Mode, ModelSpec, RouterSpec, ScoreNorm
 # The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
 # imported where used, so that `qvpic eval --help` answers at once.
 if TYPE_CHECKING:
-    from pipeline.eval import ServingConfig, StoreView
+    from pipeline.eval import ServingSpec, StoreView
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "longbench_fixture"
 DEFAULT_GRID = ((0.3, 1), (0.5, 4), (0.9, 8))
@@ -162,12 +162,12 @@ class EvalOutcome:
     paper_md: str | None = None
 
 
-def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[ServingConfig], object | None]:
+def configurations(args: argparse.Namespace, view: StoreView) -> tuple[list[ServingSpec], object | None]:
     """What to run: the paper's grid over the store's tiers, or the chosen modes with the server's routing."""
-    from pipeline.eval import ServingConfig, paper_grid
+    from pipeline.eval import ServingSpec, paper_grid
 
     if not args.paper:
-        return [ServingConfig.of(m) for m in args.modes], None
+        return [ServingSpec.of(m) for m in args.modes], None
     grid = paper_grid(view.render.tiers, args.tau_grid, args.budget_grid)
     return grid.configs, grid
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation
 from schemas.decoding import ChoiceLogprobs, Decoding
 from schemas.tools import FunctionDef, ToolUse, call_grammar
-from schemas.wire import JsonBool, JsonFloat, JsonInt
+from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
 MAX_QUERY_CHARS = 8_000
@@ -30,10 +30,6 @@ StoreId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern
 Query = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUERY_CHARS)]
 # Tenant and task-type names: short, printable, safe as log columns and cache-key parts.
 Label = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]*$")]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class FinishReason(str, Enum):

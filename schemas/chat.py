@@ -21,13 +21,12 @@ from schemas.api import (
     FinishReason,
     Routing,
     Selection,
-    Strict,
 )
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.decoding import ChoiceLogprobs, Decoding
 from schemas.sampling import MAX_CHOICES
 from schemas.tools import MAX_TOOLS, ToolChoice, ToolDef, ToolUse
-from schemas.wire import JsonBool, JsonFloat, JsonInt
+from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict
 
 
 class OpenAIError(Strict):

@@ -11,12 +11,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.api import MAX_NEW_TOKENS, MAX_SEED, AnswerReport, FinishReason, Strict
+from schemas.api import MAX_NEW_TOKENS, MAX_SEED, AnswerReport, FinishReason
 from schemas.chat import ChatCompletionRequest, ChatUsage, QvpicOptions, StreamOptions
 from schemas.conversation import MAX_TEXT_CHARS, Message
 from schemas.decoding import ChoiceLogprobs, Controls
 from schemas.sampling import MAX_CHOICES
-from schemas.wire import JsonBool, JsonFloat, JsonInt, Utf8Str
+from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict, Utf8Str
 
 MAX_PROMPTS = 64  # prompts of one request: each is its own governed turn, answered in order
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's

@@ -414,7 +414,7 @@ class ForwardSpec(Frozen):
         return self
 
 
-class EngineSpec(Frozen):
+class EngineConfig(Frozen):
     """The generator's batching engine: how many requests share a forward pass and how much KV they
     may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
     wait in a bounded queue; past the queue they are refused with 503 and Retry-After."""

@@ -14,9 +14,9 @@ import binascii
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from schemas.wire import Utf8Str
+from schemas.wire import Strict, Utf8Str
 
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 200_000  # one text part or string content
@@ -28,16 +28,12 @@ MAX_IMAGE_PIXELS = 16_000_000  # width × height of one image, before the proces
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp);base64,(.*)$", re.DOTALL)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: Utf8Str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class ImageURL(_Strict):
+class ImageURL(Strict):
     url: str = Field(max_length=(MAX_IMAGE_BYTES * 4) // 3 + 64, description="a data: URL (base64 PNG, JPEG or "
                      "WebP); http(s) URLs are refused: the server fetches nothing")
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's own resize decides
@@ -60,7 +56,7 @@ class ImageURL(_Strict):
             raise ValueError("the image's base64 data does not decode") from None
 
 
-class ImagePart(_Strict):
+class ImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -68,18 +64,18 @@ class ImagePart(_Strict):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: Utf8Str = Field(min_length=1, max_length=256)
     arguments: Utf8Str = Field("", max_length=MAX_TEXT_CHARS)  # JSON text, as the model wrote it
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: Utf8Str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Utf8Str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = Field(
         None, max_length=MAX_TEXT_CHARS)

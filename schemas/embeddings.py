@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.api import MAX_QUERY_CHARS, Strict
+from schemas.api import MAX_QUERY_CHARS
 from schemas.completions import texts_only
-from schemas.wire import JsonInt, Utf8Str
+from schemas.wire import JsonInt, Strict, Utf8Str
 
 MAX_INPUTS = 2048  # OpenAI's
 MAX_TOTAL_CHARS = 1_000_000

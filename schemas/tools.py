@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jsonschema import Draft202012Validator, SchemaError
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from schemas.wire import JsonBool
+from schemas.wire import JsonBool, Strict
 
 MAX_TOOLS = 128  # OpenAI's
 MAX_TOOL_SCHEMA_CHARS = 65_536  # one function's parameters, as JSON
@@ -36,11 +36,7 @@ _TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object wit
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
     description: str | None = Field(None, max_length=8192)
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object; none: no arguments
@@ -63,16 +59,16 @@ class FunctionDef(_Strict):
         return self.parameters or {"type": "object", "properties": {}}
 
 
-class ToolDef(_Strict):
+class ToolDef(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str = Field(min_length=1, max_length=64)
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -80,7 +76,7 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ToolUse(_Strict):
+class ToolUse(Strict):
     """The tools of one request and how the model may use them (the native request's `tools`)."""
 
     tools: list[ToolDef] = Field(min_length=1, max_length=MAX_TOOLS)

@@ -1,4 +1,6 @@
-"""Scalar types of request fields that accept exactly what their JSON Schema says.
+"""The request models' base and the scalar types of their fields, which accept exactly what their JSON Schema says.
+
+`Strict` is every request model's base: an unknown field is a 422 naming it, not silently dropped.
 
 Pydantic's lax mode would coerce `true` to 1, `"5"` to 5 and `"yes"` to True, and lets Python's JSON
 parser's `NaN`/`Infinity` (and `1e400`, which parses to infinity) through to a float; the OpenAPI
@@ -10,11 +12,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, AllowInfNan, Strict
+import pydantic
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict
 
-JsonInt = Annotated[int, Strict()]  # no bool, str or float
-JsonFloat = Annotated[float, Strict(), AllowInfNan(False)]  # int or float, finite; no bool or str
-JsonBool = Annotated[bool, Strict()]  # true or false only
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+JsonInt = Annotated[int, pydantic.Strict()]  # no bool, str or float
+JsonFloat = Annotated[float, pydantic.Strict(), AllowInfNan(False)]  # int or float, finite; no bool or str
+JsonBool = Annotated[bool, pydantic.Strict()]  # true or false only
 
 
 def _utf8(text: str) -> str:

@@ -7,8 +7,8 @@ one nested in `AppConfig` (serve/config.py). The generator reads what its device
 KV source (serve/kv/source.py): the loader deployment's handle; the ingress holds the loader's handle only for
 `/v1/store`'s cache statistics. With `loader_placement: in_generator` there is no loader deployment: each
 generator replica keeps its own host LRU in its process and answers those statistics itself. With
-`routing: affinity` every handle to the generator routes a plan to the replica whose hot tier holds most
-of it (serve/routing/affinity.py).
+`dispatch: affinity` every handle to the generator sends a plan to the replica whose hot tier holds most
+of it (serve/dispatch/affinity.py).
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from pipeline.store import (
     require_recorded_parts,
 )
 from schemas.api import StoreInfo
-from serve.config import ApiSpec, AppConfig, DeploymentConfig, LoaderPlacement, Routing
+from serve.config import ApiSpec, AppConfig, DeploymentConfig, Dispatch, LoaderPlacement
+from serve.dispatch import AffinityDispatcher
 from serve.engine import Generator
 from serve.http import Ingress
 from serve.kv import CacheLoader, LoaderDeployment, LocalLoader
-from serve.routing import BatchingRouter, ChunkAffinityRouter, servable_modes
+from serve.routing import BatchingRouter, servable_modes
 from serve.ui import Inspector, InspectorConfig
 
 
@@ -67,13 +68,13 @@ def preflight(args: AppConfig) -> None:
         check_seal(store, read_generation(store, current_generation_number(store)), key)
 
 
-def generator_routing(args: AppConfig) -> dict[str, Any]:
-    """The Generator's request router: chunk affinity (serve/routing/affinity.py), or Serve's default."""
-    if args.routing is Routing.DEFAULT:
+def generator_dispatch(args: AppConfig) -> dict[str, Any]:
+    """The Generator's request router: chunk affinity (serve/dispatch/affinity.py), or Serve's default."""
+    if args.dispatch is Dispatch.DEFAULT:
         return {}
     spec = args.affinity
     return {"request_router_config": RequestRouterConfig(
-        request_router_class=ChunkAffinityRouter, request_router_kwargs=spec.model_dump(mode="json"),
+        request_router_class=AffinityDispatcher, request_router_kwargs=spec.model_dump(mode="json"),
         request_routing_stats_period_s=spec.stats_period_s, request_routing_stats_timeout_s=spec.stale_after_s)}
 
 
@@ -93,7 +94,7 @@ def build_app(args: AppConfig | dict[str, Any]) -> serve.Application:
               else deployment(CacheLoader, "CacheLoader", args.loader_deployment).bind(config=args.loader))
     # the generator's KV source: its own loader, built in each replica from the config, or the deployment's handle
     source = LocalLoader(args.loader) if loader is None else LoaderDeployment(loader)
-    generator = deployment(Generator, "Generator", args.generator_deployment, **generator_routing(args)).bind(
+    generator = deployment(Generator, "Generator", args.generator_deployment, **generator_dispatch(args)).bind(
         config=args.generator, source=source)
     inspector = deployment(Inspector, "Inspector", args.inspector_deployment).bind(
         config=InspectorConfig(store=args.store, images_root=args.images_root))

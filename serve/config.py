@@ -12,6 +12,7 @@ config without loading torch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, StoreInfo
-from schemas.config import EngineSpec, Frozen, ModelSpec, RecomputeSpec, RouterSpec
+from schemas.config import EngineConfig, Frozen, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
 from schemas.store import ImagesRoot, StoreSpec
 from serve.governance.config import GovernanceConfig
@@ -81,9 +82,11 @@ class StoreBound(Frozen):
         return {"uri": store} if isinstance(store, str) else store
 
 
-# ---- routing across generator replicas ------------------------------------------------------------------
+# ---- dispatch across generator replicas -----------------------------------------------------------------
 
-class Routing(str, Enum):
+class Dispatch(str, Enum):
+    """Which generator replica a request goes to (serve/dispatch/)."""
+
     AFFINITY = "affinity"  # to the replica whose hot tier holds most of the plan's bytes, under a load cap
     DEFAULT = "default"  # Serve's power of two choices
 
@@ -95,8 +98,8 @@ class LoaderPlacement(str, Enum):
     IN_GENERATOR = "in_generator"  # one in each generator replica's process, on its node: no hop, its own LRU
 
 
-class AffinitySpec(Frozen):
-    """The chunk-affinity router's knobs (serve/routing/affinity.py), used when `routing: affinity`."""
+class AffinityConfig(Frozen):
+    """The chunk-affinity dispatcher's knobs (serve/dispatch/affinity.py), used when `dispatch: affinity`."""
 
     max_load_ratio: float = Field(1.5, ge=1.0, description="no replica is sent a request that would put it above "
                                   "this multiple of the mean in-flight requests (counting the request)...")
@@ -104,7 +107,7 @@ class AffinitySpec(Frozen):
                                "balance is noise (the engine batches them), a hot tier's miss is not")
     stats_period_s: float = Field(2.0, gt=0, description="how often Serve collects each replica's hot-tier sketch")
     stale_after_s: float = Field(10.0, gt=0, description="stats older than this are ignored (that replica is "
-                                 "routed as if it held nothing; with none fresh, power of two choices)")
+                                 "dispatched to as if it held nothing; with none fresh, power of two choices)")
 
 
 # ---- one config per role ----------------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class LoaderConfig(StoreBound):
 
 class GeneratorConfig(StoreBound):
     model: ModelSpec
-    engine: EngineSpec = EngineSpec()  # the batch: caps, queue, device hot tier
+    engine: EngineConfig = EngineConfig()  # the batch: caps, queue, device hot tier
     recompute: RecomputeSpec = RecomputeSpec()  # linked chunks' tokens recomputed on the context (off by default)
     images_root: ImagesRoot | None = None  # scanned pages are read only under it (AppConfig.images_root)
 
@@ -164,6 +167,21 @@ class ApiSpec(Frozen):
                                             "num_entries": None})
 
 
+# Keys renamed since they were shipped: still read, with a deprecation warning naming the new one.
+RENAMED = {"routing": "dispatch"}  # issue 57: "routing" is the relevance router's alone
+
+
+def renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each renamed top-level key under its new name (both given: the new one wins, the old is dropped)."""
+    for old, new in RENAMED.items():
+        if old in data:
+            value = data.pop(old)
+            warnings.warn(f"serve config: `{old}` is now `{new}`; `{old}` is read for now and will be refused in a "
+                          "later release", DeprecationWarning, stacklevel=4)
+            data.setdefault(new, value)
+    return data
+
+
 # The top-level fields each role gets a copy of; a role section may not set them itself.
 SHARED = {"router": ("store", "model", "reload", "hmac_key_file"), "loader": ("store", "reload"),
           "generator": ("store", "model", "images_root")}
@@ -186,8 +204,8 @@ class AppConfig(StoreBound):
     loader: LoaderConfig
     generator: GeneratorConfig
     ingress: IngressConfig = IngressConfig()
-    routing: Routing = Routing.AFFINITY  # across generator replicas (docs/BENCHMARKS.md `affinity`)
-    affinity: AffinitySpec = AffinitySpec()
+    dispatch: Dispatch = Dispatch.AFFINITY  # across generator replicas (docs/BENCHMARKS.md `affinity`)
+    affinity: AffinityConfig = AffinityConfig()
     # The defaults are serve/config-gpu.yaml's topology (docs/DEPLOY.md "Topology"), so `qvpic serve` without
     # --config places replicas as the shipped config does: the host LRU in each generator (no loader deployment to
     # lose; docs/BENCHMARKS.md `affinity` measures both), the CPU deployments on the head, whose loss loses the
@@ -207,7 +225,7 @@ class AppConfig(StoreBound):
         """Each role section, completed with the shared fields (and what is derived from other roles)."""
         if not isinstance(data, Mapping):
             return data
-        data = dict(data)
+        data = renamed_keys(dict(data))
         shared = {name: data[name] if name in data else cls.model_fields[name].get_default(call_default_factory=True)
                   for name in ("model", "reload")}
         shared |= {name: data[name] for name in ("store", "images_root", "hmac_key_file") if name in data}

@@ -4,28 +4,29 @@
 `build_local` builds the same classes from the same `AppConfig` as plain objects, checked by the same preflight,
 the generator reading its device tier's misses from the loader beside it (serve/kv/source.py `LocalLoader`). What
 runs in-process — `qvpic eval`, the benchmarks that time the roles, the tests — therefore measures what the service
-does: the same routing, the same stored KV, the same engine. `LocalStack.api()` puts the HTTP surface
-(serve/http/) in front of it, as the ingress replica does, for tests that drive it without a cluster.
+does: the same routing, the same stored KV, the same engine. `InProcessBackend` is what the HTTP handlers call on
+these objects, and `LocalStack.api()` puts the HTTP surface (serve/http/) in front of it, as the ingress replica
+does, for tests that drive it without a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 
-from schemas.api import AnswerRequest
+from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
 from serve.app import api_spec, preflight
 from serve.config import AppConfig
 from serve.engine import Generator
 from serve.governance import Governor
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.kv import CacheLoader, LocalLoader
-from serve.plan import Answer
+from serve.plan import Answer, Embedded, Plan
 from serve.routing import Router
 
 
@@ -65,6 +66,34 @@ class LocalStack:
         """Drop the router's and the loader's leases on the store's generation (their owner calls it when done)."""
         self.router.close()
         self.loader.close()
+
+
+class InProcessBackend:
+    """What the HTTP handlers call (serve/http/backend.py `Backend`), on plain objects: the generator reads its device
+    tier's misses through `loader`, which also answers the cache statistics."""
+
+    def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
+        self.router, self.loader, self.generator = router, loader, generator
+        self.source = LocalLoader(loader)
+
+    async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str],
+                    cache_salt: bytes = b"") -> Plan:
+        return await self.router.plan(request, budget_tokens, collections, cache_salt)
+
+    async def embed(self, texts: list[str]) -> Embedded:
+        return await self.router.embed(texts)
+
+    async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
+        return await self.generator.generate(plan, sampling, timeout_s, source=self.source)
+
+    def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
+        return self.generator.stream(plan, sampling, timeout_s, source=self.source)
+
+    async def cache_stats(self) -> CacheStats:
+        return self.loader.stats()
+
+    async def device_cache_stats(self) -> CacheStats:
+        return self.generator.hot_tier_stats()
 
 
 def build_local(config: AppConfig | Mapping[str, Any]) -> LocalStack:

@@ -1,4 +1,4 @@
-"""The chunk-affinity routing policy (serve/routing/affinity.py) and the key sketch it reads
+"""The chunk-affinity routing policy (serve/dispatch/affinity.py) and the key sketch it reads
 (serve/kv/hot_tier.py), with hand-worked cases: which replica each plan must go to, given stated sketches
 and in-flight counts, as literals."""
 
@@ -15,14 +15,14 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.test_utils import FakeRunningReplica
 
 from schemas.config import ChunkKind, Mode, Variant
-from serve.config import AffinitySpec
+from serve.config import AffinityConfig
+from serve.dispatch import AffinityDispatcher, Decision, ReplicaView, choose
 from serve.kv import HotTierReport, KeySketch, key_hash
 from serve.plan import Entry, EntryRow, KVLocation, Plan, PlannedChunk
-from serve.routing import ChunkAffinityRouter, Decision, ReplicaView, choose
 
 # Four entries of 100, 200, 400 and 800 stored bytes.
 NBYTES = {"k1": 100, "k2": 200, "k3": 400, "k4": 800}
-RATIO = AffinitySpec().max_load_ratio  # 1.5
+RATIO = AffinityConfig().max_load_ratio  # 1.5
 
 
 def entries(*keys: str) -> list[tuple[tuple[int, int], int]]:
@@ -97,7 +97,7 @@ def test_in_flight_caps_round_up_to_whole_requests():
 def test_up_to_min_in_flight_the_holder_keeps_its_requests():
     # the same three replicas: the ratio cap (1) excludes A at 2, the floor of 2 does not
     three = [view("A", 1, "k1"), view("B", 0), view("C", 0)]
-    assert pick(entries("k1"), three, floor=AffinitySpec().min_in_flight).ranks == (("A",), ("B", "C"))
+    assert pick(entries("k1"), three, floor=AffinityConfig().min_in_flight).ranks == (("A",), ("B", "C"))
 
 
 def test_the_least_loaded_replica_is_always_eligible():
@@ -151,16 +151,16 @@ def pending(plan: Plan) -> PendingRequest:
     return PendingRequest(args=[plan], kwargs={}, metadata=RequestMetadata(request_id, request_id))
 
 
-def affinity_router(replicas: list[StatsReplica]) -> ChunkAffinityRouter:
+def affinity_router(replicas: list[StatsReplica]) -> AffinityDispatcher:
     """Built inside a running event loop (a router binds to the loop it is made in)."""
-    router = ChunkAffinityRouter(deployment_id=DeploymentID(name="Generator", app_name="app"),
+    router = AffinityDispatcher(deployment_id=DeploymentID(name="Generator", app_name="app"),
                                  handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(**AffinitySpec(stale_after_s=60.0, min_in_flight=1).model_dump())
+    router.initialize_state(**AffinityConfig(stale_after_s=60.0, min_in_flight=1).model_dump())
     router.update_replicas(replicas)
     return router
 
 
-async def route(router: ChunkAffinityRouter, replicas: list[StatsReplica], request: PendingRequest) -> list[list[str]]:
+async def route(router: AffinityDispatcher, replicas: list[StatsReplica], request: PendingRequest) -> list[list[str]]:
     return [[r.replica_id.unique_id for r in rank] for rank in await router.choose_replicas(replicas, request)]
 
 

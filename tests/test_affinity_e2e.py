@@ -11,7 +11,7 @@ import pytest
 from schemas.api import AnswerRequest
 from schemas.config import Mode
 from schemas.sampling import Sampling
-from serve.app import generator_routing
+from serve.app import generator_dispatch
 from serve.config import AppConfig
 from serve.engine import Generator
 from serve.kv import CacheLoader, LoaderDeployment
@@ -27,23 +27,23 @@ STATS_PERIOD_S = 0.2
 def test_requests_for_one_chunk_set_land_on_one_replica(ray_session, serving_store, monkeypatch):  # noqa: F811
     from ray import serve
 
-    from serve.routing import ChunkAffinityRouter
+    from serve.dispatch import AffinityDispatcher
 
     # The handle (and its router) lives in this process. Serve probes the chosen replica's queue length with
     # a 0.1 s deadline and, when it misses, falls to the next rank: load balancing, which a loaded 2-core CI
     # machine can trigger. This test checks the affinity choice, so the probe gets time to answer.
-    monkeypatch.setattr(ChunkAffinityRouter, "queue_len_response_deadline_s", 2.0)
+    monkeypatch.setattr(AffinityDispatcher, "queue_len_response_deadline_s", 2.0)
 
     config = AppConfig.model_validate({
         "store": serving_store.uri, "model": serving_store.model.model_dump(mode="json"), "router": {}, "loader": {},
-        "generator": {}, "routing": "affinity", "affinity": {"stats_period_s": STATS_PERIOD_S}})
+        "generator": {}, "dispatch": "affinity", "affinity": {"stats_period_s": STATS_PERIOD_S}})
     request = AnswerRequest(query="When does part XK-4471-B ship?", chunk_ids=CHUNKS, mode=Mode.UNIFORM,
                             max_new_tokens=1)
     plan = asyncio.run(Router(config.router).plan(request))
     loader = serve.deployment(CacheLoader, name="CacheLoader").options(
         ray_actor_options={"num_cpus": 0.1}).bind(config=config.loader)
     generator = serve.deployment(Generator, name="Generator").options(
-        num_replicas=2, ray_actor_options={"num_cpus": 0.1}, **generator_routing(config)).bind(
+        num_replicas=2, ray_actor_options={"num_cpus": 0.1}, **generator_dispatch(config)).bind(
         config=config.generator, source=LoaderDeployment(loader))
     serve.start(logging_config={"log_level": "WARNING", "enable_access_log": False})
     handle = serve.run(generator, name="affinity", route_prefix=None)

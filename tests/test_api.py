@@ -21,8 +21,9 @@ from schemas.errors import UnservableError
 from schemas.store import ManifestError
 from serve.app import api_spec, preflight
 from serve.config import AppConfig
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.kv import store_row
+from serve.local import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, corrupt_entry, loader_of, roles, serving_store  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]

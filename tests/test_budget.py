@@ -16,7 +16,8 @@ from serve.config import AppConfig
 from serve.governance import Governor
 from serve.governance.budget import RateLimiter, TokenBucket
 from serve.governance.config import Limit, RateLimitConfig, TenantPolicy
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
+from serve.local import InProcessBackend
 from tests.fixtures_redis import redis_url  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call

@@ -16,7 +16,8 @@ from schemas.errors import UnknownIdsError
 from serve.app import api_spec
 from serve.config import AppConfig, RouterConfig
 from serve.governance import Governor, key_digest
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
+from serve.local import InProcessBackend
 from serve.routing import Router
 from serve.ui import Inspector, InspectorConfig, install_ui
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)

@@ -15,7 +15,7 @@ from pipeline.runtime import VLM, reanchor
 from pipeline.runtime import kv as kv_module
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import RotationTable
-from schemas.config import CompilePrefix, EngineSpec, ModelFamily
+from schemas.config import CompilePrefix, EngineConfig, ModelFamily
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
 from serve.engine.prepared import LinkedContext, OnlineContext
@@ -83,7 +83,7 @@ def alone(vlm: VLM, context, max_new_tokens: int) -> tuple[list[int], list[torch
 class Recorder:
     """Drives an engine step by step in this thread and keeps what each sequence saw."""
 
-    def __init__(self, vlm: VLM, spec: EngineSpec = EngineSpec()):
+    def __init__(self, vlm: VLM, spec: EngineConfig = EngineConfig()):
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.events: dict[int, list] = {}
         self.engine = QvpicEngine(vlm, spec, start=False,
@@ -207,7 +207,7 @@ def test_caps_hold_and_refusals_are_clear(vlm, chunks):
     per_token = column_nbytes(vlm)
     context = linked(vlm, chunks[:2], "When?")
     columns = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids) + 10 - 1
-    spec = EngineSpec(max_batch_size=3, max_kv_nbytes=2 * columns * per_token + per_token, max_waiting=2)
+    spec = EngineConfig(max_batch_size=3, max_kv_nbytes=2 * columns * per_token + per_token, max_waiting=2)
     rec = Recorder(vlm, spec)
     with pytest.raises(TooLargeError, match="max_kv_nbytes"):
         rec.submit(linked(vlm, chunks, "When?"), 2000)
@@ -303,7 +303,7 @@ def test_assembly_reanchors_with_the_native_kernel_as_the_matrix_product_does(vl
 def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):
     context = linked(vlm, chunks[:2], "When?")
     prompt = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids)
-    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=prompt))  # one context's worth: five queries fit
+    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=prompt))  # one context's worth: five queries fit
     seqs = [rec.submit(context, 4) for _ in range(5)]
     rec.engine.step()
     assert not rec.engine.scheduler.waiting and all(s.status is not Status.WAITING for s in seqs)
@@ -311,7 +311,7 @@ def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):
 
 def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks):
     context = linked(vlm, chunks[:2], "When?")
-    rec = Recorder(vlm, EngineSpec(max_prefill_tokens=2 * len(context.query_ids)))
+    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=2 * len(context.query_ids)))
     seqs = [rec.submit(context, 4) for _ in range(5)]
     joined = []
     while rec.engine.scheduler.waiting:
@@ -368,11 +368,11 @@ def test_n_choices_are_one_prefill_and_each_decodes_as_its_own_request(vlm, chun
 def test_n_choices_count_as_n_rows_and_leave_together_when_cancelled(vlm, chunks):
     context = linked(vlm, chunks[:2], "When?")
     per_row = (context.prompt.num_tokens + 10 - 1) * column_nbytes(vlm)
-    rec = Recorder(vlm, EngineSpec(max_batch_size=4, max_kv_nbytes=3 * per_row))
+    rec = Recorder(vlm, EngineConfig(max_batch_size=4, max_kv_nbytes=3 * per_row))
     with pytest.raises(TooLargeError, match="max_kv_nbytes"):
         forked(rec, context, 10, 4)  # four rows of its reservation do not fit where three do
     with pytest.raises(TooLargeError, match="max_batch_size"):
-        forked(Recorder(vlm, EngineSpec(max_batch_size=2)), context, 10, 3)
+        forked(Recorder(vlm, EngineConfig(max_batch_size=2)), context, 10, 3)
     waiting = forked(rec, context, 10, 3)
     rec.engine.abort(waiting[0])  # cancelled before it joined: its forks end with it
     rec.run()

@@ -27,7 +27,7 @@ from pipeline.eval import (
     OcrJudge,
     QAItem,
     QATask,
-    ServingConfig,
+    ServingSpec,
     StoreView,
     answer_token_ids,
     corpus_documents,
@@ -59,7 +59,8 @@ from schemas.errors import TooLargeError, UnservableError
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
+from serve.local import InProcessBackend
 from tests.ray_fixtures import ray_session  # noqa: F401  (fixture)
 from tests.store_factory import build_store, entries_read_each_time
 
@@ -86,7 +87,7 @@ def test_instruction_context_and_query_rebuild_the_longbench_prompt():
     documents = corpus_documents(items)
     assert set(documents) == {context_doc_id(item) for item in items}  # contexts only: instructions are prompt
     for item in items:
-        request = item_request(item, FakeView(), ServingConfig.of(Mode.QVPIC))
+        request = item_request(item, FakeView(), ServingSpec.of(Mode.QVPIC))
         rebuilt = request.instruction + documents[context_doc_id(item)] + request.query_prompt
         assert (rebuilt == item.prompt_before_context + item.context + item.query_after_context
                 and request.query == item.question)
@@ -125,7 +126,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
 
     router.embed_query = recording
     for item in items:
-        request = item_request(item, view, ServingConfig("qvpic", Mode.QVPIC, tau=1.0, max_high_res=2))
+        request = item_request(item, view, ServingSpec("qvpic", Mode.QVPIC, tau=1.0, max_high_res=2))
         planned = asyncio.run(router.plan(request))
         assert embedded[-1] == item.question  # the bare question, not "…Question: X\nAnswer:"
         assert [c.chunk_id for c in planned.chunks] == view.chunks_of_doc[context_doc_id(item)]
@@ -331,7 +332,7 @@ def test_evidence_is_located_and_judged_per_served_tier(eval_store):
 def test_fidelity_of_every_cached_mode_through_the_serving_roles(eval_store):
     _, items, view, answerer = eval_store
     traces = ServedTraces(answerer, view, num_answer_tokens=4)
-    configs = [ServingConfig.of(m) for m in Mode] + [ServingConfig("uniform low", Mode.UNIFORM, tier="low")]
+    configs = [ServingSpec.of(m) for m in Mode] + [ServingSpec("uniform low", Mode.UNIFORM, tier="low")]
     results = run_fidelity(items[:2], configs, traces, progress=False)
     cached = [c for c in configs if c.mode in REFERENCE_MODE]
     assert len(results) == 2 * len(cached) and not any(r.error for r in results)

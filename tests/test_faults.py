@@ -18,7 +18,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from benchmarks.load import LoadResult, ray_worker_pids, request_mix, run_load
+from benchmarks.scale.load import LoadResult, ray_worker_pids, request_mix, run_load
 from pipeline.ingest import IngestConfig, ingest
 from pipeline.ingest.stages import compile_in_process
 from pipeline.runtime.render import resolve_font
@@ -30,8 +30,9 @@ from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.kv import store_row
+from serve.local import InProcessBackend
 from serve.routing import Router
 from tests.fixtures_redis import start_redis
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (pytest fixture)

@@ -12,7 +12,7 @@ import torch
 from pipeline.runtime import fused as fused_module
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.model import VLM
-from schemas.config import DType, EngineSpec, ForwardSpec, ModelSpec
+from schemas.config import DType, EngineConfig, ForwardSpec, ModelSpec
 from serve.engine.qvpic.batch import Slab, forward
 from serve.engine.qvpic.engine import QvpicEngine
 
@@ -165,16 +165,16 @@ def test_bf16_products_within_the_stated_tolerance():
 
 def test_the_engine_picks_the_forward_its_spec_asks_for():
     qwen = VLM(ModelSpec(path="tiny-qwen"))
-    QvpicEngine(qwen, EngineSpec(), start=False)
+    QvpicEngine(qwen, EngineConfig(), start=False)
     assert isinstance(qwen.fused, FusedDecoder)
-    QvpicEngine(qwen, EngineSpec(forward=ForwardSpec(fused=False)), start=False)
+    QvpicEngine(qwen, EngineConfig(forward=ForwardSpec(fused=False)), start=False)
     assert qwen.fused is None
     glm = VLM(ModelSpec(path="tiny-glm"))  # its decoder (fused gate_up, post-norms) is not the Qwen2 one
     assert not FusedDecoder.supports(glm.model)
-    QvpicEngine(glm, EngineSpec(), start=False)
+    QvpicEngine(glm, EngineConfig(), start=False)
     assert glm.fused is None
     with pytest.raises(ValueError, match="matmul_dtype"):
-        QvpicEngine(glm, EngineSpec(forward=ForwardSpec(matmul_dtype=DType.BFLOAT16)), start=False)
+        QvpicEngine(glm, EngineConfig(forward=ForwardSpec(matmul_dtype=DType.BFLOAT16)), start=False)
     with pytest.raises(ValueError, match="matmul_dtype needs forward.fused"):
         ForwardSpec(fused=False, matmul_dtype=DType.BFLOAT16)
 

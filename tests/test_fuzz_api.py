@@ -25,8 +25,9 @@ from schemas.config import Mode
 from schemas.sampling import Sampling
 from serve.app import api_spec
 from serve.config import AppConfig
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.http.guards import DEFAULT_MAX_BODY_NBYTES
+from serve.local import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 

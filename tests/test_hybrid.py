@@ -18,8 +18,8 @@ from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
 from serve.kv import LocalLoader
 from serve.plan import Entry, entry_of
-from serve.routing import PlacementSpec, Router, Selection, place
-from serve.routing.hybrid import Choice, choose
+from serve.routing import PlacementSpec, Retrieved, Router, place
+from serve.routing.hybrid import Representation, choose
 from serve.routing.placement import ChunkEntries
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, build_store, loader_of, serving_store  # noqa: F401
 
@@ -59,7 +59,7 @@ def placed(hybrid: HybridSpec | None, chunks=(SHORT, DIGITS, PROSE_CHUNK), relev
            max_high_res: int = 1, room_tokens: int = 10_000):
     catalog = [{"chunk_id": f"c{i}", "doc_id": "d", "num_text_tokens": c[0]} for i, c in enumerate(chunks)]
     slots = [chunk_slots(*c) for c in chunks]
-    rows = Selection(chunks=catalog, entries=[ChunkEntries(s) for s in slots], relevance=list(relevance),
+    rows = Retrieved(chunks=catalog, entries=[ChunkEntries(s) for s in slots], relevance=list(relevance),
                      texts=lambda: [])
     policy = RouterSpec(tau=1.0, max_high_res=max_high_res, hybrid=hybrid or HybridSpec())
     planned, _ = place(Mode.QVPIC, rows, PlacementSpec(policy=policy, low=LOW, tier="high"), room_tokens)
@@ -68,15 +68,15 @@ def placed(hybrid: HybridSpec | None, chunks=(SHORT, DIGITS, PROSE_CHUNK), relev
 
 def test_rule_on_fixed_entries_with_negative_controls():
     text, low = entry(Variant.TEXT, None, 6), entry(Variant.TEMPLATE, "low", 13, 0.99)
-    assert choose(ON, text, low) is Choice.TEXT_CHEAPER  # short: fewer tokens as text
+    assert choose(ON, text, low) is Representation.TEXT_CHEAPER  # short: fewer tokens as text
     digits_text, blurred = entry(Variant.TEXT, None, 24), entry(Variant.TEMPLATE, "low", 14, 0.80)
-    assert choose(ON, digits_text, blurred) is Choice.TEXT_LEGIBLE  # illegible pages, text ≤ 2× their tokens
+    assert choose(ON, digits_text, blurred) is Representation.TEXT_LEGIBLE  # illegible pages, text ≤ 2× their tokens
     prose_text, legible = entry(Variant.TEXT, None, 60), entry(Variant.TEMPLATE, "low", 20, 0.99)
-    assert choose(ON, prose_text, legible) is Choice.IMAGE
+    assert choose(ON, prose_text, legible) is Representation.IMAGE
     # negative controls: the same illegible chunk unmeasured, or its text too dear, stays pages
-    assert choose(ON, digits_text, entry(Variant.TEMPLATE, "low", 14, None)) is Choice.IMAGE
-    assert choose(ON, entry(Variant.TEXT, None, 29), blurred) is Choice.IMAGE
-    assert choose(ON, None, blurred) is Choice.IMAGE  # no text entry compiled
+    assert choose(ON, digits_text, entry(Variant.TEMPLATE, "low", 14, None)) is Representation.IMAGE
+    assert choose(ON, entry(Variant.TEXT, None, 29), blurred) is Representation.IMAGE
+    assert choose(ON, None, blurred) is Representation.IMAGE  # no text entry compiled
 
 
 def test_placement_applies_the_rule_only_when_enabled():

@@ -25,8 +25,9 @@ from schemas.errors import PageImageRefusedError
 from serve.app import api_spec
 from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.kv import store_row
+from serve.local import InProcessBackend
 from serve.routing import Router
 from serve.ui import Inspector, InspectorConfig
 from tests.store_factory import MAX_CHUNKS, corrupt_entry, loader_of, serving_store  # noqa: F401  (fixture)

@@ -11,7 +11,8 @@ import pytest
 from serve.app import api_spec
 from serve.config import AppConfig
 from serve.governance import Governor
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
+from serve.local import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
 
 BODY = {"query": "When does part XK-4471-B ship?", "chunk_ids": ["manual#00000"], "max_new_tokens": 2}

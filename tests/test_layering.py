@@ -3,9 +3,11 @@
     schemas ← pipeline.runtime ← pipeline.store ← pipeline.ingest, pipeline.eval
                                                 ← serve.{config, plan, metrics, handles} ← serve.kv ← serve.routing
                                                                                           ← serve.engine
+                                                                                          ← serve.dispatch
                                                   serve.governance ← serve.ui ← serve.http (the ingress: no model stack)
                                                 ← serve.kv ← serve.ui.inspector (the /ui pages' store side)
-    serve.app binds them all; jobs wire everything; nothing imports jobs or benchmarks.
+    serve.app binds them all, serve.local builds them in-process; jobs wire everything; nothing imports jobs or
+    benchmarks.
     serve.governance.config (schemas only) sits below serve.config, which nests it in the ingress's config.
 
 Checked on the source (tests/import_graph.py: every import, lazy ones inside functions too, facade names
@@ -19,14 +21,20 @@ live deployment, which an import of the serving roles could not.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from tests.import_graph import import_graph, write
 
+REPO = Path(__file__).resolve().parents[1]
+PRODUCT = ("schemas", "pipeline", "serve", "jobs")  # what users run (benchmarks and tests are not the product)
+
 PIPELINE = {"schemas", "pipeline.facade", "pipeline.runtime", "pipeline.store"}
 SERVE_BASE = PIPELINE | {"serve.governance.config", "serve.config", "serve.plan", "serve.metrics", "serve.handles"}
-SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.governance", "serve.http", "serve.ui",
-                      "serve.ui.inspector", "serve.app"}
+SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.dispatch", "serve.governance", "serve.http",
+                      "serve.ui", "serve.ui.inspector", "serve.app", "serve.local"}
 # layer -> the layers it may import (its own always)
 MAY_IMPORT = {
     "schemas": set(),
@@ -46,12 +54,14 @@ MAY_IMPORT = {
     "serve.kv": SERVE_BASE,
     "serve.routing": SERVE_BASE | {"serve.kv"},
     "serve.engine": SERVE_BASE | {"serve.kv"},
+    "serve.dispatch": SERVE_BASE | {"serve.kv"},  # reads the hot tier's reports
     "serve.governance": SERVE_BASE - {"pipeline.runtime"},
     "serve.http": SERVE_BASE - {"pipeline.runtime", "pipeline.store"} | {"serve.governance", "serve.ui"},
     # the /ui routes live in the ingress (no model stack); their store side is a deployment of its own
     "serve.ui": SERVE_BASE - {"pipeline.runtime", "pipeline.store"} | {"serve.governance"},
     "serve.ui.inspector": SERVE_BASE | {"serve.kv", "serve.ui"},
-    "serve.app": SERVE,
+    "serve.app": SERVE - {"serve.local"},
+    "serve.local": SERVE,
     "jobs": PIPELINE | {"pipeline.ingest", "pipeline.eval"} | SERVE,
     "benchmarks": PIPELINE | {"pipeline.ingest", "pipeline.eval", "jobs", "benchmarks"} | SERVE,
 }
@@ -93,3 +103,25 @@ def test_negative_control_upward_imports_are_seen(tmp_path):
     graph = import_graph(tmp_path, ("serve",))
     assert upward_imports(graph) == {"serve.http.ingress": ["serve.kv.loader"],
                                      "serve.kv.loader": ["serve.routing.router"]}
+
+
+def class_names(root: Path, packages: tuple[str, ...] = PRODUCT) -> dict[str, list[str]]:
+    """Every class defined at a module's top level under `packages`, by name: where each is defined."""
+    found: dict[str, list[str]] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(str(path.relative_to(root)))
+    return found
+
+
+def test_no_class_name_is_defined_twice_in_the_product():
+    """One word per concept (issue 57): a reader who meets `Choice` or `Selection` finds one class by that name."""
+    assert {name: where for name, where in class_names(REPO).items() if len(where) > 1} == {}
+
+
+def test_negative_control_a_second_class_of_a_name_is_seen(tmp_path):
+    write(tmp_path, {"serve/__init__.py": "", "serve/plan.py": "class Choice: ...\n",
+                     "serve/routing/hybrid.py": "from enum import Enum\nclass Choice(str, Enum): ...\n"})
+    assert class_names(tmp_path, ("serve",))["Choice"] == ["serve/plan.py", "serve/routing/hybrid.py"]

@@ -15,7 +15,8 @@ import pytest
 
 from serve.app import api_spec
 from serve.config import AppConfig
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
+from serve.local import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call, sse_events
 

@@ -19,8 +19,9 @@ from schemas.api import AnswerRequest
 from serve.app import api_spec
 from serve.config import AppConfig
 from serve.governance import Governor
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.kv import CacheLoader, store_row
+from serve.local import InProcessBackend
 from serve.metrics import Counter, Gauge, serve_metrics
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.store_factory import MAX_CHUNKS, MAX_CONTEXT_TOKENS, corrupt_entry, loader_of, roles, serving_store  # noqa: F401

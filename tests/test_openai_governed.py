@@ -4,6 +4,8 @@ request-log row per turn — a list of prompts is one turn per prompt."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from serve.governance import key_digest
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call
@@ -25,7 +27,8 @@ class Rows(list):
 def test_both_routes_are_keyed_rate_limited_counted_and_logged(roles, serving_store):
     app, governor = governed_app(roles, serving_store, auth={"api_key_sha256": {key_digest(KEY): "acme"}},
                                  limits={"tenants": {"acme": {"requests_per_s": 0.01, "request_burst": 3}}})
-    governor.log = rows = Rows()
+    governor.log = rows = Rows()  # where every turn writes its row: the governor and its turns
+    governor.services = dataclasses.replace(governor.services, log=rows)
     auth = {"Authorization": f"Bearer {KEY}", "Cache-Control": "no-cache"}
     before = call(app, "GET", "/metrics", headers=auth).text
     assert call(app, "POST", "/v1/embeddings", json={"model": "qvpic", "input": "hi"}).status_code == 401

@@ -21,7 +21,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from pipeline.runtime.conversation import PreparedSegment
-from schemas.config import EngineSpec, PrefixCacheSpec
+from schemas.config import EngineConfig, PrefixCacheSpec
 from schemas.sampling import Sampling
 from serve.engine.prepared import LinkedContext, LinkedPrompt
 from serve.engine.qvpic.engine import QvpicEngine
@@ -51,7 +51,7 @@ class Driver:
 
     def __init__(self, vlm, cache_nbytes: int = 1 << 30, host_nbytes: int = 1 << 30, block_tokens: int = 16,
                  final_logits: bool = True):
-        spec = EngineSpec(prefix_cache=PrefixCacheSpec(block_tokens=block_tokens, device_nbytes=cache_nbytes,
+        spec = EngineConfig(prefix_cache=PrefixCacheSpec(block_tokens=block_tokens, device_nbytes=cache_nbytes,
                                                        host_nbytes=host_nbytes, final_logits=final_logits))
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.engine = QvpicEngine(vlm, spec, start=False,

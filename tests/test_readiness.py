@@ -16,7 +16,7 @@ from ray.serve.schema import ApplicationStatus
 from schemas.health import Readiness
 from serve.app import api_spec
 from serve.config import AppConfig, DeploymentConfig
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.http.health import (
     INGRESS_ONLY_PATHS,
     ReadinessProbe,
@@ -26,6 +26,7 @@ from serve.http.health import (
     holding_back,
     install_readiness,
 )
+from serve.local import InProcessBackend
 from tests.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (pytest fixtures)
 from tests.test_api import QUERY, call
 

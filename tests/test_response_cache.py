@@ -17,7 +17,8 @@ from serve.governance import Governor
 from serve.governance.config import ResponseCacheConfig
 from serve.governance.response_cache import CacheDirectives, MemoryBackend, Put, RedisBackend
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
+from serve.local import InProcessBackend
 from tests.fixtures_redis import redis_url, start_redis  # noqa: F401  (fixture)
 from tests.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 from tests.test_api import call, sse_events

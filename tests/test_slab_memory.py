@@ -73,14 +73,14 @@ def test_free_memory_stays_within_its_bound_and_zero_keeps_none():
 
 
 def test_a_follow_up_turn_takes_the_memory_of_the_turn_before(vlm):
-    from schemas.config import EngineSpec
+    from schemas.config import EngineConfig
     from schemas.sampling import Sampling
     from serve.engine.prepared import LinkedContext
     from serve.engine.qvpic.engine import QvpicEngine
     from serve.engine.qvpic.linked_prompt import native_prompt
     from serve.engine.sequence import Sequence
 
-    engine = QvpicEngine(vlm, EngineSpec(), start=False)
+    engine = QvpicEngine(vlm, EngineConfig(), start=False)
     chunks = [vlm.compile_text("The warranty covers two years of normal use.")]
 
     def run(question: str) -> Sequence:

@@ -7,7 +7,7 @@ from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "evaluation": [
-        "Answered", "HttpAnswerer", "ServingConfig", "StoreView", "corpus_documents", "item_request", "write_corpus"
+        "Answered", "HttpAnswerer", "ServingSpec", "StoreView", "corpus_documents", "item_request", "write_corpus"
     ],
     "evidence": ["OcrJudge", "RoutePlanner", "RoutedChunk", "judge_items", "serving_configs", "summarize_evidence"],
     "fidelity": [

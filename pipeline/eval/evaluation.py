@@ -178,7 +178,7 @@ class HttpAnswerer:
 
 
 @dataclass(frozen=True)
-class ServingConfig:
+class ServingSpec:
     """One way to serve the items: a mode and its routing (τ, B, tier; None = the server's defaults)."""
 
     name: str
@@ -188,11 +188,11 @@ class ServingConfig:
     tier: str | None = None
 
     @classmethod
-    def of(cls, mode: Mode) -> ServingConfig:
+    def of(cls, mode: Mode) -> ServingSpec:
         return cls(mode.value, mode)
 
 
-def item_request(item: QAItem, view: StoreView, config: ServingConfig,
+def item_request(item: QAItem, view: StoreView, config: ServingSpec,
                  max_new_tokens: int | None = None) -> AnswerRequest:
     """The request of one item: routed by the bare question, the LongBench prompt around the chunks."""
     return AnswerRequest(query=item.question, instruction=item.prompt_before_context,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pipeline.eval.evaluation import ServingConfig, StoreView, item_request
+from pipeline.eval.evaluation import ServingSpec, StoreView, item_request
 from pipeline.eval.legibility import best_window_distance
 from pipeline.eval.longbench import QAItem
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
@@ -26,11 +26,11 @@ from schemas.config import Mode
 from schemas.errors import ApiError
 
 
-def serving_configs(grid: Sequence[tuple[float, int]]) -> list[ServingConfig]:
+def serving_configs(grid: Sequence[tuple[float, int]]) -> list[ServingSpec]:
     """Uniform low, uniform high, then qvpic at each (τ, B) of `grid`."""
-    return ([ServingConfig("image_pic (uniform low)", Mode.IMAGE_PIC),
-             ServingConfig("uniform_high", Mode.UNIFORM_HIGH)]
-            + [ServingConfig(f"qvpic τ={tau:g} B={budget}", Mode.QVPIC, tau, budget) for tau, budget in grid])
+    return ([ServingSpec("image_pic (uniform low)", Mode.IMAGE_PIC),
+             ServingSpec("uniform_high", Mode.UNIFORM_HIGH)]
+            + [ServingSpec(f"qvpic τ={tau:g} B={budget}", Mode.QVPIC, tau, budget) for tau, budget in grid])
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def find_evidence(item: QAItem, view: StoreView) -> list[str] | None:
     return None
 
 
-def judge_items(items: Sequence[QAItem], view: StoreView, plan: RoutePlanner, configs: Sequence[ServingConfig],
+def judge_items(items: Sequence[QAItem], view: StoreView, plan: RoutePlanner, configs: Sequence[ServingSpec],
                 judge: OcrJudge, progress: bool = True) -> tuple[list[EvidenceResult], int]:
     """Results per (item with located evidence, config), and how many items had no evidence to judge."""
     results, num_unlocated = [], 0

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pipeline.eval.evaluation import ServingConfig
+from pipeline.eval.evaluation import ServingSpec
 from pipeline.eval.longbench import QAItem
 from pipeline.runtime import AssembledContext
 from schemas.config import ChunkKind, Mode
@@ -111,21 +111,21 @@ CACHED_MODES = tuple(m for m in Mode if not m.online)  # every linked mode
 # each one's uncached reference: the same chunks prefilled online, as text or as the pages it links
 REFERENCE_MODE = {mode: Mode.FULL_TEXT if mode.kind is ChunkKind.TEXT else Mode.FULL_IMAGE for mode in CACHED_MODES}
 
-TracePair = Callable[[QAItem, ServingConfig], tuple[Trace, Trace]]  # (cached, reference) of an item
+TracePair = Callable[[QAItem, ServingSpec], tuple[Trace, Trace]]  # (cached, reference) of an item
 
 
 @dataclass(frozen=True)
 class FidelityResult:
     task: str
     item_id: str
-    config: str  # ServingConfig.name
+    config: str  # ServingSpec.name
     mode: Mode
     reference: Mode  # the uncached mode built from the same pieces (full_image at the same tiers, or full_text)
     fidelity: Fidelity | None
     error: str | None = None
 
 
-def run_fidelity(items: Sequence[QAItem], configs: Sequence[ServingConfig], traces: TracePair,
+def run_fidelity(items: Sequence[QAItem], configs: Sequence[ServingSpec], traces: TracePair,
                  progress: bool = True) -> list[FidelityResult]:
     """Fidelity of every cached configuration on every item (online modes have nothing to compare)."""
     cached = [c for c in configs if c.mode in REFERENCE_MODE]

@@ -24,7 +24,7 @@ from schemas.config import CompilePrefix, Mode, TierSpec
 
 # `qvpic eval --help` reads this module's defaults: the harness (store, torch) is imported where used.
 if TYPE_CHECKING:
-    from pipeline.eval.evaluation import ServingConfig
+    from pipeline.eval.evaluation import ServingSpec
     from pipeline.eval.fidelity import FidelitySummary
     from pipeline.eval.runner import ModeSummary
 
@@ -60,14 +60,14 @@ def promote_name(tier: TierSpec, tiers_by_dpi: Sequence[TierSpec]) -> str:
 
 @dataclass(frozen=True)
 class PaperGrid:
-    main: tuple[ServingConfig, ...]
-    tau_budget: tuple[ServingConfig, ...]
-    dpi: tuple[ServingConfig, ...]
+    main: tuple[ServingSpec, ...]
+    tau_budget: tuple[ServingSpec, ...]
+    dpi: tuple[ServingSpec, ...]
     tiers: tuple[TierSpec, ...]  # by DPI
-    ablation: dict[tuple[CompilePrefix, str], ServingConfig]  # (compile prefix, allocation) → configuration
+    ablation: dict[tuple[CompilePrefix, str], ServingSpec]  # (compile prefix, allocation) → configuration
 
     @property
-    def configs(self) -> list[ServingConfig]:
+    def configs(self) -> list[ServingSpec]:
         """Every distinct configuration once, main grid first."""
         every = self.main + tuple(self.ablation.values()) + self.tau_budget + self.dpi
         return list({c.name: c for c in every}.values())
@@ -76,23 +76,23 @@ class PaperGrid:
 def paper_grid(tiers: Sequence[TierSpec], taus: Sequence[float] = DEFAULT_TAUS,
                budgets: Sequence[int] = DEFAULT_BUDGETS) -> PaperGrid:
     """The configurations of the paper's grid over a store's `tiers` (qvpic and full_image: server τ/B defaults)."""
-    from pipeline.eval.evaluation import ServingConfig
+    from pipeline.eval.evaluation import ServingSpec
 
     by_dpi = tuple(sorted(tiers, key=lambda t: t.dpi))
     highest = by_dpi[-1]
-    uniform = tuple(ServingConfig(uniform_name(t), Mode.UNIFORM, tier=t.name) for t in by_dpi)
-    baselines = {m: ServingConfig(NAMES.get(m, m.value), m) for m in BASELINES}  # image_pic*: the lowest tier
-    at_highest = {m: ServingConfig(at_tier_name(m, highest), m, tier=highest.name)
+    uniform = tuple(ServingSpec(uniform_name(t), Mode.UNIFORM, tier=t.name) for t in by_dpi)
+    baselines = {m: ServingSpec(NAMES.get(m, m.value), m) for m in BASELINES}  # image_pic*: the lowest tier
+    at_highest = {m: ServingSpec(at_tier_name(m, highest), m, tier=highest.name)
                   for m in (Mode.IMAGE_PIC, Mode.IMAGE_PIC_DUMMY)}
-    main = (tuple(baselines.values()) + (at_highest[Mode.IMAGE_PIC],) + uniform + (ServingConfig.of(Mode.QVPIC),))
+    main = (tuple(baselines.values()) + (at_highest[Mode.IMAGE_PIC],) + uniform + (ServingSpec.of(Mode.QVPIC),))
     ablation = {}
     for prefix, (uniform_mode, routed) in ABLATION_MODES.items():
         low_high = (uniform[0], uniform[-1]) if uniform_mode is Mode.UNIFORM else \
             (baselines[uniform_mode], at_highest[uniform_mode])
-        for allocation, config in zip(ALLOCATIONS, low_high + (ServingConfig.of(routed),)):
+        for allocation, config in zip(ALLOCATIONS, low_high + (ServingSpec.of(routed),)):
             ablation[(prefix, allocation)] = config
-    sweep = tuple(ServingConfig(f"qvpic τ={tau:g} B={b}", Mode.QVPIC, tau, b) for tau in taus for b in budgets)
-    promote = tuple(ServingConfig(promote_name(t, by_dpi), Mode.QVPIC, tier=t.name) for t in by_dpi[1:-1])
+    sweep = tuple(ServingSpec(f"qvpic τ={tau:g} B={b}", Mode.QVPIC, tau, b) for tau in taus for b in budgets)
+    promote = tuple(ServingSpec(promote_name(t, by_dpi), Mode.QVPIC, tier=t.name) for t in by_dpi[1:-1])
     return PaperGrid(main, sweep, uniform + promote, by_dpi, ablation)
 
 
@@ -100,7 +100,7 @@ def _all(summaries: Sequence[ModeSummary]) -> dict[str, ModeSummary]:
     return {s.config: s for s in summaries if s.task == "all"}
 
 
-def paper_table(summaries: Sequence[ModeSummary], configs: Sequence[ServingConfig]) -> str:
+def paper_table(summaries: Sequence[ModeSummary], configs: Sequence[ServingSpec]) -> str:
     """The paper's main table: F1 % per task and their average, median TTFT, context and vision tokens."""
     tasks = [t for t in dict.fromkeys(s.task for s in summaries) if t != "all"]
     tasks.sort(key=lambda t: [x.value for x in LONGBENCH_QA_TASKS].index(t) if t in TASK_LABELS else 99)

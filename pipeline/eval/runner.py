@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.eval.evaluation import Answered, Answerer, ServingConfig, StoreView, item_request
+from pipeline.eval.evaluation import Answered, Answerer, ServingSpec, StoreView, item_request
 from pipeline.eval.longbench import QAItem, QATask
 from pipeline.eval.scoring import qa_f1, score
 from schemas.api import AnswerRequest
@@ -45,7 +45,7 @@ CacheClear = Callable[[], None]  # empties every cache between a request and the
 class ItemResult:
     task: QATask
     item_id: str
-    config: str  # ServingConfig.name
+    config: str  # ServingSpec.name
     mode: Mode
     prediction: str  # "" when the request failed
     f1: float  # LongBench QA F1 in [0, 1]; a failed request scores 0, so the denominator never shrinks
@@ -107,7 +107,7 @@ def answer_truncated(answer: Answerer, request: AnswerRequest,
     return best
 
 
-def _result(item: QAItem, config: ServingConfig, view: StoreView, cold: Answered, warm: Answered | None,
+def _result(item: QAItem, config: ServingSpec, view: StoreView, cold: Answered, warm: Answered | None,
             dropped: int, position: int) -> ItemResult:
     report = cold.report
     return ItemResult(
@@ -119,14 +119,14 @@ def _result(item: QAItem, config: ServingConfig, view: StoreView, cold: Answered
         tuple(f.model_dump() for f in report.fallbacks), dropped, position)
 
 
-def run(items: Sequence[QAItem], configs: Sequence[ServingConfig | Mode], answer: Answerer, view: StoreView, *,
+def run(items: Sequence[QAItem], configs: Sequence[ServingSpec | Mode], answer: Answerer, view: StoreView, *,
         clear_caches: CacheClear | None = None, seed: int = 0, max_new_tokens: int | None = None,
         progress: bool = True) -> list[ItemResult]:
     """Every item through every configuration (a bare mode: the server's routing defaults), cold then warm,
     configurations shuffled per item by `random.Random(seed)` after one warm-up pass (module docstring).
     Results come in item order, each item's configurations in the given order."""
     view.check(items)
-    configs = [c if isinstance(c, ServingConfig) else ServingConfig.of(c) for c in configs]
+    configs = [c if isinstance(c, ServingSpec) else ServingSpec.of(c) for c in configs]
     clear = clear_caches or (lambda: None)
     rng = random.Random(seed)
     results = []

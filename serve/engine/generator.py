@@ -168,7 +168,7 @@ class Generator:
         self.contexts.hot.clear()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What Serve collects from this replica for the chunk-affinity router (serve/routing/affinity.py):
+        """What Serve collects from this replica for the chunk-affinity router (serve/dispatch/affinity.py):
         its hot tier's key sketch and counters."""
         return self.contexts.hot.report().to_stats()
 

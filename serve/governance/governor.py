@@ -28,7 +28,7 @@ from serve.governance.config import GovernanceConfig, Limit, StateBackend
 from serve.governance.request_log import RequestLog, RequestRecord
 from serve.governance.response_cache import CacheDirectives, MemoryBackend, RedisBackend, ResponseCache
 from serve.governance.shared_state import RedisConnection
-from serve.governance.turn import Turn
+from serve.governance.turn import Turn, TurnServices
 from serve.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Governor:
         self.cache = ResponseCache(cache_config, cache_namespace(store), backend)
         self.log = RequestLog(config.request_log) if config.request_log.location is not None else None
         self.high_tier = max(store.tiers, key=store.tiers.get)
+        self.services = TurnServices(self.cache, self.limits, self.metrics, self.log, self.high_tier)  # every turn's
         self.in_flight: Counter[str] = Counter()  # tenant -> its requests in progress here (max_in_flight)
 
     async def begin(self, http: Request, request: AnswerRequest, route: Route) -> Turn:
@@ -96,7 +97,8 @@ class Governor:
         if cap is not None and self.in_flight[tenant] >= cap:
             raise TooManyInFlightError(f"tenant {tenant!r} already has {cap} requests in progress (max_in_flight); "
                                        "retry when one ends", retry_after_s=1.0)
-        turn = http.state.turn = Turn(self, request, record, started, CacheDirectives.of(http.headers))
+        turn = http.state.turn = Turn(self.services, request, record, started, self.config.auth.grant(tenant),
+                                      CacheDirectives.of(http.headers))
         self.in_flight[tenant] += 1  # given back by `release` when the response has been sent (or abandoned)
         turn.holds_slot = True
         self.metrics.requests.inc(route=route.value, mode=mode)

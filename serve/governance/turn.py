@@ -13,7 +13,7 @@ import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from schemas.api import (
     AnswerRequest,
@@ -26,24 +26,33 @@ from schemas.api import (
 )
 from schemas.config import Mode
 from schemas.sampling import Sampling
-from serve.governance.budget import Price, check_budget
+from serve.governance.budget import Price, RateLimiter, check_budget
 from serve.governance.config import Limit
-from serve.governance.request_log import RequestRecord
-from serve.governance.response_cache import CacheDirectives, CacheHit, CacheKeys
+from serve.governance.request_log import RequestLog, RequestRecord
+from serve.governance.response_cache import CacheDirectives, CacheHit, CacheKeys, ResponseCache
+from serve.metrics import ServeMetrics
 from serve.plan import Answer, Plan
 
-if TYPE_CHECKING:
-    from serve.governance.governor import Governor
+
+@dataclass(frozen=True)
+class TurnServices:
+    """What a turn uses of its ingress's governance, handed to it whole: a turn never reaches into the governor."""
+
+    cache: ResponseCache
+    limits: RateLimiter
+    metrics: ServeMetrics
+    log: RequestLog | None  # None: no request log configured
+    high_tier: str  # the store's highest resolution tier: what a promotion is counted against
 
 
 class Turn:
     """One governed request, from `Governor.begin` to `finish`."""
 
-    def __init__(self, governor: Governor, request: AnswerRequest | None, record: RequestRecord, started: float,
-                 directives: CacheDirectives = CacheDirectives()):
-        self.governor, self.request, self.record, self.started = governor, request, record, started
+    def __init__(self, services: TurnServices, request: AnswerRequest | None, record: RequestRecord, started: float,
+                 collections: frozenset[str], directives: CacheDirectives = CacheDirectives()):
+        self.services, self.request, self.record, self.started = services, request, record, started
         self.holds_slot = False  # one of its tenant's max_in_flight slots (Governor.release gives it back)
-        self.collections = governor.config.auth.grant(record.tenant)  # the only chunks that exist for it
+        self.collections = collections  # the tenant's grant: the only chunks that exist for it
         self.directives = directives
         self.cache_status: str | None = None  # RFC 9211 Cache-Status, once the cache was consulted
         self.lookup_ms: float | None = None
@@ -67,7 +76,7 @@ class Turn:
     def priced(self, plan: Plan) -> Plan:
         """The routed plan, priced from the index alone and recorded."""
         self.plan = plan
-        self.price = price = Price.of(plan, self.governor.high_tier)
+        self.price = price = Price.of(plan, self.services.high_tier)
         record = self.record
         record.num_chunks, record.high_res_chunks = price.num_chunks, price.high_res_chunks
         record.context_tokens, record.vision_tokens = price.context_tokens, price.vision_tokens
@@ -91,9 +100,9 @@ class Turn:
     async def prepare(self, sampling: Sampling) -> Answer | None:
         """The cached answer (also kept as `hit`), or None once the budget holds and the tenant's token rate
         admitted the work."""
-        governor = self.governor
+        services = self.services
         check_budget(self.price, self.budget_tokens)
-        self.keys = governor.cache.keys(self.plan, sampling, self.record.task_type, self.record.tenant)
+        self.keys = services.cache.keys(self.plan, sampling, self.record.task_type, self.record.tenant)
         hit, self.lookup_ms = None, None
         if self.keys is None:
             result, self.cache_status = "bypass", "qvpic; fwd=bypass"  # nothing cacheable: no level on, or sampled
@@ -101,16 +110,16 @@ class Turn:
             result, self.cache_status = "no_cache", "qvpic; fwd=request"  # the client asked for a computed answer
         else:
             started = time.perf_counter()
-            hit = await governor.cache.lookup(self.keys, self.plan.query_embedding)
+            hit = await services.cache.lookup(self.keys, self.plan.query_embedding)
             self.lookup_ms = (time.perf_counter() - started) * 1e3
             result = hit.level.value if hit else "miss"
             self.cache_status = f"qvpic; hit; detail={result}" if hit else "qvpic; fwd=uri-miss"
-        governor.metrics.response_cache.inc(result=result)
+        services.metrics.response_cache.inc(result=result)
         if hit is not None:
             self.hit = self._from_cache(hit)
             return self.hit
         cost = self.price.context_tokens + self.price.query_tokens + sampling.n * sampling.max_new_tokens
-        await governor.limits.take(self.record.tenant, Limit.TOKENS, cost)
+        await services.limits.take(self.record.tenant, Limit.TOKENS, cost)
         return None
 
     def _from_cache(self, hit: CacheHit) -> Answer:
@@ -137,7 +146,7 @@ class Turn:
                     update={"response_cache": ResponseCacheReport(lookup_ms=self.lookup_ms)}))
             # no-cache computed a fresh answer without reading the entry: it must not overwrite it either
             if self.keys is not None and self.directives.store and self.directives.lookup:
-                await self.governor.cache.store(self.keys, answer, self.plan.query_embedding)
+                await self.services.cache.store(self.keys, answer, self.plan.query_embedding)
         self.finish(200, answer)
         return answer
 
@@ -151,17 +160,17 @@ class Turn:
         if self.finished:
             return
         self.finished = True
-        metrics, record, route = self.governor.metrics, self.record, self.record.route
+        metrics, record, route = self.services.metrics, self.record, self.record.route
         record.status, record.total_ms = status, self._elapsed_ms()
         if status >= 400:
             metrics.errors.inc(route=route, status=str(status))
         if answer is not None:
             self._record_answer(answer)
-        if self.governor.log is not None:
-            self.governor.log.append(record)
+        if self.services.log is not None:
+            self.services.log.append(record)
 
     def _record_answer(self, answer: Answer) -> None:
-        metrics, record, report = self.governor.metrics, self.record, answer.report
+        metrics, record, report = self.services.metrics, self.record, answer.report
         level = report.response_cache.level
         mode = report.mode.value
         usage = report.usage
@@ -181,7 +190,7 @@ class Turn:
         for chunk in report.chunks:
             metrics.chunks.inc(mode=mode, tier=chunk.tier or "text")
         if report.mode is Mode.QVPIC:
-            metrics.promotions.inc(sum(c.tier == self.governor.high_tier for c in report.chunks))
+            metrics.promotions.inc(sum(c.tier == self.services.high_tier for c in report.chunks))
         metrics.kv_lookups.inc(report.cache.hits, outcome="hit")
         metrics.kv_lookups.inc(report.cache.misses, outcome="miss")
         for tier, count in (("device", report.cache.device_hits), ("host", report.cache.hits),

@@ -5,7 +5,7 @@ lifetimes (deadline, disconnect), and the backend interface the handlers call th
 from pipeline.facade import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "backend": ["Backend", "InProcessBackend", "api_error"],
+    "backend": ["Backend", "api_error"],
     "health": ["fetch_readiness"],
     "ingress": ["Ingress", "make_api", "respond"],
 })

@@ -2,7 +2,7 @@
 
 A request is route → generate: the generator fetches from the loader only the KV entries its device
 hot tier lacks (serve/kv/hot_tier.py), so the loaded KV never passes through the ingress, and a request
-whose chunks are hot moves none at all. `InProcessBackend` runs the same calls on plain objects (no
+whose chunks are hot moves none at all. serve/local.py `InProcessBackend` runs the same calls on plain objects (no
 Ray), which is how the HTTP surface is tested without a cluster. This module imports no model stack.
 
 A call that is abandoned (the client went away, or the request's deadline passed) is cancelled
@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
@@ -33,11 +33,6 @@ from schemas.sampling import Sampling
 from serve.handles import cancelling
 from serve.metrics import serve_metrics
 from serve.plan import Answer, Embedded, Plan
-
-if TYPE_CHECKING:  # the in-process roles; the ingress never imports them
-    from serve.engine import Generator
-    from serve.kv import CacheLoader
-    from serve.routing import Router
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -103,36 +98,6 @@ class HandleBackend:
 
     async def device_cache_stats(self) -> CacheStats:
         return await self.generator.hot_tier_stats.remote()
-
-
-class InProcessBackend:
-    """The same roles as plain objects (serve/local.py `build_local`): the generator reads its device tier's misses
-    through `loader`, which also answers the cache statistics."""
-
-    def __init__(self, router: Router, loader: CacheLoader, generator: Generator):
-        from serve.kv import LocalLoader  # the model stack: only in-process callers get here
-
-        self.router, self.loader, self.generator = router, loader, generator
-        self.source = LocalLoader(loader)
-
-    async def route(self, request: AnswerRequest, budget_tokens: int | None, collections: frozenset[str],
-                    cache_salt: bytes = b"") -> Plan:
-        return await self.router.plan(request, budget_tokens, collections, cache_salt)
-
-    async def embed(self, texts: list[str]) -> Embedded:
-        return await self.router.embed(texts)
-
-    async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
-        return await self.generator.generate(plan, sampling, timeout_s, source=self.source)
-
-    def stream(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> AsyncIterator[str | Answer]:
-        return self.generator.stream(plan, sampling, timeout_s, source=self.source)
-
-    async def cache_stats(self) -> CacheStats:
-        return self.loader.stats()
-
-    async def device_cache_stats(self) -> CacheStats:
-        return self.generator.hot_tier_stats()
 
 
 def error_cause(error: Exception) -> Exception:

@@ -14,7 +14,7 @@ copies what arrives onto its device here. A request whose entries another reques
 waits for that copy (serve/engine/context.py) and finds them here: they cross host→device once and count
 as hits.
 
-What it reports (`routing_stats`, read by serve/routing/affinity.py): a Bloom filter of the resident
+What it reports (`routing_stats`, read by serve/dispatch/affinity.py): a Bloom filter of the resident
 entry keys, sized from how many there are — `BITS_PER_KEY` = 10 bits and `NUM_HASHES` = 7 probes per key,
 a false-positive rate of about 0.8 % — so 1M resident chunk entries take 1.25 MB (1,000 entries 1.25 kB);
 the hot tier's byte cap bounds its entry count, and so the filter. Alongside go this tier's cumulative

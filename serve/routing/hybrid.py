@@ -22,23 +22,25 @@ from serve.plan import Entry, PlannedChunk
 TEXT_VARIANT = Variant.TEXT  # compiled under the template prefix, like the pages qvpic links
 
 
-class Choice(str, Enum):
+class Representation(str, Enum):
+    """How the hybrid rule serves one chunk: its pages, or its text (and by which rule)."""
+
     IMAGE = "image"
     TEXT_CHEAPER = "text_cheaper"  # rule 1
     TEXT_LEGIBLE = "text_legible"  # rule 2
 
 
-def choose(spec: HybridSpec, text: Entry | None, image: Entry) -> Choice:
+def choose(spec: HybridSpec, text: Entry | None, image: Entry) -> Representation:
     """The rule for one chunk whose pages would be served as `image`."""
     if text is None:
-        return Choice.IMAGE
+        return Representation.IMAGE
     if text.num_tokens <= spec.text_cost_ratio * image.num_tokens:
-        return Choice.TEXT_CHEAPER
+        return Representation.TEXT_CHEAPER
     legibility = image.row.legibility
     if legibility is not None and legibility < spec.min_legibility and \
             text.num_tokens <= spec.illegible_text_cost_ratio * image.num_tokens:
-        return Choice.TEXT_LEGIBLE
-    return Choice.IMAGE
+        return Representation.TEXT_LEGIBLE
+    return Representation.IMAGE
 
 
 def as_text(chunk: PlannedChunk, text: Entry) -> PlannedChunk:
@@ -49,7 +51,7 @@ def as_text(chunk: PlannedChunk, text: Entry) -> PlannedChunk:
 
 def cheaper_as_text(spec: HybridSpec, texts: Sequence[Entry | None], lows: Sequence[Entry]) -> list[bool]:
     """Rule 1 at the lowest tier, before promotion: these chunks are text and take no promotion."""
-    return [choose(spec, t, lo) is Choice.TEXT_CHEAPER for t, lo in zip(texts, lows)]
+    return [choose(spec, t, lo) is Representation.TEXT_CHEAPER for t, lo in zip(texts, lows)]
 
 
 def apply_rule(spec: HybridSpec, planned: list[PlannedChunk], texts: Sequence[Entry | None],
@@ -62,9 +64,10 @@ def apply_rule(spec: HybridSpec, planned: list[PlannedChunk], texts: Sequence[En
         chunk, text = out[i], texts[i]
         if chunk.entry is None or chunk.entry.variant is TEXT_VARIANT or text is None:
             continue
-        choice = choose(spec, text, chunk.entry)
+        representation = choose(spec, text, chunk.entry)
         extra = text.num_tokens - chunk.num_tokens
-        if choice is Choice.TEXT_CHEAPER or (choice is Choice.TEXT_LEGIBLE and used + extra <= room_tokens):
+        if representation is Representation.TEXT_CHEAPER or (representation is Representation.TEXT_LEGIBLE
+                                                             and used + extra <= room_tokens):
             used += extra
             out[i] = as_text(chunk, text)
     return out

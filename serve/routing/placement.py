@@ -3,7 +3,7 @@ rows retrieval selected and their stored entries; nothing here reads a store.
 
 `allocate` decides promotions from relevance alone (plus the budgets); `place` turns the decision
 into planned chunks, falling back to the low tier where a high-tier entry was never compiled and
-refusing (503) a mode whose entries are missing. `place` reads what retrieval selected (`Selection`)
+refusing (503) a mode whose entries are missing. `place` reads what retrieval selected (`Retrieved`)
 under one request's policy (`PlacementSpec`).
 """
 
@@ -27,7 +27,7 @@ EntrySlots = dict[tuple[str | None, Variant], dict[str, Any]]  # one chunk's ind
 
 
 @dataclass(frozen=True)
-class Selection:
+class Retrieved:
     """What retrieval selected, aligned by position: catalog rows (CATALOG_COLUMNS), each one's entries (its
     entry rows, kept made by the router per snapshot: serve/routing/retrieval.py `EntryCache`) and its relevance.
     `texts()` reads their text and image path; only the online modes call it."""
@@ -178,7 +178,7 @@ def require(chunks: list[dict], slots: list[ChunkEntries], tier: str | None, var
     return found
 
 
-def place(mode: Mode, rows: Selection, spec: PlacementSpec, room_tokens: int,
+def place(mode: Mode, rows: Retrieved, spec: PlacementSpec, room_tokens: int,
           group: int = 0) -> tuple[list[PlannedChunk], list[FallbackReport]]:
     """Planned chunks (request order) for the selected `rows` under `spec`, in prompt group `group`.
     `room_tokens` is what the context holds for chunks: promotions that would not fit stay low. The hybrid

@@ -145,7 +145,7 @@ def conversation_digest(messages: list[Message], tools: ToolUse | None = None) -
 def conversation_chain(messages: list[Message]) -> tuple[str, ...]:
     """sha256 of each prefix of the conversation (messages[:1], messages[:2], …, all): a turn's whole
     conversation is a prefix of its follow-up's, which is how the affinity router finds the replica holding
-    the earlier turn's KV in its prefix cache (serve/routing/affinity.py)."""
+    the earlier turn's KV in its prefix cache (serve/dispatch/affinity.py)."""
     chain, digest = [], hashlib.sha256()
     for message in messages:
         digest.update(json.dumps(message.model_dump(mode="json"), sort_keys=True).encode() + b"\x00")

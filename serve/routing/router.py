@@ -37,7 +37,7 @@ from schemas.store import ManifestError
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
 from serve.plan import Embedded, Plan, PlannedChunk
-from serve.routing.placement import PlacementSpec, Selection, mode_tier, place
+from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
 from serve.routing.prompt import PromptTemplate, conversation_chain, conversation_digest
 from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
@@ -229,7 +229,7 @@ class Router:
         rows, relevance = snapshot.select(request, vector, self.config.max_chunks, collections)  # 413 past max_chunks
         catalog = snapshot.catalog
         entries = snapshot.chunk_entries(rows)
-        selected = Selection(chunks=catalog.chunk_rows(rows), entries=entries, relevance=relevance,
+        selected = Retrieved(chunks=catalog.chunk_rows(rows), entries=entries, relevance=relevance,
                              texts=lambda: catalog.texts(rows))
         chunks, fallbacks = place(request.mode, selected, spec, room_tokens, group)
         if self.config.carry_sources:  # selective recompute rebuilds each linked chunk's tokens from its source

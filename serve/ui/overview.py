@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from schemas.api import CacheStats, Strict
+from schemas.api import CacheStats
 from schemas.config import KVQuant, Variant
+from schemas.wire import Strict
 
 
 class EntryGroup(Strict):

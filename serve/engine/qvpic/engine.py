@@ -22,7 +22,7 @@ import torch
 
 from pipeline.runtime import VLM, ms_since
 from pipeline.runtime.conversation import PreparedSegment
-from schemas.config import EngineSpec
+from schemas.config import EngineConfig
 from serve.engine.interface import Engine, EngineStats
 from serve.engine.prepared import LinkedPrompt
 from serve.engine.qvpic.batch import Slab, decode_step, prefill_alone, prefill_queries
@@ -47,7 +47,7 @@ def column_nbytes(vlm: VLM) -> int:
 class QvpicEngine(Engine):
     """qvpic's engine (serve/engine/interface.py states the contract it keeps)."""
 
-    def __init__(self, vlm: VLM, spec: EngineSpec, start: bool = True,
+    def __init__(self, vlm: VLM, spec: EngineConfig, start: bool = True,
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
         self.vlm, self.spec = vlm, spec
         vlm.use_forward(spec.forward)

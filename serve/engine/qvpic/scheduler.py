@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from schemas.config import EngineSpec
+from schemas.config import EngineConfig
 from schemas.errors import BusyError, TooLargeError
 from serve.engine.sequence import Sequence
 
@@ -26,7 +26,7 @@ ONLINE_PREFILLS_PER_STEP = 1  # a full prefill (online modes) is long: one per s
 
 
 class Scheduler:
-    def __init__(self, spec: EngineSpec, column_nbytes: int):
+    def __init__(self, spec: EngineConfig, column_nbytes: int):
         self.spec = spec
         self.column_nbytes = column_nbytes  # one row's KV for one token, every layer, keys and values
         self.waiting: deque[Sequence] = deque()

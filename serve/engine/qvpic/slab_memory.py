@@ -86,5 +86,5 @@ class SlabMemory:
             del self._taken[id(buffer)]
 
 
-# The process's pool: the engine sets its bound from `EngineSpec.slab_reuse_nbytes` (serve/engine/qvpic/engine.py).
+# The process's pool: the engine sets its bound from `EngineConfig.slab_reuse_nbytes` (serve/engine/qvpic/engine.py).
 SLAB_MEMORY = SlabMemory()

@@ -1,10 +1,11 @@
-"""Chunk-affinity routing across generator replicas: a Ray Serve request router for the Generator.
+"""Chunk-affinity dispatch across generator replicas: a Ray Serve request router (Ray's `RequestRouter`) for the
+Generator.
 
 A request here is a *set* of position-independent chunk entries in any order (its plan), not a prefix,
 so the prefix-matching routers (Ray Serve LLM's `PrefixCacheAffinityRouter`, SGLang's, Dynamo's)
 do not apply. Each generator replica reports what its device hot tier holds as a Bloom filter of
 entry keys (serve/kv/hot_tier.py: 1.25 MB at 1M resident entries) through Serve's routing stats
-(`Generator.record_routing_stats`, collected every `AffinitySpec.stats_period_s` and pushed to every
+(`Generator.record_routing_stats`, collected every `AffinityConfig.stats_period_s` and pushed to every
 handle with the replica list), so routing a request reads local state only — no round trip.
 
 The policy (`choose`): sum, per replica, the stored bytes of the plan's entries it holds — in its filter, or
@@ -52,7 +53,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from serve.config import AffinitySpec
+from serve.config import AffinityConfig
 from serve.kv import HotTierReport, key_hash
 from serve.metrics import serve_metrics
 from serve.plan import Plan
@@ -81,7 +82,7 @@ class ReplicaView:
 
 
 @dataclass(frozen=True)
-class Choice:
+class ReplicaRanking:
     ranks: tuple[tuple[str, ...], ...]  # replica ids, most preferred rank first; empty for NO_STATS
     decision: Decision
     held_nbytes: dict[str, int]  # per replica: plan bytes its filter holds
@@ -109,12 +110,12 @@ def bytes_per_token(plan: Plan) -> float:
 
 
 def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], rng: random.Random, *, max_load_ratio: float,
-           min_in_flight: int, prefix: dict[str, int] | None = None) -> Choice:
+           min_in_flight: int, prefix: dict[str, int] | None = None) -> ReplicaRanking:
     """Which replicas a plan should go to, most preferred first (the pure policy; the module docstring).
     `prefix`: per replica, the bytes of the plan's conversation prefix it is known to hold."""
     prefix = prefix or {}
     if not any(r.report is not None for r in replicas) and not prefix:
-        return Choice((), Decision.NO_STATS, {})
+        return ReplicaRanking((), Decision.NO_STATS, {})
     held = {r.replica_id: sum(n for h, n in entries if r.holds(h)) + prefix.get(r.replica_id, 0) for r in replicas}
     # In-flight counts are whole requests: the cap rounds up (with 4 in flight over 3 replicas, 1.5 × the mean
     # is 2; a fractional cap of 2.5 would send a chunk set's next request away from the replica holding it at 3).
@@ -123,7 +124,7 @@ def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], rng: random.Ra
     eligible = [r for r in replicas if r.in_flight + 1 <= cap] or [r for r in replicas if r.in_flight == least]
     if max(held[r.replica_id] for r in eligible) == 0:
         pair = sorted(rng.sample(eligible, min(2, len(eligible))), key=lambda r: r.in_flight)
-        return Choice(tuple((r.replica_id,) for r in pair), Decision.COLD, held)
+        return ReplicaRanking(tuple((r.replica_id,) for r in pair), Decision.COLD, held)
     ranked = sorted(eligible, key=lambda r: (-held[r.replica_id], r.in_flight))
     ranks: list[tuple[str, ...]] = []
     for r in ranked:  # one rank per distinct held amount: Serve picks the least queued within a rank
@@ -131,7 +132,7 @@ def choose(entries: PlanEntries, replicas: Sequence[ReplicaView], rng: random.Ra
             ranks[-1] += (r.replica_id,)
         else:
             ranks.append((r.replica_id,))
-    return Choice(tuple(ranks), Decision.AFFINITY, held)
+    return ReplicaRanking(tuple(ranks), Decision.AFFINITY, held)
 
 
 def fresh_report(stats: dict | None, now_s: float, stale_after_s: float) -> HotTierReport | None:
@@ -139,20 +140,20 @@ def fresh_report(stats: dict | None, now_s: float, stale_after_s: float) -> HotT
     return report if report is not None and now_s - report.recorded_at_s <= stale_after_s else None
 
 
-class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class AffinityDispatcher(LocalityMixin, MultiplexMixin, RequestRouter):
     """Serve's request router for the Generator deployment (`request_router_config`, serve/app.py);
-    `request_router_kwargs` are `AffinitySpec` fields. Not FIFO: a choice made for one plan must serve
+    `request_router_kwargs` are `AffinityConfig` fields. Not FIFO: a choice made for one plan must serve
     that plan, not whichever request waits longest."""
 
     def initialize_state(self, **spec) -> None:
-        self._spec = AffinitySpec.model_validate(spec)
+        self._spec = AffinityConfig.model_validate(spec)
         self._rng = random.Random()
         self._in_flight: dict[ReplicaID, int] = {}
         # internal request id → (replica, its plan's key hashes), until it completes
         self._routed: dict[str, tuple[ReplicaID, tuple[tuple[int, int], ...]]] = {}
         # key hash → when the last request that sent it there completed (time.time()); inf while one is in flight
         self._sent: dict[ReplicaID, dict[tuple[int, int], float]] = {}
-        self._choices: OrderedDict[str, Choice] = OrderedDict()
+        self._choices: OrderedDict[str, ReplicaRanking] = OrderedDict()
         # conversation prefix key → (the replica its whole conversation was sent to, that plan's prompt tokens)
         self._prefixes: OrderedDict[bytes, tuple[ReplicaID, int]] = OrderedDict()
         self._metrics = serve_metrics()
