@@ -5,13 +5,14 @@ deployments on the head, the host LRU in each generator, HTTP on the head only. 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
 from jobs.run_server import app_args, parser, proxy_location
-from serve.config import AppConfig, LoaderPlacement, Placement
+from serve.config import AppConfig, Dispatch, LoaderPlacement, Placement
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_DEPLOYMENTS = ("ingress_deployment", "inspector_deployment", "router_deployment", "loader_deployment")
@@ -57,3 +58,16 @@ def test_the_rayservice_places_as_the_shipped_gpu_config():
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     config = AppConfig.model_validate(serve_config["applications"][0]["args"])
     assert (placement(config), serve_config["proxy_location"]) == shipped()
+
+
+def test_a_config_written_before_the_rename_still_dispatches_with_a_warning():
+    """`routing: …` (how configs said `dispatch: …` until issue 57) is read as `dispatch`, with a deprecation
+    warning naming the new key; the shipped configs use the new key and warn nothing."""
+    args = yaml.safe_load((ROOT / "serve" / "config-gpu.yaml").read_text())["applications"][0]["args"]
+    assert args["dispatch"] == "affinity" and "routing" not in args
+    old = {key: value for key, value in args.items() if key != "dispatch"} | {"routing": "default"}
+    with pytest.warns(DeprecationWarning, match="`routing` is now `dispatch`"):
+        assert AppConfig.model_validate(old).dispatch is Dispatch.DEFAULT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert AppConfig.model_validate(args).dispatch is Dispatch.AFFINITY
