@@ -60,7 +60,7 @@ def online(vlm, pieces, query: str) -> OnlineContext:
 @torch.inference_mode()
 def alone(vlm: VLM, context, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits each was picked from, by the batch-1 runtime (the reference)."""
-    if isinstance(context, LinkedContext):  # VLM.prefill_query on the query's token ids
+    if not context.online:  # VLM.prefill_query on the query's token ids
         assembled = vlm.assemble(context.chunks, context.instruction)
         cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in assembled.layers])
         state = vlm._forward(torch.tensor([context.query_ids]), cache, assembled.next_position)
@@ -91,11 +91,10 @@ class Recorder:
         self.vlm = vlm
 
     def submit(self, context, max_new_tokens: int, **fields) -> Sequence:
-        num_query = len(context.query_ids) if isinstance(context, LinkedContext) else 0
-        num_context = (context.prompt.num_tokens - num_query
-                       if isinstance(context, LinkedContext) else self.vlm.prefix.num_tokens + 64)
-        seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context, num_context + num_query, num_query,
-                       emit=lambda e: None)
+        # an online context's pages are counted by its prefill: reserve a generous guess here
+        num_prompt = self.vlm.prefix.num_tokens + 64 if context.online else context.num_prompt_tokens
+        seq = Sequence(Sampling(max_new_tokens=max_new_tokens, **fields), context, num_prompt,
+                       context.num_query_tokens, emit=lambda e: None)
         seq.emit = self.events.setdefault(seq.id, []).append
         self.logits[seq.id] = []
         self.engine.add(seq)

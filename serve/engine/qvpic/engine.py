@@ -1,4 +1,5 @@
-"""The engine: one thread owns the model and runs every request's forward passes as one batch.
+"""qvpic's engine (an `Engine`: serve/engine/interface.py): one thread owns the model and runs every request's
+forward passes as one batch.
 
     step = retire   cancelled, expired and finished rows leave the batch; their KV is freed
          → admit    waiting requests that fit the caps are prefilled together and join
