@@ -98,9 +98,7 @@ class Generator:
         check_device(manifest.kv_quant, self.vlm.device)  # it dequantises the store's entries there
         renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
-        self.source = source
-        if isinstance(source, LocalLoader):
-            source.loader  # noqa: B018  this replica's own loader (loader_placement in_generator), opened at start
+        self.source = source.opened() if source is not None else None  # in_generator: this replica's own loader
         self.engine = QvpicEngine(self.vlm, config.engine)  # the Engine this generator drives
         self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock, config.images_root)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),

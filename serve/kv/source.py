@@ -28,6 +28,11 @@ from serve.plan import LoadResult, Plan
 class KVSource(Protocol):
     """Where the KV a generator's device tier lacks comes from."""
 
+    def opened(self) -> KVSource:
+        """This source, ready in the process that uses it (a generator calls it once, at start: what Serve bound
+        into the deployment is left as it was bound)."""
+        ...
+
     async def load(self, plan: Plan) -> LoadResult:
         """The plan's entries (chunks with no entry are skipped), aligned with `plan.chunks`."""
         ...
@@ -39,13 +44,17 @@ class LoaderDeployment:
     def __init__(self, handle):
         self.handle = handle  # ray.serve.handle.DeploymentHandle of CacheLoader
 
+    def opened(self) -> LoaderDeployment:
+        return self
+
     async def load(self, plan: Plan) -> LoadResult:
         return await cancelling(self.handle.load.remote(plan))
 
 
 class LocalLoader:
     """A CacheLoader in this process. Given a `LoaderConfig` (what `build_app` binds for `in_generator`), the loader
-    is built where it is first used, so each generator replica opens its own store reader and host LRU."""
+    is built when the source is opened, in the replica: each generator replica opens its own store reader and host
+    LRU (what Serve bound stays a config it can copy)."""
 
     def __init__(self, loader: CacheLoader | LoaderConfig):
         self.config = loader if isinstance(loader, LoaderConfig) else loader.config
@@ -54,8 +63,11 @@ class LocalLoader:
     @property
     def loader(self) -> CacheLoader:
         if self._loader is None:
-            self._loader = CacheLoader(self.config)
+            raise RuntimeError("a LocalLoader over a config is opened first (`opened()`), in the process that uses it")
         return self._loader
+
+    def opened(self) -> LocalLoader:
+        return self if self._loader is not None else LocalLoader(CacheLoader(self.config))
 
     async def load(self, plan: Plan) -> LoadResult:
         return await off_loop(self.loader.load, plan)
@@ -66,6 +78,9 @@ class GivenKV:
 
     def __init__(self, result: LoadResult):
         self.result = result
+
+    def opened(self) -> GivenKV:
+        return self
 
     async def load(self, plan: Plan) -> LoadResult:
         if len(plan.chunks) != len(self.result.kvs):
