@@ -73,7 +73,7 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~45 min on 2 cores)
+test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~25 min on 2 cores)
 	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider
 
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
@@ -97,7 +97,7 @@ lock: $(VENV)/.installed-dev  ## re-pin every dependency after a pyproject.toml 
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_lock.py
 
 # vLLM's CPU build in its own venv, .peer-vllm/, from benchmarks/peer/requirements-vllm.lock (re-pin it with
-# `benchmarks/peer/setup_vllm.sh lock`), for benchmarks/peer_vllm.py; not part of `make test` or CI.
+# `benchmarks/peer/setup_vllm.sh lock`), for benchmarks/peer/side_by_side.py; not part of `make test` or CI.
 peer-vllm: $(VENV)/.installed-runtime  ## the vLLM peer venv (~3.5 GB, ~10 min), checked on one image prompt
 	MAIN_PY=$(BIN)/python PY=$(PY) benchmarks/peer/setup_vllm.sh
 

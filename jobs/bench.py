@@ -1,57 +1,20 @@
 """`qvpic bench [SUITE] [options]`: run benchmark suites; each writes its section of docs/BENCHMARKS.md.
 
 `qvpic bench` (or `qvpic bench all`) runs the fast suites one after another with their quick settings,
-`qvpic bench SUITE` runs one, `qvpic bench SUITE --help` shows its options, `qvpic bench --help` lists them.
+`qvpic bench SUITE` runs one, `qvpic bench SUITE --help` shows its options, `qvpic bench --list` lists every
+benchmark by group (the table: jobs/bench_suites.py; the modules: benchmarks/<group>/).
 Every request a suite times bypasses the server's response cache (`Cache-Control: no-cache`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import sys
 import time
-from dataclasses import dataclass
 
+from jobs.bench_suites import GROUPS, SUITES, Suite  # noqa: F401  (Suite: for callers building suites)
 
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    module: str
-    about: str
-    quick_argv: tuple[str, ...] | None  # what `all` passes; None: not part of `all` (slow, or needs a service)
-
-    @property
-    def available(self) -> bool:
-        return importlib.util.find_spec(self.module) is not None
-
-
-SUITES: tuple[Suite, ...] = (
-    Suite("ttft", "benchmarks.ttft", "TTFT per mode, breakdown, scaling, KV bytes, HTTP share",
-          ("--quick",)),
-    Suite("batching", "benchmarks.batching", "batched vs serialised engine: tokens/s and TTFT at 1/4/16 clients, "
-          "device hot tier", ("--quick",)),
-    Suite("structured", "benchmarks.structured", "json_schema, forced tool call and logprobs vs plain: decode cost "
-          "per token at 1/16 clients", ("--quick",)),
-    Suite("mutations", "benchmarks.mutations", "a fixed list of mutations, each against the tests meant to catch it",
-          None),
-    Suite("store-check", "benchmarks.store_check", "start-up parts check and `qvpic verify` cost vs parts and rows",
-          ("--quick",)),
-    Suite("runtime", "benchmarks.runtime", "full prefill vs query-only prefill, re-anchoring cost",
-          ("--dtypes", "bfloat16", "--repeats", "3")),
-    Suite("ingest", "benchmarks.ingest", "Ray Data compile throughput per model and actor count", None),
-    Suite("legibility", "benchmarks.legibility", "OCR accuracy vs vision tokens per font size and DPI", ()),
-    Suite("render", "benchmarks.render_throughput", "renderer pages/s per DPI and script", ()),
-    Suite("governance", "benchmarks.governance", "tenant quotas, cost accounting and admission overheads", None),
-    Suite("load", "benchmarks.load", "concurrent load on the Serve app: throughput, latency, failures", None),
-    Suite("fidelity", "benchmarks.fidelity", "fidelity to full prefill: template vs prefix-free vs dummy prefix",
-          None),
-    Suite("real-shapes", "benchmarks.real_shapes", "exactness at the real models' shapes: every case of "
-          "tests/test_real_shapes.py", None),
-    Suite("recompute", "benchmarks.recompute", "selective recompute across chunks: fidelity gained vs TTFT "
-          "(leading k, deviation r)", None),
-)
 BY_NAME = {s.name: s for s in SUITES}
 
 
@@ -62,13 +25,22 @@ class SuiteError(ValueError):
 def listing() -> str:
     width = max(len(s.name) for s in SUITES)
     lines = ["usage: qvpic bench [SUITE [options]]   (no SUITE: all; qvpic bench SUITE --help: its options)", "",
-             "Each suite writes its section of docs/BENCHMARKS.md.", "", "suites:"]
-    for s in SUITES:
-        notes = [] if s.available else ["not in this checkout"]
-        if s.quick_argv is not None:
-            notes.append("in `all`" + (f" as {' '.join(s.quick_argv)}" if s.quick_argv else ""))
-        lines.append(f"  {s.name:<{width}}  {s.about}" + (f"  [{'; '.join(notes)}]" if notes else ""))
-    lines += ["", f"  {'all':<{width}}  the fast suites with their quick settings (the default)"]
+             "Each suite writes its section of docs/BENCHMARKS.md; [all: ...] marks those `all` runs, with what it "
+             "passes.", "Each runs as `python -m benchmarks.GROUP.MODULE` too (MODULE: the suite's name with _ for -, "
+             "unless named)."]
+    groups = list(GROUPS) + sorted({s.group for s in SUITES} - set(GROUPS))
+    for group in groups:
+        suites = [s for s in SUITES if s.group == group]
+        if suites:
+            lines += ["", f"{group}: {GROUPS[group]}" if group in GROUPS else group]
+        for s in suites:
+            notes = [] if s.available else ["not in this checkout"]
+            if s.module.rpartition(".")[2] != s.name.replace("-", "_"):
+                notes.append(f"module {s.module}")
+            if s.quick_argv is not None:
+                notes.append("all" + (f": {' '.join(s.quick_argv)}" if s.quick_argv else ""))
+            lines.append(f"  {s.name:<{width}}  {s.about}" + (f"  [{'; '.join(notes)}]" if notes else ""))
+    lines += ["", f"  {'all':<{width}}  the suites marked [all], with their quick settings (the default)"]
     return "\n".join(lines)
 
 
@@ -93,14 +65,15 @@ def run_all() -> int:
         started = time.perf_counter()
         code = run_suite(suite.name, list(suite.quick_argv))
         outcomes.append((suite.name, code, time.perf_counter() - started))
+    width = max((len(name) for name, _, _ in outcomes), default=0)
     for name, code, wall_s in outcomes:
-        print(f"{name:<12} {'ok' if code == 0 else f'exit {code}'}  {wall_s:.0f} s")
+        print(f"{name:<{width}}  {'ok' if code == 0 else f'exit {code}'}  {wall_s:.0f} s")
     return max((code for _, code, _ in outcomes), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in {"-h", "--help", "list"}:
+    if argv and argv[0] in {"-h", "--help", "--list", "list"}:
         print(listing())
         return 0
     argv = argv or ["all"]

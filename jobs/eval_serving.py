@@ -79,10 +79,10 @@ class ServedTraces:
         self.answerer, self.view, self.num_answer_tokens = answerer, view, num_answer_tokens
         self._references: dict[tuple, Trace] = {}
 
-    def __call__(self, item: QAItem, config: ServingSpec) -> tuple[Trace, Trace]:
+    def __call__(self, item: QAItem, serving: ServingSpec) -> tuple[Trace, Trace]:
         router, loader, generator = self.answerer.router, self.answerer.loader, self.answerer.generator
         vlm = generator.vlm
-        plan = asyncio.run(router.plan(item_request(item, self.view, config)))
+        plan = asyncio.run(router.plan(item_request(item, self.view, serving)))
         loaded = generator.repairer.repair(plan, loader.load(plan))
         chunks = [ChunkKV(kv_tensor(kv, vlm.device, vlm.dtype, copy=False), kv.entry.position_span, kv.compile_start,
                           kv.kind, kv.grid_thw)
@@ -90,7 +90,7 @@ class ServedTraces:
         answer = answer_token_ids(vlm, item, self.num_answer_tokens)
         query = plan.text_after_chunks
         cached = trace_linked(vlm, vlm.assemble(chunks, plan.instruction), query, answer)
-        text = config.mode.kind is ChunkKind.TEXT
+        text = serving.mode.kind is ChunkKind.TEXT
         tiers = tuple(kv.entry.tier for kv in loaded.kvs)  # as served, after any fallback
         key = (item.task, item.id, tiers)
         if key not in self._references:

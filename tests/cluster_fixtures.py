@@ -1,4 +1,4 @@
-"""A real multi-node Ray cluster on this machine, shared by the cluster tests and benchmarks/cluster.py.
+"""A real multi-node Ray cluster on this machine, shared by the cluster tests and benchmarks/scale/cluster.py.
 
 `ray.cluster_utils.Cluster` starts real raylets and object stores: a GPU-less head (GCS, dashboard and
 job server, Serve's controller and its one HTTP proxy) and two worker nodes that each declare one GPU.
@@ -37,7 +37,7 @@ HEAD_CPUS = 4  # ingress, router, loader, the job driver and Ray Data's CPU stag
 WORKER_CPUS = 2  # a generator (1 CPU) beside a compile actor
 OBJECT_STORE_NBYTES = 200 * 2**20  # per node; tests move KiBs of KV
 # The generator's Serve autoscaling with its delays shortened (the defaults wait 30 s up, 600 s down), for
-# tests/test_cluster.py and benchmarks/cluster.py. Target 1: one client keeps a generator below it, a few
+# tests/test_cluster.py and benchmarks/scale/cluster.py. Target 1: one client keeps a generator below it, a few
 # clients keep two above it. Replicas push their metrics every 10 s (Ray's
 # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S): the look-back must exceed that.
 GENERATOR_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 2,

@@ -1,7 +1,9 @@
-"""`qvpic bench`: suite listing and dispatch, and the TTFT benchmark's CPU path through benchmarks/gpu.sh."""
+"""`qvpic bench`: every benchmark registered, suite listing and dispatch, and the TTFT benchmark's CPU path through
+benchmarks/perf/gpu.sh."""
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import os
 import subprocess
@@ -29,21 +31,69 @@ def fake_suites(monkeypatch):
     without_options.main = lambda: calls.append(("without", None)) or 3
     monkeypatch.setitem(sys.modules, "fake_with_options", with_options)
     monkeypatch.setitem(sys.modules, "fake_without_options", without_options)
-    suites = (bench.Suite("with", "fake_with_options", "takes options", ("--quick",)),
-              bench.Suite("without", "fake_without_options", "takes none", ()),
-              bench.Suite("slow", "fake_with_options", "not in all", None),
-              bench.Suite("absent", "benchmarks.no_such_suite", "missing here", ()))
+    suites = (bench.Suite("with", "perf", "fake_with_options", "takes options", ("--quick",)),
+              bench.Suite("without", "quality", "fake_without_options", "takes none", ()),
+              bench.Suite("slow", "perf", "fake_with_options", "not in all", None),
+              bench.Suite("absent", "scale", "benchmarks.scale.no_such_suite", "missing here", ()))
     monkeypatch.setattr(bench, "SUITES", suites)
     monkeypatch.setattr(bench, "BY_NAME", {s.name: s for s in suites})
     return calls
 
 
-def test_listing_names_every_real_suite(capsys):
-    assert bench.main(["--help"]) == 0
+# Run by the peer venv's Python as scripts (benchmarks/peer/engine.py, setup_vllm.sh), never as suites here.
+PEER_VENV_SCRIPTS = {"benchmarks.peer.vllm_side", "benchmarks.peer.check_vllm"}
+
+
+def entry_point_modules(root: Path = REPO) -> set[str]:
+    """Every module under benchmarks/ with a top-level `main` or an `if __name__ == "__main__":` block, read from
+    the files (ast), nothing imported."""
+    found = set()
+    for path in sorted((root / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any((isinstance(node, ast.FunctionDef) and node.name == "main")
+               or (isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)) for node in tree.body):
+            found.add(".".join(path.relative_to(root).with_suffix("").parts))
+    return found
+
+
+def unregistered(suites) -> set[str]:
+    return entry_point_modules() - PEER_VENV_SCRIPTS - {s.module for s in suites}
+
+
+def test_every_benchmark_with_an_entry_point_is_a_suite():
+    assert all((REPO / (m.replace(".", "/") + ".py")).exists() for m in PEER_VENV_SCRIPTS)
+    assert len(entry_point_modules()) > 30  # the walk reads the tree (else the check below proves nothing)
+    assert unregistered(bench.SUITES) == set()
+    assert len(bench.BY_NAME) == len(bench.SUITES)  # names are unique
+    for suite in bench.SUITES:
+        assert suite.available, suite
+        assert suite.module.startswith(f"benchmarks.{suite.group}.") and suite.group in bench.GROUPS
+
+
+def test_a_benchmark_left_out_of_the_table_is_caught():
+    """Negative control: drop any one suite, or add a module with an entry point, and the check names it."""
+    for left_out in bench.SUITES:
+        assert unregistered([s for s in bench.SUITES if s is not left_out]) == {left_out.module}
+
+
+def test_listing_names_every_real_suite_by_group(capsys):
+    assert bench.main(["--list"]) == 0
     out = capsys.readouterr().out
     for suite in bench.SUITES:
         assert f"  {suite.name} " in out
-    assert all(s.available for s in bench.SUITES if s.name in {"ttft", "runtime", "ingest", "legibility", "render"})
+    headers = [line.split(":")[0] for line in out.splitlines() if line.split(":")[0] in bench.GROUPS]
+    assert headers == list(bench.GROUPS)  # every group once, in order
+    groups = {}
+    for line in out.splitlines():
+        if line.split(":")[0] in bench.GROUPS:
+            group = line.split(":")[0]
+        elif line.startswith("  ") and line.split()[0] in bench.BY_NAME:
+            groups[line.split()[0]] = group
+    assert groups == {s.name: s.group for s in bench.SUITES}
+    for suite in bench.SUITES:  # whether `all` runs it, and with what
+        line = next(line for line in out.splitlines() if line.startswith(f"  {suite.name} "))
+        assert ("[all" in line or "; all" in line) == (suite.quick_argv is not None), line
+    assert bench.main(["--help"]) == 0 and capsys.readouterr().out == out
 
 
 def test_dispatch_passes_options_and_rejects_bad_calls(fake_suites, capsys):
@@ -72,7 +122,7 @@ def test_gpu_script_cpu_fallback_runs_the_gpu_benchmark(tmp_path):
     # PY: this interpreter, whose environment has the requirements; a bare `python3` may be another Python,
     # which the script would install the whole project into
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PY": sys.executable}
-    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), str(out)], cwd=tmp_path, env=env,
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "perf" / "gpu.sh"), str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no CUDA device" in done.stderr
@@ -105,7 +155,7 @@ def test_real_size_checkpoints_keep_the_public_shapes_and_build_on_the_device(tm
     architecture's fields survive, and the model is built once, with random weights, where it runs."""
     from transformers import AutoConfig
 
-    from benchmarks.real_size import GLM_4_1V_9B, QWEN2_5_VL_7B, materialise, random_weights
+    from benchmarks.tools.real_size import GLM_4_1V_9B, QWEN2_5_VL_7B, materialise, random_weights
     from pipeline.runtime import VLM
     from schemas.config import ModelSpec
 
@@ -133,7 +183,7 @@ def test_real_size_checkpoints_keep_the_public_shapes_and_build_on_the_device(tm
 def test_scale_serve_runs_end_to_end_on_a_small_store(tmp_path):
     """The serving-scale benchmark writes a store through the Store API, publishes it and measures a router
     on it: a store-schema change that breaks its synthetic rows fails here, not an hour into a 1M run."""
-    from benchmarks.scale_serve import SEARCH_THREADS, run_size, section
+    from benchmarks.scale.scale_serve import SEARCH_THREADS, run_size, section
 
     result = run_size(1_000, "random", tmp_path)
     assert result["num_chunks"] == 1_000 and result["search"]["kind"] == "flat"

@@ -251,7 +251,7 @@ def generators_running() -> int:
 
 
 # Four clients keep four requests on one replica, four times GENERATOR_AUTOSCALING's target of one. Serve decided
-# within 5 s and the replica ran 17 s later in benchmarks/cluster.py; idle, it dropped it 20 s later: the waits
+# within 5 s and the replica ran 17 s later in benchmarks/scale/cluster.py; idle, it dropped it 20 s later: the waits
 # bound those. The tenant's rate limit is not what this test is about: serve/config-gpu.yaml's 20 requests/s is
 # raised for it (on a fast CPU four clients' 32-token requests passed 20/s: 921 of 1,436 answers were 429s).
 SCALING_CLIENTS, SCALING_TOKENS, SCALE_OUT_WAIT_S, SCALE_IN_WAIT_S = 4, 32, 180, 120

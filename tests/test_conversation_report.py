@@ -1,10 +1,10 @@
-"""The conversation benchmark's control table (benchmarks/conversation_report.py `alone_report`): both engines
+"""The conversation benchmark's control table (benchmarks/peer/conversation_report.py `alone_report`): both engines
 alone, per turn, the warm-up conversation left out, and (b)'s verdict over turns 2-4 only. Expected cells are
 worked by hand from the records below."""
 
 from __future__ import annotations
 
-from benchmarks.conversation_report import PHASES, alone_report
+from benchmarks.peer.conversation_report import PHASES, alone_report
 
 
 def records(ms_by_turn: list[list[float]], vllm_by_turn: list[list[float]]) -> list[dict]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from benchmarks.load import rss_nbytes
+from benchmarks.scale.load import rss_nbytes
 from pipeline.ingest import IngestConfig, ingest
 from pipeline.store import Store
 from schemas.store import StoreSpec

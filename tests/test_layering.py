@@ -1,4 +1,4 @@
-"""Dependencies run one way, subpackage by subpackage (README.md, Layout):
+"""Dependencies run one way, subpackage by subpackage (docs/ARCHITECTURE.md, "Layering and naming rules"):
 
     schemas ← pipeline.runtime ← pipeline.store ← pipeline.ingest, pipeline.eval
                                                 ← serve.{config, plan, metrics, handles} ← serve.kv ← serve.routing

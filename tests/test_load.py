@@ -1,6 +1,6 @@
 """A bounded load through the whole Serve graph: mixed modes, streamed and repeated requests at a fixed
 concurrency, zero errors, and memory that stays bounded (the loader's LRU holds its byte cap while it
-evicts; no replica's private heap grows much). The full-size run is `python -m benchmarks.load`."""
+evicts; no replica's private heap grows much). The full-size run is `python -m benchmarks.scale.load`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from benchmarks.load import DEPLOYMENTS, replica_rss_nbytes, request_mix, run_load
+from benchmarks.scale.load import DEPLOYMENTS, replica_rss_nbytes, request_mix, run_load
 from schemas.config import Mode
 from tests.ray_fixtures import free_port, ray_session  # noqa: F401  (pytest fixture)
 from tests.store_factory import DOCUMENTS, MAX_CHUNKS, serving_store  # noqa: F401  (pytest fixture)

@@ -12,7 +12,7 @@ checks the real one).
 CI runs one case of each check per family at `Width.NARROW` (the real head dimensions, rotary layout and vision
 geometry with two heads per tower: the full widths take ~90 s a family just to build on two cores);
 `QVPIC_REAL_SHAPES=full` runs every case the tiny-model suites run at the full public widths, as
-`python -m benchmarks.real_shapes` does and records in docs/BENCHMARKS.md. LLaVA-OneVision's pages cost ~1.5k
+`python -m benchmarks.quality.real_shapes` does and records in docs/BENCHMARKS.md. LLaVA-OneVision's pages cost ~1.5k
 tokens each (384-px SigLIP tiles), so CI checks it on text chunks and the full run adds its pages.
 """
 

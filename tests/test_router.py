@@ -170,7 +170,7 @@ def test_linked_modes_pick_their_variant_and_tiers(roles, mode, variant, tiers):
 
 
 def test_each_mode_is_a_source_times_an_allocation_over_one_variant():
-    """The one mode type, against the README's table of modes (written by hand here, not read from the code)."""
+    """The one mode type, against docs/ARCHITECTURE.md's table of modes (written by hand, not read from the code)."""
     online = {Mode.FULL_TEXT, Mode.FULL_IMAGE}
     routed = {Mode.QVPIC, Mode.QVPIC_PLAIN, Mode.QVPIC_DUMMY, Mode.FULL_IMAGE}
     text = {Mode.FULL_TEXT, Mode.TEXT_PIC, Mode.TEXT_PIC_PLAIN}

@@ -1,7 +1,7 @@
 """Which threads run torch's parallel kernels (pipeline/runtime/threads.py): the generator loads its model on a
 thread that ends, a Serve replica's event-loop thread runs its kernels on one thread, and the engine's thread keeps
 the configured count. Thread counts and thread identities are asserted here; what they are worth in milliseconds
-is docs/BENCHMARKS.md's (`python -m benchmarks.threads`), since timed assertions do not belong in tests."""
+is docs/BENCHMARKS.md's (`python -m benchmarks.perf.threads`), since timed assertions do not belong in tests."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Conversations side by side with vLLM (issue 35): the same 4-turn conversations over the same pages, through
 both engines' OpenAI servers, prefix caching on in both. Needs the peer venv (`make peer-vllm`); not in CI.
 
-    python -m benchmarks.conversation            # 4 conversations of 4 turns, 8 chunks retrieved per turn
-    python -m benchmarks.conversation --quick    # 2 conversations
+    python -m benchmarks.peer.conversation            # 4 conversations of 4 turns, 8 chunks retrieved per turn
+    python -m benchmarks.peer.conversation --quick    # 2 conversations
 
 Each turn's question is built from one chunk's words, so retrieval finds new chunks for it. qvpic gets the
 conversation as a chat request (`qvpic.top_k` 8, every chunk at the lowest tier, `history_chunks`: each earlier
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.conversation_report import (
+from benchmarks.peer import servers
+from benchmarks.peer.conversation_report import (
     ALONE,
     CHUNKS_PER_TURN,
     DECODE_TOKENS,
@@ -47,7 +48,6 @@ from benchmarks.conversation_report import (
     interleaved_report,
     report,
 )
-from benchmarks.peer import servers
 from benchmarks.peer.speed import build_corpus
 from benchmarks.peer.vllm_side import messages as vllm_user_message
 from jobs.help import HelpFormatter
@@ -183,8 +183,8 @@ def interleaved(pair: Pair, plans: list[list[str]]) -> dict:
 def qvpic_alone(url: str, plans: list[list[str]]) -> list[dict]:
     """(b)'s kind of turns with qvpic alone on the machine, before vLLM's server starts: one record per request
     (its conversation, turn, HTTP ms, phases and the chunks placed), the first conversation a warm-up. On a small VM
-    a second engine's resident process, even stopped, slowed qvpic's later turns 2-10x (docs/BENCHMARKS.md): this is
-    the control for that, and `vllm_alone` sends vLLM the same turns when qvpic's server is gone."""
+    a second engine's resident process, even stopped, slowed qvpic's later turns 2-10x (docs/benchmarks/notes.md):
+    this is the control for that, and `vllm_alone` sends vLLM the same turns when qvpic's server is gone."""
     out = []
     with httpx.Client(timeout=900) as client:
         for c, turns in enumerate(plans):
@@ -254,7 +254,7 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.conversation", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peer.conversation", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 conversations instead of 4, and 4 instead of 16 in (c)")
     p.add_argument("--model", default="bench-qwen")
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="both engines' dtype (bfloat16 only where the CPU has native bf16: AMX or avx512_bf16)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
-    command = ("python -m benchmarks.conversation " + " ".join(argv)).strip()
+    command = ("python -m benchmarks.peer.conversation " + " ".join(argv)).strip()
     spec = ModelSpec(path=args.model, dtype=args.dtype, device="cpu")
     resolve_path(spec)
     with tempfile.TemporaryDirectory(prefix="qvpic-conversation-") as folder:

@@ -1,4 +1,4 @@
-"""The tables of `python -m benchmarks.conversation` (issue 35): (a) and (b) side by side, the control with each
+"""The tables of `python -m benchmarks.peer.conversation` (issue 35): (a) and (b) side by side, the control with each
 engine alone, and (c)'s TTFT and throughput. Numbers in, Markdown out: no servers here."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import statistics
 
 import torch
 
-from benchmarks.batching import percentile
-from benchmarks.machine import cpu_flags
+from benchmarks.perf.batching import percentile
+from benchmarks.tools.machine import cpu_flags
 from pipeline.eval import markdown_table
 
 TURNS, CHUNKS_PER_TURN, REPEATS = 4, 8, 5

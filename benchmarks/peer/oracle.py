@@ -1,4 +1,4 @@
-"""vLLM as an outside correctness oracle for qvpic's full prefill (`python -m benchmarks.peer_vllm --oracle`).
+"""vLLM as an outside correctness oracle for qvpic's full prefill (`python -m benchmarks.peer.side_by_side --oracle`).
 
 The same requests go to both engines: qvpic's `full_text` / `full_image` prefill (`VLM.prefill_full`, what the
 engine runs for those modes) and vLLM given chat messages of the same parts in the same order (it applies the
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ttft_store
+from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, oracle
-from pipeline.eval.oracle import transposed_grids  # noqa: F401  (the grid control: benchmarks/peer_vllm.py)
+from pipeline.eval.oracle import transposed_grids  # noqa: F401  (the grid control: benchmarks/peer/side_by_side.py)
 from pipeline.runtime import VLM, Renderer
 from schemas.config import Mode, ModelSpec, RenderSpec
 

@@ -41,7 +41,8 @@ class Echo:
 class FloorIngress:
     def __init__(self, route: DeploymentHandle, generate: DeploymentHandle, by_reference: bool):
         # Serve's default, as qvpic's ingress calls its router and generator, is True: Ray actor calls whose results
-        # go through the object store; False: by value over the replicas' gRPC servers (benchmarks/serve_transport.py)
+        # go through the object store; False: by value over the replicas' gRPC servers (compared in
+        # docs/benchmarks/notes.md; tests/test_serve_floor.py runs both)
         self.route = route.options(_by_reference=by_reference)
         self.generate = generate.options(_by_reference=by_reference)
 

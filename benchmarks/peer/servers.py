@@ -1,6 +1,6 @@
 """The two servers of benchmarks/peer/speed.py, up together, and qvpic's in-process figures.
 
-qvpic: the Serve app on a loopback port (as benchmarks/ttft_http.py starts it: no response cache, the
+qvpic: the Serve app on a loopback port (as benchmarks/perf/ttft_http.py starts it: no response cache, the
 generator given this process's torch threads of CPUs); vLLM: its OpenAI server from the peer venv, with the
 same cores (benchmarks/peer/engine.py). Every round sends each qvpic mode, then each vLLM representation,
 its request, one at a time, so both see the same machine; vLLM's processes are stopped while qvpic is timed
@@ -23,15 +23,16 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from benchmarks.batching import run_level
 from benchmarks.peer import engine, serve_floor
 from benchmarks.peer.vllm_side import messages
-from benchmarks.ttft_http import loopback_port
+from benchmarks.perf.batching import run_level
+from benchmarks.perf.ttft_http import loopback_port
 from pipeline.runtime import in_passing_thread, resolve_path
-from pipeline.runtime.batch import decode_step, prefill_queries
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec
 from schemas.sampling import Sampling
+from serve.engine.qvpic.batch import decode_step, prefill_queries
+from serve.kv import LocalLoader
 
 LINKED_MODES = (Mode.QVPIC, Mode.TEXT_PIC)  # the modes that link cached KV: their TTFT is the one compared
 SERVER_START_S = 900  # vLLM's engine start (weights, warm-up compile) on a loaded 2-core machine
@@ -203,7 +204,8 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
 
     def answer(chunks: list[int], mode: Mode) -> float:
         started = time.perf_counter()
-        generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one, loader=loader)
+        generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one,
+                                    source=LocalLoader(loader))
         return (time.perf_counter() - started) * 1e3
 
     floor = {(load.name, mode.value): in_passing_thread(forward_floor, generator, router, loader,
@@ -220,11 +222,11 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
                                        for chunks in decode_sets])
     sampling = Sampling(max_new_tokens=new_tokens)
     for plan in plans:  # warm: every chunk on the device hot tier, as vLLM's prompts are in its prefix cache
-        in_passing_thread(generator.generate_blocking, plan, one, loader=loader)
+        in_passing_thread(generator.generate_blocking, plan, one, source=LocalLoader(loader))
 
     def decode_at(level: int) -> float:
-        return asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, loader=loader), plans, level, sampling,
-                                     "qvpic")).tokens_per_s
+        return asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, source=LocalLoader(loader)), plans, level,
+                                     sampling, "qvpic")).tokens_per_s
 
     decode = {level: in_passing_thread(decode_at, level) for level in concurrency}
     return {"ttft": ttft, "decode": decode, "floor": floor}
@@ -232,14 +234,14 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
 
 def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> dict:
     """The engine's forwards alone over each request's assembled context (routing, loading and re-anchoring
-    done beforehand and untimed), through the path the served engine takes (pipeline/runtime/batch.py): the
+    done beforehand and untimed), through the path the served engine takes (serve/engine/qvpic/batch.py): the
     query turn's prefill over `[serving prefix][chunks]` (the floor of a linked mode's TTFT in this engine) and
     then a one-token step over the same slab (reading every weight once: the floor of any forward of this
     checkpoint on this machine), ms per request, and the query turn's tokens."""
     vlm, out = generator.vlm, {"query_ms": [], "one_token_ms": [], "query_tokens": []}
     for request in requests:
         plan = asyncio.run(router.plan(request))
-        linked = asyncio.run(generator.contexts.build(plan, None, loader)).prefill  # serve.engine's LinkedContext
+        linked = asyncio.run(generator.contexts.build(plan, LocalLoader(loader))).prefill  # a LinkedContext
         chunks, ids = linked.chunks, linked.query_ids
 
         prefill_timed(vlm, chunks, ids)  # warm: the first forward at a new length pays more

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the peer venv for benchmarks/peer_vllm.py: vLLM's CPU build, apart from the project's venv.
+# Build the peer venv for benchmarks/peer/side_by_side.py: vLLM's CPU build, apart from the project's venv.
 #
 #   benchmarks/peer/setup_vllm.sh          # build $PEER_VENV (default .peer-vllm/) from the lock, then check it
 #   benchmarks/peer/setup_vllm.sh lock     # re-pin requirements-vllm.lock from requirements-vllm.in (uv)

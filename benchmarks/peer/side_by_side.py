@@ -1,8 +1,8 @@
 """Side by side with vLLM (issue 23): the same bench-qwen checkpoint, chunks and questions in the engine users
 would pick instead. Needs the peer venv (`make peer-vllm`); not part of `make test` or CI.
 
-    python -m benchmarks.peer_vllm --oracle     # greedy float32 agreement of full_text/full_image with vLLM
-    python -m benchmarks.peer_vllm --quick      # TTFT and decode side by side, small (≲10 min on 2 cores)
+    python -m benchmarks.peer.side_by_side --oracle     # greedy float32 agreement of full_text/full_image with vLLM
+    python -m benchmarks.peer.side_by_side --quick      # TTFT and decode side by side, small (≲10 min on 2 cores)
 
 One process per engine, never at once: qvpic runs in this process, vLLM in the peer venv's Python
 (benchmarks/peer/vllm_side.py), with the same cores (this process's torch threads; vLLM's
@@ -74,7 +74,7 @@ def run_oracle(spec: ModelSpec, per_mode: int) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peer_vllm", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peer.side_by_side", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--oracle", action="store_true", help="the correctness oracle instead of the timings")
     p.add_argument("--quick", action="store_true", help="fewer rounds and requests")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-mode", type=int, default=25, help="oracle requests per mode (both modes: 50)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
-    command = ("python -m benchmarks.peer_vllm " + " ".join(argv)).strip()
+    command = ("python -m benchmarks.peer.side_by_side " + " ".join(argv)).strip()
     spec = ModelSpec(path=args.model, dtype=args.dtype or DType.FLOAT32, device="cpu")
     resolve_path(spec)  # build the checkpoint once, before either engine starts
     met = True

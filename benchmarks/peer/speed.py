@@ -1,6 +1,7 @@
-"""TTFT and decode, qvpic and vLLM side by side on the same store's chunks and question (benchmarks/peer_vllm.py).
+"""TTFT and decode, qvpic and vLLM side by side on the same store's chunks and question
+(benchmarks/peer/side_by_side.py).
 
-Workloads, each a list of requests naming chunks of one store (built by benchmarks/ttft_store.py):
+Workloads, each a list of requests naming chunks of one store (built by benchmarks/tools/ttft_store.py):
 - `identical`: the same 16 chunks in the same order every time: vLLM's best case (its prefix cache holds all);
 - `reordered`: the same 16 chunks in a new order each time: position independence;
 - `zipf`: 8–16 chunks drawn by Zipf popularity from the pool, in a random order: the realistic RAG case.
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ttft_store
-from benchmarks.batching import percentile
-from benchmarks.machine import cpu_flags
 from benchmarks.peer import engine, serve_floor, servers
+from benchmarks.perf.batching import percentile
+from benchmarks.tools import ttft_store
+from benchmarks.tools.machine import cpu_flags
 from pipeline.eval import markdown_table
 from pipeline.runtime import Renderer, in_passing_thread
 from schemas.config import Mode, ModelSpec, RenderSpec
@@ -227,7 +228,7 @@ def report(spec, quick, rounds, pool, over_http, ours, theirs, vllm_decode, wall
             f"requests is their slowest.\n\n{ttft}\n\nWhere qvpic's HTTP TTFT went, medians in ms as the server "
             f"timed them (`timings` of each reply; prefill: the query-only prefill, the floor of the linked "
             f"modes; the client column adds HTTP, the ingress and Serve's hops):\n\n{breakdown}\n\n"
-            f"The floor, in-process: the engine's forwards alone (pipeline/runtime/batch.py, the path the served "
+            f"The floor, in-process: the engine's forwards alone (serve/engine/qvpic/batch.py, the path the served "
             f"engine takes) over each measured request's assembled context (routing, loading and re-anchoring done "
             f"beforehand and not timed; medians). The query-turn prefill is the least a linked mode's TTFT can "
             f"cost in this engine; the one-token step over the same slab, which reads every weight once, the least "

@@ -1,5 +1,6 @@
-"""The vLLM side of benchmarks/peer_vllm.py: run by the peer venv's Python (.peer-vllm/, `make peer-vllm`), never
-imported by the project's code (vllm is imported inside `main`, so the project's import checks see only this).
+"""The vLLM side of the peer benchmarks (benchmarks/peer/side_by_side.py, conversation.py): run by the peer venv's
+Python (.peer-vllm/, `make peer-vllm`); the project's code imports only its helpers (vllm is imported inside
+`main`, so the project's import checks see only this).
 
     .peer-vllm/bin/python benchmarks/peer/vllm_side.py JOB.json OUT.json
 
@@ -44,7 +45,8 @@ def main(job_path: str, out_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
     extra = {}
-    if job.get("kv_connector_path"):  # benchmarks/connector_spike.py: KV saved to and loaded from this folder
+    if job.get("kv_connector_path"):  # KV saved to and loaded from this folder (the connector spike, retired:
+        # docs/benchmarks/notes.md; kept for the real connector)
         from vllm.config import KVTransferConfig
 
         extra["kv_transfer_config"] = KVTransferConfig(

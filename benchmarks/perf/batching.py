@@ -1,7 +1,7 @@
 """Iteration-level batching vs the serialised engine, side by side in one run (issue 13).
 
-    python -m benchmarks.batching            # bench-qwen bf16, 16 chunks, qvpic, 32 new tokens; 1/4/16 clients
-    python -m benchmarks.batching --quick    # one round per level
+    python -m benchmarks.perf.batching            # bench-qwen bf16, 16 chunks, qvpic, 32 new tokens; 1/4/16 clients
+    python -m benchmarks.perf.batching --quick    # one round per level
 
 The real Router, CacheLoader and Generator run in this process. At each concurrency level C, C clients
 send requests back to back; every request is its own rotation of the store's chunks (its own assembled
@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from benchmarks import ttft_store
+from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
 from schemas.api import AnswerRequest
@@ -40,7 +40,7 @@ from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Detokenizer, Generator
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LocalLoader
 from serve.plan import Plan
 from serve.routing import Router
 
@@ -55,7 +55,7 @@ class SerialisedEngine:
 
     async def stream(self, plan: Plan, sampling: Sampling, loader: CacheLoader) -> AsyncIterator[str]:
         vlm = self.generator.vlm
-        context = await self.generator.contexts.build(plan, None, loader)
+        context = await self.generator.contexts.build(plan, LocalLoader(loader))
 
         def prefill():
             with self.lock:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
-    command = ("python -m benchmarks.batching " + " ".join(argv)).strip()
+    command = ("python -m benchmarks.perf.batching " + " ".join(argv)).strip()
     spec = ModelSpec(path=args.model, dtype=args.dtype, device=str(resolve_device(args.device)))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qvpic-batching-") as workdir:
@@ -165,7 +165,7 @@ def measure(uri: str, spec: ModelSpec, chunk_ids: list[str] | None, query: str |
         return asyncio.run(router.plan(request))
 
     plans = [plan(i) for i in range(most)]
-    engines = {"batched": lambda pl, s: generator.stream(pl, s, loader=loader),
+    engines = {"batched": lambda pl, s: generator.stream(pl, s, source=LocalLoader(loader)),
                "serialised": lambda pl, s: serial.stream(pl, s, loader)}
 
     async def warm_up() -> None:
@@ -194,7 +194,7 @@ def hot_tier_ttft(generator: Generator, loader: CacheLoader, plan: Plan, repeats
             if not resident:
                 generator.contexts.hot.clear()
             started = time.perf_counter()
-            generator.generate_blocking(plan, one, loader=loader)
+            generator.generate_blocking(plan, one, source=LocalLoader(loader))
             into.append((time.perf_counter() - started) * 1e3)
     return statistics.median(hit), statistics.median(miss)
 
@@ -222,7 +222,7 @@ def tables(levels: list[Level], spec: ModelSpec, args, rounds: int, hot: tuple[f
                               "batched / serialised", "same answers"], rows)
             + verdict
             + "\n\nOn a GPU the batch is where the headroom is (a batch-1 decode leaves the device mostly idle): "
-              "`benchmarks/gpu.sh` measures it on Qwen2.5-VL-7B and GLM-4.1V-9B shapes (random weights, bf16) — "
+              "`benchmarks/perf/gpu.sh` measures it on Qwen2.5-VL-7B and GLM-4.1V-9B shapes (random weights, bf16) — "
               "tokens/s at 1 and 16 clients, TTFT per mode, hot-tier hit vs miss. GPU figures: pending (no "
               "device was lent to the session that built this; its CPU fallback runs in CI)."
             + f"\n\nDevice hot tier, one request, one new token: TTFT {hot[0]:.0f} ms with its chunks resident vs "

@@ -5,8 +5,8 @@ The chunks are real text (the descriptions of the installed Python distributions
 the timings; each timed pass compiles and writes every entry of every chunk into a scratch store, as
 ingest's compile stage does.
 
-    python -m benchmarks.compile_batch --device cuda --model bench-qwen --dtype bfloat16   # a GPU
-    python -m benchmarks.compile_batch --quick                                            # CPU smoke
+    python -m benchmarks.perf.compile_batch --device cuda --model bench-qwen --dtype bfloat16   # a GPU
+    python -m benchmarks.perf.compile_batch --quick                                            # CPU smoke
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def texts(model: ModelSpec, num_chunks: int, chunk_tokens: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_batch", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.perf.compile_batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen")
     parser.add_argument("--dtype", type=DType, default=DType.FLOAT32)

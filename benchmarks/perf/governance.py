@@ -1,8 +1,8 @@
 """Overhead of cost governance on TTFT: the same cache-missing requests with governance off and on.
 
-    python -m benchmarks.governance              # tiny-qwen, 8 chunks, 150 rounds (≈30 s on 2 cores)
+    python -m benchmarks.perf.governance              # tiny-qwen, 8 chunks, 150 rounds (≈30 s on 2 cores)
 
-One store (`benchmarks/ttft_store.py`), the real Router / CacheLoader / Generator in this process, and
+One store (`benchmarks/tools/ttft_store.py`), the real Router / CacheLoader / Generator in this process, and
 the FastAPI app over them through httpx's ASGI transport: TTFT = client wall time of a one-token
 `/v1/answer` (its token is picked from the prefill logits, so no decode step runs). Configurations:
   - off: no response cache, no limits, no log, no auth (metrics are always recorded: they are in all);
@@ -28,15 +28,16 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import ttft_store
+from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from schemas.config import ModelSpec, RenderSpec
 from serve.app import api_spec
 from serve.config import AppConfig, GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
 from serve.governance import Governor, key_digest
-from serve.http import InProcessBackend, make_api
+from serve.http import make_api
 from serve.kv import CacheLoader
+from serve.local import InProcessBackend
 from serve.routing import Router
 
 API_KEY = "bench-key"
@@ -94,7 +95,7 @@ def measure(apps: dict[str, object], chunk_ids: list[str], query: str,
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.governance", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perf.governance", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--chunk-tokens", type=int, default=128)
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.no_write:
         write_section("governance", "Cost governance: overhead on TTFT (issue 6)",
-                      ("python -m benchmarks.governance " + " ".join(argv)).strip(), body)
+                      ("python -m benchmarks.perf.governance " + " ".join(argv)).strip(), body)
     return 0
 
 

@@ -1,13 +1,13 @@
-"""Paper-scale speed on one GPU: real-size VLMs with random weights, bf16 (run by benchmarks/gpu.sh).
+"""Paper-scale speed on one GPU: real-size VLMs with random weights, bf16 (run by benchmarks/perf/gpu.sh).
 
-    python -m benchmarks.gpu --device cuda --out gpu.md     # Qwen2.5-VL-7B and GLM-4.1V-9B shapes (< 10 min)
-    python -m benchmarks.gpu --device cpu --fallback        # the same path on the tiny models (CI)
+    python -m benchmarks.perf.gpu --device cuda --out gpu.md     # Qwen2.5-VL-7B and GLM-4.1V-9B shapes (< 10 min)
+    python -m benchmarks.perf.gpu --device cpu --fallback        # the same path on the tiny models (CI)
 
-For each model: a 16-chunk store compiled by the real ingest stages (benchmarks/ttft_store.py) with the
+For each model: a 16-chunk store compiled by the real ingest stages (benchmarks/tools/ttft_store.py) with the
 model itself, then, in this process:
 - TTFT per mode at 16 chunks — qvpic vs full_image vs text_pic (the paper's comparison): route + load +
   generate one token, modes interleaved per round, medians;
-- tokens/s at 1 and 16 concurrent clients, the batched engine vs the serialised one (benchmarks/batching.py);
+- tokens/s at 1 and 16 concurrent clients, the batched engine vs the serialised one (benchmarks/perf/batching.py);
 - TTFT with the chunks resident in the device hot tier vs fetched from the loader's host LRU.
 """
 
@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import batching, real_size, ttft_store
+from benchmarks.perf import batching
+from benchmarks.tools import real_size, ttft_store
 from pipeline.eval import markdown_table
 from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LocalLoader
 from serve.routing import Router
 
 MODES = (Mode.QVPIC, Mode.FULL_IMAGE, Mode.TEXT_PIC)
@@ -50,7 +51,7 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
     def ttft(mode: Mode) -> float:
         begun = time.perf_counter()
         request = AnswerRequest(query=store.query, chunk_ids=ids, mode=mode, max_new_tokens=1)
-        generator.generate_blocking(asyncio.run(router.plan(request)), one, loader=loader)
+        generator.generate_blocking(asyncio.run(router.plan(request)), one, source=LocalLoader(loader))
         return (time.perf_counter() - begun) * 1e3
 
     runs: dict[Mode, list[float]] = {m: [] for m in MODES}
@@ -66,7 +67,7 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
     plans = [asyncio.run(router.plan(AnswerRequest(query=f"{store.query} ({i})", chunk_ids=ids[i % len(ids):]
                                                    + ids[:i % len(ids)], max_new_tokens=args.new_tokens)))
              for i in range(max(args.concurrency))]
-    engines = {"batched": lambda p, s: generator.stream(p, s, loader=loader),
+    engines = {"batched": lambda p, s: generator.stream(p, s, source=LocalLoader(loader)),
                "serialised": lambda p, s: serial.stream(p, s, loader)}
     levels = {}
     for concurrency in args.concurrency:
@@ -86,7 +87,7 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
                      "yes" if batching.same_answers(b, s) else "no"])
     batch_table = markdown_table(["clients", "serialised tokens/s", "batched tokens/s", "batched / serialised",
                                   "batched TTFT p50 ms", "same answers"], rows)
-    context_tokens = generator.generate_blocking(plans[0], one, loader=loader).report.usage.context_tokens
+    context_tokens = generator.generate_blocking(plans[0], one, source=LocalLoader(loader)).report.usage.context_tokens
     return (f"### {name} ({spec.dtype.value}, {spec.device})\n\n"
             f"Store of {args.chunks} chunks built in {built_s:.0f} s; "
             f"qvpic context {context_tokens} tokens.\n\nTTFT per mode at {args.chunks} chunks (medians of "
@@ -96,7 +97,7 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perf.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--fallback", action="store_true", help="tiny models in float32, small sizes (no GPU)")
     p.add_argument("--out", default="gpu.md")
@@ -107,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
 
     def write() -> None:  # after every model: a run cut short by its time limit keeps what it measured
-        header = (f"# GPU benchmark\n\nCommand: `python -m benchmarks.gpu {' '.join(argv)}`  \nDevice: "
-                  f"{device_name}; random weights of the public architectures (benchmarks/real_size.py); wall time "
+        header = (f"# GPU benchmark\n\nCommand: `python -m benchmarks.perf.gpu {' '.join(argv)}`  \nDevice: "
+                  f"{device_name}; random weights of the public architectures (benchmarks/tools/real_size.py); "
+                  "wall time "
                   f"{time.perf_counter() - started:.0f} s.\n\n")
         Path(args.out).write_text(header + "\n".join(sections))
 

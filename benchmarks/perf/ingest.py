@@ -20,7 +20,7 @@ from schemas.store import StoreSpec
 
 SCALING_NOTE = (" A second actor cannot speed this up here: both compete for the same two cores that one actor's "
                 "torch already uses; on a cluster each actor holds its own GPU.")
-SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "jobs" / "data" / "sample_corpus.jsonl"
+SAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "jobs" / "data" / "sample_corpus.jsonl"
 
 
 def run_once(model: str, workers: int, corpus: Path) -> tuple[float, dict, int]:
@@ -35,7 +35,7 @@ def run_once(model: str, workers: int, corpus: Path) -> tuple[float, dict, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.ingest", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.perf.ingest", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["tiny-qwen", "bench-qwen"])
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--repeats", type=int, default=1)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.no_write:
         write_section("ingest", "Ingestion: compile throughput and KV bytes per chunk (issue 4)",
-                      "python -m benchmarks.ingest " + " ".join(argv or []), body)
+                      "python -m benchmarks.perf.ingest " + " ".join(argv or []), body)
     print(body)
     return 0
 

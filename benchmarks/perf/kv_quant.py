@@ -1,7 +1,7 @@
 """Quantised KV in the store: bytes, load time, TTFT and fidelity of int8 / fp8 entries vs unquantised.
 
-    python -m benchmarks.kv_quant --quick                                  # tiny-qwen and tiny-glm (section kv_quant)
-    python -m benchmarks.kv_quant --models bench-qwen bench-glm            # bench-size models (section kv_quant_bench)
+    python -m benchmarks.perf.kv_quant --quick                        # tiny-qwen and tiny-glm (section kv_quant)
+    python -m benchmarks.perf.kv_quant --models bench-qwen bench-glm  # bench-size models (section kv_quant_bench)
 
 Without --quick or --models it runs all four (one section, kv_quant_bench); on 2 busy cores the bench-size
 models take minutes per request count — size them with --requests / --repeats.
@@ -34,7 +34,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.ttft_store import chunk_texts
+from benchmarks.tools.ttft_store import chunk_texts
 from jobs.help import HelpFormatter
 from pipeline.eval import compare, markdown_table, trace_full, trace_linked, write_section
 from pipeline.runtime import VLM, ChunkKV, Renderer
@@ -150,7 +150,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_quant", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perf.kv_quant", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny models only, fewer requests")
     p.add_argument("--models", nargs="+", default=None)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     body = table(results)
     print(body)
     if not args.no_write:
-        command = " ".join(["python -m benchmarks.kv_quant", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python -m benchmarks.perf.kv_quant", *(sys.argv[1:] if argv is None else argv)])
         bench = any(not m.startswith("tiny-") for m in args.models)  # bench-size models get a section of their own
         note = (f"{args.requests} requests of {args.chunks_per_request} chunks per tier ({args.repeats} timed passes "
                 f"each), ≤{args.chunk_tokens}-token "

@@ -10,7 +10,7 @@ catalogue: a promotion compiles exactly when its chunk was never promoted before
 tests/test_lazy_tier.py), so the share of promotions that compile per window of requests is exact
 arithmetic on the request stream.
 
-    python -m benchmarks.lazy_tier --quick
+    python -m benchmarks.perf.lazy_tier --quick
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.ttft_store import chunk_texts
+from benchmarks.tools.ttft_store import chunk_texts
 from pipeline.eval import write_section
 from pipeline.ingest import IngestConfig, open_store
 from pipeline.ingest.stages import compile_in_process
@@ -37,10 +37,10 @@ from schemas.sampling import Sampling
 from schemas.store import StoreSpec
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LocalLoader
 from serve.routing import Router
 
-COMMAND = "python -m benchmarks.lazy_tier --quick"
+COMMAND = "python -m benchmarks.perf.lazy_tier --quick"
 ROUNDS = 3  # ingest rounds per store kind
 
 
@@ -78,8 +78,8 @@ class Side:
         request = AnswerRequest(query=query, chunk_ids=[chunk_id], mode=Mode.UNIFORM, tier="high", max_new_tokens=1)
         started = time.perf_counter()
         plan = asyncio.run(self.router.plan(request))
-        answer = self.generator.generate_blocking(plan, Sampling(max_new_tokens=1),
-                                                  loader=self.fresh_loader() if fresh_loader else self.loader)
+        loader = self.fresh_loader() if fresh_loader else self.loader
+        answer = self.generator.generate_blocking(plan, Sampling(max_new_tokens=1), source=LocalLoader(loader))
         assert answer.report.chunks[0].tier == "high", f"{chunk_id} was served at {answer.report.chunks[0].tier}"
         return (time.perf_counter() - started) * 1e3
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                  "later promotion is a hit. The router prices a pending entry from the low tier's pages scaled to "
                  "the high DPI; the served entry's own counts replace the estimate.")
     write_section("lazy_tier", "Lazy high tier: ingest saved vs first-promotion TTFT, convergence to all-hot",
-                  COMMAND if args.quick else "python -m benchmarks.lazy_tier", "\n".join(lines))
+                  COMMAND if args.quick else "python -m benchmarks.perf.lazy_tier", "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -1,9 +1,9 @@
 """The machine's limits and the engine's forwards against them, in one run (issue 39).
 
-    python -m benchmarks.limits            # bench-qwen and the Qwen2.5-VL-7B shape at 2 layers
-    python -m benchmarks.limits --quick    # bench-qwen only, fewer repeats
-    python -m benchmarks.limits --reanchoring-only   # section 5 alone, printed
-    python -m benchmarks.limits --device cuda --out limits_gpu.md   # on a GPU (benchmarks/gpu.sh runs it)
+    python -m benchmarks.perf.limits            # bench-qwen and the Qwen2.5-VL-7B shape at 2 layers
+    python -m benchmarks.perf.limits --quick    # bench-qwen only, fewer repeats
+    python -m benchmarks.perf.limits --reanchoring-only   # section 5 alone, printed
+    python -m benchmarks.perf.limits --device cuda --out limits_gpu.md   # on a GPU (benchmarks/perf/gpu.sh runs it)
 
 1. Memory bandwidth: a STREAM-like copy and a read (sum) of a 1 GiB float32 array, far larger than the caches.
 2. Matrix products at bench-qwen's decoder shapes, 1–64 rows: aten's fp32, oneDNN's prepacked fp32 and bf16
@@ -11,7 +11,7 @@
 3. Bounds: a one-token forward reads every decoder and output weight once (bytes / read bandwidth); an n-token
    forward is the larger of that and its FLOPs (the products', and the attention's over the columns each new
    token sees) at the best product rate measured at the fewest rows not below n.
-4. The forwards the engine runs (`pipeline/runtime/batch.py` `forward` over a slab with a 600-token context):
+4. The forwards the engine runs (`serve/engine/qvpic/batch.py` `forward` over a slab with a 600-token context):
    transformers' forward, the fused forward in fp32 (its small operations as torch ops, and as the native calls
    it serves with: pipeline/runtime/decoder_ops.py), its attention as two products at any length (the control for
    SDPA on long turns: fused.py `SDPA_MIN_NEW`) and with bf16 products — one token, a 21-token query turn, a
@@ -33,18 +33,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import machine_line
+from benchmarks.tools.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import VLM
 from pipeline.runtime import fused as fused_module
-from pipeline.runtime.batch import Slab, forward
 from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.fused import FusedDecoder, Projection, language_model
 from pipeline.runtime.kv import ChunkKV, assemble
 from pipeline.runtime.real_shapes import ensure_real_shape
 from pipeline.runtime.reanchor import NativeRotation, native_kernel, torch_ops_only
 from schemas.config import ChunkKind, DType, ForwardSpec, ModelSpec
+from serve.engine.qvpic.batch import Slab, forward
 
 GIB = 1 << 30
 CONTEXT_TOKENS = 600  # ~8 linked chunks before the query
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         print(body, flush=True)
         sections.append(body)
     if not args.no_write:
-        command = "python -m benchmarks.limits" + (" --quick" if args.quick else "") + (
+        command = "python -m benchmarks.perf.limits" + (" --quick" if args.quick else "") + (
             " --compiled" if args.compiled else "") + (
             f" --device {args.device}" if args.device != "cpu" else "")
         intro = (f"Machine: {machine_line()}. Memory bandwidth (1 GiB float32): copy {bw['copy']:.1f} GB/s, read "
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                  "bytes / read bandwidth; n tokens = the larger "
                  "of that and their FLOPs (2 per weight per token, and the attention's over the columns each token "
                  "sees) at the best product rate measured at the fewest rows not below n. Forwards: "
-                 f"`pipeline/runtime/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context "
+                 f"`serve/engine/qvpic/batch.py` `forward` over a slab holding a {CONTEXT_TOKENS}-token context "
                  f"(the follow-up turn {FOLLOW_UP_CONTEXT:,}, the long turn {LONG_TURN_CONTEXT}), "
                  f"medians of {repeats} interleaved runs. \"fused bf16\": the fp32 checkpoint with bf16 products "
                  "(`engine.forward.matmul_dtype`); \"bf16 model\": the checkpoint loaded in bf16 (weights, "

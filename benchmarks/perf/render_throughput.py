@@ -1,6 +1,6 @@
 """Renderer throughput: pages per second per tier, one process, one core.
 
-    python -m benchmarks.render_throughput
+    python -m benchmarks.perf.render_throughput
 
 Renders multi-page Latin and CJK chunks at 72/96/120 DPI (Glyph layout defaults) and reports the
 median (and best) over repeats of pages/s for rendering alone and for rendering plus PNG encoding.
@@ -12,7 +12,7 @@ import io
 import statistics
 import time
 
-from benchmarks.legibility import reference_text
+from benchmarks.quality.legibility import reference_text
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import Renderer
 from schemas.config import RenderSpec, TierSpec
@@ -75,7 +75,8 @@ def run() -> str:
 
 
 def main() -> None:
-    path = write_section("render_throughput", "Renderer throughput", "python -m benchmarks.render_throughput", run())
+    path = write_section("render_throughput", "Renderer throughput", "python -m benchmarks.perf.render_throughput",
+                         run())
     print(f"wrote {path}")
 
 

@@ -1,14 +1,14 @@
 """Routing a new query (issue 39 item 3): where `Router.plan`'s milliseconds go, query embedding included, with
 the embedder on sentence-transformers' `encode` (before) and on ONNX Runtime (after), interleaved query by query
 in one process; a conversation's follow-ups, as served and as routed before this round's change
-(benchmarks/routing_follow_ups.py); then the vector search alone at 10^6 rows.
+(benchmarks/perf/routing_follow_ups.py); then the vector search alone at 10^6 rows.
 
-    python -m benchmarks.routing                          # builds the conversation benchmark's store (bench-qwen)
-    python -m benchmarks.routing --store /tmp/bench-store # reuses a store built there by an earlier run
-    python -m benchmarks.routing --million-rows 0         # without the 10^6-row search
+    python -m benchmarks.perf.routing                          # builds the conversation benchmark's store (bench-qwen)
+    python -m benchmarks.perf.routing --store /tmp/bench-store # reuses a store built there by an earlier run
+    python -m benchmarks.perf.routing --million-rows 0         # without the 10^6-row search
 
-The store is `benchmarks.conversation`'s: the same chunks (its pool of 168, 192 tokens each) compiled by the
-same in-process ingest (benchmarks/ttft_store.py). Every query is new (the router's query-vector memory and its
+The store is `benchmarks.peer.conversation`'s: the same chunks (its pool of 168, 192 tokens each) compiled by the
+same in-process ingest (benchmarks/tools/ttft_store.py). Every query is new (the router's query-vector memory and its
 kept entries are off),
 one chat turn retrieving 8 chunks in qvpic mode, as that benchmark's turn 1 asks. The 10^6-row part builds a flat
 int8 index over random unit rows (what the store builds for them: no IVF reaches its recall target there,
@@ -31,23 +31,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.machine import machine_line
-from benchmarks.routing_follow_ups import HEADER as FOLLOW_UP_HEADER
-from benchmarks.routing_follow_ups import describe, measure_follow_ups
+from benchmarks.perf.routing_follow_ups import HEADER as FOLLOW_UP_HEADER
+from benchmarks.perf.routing_follow_ups import describe, measure_follow_ups
+from benchmarks.tools.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 
-POOL = (4 + 16 + 1) * 4 * 2  # benchmarks.conversation's store: (conversations + interleaved + warm-up) x turns x 2
+POOL = (4 + 16 + 1) * 4 * 2  # benchmarks.peer.conversation's store: (conversations + interleaved + warm-up) x turns x 2
 CHUNK_TOKENS = 192  # benchmarks/peer/speed.py's
 TOP_K, WARM_UP = 8, 10
-FOLLOW_UPS = 20  # conversations of 4 turns in the follow-up part (benchmarks/routing_follow_ups.py)
+FOLLOW_UPS = 20  # conversations of 4 turns in the follow-up part (benchmarks/perf/routing_follow_ups.py)
 TARGET_MS = {"store": 10.0, "million": 25.0}  # issue 39 item 3: p50 of a new query's route
 PARTS = ("embed", "tokenize", "model", "route", "layout", "search", "rows", "place")
 
 
 def build_store(path: Path, model: str) -> str:
     """The conversation benchmark's store at `path`, built once (a marker file says it is complete)."""
-    from benchmarks import ttft_store
+    from benchmarks.tools import ttft_store
     from schemas.config import DType, ModelSpec, RenderSpec
 
     complete = path.parent / f"{path.name}.complete"  # beside the store, not in it
@@ -125,7 +125,7 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
         clock = Clock()
         instrument(clock, router, list(embedders.values()))
 
-        def question(i: int) -> str:  # benchmarks.conversation's, from a chunk's words: it retrieves that chunk
+        def question(i: int) -> str:  # benchmarks.peer.conversation's, from a chunk's words: it retrieves that chunk
             words = texts[i % len(texts)].split()
             return "What does the passage say about " + " ".join(words[3 + i // len(texts):13 + i // len(texts)]) + "?"
 
@@ -248,7 +248,7 @@ def verdict(store_rows: list[list], million: list[list]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perf.routing", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--store", type=Path, help="where the store is built, or was built by an earlier run "
                    "(default: a temporary directory)")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--million-rows", type=int, default=1_000_000, help="rows of the search-only part (0: skip)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
-    command = ("python -m benchmarks.routing " + " ".join(argv)).strip()
+    command = ("python -m benchmarks.perf.routing " + " ".join(argv)).strip()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="qvpic-routing-store-") as folder:
         uri = build_store(args.store or Path(folder) / "store", args.model)

@@ -1,4 +1,4 @@
-"""A conversation's follow-ups through `Router.route` (benchmarks/routing.py's second part): each turn places
+"""A conversation's follow-ups through `Router.route` (benchmarks/perf/routing.py's second part): each turn places
 every earlier question's chunks again (`history_chunks`) and frames the whole conversation, so the route grows
 with the turns. Two configurations, interleaved conversation by conversation in one process, on one thread (a
 router replica's): as served — the tokenizer's backend copied per setting (pipeline/runtime/text_encoder.py) and

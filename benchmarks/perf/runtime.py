@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} torch threads. Target: assembly + re-anchoring ≤ 10% of the query prefill.\n\n"
         + markdown_table(headers, rows)
     )
-    command = "python -m benchmarks.runtime " + " ".join(argv or [])
+    command = "python -m benchmarks.perf.runtime " + " ".join(argv or [])
     if not args.no_write:
         write_section("runtime", "Runtime: full prefill vs query-only prefill (issue 2)", command.strip(), body)
     print(body)

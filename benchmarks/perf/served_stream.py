@@ -3,8 +3,8 @@ each process's CPU time per token (the generator, the ingress, Serve's proxy, th
 serving stack's own work per token shares the cores with the forward, so this is the figure beside `limits`'
 one-token forward. Not in CI (it starts Ray and Serve).
 
-    python -m benchmarks.served_stream                     # bench-qwen float32, 3 answers of 200 tokens
-    python -m benchmarks.served_stream --dtype bfloat16 --no-write
+    python -m benchmarks.perf.served_stream                     # bench-qwen float32, 3 answers of 200 tokens
+    python -m benchmarks.perf.served_stream --dtype bfloat16 --no-write
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.conversation import streamed
-from benchmarks.machine import machine_line
+from benchmarks.peer.conversation import streamed
 from benchmarks.peer.servers import qvpic_server
 from benchmarks.peer.speed import build_corpus
+from benchmarks.tools.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 from schemas.config import DType, ModelSpec
@@ -75,7 +75,7 @@ def run(spec: ModelSpec, tokens: int, workdir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.served_stream", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perf.served_stream", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default="bench-qwen")
     p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         body = run(spec, args.tokens, Path(workdir))
     print(body)
     if not args.no_write:
-        command = "python -m benchmarks.served_stream" + (f" --dtype {args.dtype.value}" if args.dtype != DType.FLOAT32
-                                                          else "")
+        command = "python -m benchmarks.perf.served_stream" + (
+            f" --dtype {args.dtype.value}" if args.dtype != DType.FLOAT32 else "")
         print(write_section("served-stream", "One answer streamed: ms per token and the CPU each process spent",
                             command, body))
     return 0

@@ -1,15 +1,15 @@
 """The price of structured outputs and log-probabilities per token, side by side in one run (issue 36).
 
-    python -m benchmarks.structured            # bench-qwen bf16, 4 chunks, 48 new tokens; 1 and 16 clients
-    python -m benchmarks.structured --quick    # one request per client
+    python -m benchmarks.perf.structured            # bench-qwen bf16, 4 chunks, 48 new tokens; 1 and 16 clients
+    python -m benchmarks.perf.structured --quick    # one request per client
 
-The real Router, CacheLoader and Generator run in this process (as benchmarks/batching.py). At each concurrency
+The real Router, CacheLoader and Generator run in this process (as benchmarks/perf/batching.py). At each concurrency
 level C, C clients send requests back to back, each its own chunk order and question, under four decodings
 interleaved (the order rotates per round, so drift hits all alike):
 
 - plain: greedy;
 - json_schema: greedy, constrained to a JSON schema by llguidance (the token mask computed and applied per row
-  per step, serve/engine/choice.py);
+  per step, serve/engine/qvpic/sampler.py);
 - tool call: greedy, constrained to a forced call of one function (schemas/tools.py `call_grammar`);
 - logprobs: greedy with `top_logprobs=5` (a log-softmax and a top-k per row per step).
 
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from benchmarks import ttft_store
+from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
 from schemas.api import AnswerRequest
@@ -39,7 +39,7 @@ from schemas.sampling import Sampling
 from schemas.tools import FunctionDef, call_grammar, json_grammar
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
 from serve.engine import Generator
-from serve.kv import CacheLoader
+from serve.kv import CacheLoader, LocalLoader
 from serve.routing import Router
 
 TARGET_AT_16 = 1.15  # json_schema's decode time per token ≤ 1.15× plain's at 16 clients (issue 36)
@@ -67,7 +67,7 @@ async def run_level(generator: Generator, loader: CacheLoader, plans: list, conc
         nonlocal tokens
         for index in mine:
             first, count = None, 0
-            async for event in generator.stream(plans[index], sampling, loader=loader):
+            async for event in generator.stream(plans[index], sampling, source=LocalLoader(loader)):
                 if isinstance(event, str):
                     first = time.perf_counter() if first is None else first
                     continue
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not update docs/BENCHMARKS.md")
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
-    command = ("python -m benchmarks.structured " + " ".join(argv)).strip()
+    command = ("python -m benchmarks.perf.structured " + " ".join(argv)).strip()
     spec = ModelSpec(path=args.model, dtype=args.dtype, device=str(resolve_device(args.device)))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qvpic-structured-") as workdir:

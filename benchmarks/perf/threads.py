@@ -7,8 +7,8 @@ thread's life, so one process cannot show two arrangements):
               the replica's event-loop thread, the engine on its own thread)
     passing   on another thread, the model loaded on a thread that has ended (the generator now)
 
-    python -m benchmarks.threads             # fp32 and bf16 (where native), 3 rounds, shuffled
-    python -m benchmarks.threads --quick     # 1 round
+    python -m benchmarks.perf.threads             # fp32 and bf16 (where native), 3 rounds, shuffled
+    python -m benchmarks.perf.threads --quick     # 1 round
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.machine import machine_line
+from benchmarks.tools.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 
@@ -33,10 +33,10 @@ CONTEXT, STEPS, WARM_UP = 600, 60, 10
 
 def measure(arrangement: str, dtype: str, model: str) -> float:
     """Median ms of one-token forwards in `arrangement` (run in this process, which must be fresh)."""
-    from benchmarks.limits import context_slab
+    from benchmarks.perf.limits import context_slab
     from pipeline.runtime import VLM, in_passing_thread
-    from pipeline.runtime.batch import decode_step
     from schemas.config import DType, ForwardSpec, ModelSpec
+    from serve.engine.qvpic.batch import decode_step
 
     def load():
         vlm = VLM(ModelSpec(path=model, dtype=DType(dtype), device="cpu"))
@@ -73,7 +73,7 @@ def run(model: str, rounds: int) -> dict[tuple[str, str], list[float]]:
     for r in range(rounds):
         random.Random(r).shuffle(cells)
         for arrangement, dtype in cells:
-            done = subprocess.run([sys.executable, "-m", "benchmarks.threads", "--one", arrangement, dtype,
+            done = subprocess.run([sys.executable, "-m", "benchmarks.perf.threads", "--one", arrangement, dtype,
                                    "--model", model], capture_output=True, text=True, check=True)
             out[(arrangement, dtype)].append(json.loads(done.stdout.strip().splitlines()[-1])["ms"])
             print(f"round {r + 1}: {arrangement:8s} {dtype:9s} {out[(arrangement, dtype)][-1]:.2f} ms", flush=True)
@@ -93,7 +93,7 @@ def report(out: dict[tuple[str, str], list[float]], model: str, rounds: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perf.threads", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 round instead of 3")
     p.add_argument("--model", default="bench-qwen")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     body = report(run(args.model, rounds), args.model, rounds)
     print(body)
     if not args.no_write:
-        command = "python -m benchmarks.threads" + (" --quick" if args.quick else "")
+        command = "python -m benchmarks.perf.threads" + (" --quick" if args.quick else "")
         print(write_section("threads", "Which thread runs the forward: one OpenMP pool per process", command, body))
     return 0
 

@@ -1,17 +1,17 @@
 """TTFT of every serving mode side by side, with its breakdown and the HTTP share.
 
-    python -m benchmarks.ttft            # full grid, writes docs/BENCHMARKS.md section `ttft` (≈10 min, 2 cores)
-    python -m benchmarks.ttft --quick    # tiny + bench model, 4 and 16 chunks (19 min on 2 AVX2 cores: bf16)
+    python -m benchmarks.perf.ttft            # full grid, writes docs/BENCHMARKS.md section `ttft` (≈10 min, 2 cores)
+    python -m benchmarks.perf.ttft --quick    # tiny + bench model, 4 and 16 chunks (19 min on 2 AVX2 cores: bf16)
 
 For each (model, dtype) a store of synthetic chunks is compiled by the real ingest stages
-(`benchmarks/ttft_store.py`), then the real Router / CacheLoader / Generator serve every mode in this
+(`benchmarks/tools/ttft_store.py`), then the real Router / CacheLoader / Generator serve every mode in this
 process: TTFT = wall time of route + load + generate with one new token (its first token is picked
 from the prefill logits, so no decode step runs; reading it waits for any GPU work). Every mode is
 measured cold (the generator's device hot tier and the loader's host cache emptied first: its KV is read
 from the store) and warm (the same request again at once), as `qvpic eval` does (pipeline/eval/runner.py).
 Modes run in an order shuffled per round (seeded, `--seed`) so neither machine drift nor a neighbour's
 loads favour one; figures are medians of `--repeats` rounds after warm-up rounds. The breakdown comes
-from the roles' own timers. Finally the online path is measured once over HTTP (`benchmarks/ttft_http.py`).
+from the roles' own timers. Finally the online path is measured once over HTTP (`benchmarks/perf/ttft_http.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from itertools import product
 
 import torch
 
-from benchmarks import ttft_http, ttft_store
+from benchmarks.perf import ttft_http
+from benchmarks.tools import ttft_store
 from jobs.eval_serving import InProcessAnswerer
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = str(resolve_device(args.device))
     started = time.perf_counter()
-    command = ("python -m benchmarks.ttft " + " ".join(argv)).strip()
+    command = ("python -m benchmarks.perf.ttft " + " ".join(argv)).strip()
     cells, kv, http_target, rng = [], [], None, random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="qvpic-ttft-") as workdir:
         for setup in setups:

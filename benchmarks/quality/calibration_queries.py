@@ -2,13 +2,13 @@
 
 An IVF's `nprobe` is calibrated on synthetic queries (pipeline/store/catalog/ann_calibration.py); the choice is only
 as good as their recall curve is close to real queries'. On a realistic store (MiniLM embeddings of
-real sentences synthesised to N rows, benchmarks/realistic_vectors.py), this measures recall@8 against
+real sentences synthesised to N rows, benchmarks/tools/realistic_vectors.py), this measures recall@8 against
 exact search at several `nprobe` for: held-out real sentences (the stand-in for real questions),
 stored rows held out of their own answers, and stored rows moved to cosine c in a random direction
 for several c. The production index is used (int8 codes, float16 rerank of 64 candidates).
 
-    python -m benchmarks.calibration_queries            # 300k rows
-    python -m benchmarks.calibration_queries --quick    # 50k rows
+    python -m benchmarks.quality.calibration_queries            # 300k rows
+    python -m benchmarks.quality.calibration_queries --quick    # 50k rows
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ K, CANDIDATES, NUM_QUERIES = 8, 64, 256
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.calibration_queries", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality.calibration_queries", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=300_000)
     parser.add_argument("--quick", action="store_true", help="50k rows")
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import faiss
 
-    from benchmarks.realistic_vectors import Synthesizer, embedded
+    from benchmarks.tools.realistic_vectors import Synthesizer, embedded
     from pipeline.store.catalog import EmbeddingRows, calibration_queries, code_scale, exact_top_k, recall_at_k
     from pipeline.store.catalog.vector_index import _ivf
     from schemas.generation import SearchSpec
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.no_write:
         write_section("calibration-queries", "IVF calibration queries against real ones",
-                      "python -m benchmarks.calibration_queries" + (" --quick" if args.quick else ""), body)
+                      "python -m benchmarks.quality.calibration_queries" + (" --quick" if args.quick else ""), body)
     return 0
 
 

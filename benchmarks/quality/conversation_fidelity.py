@@ -1,13 +1,13 @@
 """Fidelity of linked chunks inside conversations (issue 35): KL and top-1 agreement against a full prefill of
 the *same* conversation, per layout, beside the single-turn layout the rest of BENCHMARKS.md measures.
 
-    python -m benchmarks.conversation_fidelity           # bench-qwen, the fixture tasks + 6 synthetic requests
-    python -m benchmarks.conversation_fidelity --quick   # tiny-qwen, fewer requests
+    python -m benchmarks.quality.conversation_fidelity           # bench-qwen, the fixture tasks + 6 synthetic requests
+    python -m benchmarks.quality.conversation_fidelity --quick   # tiny-qwen, fewer requests
 
 For every request its context is chunked, rendered at the lowest tier and compiled (the template variant:
 qvpic's); the linked prompt is built as the serving path builds it — the conversation rendered by the
 checkpoint's chat template (serve/routing/prompt.py), its texts expanded by the processor, the chunks linked
-at the start of the last user message (pipeline/runtime/linked_prompt.py `resume`, `assemble_row`) — and the
+at the start of the last user message (serve/engine/qvpic/linked_prompt.py `resume`, `assemble_row`) — and the
 reference is one full prefill of the same rendered conversation with the pages in the same place
 (`VLM.online_segment`). Both teacher-force the item's gold answer. Layouts:
 
@@ -28,15 +28,17 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.fidelity import items_for
+from benchmarks.quality.fidelity import items_for
 from jobs.help import HelpFormatter
 from pipeline.eval import answer_token_ids, markdown_table, trace_full, trace_linked, write_section
 from pipeline.ingest import Chunker
-from pipeline.runtime import VLM, LinkedPrompt, Renderer, prepare_segment, resume
-from pipeline.runtime.batch import assemble_row
+from pipeline.runtime import VLM, Renderer, prepare_segment
 from schemas.config import DType, ModelSpec, RenderSpec, Variant
 from schemas.conversation import Message
 from schemas.corpus import Document
+from serve.engine.prepared import LinkedPrompt
+from serve.engine.qvpic import resume
+from serve.engine.qvpic.batch import assemble_row
 from serve.routing.prompt import PromptTemplate
 
 SYSTEM_40 = ("You are a careful assistant for a parts warehouse. Read the documents in the user's message, answer "
@@ -142,7 +144,7 @@ def report(results: list[dict[str, tuple[float, float]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.conversation_fidelity",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality.conversation_fidelity",
                                 description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="bench-qwen")
     p.add_argument("--synthetic", type=int, default=6)
@@ -171,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.no_write:
         write_section("conversation-fidelity", "Fidelity inside conversations: linked chunks vs full prefill of the "
-                      "same conversation (issue 35)", ("python -m benchmarks.conversation_fidelity " + " ".join(argv))
-                      .strip(), body)
+                      "same conversation (issue 35)",
+                      ("python -m benchmarks.quality.conversation_fidelity " + " ".join(argv)).strip(), body)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Fidelity to full prefill per compile prefix: template vs prefix-free vs dummy, with random weights.
 
-    python -m benchmarks.fidelity                 # bench-qwen, the six fixture tasks + 12 synthetic requests
-    python -m benchmarks.fidelity --quick         # tiny-qwen, fewer requests (CI-sized smoke run)
+    python -m benchmarks.quality.fidelity                 # bench-qwen, the six fixture tasks + 12 synthetic requests
+    python -m benchmarks.quality.fidelity --quick         # tiny-qwen, fewer requests (CI-sized smoke run)
 
 One request per QA item: the LongBench instruction, the item's context chunked (≤ --chunk-tokens) and
 rendered at the lowest tier, the question with its answer cue. Each chunk is compiled under every
@@ -134,7 +134,7 @@ def report(results: list[dict[Variant, Fidelity]], items: list[QAItem]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality.fidelity", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default="bench-qwen")
     p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType))
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - started:.0f} s.\n\n" + report(results, items))
     print(body)
     if not args.no_write:
-        command = ("python -m benchmarks.fidelity"
+        command = ("python -m benchmarks.quality.fidelity"
                    + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
         write_section("fidelity", "Fidelity to full prefill: template vs prefix-free vs dummy prefix (issue 15)",
                       command, body)

@@ -9,7 +9,7 @@ chunk as placed); whether the chunk holding the evidence serves the answer legib
 pages are read by Tesseract at the tier they are served at (pipeline/eval/legibility.py, as `qvpic eval`
 judges evidence) — and its character accuracy.
 
-    python -m benchmarks.hybrid --quick
+    python -m benchmarks.quality.hybrid --quick
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from schemas.store import StoreSpec
 from serve.config import RouterConfig
 from serve.routing import Router
 
-COMMAND = "python -m benchmarks.hybrid --quick"
+COMMAND = "python -m benchmarks.quality.hybrid --quick"
 CONFIGS = {"qvpic": None, "hybrid (defaults)": HybridSpec(enabled=True),
            "hybrid, illegible text ≤ 4× pages": HybridSpec(enabled=True, illegible_text_cost_ratio=4.0)}
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
               "Text entries are compiled under the same chat-template prefix as the pages, so a hybrid context "
               "links both kinds; the rule uses only index columns (no OCR at serving time)."]
     write_section("hybrid", "Hybrid representation per chunk vs pure qvpic (synthetic set)",
-                  COMMAND if args.quick else "python -m benchmarks.hybrid", "\n".join(lines))
+                  COMMAND if args.quick else "python -m benchmarks.quality.hybrid", "\n".join(lines))
     print("\n".join(lines))
 
 

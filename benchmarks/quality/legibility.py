@@ -1,6 +1,6 @@
 """Legibility of rendered chunks per (font size, DPI): Tesseract OCR accuracy vs vision tokens.
 
-    python -m benchmarks.legibility
+    python -m benchmarks.quality.legibility
 
 Renders a fixed invoice-like text full of numbers, names and codes at each (font size, DPI), OCRs the
 page with Tesseract and reports character accuracy (1 − edit distance / reference length) and word
@@ -108,7 +108,7 @@ def main() -> None:
     body = run()
     body += f"\n\nWall time {time.perf_counter() - start:.0f} s."
     path = write_section("render_legibility", "Render legibility: OCR accuracy vs vision tokens",
-                         "python -m benchmarks.legibility", body)
+                         "python -m benchmarks.quality.legibility", body)
     print(f"wrote {path}")
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import REAL_SHAPES
 
-TESTS = Path(__file__).resolve().parents[1] / "tests" / "test_real_shapes.py"
+TESTS = Path(__file__).resolve().parents[2] / "tests" / "test_real_shapes.py"
 
 
 def run(families: list[str]) -> list[tuple[str, str, str, float]]:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         + markdown_table(["model", "check", "passed", "failed", "skipped", "seconds"], rows)
         + f"\n\n{len(cases)} cases, {failed} failed."
     )
-    command = "python -m benchmarks.real_shapes" + (
+    command = "python -m benchmarks.quality.real_shapes" + (
         f" --families {' '.join(args.families)}" if args.families != list(REAL_SHAPES) else "")
     write_section("real-shapes", "Exactness at the real models' shapes (issue 24)", command, body)
     print(body)

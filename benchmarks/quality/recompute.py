@@ -1,7 +1,7 @@
 """Selective recompute across linked chunks: fidelity gained against time to first token, per model family.
 
-    python -m benchmarks.recompute                # bench-qwen and bench-glm, fixture items + 8 synthetic requests
-    python -m benchmarks.recompute --quick        # the same models, 3 synthetic requests (~4 min on 2 shared cores)
+    python -m benchmarks.quality.recompute          # bench-qwen and bench-glm, fixture items + 8 synthetic requests
+    python -m benchmarks.quality.recompute --quick  # the same models, 3 synthetic requests (~4 min on 2 shared cores)
 
 One request per QA item: the LongBench instruction, the item's context chunked (≤ --chunk-tokens, the
 first --max-chunks chunks) and rendered at the lowest tier, compiled under the template prefix, linked
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.real_size import REAL_SIZE
+from benchmarks.tools.real_size import REAL_SIZE
 from jobs.evaluate import FIXTURES
 from pipeline.eval import (
     LONGBENCH_QA_TASKS,
@@ -175,7 +175,7 @@ def store_table(models: dict[str, VLM]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.recompute", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality.recompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["bench-qwen", "bench-glm"])
     p.add_argument("--dtype", type=DType, default=DType.FLOAT32, choices=list(DType),
                    metavar="{float32,bfloat16,float16}")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             "(same dtype as the KV):\n\n" + store_table(loaded))
     print(body)
     if not args.no_write:
-        command = ("python -m benchmarks.recompute"
+        command = ("python -m benchmarks.quality.recompute"
                    + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
         write_section("recompute", "Selective recompute across chunks: fidelity gain against TTFT (issue 16)",
                       command, body)

@@ -1,10 +1,10 @@
 """Chunk-affinity routing vs Serve's default (power of two choices) across generator replicas.
 
-    python -m benchmarks.affinity --concurrency 2 8   # 2 and 3 replicas, both policies, both loader placements,
-                                                      # 2 and 8 in flight per replica; writes docs/BENCHMARKS.md
-    python -m benchmarks.affinity --quick    # fewer requests, nothing written
+    python -m benchmarks.scale.affinity --concurrency 2 8   # 2 and 3 replicas, both policies, both loader placements,
+                                                            # 2 and 8 in flight per replica; writes docs/BENCHMARKS.md
+    python -m benchmarks.scale.affinity --quick    # fewer requests, nothing written
 
-A store of `--chunks` synthetic chunks is compiled in-process (benchmarks/ttft_store.py, tiny-qwen). Requests
+A store of `--chunks` synthetic chunks is compiled in-process (benchmarks/tools/ttft_store.py, tiny-qwen). Requests
 are `--topics` fixed chunk sets of 8–16 chunks (drawn uniformly from the corpus; overlapping), picked with
 Zipf(1.0) popularity: a popular question retrieves the same set again. (Zipf over single chunks drawn
 independently per request has no set to keep together: a simulation of that gave either policy the same
@@ -34,15 +34,15 @@ from collections import Counter
 import ray
 from ray import serve
 
-from benchmarks import ttft_store
+from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
-from serve.app import generator_routing
-from serve.config import AppConfig, LoaderPlacement, Routing
+from serve.app import generator_dispatch
+from serve.config import AppConfig, Dispatch, LoaderPlacement
 from serve.engine import Generator
-from serve.kv import CacheLoader, HotTierReport
+from serve.kv import CacheLoader, HotTierReport, LoaderDeployment, LocalLoader
 from serve.plan import Plan
 from serve.routing import Router
 
@@ -73,7 +73,7 @@ def hot_set_nbytes(plans: list[Plan], sequence: list[int]) -> int:
 
 def workload(work: str, num_chunks: int, num_topics: int, num_requests: int) -> tuple[list[Plan], list[int], int]:
     """A store of `num_chunks` under `work`; one plan per topic, the topic of each request, and the hot-tier
-    bytes per replica (half the hot set). Seeded: every run (and benchmarks/affinity_limit.py) sees the same."""
+    bytes per replica (half the hot set). Seeded: every run (and benchmarks/scale/affinity_limit.py) sees the same."""
     rng = random.Random(0)
     built = ttft_store.build(work, MODEL, RenderSpec(), chunk_tokens=48, num_chunks=num_chunks)
     router = Router(AppConfig.model_validate({"store": work, "model": MODEL.model_dump(mode="json"),
@@ -111,19 +111,19 @@ async def serve_sequence(handle, plans: list[Plan], sequence: list[int], concurr
     return results
 
 
-def run_config(store: str, plans, sequence, replicas: int, routing: Routing, placement: LoaderPlacement,
+def run_config(store: str, plans, sequence, replicas: int, routing: Dispatch, placement: LoaderPlacement,
                hot_nbytes: int, concurrency: int, warmup: int) -> dict:
     config = AppConfig.model_validate({
         "store": store, "model": MODEL.model_dump(mode="json"), "router": {}, "loader": {"max_nbytes": hot_nbytes},
-        "generator": {"engine": {"hot_tier_nbytes": hot_nbytes}}, "routing": routing.value,
+        "generator": {"engine": {"hot_tier_nbytes": hot_nbytes}}, "dispatch": routing.value,
         "affinity": {"stats_period_s": 0.5, "stale_after_s": 5.0}, "loader_placement": placement.value})
     app = f"affinity-{routing.value}-{placement.value}-{replicas}-{concurrency}"
-    loader = (config.loader if placement is LoaderPlacement.IN_GENERATOR  # each replica builds its own
-              else serve.deployment(CacheLoader, name="CacheLoader").options(
-                  ray_actor_options={"num_cpus": 0.1}).bind(config=config.loader))
+    source = (LocalLoader(config.loader) if placement is LoaderPlacement.IN_GENERATOR  # each replica builds its own
+              else LoaderDeployment(serve.deployment(CacheLoader, name="CacheLoader").options(
+                  ray_actor_options={"num_cpus": 0.1}).bind(config=config.loader)))
     generator = serve.deployment(Generator, name="Generator").options(
         num_replicas=replicas, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0.1},
-        **generator_routing(config)).bind(config=config.generator, loader=loader)
+        **generator_dispatch(config)).bind(config=config.generator, source=source)
     handle = serve.run(generator, name=app, route_prefix=None)
     results = asyncio.run(serve_sequence(handle, plans, sequence[:warmup], concurrency))
     time.sleep(1.5)  # the warm tiers' stats reach the router before the counted requests
@@ -175,7 +175,7 @@ def section(rows: list[dict], setup: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.affinity", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.affinity", description=__doc__)
     parser.add_argument("--chunks", type=int, default=480)  # each chunk in ~1.2 of the topics (96: in ~6)
     parser.add_argument("--topics", type=int, default=48)
     parser.add_argument("--requests", type=int, default=480)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [run_config(work, plans, sequence, replicas, routing, placement, hot_nbytes, in_flight * replicas,
                            args.requests // 4)
                 for replicas in args.replicas for in_flight in args.concurrency for placement in args.loaders
-                for routing in (Routing.AFFINITY, Routing.DEFAULT)]
+                for routing in (Dispatch.AFFINITY, Dispatch.DEFAULT)]
     setup = (f"tiny-qwen float32 on CPU, {args.chunks} chunks, {args.topics} topics of 8–16 chunks, "
              f"{args.requests} Zipf(1.0) requests ({args.requests // 4} warm-up), uniform low tier; hot tier "
              f"{hot_nbytes / 2**20:.2f} MiB per replica = half the hot set; each loader's host LRU the same size (one "
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     body = section(rows, setup)
     print(body)
     if not args.quick:
-        command = "python -m benchmarks.affinity " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m benchmarks.scale.affinity " + " ".join(argv if argv is not None else sys.argv[1:])
         write_section("affinity", "Chunk-affinity routing across generator replicas", command.strip(), body)
     serve.shutdown()
     ray.shutdown()

@@ -1,6 +1,6 @@
 """Node loss under load and generator autoscaling on a real 3-node Ray cluster (tests/cluster_fixtures.py).
 
-    python -m benchmarks.cluster                   # tiny-qwen, the test corpus; ≈6 min on 2 cores
+    python -m benchmarks.scale.cluster                   # tiny-qwen, the test corpus; ≈6 min on 2 cores
 
 One cluster (a GPU-less head, two workers declaring one GPU each, the store on S3) and one store for
 every scenario; Serve's HTTP proxy on the head only. Clients send distinct non-streaming `/v1/answer`
@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         + "\n\nAll nodes share this machine's 2 cores: the counts are the figures, the timings are ratios."
     )
     print(body)
-    write_section("cluster", "The cluster: node loss and autoscaling (issue 22)", "python -m benchmarks.cluster", body)
+    write_section("cluster", "The cluster: node loss and autoscaling (issue 22)", "python -m benchmarks.scale.cluster",
+                  body)
     return 0
 
 

@@ -29,7 +29,7 @@ from schemas.config import Mode
 
 APP_NAME = "qvpic-load"
 DEPLOYMENTS = ("Ingress", "Router", "CacheLoader", "Generator")
-SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "jobs" / "data" / "sample_corpus.jsonl"
+SAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "jobs" / "data" / "sample_corpus.jsonl"
 QUESTIONS = ["When does part {n} ship?", "What does invoice {n} total?", "Who signed the lease for unit {n}?",
              "Which seal kit failed in pump P-{n}?", "What is the meal allowance in region {n}?",
              "How long is the warranty on board {n}?"]
@@ -191,7 +191,7 @@ def loopback_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.load", description=__doc__)
     parser.add_argument("--requests", type=int, default=500, help="the timed run")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--soak-requests", type=int, default=2000,
@@ -265,13 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         f"`MALLOC_ARENA_MAX` was {os.environ.get('MALLOC_ARENA_MAX', 'unset (glibc: up to 8 arenas per core)')}: "
         "replicas run requests on thread pools, and each thread's malloc arena keeps its own high-water mark, so "
         "with many arenas a heap creeps up long after its working set stopped growing; compare with "
-        "`MALLOC_ARENA_MAX=2 python -m benchmarks.load --no-write`.\n\n"
+        "`MALLOC_ARENA_MAX=2 python -m benchmarks.scale.load --no-write`.\n\n"
         + markdown_table(["requests answered", *(f"{name} private" for name in DEPLOYMENTS), "shared, all"],
                          memory_rows)
     )
     if not args.no_write:
         write_section("load", "Load: latency, throughput and memory under concurrent requests (issue 8)",
-                      "python -m benchmarks.load " + " ".join(argv or []), body)
+                      "python -m benchmarks.scale.load " + " ".join(argv or []), body)
     print(body)
     return 0 if timed.num_errors == soak.num_errors == 0 else 1
 

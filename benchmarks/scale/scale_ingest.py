@@ -14,8 +14,8 @@ library's sources. Measured side by side in one run, with tiny-qwen on CPU:
   pipeline), the same rerun forced through the pipeline (`--force`: every chunk found stored by content
   key), and a rerun with 1% new documents (model work ≈ 1%).
 
-    python -m benchmarks.scale_ingest              # 10k and 1k chunks (about 20 minutes on 2 quiet cores)
-    python -m benchmarks.scale_ingest --quick      # 2k and 400 chunks
+    python -m benchmarks.scale.scale_ingest              # 10k and 1k chunks (about 20 minutes on 2 quiet cores)
+    python -m benchmarks.scale.scale_ingest --quick      # 2k and 400 chunks
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def store_files(store: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_ingest", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.scale_ingest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=10_000)
     parser.add_argument("--small", type=int, default=1_000)
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.no_write:
         write_section("scale-ingest", "Ingest at scale: one streaming job, compacted store, incremental reruns",
-                      " ".join(["python -m benchmarks.scale_ingest", *(argv if argv is not None else sys.argv[1:])]),
+                      " ".join(["python -m benchmarks.scale.scale_ingest",
+                                *(argv if argv is not None else sys.argv[1:])]),
                       body)
     return 0
 

@@ -7,7 +7,7 @@ shard, since routing never reads KV) with unit-norm embeddings of one `--distrib
   approximate index (no neighbourhoods), so the exhaustive scan is what serves them;
 - clustered: topics with members around them;
 - realistic: real sentences embedded with the serving embedder, synthesised to N rows along their
-  neighbourhoods, queried by held-out real sentences (benchmarks/realistic_vectors.py): the case an
+  neighbourhoods, queried by held-out real sentences (benchmarks/tools/realistic_vectors.py): the case an
   approximate index's recall is measured on honestly.
 The job-side step, `publish_generation`, runs in a process of its own (time and peak RSS); then a
 fresh process starts a Router on the store and measures, one after the other: start-up, RSS, route
@@ -15,9 +15,9 @@ p50/p99 (retrieval + placement for an embedded query; query embedding timed sepa
 hot-reload switch (a generation published under the running router), and recall@8 of its retrieval
 against exact float16 search.
 
-    python -m benchmarks.scale_serve                 # 10k, 100k, 1M; random
-    python -m benchmarks.scale_serve --quick         # 10k, 100k
-    python -m benchmarks.scale_serve --sizes 1000000 --distribution random realistic
+    python -m benchmarks.scale.scale_serve                 # 10k, 100k, 1M; random
+    python -m benchmarks.scale.scale_serve --quick         # 10k, 100k
+    python -m benchmarks.scale.scale_serve --sizes 1000000 --distribution random realistic
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
     centres = unit_rows(rng, max(num_chunks // 50, 1), "random", None)
     synth, stats = None, {}
     if distribution == "realistic":
-        from benchmarks.realistic_vectors import Synthesizer, embedded, statistics
+        from benchmarks.tools.realistic_vectors import Synthesizer, embedded, statistics
 
         base, queries, _ = embedded(REALISTIC_BASE, QUERIES + 20)
         np.save(root.parent / f"{root.name}-{QUERY_FILE}", queries)
@@ -201,11 +201,11 @@ def run_size(num_chunks: int, distribution: str, work: Path) -> dict:
     t = time.perf_counter()
     stats = write_store(root, num_chunks, distribution)
     written = time.perf_counter() - t
-    published = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.scale_serve", "--publish", str(root)],
-                                          check=True, stdout=subprocess.PIPE, text=True)
+    published = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.scale.scale_serve", "--publish",
+                                           str(root)], check=True, stdout=subprocess.PIPE, text=True)
                            .stdout.strip().splitlines()[-1])
     t = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.scale_serve", "--child", str(root)],
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.scale.scale_serve", "--child", str(root)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for line in child.stdout:  # the router is up and measured: publish under it, as a job would
         if line.startswith("READY-FOR-SWITCH"):
@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(results[-1]), flush=True)
                 body = section(results)  # written after every size: a long run keeps what it measured
                 if not args.no_write:
-                    command = "python -m benchmarks.scale_serve " + " ".join(argv if argv is not None else sys.argv[1:])
+                    command = "python -m benchmarks.scale.scale_serve " + " ".join(
+                        argv if argv is not None else sys.argv[1:])
                     write_section(key, title, command.strip(), body)
     print(body)
     return 0

@@ -5,8 +5,8 @@ loopback: request counts are real, latencies are loopback's), side by side in on
 Reads are what serving does on a cache miss: one entry by its (byte_offset, nbytes) — one ranged GET on
 S3 whatever the packing — next to fetching the whole object (what per-entry files allowed).
 
-    python -m benchmarks.shard_packing            # 512 entries of 32 KiB and of 1 MiB
-    python -m benchmarks.shard_packing --quick    # 128 entries
+    python -m benchmarks.scale.shard_packing            # 512 entries of 32 KiB and of 1 MiB
+    python -m benchmarks.scale.shard_packing --quick    # 128 entries
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def moto() -> tuple[object, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.shard_packing", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.shard_packing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entries", type=int, default=512)
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[32, 1024])
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.no_write:
         write_section("shard-packing", "Shard packing: one file per entry or per compile batch",
-                      "python -m benchmarks.shard_packing " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      "python -m benchmarks.scale.shard_packing "
+                      + " ".join(argv if argv is not None else sys.argv[1:]),
                       body)
     return 0
 

@@ -1,14 +1,14 @@
 """What checking a store costs: the parts check serving and every publish run first, and `qvpic verify`.
 
-Synthetic stores written through the Store API (benchmarks/scale_serve.py's writer: 3 entries a chunk,
+Synthetic stores written through the Store API (benchmarks/scale/scale_serve.py's writer: 3 entries a chunk,
 every entry pointing at one real shard) and published, at two sizes with the same number of parts and
 at one size with ten times the parts, so the table shows what each cost grows with: the parts check
 must follow the number of parts (a listing, one small read) and not the number of chunks; a shallow
 verify streams every index row once against one shard listing (plus the coverage join); --deep also
 reads and checksums every entry. Medians of `--repeats` runs, side by side in one process.
 
-    python -m benchmarks.store_check            # 20k and 200k chunks
-    python -m benchmarks.store_check --quick    # 5k and 50k chunks
+    python -m benchmarks.scale.store_check            # 20k and 200k chunks
+    python -m benchmarks.scale.store_check --quick    # 5k and 50k chunks
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import scale_serve
+from benchmarks.scale import scale_serve
 from pipeline.eval import markdown_table, write_section
 
 
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
              "150k rows; with `ARROW_DEFAULT_MEMORY_POOL=system` the growth roughly halves). Measured on a "
              "shared 2-core machine under load: read the ratios.")
     write_section("store-check", "Store consistency: the start-up parts check and `qvpic verify`",
-                  "python -m benchmarks.store_check " + " ".join(argv if argv is not None else sys.argv[1:]), body)
+                  "python -m benchmarks.scale.store_check " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  body)
     return 0
 
 

@@ -192,10 +192,10 @@ class ServingSpec:
         return cls(mode.value, mode)
 
 
-def item_request(item: QAItem, view: StoreView, config: ServingSpec,
+def item_request(item: QAItem, view: StoreView, serving: ServingSpec,
                  max_new_tokens: int | None = None) -> AnswerRequest:
     """The request of one item: routed by the bare question, the LongBench prompt around the chunks."""
     return AnswerRequest(query=item.question, instruction=item.prompt_before_context,
-                         query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=config.mode,
-                         tau=config.tau, max_high_res=config.max_high_res, tier=config.tier,
+                         query_prompt=item.query_after_context, chunk_ids=view.chunk_ids(item), mode=serving.mode,
+                         tau=serving.tau, max_high_res=serving.max_high_res, tier=serving.tier,
                          max_new_tokens=min(item.max_new_tokens, max_new_tokens or item.max_new_tokens))

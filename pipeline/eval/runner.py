@@ -107,11 +107,11 @@ def answer_truncated(answer: Answerer, request: AnswerRequest,
     return best
 
 
-def _result(item: QAItem, config: ServingSpec, view: StoreView, cold: Answered, warm: Answered | None,
+def _result(item: QAItem, serving: ServingSpec, view: StoreView, cold: Answered, warm: Answered | None,
             dropped: int, position: int) -> ItemResult:
     report = cold.report
     return ItemResult(
-        item.task, item.id, config.name, config.mode, cold.text, qa_f1(cold.text, item.answers), cold.ttft_ms,
+        item.task, item.id, serving.name, serving.mode, cold.text, qa_f1(cold.text, item.answers), cold.ttft_ms,
         report.usage.context_tokens, report.usage.context_vision_tokens,
         sum(c.tier == view.high_tier for c in report.chunks), view.linked_nbytes(report), report.timings.model_dump(),
         None, report.response_cache.level.value if report.response_cache.level else None,

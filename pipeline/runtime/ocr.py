@@ -11,7 +11,7 @@ router (serve/routing/hybrid.py) serves a chunk as text where its image tier wou
 digits and code at 72 DPI. Pages are read at the tier's DPI and joined in order. The score is the share of
 the chunk's characters (lower-cased, whitespace collapsed) that the OCR text matches in order: matched
 characters of difflib's longest matching blocks over the reference length, in [0, 1]. Cost: one Tesseract
-call per page per tier (benchmarks/hybrid.py measures it); off by default.
+call per page per tier (benchmarks/quality/hybrid.py measures it); off by default.
 """
 
 from __future__ import annotations

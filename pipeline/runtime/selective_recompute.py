@@ -20,7 +20,7 @@ this is the full prefill of the same pieces (tests/test_recompute.py).
 What it needs at serve time: each chunk's input embeddings — its token ids and, for page entries, its
 pages' merged vision features. Nothing new is stored for it: the store already keeps each chunk's text
 (rendered again to the same pages, as the generator's repair path does) or its scanned page image; the
-cost is rendering and vision encoding per request (benchmarks/recompute.py measures it, and the bytes
+cost is rendering and vision encoding per request (benchmarks/quality/recompute.py measures it, and the bytes
 that storing the merged vision embeddings instead would add).
 """
 

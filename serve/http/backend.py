@@ -106,7 +106,7 @@ def error_cause(error: Exception) -> Exception:
 
 
 # False only to show that tests fail without the retry: the node-loss control of tests/test_cluster.py, and
-# benchmarks/mutations.py `retry-off`.
+# benchmarks/tools/mutations.py `retry-off`.
 RETRY_ON_REPLICA_DEATH = True
 # The replica behind a call is gone (its actor or node died): the call never ran to an end there.
 REPLICA_DEATHS = (RayActorError, WorkerCrashedError, ObjectLostError)

@@ -48,14 +48,14 @@ def column_nbytes(vlm: VLM) -> int:
 class QvpicEngine(Engine):
     """qvpic's engine (serve/engine/interface.py states the contract it keeps)."""
 
-    def __init__(self, vlm: VLM, spec: EngineConfig, start: bool = True,
+    def __init__(self, vlm: VLM, config: EngineConfig, start: bool = True,
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
-        self.vlm, self.spec = vlm, spec
-        vlm.use_forward(spec.forward)
-        SLAB_MEMORY.max_free_nbytes = spec.slab_reuse_nbytes  # the process's slabs (one engine per generator)
+        self.vlm, self.config = vlm, config
+        vlm.use_forward(config.forward)
+        SLAB_MEMORY.max_free_nbytes = config.slab_reuse_nbytes  # the process's slabs (one engine per generator)
         self.metrics = serve_metrics()
-        self.scheduler = Scheduler(spec, column_nbytes(vlm))
-        cache = spec.prefix_cache
+        self.scheduler = Scheduler(config, column_nbytes(vlm))
+        cache = config.prefix_cache
         self.prefix_cache = PrefixCache(cache.block_tokens, cache.device_nbytes, cache.host_nbytes, vlm.device)
         self.slab: Slab | None = None  # rows aligned with scheduler.running
         self.model_lock = threading.Lock()
@@ -209,7 +209,7 @@ class QvpicEngine(Engine):
             seq.resumed = resume(self.vlm, self.prefix_cache, context.salt, context.prompt,
                                  past_groups=context.recompute is None,
                                  defer_texts=context.recompute is None and not context.prompt.after.image_spans,
-                                 final_logits=self.spec.prefix_cache.final_logits)
+                                 final_logits=self.config.prefix_cache.final_logits)
             seq.num_prompt_tokens = context.prompt.num_tokens
             self._count_prefix(seq)
         head_ms = ms_since(started, self.vlm.device)
@@ -246,7 +246,7 @@ class QvpicEngine(Engine):
     def _keep_logits(self, seq: Sequence, row: torch.Tensor) -> None:
         """The prompt's last-column logits `[vocab]`, kept until the row is stored (before any sampler sees them).
         Not a row with recomputed chunk tokens: its logits are not those of the chunk KV its keys name."""
-        if self.prefix_cache.enabled and self.spec.prefix_cache.final_logits and seq.context.recompute is None:
+        if self.prefix_cache.enabled and self.config.prefix_cache.final_logits and seq.context.recompute is None:
             seq.prompt_logits = row.detach().clone()
 
     def _count_prefix(self, seq: Sequence) -> None:

@@ -26,8 +26,8 @@ ONLINE_PREFILLS_PER_STEP = 1  # a full prefill (online modes) is long: one per s
 
 
 class Scheduler:
-    def __init__(self, spec: EngineConfig, column_nbytes: int):
-        self.spec = spec
+    def __init__(self, config: EngineConfig, column_nbytes: int):
+        self.config = config
         self.column_nbytes = column_nbytes  # one row's KV for one token, every layer, keys and values
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in slab row order
@@ -36,13 +36,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         rows = len(seq.members)  # n choices: n rows of its reservation
         nbytes = rows * seq.max_columns * self.column_nbytes
-        if nbytes > self.spec.max_kv_nbytes:
+        if nbytes > self.config.max_kv_nbytes:
             raise TooLargeError(f"the request needs {nbytes} bytes of KV ({rows} × {seq.max_columns} tokens); this "
-                                f"generator's batch holds at most {self.spec.max_kv_nbytes} (max_kv_nbytes)")
-        if rows > self.spec.max_batch_size:
+                                f"generator's batch holds at most {self.config.max_kv_nbytes} (max_kv_nbytes)")
+        if rows > self.config.max_batch_size:
             raise TooLargeError(f"the request asks for {rows} choices; this generator's batch holds at most "
-                                f"{self.spec.max_batch_size} rows (max_batch_size)")
-        if len(self.waiting) >= self.spec.max_waiting:
+                                f"{self.config.max_batch_size} rows (max_batch_size)")
+        if len(self.waiting) >= self.config.max_waiting:
             raise BusyError(f"the generator is full ({len(self.running)} running, {len(self.waiting)} waiting); "
                             "retry shortly", self.retry_after_s())
         self.waiting.append(seq)
@@ -56,7 +56,7 @@ class Scheduler:
             online = sum(s.context.online for s in joining)
             if candidate.context.online and online >= ONLINE_PREFILLS_PER_STEP:
                 break
-            if joining and prompt_tokens + candidate.num_prefill_tokens > self.spec.max_prefill_tokens:
+            if joining and prompt_tokens + candidate.num_prefill_tokens > self.config.max_prefill_tokens:
                 break
             if not self._fits(joining + [candidate]):
                 break
@@ -85,10 +85,10 @@ class Scheduler:
 
     def _fits(self, joining: list[Sequence]) -> bool:
         rows = len(self.running) + sum(len(s.members) for s in joining)
-        if rows > self.spec.max_batch_size:
+        if rows > self.config.max_batch_size:
             return False
         columns = max(self.capacity(), *self.reservations(joining).values())
-        return rows * columns * self.column_nbytes <= self.spec.max_kv_nbytes
+        return rows * columns * self.column_nbytes <= self.config.max_kv_nbytes
 
     def retry_after_s(self) -> float:
         """A guess at when a row frees up: the running requests' remaining tokens at ~20 tokens/s each."""
