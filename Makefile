@@ -18,7 +18,7 @@ LOCK_SOURCES ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The locks are for the Python of Debian 12 on x86-64 Linux.
 LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
 UV_ARGS ?=
-# chromium + chromium-driver: the browser tests of the /ui pages (tests/test_ui.py) drive Debian's Chromium
+# chromium + chromium-driver: the browser tests of the /ui pages (tests/browser/test_ui.py) drive Debian's Chromium
 # through /usr/bin/chromedriver with selenium; nothing downloads a browser or a driver.
 # g++: builds the CPU re-anchoring kernel at first use (pipeline/runtime/reanchor.py; torch ops without it,
 # but CI's kernel tests fail rather than skip).
@@ -92,9 +92,9 @@ lock: $(VENV)/.installed-dev  ## re-pin every dependency after a pyproject.toml 
 	  --generate-hashes --custom-compile-command "make lock" --quiet $(UV_ARGS) -o $(DEV_LOCK)
 	echo "$(TORCH)" | $(BIN)/uv pip compile pyproject.toml $(LOCK_TARGET) $(LOCK_SOURCES) -c - -c $(DEV_LOCK) \
 	  --generate-hashes --custom-compile-command "make lock" --quiet -o $(LOCK)
-	$(BIN)/python -m tests.lockfile stamp $(LOCK)
-	$(BIN)/python -m tests.lockfile stamp $(DEV_LOCK) dev
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_lock.py
+	$(BIN)/python -m tests.support.lockfile stamp $(LOCK)
+	$(BIN)/python -m tests.support.lockfile stamp $(DEV_LOCK) dev
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/project/test_lock.py
 
 # vLLM's CPU build in its own venv, .peer-vllm/, from benchmarks/peer/requirements-vllm.lock (re-pin it with
 # `benchmarks/peer/setup_vllm.sh lock`), for benchmarks/peer/side_by_side.py; not part of `make test` or CI.

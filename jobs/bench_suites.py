@@ -1,4 +1,4 @@
-"""The table of `qvpic bench`: every benchmark module under benchmarks/, by group (tests/test_bench.py checks
+"""The table of `qvpic bench`: every benchmark module under benchmarks/, by group (tests/jobs/test_bench.py checks
 that none with an entry point is left out).
 
 A suite's `quick_argv` is what `qvpic bench` (all) passes it; None keeps it out of `all`: it is slow, needs a
@@ -76,7 +76,7 @@ SUITES: tuple[Suite, ...] = (
              QUICK),
             ("legibility", "legibility", "OCR accuracy vs vision tokens per font size and DPI", ()),
             ("real-shapes", "real_shapes", "exactness at the real models' shapes: every case of "
-             "tests/test_real_shapes.py", None),
+             "tests/pipeline/runtime/test_real_shapes.py", None),
             ("calibration-queries", "calibration_queries", "which calibration queries predict real queries' IVF "
              "recall", QUICK)),
     *_group("scale",
@@ -96,7 +96,8 @@ SUITES: tuple[Suite, ...] = (
              "oracle", None),
             ("conversation", "conversation", "4-turn conversations side by side with vLLM: TTFT per turn, "
              "throughput", None),
-            ("record-oracle", "record_oracle", "record vLLM's answers for tests/test_vllm_oracle.py", None)),
+            ("record-oracle", "record_oracle", "record vLLM's answers for tests/pipeline/eval/test_vllm_oracle.py",
+             None)),
     *_group("tools",
             ("mutations", "mutations", "a fixed list of mutations, each against the tests meant to catch it", None),
             ("same-requests", "same_requests", "the same requests before and after a change: identical answers, TTFT "

@@ -7,5 +7,5 @@
     eval/      LongBench and synthetic QA, fidelity, legibility, the paper grid, reports
     facade.py  how each package's `__init__` exports its names (lazily)
 
-Imports run one way: `schemas` ← `runtime` ← `store` ← `ingest`, `eval` (tests/test_layering.py).
+Imports run one way: `schemas` ← `runtime` ← `store` ← `ingest`, `eval` (tests/project/test_layering.py).
 """

@@ -7,7 +7,7 @@ part (`pipeline.store.part_log`) would import torch for `pipeline.store.shards`,
 would load the model stack through `serve.kv`. A lazy facade keeps what each process imports exactly
 what it uses, while callers still import from the package (`from pipeline.store import Store`).
 
-The table is a literal dict, so tools that read the source (tests/test_import_graph.py) resolve a
+The table is a literal dict, so tools that read the source (tests/project/test_import_graph.py) resolve a
 facade name to its defining module without importing anything.
 """
 

@@ -76,7 +76,7 @@ class StreamOptions(Strict):
 
 class ChatCompletionRequest(Strict, Decoding):
     """Every parameter of OpenAI's chat-completion request is here: supported, accepted and ignored, or refused
-    with a 400 naming it (docs/OPENAI.md has the table; tests/test_openai_params.py walks it)."""
+    with a 400 naming it (docs/OPENAI.md has the table; tests/serve/http/test_openai_params.py walks it)."""
 
     model: str = Field(min_length=1, max_length=256)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)

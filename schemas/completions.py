@@ -2,7 +2,7 @@
 
 A prompt is the text of one user message: `CompletionRequest.chat` makes the chat request it stands for, so
 retrieval, the `qvpic` extension and every shared control mean what they mean on `/v1/chat/completions`
-(docs/OPENAI.md has the table; tests/test_openai_params.py walks it). Every list and string is bounded.
+(docs/OPENAI.md has the table; tests/serve/http/test_openai_params.py walks it). Every list and string is bounded.
 """
 
 from __future__ import annotations

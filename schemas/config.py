@@ -388,7 +388,7 @@ class ForwardSpec(Frozen):
     prepack: bool = True  # on CPU: weights reordered once for oneDNN (one more copy of the LLM's weights)
     # The dtype of the fused forward's matrix products (weights cast once, activations at each product, fp32
     # accumulation); None = the model's. bfloat16 on a CPU with AMX/avx512_bf16 is ~3x faster from 16 rows and is
-    # no longer exact: tests/test_fused_forward.py states and tests its tolerance. Needs `fused`.
+    # no longer exact: tests/pipeline/runtime/test_fused_forward.py states and tests its tolerance. Needs `fused`.
     matmul_dtype: DType | None = None
     # On CPU: the operations between the products (norms, residual adds, RoPE, the KV write, SiLU) as native calls
     # (pipeline/runtime/decoder_ops.py, built at first use), the same numbers; false (or no compiler): torch ops

@@ -10,8 +10,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.fixtures_s3 import S3_ENV  # noqa: E402
-from tests.ray_fixtures import SUITE_RAY_ENV  # noqa: E402
+from tests.support.fixtures_s3 import S3_ENV  # noqa: E402
+from tests.support.ray_fixtures import SUITE_RAY_ENV  # noqa: E402
 
 for _key, _value in SUITE_RAY_ENV.items():  # every Ray the suite starts, its jobs' private ones included
     os.environ.setdefault(_key, _value)

@@ -5,7 +5,7 @@ a package (vllm.py, torch.py, ray.py...), since vllm_side.py and check_vllm.py r
 - side_by_side: TTFT and decode against vLLM; `--oracle`: vLLM as a correctness oracle (peer-vllm, peer-vllm-oracle)
 - conversation: 4-turn conversations through both engines' OpenAI servers, TTFT per turn and throughput
 - conversation_report: conversation's tables, numbers in, Markdown out
-- record_oracle: records vLLM's answers into tests/data/vllm_oracle.json for tests/test_vllm_oracle.py
+- record_oracle: records vLLM's answers into tests/data/vllm_oracle.json for tests/pipeline/eval/test_vllm_oracle.py
 - speed: side_by_side's timings (TTFT per workload, decode, the in-process floor)
 - oracle: side_by_side's `--oracle` (greedy agreement of full prefill with vLLM, and its controls)
 - servers: both engines' servers up together, and qvpic's in-process figures

@@ -1,4 +1,4 @@
-"""Record vLLM's answers for tests/test_vllm_oracle.py (issue 38): the oracle CI compares qvpic against.
+"""Record vLLM's answers for tests/pipeline/eval/test_vllm_oracle.py (issue 38): the oracle CI compares qvpic against.
 
     python -m benchmarks.peer.record_oracle            # needs the peer venv (`make peer-vllm`); ~1 min
     python -m benchmarks.peer.record_oracle --check    # only say whether the recording's stamp is current
@@ -7,7 +7,7 @@ It runs pipeline/eval/oracle.py's requests on the `oracle-qwen` checkpoint throu
 `oracle_top`: the checkpoint's chat template, images as base64 PNG, greedy, the top log-probabilities of every
 step) and writes tests/data/vllm_oracle.json, stamped with vLLM's version, the weights' and template's hashes and
 the pages' pixels. Refresh it when the test says the stamp changed (a new factory, template, renderer or font),
-then read the agreement it prints against the bounds in tests/test_vllm_oracle.py before committing it.
+then read the agreement it prints against the bounds in tests/pipeline/eval/test_vllm_oracle.py before committing it.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def summary(recording: dict) -> str:
     return (f"`{oracle.MODEL}` (pipeline/runtime/tiny.py; weights sha256 `{stamp['weights_sha256'][:12]}…`) float32, "
             f"vLLM {stamp['vllm']} (CPU build, peer venv) vs qvpic, greedy, {oracle.NEW_TOKENS} new tokens; "
             f"{oracle.REQUESTS_PER_MODE} requests per mode of 1–3 chunks (pages at the lowest tier). vLLM's side is "
-            f"recorded in tests/data/vllm_oracle.json; tests/test_vllm_oracle.py recomputes qvpic's on every CI run "
+            f"recorded in tests/data/vllm_oracle.json; tests/pipeline/eval/test_vllm_oracle.py recomputes qvpic's on "
+            f"every CI run "
             f"and holds it to the bounds it states. Margin gap = |qvpic's first-step top-1 − top-2 log-probability "
             f"− vLLM's|.\n\n" + markdown_table(["path", "mode", "requests", "same first token",
                                                   f"same {oracle.NEW_TOKENS} tokens", "margin gap median / max"],

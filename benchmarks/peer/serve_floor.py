@@ -42,7 +42,7 @@ class FloorIngress:
     def __init__(self, route: DeploymentHandle, generate: DeploymentHandle, by_reference: bool):
         # Serve's default, as qvpic's ingress calls its router and generator, is True: Ray actor calls whose results
         # go through the object store; False: by value over the replicas' gRPC servers (compared in
-        # docs/benchmarks/notes.md; tests/test_serve_floor.py runs both)
+        # docs/benchmarks/notes.md; tests/e2e/test_serve_floor.py runs both)
         self.route = route.options(_by_reference=by_reference)
         self.generate = generate.options(_by_reference=by_reference)
 

@@ -32,7 +32,6 @@ from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec
 from schemas.sampling import Sampling
 from serve.engine.qvpic.batch import decode_step, prefill_queries
-from serve.kv import LocalLoader
 
 LINKED_MODES = (Mode.QVPIC, Mode.TEXT_PIC)  # the modes that link cached KV: their TTFT is the one compared
 SERVER_START_S = 900  # vLLM's engine start (weights, warm-up compile) on a loaded 2-core machine
@@ -183,19 +182,16 @@ def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representati
 
 
 def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tokens: int, concurrency) -> dict:
-    """qvpic in this process (router, loader, batched generator): TTFT per workload × mode (the route
-    included), and decode tokens/s on `decode_sets` in `qvpic` mode at each concurrency."""
-    from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
-    from serve.engine import Generator
-    from serve.kv import CacheLoader
-    from serve.routing import Router
+    """qvpic in this process (router, loader, batched generator: serve/local.py `build_local`): TTFT per workload ×
+    mode (the route included), and decode tokens/s on `decode_sets` in `qvpic` mode at each concurrency."""
+    from serve import build_local
 
     # Every phase on a thread that ends, the floor first: a thread of this script that kept an OpenMP pool beside
     # the engine's would slow every forward ~1.4x (pipeline/runtime/threads.py), as served replicas no longer are
-    router = in_passing_thread(Router, RouterConfig(store=corpus.store_uri, model=spec,
-                                                    max_chunks=max(64, len(corpus.chunk_ids))))
-    loader = in_passing_thread(CacheLoader, LoaderConfig(store=corpus.store_uri, max_nbytes=4 << 30))
-    generator = Generator(GeneratorConfig(store=corpus.store_uri, model=spec))
+    stack = in_passing_thread(build_local, {"store": corpus.store_uri, "model": spec.model_dump(),
+                                            "router": {"max_chunks": max(64, len(corpus.chunk_ids))},
+                                            "loader": {"max_nbytes": 4 << 30}})
+    router, generator = stack.router, stack.generator
     one = Sampling(max_new_tokens=1)
 
     def request(chunks: list[int], mode: Mode, tokens: int) -> AnswerRequest:
@@ -204,11 +200,10 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
 
     def answer(chunks: list[int], mode: Mode) -> float:
         started = time.perf_counter()
-        generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one,
-                                    source=LocalLoader(loader))
+        generator.generate_blocking(asyncio.run(router.plan(request(chunks, mode, 1))), one)
         return (time.perf_counter() - started) * 1e3
 
-    floor = {(load.name, mode.value): in_passing_thread(forward_floor, generator, router, loader,
+    floor = {(load.name, mode.value): in_passing_thread(forward_floor, generator, router,
                                                         [request(c, mode, 1) for c in load.requests])
              for load in loads for mode in modes if mode in LINKED_MODES}  # before the engine's pool exists
     ttft = {}
@@ -222,17 +217,17 @@ def in_process_qvpic(spec: ModelSpec, corpus, loads, modes, decode_sets, new_tok
                                        for chunks in decode_sets])
     sampling = Sampling(max_new_tokens=new_tokens)
     for plan in plans:  # warm: every chunk on the device hot tier, as vLLM's prompts are in its prefix cache
-        in_passing_thread(generator.generate_blocking, plan, one, source=LocalLoader(loader))
+        in_passing_thread(generator.generate_blocking, plan, one)
 
     def decode_at(level: int) -> float:
-        return asyncio.run(run_level(lambda pl, s: generator.stream(pl, s, source=LocalLoader(loader)), plans, level,
-                                     sampling, "qvpic")).tokens_per_s
+        return asyncio.run(run_level(generator.stream, plans, level, sampling, "qvpic")).tokens_per_s
 
     decode = {level: in_passing_thread(decode_at, level) for level in concurrency}
+    stack.close()
     return {"ttft": ttft, "decode": decode, "floor": floor}
 
 
-def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> dict:
+def forward_floor(generator, router, requests: list[AnswerRequest]) -> dict:
     """The engine's forwards alone over each request's assembled context (routing, loading and re-anchoring
     done beforehand and untimed), through the path the served engine takes (serve/engine/qvpic/batch.py): the
     query turn's prefill over `[serving prefix][chunks]` (the floor of a linked mode's TTFT in this engine) and
@@ -241,7 +236,7 @@ def forward_floor(generator, router, loader, requests: list[AnswerRequest]) -> d
     vlm, out = generator.vlm, {"query_ms": [], "one_token_ms": [], "query_tokens": []}
     for request in requests:
         plan = asyncio.run(router.plan(request))
-        linked = asyncio.run(generator.contexts.build(plan, LocalLoader(loader))).prefill  # a LinkedContext
+        linked = asyncio.run(generator.contexts.build(plan, generator.source)).prefill  # a LinkedContext
         chunks, ids = linked.chunks, linked.query_ids
 
         prefill_timed(vlm, chunks, ids)  # warm: the first forward at a new length pays more

@@ -12,7 +12,7 @@ templates, tokenises and preprocesses the images itself. Tasks (`kind`):
 - `oracle`: greedy, `max_tokens` each; per request its prompt token ids, output ids and the top-2 logprobs
   of every step (their difference is the logit margin);
 - `oracle_top`: as `oracle`, keeping each step's `top` best (token id, log-probability), and vLLM's version
-  (benchmarks/peer/record_oracle.py records it for tests/test_vllm_oracle.py);
+  (benchmarks/peer/record_oracle.py records it for tests/pipeline/eval/test_vllm_oracle.py);
 - `ttft`: the `warm` requests once (the prefix cache then holds whatever it can of the measured ones), then
   each of `requests` alone, one new token, timed (ms), with its prompt tokens and the token it chose;
 - `decode`: the requests submitted together at each `concurrency`, `max_tokens` new tokens each, no early

@@ -3,10 +3,10 @@
     python -m benchmarks.perf.batching            # bench-qwen bf16, 16 chunks, qvpic, 32 new tokens; 1/4/16 clients
     python -m benchmarks.perf.batching --quick    # one round per level
 
-The real Router, CacheLoader and Generator run in this process. At each concurrency level C, C clients
-send requests back to back; every request is its own rotation of the store's chunks (its own assembled
-context and positions) with its own question, so no two share a context. Two engines answer the same
-requests, interleaved level by level so machine drift hits both alike:
+The real Router, CacheLoader and Generator run in this process (serve/local.py `build_local`). At each
+concurrency level C, C clients send requests back to back; every request is its own rotation of the store's
+chunks (its own assembled context and positions) with its own question, so no two share a context. Two engines
+answer the same requests, interleaved level by level so machine drift hits both alike:
 
 - batched: the generator's engine (serve/engine/): every request in flight shares each forward pass;
 - serialised: the generator as it was before batching, reproduced here from the same runtime: one lock,
@@ -38,24 +38,23 @@ from pipeline.runtime import resolve_device
 from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
+from serve import build_local
 from serve.engine import Detokenizer, Generator
-from serve.kv import CacheLoader, LocalLoader
 from serve.plan import Plan
-from serve.routing import Router
 
 TARGET_AT_16 = 1.3  # batched / serialised tokens/s on this CPU (issue 13)
 
 
 class SerialisedEngine:
-    """The generator before batching: one lock; every forward pass batch-1."""
+    """The generator before batching: one lock; every forward pass batch-1. Its contexts are the generator's own:
+    the same device hot tier, its misses from the same source (the stack's loader)."""
 
     def __init__(self, generator: Generator):
         self.generator, self.lock = generator, threading.Lock()
 
-    async def stream(self, plan: Plan, sampling: Sampling, loader: CacheLoader) -> AsyncIterator[str]:
+    async def stream(self, plan: Plan, sampling: Sampling) -> AsyncIterator[str]:
         vlm = self.generator.vlm
-        context = await self.generator.contexts.build(plan, LocalLoader(loader))
+        context = await self.generator.contexts.build(plan, self.generator.source)
 
         def prefill():
             with self.lock:
@@ -149,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(uri: str, spec: ModelSpec, chunk_ids: list[str] | None, query: str | None, args, rounds: int) -> str:
-    router = Router(RouterConfig(store=uri, model=spec, max_chunks=max(64, args.chunks)))
+    stack = build_local({"store": uri, "model": spec.model_dump(), "router": {"max_chunks": max(64, args.chunks)},
+                         "loader": {"max_nbytes": 4 << 30}})
+    router, generator = stack.router, stack.generator
     chunk_ids = chunk_ids or [r["chunk_id"] for r in router.chunk_rows[:args.chunks]]
     query = query or "What does the document say?"
-    loader = CacheLoader(LoaderConfig(store=uri, max_nbytes=4 << 30))
-    generator = Generator(GeneratorConfig(store=uri, model=spec))
     serial = SerialisedEngine(generator)
     sampling = Sampling(max_new_tokens=args.new_tokens)
     most = max(args.concurrency) * rounds
@@ -165,8 +164,7 @@ def measure(uri: str, spec: ModelSpec, chunk_ids: list[str] | None, query: str |
         return asyncio.run(router.plan(request))
 
     plans = [plan(i) for i in range(most)]
-    engines = {"batched": lambda pl, s: generator.stream(pl, s, source=LocalLoader(loader)),
-               "serialised": lambda pl, s: serial.stream(pl, s, loader)}
+    engines = {"batched": generator.stream, "serialised": serial.stream}
 
     async def warm_up() -> None:
         for stream in engines.values():
@@ -182,19 +180,22 @@ def measure(uri: str, spec: ModelSpec, chunk_ids: list[str] | None, query: str |
             levels.append(level)
             print(f"{name:>10} x{concurrency:<3} {level.tokens_per_s:6.1f} tokens/s, TTFT p50 "
                   f"{statistics.median(level.ttft_ms):.0f} ms", flush=True)
-    return tables(levels, spec, args, rounds, hot_tier_ttft(generator, loader, plans[0]))
+    hot = hot_tier_ttft(generator, plans[0])
+    stack.close()
+    return tables(levels, spec, args, rounds, hot)
 
 
-def hot_tier_ttft(generator: Generator, loader: CacheLoader, plan: Plan, repeats: int = 5) -> tuple[float, float]:
-    """Median TTFT (ms, one new token) with the request's chunks on the device vs from the loader's LRU."""
+def hot_tier_ttft(generator: Generator, plan: Plan, repeats: int = 5) -> tuple[float, float]:
+    """Median TTFT (ms, one new token) with the request's chunks on the device vs from the loader's LRU (the
+    generator's own source)."""
     one = Sampling(max_new_tokens=1)
     hit, miss = [], []
     for _ in range(repeats):
         for resident, into in ((False, miss), (True, hit)):
             if not resident:
-                generator.contexts.hot.clear()
+                generator.clear_hot_tier()
             started = time.perf_counter()
-            generator.generate_blocking(plan, one, source=LocalLoader(loader))
+            generator.generate_blocking(plan, one)
             into.append((time.perf_counter() - started) * 1e3)
     return statistics.median(hit), statistics.median(miss)
 

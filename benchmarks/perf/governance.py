@@ -2,9 +2,10 @@
 
     python -m benchmarks.perf.governance              # tiny-qwen, 8 chunks, 150 rounds (≈30 s on 2 cores)
 
-One store (`benchmarks/tools/ttft_store.py`), the real Router / CacheLoader / Generator in this process, and
-the FastAPI app over them through httpx's ASGI transport: TTFT = client wall time of a one-token
-`/v1/answer` (its token is picked from the prefill logits, so no decode step runs). Configurations:
+One store (`benchmarks/tools/ttft_store.py`), the real Router / CacheLoader / Generator in this process
+(serve/local.py `build_local`), and the FastAPI app over them through httpx's ASGI transport: TTFT = client wall
+time of a one-token `/v1/answer` (its token is picked from the prefill logits, so no decode step runs).
+Configurations:
   - off: no response cache, no limits, no log, no auth (metrics are always recorded: they are in all);
   - on (memory): bearer auth, requests/s and tokens/s limits that never bite, an X-Max-Token-Budget
     header, l1 + l2 + l3 in-process caches (every query and task type is new: all misses, all
@@ -31,14 +32,10 @@ import httpx
 from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from schemas.config import ModelSpec, RenderSpec
+from serve import build_local
 from serve.app import api_spec
-from serve.config import AppConfig, GeneratorConfig, LoaderConfig, RouterConfig
-from serve.engine import Generator
 from serve.governance import Governor, key_digest
-from serve.http import make_api
-from serve.kv import CacheLoader
-from serve.local import InProcessBackend
-from serve.routing import Router
+from serve.governance.config import GovernanceConfig
 
 API_KEY = "bench-key"
 UNLIMITED = {"requests_per_s": 1e6, "tokens_per_s": 1e9}
@@ -106,26 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     model = ModelSpec(path=args.model, device="cpu")
     server = None
     if not args.no_redis:
-        from tests.fixtures_redis import start_redis  # the test fixture's launcher: a private loopback server
+        from tests.support.fixtures_redis import start_redis  # the test fixture's launcher: a private loopback server
 
         server = start_redis()
     try:
         with tempfile.TemporaryDirectory(prefix="qvpic-governance-") as workdir:
             bench = ttft_store.build(f"{workdir}/store", model, RenderSpec(), args.chunk_tokens, args.chunks)
-            router = Router(RouterConfig(store=bench.uri, model=model, max_chunks=args.chunks))
-            generator = Generator(GeneratorConfig(store=bench.uri, model=model))
-            loader = CacheLoader(LoaderConfig(store=bench.uri, max_nbytes=1 << 30))
-            backend = InProcessBackend(router, loader, generator)
+            stack = build_local({"store": bench.uri, "model": model.model_dump(), "router": {"max_chunks": args.chunks},
+                                 "loader": {"max_nbytes": 1 << 30}, "ingress": {"default_top_k": min(8, args.chunks)}})
+            store = api_spec(stack.config).store
             apps, governors = {}, []
             for name, governance in configs(Path(workdir), server.url if server else None).items():
-                app_args = AppConfig(store={"uri": bench.uri}, model=model, router={"max_chunks": args.chunks},
-                                     ingress={"default_top_k": min(8, args.chunks), "governance": governance})
-                settings = api_spec(app_args)
-                governors.append(Governor(app_args.ingress.governance, settings.store))
-                apps[name] = make_api(backend, settings, governors[-1])
+                governors.append(Governor(GovernanceConfig.model_validate(governance), store))
+                apps[name] = stack.api(governors[-1])  # the same roles behind every configuration's HTTP surface
             samples = measure(apps, list(bench.chunk_ids), bench.query, args.rounds)
             for governor in governors:
                 governor.close()
+            stack.close()
     finally:
         if server is not None:
             server.stop()

@@ -29,10 +29,7 @@ from pipeline.eval import markdown_table
 from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
-from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
-from serve.engine import Generator
-from serve.kv import CacheLoader, LocalLoader
-from serve.routing import Router
+from serve import build_local
 
 MODES = (Mode.QVPIC, Mode.FULL_IMAGE, Mode.TEXT_PIC)
 REAL = ("qwen2.5-vl-7b", "glm-4.1v-9b")
@@ -43,15 +40,15 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
     started = time.perf_counter()
     store = ttft_store.build(f"{workdir}/{name}-store", spec, RenderSpec(), 256, args.chunks)
     built_s = time.perf_counter() - started
-    router = Router(RouterConfig(store=store.uri, model=spec, max_chunks=max(64, args.chunks)))
-    loader = CacheLoader(LoaderConfig(store=store.uri, max_nbytes=8 << 30))
-    generator = Generator(GeneratorConfig(store=store.uri, model=spec))
+    stack = build_local({"store": store.uri, "model": spec.model_dump(), "router": {"max_chunks": max(64, args.chunks)},
+                         "loader": {"max_nbytes": 8 << 30}})
+    router, generator = stack.router, stack.generator
     ids, one = list(store.chunk_ids), Sampling(max_new_tokens=1)
 
     def ttft(mode: Mode) -> float:
         begun = time.perf_counter()
         request = AnswerRequest(query=store.query, chunk_ids=ids, mode=mode, max_new_tokens=1)
-        generator.generate_blocking(asyncio.run(router.plan(request)), one, source=LocalLoader(loader))
+        generator.generate_blocking(asyncio.run(router.plan(request)), one)
         return (time.perf_counter() - begun) * 1e3
 
     runs: dict[Mode, list[float]] = {m: [] for m in MODES}
@@ -67,14 +64,13 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
     plans = [asyncio.run(router.plan(AnswerRequest(query=f"{store.query} ({i})", chunk_ids=ids[i % len(ids):]
                                                    + ids[:i % len(ids)], max_new_tokens=args.new_tokens)))
              for i in range(max(args.concurrency))]
-    engines = {"batched": lambda p, s: generator.stream(p, s, source=LocalLoader(loader)),
-               "serialised": lambda p, s: serial.stream(p, s, loader)}
+    engines = {"batched": generator.stream, "serialised": serial.stream}
     levels = {}
     for concurrency in args.concurrency:
         for engine, stream in engines.items():
             levels[engine, concurrency] = asyncio.run(batching.run_level(stream, plans[:concurrency], concurrency,
                                                                          sampling, engine))
-    hit_ms, miss_ms = batching.hot_tier_ttft(generator, loader, plans[0])
+    hit_ms, miss_ms = batching.hot_tier_ttft(generator, plans[0])
 
     ttft_table = markdown_table(["mode", "TTFT ms", "qvpic / mode"],
                                 [[m.value, round(medians[m], 1), round(medians[Mode.QVPIC] / medians[m], 3)]
@@ -87,7 +83,8 @@ def bench_model(name: str, spec: ModelSpec, workdir: str, args) -> str:
                      "yes" if batching.same_answers(b, s) else "no"])
     batch_table = markdown_table(["clients", "serialised tokens/s", "batched tokens/s", "batched / serialised",
                                   "batched TTFT p50 ms", "same answers"], rows)
-    context_tokens = generator.generate_blocking(plans[0], one, source=LocalLoader(loader)).report.usage.context_tokens
+    context_tokens = generator.generate_blocking(plans[0], one).report.usage.context_tokens
+    stack.close()
     return (f"### {name} ({spec.dtype.value}, {spec.device})\n\n"
             f"Store of {args.chunks} chunks built in {built_s:.0f} s; "
             f"qvpic context {context_tokens} tokens.\n\nTTFT per mode at {args.chunks} chunks (medians of "

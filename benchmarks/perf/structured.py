@@ -3,9 +3,9 @@
     python -m benchmarks.perf.structured            # bench-qwen bf16, 4 chunks, 48 new tokens; 1 and 16 clients
     python -m benchmarks.perf.structured --quick    # one request per client
 
-The real Router, CacheLoader and Generator run in this process (as benchmarks/perf/batching.py). At each concurrency
-level C, C clients send requests back to back, each its own chunk order and question, under four decodings
-interleaved (the order rotates per round, so drift hits all alike):
+The real Router, CacheLoader and Generator run in this process (serve/local.py `build_local`, as
+benchmarks/perf/batching.py). At each concurrency level C, C clients send requests back to back, each its own chunk
+order and question, under four decodings interleaved (the order rotates per round, so drift hits all alike):
 
 - plain: greedy;
 - json_schema: greedy, constrained to a JSON schema by llguidance (the token mask computed and applied per row
@@ -37,10 +37,8 @@ from schemas.api import AnswerRequest
 from schemas.config import DType, Mode, ModelSpec, RenderSpec
 from schemas.sampling import Sampling
 from schemas.tools import FunctionDef, call_grammar, json_grammar
-from serve.config import GeneratorConfig, LoaderConfig, RouterConfig
+from serve import build_local
 from serve.engine import Generator
-from serve.kv import CacheLoader, LocalLoader
-from serve.routing import Router
 
 TARGET_AT_16 = 1.15  # json_schema's decode time per token ≤ 1.15× plain's at 16 clients (issue 36)
 SCHEMA = {"type": "object", "properties": {
@@ -59,15 +57,14 @@ def decodings(new_tokens: int) -> dict[str, Sampling]:
             "logprobs top 5": Sampling(max_new_tokens=new_tokens, logprobs=5)}
 
 
-async def run_level(generator: Generator, loader: CacheLoader, plans: list, concurrency: int,
-                    sampling: Sampling) -> dict:
+async def run_level(generator: Generator, plans: list, concurrency: int, sampling: Sampling) -> dict:
     per_token_ms, tokens = [], 0
 
     async def client(mine: list[int]) -> None:
         nonlocal tokens
         for index in mine:
             first, count = None, 0
-            async for event in generator.stream(plans[index], sampling, source=LocalLoader(loader)):
+            async for event in generator.stream(plans[index], sampling):
                 if isinstance(event, str):
                     first = time.perf_counter() if first is None else first
                     continue
@@ -83,9 +80,9 @@ async def run_level(generator: Generator, loader: CacheLoader, plans: list, conc
 
 
 def measure(uri: str, spec: ModelSpec, chunk_ids: list[str], query: str, args, rounds: int) -> str:
-    router = Router(RouterConfig(store=uri, model=spec, max_chunks=64))
-    loader = CacheLoader(LoaderConfig(store=uri, max_nbytes=4 << 30))
-    generator = Generator(GeneratorConfig(store=uri, model=spec))
+    stack = build_local({"store": uri, "model": spec.model_dump(), "router": {"max_chunks": 64},
+                         "loader": {"max_nbytes": 4 << 30}})
+    router, generator = stack.router, stack.generator
     variants = decodings(args.new_tokens)
     most = max(args.concurrency)
 
@@ -96,16 +93,17 @@ def measure(uri: str, spec: ModelSpec, chunk_ids: list[str], query: str, args, r
 
     plans = [plan(i) for i in range(most)]
     for sampling in variants.values():  # warm-up: compile every grammar path and the batch shapes once
-        asyncio.run(run_level(generator, loader, plans[:2], 2, sampling))
+        asyncio.run(run_level(generator, plans[:2], 2, sampling))
     results: dict[tuple[int, str], list[dict]] = {}
     names = list(variants)
     for concurrency in args.concurrency:
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                level = asyncio.run(run_level(generator, loader, plans[:concurrency], concurrency, variants[name]))
+                level = asyncio.run(run_level(generator, plans[:concurrency], concurrency, variants[name]))
                 results.setdefault((concurrency, name), []).append(level)
                 print(f"x{concurrency:<3} {name:>15} {level['tokens_per_s']:6.1f} tokens/s, "
                       f"{statistics.median(level['per_token_ms']):.1f} ms/token", flush=True)
+    stack.close()
     return table(results, spec, args, rounds)
 
 

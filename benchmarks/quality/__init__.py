@@ -5,6 +5,6 @@
 - fidelity: fidelity to full prefill per compile prefix (template, prefix-free, dummy)
 - hybrid: hybrid representation per chunk vs pure qvpic: tokens per request, evidence legibility
 - legibility: Tesseract OCR accuracy vs vision tokens per font size and DPI
-- real_shapes: exactness at the real models' shapes, every case of tests/test_real_shapes.py
+- real_shapes: exactness at the real models' shapes, every case of tests/pipeline/runtime/test_real_shapes.py
 - recompute: selective recompute across linked chunks, fidelity gained against TTFT
 """

@@ -1,4 +1,4 @@
-"""Exactness at the real models' shapes, the full set: every case of tests/test_real_shapes.py.
+"""Exactness at the real models' shapes, the full set: every case of tests/pipeline/runtime/test_real_shapes.py.
 
 CI runs one case per check and family; this runs all of them (`QVPIC_REAL_SHAPES=full`: every seed, compile
 prefix, mutation and batched kind the tiny-model suites run, LLaVA-OneVision's 384-px pages included) in one
@@ -55,10 +55,12 @@ def main(argv: list[str] | None = None) -> None:
             for (family, check), c in counts.items()]
     failed = sum(r[3] for r in rows)
     body = (
-        "Every case of tests/test_real_shapes.py (`QVPIC_REAL_SHAPES=full`): the assembled context against the "
+        "Every case of tests/pipeline/runtime/test_real_shapes.py (`QVPIC_REAL_SHAPES=full`): the assembled context "
+        "against the "
         "independent 4-D-mask reference and its negative controls, on models built from the public configs "
         "(pipeline/runtime/real_shapes.py), float32, random weights, 2 decoder and 2 vision layers. Tolerance: "
-        "max |Δ logit| ≤ 1e-5·sqrt(hidden / 64) (tests/test_runtime_exactness.py `tolerance`: 7.5e-5 at hidden "
+        "max |Δ logit| ≤ 1e-5·sqrt(hidden / 64) (tests/pipeline/runtime/test_runtime_exactness.py `tolerance`: "
+        "7.5e-5 at hidden "
         "3,584, 8e-5 at 4,096); a control must miss by 20 times that.\n\n"
         + markdown_table(["model", "check", "passed", "failed", "skipped", "seconds"], rows)
         + f"\n\n{len(cases)} cases, {failed} failed."

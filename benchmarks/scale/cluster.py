@@ -1,4 +1,4 @@
-"""Node loss under load and generator autoscaling on a real 3-node Ray cluster (tests/cluster_fixtures.py).
+"""Node loss under load and generator autoscaling on a real 3-node Ray cluster (tests/support/cluster_fixtures.py).
 
     python -m benchmarks.scale.cluster                   # tiny-qwen, the test corpus; ≈6 min on 2 cores
 
@@ -14,8 +14,8 @@ connection, a client timeout past the deadline a hang.
     and, where the loader is on a worker, the one holding it ("loader node"). Then the node is replaced for
     the next run.
   - **autoscaling**: the generator with `autoscaling_config` min 1, max 2, Serve's delays shortened
-    (`GENERATOR_AUTOSCALING` of tests/cluster_fixtures.py, as tests/test_cluster.py runs it: upscale after
-    2 s, downscale after 15 s, 12 s look-back); one client for `CALM_S`, then `BUSY_CLIENTS` until the
+    (`GENERATOR_AUTOSCALING` of tests/support/cluster_fixtures.py, as tests/cluster/test_cluster.py runs it: upscale
+    after 2 s, downscale after 15 s, 12 s look-back); one client for `CALM_S`, then `BUSY_CLIENTS` until the
     second replica runs and `BUSY_AFTER_S` more, then none. The time to the second replica is split in
     two: to Serve's decision (the deployment turns UPSCALING) and from it to the replica RUNNING
     (scheduling, its worker process, the model and the store opened).
@@ -34,10 +34,18 @@ from pathlib import Path
 import yaml
 
 from pipeline.eval import markdown_table, write_section
-from tests.cluster_fixtures import GENERATOR_AUTOSCALING, LOOPBACK, REPO, Load, Outcome, RayCluster, start_cluster
-from tests.fixtures_s3 import running_s3
-from tests.ray_fixtures import free_port
-from tests.store_factory import DOCUMENTS
+from tests.support.cluster_fixtures import (
+    GENERATOR_AUTOSCALING,
+    LOOPBACK,
+    REPO,
+    Load,
+    Outcome,
+    RayCluster,
+    start_cluster,
+)
+from tests.support.fixtures_s3 import running_s3
+from tests.support.ray_fixtures import free_port
+from tests.support.store_factory import DOCUMENTS
 
 QUERY = "When does part XK-4471-B ship?"
 DEADLINE_S = 60.0

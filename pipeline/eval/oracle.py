@@ -3,7 +3,8 @@
 vLLM cannot run in CI (no peer venv there), so its answers are recorded once, by
 `python -m benchmarks.peer.record_oracle` in the peer venv, into tests/data/vllm_oracle.json: per request the
 prompt token ids vLLM built (its own chat templating and image preprocessing), its greedy tokens and the top
-`TOP` log-probabilities of every step. tests/test_vllm_oracle.py recomputes qvpic's side here on every run and
+`TOP` log-probabilities of every step. tests/pipeline/eval/test_vllm_oracle.py recomputes qvpic's side here on every
+run and
 compares — on the full prefill (`VLM.prefill_full`, what full_text/full_image serve) and on the linked path
 (each chunk compiled alone under the template prefix, then assembled, re-anchored, and only the query turn
 prefilled: what qvpic mode serves). The recording is stamped with what it depends on (vLLM's version, the

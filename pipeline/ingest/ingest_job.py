@@ -174,7 +174,7 @@ def work_blocks(rows: ray.data.Dataset, batch_size: int, plan: StagePlan,
     waiting on a shuffle partition each. The rows that only pass through to the write (a document's marker,
     a rejection, a unit whose entries and embedding are all stored: `needs` names the columns that ask the
     job's stages for work) skip those stages, which leave them as they are: riding along in the same small
-    blocks, the 100k duplicate documents of tests/test_hostile_corpus.py made ~3,000 blocks per stage,
+    blocks, the 100k duplicate documents of tests/e2e/test_hostile_corpus.py made ~3,000 blocks per stage,
     ~580 s of task overhead for one compiled chunk. With no work at all, no model actor starts (a forced
     rerun, a recompile with nothing to rebuild: ~20 s of actor start-up and model loads each on 2 cores).
     The dedup ends in a shuffle, a barrier already, so materializing its output costs no overlap."""

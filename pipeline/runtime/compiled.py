@@ -11,7 +11,8 @@ eager forward.
 
 Measured on bench-qwen against the eager fused forward, 2 threads of an AMX Xeon (docs/BENCHMARKS.md `limits`,
 `--compiled`): a bf16 model's one-row forwards take ~0.65-0.82x the time; an fp32 model's gain nothing (turns of
-2-31 tokens are slower), so it is for bf16. Exact in fp32 (logits within 1e-5, tests/test_compiled_forward.py).
+2-31 tokens are slower), so it is for bf16. Exact in fp32 (logits within 1e-5,
+tests/pipeline/runtime/test_compiled_forward.py).
 The cost: compiling, about 3 minutes on 2 cores when the engine starts (`warm_up`: a graph per kind of turn, and
 per kind of slab), less once inductor's on-disk cache holds its kernels.
 """

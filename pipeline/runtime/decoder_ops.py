@@ -4,7 +4,8 @@ RoPE of the QKV output with the KV written into the slab — three calls where a
 Why: on the CPU every torch operation after a matrix product runs cold (the product streamed its weight through
 the caches): ~6 ms of a 20 ms one-token bench-qwen forward went to operations around the products, whose bound
 is the weights' read alone (docs/BENCHMARKS.md `limits`). The numbers are torch's: each result rounds where the
-torch operation it replaces rounds (tests/test_decoder_ops.py holds the two paths together, float32 and bf16).
+torch operation it replaces rounds (tests/pipeline/runtime/test_decoder_ops.py holds the two paths together, float32
+and bf16).
 
 Built on first use, once per process (pipeline/runtime/native.py); CPU float32 and bfloat16 tensors only. Where
 there is no compiler, or on a GPU, the fused forward runs its torch operations (`native_decoder_ops` is None).

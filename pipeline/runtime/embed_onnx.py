@@ -3,7 +3,7 @@
 A new query's MiniLM forward was most of its route (docs/BENCHMARKS.md `routing`): ~10–15 ms of one core in
 PyTorch eager, nearly all of it in 37 small matrix products. ONNX Runtime runs the same float32 graph with its
 fused kernels (attention, layer norm, GELU, bias adds) in ~60% of the time, and its vectors agree with
-`encode`'s to float32 rounding (1 − cosine ≤ 1e-6; tests/test_embed.py holds it to 1e-5).
+`encode`'s to float32 rounding (1 − cosine ≤ 1e-6; tests/pipeline/runtime/test_embed.py holds it to 1e-5).
 
 The graph is exported from the loaded PyTorch model once per model (`torch.onnx.export`, its TorchScript
 exporter) into a file named by the embedder's model name (package version, or a directory's content hash), so

@@ -11,7 +11,8 @@ where three do). This forward computes the same function with
 - keys and values written straight into the slab's columns (`SlabLayer.update`) and read by SDPA with
   grouped-query heads (no `repeat_kv` copy),
 - logits of each row's last token only.
-It is exact against transformers' forward to float rounding (tests/test_fused_forward.py, with controls).
+It is exact against transformers' forward to float rounding (tests/pipeline/runtime/test_fused_forward.py, with
+controls).
 
 Families: the Qwen2 decoder (Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision's Qwen2 LLM) with default RoPE. Anything
 else (GLM-4.1V's decoder, a scaled RoPE) keeps transformers' forward: `FusedDecoder.supports` says which.

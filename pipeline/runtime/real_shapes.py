@@ -3,7 +3,8 @@ LLaVA-OneVision-7B with every per-layer width, head dimension, rotary setting, v
 window-attention layout of the real config, but 2 decoder layers, a 2-layer vision tower and the tiny
 factory's vocabulary; random weights, float32, saved like any checkpoint (pipeline/runtime/tiny.py).
 
-They exist for exactness at the real models' shapes (tests/test_real_shapes.py, benchmarks/quality/real_shapes.py):
+They exist for exactness at the real models' shapes (tests/pipeline/runtime/test_real_shapes.py,
+benchmarks/quality/real_shapes.py):
 a rotary-layout bug that toy head dimensions hide (rotary dim 8 for the tiny GLM) shows here, where
 Qwen2.5-VL rotates 128 channels in (t, h, w) sections [16, 24, 24] and GLM-4.1V rotates 64 of 128 in
 [8, 12, 12]. Every value below is read from a public source, named next to it (repository @ commit: path).

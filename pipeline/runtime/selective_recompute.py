@@ -15,7 +15,7 @@ Recomputing S is one forward of S's input embeddings at their serving positions 
 cache, under a 4-D additive mask that lets each token of S attend every column at or before its own.
 At each layer the fresh K/V of S overwrite theirs in place before attention reads them, so a token of
 S sees the fresh K/V of earlier tokens of S and the cached K/V of the rest. With S = every chunk token
-this is the full prefill of the same pieces (tests/test_recompute.py).
+this is the full prefill of the same pieces (tests/serve/engine/test_recompute.py).
 
 What it needs at serve time: each chunk's input embeddings — its token ids and, for page entries, its
 pages' merged vision features. Nothing new is stored for it: the store already keeps each chunk's text

@@ -2,7 +2,8 @@
 
 No weights can be downloaded here, so tests, the demo and benchmarks build small Qwen2.5-VL, Qwen2-VL,
 GLM-4.1V and LLaVA-OneVision checkpoints from configs, with a BPE tokenizer trained in memory and a short
-approximation of the family's chat template (or a real one passed in, as tests/test_chat_templates.py does), and
+approximation of the family's chat template (or a real one passed in, as tests/pipeline/runtime/test_chat_templates.py
+does), and
 `save_pretrained` them to a local directory. Everything downstream then loads them with
 the same `from_pretrained(local_dir, local_files_only=True)` path a real checkpoint takes.
 """

@@ -1,7 +1,7 @@
 """O(1) vision-token estimators: how many image tokens a VLM's own processor turns an image into.
 
 Pure arithmetic mirroring transformers 5.24's PIL image processors (no model, no pixels), so routing,
-budgeting and `qvpic estimate` can price a page before it is encoded. tests/test_tokens.py checks every
+budgeting and `qvpic estimate` can price a page before it is encoded. tests/pipeline/runtime/test_tokens.py checks every
 family against the real processors on real images.
 
 `min_pixels` / `max_pixels` are the processor's `size["shortest_edge"]` / `size["longest_edge"]`

@@ -32,7 +32,7 @@ def _s3_filesystem(spec: StoreSpec) -> pafs.S3FileSystem:
     region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     # Delayed open turns an object under one part (~10 MiB) into a single PUT instead of a multipart
     # upload (create, part, complete): fewer round trips. Larger objects go up multipart, atomically
-    # (tests/test_store_s3.py crosses the part boundary).
+    # (tests/pipeline/store/test_store_s3.py crosses the part boundary).
     options: dict[str, Any] = {"region": region, "allow_delayed_open": True}
     if endpoint:
         scheme, _, host = endpoint.partition("://")

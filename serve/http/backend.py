@@ -105,7 +105,7 @@ def error_cause(error: Exception) -> Exception:
     return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
 
 
-# False only to show that tests fail without the retry: the node-loss control of tests/test_cluster.py, and
+# False only to show that tests fail without the retry: the node-loss control of tests/cluster/test_cluster.py, and
 # benchmarks/tools/mutations.py `retry-off`.
 RETRY_ON_REPLICA_DEATH = True
 # The replica behind a call is gone (its actor or node died): the call never ran to an end there.

@@ -11,7 +11,7 @@ rewritten into it, and the checkpoint's own template renders the result (`hermes
     tool      consecutive results joined into one user turn of `<tool_response>\n…\n</tool_response>` blocks
 
 which is, character for character, what Qwen2.5-Instruct's own template writes for the same system prompt
-(tests/test_tools.py renders both). A template
+(tests/serve/http/test_tools.py renders both). A template
 that does render tools (`renders_tools`) is given them as they are instead.
 """
 

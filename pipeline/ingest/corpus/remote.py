@@ -3,7 +3,8 @@ file read by whichever Ray task or node gets it, through the store's filesystem 
 the store's endpoint and region, credentials from the environment). No node needs a filesystem the others share.
 
 The records are the local readers' (`readers.read_entry`): the same file under the same relative path yields the
-same documents and rejections from either place (tests/test_corpus_s3.py). Objects have no links, modes or
+same documents and rejections from either place (tests/pipeline/ingest/test_corpus_s3.py). Objects have no links,
+modes or
 FIFOs, so the local path checks have nothing to refuse here. Page images are the exception: serving reads a
 scanned page's pixels from `images_root` on its own disk (pipeline/store/entries.py), which an object key is
 not, so an image file in a remote corpus is rejected (`unsupported_file`, quarantined and counted) — copy such a

@@ -1,0 +1,84 @@
+"""The lock files pin exactly what pyproject.toml asks for, with the CPU torch and no CUDA wheel, and the
+runtime lock is the dev lock's subset at the same versions. A change to pyproject.toml's dependencies
+fails here until `make lock` has regenerated the locks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.lockfile import LOCKS, PYPROJECT, disagreements, pins, pyproject_inputs, stamped_inputs
+
+RUNTIME_LOCK, DEV_LOCK = LOCKS
+
+
+@pytest.mark.parametrize("lock", list(LOCKS), ids=lambda path: path.name)
+def test_lock_matches_pyproject(lock):
+    assert disagreements(lock, LOCKS[lock]) == []
+
+
+def test_runtime_lock_is_the_dev_lock_minus_dev_tools():
+    runtime, dev = pins(RUNTIME_LOCK), pins(DEV_LOCK)
+    assert {name: dev.get(name) for name in runtime} == runtime  # same versions: `make test` tests what demo runs
+    assert {"pytest", "schemathesis", "uv"} <= set(dev) - set(runtime)
+
+
+def test_known_pins():
+    dev = pins(DEV_LOCK)
+    assert dev["pytest"] == "8.4.2"  # 9.x breaks schemathesis' pytest plugin
+    assert dev["torch"] == "2.13.0+cpu" and dev["ray"] == "2.60.0"
+
+
+def test_every_pin_is_hashed():
+    for lock in LOCKS:
+        text = lock.read_text()
+        assert text.count("--hash=sha256:") >= len(pins(lock)), lock.name  # pip installs with --require-hashes
+
+
+# ---- negative controls: the checks above can fail -----------------------------------------------------
+def edited(tmp_path: Path, old: str, new: str) -> Path:
+    text = PYPROJECT.read_text()
+    assert old in text
+    path = tmp_path / "pyproject.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize("old, new, fragment", [
+    ('  "rich>=13",\n', '  "rich>=13",\n  "qvpic-added-dependency==1.0",\n', "qvpic-added-dependency==1.0"),
+    ('  "rich>=13",\n', "", "gone: ['rich>=13']"),  # one removed
+    ('"ray[data,serve]==2.60.0"', '"ray[data,serve,tune]==2.60.0"', "ray[data,serve,tune]"),  # extras changed
+    ('requires-python = ">=3.10"', 'requires-python = ">=3.12"', "python >=3.12"),
+])
+def test_a_pyproject_change_without_relocking_fails(tmp_path, old, new, fragment):
+    problems = disagreements(DEV_LOCK, ("dev",), edited(tmp_path, old, new))
+    assert any("run `make lock`" in p and fragment in p for p in problems), problems
+
+
+def test_a_dev_extra_change_fails_only_the_dev_lock(tmp_path):
+    pyproject = edited(tmp_path, '"pytest==8.4.2"', '"pytest==9.0.3"')
+    problems = disagreements(DEV_LOCK, ("dev",), pyproject)
+    assert any("pins pytest==8.4.2, outside" in p for p in problems)
+    assert not any("pytest" in p for p in disagreements(RUNTIME_LOCK, (), pyproject))
+
+
+def test_cuda_torch_or_nvidia_wheels_fail(tmp_path):
+    text = RUNTIME_LOCK.read_text()
+    cuda = tmp_path / "requirements.lock"
+    cuda.write_text(text.replace("torch==2.13.0+cpu", "torch==2.13.0") + "nvidia-cublas==13.1.1.3\n")
+    problems = disagreements(cuda, ())
+    assert any("CPU build of torch" in p for p in problems) and any("CUDA packages" in p for p in problems)
+
+
+def test_an_unstamped_or_loose_lock_fails(tmp_path):
+    loose = tmp_path / "requirements.lock"
+    loose.write_text("rich>=13\n")
+    with pytest.raises(ValueError, match="not an exact pin"):
+        pins(loose)
+    unstamped = tmp_path / "unstamped.lock"
+    unstamped.write_text("".join(line + "\n" for line in RUNTIME_LOCK.read_text().splitlines()
+                                 if not line.startswith("#")))
+    assert stamped_inputs(unstamped) is None
+    assert any("run `make lock`" in p for p in disagreements(unstamped, ()))
+    assert pyproject_inputs(())[0].startswith("python ")

@@ -1,0 +1,185 @@
+"""Estimates, token budgets and per-tenant rate limits over the in-process app (no Ray), Redis real."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import random
+import uuid
+
+import pytest
+from fastapi import FastAPI
+
+from schemas.errors import BudgetExceededError, RateLimitedError
+from serve.app import api_spec
+from serve.config import AppConfig
+from serve.governance import Governor
+from serve.governance.budget import RateLimiter, TokenBucket
+from serve.governance.config import Limit, RateLimitConfig, TenantPolicy
+from serve.http import make_api
+from serve.local import InProcessBackend
+from tests.serve.http.test_api import call
+from tests.support.fixtures_redis import redis_url  # noqa: F401  (fixture)
+from tests.support.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
+
+QUERY = "When does part XK-4471-B ship?"
+BODY = {"query": QUERY, "doc_ids": ["invoices", "manual"], "tau": 1.0, "max_high_res": 4, "max_new_tokens": 4}
+NO_CACHE = {"response_cache": {"levels": []}}
+
+
+def governed_app(roles, serving_store, **governance) -> tuple[FastAPI, Governor]:
+    """The HTTP app over the in-process roles with these GovernanceConfig fields."""
+    args = AppConfig(store={"uri": serving_store.uri}, model=serving_store.model, router={"max_chunks": MAX_CHUNKS},
+                     ingress={"default_top_k": 2, "governance": governance})
+    settings = api_spec(args)
+    governor = Governor(args.ingress.governance, settings.store)
+    return make_api(InProcessBackend(roles.router, roles.loader, roles.generator), settings, governor), governor
+
+
+@pytest.fixture(scope="module")
+def app(roles, serving_store):
+    return governed_app(roles, serving_store, **NO_CACHE)[0]
+
+
+def estimate(app, body=BODY, **headers) -> dict:
+    response = call(app, "POST", "/v1/estimate", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_estimate_prices_the_plan_and_matches_the_answer(app):
+    planned = estimate(app)
+    response = call(app, "POST", "/v1/answer", json=BODY)
+    assert response.status_code == 200
+    usage = response.json()["usage"]
+    assert {k: planned["usage"][k] for k in ("context_tokens", "context_vision_tokens", "context_text_tokens",
+                                              "query_tokens")} == {k: usage[k] for k in planned["usage"] if k in usage}
+    assert [c["tier"] for c in planned["chunks"]] == [c["tier"] for c in response.json()["chunks"]]
+    assert planned["high_res_chunks"] == sum(c["tier"] == "high" for c in planned["chunks"]) > 0
+    for headers in (response.headers, call(app, "POST", "/v1/answer", json={**BODY, "stream": True}).headers):
+        assert headers["X-Vision-Tokens"] == str(usage["context_vision_tokens"])
+        assert headers["X-Text-Tokens"] == str(usage["context_text_tokens"])
+        assert headers["X-High-Res-Chunks"] == str(planned["high_res_chunks"])
+    chat = call(app, "POST", "/v1/chat/completions", json={
+        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}], "max_tokens": 4, "temperature": 0,
+        "qvpic": {k: BODY[k] for k in ("doc_ids", "tau", "max_high_res")}})
+    assert chat.headers["X-Vision-Tokens"] == str(usage["context_vision_tokens"])
+
+
+def test_budget_keeps_chunks_low_that_do_not_fit(app):
+    low = estimate(app, {**BODY, "tau": 0.0})["usage"]["context_tokens"]
+    high = estimate(app)
+    assert high["usage"]["context_tokens"] > low and high["budget_tokens"] is None
+    costs = sorted((h["num_tokens"] - lo["num_tokens"], h["chunk_id"])
+                   for h, lo in zip(high["chunks"], estimate(app, {**BODY, "tau": 0.0})["chunks"]))
+    for budget in (low, low + costs[0][0], high["usage"]["context_tokens"] - 1):
+        planned = estimate(app, **{"X-Max-Token-Budget": str(budget)})
+        assert planned["within_budget"] and planned["budget_tokens"] == budget
+        assert low <= planned["usage"]["context_tokens"] <= budget
+        assert 0 <= planned["high_res_chunks"] < high["high_res_chunks"]
+    assert estimate(app, **{"X-Max-Token-Budget": str(low + costs[0][0])})["high_res_chunks"] >= 1
+    answer = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": str(low)})
+    assert answer.status_code == 200 and answer.json()["usage"]["context_tokens"] == low
+    assert {c["tier"] for c in answer.json()["chunks"]} == {"low"}
+
+
+def test_over_budget_is_413_with_the_minimum(app):
+    low = estimate(app, {**BODY, "tau": 0.0})["usage"]["context_tokens"]
+    over = estimate(app, **{"X-Max-Token-Budget": str(low - 1)})
+    assert not over["within_budget"] and over["usage"]["context_tokens"] == low
+    response = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": str(low - 1)})
+    assert response.status_code == 413
+    assert response.json()["min_context_tokens"] == low and response.json()["budget_tokens"] == low - 1
+    assert f"at least {low} context tokens" in response.json()["detail"]
+    chat = call(app, "POST", "/v1/chat/completions", headers={"X-Max-Token-Budget": str(low - 1)}, json={
+        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}],
+        "qvpic": {"doc_ids": ["invoices", "manual"]}})
+    assert chat.status_code == 413 and f"at least {low}" in chat.json()["error"]["message"]
+    for bad in ("0", "-5", "lots"):
+        invalid = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": bad})
+        assert invalid.status_code == 400 and "X-Max-Token-Budget" in invalid.json()["detail"]
+
+
+def test_tenant_default_budget_caps_the_header(roles, serving_store, app):
+    low = estimate(app, {**BODY, "tau": 0.0})["usage"]["context_tokens"]
+    capped, _ = governed_app(roles, serving_store, **NO_CACHE,
+                             limits={"tenants": {"small": {"token_budget": low}}})
+    assert estimate(capped, **{"X-Tenant": "small", "X-Max-Token-Budget": "100000"})["budget_tokens"] == low
+    assert estimate(capped, **{"X-Tenant": "small", "X-Max-Token-Budget": str(low - 3)})["budget_tokens"] == low - 3
+    assert estimate(capped, **{"X-Tenant": "other"})["budget_tokens"] is None
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_request_rate_is_429_with_retry_after(roles, serving_store, redis_url, backend):
+    limits = {"backend": backend, "default": {"requests_per_s": 0.5}, "tenants": {"gold": {}}}
+    app, _ = governed_app(roles, serving_store, redis_url=redis_url, limits=limits,
+                          response_cache={"levels": [], "backend": backend})
+    tenant = f"t-{uuid.uuid4().hex[:8]}"  # a fresh bucket, even in the shared Redis
+    assert call(app, "POST", "/v1/estimate", json=BODY, headers={"X-Tenant": tenant}).status_code == 200
+    limited = call(app, "POST", "/v1/estimate", json=BODY, headers={"X-Tenant": tenant})
+    assert limited.status_code == 429 and limited.headers["Retry-After"] == "2"
+    assert "0.5 requests/s" in limited.json()["detail"]
+    chat = call(app, "POST", "/v1/chat/completions", headers={"X-Tenant": tenant}, json={
+        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}]})
+    assert chat.status_code == 429 and chat.headers["Retry-After"]
+    assert chat.json()["error"]["code"] == "rate_limit_exceeded"
+    for _ in range(3):  # unlimited tenant
+        assert call(app, "POST", "/v1/estimate", json=BODY, headers={"X-Tenant": "gold"}).status_code == 200
+
+
+def test_token_rate_is_429_but_cache_hits_are_free(roles, serving_store):
+    app, _ = governed_app(roles, serving_store, limits={"default": {"tokens_per_s": 10}})
+    first = call(app, "POST", "/v1/answer", json=BODY)  # dearer than the bucket: admitted when full, then debt
+    assert first.status_code == 200
+    usage = first.json()["usage"]
+    cost = usage["context_tokens"] + usage["query_tokens"] + BODY["max_new_tokens"]
+    limited = call(app, "POST", "/v1/answer", json={**BODY, "max_new_tokens": 5})
+    assert limited.status_code == 429 and "10 tokens/s" in limited.json()["detail"]
+    assert int(limited.headers["Retry-After"]) == pytest.approx(cost / 10, abs=1.5)
+    again = call(app, "POST", "/v1/answer", json=BODY)  # the l1 response cache answers: no tokens charged
+    assert again.status_code == 200 and again.json()["response_cache"]["level"] == "l1"
+
+
+def test_redis_limits_are_shared_by_replicas(roles, serving_store, redis_url):
+    governance = {"redis_url": redis_url, "limits": {"backend": "redis", "default": {"requests_per_s": 0.2}}}
+    replica_a, _ = governed_app(roles, serving_store, **governance)
+    replica_b, _ = governed_app(roles, serving_store, **governance)
+    tenant = {"X-Tenant": f"shared-{uuid.uuid4().hex[:8]}"}
+    assert call(replica_a, "POST", "/v1/estimate", json=BODY, headers=tenant).status_code == 200
+    assert call(replica_b, "POST", "/v1/estimate", json=BODY, headers=tenant).status_code == 429
+
+
+def test_token_bucket_never_admits_more_than_its_rate():
+    rng = random.Random(7)
+    for _ in range(50):
+        rate_per_s, capacity = rng.uniform(1, 100), rng.uniform(1, 200)
+        bucket, now_s, admitted = TokenBucket(rate_per_s, capacity, capacity, 0.0), 0.0, 0.0
+        for _ in range(200):
+            now_s += rng.expovariate(5.0)
+            cost = rng.uniform(0.1, capacity)
+            wait_s = bucket.take(cost, now_s)
+            if wait_s == 0:
+                admitted += cost
+            else:
+                assert bucket.take(cost, now_s + wait_s + 1e-9) == 0  # the promised wait is enough
+                admitted += cost
+                now_s += wait_s + 1e-9
+            assert admitted <= capacity + rate_per_s * now_s + 1e-6
+
+
+def test_a_request_dearer_than_the_burst_waits_for_a_full_bucket():
+    limiter = RateLimiter(RateLimitConfig(default=TenantPolicy(tokens_per_s=100, token_burst=50)), None)
+    asyncio.run(limiter.take("t", Limit.TOKENS, 500))  # full bucket: admitted, 450 tokens of debt
+    with pytest.raises(RateLimitedError) as error:
+        asyncio.run(limiter.take("t", Limit.TOKENS, 500))
+    assert error.value.retry_after_s == pytest.approx(5.0, abs=0.05)  # refill to a full 50 from -450
+    assert error.value.headers() == {"Retry-After": "5"}
+    with pytest.raises(ValueError, match="need a redis_url"):
+        RateLimiter(RateLimitConfig(backend="redis"), None)
+
+
+def test_governance_errors_survive_pickling():  # as they would crossing a Ray deployment boundary
+    budget = pickle.loads(pickle.dumps(BudgetExceededError("over", min_context_tokens=79, budget_tokens=50)))
+    assert (str(budget), budget.body_fields()) == ("over", {"min_context_tokens": 79, "budget_tokens": 50})
+    limited = pickle.loads(pickle.dumps(RateLimitedError("slow down", retry_after_s=0.2)))
+    assert (str(limited), limited.headers()) == ("slow down", {"Retry-After": "1"})
