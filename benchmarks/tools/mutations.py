@@ -255,7 +255,8 @@ MUTATIONS = (
     Mutation("grammar-leader-only", "serve/engine/qvpic/engine.py",
              "        for member in seq.members:\n            sampling = member.sampling",
              "        for member in [seq]:\n            sampling = member.sampling",
-             ("tests/serve/engine/test_engine.py",), "every choice of a structured answer is constrained (found unguarded in issue 57)"),
+             ("tests/serve/engine/test_engine.py",),
+             "every choice of a structured answer is constrained (found unguarded in issue 57)"),
 )
 
 
