@@ -91,9 +91,13 @@ def test_a_client_that_disconnects_stops_its_generation(app, roles, path, body, 
 def test_past_its_deadline_a_request_is_504_and_its_work_stops(app, roles, path, body, stream):
     before = roles.generator.stats()
     response = call(app, "POST", path, json={**body, "stream": stream}, headers={"X-Request-Timeout": "0.4"})
+    answered = roles.generator.stats()
     idle_within(roles.generator, 1.0)
     after = roles.generator.stats()
-    assert after.decoded_tokens - before.decoded_tokens < LONG // 2
+    # It never ran to its end, and its decoding stopped with the answer: what a fast machine decodes in the 0.4 s
+    # before the deadline varies (a count below LONG / 2 failed on a quick box); what follows the 504 does not.
+    assert after.decoded_tokens - before.decoded_tokens < LONG
+    assert after.decoded_tokens - answered.decoded_tokens <= 2  # the step in flight when it was answered, at most
     stopped = sum(after.ended.get(k, 0) - before.ended.get(k, 0) for k in ("cancelled", "deadline"))
     assert stopped == 1
     if not stream:
