@@ -134,9 +134,14 @@ def compare(args: argparse.Namespace) -> int:
             row += [f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}×", f"{spread:.2f}×"]
         rows.append(row)
     ratios = [float(r[4][:-1]) for r in rows] + [float(r[8][:-1]) for r in rows]
+    from benchmarks.tools.machine import machine_line
     from pipeline.eval import markdown_table
 
-    body = (f"{len(old)} runs of the old code and {len(new)} of the new, alternated, {old[0]['rounds']} rounds each, "
+    body = (f"Each side's runs: `python -m benchmarks.tools.same_requests run --store S --out F --rounds "
+            f"{old[0]['rounds']}` in its own checkout (this file copied into the older one), over one store both read "
+            f"(`same_requests store --store S --dtype {old[0]['dtype']}`), old and new alternated (old, new, new, old, "
+            f"…). Machine: {machine_line()}.\n\n"
+            f"{len(old)} runs of the old code and {len(new)} of the new, alternated, {old[0]['rounds']} rounds each, "
             f"{old[0]['model']} {old[0]['dtype']}, {NUM_CHUNKS} chunks. Answers identical: "
             f"{len(names) - len(differing)} of {len(names)} requests (every choice's text, tokens and "
             f"log-probabilities){'; differ: ' + ', '.join(differing) if differing else ''}. TTFT new/old, median "
@@ -148,7 +153,8 @@ def compare(args: argparse.Namespace) -> int:
     if args.write:
         from pipeline.eval import write_section
 
-        write_section("same-requests", "The structure change (issue 57): the same requests before and after",
+        write_section(args.section, f"The structure change (issue 57): the same requests before and after, "
+                      f"{old[0]['model']} {old[0]['dtype']}",
                       "python -m benchmarks.tools.same_requests compare " + " ".join(sys.argv[2:]), body)
     return 1 if differing else 0
 
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("old", nargs="+")
     c.add_argument("--new", nargs="+", required=True)
     c.add_argument("--write", action="store_true", help="write the section of docs/BENCHMARKS.md")
+    c.add_argument("--section", default="same-requests", help="its name in docs/BENCHMARKS.md")
     args = p.parse_args(argv)
     started = time.perf_counter()
     code = {"store": store, "run": run, "compare": compare}[args.command](args)
