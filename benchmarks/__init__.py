@@ -10,7 +10,7 @@ perf/     speed of the engine and the serving path on this machine: TTFT per mod
           forwards against the machine's limits, routing, ingest and compile throughput, KV formats, the GPU run
 quality/  fidelity to full prefill (single turn, conversations, recompute), exactness at the real models'
           shapes, legibility of rendered pages, the IVF calibration's queries
-scale/    large stores (ingest at 10k chunks, routing at 10^6), store checks and shard packing, affinity routing
+scale/    large stores (ingest at 10k chunks, routing at 10^6), store checks and shard packing, affinity dispatch
           across replicas, a 3-node cluster's node loss and autoscaling, load through the whole Serve graph
 peer/     side by side with vLLM on the same checkpoint, chunks and questions; needs the peer venv
           (`make peer-vllm`)

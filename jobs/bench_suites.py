@@ -86,7 +86,7 @@ SUITES: tuple[Suite, ...] = (
              "chunks", None),
             ("store-check", "store_check", "start-up parts check and `qvpic verify` cost vs parts and rows", QUICK),
             ("shard-packing", "shard_packing", "KV entries one per file vs packed, local disk and S3", QUICK),
-            ("affinity", "affinity", "chunk-affinity routing vs Serve's default across generator replicas", None),
+            ("affinity", "affinity", "chunk-affinity dispatch vs Serve's default across generator replicas", None),
             ("affinity-limit", "affinity_limit", "affinity's workload replayed with exact knowledge: the policy's "
              "limit", ()),
             ("cluster", "cluster", "node loss under load and generator autoscaling on a 3-node Ray cluster", None),

@@ -1,6 +1,6 @@
 """Scale: large stores, replicas, clusters and load (`python -m benchmarks.scale.<module>`).
 
-- affinity: chunk-affinity routing vs Serve's default across generator replicas, and where the loader runs
+- affinity: chunk-affinity dispatch vs Serve's default across generator replicas, and where the loader runs
 - affinity_limit: affinity's workload replayed through the router's policy with exact knowledge (its limit)
 - cluster: node loss under load and generator autoscaling on a real 3-node Ray cluster
 - load: many requests through the whole Serve graph: latency, throughput, errors, each process's memory

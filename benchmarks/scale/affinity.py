@@ -1,4 +1,4 @@
-"""Chunk-affinity routing vs Serve's default (power of two choices) across generator replicas.
+"""Chunk-affinity dispatch vs Serve's default (power of two choices) across generator replicas.
 
     python -m benchmarks.scale.affinity --concurrency 2 8   # 2 and 3 replicas, both policies, both loader placements,
                                                             # 2 and 8 in flight per replica; writes docs/BENCHMARKS.md
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.quick:
         command = "python -m benchmarks.scale.affinity " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_section("affinity", "Chunk-affinity routing across generator replicas", command.strip(), body)
+        write_section("affinity", "Chunk-affinity dispatch across generator replicas", command.strip(), body)
     serve.shutdown()
     ray.shutdown()
     return 0

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"affinity, reports every {args.report_every} requests"], rows) + "\n")
     print(body)
     command = "python -m benchmarks.scale.affinity_limit " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_section("affinity-limit", "The limit under chunk-affinity routing: the policy with exact knowledge",
+    write_section("affinity-limit", "The limit under chunk-affinity dispatch: the policy with exact knowledge",
                   command.strip(), body)
     return 0
 

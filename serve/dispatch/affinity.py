@@ -6,7 +6,7 @@ so the prefix-matching routers (Ray Serve LLM's `PrefixCacheAffinityRouter`, SGL
 do not apply. Each generator replica reports what its device hot tier holds as a Bloom filter of
 entry keys (serve/kv/hot_tier.py: 1.25 MB at 1M resident entries) through Serve's routing stats
 (`Generator.record_routing_stats`, collected every `AffinityConfig.stats_period_s` and pushed to every
-handle with the replica list), so routing a request reads local state only — no round trip.
+handle with the replica list), so dispatching a request reads local state only — no round trip.
 
 The policy (`choose`): sum, per replica, the stored bytes of the plan's entries it holds — in its filter, or
 sent to it by this router and not covered by that filter (a report covers a request recorded after it completed:

@@ -102,7 +102,7 @@ class ContextBuilder:
         started = time.perf_counter()
         keys = [c.entry.key for c in plan.chunks]
         # Entries another request is bringing onto the device: wait for that copy rather than fetch them again
-        # (affinity routing sends a popular chunk set's burst to one replica, so its requests overlap). Nothing
+        # (affinity dispatch sends a popular chunk set's burst to one replica, so its requests overlap). Nothing
         # awaits between this lookup and claiming the misses, so each entry has one fetcher.
         if waits := {self._fetching[k] for k in keys if k in self._fetching}:
             await asyncio.wait([asyncio.shield(w) for w in waits])

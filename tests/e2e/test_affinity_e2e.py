@@ -1,4 +1,4 @@
-"""Chunk-affinity routing through Serve: two generator replicas on one Ray node, requests for the same
+"""Chunk-affinity dispatch through Serve: two generator replicas on one Ray node, requests for the same
 chunk set land on the replica whose hot tier took it in (every entry a device hit after the first)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The chunk-affinity routing policy (serve/dispatch/affinity.py) and the key sketch it reads
+"""The chunk-affinity dispatch policy (serve/dispatch/affinity.py) and the key sketch it reads
 (serve/kv/hot_tier.py), with hand-worked cases: which replica each plan must go to, given stated sketches
 and in-flight counts, as literals."""
 
