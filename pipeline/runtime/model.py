@@ -9,6 +9,7 @@ relied on.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -19,7 +20,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from pipeline.runtime.adapters import Adapter, family_classes
-from pipeline.runtime.checkpoint import resolve_device, resolve_path
+from pipeline.runtime.checkpoint import cache_argument, resolve_device, resolve_path
 from pipeline.runtime.compiled import CompiledForward
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.dtypes import TORCH_DTYPES
@@ -64,8 +65,10 @@ class VLM:
             self.path, **size, **load
         )
         self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
+        self.cache_argument = cache_argument(self.model)  # `cache`, or `past_key_values` before transformers 5.20
         self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
-        self._prefixes: OrderedDict[str, ChunkKV] = OrderedDict()  # instruction -> serving prefix KV, LRU
+        self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()  # text ids -> their KV, LRU
+        self._prefixes_lock = threading.Lock()  # the generator's event loop and an engine's thread both ask
         self.fused: FusedDecoder | None = None  # the batched engine's forward, once `use_forward` chose it
 
     def use_forward(self, spec: ForwardSpec) -> None:
@@ -154,7 +157,8 @@ class VLM:
         results = []
         for b, (ids, positions, grids) in enumerate(sequences):
             length, num_prefix = ids.shape[1], len(prefix_ids)
-            kv = stack_cache(out.cache, b)[:, :, :, num_prefix:length]  # strip the prefix and the padding
+            # strip the prefix and the padding
+            kv = stack_cache(getattr(out, self.cache_argument), b)[:, :, :, num_prefix:length]
             # Chunk positions restart wherever the prefix ended; the span is how far the next one moves.
             compile_start = int(positions[0, 0, num_prefix])
             span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
@@ -199,17 +203,24 @@ class VLM:
         return self.serving_prefix()
 
     def serving_prefix(self, instruction: str = "") -> ChunkKV:
-        """KV of `[template prefix][instruction]` at positions 0.., one forward per distinct instruction
-        (the last `PREFIX_CACHE_SIZE` kept): exactly what a full prefill computes for those tokens."""
-        if instruction in self._prefixes:
-            self._prefixes.move_to_end(instruction)
-            return self._prefixes[instruction]
+        """KV of `[template prefix][instruction]` at positions 0..: exactly what a full prefill computes for those
+        tokens (`text_kv`)."""
+        return self.text_kv(self.adapter.prefix_ids + (self.adapter.encode(instruction) if instruction else []))
+
+    def text_kv(self, ids: Sequence[int]) -> ChunkKV:
+        """KV of text `ids` at positions 0.., one forward per distinct run of ids (the last `PREFIX_CACHE_SIZE`
+        kept): the serving prefix of each instruction, or what a vLLM-engine claim starts with."""
+        key = tuple(ids)
+        with self._prefixes_lock:
+            if key in self._prefixes:
+                self._prefixes.move_to_end(key)
+                return self._prefixes[key]
         with torch.inference_mode():
-            ids = self.adapter.prefix_ids + (self.adapter.encode(instruction) if instruction else [])
-            kv = self._compile([(ids, None, None)], ChunkKind.TEXT, CompilePrefix.NONE)[0]
-        self._prefixes[instruction] = kv
-        if len(self._prefixes) > PREFIX_CACHE_SIZE:
-            self._prefixes.popitem(last=False)
+            kv = self._compile([(list(ids), None, None)], ChunkKind.TEXT, CompilePrefix.NONE)[0]
+        with self._prefixes_lock:
+            self._prefixes[key] = kv
+            if len(self._prefixes) > PREFIX_CACHE_SIZE:
+                self._prefixes.popitem(last=False)
         return kv
 
     # ---- online ------------------------------------------------------------------------------
@@ -292,8 +303,8 @@ class VLM:
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
         out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
-                         cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
-        return Prefill(out.logits, out.cache, int(positions.max()) + 1)
+                         **{self.cache_argument: cache}, use_cache=True, logits_to_keep=logits_to_keep)
+        return Prefill(out.logits, getattr(out, self.cache_argument), int(positions.max()) + 1)
 
     @torch.inference_mode()
     def decode(self, state: Prefill, sampling: Sampling) -> Iterator[int]:

@@ -147,7 +147,8 @@ def _forward(vlm, layers: list[_ColumnsLayer], embeds: torch.Tensor, positions: 
     mask = (torch.zeros(allowed.shape, dtype=vlm.dtype, device=vlm.device)
             .masked_fill_(~allowed, torch.finfo(vlm.dtype).min))
     vlm.model.model(inputs_embeds=embeds[None].to(vlm.dtype), position_ids=positions if vlm.adapter.rope_axes == 3
-                    else positions[0], attention_mask=mask[None, None], cache=Cache(layers=layers), use_cache=True)
+                    else positions[0], attention_mask=mask[None, None], **{vlm.cache_argument: Cache(layers=layers)},
+                    use_cache=True)
 
 
 def _deviations(vlm, context: AssembledContext, embeds: torch.Tensor, positions: torch.Tensor,

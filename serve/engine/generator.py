@@ -35,13 +35,14 @@ import torch
 from pipeline.runtime import VLM, Renderer, check_store, in_passing_thread, serial_here
 from pipeline.store import Store, check_device
 from schemas.api import CacheStats
+from schemas.config import EngineConfig, EngineKind
 from schemas.decoding import ChoiceLogprobs, TokenLogprob, TopLogprob
 from schemas.errors import DeadlineExceededError, InvalidRequestError
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig
 from serve.engine.context import ContextBuilder
 from serve.engine.detokenizer import Detokenizer, token_text
-from serve.engine.interface import EngineStats, PrefixCacheStats
+from serve.engine.interface import Engine, EngineStats, PrefixCacheStats
 from serve.engine.prepared import PreparedContext
 from serve.engine.qvpic import QvpicEngine
 from serve.engine.repair import Repairer
@@ -74,6 +75,15 @@ def reserved_cpus() -> float | None:
     return ray.get_runtime_context().get_assigned_resources().get("CPU")
 
 
+def build_engine(vlm: VLM, config: EngineConfig) -> Engine:
+    """The engine `config.kind` names, on `vlm`'s checkpoint."""
+    if config.kind is EngineKind.VLLM:
+        from serve.engine.vllm import VllmEngine  # imports vllm: only where it is installed and asked for
+
+        return VllmEngine(vlm, config)
+    return QvpicEngine(vlm, config)
+
+
 class Generator:
     def __init__(self, config: GeneratorConfig, source: KVSource | None = None):
         """`source`: where the device tier's misses are read from (serve/kv/source.py); None: every request must
@@ -99,7 +109,7 @@ class Generator:
         renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
         self.source = source.opened() if source is not None else None  # in_generator: this replica's own loader
-        self.engine = QvpicEngine(self.vlm, config.engine)  # the Engine this generator drives
+        self.engine = build_engine(self.vlm, config.engine)  # the Engine this generator drives
         self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock, config.images_root)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),
                                        config.recompute, self.repairer, config.images_root)

@@ -359,7 +359,7 @@ def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor, columns
         return logits
     if vlm.adapter.rope_axes == 1:  # plain 1-D RoPE (LLaVA-OneVision): `[rows, new]`
         positions = positions[0]
-    out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=slab, use_cache=True,
-                    logits_to_keep=1)
+    out = vlm.model(input_ids=ids, position_ids=positions, attention_mask=mask, **{vlm.cache_argument: slab},
+                    use_cache=True, logits_to_keep=1)
     slab.advance(real, explicit)
     return out.logits[:, -1]

@@ -1,0 +1,210 @@
+"""vLLM's engine behind qvpic's `Engine` seam (serve/engine/interface.py), with qvpic's KV connector.
+
+vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one worker): its scheduler, its worker and qvpic's
+connector on both sides share the claims registry (serve/engine/vllm/connector.py). One thread owns vLLM:
+
+    step = take     requests added and aborted since the last step: each added one's prompt and claim are built
+                    (serve/engine/vllm/prompt.py: the claim's KV re-anchored here) and handed to vLLM
+         → step     vLLM's own step: schedule, load the claimed KV, forward, sample
+         → deliver  each request's new tokens to its `Sequence`; stops, deadlines and the end of its turn finish it
+
+Sampling is vLLM's (temperature, top_p, seed, penalties, logit bias, logprobs); stop strings are qvpic's matcher
+over the decoded text, as on qvpic's engine, so both engines cut answers alike. `n` choices are `n` vLLM requests
+over one prompt: the first prefills, the others find its blocks in vLLM's prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector's worker side must run here
+
+from pipeline.runtime import VLM  # noqa: E402
+from schemas.config import EngineConfig  # noqa: E402
+from schemas.errors import BusyError, InvalidRequestError, TooLargeError  # noqa: E402
+from serve.engine.interface import Engine, EngineStats  # noqa: E402
+from serve.engine.sequence import End, Sequence, Status  # noqa: E402
+from serve.engine.stops import StopMatcher  # noqa: E402
+from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, Claim  # noqa: E402
+from serve.engine.vllm.prompt import check, refuse, vllm_prompt  # noqa: E402
+
+log = logging.getLogger(__name__)
+MAX_MODEL_LEN = 32768  # tokens: prompt and answer, capped by the checkpoint's own
+
+
+def engine_args(vlm: VLM, config: EngineConfig) -> dict:
+    """vLLM's engine arguments for this generator's checkpoint (its `EngineArgs` keywords)."""
+    spec = vlm.spec
+    return dict(model=str(vlm.path), dtype=spec.dtype.value, seed=0, enable_prefix_caching=True,
+                max_num_seqs=config.max_batch_size, max_num_batched_tokens=max(config.max_prefill_tokens, 2048),
+                max_model_len=min(MAX_MODEL_LEN, getattr(vlm.model.config, "max_position_embeddings", MAX_MODEL_LEN)),
+                enable_mm_embeds=True, limit_mm_per_prompt={"image": 64, "video": 0},
+                mm_processor_kwargs={"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
+                distributed_executor_backend="uni",
+                kv_transfer_config={"kv_connector": "QvpicConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "serve.engine.vllm.connector"})
+
+
+class VllmEngine(Engine):
+    """vLLM with qvpic's connector (serve/engine/interface.py states the contract it keeps)."""
+
+    def __init__(self, vlm: VLM, config: EngineConfig, start: bool = True, **overrides):
+        from vllm import EngineArgs, LLMEngine
+
+        self.vlm, self.config = vlm, config
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**{**engine_args(vlm, config), **overrides}))
+        self.model_lock = threading.Lock()  # qvpic's own forwards (a claim's text KV, the repair path)
+        self.steps = self.decoded_tokens = 0
+        self.ended: Counter[str] = Counter()
+        self._work = threading.Condition()
+        self._added: deque[Sequence] = deque()
+        self._running: dict[str, tuple[Sequence, str]] = {}  # vLLM request id -> (member, its claim's key)
+        self.forward_threads = 0
+        self.end_ids = set(vlm.adapter.end_of_turn_ids)
+        if start:
+            threading.Thread(target=self._loop, name="qvpic-vllm-engine", daemon=True).start()
+
+    # ---- the request's side ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` and its forks; refused before anything is queued: InvalidRequestError (what only qvpic's
+        engine serves, naming it), TooLargeError (past the model's length), BusyError (the queue is full)."""
+        check(seq.context)
+        for member in seq.members:
+            if member.sampling.grammar is not None:
+                raise refuse("structured output (response_format, tools)", member.sampling.grammar_param)
+            if member.sampling.stop:
+                member.stops = StopMatcher(self.vlm.tokenizer, member.sampling.stop)
+        if seq.max_columns > self.engine.vllm_config.model_config.max_model_len:
+            raise TooLargeError(f"the prompt and max_tokens need {seq.max_columns} tokens; this model takes "
+                                f"{self.engine.vllm_config.model_config.max_model_len}")
+        with self._work:
+            if len(self._added) + len(self._running) >= self.config.max_batch_size + self.config.max_waiting:
+                raise BusyError("the generator's queue is full")
+            self._added.append(seq)
+            self._work.notify()
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is not Status.FINISHED:
+            seq.cancel()
+            with self._work:
+                self._work.notify()
+
+    def clear_prefix_cache(self, timeout_s: float = 10.0) -> None:
+        with self._work:
+            self._work.wait_for(lambda: not self._running and not self._added, timeout=timeout_s)
+            self.engine.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        with self._work:
+            return EngineStats(len(self._running), len(self._added), 0, self.steps, self.decoded_tokens,
+                               dict(self.ended), self.forward_threads)
+
+    # ---- the engine's thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        self.forward_threads = torch.get_num_threads()
+        while True:
+            with self._work:
+                while not (self._added or self._running):
+                    self._work.wait()
+                added = list(self._added)
+                self._added.clear()
+            for seq in added:
+                self._submit(seq)
+            try:
+                self._retire()
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                    self.steps += 1
+            except Exception as error:  # noqa: BLE001  fail the requests in flight, keep serving
+                log.exception("vLLM step failed; the requests in flight end with it")
+                for request_id, (seq, _) in list(self._running.items()):
+                    self._finish(request_id, seq, End.FAILED, error)
+
+    def _submit(self, seq: Sequence) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        started = time.perf_counter()
+        try:
+            with self.model_lock:
+                prompt = vllm_prompt(self.vlm, seq.context)
+        except (InvalidRequestError, ValueError) as error:
+            for member in seq.members:
+                self._finish(None, member, End.FAILED, error)
+            return
+        key = f"qvpic-{seq.id}"
+        if prompt.claim_kv is not None:
+            CLAIMS.put(key, Claim(prompt.claim_kv))
+        reanchor_ms = (time.perf_counter() - started) * 1e3
+        salt = (b"linked:" if prompt.claim_kv is not None else b"online:") + seq.context.salt
+        for member in seq.members:
+            sampling = member.sampling
+            member.num_prompt_tokens, member.reanchor_ms = prompt.num_tokens, reanchor_ms
+            params = SamplingParams(
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                max_tokens=sampling.max_new_tokens, presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias) or None,
+                logprobs=sampling.logprobs, stop_token_ids=sorted(self.end_ids), skip_special_tokens=False,
+                output_kind=RequestOutputKind.DELTA, detokenize=False,
+                extra_args={"kv_transfer_params": {CLAIM_KEY: key}} if prompt.claim_kv is not None else None)
+            request_id = f"{key}-{len(self._running)}-{member.id}"
+            self.engine.add_request(request_id, {**prompt.prompt, "cache_salt": salt.hex()}, params)
+            with self._work:
+                self._running[request_id] = (member, key)
+
+    def _retire(self) -> None:
+        now = time.monotonic()
+        for request_id, (seq, _) in list(self._running.items()):
+            if seq.cancelled or seq.expired(now):
+                self.engine.abort_request([request_id])
+                self._finish(request_id, seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
+
+    def _deliver(self, outputs) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            if output.request_id not in self._running:
+                continue
+            seq = self._running[output.request_id][0]
+            completion = output.outputs[0]
+            if not seq.token_ids and seq.status is Status.WAITING:  # its first tokens: the prompt's accounting
+                seq.status = Status.RUNNING
+                seq.prefill_ms = (now - seq.submitted_at) * 1e3 - seq.reanchor_ms
+                seq.prefix_cached_tokens = output.num_cached_tokens or 0
+            for i, token in enumerate(completion.token_ids):
+                if token in self.end_ids:
+                    self._finish(output.request_id, seq, End.STOP)
+                    break
+                if seq.sampling.logprobs is not None and completion.logprobs:
+                    seq.token_logprobs.append(logprob_entry(completion.logprobs[i], token, seq.sampling.logprobs))
+                seq.token_ids.append(token)
+                self.decoded_tokens += 1
+                seq.deliver(token)
+                if seq.stops is not None and seq.stops.add(token).matched:
+                    self.engine.abort_request([output.request_id])
+                    self._finish(output.request_id, seq, End.STOP)
+                    break
+            if seq.status is not Status.FINISHED and output.finished:
+                self._finish(output.request_id, seq, End.LENGTH if completion.finish_reason == "length"
+                             else End.STOP)
+
+    def _finish(self, request_id: str | None, seq: Sequence, end: End, error: Exception | None = None) -> None:
+        with self._work:
+            _, key = self._running.pop(request_id, (None, None)) if request_id is not None else (None, None)
+            if key is not None and all(k != key for _, k in self._running.values()):
+                CLAIMS.drop(key)  # its last member ended: vLLM's prefix cache keeps what it loaded
+            self._work.notify_all()
+        if seq.status is not Status.FINISHED:
+            self.ended[end.value] += 1
+        seq.finish(end, error)
+
+
+def logprob_entry(step: dict, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """vLLM's logprobs of one step (`{token id: Logprob}`) as qvpic's entry: the token's, then the `top` best."""
+    best = sorted(step.items(), key=lambda item: item[1].rank)[:top]
+    return step[token].logprob, tuple((int(t), float(lp.logprob)) for t, lp in best)
