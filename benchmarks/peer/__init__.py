@@ -13,6 +13,6 @@ a package (vllm.py, torch.py, ray.py...), since vllm_side.py and check_vllm.py r
 - engine: runs vllm_side.py in the peer venv from the project's venv, with the same cores
 - vllm_side: the vLLM side, run by the peer venv's Python (vllm imported inside `main`)
 - check_vllm: the peer venv's check, run by setup_vllm.sh
-- sitecustomize: copied into the peer venv (torchvision's CUDA wheel beside torch+cpu)
+- serve/engine/vllm/sitecustomize.py: copied into the peer venv (torchvision's CUDA wheel beside torch+cpu)
 - setup_vllm.sh, requirements-vllm.in, requirements-vllm.lock: build and pin the peer venv
 """

@@ -38,7 +38,7 @@ build() {
   "$venv/bin/python" -m pip install -qq --require-hashes --no-deps -r "$here/requirements-vllm.lock"
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  cp "$here/sitecustomize.py" "$site/sitecustomize.py"
+  cp "$root/serve/engine/vllm/sitecustomize.py" "$site/sitecustomize.py"
   echo "== built $venv in $((SECONDS - t0)) s, $(du -sh "$venv" | cut -f1)"
 }
 

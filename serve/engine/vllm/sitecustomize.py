@@ -1,4 +1,5 @@
-"""Copied into the peer venv's site-packages by setup_vllm.sh (Python imports `sitecustomize` at start-up).
+"""Copied into the vLLM venvs' site-packages (`make install-vllm`, benchmarks/peer/setup_vllm.sh): Python imports
+`sitecustomize` at start-up.
 
 The only torchvision wheel the package index has for torch 2.13 is a CUDA build: its native library cannot
 load next to torch+cpu, so none of its operators is defined, and its Python side then fails at import on

@@ -1,0 +1,109 @@
+"""The whole serving path on vLLM's engine (`generator.engine.kind: vllm`): router, loader, tiers and generator as
+they are, the forwards vLLM's. The same requests over one store answer as on qvpic's engine — every linked mode
+and the online ones, several chunks, n choices, stop strings, logprobs — and what only qvpic's engine serves is
+refused by name. The reference is the other engine, whose own exactness tests/serve/engine/test_engine.py and
+tests/pipeline/eval/test_vllm_oracle.py hold.
+
+Runs where vLLM imports (`make test-vllm`); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pipeline.runtime import VLM, Embedder  # noqa: E402
+from schemas.api import AnswerRequest  # noqa: E402
+from schemas.config import Mode, ModelSpec  # noqa: E402
+from schemas.errors import InvalidRequestError  # noqa: E402
+from schemas.sampling import Sampling  # noqa: E402
+from serve import build_local  # noqa: E402
+from tests.support.store_factory import build_store  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+MODEL = ModelSpec(path="oracle-qwen", device="cpu")  # vLLM's CPU attention takes head_dim 64, not tiny-qwen's 16
+QUERY = "When does the part ship?"
+
+
+@pytest.fixture(scope="module")
+def store_uri(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("vllm-store")
+    build_store(root, VLM(MODEL), Embedder())
+    return str(root)
+
+
+def stack(uri: str, kind: str):
+    return build_local({"store": uri, "model": MODEL.model_dump(), "router": {"max_chunks": 3},
+                        "generator": {"engine": {"kind": kind, "max_batch_size": 4, "max_kv_nbytes": 256 << 20}},
+                        "ingress": {"default_top_k": 2}})
+
+
+@pytest.fixture(scope="module")
+def stacks(store_uri):
+    qvpic, vllm = stack(store_uri, "qvpic"), stack(store_uri, "vllm")
+    yield qvpic, vllm
+    qvpic.close()
+    vllm.close()
+
+
+def answers(stacks, **fields):
+    request = AnswerRequest(query=QUERY, max_new_tokens=8, **fields)
+    return [asyncio.run(s.answer(request)) for s in stacks]
+
+
+@pytest.mark.parametrize("mode", [Mode.QVPIC, Mode.IMAGE_PIC, Mode.TEXT_PIC, Mode.UNIFORM, Mode.FULL_TEXT,
+                                  Mode.FULL_IMAGE])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_every_mode_answers_as_on_qvpics_engine(stacks, mode, top_k):
+    on_qvpic, on_vllm = answers(stacks, top_k=top_k, mode=mode)
+    assert on_vllm.text == on_qvpic.text
+    assert on_vllm.report.usage.context_tokens == on_qvpic.report.usage.context_tokens
+    assert on_vllm.report.usage.query_tokens == on_qvpic.report.usage.query_tokens
+    assert on_vllm.report.usage.completion_tokens == on_qvpic.report.usage.completion_tokens
+
+
+def generated(stacks, sampling: Sampling, top_k: int = 2) -> list:
+    """Each stack's answer to one plan under `sampling` (n, stop strings, logprobs: what `Sampling` carries)."""
+    request = AnswerRequest(query=QUERY, top_k=top_k, max_new_tokens=8)
+    return [asyncio.run(s.generator.generate(asyncio.run(s.router.plan(request)), sampling)) for s in stacks]
+
+
+def test_stop_strings_and_logprobs_as_on_qvpics_engine(stacks):
+    greedy = generated(stacks, Sampling(max_new_tokens=8, logprobs=2))
+    assert greedy[1].text == greedy[0].text
+    pairs = list(zip(greedy[1].logprobs.content, greedy[0].logprobs.content))
+    assert pairs and all(mine.token == theirs.token for mine, theirs in pairs)
+    assert max(abs(mine.logprob - theirs.logprob) for mine, theirs in pairs) < 1e-3
+    assert [[t.token for t in mine.top_logprobs] for mine, _ in pairs] == \
+        [[t.token for t in theirs.top_logprobs] for _, theirs in pairs]
+    words = greedy[0].text.split()
+    assert len(words) >= 2, greedy[0].text
+    stopped = generated(stacks, Sampling(max_new_tokens=8, stop=(words[1],)))
+    assert stopped[1].text == stopped[0].text and stopped[1].report.finish_reason == "stop"
+    assert words[1] not in stopped[1].text
+
+
+def test_n_seeded_choices_are_each_reproducible(stacks):
+    _, on_vllm = stacks
+    sampling = Sampling(max_new_tokens=8, temperature=0.9, seed=11, n=3)
+    first, again = generated([on_vllm, on_vllm], sampling)
+    texts = [c.text for c in first.every_choice]
+    assert len(texts) == 3 and texts == [c.text for c in again.every_choice]
+    assert len(set(texts)) > 1  # seeds seed + i: the choices differ
+
+
+def test_structured_output_is_refused_by_name_on_vllms_engine(stacks):
+    _, on_vllm = stacks
+    request = AnswerRequest(query=QUERY, top_k=1, max_new_tokens=8, response_format={"type": "json_object"})
+    with pytest.raises(InvalidRequestError, match="qvpic's engine only") as error:
+        asyncio.run(on_vllm.answer(request))
+    assert error.value.param == "response_format"
+
+
+def test_recompute_on_vllms_engine_is_refused_at_start_up(store_uri):
+    with pytest.raises(ValueError, match="recompute"):
+        build_local({"store": store_uri, "model": MODEL.model_dump(),
+                     "generator": {"engine": {"kind": "vllm"}, "recompute": {"kind": "leading"}}})
