@@ -28,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 from pipeline.eval import oracle  # noqa: E402
 from pipeline.runtime import VLM  # noqa: E402
 from pipeline.runtime.conversation import PreparedSegment  # noqa: E402
-from schemas.config import EngineConfig, Mode  # noqa: E402
+from schemas.config import Mode  # noqa: E402
 from schemas.sampling import Sampling  # noqa: E402
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext  # noqa: E402
 from serve.engine.sequence import Finished, Sequence  # noqa: E402
@@ -46,8 +46,10 @@ def recorded() -> dict:
 
 
 @pytest.fixture(scope="module")
-def vlm() -> VLM:
-    return VLM(oracle.spec())
+def vlm(stacks) -> VLM:
+    """The vLLM stack's generator's VLM: oracle-qwen, float32, as the recording's (the same checkpoint)."""
+    assert stacks[1].generator.vlm.spec.path == oracle.spec().path
+    return stacks[1].generator.vlm
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,10 @@ def pages():
 
 
 @pytest.fixture(scope="module")
-def engine(vlm) -> VllmEngine:
-    return VllmEngine(vlm, EngineConfig(max_batch_size=4, max_kv_nbytes=256 << 20))
+def engine(stacks) -> VllmEngine:
+    """The vLLM stack's engine, driven directly (one vLLM engine per test process)."""
+    assert isinstance(stacks[1].generator.engine, VllmEngine)
+    return stacks[1].generator.engine
 
 
 @pytest.fixture(scope="module")

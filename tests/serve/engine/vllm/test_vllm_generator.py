@@ -15,38 +15,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pipeline.runtime import VLM, Embedder  # noqa: E402
 from schemas.api import AnswerRequest  # noqa: E402
-from schemas.config import Mode, ModelSpec  # noqa: E402
+from schemas.config import Mode  # noqa: E402
 from schemas.errors import InvalidRequestError  # noqa: E402
 from schemas.sampling import Sampling  # noqa: E402
 from serve import build_local  # noqa: E402
-from tests.support.store_factory import build_store  # noqa: E402
+from tests.serve.engine.vllm.conftest import MODEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-MODEL = ModelSpec(path="oracle-qwen", device="cpu")  # vLLM's CPU attention takes head_dim 64, not tiny-qwen's 16
 QUERY = "When does the part ship?"
-
-
-@pytest.fixture(scope="module")
-def store_uri(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("vllm-store")
-    build_store(root, VLM(MODEL), Embedder())
-    return str(root)
-
-
-def stack(uri: str, kind: str):
-    return build_local({"store": uri, "model": MODEL.model_dump(), "router": {"max_chunks": 3},
-                        "generator": {"engine": {"kind": kind, "max_batch_size": 4, "max_kv_nbytes": 256 << 20}},
-                        "ingress": {"default_top_k": 2}})
-
-
-@pytest.fixture(scope="module")
-def stacks(store_uri):
-    qvpic, vllm = stack(store_uri, "qvpic"), stack(store_uri, "vllm")
-    yield qvpic, vllm
-    qvpic.close()
-    vllm.close()
 
 
 def answers(stacks, **fields):
