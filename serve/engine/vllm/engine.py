@@ -167,16 +167,19 @@ class VllmEngine(Engine):
                 self._finish(request_id, seq, End.CANCELLED if seq.cancelled else End.DEADLINE)
 
     def _deliver(self, outputs) -> None:
-        now = time.monotonic()
+        now = time.monotonic()  # Sequence.submitted_at's clock
         for output in outputs:
             if output.request_id not in self._running:
                 continue
             seq = self._running[output.request_id][0]
             completion = output.outputs[0]
+            elapsed_ms = (now - seq.submitted_at) * 1e3
             if not seq.token_ids and seq.status is Status.WAITING:  # its first tokens: the prompt's accounting
                 seq.status = Status.RUNNING
-                seq.prefill_ms = (now - seq.submitted_at) * 1e3 - seq.reanchor_ms
+                seq.prefill_ms = elapsed_ms - seq.reanchor_ms  # vLLM's queue and prefill, and the claim's load
                 seq.prefix_cached_tokens = output.num_cached_tokens or 0
+            else:
+                seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
             for i, token in enumerate(completion.token_ids):
                 if token in self.end_ids:
                     self._finish(output.request_id, seq, End.STOP)

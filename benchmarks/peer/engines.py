@@ -1,0 +1,124 @@
+"""The two engines side by side, in one process on one store: vLLM alone, qvpic's engine, qvpic on vLLM.
+
+    .venv-vllm/bin/python -m benchmarks.peer.engines            # bench-qwen, float32 (~10 min on 2 cores)
+    .venv-vllm/bin/python -m benchmarks.peer.engines --quick    # fewer requests and rounds
+
+Needs the vLLM engine's venv (`make install-vllm`). A store of 8 synthetic chunks (benchmarks/tools/ttft_store.py)
+is served by two in-process stacks (serve.build_local), one per `generator.engine.kind`:
+- **vLLM alone**: vLLM's engine computes the whole prompt, the chunks as their pages (full_image on the vLLM stack:
+  vLLM's own prefix caching on, salted apart from the linked requests' blocks);
+- **qvpic's engine**: qvpic mode on the qvpic stack;
+- **qvpic on vLLM**: qvpic mode on the vLLM stack (the connector supplies the template prefix and the chunks).
+TTFT = route + load + generate with one new token, each request alone. Workloads, each request naming 4 of the 8
+chunks: *reordered* (a random order each time: a prefix cache keeps little), *zipf* (chunks drawn by Zipf
+popularity, s = 1.1), *identical* (one request again and again). The three sides take each request in an order
+shuffled per request, after a warm-up; figures are medians. Decode: 16 requests at once, 32 new tokens each,
+tokens/s of their decode steps (the engines' own timers) — vLLM alone against qvpic on vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+
+from benchmarks.tools import ttft_store
+from benchmarks.tools.machine import machine_line
+from jobs.help import HelpFormatter
+from pipeline.eval import markdown_table, write_section
+from schemas.api import AnswerRequest
+from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from serve import build_local
+
+SIDES = ("vLLM alone", "qvpic's engine", "qvpic on vLLM")
+CHUNKS, PER_REQUEST, ZIPF_S = 8, 4, 1.1
+
+
+def stack(uri: str, model: ModelSpec, kind: str):
+    return build_local({"store": uri, "model": model.model_dump(), "router": {"max_chunks": PER_REQUEST},
+                        "ingress": {"default_top_k": PER_REQUEST},
+                        "generator": {"engine": {"kind": kind, "max_batch_size": 16, "max_kv_nbytes": 2 << 30}}})
+
+
+def workloads(chunk_ids: tuple[str, ...], count: int, rng: random.Random) -> dict[str, list[list[str]]]:
+    weights = [1 / (i + 1) ** ZIPF_S for i in range(len(chunk_ids))]
+
+    def zipf() -> list[str]:
+        picked: list[str] = []
+        while len(picked) < PER_REQUEST:
+            c = rng.choices(chunk_ids, weights)[0]
+            picked += [c] if c not in picked else []
+        return picked
+
+    return {"reordered": [rng.sample(chunk_ids, PER_REQUEST) for _ in range(count)],
+            "zipf": [zipf() for _ in range(count)],
+            "identical": [list(chunk_ids[:PER_REQUEST])] * count}
+
+
+def ttft_ms(side_stack, mode: Mode, chunk_ids: list[str], query: str) -> float:
+    request = AnswerRequest(query=query, chunk_ids=chunk_ids, mode=mode, max_new_tokens=1)
+    started = time.perf_counter()
+    asyncio.run(side_stack.answer(request))
+    return (time.perf_counter() - started) * 1e3
+
+
+async def decode_rate(side_stack, mode: Mode, requests: list[list[str]], query: str) -> float:
+    """Decoded tokens per second of decode time, 16 requests at once (each request's own decode timer)."""
+    answers = await asyncio.gather(*(side_stack.answer(AnswerRequest(query=query, chunk_ids=c, mode=mode,
+                                                                     max_new_tokens=32)) for c in requests))
+    tokens = sum(a.report.usage.completion_tokens - 1 for a in answers)
+    return tokens / (max(a.report.timings.decode_ms for a in answers) / 1e3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default="bench-qwen")
+    parser.add_argument("--requests", type=int, default=12, help="requests per workload")
+    parser.add_argument("--quick", action="store_true", help="5 requests per workload")
+    parser.add_argument("--seed", type=int, default=58)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    count = 5 if args.quick else args.requests
+    model = ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="qvpic-engines-") as folder:
+        store = ttft_store.build(folder, model, RenderSpec(), chunk_tokens=96, num_chunks=CHUNKS)
+        qvpic, on_vllm = stack(folder, model, "qvpic"), stack(folder, model, "vllm")
+        sides = {SIDES[0]: (on_vllm, Mode.FULL_IMAGE), SIDES[1]: (qvpic, Mode.QVPIC),
+                 SIDES[2]: (on_vllm, Mode.QVPIC)}
+        for side_stack, mode in sides.values():  # warm-up: every side's first request pays its start
+            for chunk_ids in workloads(store.chunk_ids, 2, random.Random(0))["reordered"]:
+                ttft_ms(side_stack, mode, chunk_ids, store.query)
+        rows, medians = [], {}
+        for name, requests in workloads(store.chunk_ids, count, rng).items():
+            for s in (qvpic, on_vllm):
+                s.generator.clear_prefix_cache()
+            times: dict[str, list[float]] = {side: [] for side in SIDES}
+            for chunk_ids in requests:
+                for side in rng.sample(SIDES, len(SIDES)):
+                    times[side].append(ttft_ms(*sides[side], chunk_ids, store.query))
+            medians[name] = {side: statistics.median(t) for side, t in times.items()}
+            alone = medians[name][SIDES[0]]
+            rows.append([name] + [f"{medians[name][side]:.0f}" + ("" if side == SIDES[0] else
+                                                                  f" ({medians[name][side] / alone:.2f}×)")
+                                  for side in SIDES])
+        decode = {side: asyncio.run(decode_rate(*sides[side], [rng.sample(store.chunk_ids, PER_REQUEST)
+                                                                  for _ in range(16)], store.query))
+                  for side in (SIDES[0], SIDES[2])}
+    body = (f"Machine: {machine_line()}. {args.model} float32; {CHUNKS} chunks of ~96 tokens, {PER_REQUEST} per "
+            f"request; {count} requests per workload, each alone, one new token; the sides in an order shuffled per "
+            f"request; medians. TTFT ms (ratio to vLLM alone):\n\n"
+            + markdown_table(["workload", *SIDES], rows)
+            + f"\n\nDecode, 16 requests at once, 32 new tokens: vLLM alone {decode[SIDES[0]]:.0f} tokens/s, qvpic on "
+              f"vLLM {decode[SIDES[2]]:.0f} tokens/s ({decode[SIDES[2]] / decode[SIDES[0]]:.2f}×).\n")
+    print(body)
+    if not args.no_write:
+        print(write_section("engines", "The two engines side by side: vLLM alone, qvpic's engine, qvpic on vLLM",
+                            ".venv-vllm/bin/python -m benchmarks.peer.engines", body))
+
+
+if __name__ == "__main__":
+    main()
