@@ -28,8 +28,7 @@ def answer_report(plan: Plan, context: Context, seq: Sequence, query_tokens: int
     vision_tokens = sum(c.vision_tokens for c in chunks)
     context_tokens = seq.num_prompt_tokens - query_tokens  # as prefilled (the engine sets it)
     cached = seq.prefix_cached_tokens  # then the chunks linked after the cached run (none online)
-    if seq.resumed is not None:
-        cached += seq.resumed.linked_tokens
+    cached += seq.resumed.linked_tokens if seq.resumed is not None else seq.linked_tokens
     usage = TokenUsage(
         context_tokens=context_tokens, context_vision_tokens=vision_tokens,
         context_text_tokens=context_tokens - vision_tokens, cached_tokens=cached,

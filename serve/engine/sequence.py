@@ -69,6 +69,7 @@ class Sequence:
     # its first token (shared with the requests prefilled beside it), and its decode steps.
     resumed: Any = None  # pipeline.runtime.Resumed of a linked prompt: what the prefix cache held, its block keys
     prefix_cached_tokens: int = 0  # prompt columns whose KV came from the prefix cache
+    linked_tokens: int = 0  # vLLM's engine: prompt columns its connector wrote (qvpic's counts them in `resumed`)
     prompt_logits: Any = None  # `[vocab]` tensor: the logits its prompt's last column gave, until its blocks are kept
     queue_ms: float = 0.0  # submitted until its prefill began
     reanchor_ms: float = 0.0

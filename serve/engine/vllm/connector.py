@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 CLAIM_KEY = "qvpic_claim"  # the request's kv_transfer_params entry naming its claim
+REQUEST_KEY = "qvpic_request"  # and the request id the engine gave it (vLLM suffixes its own internal one)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -44,7 +45,8 @@ class Claim:
     """What the connector may supply for one request: the first `num_tokens` prompt tokens' KV."""
 
     kv: torch.Tensor  # [layers, 2, kv_heads, num_tokens, head_dim] in the model's dtype
-    loaded_tokens: int = 0  # tokens the worker wrote (vLLM's own prefix cache held the ones before)
+    # per vLLM request id: the columns the worker wrote, [start, end) (vLLM's own prefix cache held those before)
+    loads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +84,7 @@ class Load:
     """One request's load in one step: claim columns `[start, end)` into `slots` (one per column)."""
 
     key: str
+    request_id: str  # the engine's id for it (vLLM's external request id)
     start: int
     end: int
     slots: torch.Tensor  # [end - start] int64: block_id * block_size + offset
@@ -105,7 +108,7 @@ class QvpicConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        self._pending: dict[str, tuple[str, int, int]] = {}  # request id -> (claim key, start, end)
+        self._pending: dict[str, tuple[str, str, int, int]] = {}  # internal id -> (claim key, engine's id, start, end)
         self._layers: dict[str, int] = {}  # worker: attention layer name -> its decoder layer index
 
     # ---- scheduler side --------------------------------------------------------------------------------
@@ -120,17 +123,19 @@ class QvpicConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            key = request.kv_transfer_params[CLAIM_KEY]
+            params = request.kv_transfer_params
             start = request.num_computed_tokens  # vLLM's own prefix-cache hit
-            self._pending[request.request_id] = (key, start, start + num_external_tokens)
+            self._pending[request.request_id] = (params[CLAIM_KEY], params.get(REQUEST_KEY, request.request_id),
+                                                 start, start + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = QvpicConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             pending = self._pending.pop(new.req_id, None)
             if pending is not None:
-                key, start, end = pending
-                meta.loads.append(Load(key, start, end, slots_of(new.block_ids[0], self.block_size, start, end)))
+                key, request_id, start, end = pending
+                meta.loads.append(Load(key, request_id, start, end,
+                                       slots_of(new.block_ids[0], self.block_size, start, end)))
         self._pending.clear()  # a request preempted before its first step recomputes (it is not reloaded)
         return meta
 
@@ -158,7 +163,7 @@ class QvpicConnector(KVConnectorBase_V1):
                     slots = load.slots.to(layer.kv_cache.device, non_blocking=True)
                 keys, values = (source[index, i].to(layer.kv_cache.device, non_blocking=True) for i in (0, 1))
                 layer.impl.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), layer.kv_cache, slots)
-            claim.loaded_tokens = load.end - load.start
+            claim.loads[load.request_id] = (load.start, load.end)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer was written in start_load_kv, before the forward

@@ -29,7 +29,7 @@ from schemas.errors import BusyError, InvalidRequestError, TooLargeError  # noqa
 from serve.engine.interface import Engine, EngineStats  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
 from serve.engine.stops import StopMatcher  # noqa: E402
-from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, Claim  # noqa: E402
+from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, REQUEST_KEY, Claim  # noqa: E402
 from serve.engine.vllm.prompt import check, refuse, vllm_prompt  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class VllmEngine(Engine):
         self._work = threading.Condition()
         self._added: deque[Sequence] = deque()
         self._running: dict[str, tuple[Sequence, str]] = {}  # vLLM request id -> (member, its claim's key)
+        self._clear_asked = False  # clear_prefix_cache waits for the engine's thread to reset vLLM's
         self.forward_threads = 0
         self.end_ids = set(vlm.adapter.end_of_turn_ids)
         if start:
@@ -95,9 +96,12 @@ class VllmEngine(Engine):
                 self._work.notify()
 
     def clear_prefix_cache(self, timeout_s: float = 10.0) -> None:
+        """vLLM's prefix cache reset on the engine's thread (vLLM is not thread-safe), once nothing is in flight."""
         with self._work:
-            self._work.wait_for(lambda: not self._running and not self._added, timeout=timeout_s)
-            self.engine.reset_prefix_cache()
+            self._clear_asked = True
+            self._work.notify_all()
+            if not self._work.wait_for(lambda: not self._clear_asked, timeout=timeout_s):
+                raise TimeoutError(f"requests still in flight after {timeout_s} s: the prefix cache was not cleared")
 
     def stats(self) -> EngineStats:
         with self._work:
@@ -111,8 +115,12 @@ class VllmEngine(Engine):
         self.forward_threads = torch.get_num_threads()
         while True:
             with self._work:
-                while not (self._added or self._running):
+                while not (self._added or self._running or self._clear_asked):
                     self._work.wait()
+                if self._clear_asked and not self._running:  # before what was added since: it finds a cold cache
+                    self.engine.reset_prefix_cache()
+                    self._clear_asked = False
+                    self._work.notify_all()
                 added = list(self._added)
                 self._added.clear()
             for seq in added:
@@ -146,6 +154,7 @@ class VllmEngine(Engine):
         salt = (b"linked:" if prompt.claim_kv is not None else b"online:") + seq.context.salt
         for member in seq.members:
             sampling = member.sampling
+            request_id = f"{key}-{member.id}"
             member.num_prompt_tokens, member.reanchor_ms = prompt.num_tokens, reanchor_ms
             params = SamplingParams(
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
@@ -153,8 +162,8 @@ class VllmEngine(Engine):
                 frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias) or None,
                 logprobs=sampling.logprobs, stop_token_ids=sorted(self.end_ids), skip_special_tokens=False,
                 output_kind=RequestOutputKind.DELTA, detokenize=False,
-                extra_args={"kv_transfer_params": {CLAIM_KEY: key}} if prompt.claim_kv is not None else None)
-            request_id = f"{key}-{len(self._running)}-{member.id}"
+                extra_args={"kv_transfer_params": {CLAIM_KEY: key, REQUEST_KEY: request_id}}
+                if prompt.claim_kv is not None else None)
             self.engine.add_request(request_id, {**prompt.prompt, "cache_salt": salt.hex()}, params)
             with self._work:
                 self._running[request_id] = (member, key)
@@ -177,7 +186,11 @@ class VllmEngine(Engine):
             if not seq.token_ids and seq.status is Status.WAITING:  # its first tokens: the prompt's accounting
                 seq.status = Status.RUNNING
                 seq.prefill_ms = elapsed_ms - seq.reanchor_ms  # vLLM's queue and prefill, and the claim's load
-                seq.prefix_cached_tokens = output.num_cached_tokens or 0
+                # vLLM counts its own prefix-cache hits and the connector's load together
+                claim = CLAIMS.get(self._running[output.request_id][1])
+                start, end = claim.loads.get(output.request_id, (0, 0)) if claim is not None else (0, 0)
+                seq.linked_tokens = end - start
+                seq.prefix_cached_tokens = (output.num_cached_tokens or 0) - seq.linked_tokens
             else:
                 seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
             for i, token in enumerate(completion.token_ids):

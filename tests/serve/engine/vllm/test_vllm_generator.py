@@ -84,3 +84,13 @@ def test_recompute_on_vllms_engine_is_refused_at_start_up(store_uri):
     with pytest.raises(ValueError, match="recompute"):
         build_local({"store": store_uri, "model": MODEL.model_dump(),
                      "generator": {"engine": {"kind": "vllm"}, "recompute": {"kind": "leading"}}})
+
+
+def test_cached_tokens_are_the_claim_on_a_cold_cache(stacks):
+    """usage.cached_tokens counts what was not computed: on a cold prefix cache, the connector's whole claim (the
+    template prefix and the chunks), none of it from vLLM's prefix cache (vLLM reports the two as one count)."""
+    _, on_vllm = stacks
+    on_vllm.generator.clear_prefix_cache()
+    usage = asyncio.run(on_vllm.answer(AnswerRequest(query=QUERY, top_k=2, max_new_tokens=2))).report.usage
+    assert usage.prefix_cached_tokens == 0
+    assert usage.cached_tokens == usage.context_tokens > 0
