@@ -37,7 +37,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
     # the answer is constrained to this Lark grammar (llguidance's dialect: a JSON schema's, or a forced tool
-    # call's; serve/engine/qvpic/grammar.py); `grammar_param` is the request field a grammar that does not compile names
+    # call's; serve/engine/grammar.py); `grammar_param` is the request field a grammar that does not compile names
     grammar: str | None = None
     grammar_param: str = "response_format"
     n: int = 1  # choices: one prefill, then n rows decoded in the batch (serve/engine/qvpic/engine.py forks)

@@ -7,7 +7,7 @@ the model writes calls in: Qwen2.5's "hermes" form, which vLLM's `hermes` tool p
 
 one block per call, blocks separated by a newline. Everything that knows this format is here, so the prompt (the
 tool block in the system message, earlier calls in the history: pipeline/runtime/conversation.py), the grammar
-that forces a call (`call_grammar`, compiled by llguidance in serve/engine/qvpic/grammar.py) and the parser of the
+that forces a call (`call_grammar`, compiled by llguidance in serve/engine/grammar.py) and the parser of the
 answer (`parse_calls`, `CallStream`) cannot disagree.
 """
 

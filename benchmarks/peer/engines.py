@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=58)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit("benchmarks.peer.engines needs vLLM: run it with .venv-vllm/bin/python (`make install-vllm`)")
     count = 5 if args.quick else args.requests
     model = ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
     rng = random.Random(args.seed)

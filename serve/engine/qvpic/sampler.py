@@ -1,6 +1,6 @@
 """One sequence's next token from its logits row, and whether the token ends it: the request's decoding controls
 applied in order — penalties and logit bias (pipeline/runtime/sampling.py), the JSON-schema grammar's mask
-(serve/engine/qvpic/grammar.py), greedy or seeded sampling — then the endings a token can cause (end of turn, a
+(serve/engine/grammar.py), greedy or seeded sampling — then the endings a token can cause (end of turn, a
 completed grammar or stop string, max_new_tokens). The engine (serve/engine/qvpic/engine.py) calls it for every row of
 every step; each sequence's seeded sampler lives here until the sequence leaves."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.runtime import VLM, adjust_logits, select_token, token_logprobs
-from serve.engine.qvpic.grammar import Grammars, advance
+from serve.engine.grammar import Grammars, advance
 from serve.engine.sequence import End, Sequence
 
 

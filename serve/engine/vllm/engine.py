@@ -8,13 +8,15 @@ connector on both sides share the claims registry (serve/engine/vllm/connector.p
          → step     vLLM's own step: schedule, load the claimed KV, forward, sample
          → deliver  each request's new tokens to its `Sequence`; stops, deadlines and the end of its turn finish it
 
-Sampling is vLLM's (temperature, top_p, seed, penalties, logit bias, logprobs); stop strings are qvpic's matcher
-over the decoded text, as on qvpic's engine, so both engines cut answers alike. `n` choices are `n` vLLM requests
+Sampling is vLLM's (temperature, top_p, seed, penalties, logit bias, logprobs); structured output is vLLM's guidance
+backend on the Lark grammar qvpic's engine would use (llguidance both); stop strings are qvpic's matcher over the
+decoded text, as on qvpic's engine, so both engines cut answers alike. `n` choices are `n` vLLM requests
 over one prompt: the first prefills, the others find its blocks in vLLM's prefix cache.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -26,11 +28,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector's 
 from pipeline.runtime import VLM  # noqa: E402
 from schemas.config import EngineConfig  # noqa: E402
 from schemas.errors import BusyError, InvalidRequestError, TooLargeError  # noqa: E402
+from serve.engine.grammar import Grammars  # noqa: E402
 from serve.engine.interface import Engine, EngineStats  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
 from serve.engine.stops import StopMatcher  # noqa: E402
 from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, REQUEST_KEY, Claim  # noqa: E402
-from serve.engine.vllm.prompt import check, refuse, vllm_prompt  # noqa: E402
+from serve.engine.vllm.prompt import check, vllm_prompt  # noqa: E402
 
 log = logging.getLogger(__name__)
 MAX_MODEL_LEN = 32768  # tokens: prompt and answer, capped by the checkpoint's own
@@ -46,6 +49,7 @@ def engine_args(vlm: VLM, config: EngineConfig) -> dict:
                 enable_mm_embeds=True, limit_mm_per_prompt={"image": 64, "video": 0},
                 mm_processor_kwargs={"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
                 distributed_executor_backend="uni",
+                structured_outputs_config={"backend": "guidance"},  # llguidance, as qvpic's engine: the same grammars
                 kv_transfer_config={"kv_connector": "QvpicConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "serve.engine.vllm.connector"})
 
@@ -76,8 +80,8 @@ class VllmEngine(Engine):
         engine serves, naming it), TooLargeError (past the model's length), BusyError (the queue is full)."""
         check(seq.context)
         for member in seq.members:
-            if member.sampling.grammar is not None:
-                raise refuse("structured output (response_format, tools)", member.sampling.grammar_param)
+            if member.sampling.grammar is not None:  # a grammar llguidance cannot compile: a 400 naming its field
+                self.grammars.matcher(member.sampling.grammar, member.sampling.grammar_param)
             if member.sampling.stop:
                 member.stops = StopMatcher(self.vlm.tokenizer, member.sampling.stop)
         if seq.max_columns > self.engine.vllm_config.model_config.max_model_len:
@@ -88,6 +92,12 @@ class VllmEngine(Engine):
                 raise BusyError("the generator's queue is full")
             self._added.append(seq)
             self._work.notify()
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """llguidance's view of the tokenizer, to refuse a bad grammar before anything is queued (vLLM's guidance
+        backend compiles the same Lark text again for decoding)."""
+        return Grammars(self.vlm.tokenizer, self.vlm.vocab_size, self.vlm.adapter.end_of_turn_ids)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is not Status.FINISHED:
@@ -137,7 +147,7 @@ class VllmEngine(Engine):
 
     def _submit(self, seq: Sequence) -> None:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         started = time.perf_counter()
         try:
@@ -162,6 +172,7 @@ class VllmEngine(Engine):
                 frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias) or None,
                 logprobs=sampling.logprobs, stop_token_ids=sorted(self.end_ids), skip_special_tokens=False,
                 output_kind=RequestOutputKind.DELTA, detokenize=False,
+                structured_outputs=StructuredOutputsParams(grammar=sampling.grammar) if sampling.grammar else None,
                 extra_args={"kv_transfer_params": {CLAIM_KEY: key, REQUEST_KEY: request_id}}
                 if prompt.claim_kv is not None else None)
             self.engine.add_request(request_id, {**prompt.prompt, "cache_salt": salt.hex()}, params)

@@ -232,10 +232,14 @@ def test_a_claim_is_dropped_when_its_request_ends(engine, vlm, compiled, pages):
 
 
 def test_what_only_qvpics_engine_serves_is_a_400_naming_it(engine, vlm, compiled, pages):
+    """Chunks in two user turns: the second group would sit after text vLLM computes, which the connector cannot
+    supply. Refused before anything is queued, naming the field."""
     _, request = requests_with({1})[0]
     context = linked(vlm, compiled, pages, request)
-    seq = Sequence(Sampling(grammar='{"type": "object"}'), context, context.num_prompt_tokens,
-                   context.num_query_tokens, emit=lambda e: None)
+    prompt = context.prompt
+    context.prompt = LinkedPrompt([prompt.texts[0], PreparedSegment([1, 2]), prompt.texts[1]],
+                                  [prompt.groups[0], prompt.groups[0]], [prompt.identities[0], prompt.identities[0]])
+    seq = Sequence(Sampling(), context, context.num_prompt_tokens, context.num_query_tokens, emit=lambda e: None)
     with pytest.raises(Exception, match="qvpic's engine only") as error:
         engine.add(seq)
-    assert getattr(error.value, "param", None) == "response_format"
+    assert getattr(error.value, "param", None) == "history_chunks"

@@ -10,6 +10,7 @@ Runs where vLLM imports (`make test-vllm`); skipped elsewhere.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -72,11 +73,31 @@ def test_n_seeded_choices_are_each_reproducible(stacks):
     assert len(set(texts)) > 1  # seeds seed + i: the choices differ
 
 
-def test_structured_output_is_refused_by_name_on_vllms_engine(stacks):
+SCHEMA = {"type": "object", "properties": {"part": {"type": "string", "maxLength": 6}, "day": {"enum": [3, 12]}},
+          "required": ["part", "day"], "additionalProperties": False}
+
+
+def test_structured_output_is_valid_json_of_the_schema_on_vllms_engine(stacks):
+    """vLLM's guidance backend decodes under the grammar qvpic's engine builds: the answer is JSON of the schema
+    whatever the weights. Control: the same request unconstrained is not."""
     _, on_vllm = stacks
-    request = AnswerRequest(query=QUERY, top_k=1, max_new_tokens=8, response_format={"type": "json_object"})
-    with pytest.raises(InvalidRequestError, match="qvpic's engine only") as error:
-        asyncio.run(on_vllm.answer(request))
+    fmt = {"type": "json_schema", "json_schema": {"name": "shipping", "schema": SCHEMA}}
+    request = AnswerRequest(query=QUERY, top_k=1, max_new_tokens=48, response_format=fmt)
+    answer = asyncio.run(on_vllm.answer(request))
+    assert answer.report.finish_reason == "stop", answer.text
+    value = json.loads(answer.text)
+    assert set(value) == {"part", "day"} and value["day"] in (3, 12) and len(value["part"]) <= 6
+    plain = asyncio.run(on_vllm.answer(AnswerRequest(query=QUERY, top_k=1, max_new_tokens=48)))
+    with pytest.raises(ValueError):
+        json.loads(plain.text)
+
+
+def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(stacks):
+    _, on_vllm = stacks
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/definitions/missing"}}}}}
+    with pytest.raises(InvalidRequestError) as error:
+        asyncio.run(on_vllm.answer(AnswerRequest(query=QUERY, top_k=1, max_new_tokens=8, response_format=bad)))
     assert error.value.param == "response_format"
 
 
