@@ -89,3 +89,14 @@ def test_json_object_answers_json_over_http(apps):
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_a_follow_up_turn_answers_as_on_qvpics_engine(apps):
+    """A conversation's second turn: the history is text before the chunks (vLLM's prefix cache may hold its full
+    blocks; the connector supplies the rest of it and the chunks), the question after them."""
+    first = call(apps[0], "/v1/chat/completions", chat_body()).json()["choices"][0]["message"]["content"]
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first},
+                {"role": "user", "content": "And what does the warranty exclude?"}]
+    on_qvpic, on_vllm = (r.json() for r in both(apps, "/v1/chat/completions", chat_body(messages=messages)))
+    assert on_vllm["choices"][0]["message"]["content"] == on_qvpic["choices"][0]["message"]["content"]
+    assert on_vllm["usage"]["prompt_tokens"] == on_qvpic["usage"]["prompt_tokens"]
