@@ -134,7 +134,11 @@ class VllmEngine(Engine):
                 added = list(self._added)
                 self._added.clear()
             for seq in added:
-                self._submit(seq)
+                try:
+                    self._submit(seq)
+                except Exception as error:  # noqa: BLE001  vLLM refused it: it alone fails, the engine goes on
+                    log.exception("vLLM did not take a request; it fails alone")
+                    self._fail_submission(seq, error)
             try:
                 self._retire()
                 if self.engine.has_unfinished_requests():
@@ -178,6 +182,17 @@ class VllmEngine(Engine):
             self.engine.add_request(request_id, {**prompt.prompt, "cache_salt": salt.hex()}, params)
             with self._work:
                 self._running[request_id] = (member, key)
+
+    def _fail_submission(self, seq: Sequence, error: Exception) -> None:
+        """`seq`'s members end FAILED: those vLLM took are aborted there, the claim is dropped."""
+        key = f"qvpic-{seq.id}"
+        for request_id, (member, member_key) in list(self._running.items()):
+            if member_key == key:
+                self.engine.abort_request([request_id])
+                self._finish(request_id, member, End.FAILED, error)
+        for member in seq.members:
+            self._finish(None, member, End.FAILED, error)
+        CLAIMS.drop(key)
 
     def _retire(self) -> None:
         now = time.monotonic()

@@ -243,3 +243,25 @@ def test_what_only_qvpics_engine_serves_is_a_400_naming_it(engine, vlm, compiled
     with pytest.raises(Exception, match="qvpic's engine only") as error:
         engine.add(seq)
     assert getattr(error.value, "param", None) == "history_chunks"
+
+
+def test_a_request_vllm_refuses_fails_alone_and_the_engine_goes_on(engine, vlm, compiled, pages, monkeypatch,
+                                                                   recorded):
+    """vLLM's add_request raising (its own validation) ends that request FAILED with the error — no hang, no dead
+    engine thread — and drops its claim; the next request is answered."""
+    i, request = requests_with({1})[0]
+    real = engine.engine.add_request
+
+    def refuse_once(*args, **kwargs):
+        monkeypatch.setattr(engine.engine, "add_request", real)
+        raise ValueError("vLLM refused it")
+
+    monkeypatch.setattr(engine.engine, "add_request", refuse_once)
+    context = linked(vlm, compiled, pages, request)
+    done, events = threading.Event(), []
+    seq = Sequence(Sampling(max_new_tokens=4), context, context.num_prompt_tokens, context.num_query_tokens,
+                   emit=lambda e: (events.append(e), done.set() if isinstance(e, Finished) else None))
+    engine.add(seq)
+    assert done.wait(60) and seq.end.value == "failed" and "vLLM refused it" in str(events[-1].error)
+    assert len(connector_module.CLAIMS) == 0
+    assert answer(engine, linked(vlm, compiled, pages, request)) == recorded_tokens(recorded, i)
