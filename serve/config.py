@@ -121,6 +121,9 @@ class RouterConfig(StoreBound):
     reload: ReloadSpec = ReloadSpec()  # how it follows the store's published generations
     scan: ScanSpec = ScanSpec()  # how one query searches the vector index
     carry_sources: bool = False  # linked plans carry each chunk's text and page image (recompute needs them)
+    # false on vLLM's engine, whose connector supplies one group of chunks: a conversation's earlier user messages
+    # then retrieve nothing (their text stays), whatever a request's `history_chunks` says (docs/DEPLOY.md, Engines)
+    history_chunks: bool = True
     query_cache_entries: int = Field(4096, ge=0)  # query vectors remembered per router replica, keyed per tenant
     # threads of a query's embedding forward (None: the replica's torch threads, 1 for a fractional CPU); 2 took a
     # new query's route from 11.3 to 7.8 ms p50 (docs/BENCHMARKS.md `routing`): give the replica the cores
@@ -192,7 +195,8 @@ def renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
 # The top-level fields each role gets a copy of; a role section may not set them itself.
 SHARED = {"router": ("store", "model", "reload", "hmac_key_file"), "loader": ("store", "reload"),
           "generator": ("store", "model", "images_root")}
-DERIVED = {"router": ("carry_sources",)}  # router.carry_sources = generator.recompute.enabled
+# router.carry_sources = generator.recompute.enabled; router.history_chunks = the generator's engine takes them
+DERIVED = {"router": ("carry_sources", "history_chunks")}
 
 
 class AppConfig(StoreBound):
@@ -243,12 +247,15 @@ class AppConfig(StoreBound):
             recompute = RecomputeSpec.model_validate(sections["generator"].get("recompute", RecomputeSpec()))
         except ValidationError:
             recompute = RecomputeSpec()  # the generator section's own validation reports it
-        derived = {"carry_sources": recompute.enabled}
+        engine = sections["generator"].get("engine") or {}
+        kind = engine.get("kind", EngineKind.QVPIC) if isinstance(engine, Mapping) else getattr(engine, "kind", None)
+        derived = {"carry_sources": recompute.enabled, "history_chunks": kind not in (EngineKind.VLLM, "vllm")}
         for role, section in sections.items():
             if repeated := sorted(set(section) & set(SHARED[role])):
                 raise ValueError(f"{role}: set {repeated} once, at the top level, for every role")
             if repeated := sorted(set(section) & set(DERIVED.get(role, ()))):
-                raise ValueError(f"{role}: {repeated} follow generator.recompute; set that instead")
+                raise ValueError(f"{role}: {repeated} follow the generator section (recompute, engine.kind); set "
+                                 "that instead")
             data[role] = {**section, **{n: shared[n] for n in SHARED[role] if n in shared},
                           **{n: derived[n] for n in DERIVED.get(role, ())}}
         return data

@@ -135,7 +135,7 @@ class Router:
         named = request.chunk_ids is not None or request.doc_ids is not None
         if not named and request.top_k == 0:
             return [""]
-        if request.messages is None or named or not request.history_chunks:
+        if request.messages is None or named or not (request.history_chunks and self.config.history_chunks):
             return [request.query]
         earlier = [m.text()[:MAX_QUERY_CHARS] for m in request.messages if m.role == "user"][:-1]
         return earlier + [request.query]

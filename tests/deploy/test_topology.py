@@ -71,3 +71,28 @@ def test_a_config_written_before_the_rename_still_dispatches_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert AppConfig.model_validate(args).dispatch is Dispatch.AFFINITY
+
+
+def test_the_engine_kind_decides_whether_history_turns_retrieve():
+    """vLLM's engine takes one group of chunks (its connector supplies a prompt prefix): on it a conversation's
+    earlier user messages retrieve nothing, whatever the request says; qvpic's engine keeps them. `qvpic serve
+    --engine vllm` sets it; the router section cannot."""
+    from types import SimpleNamespace
+
+    from schemas.api import AnswerRequest
+    from serve.routing.router import Router
+
+    def derived(*flags: str) -> AppConfig:
+        return app_args(parser().parse_args(["--store", "/tmp/s", "--model", "tiny-qwen", *flags]))
+
+    assert derived().router.history_chunks and derived("--engine", "qvpic").router.history_chunks
+    vllm = derived("--engine", "vllm")
+    assert vllm.generator.engine.kind.value == "vllm" and not vllm.router.history_chunks
+    with pytest.raises(ValueError, match="history_chunks"):
+        AppConfig.model_validate({"store": "/tmp/s", "model": {"path": "tiny-qwen"},
+                                  "router": {"history_chunks": False}})
+    messages = [{"role": "user", "content": "Which invoice?"}, {"role": "assistant", "content": "4471."},
+                {"role": "user", "content": "When does it ship?"}]
+    request = AnswerRequest(query="When does it ship?", messages=messages, top_k=2)
+    groups = [Router.group_queries(SimpleNamespace(config=config.router), request) for config in (derived(), vllm)]
+    assert groups == [["Which invoice?", "When does it ship?"], ["When does it ship?"]]

@@ -100,3 +100,16 @@ def test_a_follow_up_turn_answers_as_on_qvpics_engine(apps):
     on_qvpic, on_vllm = (r.json() for r in both(apps, "/v1/chat/completions", chat_body(messages=messages)))
     assert on_vllm["choices"][0]["message"]["content"] == on_qvpic["choices"][0]["message"]["content"]
     assert on_vllm["usage"]["prompt_tokens"] == on_qvpic["usage"]["prompt_tokens"]
+
+
+def test_a_retrieving_conversation_answers_on_vllm_with_its_history_as_text(apps, stacks):
+    """A chat that retrieves (no chunks named) over three messages: on vLLM's engine the earlier user message
+    retrieves nothing (router.history_chunks follows the engine), so the plan has one group and the answer is a 200,
+    not the 400 an engine that cannot take a second group would give."""
+    assert not stacks[1].config.router.history_chunks and stacks[0].config.router.history_chunks
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "On 12 March."},
+                {"role": "user", "content": "And what does the warranty exclude?"}]
+    body = {"model": "qvpic", "messages": messages, "max_tokens": 6, "temperature": 0}
+    response = call(apps[1], "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert {c["group"] for c in response.json()["qvpic"]["chunks"]} == {0}
