@@ -73,7 +73,7 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-test: install-dev lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~30 min on 2 cores)
+test: install-dev lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~32 min on 2 cores)
 	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider
 	$(MAKE) test-vllm
 
