@@ -39,7 +39,9 @@ SIDES = ("vLLM alone", "qvpic's engine", "qvpic on vLLM")
 READING = ("In-process, not over HTTP (HTTP adds the same hop to every side). Identical requests: qvpic's engine keeps "
            "a whole prompt's KV and its last logits, so a repeat runs no forward; on vLLM's engine the connector's "
            "claim is assembled again and vLLM prefills the tokens past its last full block (128 tokens on the CPU "
-           "backend). Decode is vLLM's own in both vLLM columns: the connector costs it nothing.\n")
+           "backend). Decode is vLLM's own in both vLLM columns: the connector costs it nothing. On the vLLM-alone "
+           "side, reanchor is building the prompt: qvpic's own processor expands the pages to lay them out before "
+           "vLLM processes them again, a cost vLLM served alone would not pay.\n")
 CHUNKS, PER_REQUEST, ZIPF_S = 8, 4, 1.1
 
 
@@ -64,11 +66,19 @@ def workloads(chunk_ids: tuple[str, ...], count: int, rng: random.Random) -> dic
             "identical": [list(chunk_ids[:PER_REQUEST])] * count}
 
 
-def ttft_ms(side_stack, mode: Mode, chunk_ids: list[str], query: str) -> float:
+PHASES = ("route_ms", "load_ms", "render_ms", "reanchor_ms", "prefill_ms")  # the report's own timers
+
+
+def ttft_ms(side_stack, mode: Mode, chunk_ids: list[str], query: str,
+            phases: dict[str, list[float]] | None = None) -> float:
+    """Wall time of one request with one new token; each phase's own time appended to `phases`."""
     request = AnswerRequest(query=query, chunk_ids=chunk_ids, mode=mode, max_new_tokens=1)
     started = time.perf_counter()
-    asyncio.run(side_stack.answer(request))
-    return (time.perf_counter() - started) * 1e3
+    answer = asyncio.run(side_stack.answer(request))
+    elapsed = (time.perf_counter() - started) * 1e3
+    for phase in PHASES if phases is not None else ():
+        phases.setdefault(phase, []).append(getattr(answer.report.timings, phase) or 0.0)
+    return elapsed
 
 
 async def decode_rate(side_stack, mode: Mode, requests: list[list[str]], query: str) -> float:
@@ -101,13 +111,15 @@ def main(argv: list[str] | None = None) -> None:
             for chunk_ids in workloads(store.chunk_ids, 2, random.Random(0))["reordered"]:
                 ttft_ms(side_stack, mode, chunk_ids, store.query)
         rows, medians = [], {}
+        phases: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}  # reordered requests, by phase
         for name, requests in workloads(store.chunk_ids, count, rng).items():
             for s in (qvpic, on_vllm):
                 s.generator.clear_prefix_cache()
             times: dict[str, list[float]] = {side: [] for side in SIDES}
             for chunk_ids in requests:
                 for side in rng.sample(SIDES, len(SIDES)):
-                    times[side].append(ttft_ms(*sides[side], chunk_ids, store.query))
+                    times[side].append(ttft_ms(*sides[side], chunk_ids, store.query,
+                                               phases[side] if name == "reordered" else None))
             medians[name] = {side: statistics.median(t) for side, t in times.items()}
             alone = medians[name][SIDES[0]]
             rows.append([name] + [f"{medians[name][side]:.0f}" + ("" if side == SIDES[0] else
@@ -120,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             f"request; {count} requests per workload, each alone, one new token; the sides in an order shuffled per "
             f"request; medians. TTFT ms (ratio to vLLM alone):\n\n"
             + markdown_table(["workload", *SIDES], rows)
+            + "\n\nWhere the reordered requests' time goes (ms, medians of each phase's own timer; prefill on vLLM's "
+              "engine is its queue, the claim's load and the prefill):\n\n"
+            + markdown_table(["side", *(p.removesuffix("_ms") for p in PHASES)],
+                             [[side] + [f"{statistics.median(phases[side][p]):.1f}" for p in PHASES] for side in SIDES])
             + f"\n\nDecode, 16 requests at once, 32 new tokens: vLLM alone {decode[SIDES[0]]:.0f} tokens/s, qvpic on "
               f"vLLM {decode[SIDES[2]]:.0f} tokens/s ({decode[SIDES[2]] / decode[SIDES[0]]:.2f}×).\n\n" + READING)
     print(body)
