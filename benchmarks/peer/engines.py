@@ -12,7 +12,9 @@ is served by two in-process stacks (serve.build_local), one per `generator.engin
 TTFT = route + load + generate with one new token, each request alone. Workloads, each request naming 4 of the 8
 chunks: *reordered* (a random order each time: a prefix cache keeps little), *zipf* (chunks drawn by Zipf
 popularity, s = 1.1), *identical* (one request again and again). The three sides take each request in an order
-shuffled per request, after a warm-up; figures are medians. Decode: 16 requests at once, 32 new tokens each,
+shuffled per request, after a warm-up; figures are medians. *Follow-up turn*: a conversation's second turn
+(the first turn's question and the side's own answer as history, 4 new chunks, a new question) after its first.
+Decode: 16 requests at once, 32 new tokens each,
 tokens/s of their decode steps (the engines' own timers) — vLLM alone against qvpic on vLLM.
 """
 
@@ -41,7 +43,10 @@ READING = ("In-process, not over HTTP (HTTP adds the same hop to every side). Id
            "claim is assembled again and vLLM prefills the tokens past its last full block (128 tokens on the CPU "
            "backend). Decode is vLLM's own in both vLLM columns: the connector costs it nothing. On the vLLM-alone "
            "side, reanchor is building the prompt: qvpic's own processor expands the pages to lay them out before "
-           "vLLM processes them again, a cost vLLM served alone would not pay.\n")
+           "vLLM processes them again, a cost vLLM served alone would not pay. Follow-up turn on vLLM's engine: its "
+           "claim starts at the template, so the history (a new one each conversation, past any full block vLLM's "
+           "prefix cache holds) is computed first by qvpic's own forward (`VLM.text_kv`, transformers' eager path), "
+           "then vLLM prefills the question: two forwards where qvpic's engine runs one.\n")
 CHUNKS, PER_REQUEST, ZIPF_S = 8, 4, 1.1
 
 
@@ -79,6 +84,22 @@ def ttft_ms(side_stack, mode: Mode, chunk_ids: list[str], query: str,
     for phase in PHASES if phases is not None else ():
         phases.setdefault(phase, []).append(getattr(answer.report.timings, phase) or 0.0)
     return elapsed
+
+
+def follow_up_ms(side_stack, mode: Mode, first: list[str], second: list[str], query: str, index: int) -> float:
+    """A conversation's second turn, each turn naming its own chunks (placed at its user message): turn 1 is
+    answered (its prompt and answer then sit in the engine's prefix cache), then turn 2 — the history as text, new
+    chunks, a new question — is timed as `ttft_ms` times a request."""
+    opening = [{"role": "user", "content": f"{query} ({index})"}]
+    answer = asyncio.run(side_stack.answer(AnswerRequest(query=query, chunk_ids=first, mode=mode, max_new_tokens=8,
+                                                         messages=opening)))
+    messages = [*opening, {"role": "assistant", "content": answer.text or "."},
+                {"role": "user", "content": "And what else does it say?"}]
+    request = AnswerRequest(query="And what else does it say?", chunk_ids=second, mode=mode, max_new_tokens=1,
+                            messages=messages)
+    started = time.perf_counter()
+    asyncio.run(side_stack.answer(request))
+    return (time.perf_counter() - started) * 1e3
 
 
 async def decode_rate(side_stack, mode: Mode, requests: list[list[str]], query: str) -> float:
@@ -125,6 +146,15 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([name] + [f"{medians[name][side]:.0f}" + ("" if side == SIDES[0] else
                                                                   f" ({medians[name][side] / alone:.2f}×)")
                                   for side in SIDES])
+        follow_ups: dict[str, list[float]] = {side: [] for side in SIDES}
+        for i in range(count):
+            first, second = (rng.sample(store.chunk_ids, PER_REQUEST) for _ in range(2))
+            for side in rng.sample(SIDES, len(SIDES)):
+                follow_ups[side].append(follow_up_ms(*sides[side], first, second, store.query, i))
+        follow = {side: statistics.median(t) for side, t in follow_ups.items()}
+        rows.append(["follow-up turn"] + [f"{follow[side]:.0f}" + ("" if side == SIDES[0] else
+                                                                  f" ({follow[side] / follow[SIDES[0]]:.2f}×)")
+                                          for side in SIDES])
         decode = {side: asyncio.run(decode_rate(*sides[side], [rng.sample(store.chunk_ids, PER_REQUEST)
                                                                   for _ in range(16)], store.query))
                   for side in (SIDES[0], SIDES[2])}
