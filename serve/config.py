@@ -249,7 +249,7 @@ class AppConfig(StoreBound):
             recompute = RecomputeSpec()  # the generator section's own validation reports it
         engine = sections["generator"].get("engine") or {}
         kind = engine.get("kind", EngineKind.QVPIC) if isinstance(engine, Mapping) else getattr(engine, "kind", None)
-        derived = {"carry_sources": recompute.enabled, "history_chunks": kind not in (EngineKind.VLLM, "vllm")}
+        derived = {"carry_sources": recompute.enabled, "history_chunks": kind != EngineKind.VLLM}  # a str enum
         for role, section in sections.items():
             if repeated := sorted(set(section) & set(SHARED[role])):
                 raise ValueError(f"{role}: set {repeated} once, at the top level, for every role")

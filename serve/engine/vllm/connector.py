@@ -12,9 +12,9 @@ The two sides, as vLLM splits them:
   FlashAttention keeps `[blocks, block_size, heads, 2·head_dim]` — and this code never spells either out.
 
 Both sides run in the generator's process (vLLM in-process, one worker): `CLAIMS` is how the KV reaches the
-worker without crossing a process boundary. A claim's KV is `[layers, 2, kv_heads, tokens, head_dim]`: the
+worker without crossing a process boundary. A claim's KV is `[layers, 2, tokens, kv_heads, head_dim]`: the
 serving prefix at its own positions, then each chunk with its keys rotated to where it lands
-(pipeline.runtime.kv.assemble, the same re-anchoring qvpic's engine uses).
+(pipeline.runtime.kv.assemble, the same re-anchoring qvpic's engine uses), made token-major once when it is built.
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 class Claim:
     """What the connector may supply for one request: the first `num_tokens` prompt tokens' KV."""
 
-    kv: torch.Tensor  # [layers, 2, kv_heads, num_tokens, head_dim] in the model's dtype
+    # [layers, 2, num_tokens, kv_heads, head_dim] in the model's dtype: token-major, as a backend's cache write takes
+    # keys and values, so a load's columns are views (no copy on the forward's path)
+    kv: torch.Tensor
     # per vLLM request id: the columns the worker wrote, [start, end) (vLLM's own prefix cache held those before)
     loads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return self.kv.shape[3]
+        return self.kv.shape[2]
 
 
 class Claims:
@@ -154,15 +156,16 @@ class QvpicConnector(KVConnectorBase_V1):
             claim = CLAIMS.get(load.key)
             if claim is None:
                 raise RuntimeError(f"qvpic claim {load.key} was dropped before its load")
-            # [layers, 2, kv_heads, tokens, head_dim] -> per layer keys and values [tokens, kv_heads, head_dim]
-            source = claim.kv[:, :, :, load.start:load.end].transpose(2, 3)
+            source = claim.kv.narrow(2, load.start, load.end - load.start)  # [layers, 2, tokens, kv_heads, head_dim]
             slots = None
             for name, index in self._layers.items():
                 layer = forward_context.no_compile_layers[name]
                 if slots is None:
                     slots = load.slots.to(layer.kv_cache.device, non_blocking=True)
-                keys, values = (source[index, i].to(layer.kv_cache.device, non_blocking=True) for i in (0, 1))
-                layer.impl.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), layer.kv_cache, slots)
+                # contiguous views [tokens, kv_heads, head_dim]; `to` copies only a claim built on another device
+                keys, values = (source.select(0, index).select(0, i).to(slots.device, non_blocking=True)
+                                for i in (0, 1))
+                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
             claim.loads[load.request_id] = (load.start, load.end)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector's 
 
 from pipeline.runtime import VLM  # noqa: E402
 from schemas.config import EngineConfig  # noqa: E402
-from schemas.errors import BusyError, InvalidRequestError, TooLargeError  # noqa: E402
+from schemas.errors import BusyError, TooLargeError  # noqa: E402
 from serve.engine.grammar import Grammars  # noqa: E402
 from serve.engine.interface import Engine, EngineStats  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
@@ -154,13 +154,8 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         started = time.perf_counter()
-        try:
-            with self.model_lock:
-                prompt = vllm_prompt(self.vlm, seq.context)
-        except (InvalidRequestError, ValueError) as error:
-            for member in seq.members:
-                self._finish(None, member, End.FAILED, error)
-            return
+        with self.model_lock:  # what raises here fails `seq` alone (_loop: _fail_submission)
+            prompt = vllm_prompt(self.vlm, seq.context)
         key = f"qvpic-{seq.id}"
         if prompt.claim_kv is not None:
             CLAIMS.put(key, Claim(prompt.claim_kv))

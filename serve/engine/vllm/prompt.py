@@ -19,7 +19,7 @@ An online context (full_text, full_image) is the whole prompt with its pages as 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +37,7 @@ class VllmPrompt:
 
     prompt: dict[str, Any]  # vLLM's TokensPrompt: prompt_token_ids, multi_modal_data, multi_modal_uuids
     num_tokens: int  # the prompt's tokens once vLLM expands each image's pad
-    claim_kv: torch.Tensor | None = None  # [layers, 2, kv_heads, tokens, head_dim]: its first tokens' KV
-    images: list[Any] = field(default_factory=list)
+    claim_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, head_dim]: its first tokens' KV
 
 
 def collapse_images(ids: list[int], image_token_id: int) -> list[int]:
@@ -105,12 +104,12 @@ def linked_prompt(vlm: VLM, context: LinkedContext) -> VllmPrompt:
     total = claimed.num_tokens + sum(c.num_tokens for c in prompt.groups[0])
     kv = torch.empty(layers, 2, heads, total, head_dim, dtype=claimed.kv.dtype, device=claimed.kv.device)
     assemble(claimed, prompt.groups[0], vlm.rotations, out=kv)  # the chunks are on the VLM's device already
-    tokens = prompt.num_tokens
     mm = {}
     if embeds:
         mm = {"multi_modal_data": {"image": {"image_embeds": torch.cat(embeds), "image_grid_thw": torch.cat(grids)}},
               "multi_modal_uuids": {"image": uuids}}
-    return VllmPrompt({"prompt_token_ids": ids, **mm}, tokens, kv)
+    # token-major once, here on the engine's thread before the request reaches vLLM: the connector's writes are views
+    return VllmPrompt({"prompt_token_ids": ids, **mm}, prompt.num_tokens, kv.transpose(2, 3).contiguous())
 
 
 def online_prompt(vlm: VLM, context: OnlineContext) -> VllmPrompt:
