@@ -43,10 +43,11 @@ READING = ("In-process, not over HTTP (HTTP adds the same hop to every side). Id
            "claim is assembled again and vLLM prefills the tokens past its last full block (128 tokens on the CPU "
            "backend). Decode is vLLM's own in both vLLM columns: the connector costs it nothing. On the vLLM-alone "
            "side, reanchor is building the prompt: qvpic's own processor expands the pages to lay them out before "
-           "vLLM processes them again, a cost vLLM served alone would not pay. Follow-up turn on vLLM's engine: its "
-           "claim starts at the template, so the history (a new one each conversation, past any full block vLLM's "
-           "prefix cache holds) is computed first by qvpic's own forward (`VLM.text_kv`, transformers' eager path), "
-           "then vLLM prefills the question: two forwards where qvpic's engine runs one.\n")
+           "vLLM processes them again, a cost vLLM served alone would not pay. Follow-up turn on vLLM's engine: vLLM "
+           "computes the history first (its history pass: a prefill-only request of the tokens before the chunks, "
+           "finding earlier turns' full blocks in its prefix cache), the connector copies the pass's partial last "
+           "block and writes the chunks after it, then vLLM prefills the question: two vLLM steps where qvpic's "
+           "engine runs one forward.\n")
 CHUNKS, PER_REQUEST, ZIPF_S = 8, 4, 1.1
 
 

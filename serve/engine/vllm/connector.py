@@ -6,15 +6,26 @@ The two sides, as vLLM splits them:
   that carries `kv_transfer_params["qvpic_claim"]` (a key the engine registered, see `CLAIMS`) claims its first
   `num_tokens` prompt tokens beyond what vLLM's own prefix cache already holds, and nothing else;
 - worker side (`start_load_kv`): for each claimed request of the step, the claim's KV columns
-  `[num_computed, num_tokens)` are written into vLLM's paged blocks through the request's slot mapping, layer by
-  layer, by the attention backend's own cache write (`impl.do_kv_cache_update`, what vLLM calls for the keys and
-  values it computes): the layout is the backend's by construction — CPU_ATTN packs each block per ISA,
-  FlashAttention keeps `[blocks, block_size, heads, 2·head_dim]` — and this code never spells either out.
+  `[num_computed, num_tokens)`, carried by the step's metadata, are written into vLLM's paged blocks through the
+  request's slot mapping, layer by layer, by the attention backend's own cache write (`impl.do_kv_cache_update`,
+  what vLLM calls for the keys and values it computes): the layout is the backend's by construction — CPU_ATTN
+  packs each block per ISA, FlashAttention keeps `[blocks, block_size, heads, 2·head_dim]` — and this
+  code never spells either out.
 
-Both sides run in the generator's process (vLLM in-process, one worker): `CLAIMS` is how the KV reaches the
-worker without crossing a process boundary. A claim's KV is `[layers, 2, tokens, kv_heads, head_dim]`: the
-serving prefix at its own positions, then each chunk with its keys rotated to where it lands
-(pipeline.runtime.kv.assemble, the same re-anchoring qvpic's engine uses), made token-major once when it is built.
+A conversation's follow-up turn: its claim starts after the earlier turns (`Claim.offset`), which vLLM computed
+first in a prefill-only request of their own (the engine's history pass; it carries `HISTORY_KEY`). That request's
+blocks are held when it finishes (`request_finished` → True); the follow-up's load copies the ones vLLM's prefix
+cache does not already share with it — the partial last block, whole, in the backend's own packing — block to block
+on the cache's device, before the chunks' columns are written after them. The held blocks are handed back through
+`get_finished` once the claim is dropped.
+
+The engine registers each claim in `CLAIMS`, which the scheduler side reads (vLLM's scheduler runs in the
+generator's process); the worker side reads only the step's metadata: each load carries its columns' KV (a view
+in-process, pickled into each worker process under tensor parallelism, where each rank writes its share of the
+heads), and the held blocks to hand back. A claim's KV is `[layers, 2, tokens, kv_heads, head_dim]`: the
+serving prefix at its own positions (none when the history pass computed it), then each chunk with its keys rotated
+to where it lands (pipeline.runtime.kv.assemble, the same re-anchoring qvpic's engine uses), made token-major once
+when it is built.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ if TYPE_CHECKING:
 
 CLAIM_KEY = "qvpic_claim"  # the request's kv_transfer_params entry naming its claim
 REQUEST_KEY = "qvpic_request"  # and the request id the engine gave it (vLLM suffixes its own internal one)
+HISTORY_KEY = "qvpic_history"  # a history pass's entry: the claim whose first `offset` columns it computes
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -44,15 +56,24 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 class Claim:
     """What the connector may supply for one request: the first `num_tokens` prompt tokens' KV."""
 
-    # [layers, 2, num_tokens, kv_heads, head_dim] in the model's dtype: token-major, as a backend's cache write takes
-    # keys and values, so a load's columns are views (no copy on the forward's path)
+    # [layers, 2, num_tokens - offset, kv_heads, head_dim] in the model's dtype: token-major, as a backend's cache
+    # write takes keys and values, so a load's columns are views (no copy on the forward's path)
     kv: torch.Tensor
+    # prompt columns before `kv`'s first: vLLM's history pass computed them, in the blocks of `history`
+    offset: int = 0
+    # the history pass's vLLM request id and its blocks, held until the claim is dropped (set when it finishes)
+    history: tuple[str, list[int]] | None = None
     # per vLLM request id: the columns the worker wrote, [start, end) (vLLM's own prefix cache held those before)
     loads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return self.kv.shape[2]
+        return self.offset + self.kv.shape[2]
+
+    @property
+    def ready(self) -> bool:
+        """Whether every column can be supplied: a claim with an offset waits for its history pass's blocks."""
+        return self.offset == 0 or self.history is not None
 
 
 class Claims:
@@ -60,6 +81,7 @@ class Claims:
 
     def __init__(self):
         self._claims: dict[str, Claim] = {}
+        self._held: dict[str, str] = {}  # claim key -> the vLLM id of its history pass, whose blocks are held
         self._lock = threading.Lock()
 
     def put(self, key: str, claim: Claim) -> None:
@@ -74,6 +96,28 @@ class Claims:
         with self._lock:
             return self._claims.pop(key, None)
 
+    def hold(self, key: str, request_id: str) -> None:
+        with self._lock:
+            self._held[key] = request_id
+
+    @property
+    def holding(self) -> bool:
+        """Whether a history pass's blocks are still held (vLLM frees them at a step after the claim is dropped)."""
+        with self._lock:
+            return bool(self._held)
+
+    @property
+    def releasable(self) -> bool:
+        """Whether held blocks wait for a step to be handed back (their claims were dropped)."""
+        with self._lock:
+            return any(key not in self._claims for key in self._held)
+
+    def released(self) -> set[str]:
+        """The history passes whose claims were dropped since the last call: their blocks can be freed."""
+        with self._lock:
+            done = {key for key in self._held if key not in self._claims}
+            return {self._held.pop(key) for key in done}
+
     def __len__(self) -> int:
         return len(self._claims)
 
@@ -83,18 +127,20 @@ CLAIMS = Claims()
 
 @dataclass
 class Load:
-    """One request's load in one step: claim columns `[start, end)` into `slots` (one per column)."""
+    """One request's load in one step, as the worker takes it: no registry, so any worker process can run it."""
 
-    key: str
-    request_id: str  # the engine's id for it (vLLM's external request id)
-    start: int
-    end: int
-    slots: torch.Tensor  # [end - start] int64: block_id * block_size + offset
+    # [layers, 2, tokens, kv_heads, head_dim]: the claim's columns to write (a view of the claim in-process; with
+    # worker processes vLLM pickles it into each, and each writes its tensor-parallel share of the heads)
+    kv: torch.Tensor
+    slots: torch.Tensor  # [tokens] int64: block_id * block_size + offset, one per column of `kv`
+    # [copies, 2] int64 (source block, destination block): the history pass's blocks this request does not share
+    copies: torch.Tensor | None = None
 
 
 @dataclass
 class QvpicConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    released: set[str] = field(default_factory=set)  # history passes whose held blocks vLLM may free now
 
 
 def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -105,7 +151,8 @@ def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> tor
 
 
 class QvpicConnector(KVConnectorBase_V1):
-    """Load-only: qvpic supplies a claimed prompt prefix; it never saves (vLLM's prefix cache keeps blocks)."""
+    """Load-only: qvpic supplies a claimed prompt prefix; it saves nothing (vLLM's prefix cache keeps blocks, and a
+    history pass's blocks are held in place, not copied out)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -117,7 +164,7 @@ class QvpicConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         key = (request.kv_transfer_params or {}).get(CLAIM_KEY)
         claim = CLAIMS.get(key) if key else None
-        if claim is None:
+        if claim is None or not claim.ready:  # the engine adds a follow-up only once its history pass ended
             return 0, False
         # Never the whole prompt: vLLM must compute at least its last token to sample from.
         end = min(claim.num_tokens, request.num_prompt_tokens - 1)
@@ -131,42 +178,90 @@ class QvpicConnector(KVConnectorBase_V1):
                                                  start, start + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = QvpicConnectorMetadata()
+        meta = QvpicConnectorMetadata(released=CLAIMS.released())
         for new in scheduler_output.scheduled_new_reqs:
             pending = self._pending.pop(new.req_id, None)
-            if pending is not None:
-                key, request_id, start, end = pending
-                meta.loads.append(Load(key, request_id, start, end,
-                                       slots_of(new.block_ids[0], self.block_size, start, end)))
+            claim = CLAIMS.get(pending[0]) if pending is not None else None
+            if claim is None:
+                continue
+            _, request_id, start, end = pending
+            blocks, first = new.block_ids[0], max(start, claim.offset)  # the claim's first column its KV holds
+            meta.loads.append(Load(claim.kv.narrow(2, first - claim.offset, end - first),
+                                   slots_of(blocks, self.block_size, first, end), self._copies(claim, blocks, start)))
+            claim.loads[request_id] = (start, end)
         self._pending.clear()  # a request preempted before its first step recomputes (it is not reloaded)
         return meta
 
+    def _copies(self, claim: Claim | None, blocks: list[int], start: int) -> torch.Tensor | None:
+        """The history pass's blocks from the one holding column `start` (a block boundary: vLLM's prefix-cache hits
+        are whole blocks) to the one holding column `offset - 1`, where they are not the request's own already."""
+        if claim is None or claim.history is None:
+            return None
+        source = claim.history[1]
+        pairs = [(source[b], blocks[b]) for b in range(start // self.block_size, -(-claim.offset // self.block_size))
+                 if source[b] != blocks[b]]
+        return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2) if pairs else None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A history pass that ended as asked (its one token) keeps its blocks for its follow-up's load."""
+        from vllm.v1.request import RequestStatus
+
+        key = (request.kv_transfer_params or {}).get(HISTORY_KEY)
+        claim = CLAIMS.get(key) if key else None
+        if claim is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return False, None
+        if len(block_ids) * self.block_size < claim.offset:
+            raise RuntimeError(f"qvpic history pass {request.request_id} ended with {len(block_ids)} blocks, short "
+                               f"of its {claim.offset} tokens")
+        claim.history = (request.request_id, list(block_ids))
+        CLAIMS.hold(key, request.request_id)
+        return True, None
+
     # ---- worker side -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
         for name in kv_caches:
             found = _LAYER_INDEX.search(name)
             if found is None:
                 raise ValueError(f"qvpic's connector cannot tell which decoder layer {name!r} is")
             self._layers[name] = int(found.group(1))
+        self._rank = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+    def heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """This worker's share of `kv`'s heads (dim 3), as vLLM shards KV heads across tensor-parallel ranks: an
+        equal slice each, or, with fewer KV heads than ranks, the one head a rank's group replicates."""
+        rank, world = getattr(self, "_rank", (0, 1))
+        total = kv.shape[3]
+        if world == 1:
+            return kv
+        if total >= world:
+            return kv.narrow(3, rank * (total // world), total // world)
+        return kv.narrow(3, rank * total // world, 1)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, QvpicConnectorMetadata)
         for load in meta.loads:
-            claim = CLAIMS.get(load.key)
-            if claim is None:
-                raise RuntimeError(f"qvpic claim {load.key} was dropped before its load")
-            source = claim.kv.narrow(2, load.start, load.end - load.start)  # [layers, 2, tokens, kv_heads, head_dim]
-            slots = None
+            source = self.heads(load.kv)  # [layers, 2, tokens, heads, head_dim]
+            slots = copies = None
             for name, index in self._layers.items():
                 layer = forward_context.no_compile_layers[name]
                 if slots is None:
-                    slots = load.slots.to(layer.kv_cache.device, non_blocking=True)
-                # contiguous views [tokens, kv_heads, head_dim]; `to` copies only a claim built on another device
+                    device = layer.kv_cache.device
+                    slots = load.slots.to(device, non_blocking=True)
+                    copies = load.copies.to(device, non_blocking=True) if load.copies is not None else None
+                if copies is not None:  # whole blocks (vLLM's per-layer cache is [blocks, …] in any layout) first:
+                    # the partial last one is then completed by the chunks' columns written after it
+                    cache = layer.kv_cache
+                    cache.index_copy_(0, copies.select(1, 1), cache.index_select(0, copies.select(1, 0)))
+                # views [tokens, kv_heads, head_dim] (contiguous unless a rank's share of the heads); `to` copies
+                # only a claim built on another device
                 keys, values = (source.select(0, index).select(0, i).to(slots.device, non_blocking=True)
                                 for i in (0, 1))
+                if not keys.is_contiguous():
+                    keys, values = keys.contiguous(), values.contiguous()
                 layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
-            claim.loads[load.request_id] = (load.start, load.end)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer was written in start_load_kv, before the forward
@@ -176,3 +271,9 @@ class QvpicConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """History passes whose blocks may be freed (their claims were dropped), as vLLM's finished sends: every
+        worker reports them, and vLLM frees them once all have."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return (set(meta.released) or None) if isinstance(meta, QvpicConnectorMetadata) else None, None

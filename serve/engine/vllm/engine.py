@@ -8,6 +8,11 @@ connector on both sides share the claims registry (serve/engine/vllm/connector.p
          → step     vLLM's own step: schedule, load the claimed KV, forward, sample
          → deliver  each request's new tokens to its `Sequence`; stops, deadlines and the end of its turn finish it
 
+A follow-up turn (earlier turns before its chunks) goes to vLLM twice: first its history pass, a prefill-only
+request of the tokens before the chunks (vLLM computes them, finding earlier turns' blocks in its prefix cache);
+when that ends, the request itself, whose claim — the chunks — starts after them (connector.py: the history's
+blocks are held for it and copied where the prefix cache does not share them).
+
 Sampling is vLLM's (temperature, top_p, seed, penalties, logit bias, logprobs); structured output is vLLM's guidance
 backend on the Lark grammar qvpic's engine would use (llguidance both); stop strings are qvpic's matcher over the
 decoded text, as on qvpic's engine, so both engines cut answers alike. `n` choices are `n` vLLM requests
@@ -32,8 +37,8 @@ from serve.engine.grammar import Grammars  # noqa: E402
 from serve.engine.interface import Engine, EngineStats  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
 from serve.engine.stops import StopMatcher  # noqa: E402
-from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, REQUEST_KEY, Claim  # noqa: E402
-from serve.engine.vllm.prompt import check, vllm_prompt  # noqa: E402
+from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, HISTORY_KEY, REQUEST_KEY, Claim  # noqa: E402
+from serve.engine.vllm.prompt import VllmPrompt, check, vllm_prompt  # noqa: E402
 
 log = logging.getLogger(__name__)
 MAX_MODEL_LEN = 32768  # tokens: prompt and answer, capped by the checkpoint's own
@@ -68,6 +73,8 @@ class VllmEngine(Engine):
         self._work = threading.Condition()
         self._added: deque[Sequence] = deque()
         self._running: dict[str, tuple[Sequence, str]] = {}  # vLLM request id -> (member, its claim's key)
+        self._histories: dict[str, tuple[Sequence, VllmPrompt]] = {}  # a history pass's vLLM id -> what follows it
+        self._history_hits: dict[str, int] = {}  # claim key -> its history pass's tokens from vLLM's prefix cache
         self._clear_asked = False  # clear_prefix_cache waits for the engine's thread to reset vLLM's
         self.forward_threads = 0
         self.end_ids = set(vlm.adapter.end_of_turn_ids)
@@ -88,7 +95,8 @@ class VllmEngine(Engine):
             raise TooLargeError(f"the prompt and max_tokens need {seq.max_columns} tokens; this model takes "
                                 f"{self.engine.vllm_config.model_config.max_model_len}")
         with self._work:
-            if len(self._added) + len(self._running) >= self.config.max_batch_size + self.config.max_waiting:
+            if len(self._added) + len(self._running) + len(self._histories) >= \
+                    self.config.max_batch_size + self.config.max_waiting:
                 raise BusyError("the generator's queue is full")
             self._added.append(seq)
             self._work.notify()
@@ -115,7 +123,8 @@ class VllmEngine(Engine):
 
     def stats(self) -> EngineStats:
         with self._work:
-            return EngineStats(len(self._running), len(self._added), 0, self.steps, self.decoded_tokens,
+            return EngineStats(len(self._running), len(self._added) + len(self._histories), 0, self.steps,
+                               self.decoded_tokens,
                                dict(self.ended), self.forward_threads)
 
     # ---- the engine's thread -----------------------------------------------------------------------
@@ -125,10 +134,12 @@ class VllmEngine(Engine):
         self.forward_threads = torch.get_num_threads()
         while True:
             with self._work:
-                while not (self._added or self._running or self._clear_asked):
+                while not (self._added or self._running or self._histories or self._clear_asked or CLAIMS.releasable):
                     self._work.wait()
-                if self._clear_asked and not self._running:  # before what was added since: it finds a cold cache
-                    self.engine.reset_prefix_cache()
+                idle = not (self._running or self._histories or CLAIMS.holding)  # held blocks are not freeable
+                if self._clear_asked and idle:  # before what was added since: it finds a cold cache
+                    if not self.engine.reset_prefix_cache():
+                        log.warning("vLLM did not reset its prefix cache: blocks were still in use")
                     self._clear_asked = False
                     self._work.notify_all()
                 added = list(self._added)
@@ -141,30 +152,54 @@ class VllmEngine(Engine):
                     self._fail_submission(seq, error)
             try:
                 self._retire()
-                if self.engine.has_unfinished_requests():
+                unfinished = self.engine.has_unfinished_requests()
+                if unfinished or CLAIMS.releasable:  # a step hands held blocks back
                     self._deliver(self.engine.step())
                     self.steps += 1
+                    if not unfinished and CLAIMS.releasable:  # vLLM did not take them back: no busy loop
+                        time.sleep(0.01)
             except Exception as error:  # noqa: BLE001  fail the requests in flight, keep serving
                 log.exception("vLLM step failed; the requests in flight end with it")
                 for request_id, (seq, _) in list(self._running.items()):
                     self._finish(request_id, seq, End.FAILED, error)
 
     def _submit(self, seq: Sequence) -> None:
+        """`seq`'s prompt and claim built and handed to vLLM: its members, or first its history pass."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm.sampling_params import RequestOutputKind
 
         started = time.perf_counter()
         with self.model_lock:  # what raises here fails `seq` alone (_loop: _fail_submission)
             prompt = vllm_prompt(self.vlm, seq.context)
         key = f"qvpic-{seq.id}"
         if prompt.claim_kv is not None:
-            CLAIMS.put(key, Claim(prompt.claim_kv))
-        reanchor_ms = (time.perf_counter() - started) * 1e3
-        salt = (b"linked:" if prompt.claim_kv is not None else b"online:") + seq.context.salt
+            CLAIMS.put(key, Claim(prompt.claim_kv, offset=prompt.claim_offset))
+        for member in seq.members:
+            member.num_prompt_tokens, member.reanchor_ms = prompt.num_tokens, (time.perf_counter() - started) * 1e3
+        if prompt.history_ids is None:
+            return self._add_members(seq, prompt)
+        request_id = f"{key}-history"
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY,
+                                extra_args={"kv_transfer_params": {HISTORY_KEY: key}})
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt.history_ids,
+                                             "cache_salt": self._salt(seq, prompt)}, params)
+        with self._work:
+            self._histories[request_id] = (seq, prompt)
+
+    @staticmethod
+    def _salt(seq: Sequence, prompt: VllmPrompt) -> str:
+        """vLLM's prefix-cache salt: the tenant's, and linked apart from online (the same ids are other KV)."""
+        return ((b"linked:" if prompt.claim_kv is not None else b"online:") + seq.context.salt).hex()
+
+    def _add_members(self, seq: Sequence, prompt: VllmPrompt) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        key = f"qvpic-{seq.id}"
         for member in seq.members:
             sampling = member.sampling
             request_id = f"{key}-{member.id}"
-            member.num_prompt_tokens, member.reanchor_ms = prompt.num_tokens, reanchor_ms
             params = SamplingParams(
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                 max_tokens=sampling.max_new_tokens, presence_penalty=sampling.presence_penalty,
@@ -174,13 +209,26 @@ class VllmEngine(Engine):
                 structured_outputs=StructuredOutputsParams(grammar=sampling.grammar) if sampling.grammar else None,
                 extra_args={"kv_transfer_params": {CLAIM_KEY: key, REQUEST_KEY: request_id}}
                 if prompt.claim_kv is not None else None)
-            self.engine.add_request(request_id, {**prompt.prompt, "cache_salt": salt.hex()}, params)
+            self.engine.add_request(request_id, {**prompt.prompt, "cache_salt": self._salt(seq, prompt)}, params)
             with self._work:
                 self._running[request_id] = (member, key)
+
+    def _history_done(self, request_id: str, output) -> None:
+        """A history pass ended: its request follows, with the tokens found in vLLM's prefix cache counted."""
+        seq, prompt = self._histories.pop(request_id)
+        claim = CLAIMS.get(f"qvpic-{seq.id}")
+        if claim is None or claim.history is None:
+            raise RuntimeError("vLLM ended a history pass without its blocks")
+        self._history_hits[f"qvpic-{seq.id}"] = output.num_cached_tokens or 0
+        self._add_members(seq, prompt)
 
     def _fail_submission(self, seq: Sequence, error: Exception) -> None:
         """`seq`'s members end FAILED: those vLLM took are aborted there, the claim is dropped."""
         key = f"qvpic-{seq.id}"
+        for request_id, (staged, _) in list(self._histories.items()):
+            if staged is seq:
+                self.engine.abort_request([request_id])
+                del self._histories[request_id]
         for request_id, (member, member_key) in list(self._running.items()):
             if member_key == key:
                 self.engine.abort_request([request_id])
@@ -191,6 +239,13 @@ class VllmEngine(Engine):
 
     def _retire(self) -> None:
         now = time.monotonic()
+        for request_id, (seq, _) in list(self._histories.items()):
+            if any(m.cancelled or m.expired(now) for m in seq.members):
+                self.engine.abort_request([request_id])
+                del self._histories[request_id]
+                for member in seq.members:
+                    self._finish(None, member, End.CANCELLED if member.cancelled else End.DEADLINE)
+                CLAIMS.drop(f"qvpic-{seq.id}")
         for request_id, (seq, _) in list(self._running.items()):
             if seq.cancelled or seq.expired(now):
                 self.engine.abort_request([request_id])
@@ -199,6 +254,14 @@ class VllmEngine(Engine):
     def _deliver(self, outputs) -> None:
         now = time.monotonic()  # Sequence.submitted_at's clock
         for output in outputs:
+            if output.request_id in self._histories and output.finished:
+                seq = self._histories[output.request_id][0]
+                try:
+                    self._history_done(output.request_id, output)
+                except Exception as error:  # noqa: BLE001  it fails alone
+                    log.exception("a history pass did not lead to its request; it fails alone")
+                    self._fail_submission(seq, error)
+                continue
             if output.request_id not in self._running:
                 continue
             seq = self._running[output.request_id][0]
@@ -207,11 +270,15 @@ class VllmEngine(Engine):
             if not seq.token_ids and seq.status is Status.WAITING:  # its first tokens: the prompt's accounting
                 seq.status = Status.RUNNING
                 seq.prefill_ms = elapsed_ms - seq.reanchor_ms  # vLLM's queue and prefill, and the claim's load
-                # vLLM counts its own prefix-cache hits and the connector's load together
-                claim = CLAIMS.get(self._running[output.request_id][1])
+                # vLLM counts its own prefix-cache hits and the connector's load together; the columns of a
+                # history pass were computed for this request (cached: what that pass found in the prefix cache)
+                key = self._running[output.request_id][1]
+                claim = CLAIMS.get(key)
                 start, end = claim.loads.get(output.request_id, (0, 0)) if claim is not None else (0, 0)
-                seq.linked_tokens = end - start
-                seq.prefix_cached_tokens = (output.num_cached_tokens or 0) - seq.linked_tokens
+                offset = claim.offset if claim is not None else 0
+                seq.linked_tokens = max(0, end - max(start, offset))
+                seq.prefix_cached_tokens = (self._history_hits.get(key, 0) + max(0, start - offset) if offset
+                                            else (output.num_cached_tokens or 0) - (end - start))
             else:
                 seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
             for i, token in enumerate(completion.token_ids):
@@ -236,6 +303,7 @@ class VllmEngine(Engine):
             _, key = self._running.pop(request_id, (None, None)) if request_id is not None else (None, None)
             if key is not None and all(k != key for _, k in self._running.values()):
                 CLAIMS.drop(key)  # its last member ended: vLLM's prefix cache keeps what it loaded
+                self._history_hits.pop(key, None)
             self._work.notify_all()
         if seq.status is not Status.FINISHED:
             self.ended[end.value] += 1

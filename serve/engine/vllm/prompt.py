@@ -12,7 +12,9 @@ A linked context `[texts[0]][group 0][texts[1]]` becomes
   by ids (and images by `multi_modal_uuids`, the entry identity here), so a chunk's blocks are its own.
 - a claim: `[texts[0] KV][each chunk's KV re-anchored where it lands]` (pipeline.runtime.kv.assemble, the
   re-anchoring qvpic's own engine runs). texts[0] — the template prefix and the instruction, computed once per
-  distinct one — comes from the VLM's text KV cache (`VLM.text_kv`).
+  distinct one — comes from the VLM's text KV cache (`VLM.text_kv`). When texts[0] holds a conversation's earlier
+  turns (`has_history`: new every turn), vLLM computes it instead, in a prefill-only request of its own (the
+  engine's history pass, `VllmPrompt.history_ids`), and the claim is the chunks alone, re-anchored after it.
 An online context (full_text, full_image) is the whole prompt with its pages as images: vLLM computes all of it.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runtime import VLM
+from pipeline.runtime import VLM, ChunkKV
 from pipeline.runtime.kv import assemble
 from schemas.config import ChunkKind
 from schemas.errors import InvalidRequestError
@@ -37,7 +39,9 @@ class VllmPrompt:
 
     prompt: dict[str, Any]  # vLLM's TokensPrompt: prompt_token_ids, multi_modal_data, multi_modal_uuids
     num_tokens: int  # the prompt's tokens once vLLM expands each image's pad
-    claim_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, head_dim]: its first tokens' KV
+    claim_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, head_dim]: KV from column `claim_offset`
+    claim_offset: int = 0  # the columns before the claim's KV: vLLM's history pass computes them
+    history_ids: list[int] | None = None  # those columns' token ids (the prompt's first), for the history pass
 
 
 def collapse_images(ids: list[int], image_token_id: int) -> list[int]:
@@ -79,8 +83,16 @@ def check(context: PreparedContext) -> None:
         raise refuse("images in the conversation's messages beside linked chunks", "messages")
 
 
-def linked_prompt(vlm: VLM, context: LinkedContext) -> VllmPrompt:
-    """The prompt and claim of a linked context that `check` let through."""
+def has_history(vlm: VLM, ids: list[int]) -> bool:
+    """Whether `ids` (a linked prompt's texts[0]) end more turns than the template prefix does: a conversation's
+    earlier messages, which vLLM computes (the serving prefix and its instruction repeat, and qvpic keeps their KV)."""
+    ends = vlm.adapter.end_of_turn_ids
+    return sum(t in ends for t in ids) > sum(t in ends for t in vlm.adapter.prefix_ids)
+
+
+def linked_prompt(vlm: VLM, context: LinkedContext, history: bool = False) -> VllmPrompt:
+    """The prompt and claim of a linked context that `check` let through; with `history`, texts[0] is left to vLLM's
+    history pass and the claim starts after it."""
     prompt = context.prompt
     before, after = prompt.texts
     adapter = vlm.adapter
@@ -99,17 +111,25 @@ def linked_prompt(vlm: VLM, context: LinkedContext) -> VllmPrompt:
             grids.append(page_grid)
             uuids.append(f"{identity.hex()}-{page}")
     ids += after.ids
-    claimed = vlm.text_kv(before.ids)
+    chunks = prompt.groups[0]
+    if history:  # no KV before the chunks: a stand-in that only places them (texts[0] is text: 1-D positions)
+        like = (chunks[0].kv if chunks else vlm.text_kv(vlm.adapter.prefix_ids).kv).narrow(3, 0, 0)
+        claimed = ChunkKV(like, position_span=before.num_tokens, compile_start=0, kind=ChunkKind.TEXT)
+    else:
+        claimed = vlm.text_kv(before.ids)
     layers, _, heads, _, head_dim = claimed.kv.shape
-    total = claimed.num_tokens + sum(c.num_tokens for c in prompt.groups[0])
+    total = claimed.num_tokens + sum(c.num_tokens for c in chunks)
     kv = torch.empty(layers, 2, heads, total, head_dim, dtype=claimed.kv.dtype, device=claimed.kv.device)
-    assemble(claimed, prompt.groups[0], vlm.rotations, out=kv)  # the chunks are on the VLM's device already
+    if chunks or claimed.num_tokens:
+        assemble(claimed, chunks, vlm.rotations, out=kv)  # the chunks are on the VLM's device already
     mm = {}
     if embeds:
         mm = {"multi_modal_data": {"image": {"image_embeds": torch.cat(embeds), "image_grid_thw": torch.cat(grids)}},
               "multi_modal_uuids": {"image": uuids}}
     # token-major once, here on the engine's thread before the request reaches vLLM: the connector's writes are views
-    return VllmPrompt({"prompt_token_ids": ids, **mm}, prompt.num_tokens, kv.transpose(2, 3).contiguous())
+    return VllmPrompt({"prompt_token_ids": ids, **mm}, prompt.num_tokens, kv.transpose(2, 3).contiguous(),
+                      claim_offset=before.num_tokens if history else 0,
+                      history_ids=list(before.ids) if history else None)
 
 
 def online_prompt(vlm: VLM, context: OnlineContext) -> VllmPrompt:
@@ -122,7 +142,9 @@ def online_prompt(vlm: VLM, context: OnlineContext) -> VllmPrompt:
 
 
 def vllm_prompt(vlm: VLM, context: PreparedContext) -> VllmPrompt:
-    return online_prompt(vlm, context) if context.online else linked_prompt(vlm, context)
+    if context.online:
+        return online_prompt(vlm, context)
+    return linked_prompt(vlm, context, history=has_history(vlm, context.prompt.before.ids))
 
 
 def hidden_size(vlm: VLM) -> int:

@@ -209,8 +209,8 @@ def test_a_tall_page_linked_gives_vllms_full_prefill_tokens_and_not_as_text(engi
     assert [answer(engine, linked_context) for _, linked_context in tall] == full
     real_prompt = prompt_module.linked_prompt
 
-    def as_text(vlm_, context):
-        made = real_prompt(vlm_, context)
+    def as_text(vlm_, context, **kwargs):
+        made = real_prompt(vlm_, context, **kwargs)
         made.prompt.pop("multi_modal_data")
         made.prompt.pop("multi_modal_uuids")
         pad, tokens = vlm_.adapter.image_token_id, context.chunks[0].vision_tokens
