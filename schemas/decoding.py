@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from schemas.schema_checks import schema_chars_error
 from schemas.tools import json_grammar
 from schemas.wire import JsonBool, JsonFloat, JsonInt
 
@@ -31,6 +32,14 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = Field(None, max_length=4096)
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: JsonBool | None = None  # always enforced here: decoding is constrained to the schema
+
+    @field_validator("schema_")
+    @classmethod
+    def _small(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """Its size only; its depth and subschemas are counted after the request is charged (serve/http/checks.py)."""
+        if error := schema_chars_error(schema):
+            raise ValueError(error)
+        return schema
 
 
 class ResponseFormat(BaseModel):

@@ -18,13 +18,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jsonschema import Draft202012Validator, SchemaError
 from pydantic import Field, field_validator, model_validator
 
+from schemas.schema_checks import MAX_SCHEMA_CHARS, schema_chars_error
 from schemas.wire import JsonBool, Strict
 
 MAX_TOOLS = 128  # OpenAI's
-MAX_TOOL_SCHEMA_CHARS = 65_536  # one function's parameters, as JSON
+MAX_TOOL_SCHEMA_CHARS = MAX_SCHEMA_CHARS  # one function's parameters, as JSON
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 # Qwen2.5-Instruct's own tool block (its chat template's words), appended to the system prompt
 _TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
@@ -44,15 +44,11 @@ class FunctionDef(Strict):
 
     @field_validator("parameters")
     @classmethod
-    def _a_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        if parameters is None:
-            return None
-        if len(json.dumps(parameters)) > MAX_TOOL_SCHEMA_CHARS:
-            raise ValueError(f"at most {MAX_TOOL_SCHEMA_CHARS} characters of JSON Schema per function")
-        try:
-            Draft202012Validator.check_schema(parameters)
-        except SchemaError as error:
-            raise ValueError(f"not a valid JSON Schema: {error.message[:300]}") from None
+    def _a_small_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Its size only: whether it is a JSON Schema is checked after the request is charged, on a worker
+        (schemas/schema_checks.py, from serve/http/checks.py), never here on the ingress's event loop."""
+        if parameters is not None and (error := schema_chars_error(parameters)):
+            raise ValueError(error)
         return parameters
 
     def arguments_schema(self) -> dict[str, Any]:

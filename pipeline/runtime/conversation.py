@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from pipeline.runtime.text_encoder import text_encoder
 from schemas.prompt import ImageRef, Piece, PromptLayout, Segment
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the router and the plan hold layouts without loading torch
 
     from pipeline.runtime.adapters import ChatTemplate
 
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what a chat message's image may be (schemas/conversation.py's data URLs)
 _TEXT = "\u2063QVPIC_PART_{}\u2063"
 _CHUNKS = "\u2063QVPIC_CHUNKS_{}\u2063"
 _SENTINEL = re.compile("\u2063QVPIC_(PART_\\d+|CHUNKS_\\d+)\u2063")
@@ -55,23 +56,25 @@ class ConversationError(ValueError):
 
 
 def decode_image(data: bytes, max_pixels: int) -> ImageRef:
-    """Checked before any model work: it decodes, and is within `max_pixels` (ValueError saying which)."""
+    """Checked before any model work: it is PNG, JPEG or WebP (only those decoders are tried: Pillow would try
+    every plugin it has on bytes that are none of them), its header's size is within `max_pixels` (before a pixel
+    is decoded), and it decodes (ValueError saying which)."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format not in ("PNG", "JPEG", "WEBP"):
-                raise ValueError(f"the image is {image.format or 'of an unknown format'}; send PNG, JPEG or WebP")
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             width, height = image.size
             if width * height > max_pixels:
                 raise ValueError(f"the image has {width}x{height} = {width * height} pixels; at most "
                                  f"{max_pixels} are accepted")
             image.load()  # a truncated or corrupt file fails here, not in the generator
+    except UnidentifiedImageError:
+        raise ValueError("the image does not decode as PNG, JPEG or WebP") from None
     except (OSError, Image.DecompressionBombError, SyntaxError) as error:
         raise ValueError(f"the image does not decode: {error}") from None
     return ImageRef(data, hashlib.sha256(data).hexdigest(), width, height)
 
 
 def pil_image(image: ImageRef) -> Image.Image:
-    return Image.open(io.BytesIO(image.data)).convert("RGB")
+    return Image.open(io.BytesIO(image.data), formats=IMAGE_FORMATS).convert("RGB")
 
 
 @dataclass(frozen=True)

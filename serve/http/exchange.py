@@ -20,6 +20,7 @@ from schemas.api import AnswerRequest
 from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
 from serve.http.backend import Backend, error_status
+from serve.http.checks import check_request
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
 from serve.plan import Answer, Embedded, Plan
 
@@ -35,9 +36,13 @@ class Turns:
     governor: Governor
     timeout_s: float  # the deadline of a request that sets none
 
-    async def begin(self, http: Request, request: AnswerRequest, route: Route, n: int = 1) -> Exchange:
-        """Authenticated and rate-checked (401, 400, 429 before any work), with its deadline set; `n` choices."""
+    async def begin(self, http: Request, request: AnswerRequest, route: Route, n: int = 1,
+                    tools_path: str = "tools.tools") -> Exchange:
+        """Authenticated and rate-checked (401, 400, 429 before any work), then its schemas checked on a worker
+        (400 naming the field: serve/http/checks.py; `tools_path` is where the client put its tools), with its
+        deadline set; `n` choices."""
         turn = await self.governor.begin(http, request, route)
+        await check_request(request, tools_path)
         life = Lifetime(http, request_timeout_s(http, request.timeout_s, self.timeout_s))
         return Exchange(self.backend, turn, life, dataclasses.replace(Sampling.of(request), n=n))
 

@@ -22,6 +22,7 @@ from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
 from schemas.errors import ApiError
 from schemas.prompt import PromptLayout, Segment
+from schemas.schema_checks import MAX_ARGUMENTS_DEPTH, arguments_depth_error
 from schemas.tools import ToolUse
 from serve.routing.tool_turns import default_system, hermes_turns, renders_tools, tool_dicts
 
@@ -108,9 +109,10 @@ class PromptTemplate:
 def chat_turn(index: int, message: Message) -> ChatTurn:
     """One message as the template takes it: `developer` as `system`, images decoded and checked."""
     role = "system" if message.role == "developer" else message.role
-    tool_calls = tuple({"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                                                  "arguments": _arguments(c.function.arguments)}}
-                       for c in message.tool_calls or ())
+    tool_calls = tuple({"id": c.id, "type": c.type, "function": {
+        "name": c.function.name,
+        "arguments": _arguments(c.function.arguments, f"messages[{index}].tool_calls[{j}].function.arguments")}}
+        for j, c in enumerate(message.tool_calls or ()))
     common = dict(name=message.name, tool_calls=tool_calls, tool_call_id=message.tool_call_id)
     if message.content is None or isinstance(message.content, str):
         return ChatTurn(role, (ChatPart(text=message.content or ""),), as_string=True, **common)
@@ -127,12 +129,20 @@ def chat_turn(index: int, message: Message) -> ChatTurn:
     return ChatTurn(role, tuple(parts), as_string=False, **common)
 
 
-def _arguments(arguments: str):
-    """Templates render a call's arguments from a mapping (Qwen's `tojson`); keep the text when it is not JSON."""
+def _arguments(arguments: str, param: str):
+    """Templates render a call's arguments from a mapping (Qwen's `tojson`); keep the text when it is not JSON.
+    Arguments nested past MAX_ARGUMENTS_DEPTH (past the parser's recursion limit, a RecursionError: a 500) are a
+    400 naming `param`."""
     try:
-        return json.loads(arguments) if arguments else {}
+        value = json.loads(arguments) if arguments else {}
+    except RecursionError:
+        raise InvalidMessageError(f"{param}: the arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels",
+                                  param) from None
     except ValueError:
         return arguments
+    if error := arguments_depth_error(value):
+        raise InvalidMessageError(f"{param}: {error}", param)
+    return value
 
 
 def conversation_digest(messages: list[Message], tools: ToolUse | None = None) -> str:

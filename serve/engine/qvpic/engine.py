@@ -74,10 +74,15 @@ class QvpicEngine(Engine):
         """Queue `seq` and its forks: their grammars and stop strings made first (InvalidRequestError: a grammar
         llguidance cannot compile), then the caps (TooLargeError: it can never fit; BusyError: the queue is full)."""
         tokenizer = self.vlm.tokenizer
+        compiled: dict[str, object] = {}  # grammar text -> its matcher: n choices compile it once, then copy it
         for member in seq.members:
             sampling = member.sampling
             if sampling.grammar is not None:
-                member.grammar = self.sampler.grammars.matcher(sampling.grammar, sampling.grammar_param)
+                if (first := compiled.get(sampling.grammar)) is not None:
+                    member.grammar = first.deep_copy()
+                else:
+                    member.grammar = compiled[sampling.grammar] = self.sampler.grammars.matcher(
+                        sampling.grammar, sampling.grammar_param)
             if sampling.stop:  # a completed match ends decoding (the generator's own matcher cuts the text alike)
                 member.stops = StopMatcher(tokenizer, sampling.stop)
         with self._work:

@@ -105,7 +105,8 @@ def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
         require_served(request.model, api)
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT, n=request.n)
+        exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT, n=request.n,
+                                     tools_path="tools")
         await exchange.admit()
         tools = request.tool_use
         if not request.stream:

@@ -463,12 +463,18 @@ def test_the_kv_cap_counts_the_columns_a_short_query_is_padded_by(vlm, chunks):
 
 def test_every_choice_of_a_structured_answer_is_constrained(vlm, chunks):
     """n = 3 sampled choices of a JSON-object answer: each fork gets its own grammar, not only the one queued (the
-    random weights would otherwise start almost any token: "{" is 1 of the vocabulary)."""
+    random weights would otherwise start almost any token: "{" is 1 of the vocabulary) — compiled once for the
+    request and copied to each fork (a schema's compile is the costly part: issue 60), not once per choice."""
     from schemas.api import AnswerRequest
 
     grammar = AnswerRequest(query="q", top_k=1, response_format={"type": "json_object"}).grammar_text
     rec = Recorder(vlm)
+    grammars = rec.engine.sampler.grammars
+    compiled, compile_ = [], grammars.matcher
+    grammars.matcher = lambda lark, param: compiled.append(lark) or compile_(lark, param)
     members = forked(rec, linked(vlm, chunks[:2], "When?"), 6, 3, temperature=1.3, seed=5, grammar=grammar)
     rec.run()
+    assert compiled == [grammar]
+    assert len({id(s.grammar) for s in members}) == 3  # each choice its own matcher's state
     texts = [vlm.tokenizer.decode(s.token_ids) for s in members]
     assert len(set(texts)) > 1 and all(t.lstrip().startswith("{") for t in texts), texts

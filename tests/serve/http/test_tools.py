@@ -106,6 +106,21 @@ def test_a_family_without_a_tool_format_refuses_tools_by_name(tmp_path):
     assert prompt_text(glm, [{"role": "user", "content": "Hi"}], None)  # plain chat still renders
 
 
+@pytest.mark.parametrize("depth", [5_000, 100])  # past the JSON parser's recursion (a RecursionError: 500); past 64
+def test_deeply_nested_arguments_in_the_history_are_a_400_naming_the_call(qwen_vl, depth):
+    deep = "[" * depth + "]" * depth
+    messages = [HISTORY[1], {"role": "assistant", "content": None, "tool_calls": [
+        HISTORY[2]["tool_calls"][0], {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}, HISTORY[-1]]
+    with pytest.raises(InvalidMessageError) as refused:
+        prompt_text(qwen_vl, messages, [WEATHER])
+    assert refused.value.param == "messages[1].tool_calls[1].function.arguments"
+    assert "deeper than 64" in str(refused.value)
+    shallow = "[" * 64 + "]" * 64  # control: at the limit, it renders
+    messages[1]["tool_calls"][1]["function"]["arguments"] = shallow
+    assert shallow in prompt_text(qwen_vl, messages, [WEATHER])
+
+
 TEXT = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
         '<tool_call>\n{"name": "ship_date", "arguments": {"part": "QP-1"}}\n</tool_call>')
 

@@ -1,0 +1,48 @@
+"""The request checks that cost more than reading the request's shape, run once the request is authenticated and
+its rate charged (serve/http/exchange.py `Turns.begin`), on a worker thread: never on the ingress's event loop,
+where one tenant's schema bomb stalled every other request, `/healthz` included, for 12 s.
+
+Today these are the JSON Schemas a request carries (tool `parameters`, `response_format`'s schema): their limits
+and the capped metaschema check are schemas/schema_checks.py's. The router's own costly steps (images, the chat
+template) run there, after the same charge. docs/SECURITY.md ("Cost") lists each limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from schemas.api import AnswerRequest
+from schemas.errors import InvalidRequestError
+from schemas.schema_checks import SchemaCheckError, SchemaField, check_schemas
+
+# A few threads: each check stops itself at SCHEMA_CHECK_S, so a queue behind a bomb drains in bounded time
+_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qvpic-checks")
+
+
+def schema_fields(request: AnswerRequest, tools_path: str = "tools.tools") -> list[SchemaField]:
+    """The schemas of `request`, each with its path as the client spelled it: `tools_path` is where the tools list
+    is (the native request nests it in `tools`; OpenAI's chat request has it at the top)."""
+    fields = []
+    if request.tools is not None:
+        fields += [SchemaField(f"{tools_path}[{i}].function.parameters", t.function.parameters, metaschema=True)
+                   for i, t in enumerate(request.tools.tools) if t.function.parameters is not None]
+    response_format = request.response_format
+    if response_format is not None and response_format.json_schema is not None:
+        # llguidance judges this one when it compiles it (a 400 naming response_format); the limits bound that work
+        fields.append(SchemaField("response_format.json_schema.schema", response_format.json_schema.schema_,
+                                  metaschema=False))
+    return fields
+
+
+async def check_request(request: AnswerRequest, tools_path: str = "tools.tools") -> None:
+    """InvalidRequestError (400, `param` the field's path) for a schema past a limit or not a JSON Schema."""
+    fields = schema_fields(request, tools_path)
+    if not fields:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(_POOL, check_schemas, fields)
+    except SchemaCheckError as error:
+        invalid = InvalidRequestError(str(error))
+        invalid.param = error.param
+        raise invalid from None
