@@ -86,9 +86,12 @@ class VllmEngine(Engine):
         """Queue `seq` and its forks; refused before anything is queued: InvalidRequestError (what only qvpic's
         engine serves, naming it), TooLargeError (past the model's length), BusyError (the queue is full)."""
         check(seq.context)
+        checked: set[str] = set()  # n choices share one grammar: compiled once here (vLLM caches its own)
         for member in seq.members:
-            if member.sampling.grammar is not None:  # a grammar llguidance cannot compile: a 400 naming its field
-                self.grammars.matcher(member.sampling.grammar, member.sampling.grammar_param)
+            grammar = member.sampling.grammar
+            if grammar is not None and grammar not in checked:  # one llguidance cannot compile: a 400 naming it
+                self.grammars.matcher(grammar, member.sampling.grammar_param)
+                checked.add(grammar)
             if member.sampling.stop:
                 member.stops = StopMatcher(self.vlm.tokenizer, member.sampling.stop)
         if seq.max_columns > self.engine.vllm_config.model_config.max_model_len:
