@@ -20,9 +20,10 @@ def adjust_logits(logits: torch.Tensor, generated: list[int], sampling: Sampling
         counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
             0, ids, torch.ones(len(generated), device=logits.device))
         logits -= counts * sampling.frequency_penalty + (counts > 0).float() * sampling.presence_penalty
-    if sampling.logit_bias:
+    if sampling.logit_bias:  # index_add_: a token named twice ("5" and "05") gets both biases, not an arbitrary one
         ids = torch.tensor([token for token, _ in sampling.logit_bias], device=logits.device)
-        logits[..., ids] += torch.tensor([bias for _, bias in sampling.logit_bias], device=logits.device)
+        biases = torch.tensor([bias for _, bias in sampling.logit_bias], device=logits.device)
+        logits.index_add_(-1, ids, biases.expand(*logits.shape[:-1], len(ids)))
     return logits
 
 
@@ -32,7 +33,7 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, t
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     best = torch.topk(logprobs, top) if top else None
     alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
-    return float(logprobs[token]), alternatives
+    return float(logprobs.select(-1, token)), alternatives
 
 
 def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -42,9 +43,10 @@ def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
     logits = logits.double()  # a temperature below float32's range would round to 0 there
     # Shift the best logit to 0 before dividing: a tiny temperature then sends the rest to -inf instead
     # of overflowing them all to inf (inf - inf = NaN in the softmax).
-    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)[0]
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1).squeeze(0)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        # zeroed, not dropped: boolean indexing would size its output from the data (a device sync on a GPU)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

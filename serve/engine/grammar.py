@@ -38,12 +38,24 @@ class Grammars:
         return matcher
 
     def mask(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> torch.Tensor:
-        """`row` `[vocab]` with every token the grammar forbids next at -inf (a new tensor)."""
-        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        """`row` `[vocab]` with every token the grammar forbids next at -inf (a new tensor, on `row`'s device).
+
+        llguidance writes the bitmask in host memory; its kernel reads logits and bitmask on one device, so the
+        bitmask goes to the logits' device — from pinned memory when that is a GPU: an asynchronous copy, queued
+        before the kernel on the same stream."""
+        bitmask = host_bitmask(self.vocab_size, pinned=row.is_cuda)
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-        masked = row.float().clone()[None]
-        llguidance.torch.apply_token_bitmask_inplace(masked, bitmask)
-        return masked[0]
+        masked = row.float().clone()  # [vocab]: llguidance views it as one row, in place
+        llguidance.torch.apply_token_bitmask_inplace(masked, bitmask.to(row.device, non_blocking=True))
+        return masked
+
+
+def host_bitmask(vocab_size: int, pinned: bool) -> torch.Tensor:
+    """A fresh one-row bitmask in host memory, every token allowed; page-locked when bound for a GPU. Fresh per call
+    so no copy in flight reads a buffer being refilled: PyTorch's caching host allocator reuses a pinned block only
+    once the copies that read it are done."""
+    shape = llguidance.torch.get_bitmask_shape(1, vocab_size)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pinned)
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:

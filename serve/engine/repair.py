@@ -15,6 +15,7 @@ import threading
 import time
 
 import pyarrow.compute as pc
+import torch
 
 from pipeline.runtime import VLM, ChunkKV, Renderer, off_loop
 from pipeline.store import Store, build_sized_entry, stored
@@ -24,6 +25,12 @@ from schemas.store import Manifest
 from serve.kv import LazyTier, is_pending, to_wire
 from serve.metrics import serve_metrics
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
+
+# What means "this entry cannot be rebuilt here", so the backup is served (or the request is a 503): a source this
+# replica cannot compile (UnservableError, RenderError, PageImageError: ValueErrors), or no room on the device for
+# the compile. Anything else (a TypeError, ...) is a fault in qvpic and escapes: served as a fallback it would hide
+# a path that never works behind reports that look like bad shards.
+NOT_REBUILT = (ValueError, torch.OutOfMemoryError)
 
 
 class Repairer:
@@ -53,8 +60,9 @@ class Repairer:
             try:
                 tensor, entry, outcome = (self.lazy.promote(chunk, item.entry) if is_pending(item.entry)  # lazy tier
                                           else (self.recompile(chunk, item.entry).kv, item.entry, "recompiled"))
-                array, dtype = to_wire(stored(tensor, self.kv_quant))  # as the store keeps it
-            except ValueError as error:  # UnservableError: e.g. a page image this replica cannot read
+                # as the store keeps it; the KV was compiled on the model's device, and to_wire brings it to the host
+                array, dtype = to_wire(stored(tensor, self.kv_quant))
+            except NOT_REBUILT as error:
                 outcome = "unservable" if item.backup is None else "backup"
                 self.metrics.kv_recompiles.inc(outcome=outcome)
                 if item.backup is None:

@@ -20,14 +20,23 @@ _TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLO
 
 
 def to_wire(tensor: torch.Tensor | QuantizedKV) -> tuple[np.ndarray, DType | KVQuant]:
-    """A float KV as numpy of its bits, or a quantised entry as its uint8 record (its format as the dtype)."""
+    """A float KV as numpy of its bits, or a quantised entry as its uint8 record (its format as the dtype).
+
+    numpy reads host memory only, and a KV compiled by the generator's model (the repair path, a lazily compiled
+    tier) is on its device: it comes to the host first, whole, in one copy — one sync, not one per layer. A host
+    tensor is not copied."""
     if isinstance(tensor, QuantizedKV):
-        array, dtype = tensor.record.cpu().numpy(), tensor.quant
+        array, dtype = on_host(tensor.record).numpy(), tensor.quant
     else:
         dtype, carrier = _WIRE[tensor.dtype]
-        array = tensor.contiguous().view(carrier).numpy()
+        array = on_host(tensor).view(carrier).numpy()
     array.flags.writeable = False  # shared by every request that hits it
     return array, dtype
+
+
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous in host memory: itself when it is already; from a device, one transfer."""
+    return tensor.detach().to("cpu").contiguous()  # `to` keeps a dense tensor's strides: order it on the host
 
 
 def from_wire(array: np.ndarray, dtype: DType | KVQuant) -> torch.Tensor:

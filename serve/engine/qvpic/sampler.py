@@ -36,7 +36,7 @@ class Sampler:
         if seq.grammar is not None:  # structured output: only what the JSON schema allows next
             row = self.grammars.mask(seq.grammar, row)
             best = int(row.argmax())
-        token = best if sampling.temperature == 0 else select_token(row[None], sampling, self._sampler(seq))
+        token = best if sampling.temperature == 0 else select_token(row.unsqueeze(0), sampling, self._sampler(seq))
         if sampling.logprobs is not None and token not in self.vlm.adapter.end_of_turn_ids:
             seq.token_logprobs.append(token_logprobs(raw, token, sampling.logprobs))
         return token
