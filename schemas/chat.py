@@ -25,8 +25,8 @@ from schemas.api import (
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.decoding import ChoiceLogprobs, Decoding
 from schemas.sampling import MAX_CHOICES
-from schemas.tools import MAX_TOOLS, ToolChoice, ToolDef, ToolUse
-from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict
+from schemas.tools import MAX_TOOLS, FunctionDef, NamedFunction, NamedToolChoice, ToolChoice, ToolDef, ToolUse
+from schemas.wire import JsonBool, JsonFloat, JsonInt, NullIsDefault, Strict
 
 
 class OpenAIError(Strict):
@@ -48,7 +48,7 @@ class RetrievalMode(str, Enum):
     NONE = "none"  # no store chunks: plain chat over the messages alone (a chain that does its own retrieval)
 
 
-class QvpicOptions(Selection, Routing, Attribution):
+class QvpicOptions(Selection, Routing, Attribution, NullIsDefault):
     """Extension field `qvpic` of a chat request; with no selection the last user message retrieves."""
 
     retrieval: RetrievalMode = RetrievalMode.AUTO
@@ -70,13 +70,14 @@ class QvpicOptions(Selection, Routing, Attribution):
         return self
 
 
-class StreamOptions(Strict):
+class StreamOptions(Strict, NullIsDefault):
     include_usage: JsonBool = False
 
 
-class ChatCompletionRequest(Strict, Decoding):
+class ChatCompletionRequest(Strict, Decoding, NullIsDefault):
     """Every parameter of OpenAI's chat-completion request is here: supported, accepted and ignored, or refused
-    with a 400 naming it (docs/OPENAI.md has the table; tests/serve/http/test_openai_params.py walks it)."""
+    with a 400 naming it (docs/OPENAI.md has the table; tests/serve/http/test_openai_params.py walks it). A field
+    it does not know is a 400 naming it, as OpenAI answers; `null` is any optional field's default, as OpenAI's."""
 
     model: str = Field(min_length=1, max_length=256)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -105,11 +106,33 @@ class ChatCompletionRequest(Strict, Decoding):
     tool_choice: ToolChoice | None = Field(None, description="none (tools not shown), auto (default with tools), "
                                            "required or a named function: the answer is constrained to a call")
     parallel_tool_calls: JsonBool | None = None  # default true: several calls in one answer
+    functions: list[FunctionDef] | None = Field(None, max_length=MAX_TOOLS, description="deprecated by OpenAI: "
+                                                "read as `tools`, each a function tool")
+    function_call: Literal["none", "auto"] | NamedFunction | None = Field(None, description="deprecated by OpenAI: "
+                                                                          "read as `tool_choice`")
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 
     @model_validator(mode="after")
     def _a_conversation(self) -> ChatCompletionRequest:
         check_conversation(self.messages)
+        return self
+
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatCompletionRequest:
+        """`functions` / `function_call` as the `tools` / `tool_choice` they stand for (before `_refused` checks
+        those); either pair, not both."""
+        if self.functions is not None:
+            if self.tools is not None:
+                raise ValueError("functions: give tools or functions, not both")
+            self.tools, self.functions = [ToolDef(type="function", function=f) for f in self.functions], None
+        if self.function_call is not None:
+            if self.tool_choice is not None:
+                raise ValueError("function_call: give tool_choice or function_call, not both")
+            call, names = self.function_call, [t.function.name for t in self.tools or []]
+            if isinstance(call, NamedFunction) and call.name not in names:
+                raise ValueError(f"function_call: names {call.name!r}, which is not in functions {names[:16]}")
+            self.tool_choice = call if isinstance(call, str) else NamedToolChoice(type="function", function=call)
+            self.function_call = None
         return self
 
     @model_validator(mode="after")
@@ -225,6 +248,7 @@ class ModelCard(Strict):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    max_model_len: int | None = None  # vLLM's field: the context a request's prompt and answer fill
 
 
 class ModelList(Strict):

@@ -16,7 +16,7 @@ from schemas.chat import ChatCompletionRequest, ChatUsage, QvpicOptions, StreamO
 from schemas.conversation import MAX_TEXT_CHARS, Message
 from schemas.decoding import ChoiceLogprobs, Controls
 from schemas.sampling import MAX_CHOICES
-from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict, Utf8Str
+from schemas.wire import JsonBool, JsonFloat, JsonInt, NullIsDefault, Strict, Utf8Str
 
 MAX_PROMPTS = 64  # prompts of one request: each is its own governed turn, answered in order
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's
@@ -37,7 +37,7 @@ def texts_only(field: str, value: Any, max_items: int) -> Any:
     return value
 
 
-class CompletionRequest(Strict, Controls):
+class CompletionRequest(Strict, Controls, NullIsDefault):
     """OpenAI's legacy completion request: each parameter supported, or refused with a 400 naming it."""
 
     model: str = Field(min_length=1, max_length=256)

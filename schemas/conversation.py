@@ -1,7 +1,8 @@
 """Messages of a conversation, as OpenAI's chat API (and vLLM's) take them.
 
 Roles `system`, `developer` (rendered as `system`: the templates qvpic serves have no developer role), `user`,
-`assistant` (content may be empty or null, with `tool_calls`) and `tool` (a tool's result, `tool_call_id`).
+`assistant` (content may be empty or null, with `tool_calls`) and `tool` (a tool's result, `tool_call_id`); the
+deprecated `function` role and an assistant's `function_call` read as a tool result and a tool call.
 Content is a string or a list of parts: `text`, and `image_url` with a `data:` URL (PNG, JPEG, WebP) in user
 messages. The server fetches nothing: an `http(s)` URL is refused. Every string and list is bounded here; the
 token count of the whole conversation is checked against the context by the router (413 naming the limit).
@@ -12,11 +13,11 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from schemas.wire import Strict, Utf8Str
+from schemas.wire import NullIsDefault, Strict, Utf8Str
 
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 200_000  # one text part or string content
@@ -64,25 +65,49 @@ class ImagePart(Strict):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class FunctionCall(Strict):
+class FunctionCall(Strict, NullIsDefault):
     name: Utf8Str = Field(min_length=1, max_length=256)
     arguments: Utf8Str = Field("", max_length=MAX_TEXT_CHARS)  # JSON text, as the model wrote it
 
 
-class ToolCall(Strict):
+class ToolCall(Strict, NullIsDefault):
     id: Utf8Str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class Message(Strict, NullIsDefault):
+    """A message as OpenAI takes it, an assistant message as the openai SDK dumps it included
+    (`message.model_dump()`: `refusal`, `annotations`, `audio` and `function_call`, null or not). The deprecated
+    function-calling turns read as tool turns: `function_call` as the one call of `tool_calls`, role `function`
+    as a `tool` result (`_legacy_turns`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Utf8Str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = Field(
         None, max_length=MAX_TEXT_CHARS)
     name: Utf8Str | None = Field(None, min_length=1, max_length=64)
     tool_calls: list[ToolCall] | None = Field(None, max_length=64)  # assistant messages
     tool_call_id: Utf8Str | None = Field(None, max_length=256)  # tool messages
+    # what an echoed assistant message carries beside its content: a refusal is its text (when content is null);
+    # annotations (url citations) and an audio reference are accepted and not rendered (no audio output here)
+    refusal: Utf8Str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    annotations: list[dict[str, Any]] | None = Field(None, max_length=MAX_PARTS)
+    audio: dict[str, Annotated[str, Field(max_length=256)]] | None = Field(None, max_length=4)
+    function_call: FunctionCall | None = None  # deprecated by OpenAI: an assistant message's one call
 
+    @model_validator(mode="after")
+    def _legacy_turns(self) -> Message:
+        """OpenAI's deprecated function-calling turns as the tool turns they stand for: the model reads one form."""
+        if self.role == "function":
+            self.role = "tool"
+        if self.function_call is not None:
+            if self.tool_calls:
+                raise ValueError("function_call: give tool_calls or function_call, not both")
+            self.tool_calls = [ToolCall(id=f"call_{self.function_call.name}"[:256], function=self.function_call)]
+            self.function_call = None
+        if self.content is None and self.refusal is not None:
+            self.content = self.refusal
+        return self
     def text(self) -> str:
         """The message's text, its parts joined (images left out)."""
         if self.content is None:

@@ -12,14 +12,14 @@ from pydantic import Field, field_validator, model_validator
 
 from schemas.api import MAX_QUERY_CHARS
 from schemas.completions import texts_only
-from schemas.wire import JsonInt, Strict, Utf8Str
+from schemas.wire import JsonInt, NullIsDefault, Strict, Utf8Str
 
 MAX_INPUTS = 2048  # OpenAI's
 MAX_TOTAL_CHARS = 1_000_000
 Text = Annotated[Utf8Str, Field(min_length=1, max_length=MAX_QUERY_CHARS)]
 
 
-class EmbeddingRequest(Strict):
+class EmbeddingRequest(Strict, NullIsDefault):
     model: str = Field(min_length=1, max_length=256, description="the served model name, or the store's embedder's")
     input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
     encoding_format: Literal["float", "base64"] = "float"

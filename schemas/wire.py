@@ -10,14 +10,31 @@ an integral float such as `2.0` is not an integer here (JSON Schema would allow 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import pydantic
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, model_validator
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class NullIsDefault(BaseModel):
+    """OpenAI's rule for its request models: `null` for an optional field means its default (`temperature: null`
+    is temperature 1). Clients send it (the openai SDK passes an explicit None through; a dumped assistant message
+    carries `refusal: null`). A required field's null stays, and fails as before. Only the OpenAI-compatible
+    request models (and the messages and tools they share with the native request) take it: response models keep
+    a None that means "not measured"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for field_name, field in cls.model_fields.items() if not field.is_required()
+                    for name in (field_name, field.alias) if name}
+        return {key: value for key, value in data.items() if value is not None or key not in optional}
 
 
 JsonInt = Annotated[int, pydantic.Strict()]  # no bool, str or float

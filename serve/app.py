@@ -13,12 +13,14 @@ of it (serve/dispatch/affinity.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from pipeline.runtime import check_store
+from pipeline.runtime.checkpoint import resolve_path
 from pipeline.store import (
     Store,
     check_seal,
@@ -50,8 +52,20 @@ def api_spec(args: AppConfig) -> ApiSpec:
                      num_entries=generation.num_entries,
                      modes=servable_modes(manifest.variants), kv_quant=manifest.kv_quant)
     return ApiSpec(served_model_name=args.ingress.served_model_name, default_top_k=args.ingress.default_top_k,
+                   chat_model_name=args.ingress.chat_model_name, max_model_len=context_size(args),
                    store=info, created=int(manifest.created_at.timestamp()),
                    collections=generation.collection_counts())
+
+
+def context_size(args: AppConfig) -> int | None:
+    """The context the router fills (serve/routing/router.py: `router.max_context_tokens`, capped by the checkpoint's
+    positions), from the checkpoint's config.json: the builder and the ingress load no model stack. None: unread."""
+    try:
+        config = json.loads((resolve_path(args.model) / "config.json").read_text())
+        positions = int((config.get("text_config") or config)["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return args.router.max_context_tokens
+    return min(args.router.max_context_tokens or positions, positions)
 
 
 def preflight(args: AppConfig) -> None:

@@ -152,6 +152,9 @@ class GeneratorConfig(StoreBound):
 
 class IngressConfig(Frozen):
     served_model_name: str = Field("qvpic", min_length=1, max_length=256)  # model id of /v1/models and chat requests
+    # a second model id that never retrieves: chat UIs' side calls (titles, tags) and chains that bring their own
+    # context get exactly their prompt (None: `<served_model_name>-chat`)
+    chat_model_name: str | None = Field(None, min_length=1, max_length=256)
     default_top_k: int = Field(8, ge=1)  # chat requests that name no chunks retrieve this many
     request_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)  # deadline of a request that sets none (504)
     governance: GovernanceConfig = GovernanceConfig()
@@ -163,9 +166,21 @@ class ApiSpec(Frozen):
 
     served_model_name: str
     default_top_k: int
+    chat_model_name: str | None = None  # the id that never retrieves (None: `<served_model_name>-chat`)
+    max_model_len: int | None = None  # the context the router fills (`/v1/models`, vLLM's field); None: unknown
     store: StoreInfo  # as a key reading every collection sees it
     created: int  # unix seconds: when the store was created
     collections: dict[str, CollectionCounts] = Field(default_factory=dict)  # the serving generation's, per collection
+
+    @property
+    def plain_chat_model(self) -> str:
+        """The model id whose requests never retrieve (plain chat over the messages alone)."""
+        return self.chat_model_name or f"{self.served_model_name}-chat"
+
+    @property
+    def model_ids(self) -> list[str]:
+        """What `/v1/models` lists: the served model (retrieves from the store) and its plain-chat id."""
+        return [self.served_model_name, self.plain_chat_model]
 
     def store_for(self, grant: frozenset[str]) -> StoreInfo:
         """`store` as a key reading the collections of `grant` sees it: the counts of those collections only

@@ -20,13 +20,14 @@ from fastapi import FastAPI
 
 from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
+from schemas.utility import TokenizeRequest
 from serve.app import api_spec, preflight
 from serve.config import AppConfig
 from serve.engine import Generator
 from serve.governance import Governor
 from serve.http import make_api
 from serve.kv import CacheLoader, LocalLoader
-from serve.plan import Answer, Embedded, Plan
+from serve.plan import Answer, Embedded, Plan, Tokenized
 from serve.routing import Router
 
 
@@ -82,6 +83,12 @@ class InProcessBackend:
 
     async def embed(self, texts: list[str]) -> Embedded:
         return await self.router.embed(texts)
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized:
+        return await self.router.tokenize(request)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self.router.detokenize(tokens)
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
         return await self.generator.generate(plan, sampling, timeout_s, source=self.source)

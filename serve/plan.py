@@ -213,3 +213,11 @@ class Embedded:
 
     vectors: np.ndarray  # float32 [n, dim], unit rows: the vectors retrieval compares
     prompt_tokens: int  # the embedder's tokens read, over all texts
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """What `POST /tokenize` answers: the router's tokens of a prompt, and the context it fills."""
+
+    tokens: list[int]
+    max_model_len: int

@@ -140,9 +140,10 @@ class AuthConfig(Frozen):
     trusted_proxy_sha256: frozenset[Sha256Hex] = Field(frozenset(), description=(
         "sha256 hex of the keys of trusted gateways that act for many tenants: a request with one names its tenant "
         "in X-Tenant (required); with any other key X-Tenant is ignored and the tenant is the key's"))
-    open_paths: frozenset[str] = Field(frozenset({"/healthz", "/readyz"}), description=(
-        "paths answered without a key when keys are configured (probes by default; add /metrics for a scraper "
-        "without a key, /docs and /openapi.json to publish the API docs); every other route needs one"))
+    open_paths: frozenset[str] = Field(frozenset({"/healthz", "/readyz", "/health"}), description=(
+        "paths answered without a key when keys are configured (the probes by default, vLLM's /health among them; add "
+        "/metrics for a scraper without a key, /docs and /openapi.json to publish the API docs); every other route "
+        "needs one"))
     insecure_no_auth: bool = Field(False, description=(
         "serve beyond loopback with no API keys (anyone who reaches the port spends any tenant's budget); "
         "`qvpic serve` refuses such a bind without it and warns at every start with it"))

@@ -30,9 +30,10 @@ from ray.serve.handle import DeploymentHandle
 
 from schemas.api import AnswerRequest, CacheStats
 from schemas.sampling import Sampling
+from schemas.utility import TokenizeRequest
 from serve.handles import cancelling
 from serve.metrics import serve_metrics
-from serve.plan import Answer, Embedded, Plan
+from serve.plan import Answer, Embedded, Plan, Tokenized
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Backend(Protocol):
     async def cache_stats(self) -> CacheStats: ...
     async def device_cache_stats(self) -> CacheStats: ...
     async def embed(self, texts: list[str]) -> Embedded: ...
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized: ...
+    async def detokenize(self, tokens: list[int]) -> str: ...
 
 
 class HandleBackend:
@@ -62,6 +65,12 @@ class HandleBackend:
 
     async def embed(self, texts: list[str]) -> Embedded:
         return await retried_once("embed", lambda: cancelling(self.router.embed.remote(texts)))
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized:
+        return await retried_once("tokenize", lambda: cancelling(self.router.tokenize.remote(request)))
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await retried_once("detokenize", lambda: cancelling(self.router.detokenize.remote(tokens)))
 
     async def generate(self, plan: Plan, sampling: Sampling, timeout_s: float | None = None) -> Answer:
         remaining = Remaining(timeout_s)

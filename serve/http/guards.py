@@ -13,7 +13,8 @@
   both, turning a bad request into a plain-text 500.
 - Anything else that escapes a route is a JSON 500 in the route's shape, never a plain-text page.
 - Every error here keeps FastAPI's `{"detail": …}` body, and takes OpenAI's error shape on the
-  OpenAI-compatible routes, like every other error there.
+  OpenAI-compatible routes, like every other error there. A path no route serves is OpenAI's 404
+  (`Invalid URL (GET /path)`) everywhere: what a client written for OpenAI or vLLM reads.
 
 Per-field limits (chunk count, query length, `max_new_tokens`, unknown fields, no paths or URIs) are
 in the request models of schemas/api.py, whose numbers and booleans take only what their JSON Schema
@@ -178,6 +179,10 @@ def install_guards(app: FastAPI, on_error: Callable[[Request, int], None], auth:
             return await invalid(request, RequestValidationError(
                 [{"type": "json_invalid", "loc": ("body",), "msg": detail, "input": {}}]))
         on_error(request, error.status_code)
+        if error.status_code == 404 and error.detail == "Not Found":  # no route serves the path: OpenAI's answer,
+            # in its shape on every path (clients written for OpenAI or vLLM read `error.message`)
+            where = json_safe(f"{request.method} {request.url.path}"[:300])
+            return openai_error(404, f"Invalid URL ({where})", error.headers)
         detail = (f"request body is over the {max_body_nbytes}-byte limit" if error.status_code == 413
                   else str(error.detail))
         return error_response(request, error.status_code, detail, error.headers)

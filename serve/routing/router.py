@@ -34,11 +34,12 @@ from schemas.config import check_tau
 from schemas.errors import ApiError, ContextLengthError, TooLargeError
 from schemas.prompt import PromptLayout
 from schemas.store import ManifestError
+from schemas.utility import TokenizeRequest
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
-from serve.plan import Embedded, Plan, PlannedChunk
+from serve.plan import Embedded, Plan, PlannedChunk, Tokenized
 from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
-from serve.routing.prompt import PromptTemplate, conversation_chain, conversation_digest
+from serve.routing.prompt import InvalidMessageError, PromptTemplate, conversation_chain, conversation_digest
 from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
 
@@ -239,6 +240,24 @@ class Router:
         if self.prompt.template.images_first and request.messages is not None:
             chunks = template_order(chunks, "", "")[0]  # pages first, as the template renders a turn
         return chunks, list(fallbacks)
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized:
+        """`/tokenize`: a prompt's tokens, or the messages' as a chat request's prompt holds them with no store
+        chunks (InvalidMessageError: a 400, as on chat), and the context this router fills."""
+        def work() -> list[int]:
+            if request.prompt is not None:
+                return self.prompt.encode(request.prompt)
+            layout = self.prompt.conversation(request.messages)
+            return [t for text in layout.texts for piece in text.pieces if isinstance(piece, tuple) for t in piece]
+        return Tokenized(tokens=await asyncio.to_thread(work), max_model_len=self.max_context_tokens)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """`/detokenize`: the text of `tokens` (special tokens written out, as vLLM's); an id past the vocabulary
+        is a 400 naming `tokens`."""
+        vocabulary = len(self.prompt.tokenizer)
+        if any(t >= vocabulary for t in tokens):
+            raise InvalidMessageError(f"tokens: every id must be below the vocabulary's size, {vocabulary}", "tokens")
+        return await asyncio.to_thread(self.prompt.tokenizer.decode, tokens)
 
     def reload(self) -> bool:
         """Switch to the store's current generation now, if it is newer (the watcher also does it on its own)."""

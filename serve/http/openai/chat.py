@@ -1,13 +1,14 @@
 """`/v1/chat/completions` (plain and streamed) and `/v1/models`: a conversation in OpenAI's message shape.
 
-The messages become the native request's `messages` (serve/routing/prompt.py renders them with the model's own
-chat template, the store's chunks at the start of the last user message's content). Retrieval embeds the last
-user message's text, or `qvpic.retrieval_query`; `qvpic.retrieval: "none"` (or `top_k: 0`) is plain chat with
-no store chunks. The chunk selection and routing ride in the extension field `qvpic` (the official client sends
-it with `extra_body={"qvpic": {...}}`). `usage.prompt_tokens` counts the whole prompt (the messages as rendered,
-every chunk) and `prompt_tokens_details.cached_tokens` the part whose KV was not computed for this request: the
-linked chunks' (from the store) and the prefix cache's (earlier requests' prompts and answers); all of it when the
-answer came from the response cache.
+The messages become the native request's `messages` (serve/routing/prompt.py renders them with the model's own chat
+template, the store's chunks at the start of the last user message's content). Retrieval embeds the last user
+message's text, or `qvpic.retrieval_query`; `qvpic.retrieval: "none"` (or `top_k: 0`), or the plain-chat model id
+(`qvpic-chat`, listed by `/v1/models`), is plain chat with no store chunks. The chunk selection and routing ride in
+the extension field `qvpic` (the official client sends it with `extra_body={"qvpic": {...}}`).
+`usage.prompt_tokens` counts the whole prompt (the messages as rendered, every chunk) and
+`prompt_tokens_details.cached_tokens` the part whose KV was not computed for this request: the linked chunks' (from
+the store) and the prefix cache's (earlier requests' prompts and answers); all of it when the answer came from the
+response cache.
 """
 
 from __future__ import annotations
@@ -48,16 +49,22 @@ GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}, "description
 
 def require_served(model: str, api: ApiSpec) -> None:
     """404 `model_not_found` for a model this server does not serve."""
-    if model != api.served_model_name:
-        raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {[api.served_model_name]}")
+    if model not in api.model_ids:
+        raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {api.model_ids}")
 
 
-def answer_request(request: ChatCompletionRequest, default_top_k: int) -> AnswerRequest:
+def answer_request(request: ChatCompletionRequest, api: ApiSpec) -> AnswerRequest:
     """The native request of a chat request: its messages, and what retrieval embeds (`retrieval_query`); a
-    question without text (an image alone) retrieves nothing unless chunks are named."""
+    question without text (an image alone) retrieves nothing unless chunks are named. The plain-chat model id
+    (`api.plain_chat_model`) never retrieves: `retrieval: "none"` whatever the request says, and a chunk
+    selection with it is a 400 naming `qvpic`."""
     options = request.qvpic
     selection = options.model_dump(include={"chunk_ids", "doc_ids", "top_k"}, exclude_none=True)
-    if options.retrieval is RetrievalMode.NONE:
+    if request.model == api.plain_chat_model and selection:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body", "qvpic"), "input": None, "msg": (
+            f"model {request.model!r} never retrieves, so it takes no chunk_ids, doc_ids or top_k; name them with "
+            f"model {api.served_model_name!r}")}])
+    if options.retrieval is RetrievalMode.NONE or request.model == api.plain_chat_model:
         selection = {"top_k": 0}
     query = request.retrieval_query
     if not selection and not query.strip():
@@ -72,7 +79,7 @@ def answer_request(request: ChatCompletionRequest, default_top_k: int) -> Answer
                              **request.model_dump(include=set(Decoding.model_fields), by_alias=True),
                              stream=request.stream, timeout_s=options.timeout_s,
                              user=request.user or request.safety_identifier, tools=request.tool_use,
-                             **(selection or {"top_k": default_top_k}))
+                             **(selection or {"top_k": api.default_top_k}))
     except ValidationError as error:  # the chat request's own limits should already exclude this
         raise RequestValidationError(error.errors()) from error
 
@@ -88,24 +95,24 @@ def chat_choice(index: int, choice: Choice, tools: ToolUse | None) -> ChatChoice
 def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
     routes = APIRouter(tags=["openai"])
 
-    card = ModelCard(id=api.served_model_name, created=api.created, owned_by="qvpic")
+    cards = {name: ModelCard(id=name, created=api.created, owned_by="qvpic", max_model_len=api.max_model_len)
+             for name in api.model_ids}
 
     @routes.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card])
+        return ModelList(data=list(cards.values()))
 
     @routes.get("/v1/models/{model}", responses={404: {"model": OpenAIErrorBody}})
     async def model(model: str) -> ModelCard:
-        if model != api.served_model_name:
-            raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {[card.id]}")
-        return card
+        require_served(model, api)
+        return cards[model]
 
     @routes.post("/v1/chat/completions", response_model=ChatCompletion, responses=GENERATION_RESPONSES)
     async def chat_completions(request: ChatCompletionRequest, http: Request, response: Response):
         require_served(request.model, api)
         started, created = time.perf_counter(), int(time.time())
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        exchange = await turns.begin(http, answer_request(request, api.default_top_k), Route.CHAT, n=request.n,
+        exchange = await turns.begin(http, answer_request(request, api), Route.CHAT, n=request.n,
                                      tools_path="tools")
         await exchange.admit()
         tools = request.tool_use

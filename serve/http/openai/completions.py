@@ -44,7 +44,7 @@ def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
 
     async def admitted(http: Request, request: CompletionRequest, prompt: str) -> Exchange:
         """The prompt's turn, routed and admitted (401, 404, 413, 429 here, before any generation)."""
-        exchange = await turns.begin(http, answer_request(request.chat(prompt), api.default_top_k), Route.COMPLETIONS,
+        exchange = await turns.begin(http, answer_request(request.chat(prompt), api), Route.COMPLETIONS,
                                      n=request.n)
         await exchange.admit()
         return exchange

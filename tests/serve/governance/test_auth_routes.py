@@ -16,7 +16,7 @@ from tests.serve.http.test_api import call
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 
 KEY = "key-acme-1"
-PROBES = {"/healthz", "/readyz"}
+PROBES = {"/healthz", "/readyz", "/health"}  # vLLM's /health is a probe too
 
 
 def every_route(routes) -> list[tuple[str, str]]:

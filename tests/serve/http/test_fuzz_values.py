@@ -21,12 +21,15 @@ VALID_BODIES = {"/v1/answer": {"query": QUERY, "top_k": 1, "max_new_tokens": 2},
                 "/v1/chat/completions": {"model": "qvpic", "messages": [{"role": "user", "content": QUERY}],
                                          "max_tokens": 2, "qvpic": {"top_k": 1}, "stream_options": {}},
                 "/v1/completions": {"model": "qvpic", "prompt": QUERY, "max_tokens": 2, "qvpic": {"top_k": 1}},
-                "/v1/embeddings": {"model": "qvpic", "input": QUERY}}
+                "/v1/embeddings": {"model": "qvpic", "input": QUERY},
+                "/tokenize": {"model": "qvpic", "prompt": QUERY}, "/detokenize": {"model": "qvpic", "tokens": [1, 2]}}
 # The routes that speak OpenAI's error shape (a 400 `OpenAIErrorBody`); the native ones answer FastAPI's 422.
-OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+# vLLM's utility routes (serve/http/utility.py) are not governed turns: they read no governance header
+UNGOVERNED = ("/tokenize", "/detokenize")
 # The free-text field of each route's body: where a lone surrogate or a JSON-only token goes.
 TEXT_FIELD = {"/v1/answer": "query", "/v1/estimate": "query", "/v1/chat/completions": "messages",
-              "/v1/completions": "prompt", "/v1/embeddings": "input"}
+              "/v1/completions": "prompt", "/v1/embeddings": "input", "/tokenize": "prompt", "/detokenize": "model"}
 # Tokens Python's JSON parser takes but JSON cannot carry back (`1e400` parses to infinity; 5000 digits
 # are over Python's int-parsing limit), and strings no UTF-8 encoder takes.
 NOT_ECHOABLE = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "9" * 5000, '"\\ud800"', '"a\\udfffb"']
@@ -94,7 +97,8 @@ def test_values_json_cannot_carry_are_a_json_422_on_every_route(app, path):
     body = VALID_BODIES[path]
     fields = [*scalar_fields(spec, spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]),
               (TEXT_FIELD[path],)]
-    assert {("temperature",), ("seed",), ("top_k",)} & set(fields) or path in ("/v1/estimate", "/v1/embeddings"), fields
+    assert {("temperature",), ("seed",), ("top_k",)} & set(fields) or path in ("/v1/estimate", "/v1/embeddings",
+                                                                                *UNGOVERNED), fields
     raw = [raw_with_token(body, field, token) for field in fields for token in NOT_ECHOABLE]
     if path == "/v1/chat/completions":
         parts = '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]'
@@ -109,7 +113,7 @@ def test_values_json_cannot_carry_are_a_json_422_on_every_route(app, path):
         refused_in_route_shape(spec, path, response)
 
 
-@pytest.mark.parametrize("path", sorted(VALID_BODIES))
+@pytest.mark.parametrize("path", sorted(set(VALID_BODIES) - set(UNGOVERNED)))
 def test_hostile_header_values_are_a_json_4xx_on_every_route(app, path):
     """Headers the server parses (budget, tenant, task type), holding what their parsers choke on."""
     values = {"X-Max-Token-Budget": ["NaN", "Infinity", "-1", "1e400", "9" * 5000, "9" * 19, b"\xb2", b"\xff\xfe",
@@ -131,7 +135,8 @@ def test_numbers_and_booleans_take_only_what_the_schema_allows(app, path):
     request_schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     validator = jsonschema.Draft202012Validator({**request_schema, "components": spec["components"]})
     fields = scalar_fields(spec, request_schema)
-    assert len(fields) >= (1 if path == "/v1/embeddings" else 2), fields  # embeddings: `dimensions` alone
+    # embeddings: `dimensions` alone; tokenize and detokenize: none outside their lists
+    assert len(fields) >= {"/v1/embeddings": 1, "/tokenize": 0, "/detokenize": 0}.get(path, 2), fields
     for field, json_type in fields.items():
         for value in WRONG_TYPE[json_type]:
             body = with_field(VALID_BODIES[path], field, value)
