@@ -17,7 +17,6 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from tests.support.cluster_fixtures import (  # noqa: F401  (fixtures)
 )
 from tests.support.linked_reference import Reference, independent_answer, linked_chunks, mismatch
 from tests.support.ray_fixtures import free_port
+from tests.support.serve_probes import live_replicas, replica_retries, replicas_running, wait_for
 from tests.support.store_factory import DOCUMENTS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
@@ -227,28 +227,12 @@ def reference_of(cluster: RayCluster, bucket: str, body: dict, query: str) -> Re
 
 
 def generator_actors() -> set[str]:
-    """Actor ids of the Generator's live replicas."""
-    from ray.util.state import list_actors
-
-    return {actor.actor_id for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-            if actor.class_name == "ServeReplica:qvpic:Generator"}
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> bool:
-    """Whether `condition()` held within `timeout_s` (a bound on a wait, not a measurement)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
+    """Actor names of the Generator's live replicas (Serve names each new replica anew)."""
+    return {replica.name for replica in live_replicas("qvpic", "Generator")}
 
 
 def generators_running() -> int:
-    """The Generator's RUNNING replicas, as the Serve controller counts them."""
-    from ray import serve
-
-    return serve.status().applications["qvpic"].deployments["Generator"].replica_states.get("RUNNING", 0)
+    return replicas_running("qvpic", "Generator")
 
 
 # Four clients keep four requests on one replica, four times GENERATOR_AUTOSCALING's target of one. Serve decided
@@ -333,25 +317,8 @@ def test_recompile_while_serving_switches_every_replica(ray_cluster, served, buc
 
 
 def generator_requests() -> dict[str, int]:
-    """Ray node id → requests in flight in the generator replica there, as the replica counts them (Serve's
-    `ReplicaActor.get_num_ongoing_requests`, Ray-internal: checked on 2.60; Serve turns Ray's task events off
-    on its actors, so `ray.util.state.list_tasks` lists none), the replicas found through `ray.util.state`."""
-    import ray
-    from ray.util.state import list_actors
-
-    return {actor.node_id: ray.get(ray.get_actor(actor.name, namespace=actor.ray_namespace)
-                                   .get_num_ongoing_requests.remote(), timeout=30)
-            for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-            if actor.class_name == "ServeReplica:qvpic:Generator"}
-
-
-def replica_retries(url: str) -> Counter[str]:
-    """`qvpic_replica_retries_total` by call, from the ingress's `GET /metrics`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return Counter({sample.labels["call"]: sample.value for family in text_string_to_metric_families(text)
-                    for sample in family.samples if sample.name == "qvpic_replica_retries_total"})
+    """Ray node id → requests in flight in the generator replica there, as the replica counts them."""
+    return {replica.node_id: replica.ongoing_requests() for replica in live_replicas("qvpic", "Generator")}
 
 
 class Stream:
