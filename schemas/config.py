@@ -427,6 +427,10 @@ class EngineConfig(Frozen):
     wait in a bounded queue; past the queue they are refused with 503 and Retry-After."""
 
     kind: EngineKind = EngineKind.QVPIC
+    # vLLM's engine only: the ranks a checkpoint's layers are split across, each a worker process of the generator
+    # replica (vLLM's multiprocessing executor) on one of the replica's GPUs — generator_deployment.num_gpus is this
+    # many; on a CPU each rank is bound to its share of the replica's cores (docs/DEPLOY.md "Engines")
+    tensor_parallel_size: int = Field(1, ge=1, le=16)
 
     max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
     max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers

@@ -85,6 +85,10 @@ SIZES = {
     # keeps the default: wide there, its activations grow and so does the engines' rounding gap on images.
     "oracle": TinySize(128, 2, 2, 1, 256, vision_depth=2, vision_hidden_size=64, vision_heads=2, init_std=0.1,
                        portable=True),
+    # The oracle's size with two KV heads: vLLM's tensor parallelism gives each of two ranks its own head
+    # (tests/serve/engine/vllm/test_vllm_tp.py); with the oracle's one, both ranks would hold the same.
+    "tp": TinySize(128, 2, 2, 2, 256, vision_depth=2, vision_hidden_size=64, vision_heads=2, init_std=0.1,
+                   portable=True),
     # ~100M LLM parameters: the size the benchmarks use.
     "bench": TinySize(768, 12, 12, 2, 2048, vision_depth=4, vision_hidden_size=256, vision_heads=4),
 }
@@ -94,6 +98,7 @@ BUILTIN = {
     "tiny-glm": (ModelFamily.GLM4V, "tiny"),
     "tiny-llava": (ModelFamily.LLAVA_ONEVISION, "tiny"),
     "oracle-qwen": (ModelFamily.QWEN2_5_VL, "oracle"),
+    "tp-qwen": (ModelFamily.QWEN2_5_VL, "tp"),
     "bench-qwen": (ModelFamily.QWEN2_5_VL, "bench"),
     "bench-glm": (ModelFamily.GLM4V, "bench"),
 }
