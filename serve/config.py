@@ -284,3 +284,13 @@ class AppConfig(StoreBound):
             raise ValueError(f"ingress.default_top_k {self.ingress.default_top_k} exceeds router.max_chunks "
                              f"{self.router.max_chunks}")
         return self
+
+    @model_validator(mode="after")
+    def _ranks_have_gpus(self) -> AppConfig:
+        """vLLM's tensor-parallel ranks are worker processes of the generator replica: on GPUs, one of the replica's
+        each (Ray gives the replica its GPUs; the ranks inherit them)."""
+        ranks, gpus = self.generator.engine.tensor_parallel_size, self.generator_deployment.num_gpus
+        if ranks > 1 and gpus and gpus != ranks:
+            raise ValueError(f"generator_deployment.num_gpus {gpus:g} must be generator.engine.tensor_parallel_size "
+                             f"{ranks}: each tensor-parallel rank runs on one of the replica's GPUs")
+        return self

@@ -96,3 +96,20 @@ def test_the_engine_kind_decides_whether_history_turns_retrieve():
     request = AnswerRequest(query="When does it ship?", messages=messages, top_k=2)
     groups = [Router.group_queries(SimpleNamespace(config=config.router), request) for config in (derived(), vllm)]
     assert groups == [["Which invoice?", "When does it ship?"], ["When does it ship?"]]
+
+
+def test_tensor_parallel_ranks_are_vllms_and_have_the_replicas_gpus():
+    """`engine.tensor_parallel_size`: refused on qvpic's engine and where the replica's GPUs are not one a rank, both
+    naming the field (tests/serve/engine/vllm/test_vllm_tp.py runs two ranks)."""
+
+    def config(engine: dict, gpus: float = 0.0) -> AppConfig:
+        return AppConfig.model_validate({"store": "/tmp/s", "model": {"path": "tiny-qwen"},
+                                         "generator": {"engine": engine},
+                                         "generator_deployment": {"num_gpus": gpus}})
+
+    assert config({"kind": "vllm", "tensor_parallel_size": 2}, gpus=2).generator.engine.tensor_parallel_size == 2
+    assert config({"kind": "vllm", "tensor_parallel_size": 2}).generator_deployment.num_gpus == 0  # CPU ranks
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size"):
+        config({"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="num_gpus 1 must be generator.engine.tensor_parallel_size 2"):
+        config({"kind": "vllm", "tensor_parallel_size": 2}, gpus=1)

@@ -37,34 +37,19 @@ from serve.engine.grammar import Grammars  # noqa: E402
 from serve.engine.interface import Engine, EngineStats  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
 from serve.engine.stops import StopMatcher  # noqa: E402
+from serve.engine.vllm.arguments import cpu_binding, engine_args  # noqa: E402
 from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, HISTORY_KEY, REQUEST_KEY, Claim  # noqa: E402
 from serve.engine.vllm.prompt import VllmPrompt, check, vllm_prompt  # noqa: E402
 
 log = logging.getLogger(__name__)
-MAX_MODEL_LEN = 32768  # tokens: prompt and answer, capped by the checkpoint's own
-
-
-def engine_args(vlm: VLM, config: EngineConfig) -> dict:
-    """vLLM's engine arguments for this generator's checkpoint (its `EngineArgs` keywords)."""
-    spec = vlm.spec
-    return dict(model=str(vlm.path), dtype=spec.dtype.value, seed=0, enable_prefix_caching=True,
-                max_num_seqs=config.max_batch_size, max_num_batched_tokens=max(config.max_prefill_tokens, 2048),
-                max_model_len=min(MAX_MODEL_LEN, getattr(vlm.model.config, "max_position_embeddings", MAX_MODEL_LEN)),
-                kv_cache_memory_bytes=config.max_kv_nbytes,  # the engine's KV cap, as qvpic's engine takes it
-                enable_mm_embeds=True, limit_mm_per_prompt={"image": 64, "video": 0},
-                mm_processor_kwargs={"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
-                distributed_executor_backend="uni",
-                structured_outputs_config={"backend": "guidance"},  # llguidance, as qvpic's engine: the same grammars
-                kv_transfer_config={"kv_connector": "QvpicConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "serve.engine.vllm.connector"})
-
-
 class VllmEngine(Engine):
     """vLLM with qvpic's connector (serve/engine/interface.py states the contract it keeps)."""
 
     def __init__(self, vlm: VLM, config: EngineConfig, start: bool = True, **overrides):
         from vllm import EngineArgs, LLMEngine
 
+        if config.tensor_parallel_size > 1 and vlm.device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(config.tensor_parallel_size))
         self.vlm, self.config = vlm, config
         self.engine = LLMEngine.from_engine_args(EngineArgs(**{**engine_args(vlm, config), **overrides}))
         self.model_lock = threading.Lock()  # qvpic's own forwards (a claim's text KV, the repair path)
