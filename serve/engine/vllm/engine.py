@@ -48,8 +48,12 @@ class VllmEngine(Engine):
     def __init__(self, vlm: VLM, config: EngineConfig, start: bool = True, **overrides):
         from vllm import EngineArgs, LLMEngine
 
-        if config.tensor_parallel_size > 1 and vlm.device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(config.tensor_parallel_size))
+        ranks = config.tensor_parallel_size
+        if ranks > 1 and vlm.device.type == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            from vllm import envs
+
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(ranks)
+            envs.disable_envs_cache()  # an engine started before in this process froze vLLM's view of the environment
         self.vlm, self.config = vlm, config
         self.engine = LLMEngine.from_engine_args(EngineArgs(**{**engine_args(vlm, config), **overrides}))
         self.model_lock = threading.Lock()  # qvpic's own forwards (a claim's text KV, the repair path)
