@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    carried = REPO / "gpu_check_models"  # tiny checkpoints carried to a box that cannot build them (exactness)
+    if carried.is_dir() and "QVPIC_MODEL_CACHE" not in env:
+        env["QVPIC_MODEL_CACHE"] = str(carried)
     lines = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         workdir = Path(tmp)
