@@ -73,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.jsonl goes (default $OUT)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="total wall time for all steps")
     p.add_argument("--only", default="", help="comma-separated step names (default: all)")
-    p.add_argument("--step-timeout-s", type=float, default=None, help="cap every step's timeout")
+    p.add_argument("--timeout", action="append", default=[], metavar="STEP=S", help="one step's timeout, seconds")
     p.add_argument("--wheels", type=Path, default=None, help="a folder of .whl files put on the steps' path")
     p.add_argument("--hang", default="", help=argparse.SUPPRESS)  # steps made to hang: the timeout's control
     args = p.parse_args(argv)
     args.hang = set(filter(None, args.hang.split(",")))
     only = set(filter(None, args.only.split(",")))
+    overrides = {name: float(seconds) for name, seconds in (item.split("=", 1) for item in args.timeout)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "gpu_check.jsonl"
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             if only and step.name not in only:
                 continue
             left = deadline - time.monotonic()
-            timeout_s = min(DRY_TIMEOUT_S if args.dry else step.timeout_s, args.step_timeout_s or float("inf"), left)
+            timeout_s = min(overrides.get(step.name, DRY_TIMEOUT_S if args.dry else step.timeout_s), left)
             if left < MIN_STEP_S:
                 line = {"step": step.name, "status": "skipped", "wall_s": 0.0,
                         "reason": f"budget: {max(0.0, left):.0f} s of --budget-s {args.budget_s:.0f} left"}

@@ -35,7 +35,7 @@ def test_every_step_writes_a_line_ok_or_skipped_with_a_reason(tmp_path):
 
 
 def test_a_hung_step_is_cut_by_its_timeout_and_the_next_still_runs(tmp_path):
-    code, lines = run(tmp_path, "--only", "preflight,attention", "--hang", "preflight", "--step-timeout-s", "4")
+    code, lines = run(tmp_path, "--only", "preflight,attention", "--hang", "preflight", "--timeout", "preflight=4")
     hung, after = lines
     assert hung["step"] == "preflight" and hung["status"] == "timed_out" and hung["wall_s"] < 60
     assert after["step"] == "attention" and after["status"] == "ok"

@@ -1,7 +1,0 @@
-"""Placeholder."""
-
-from benchmarks.gpu_check.common import Context, Record, Skip
-
-
-def engine(ctx: Context, out: Record) -> None:
-    raise Skip("not written yet")
