@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Superseded for a GPU box's first run by `python -m benchmarks.gpu_check` (issue 59: this script pip-installs, exits
+# without fonts, and its timeouts add up past a 10-minute command). Kept for the paper-scale speed tables it writes.
 # Paper-scale speed on one CUDA GPU, in under 10 minutes: Qwen2.5-VL-7B and GLM-4.1V-9B shapes with random
 # weights (built on the device), bf16 — TTFT per mode at 16 chunks (qvpic vs full_image vs text_pic),
 # tokens/s at 1 and 16 clients (batched vs serialised engine), device hot tier hit vs miss. One Markdown file.
