@@ -61,7 +61,11 @@ READING = ("All three over HTTP on loopback, streamed; each ratio is a side's me
            "prefill: benchmarks/peer/servers.py); qvpic's Ray processes stay up while vLLM alone is timed. The "
            "follow-up turn is a conversation's second turn, the history as text and 4 new chunks. Decode is vLLM's "
            "own continuous batching on both vLLM sides, after every decode prompt was sent once: each stream's "
-           "tokens over the longest stream's first-to-last-token time, so no side's prefill counts.\n")
+           "tokens over the longest stream's first-to-last-token time, so no side's prefill counts. vLLM's server "
+           "is an API process (HTTP, detokenising, each request's image preprocessing even when its prefix cache "
+           "holds the image tokens) beside its engine's on the same cores: its decode sits well below the in-process "
+           "figure of benchmarks.peer.engines. On a shared machine the medians move 2-5x between runs: compare the "
+           "ratios of one run.\n")
 
 
 @contextlib.contextmanager
