@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import torch
@@ -91,9 +92,12 @@ class VLLMServer:
 
 
 @contextlib.contextmanager
-def vllm_server(spec: ModelSpec, max_images: int, log_path, extra: tuple[str, ...] = ()) -> Iterator[VLLMServer]:
+def vllm_server(spec: ModelSpec, max_images: int, log_path, extra: tuple[str, ...] = (), python: Path | None = None,
+                env: dict[str, str] | None = None) -> Iterator[VLLMServer]:
+    """`python`: the interpreter with vLLM (default the peer venv's); `env`: its environment (default
+    `engine.peer_env` with this process's torch threads)."""
     port = loopback_port()
-    command = [str(engine.PEER_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+    command = [str(python or engine.PEER_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(resolve_path(spec)), "--dtype", spec.dtype.value, "--seed", "0",
                "--max-model-len", str(engine.MAX_MODEL_LEN), "--enable-prefix-caching", "--host", "127.0.0.1",
                "--port", str(port), "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": 0}),
@@ -101,7 +105,7 @@ def vllm_server(spec: ModelSpec, max_images: int, log_path, extra: tuple[str, ..
                *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=engine.peer_env(torch.get_num_threads()))
+                                env=env or engine.peer_env(torch.get_num_threads()))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_S
