@@ -135,7 +135,7 @@ def context_slab(vlm: VLM, rows: int, context: int = CONTEXT_TOKENS, new: int = 
     slab.valid[:, :context] = True
     slab.lengths[:] = context
     slab.next_positions[:] = context
-    return slab
+    return slab.read_back()
 
 
 FOLLOW_UP_CASE = f"{FOLLOW_UP_TOKENS}-token follow-up turn over {FOLLOW_UP_CONTEXT:,} columns"
@@ -209,6 +209,7 @@ def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = Non
                 for path, (model, decoder) in paths.items():
                     slab = slabs[case, id(model)]
                     slab.lengths[:], slab.next_positions[:] = context, context
+                    slab.read_back()  # the host's bookkeeping too (serve/engine/qvpic/batch.py `Slab`)
                     model.fused = decoder
                     sync()
                     started = time.perf_counter()

@@ -51,6 +51,7 @@ def measure(arrangement: str, dtype: str, model: str) -> float:
                 slab.lengths[:] = CONTEXT
                 slab.next_positions[:] = CONTEXT
                 slab.valid[:, CONTEXT:] = False
+                slab.read_back()  # the host's bookkeeping too (serve/engine/qvpic/batch.py `Slab`)
                 started = time.perf_counter()
                 decode_step(vlm, slab, [5])
                 times.append((time.perf_counter() - started) * 1e3)

@@ -18,7 +18,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "kv": ["AssembledContext", "ChunkKV"],
     "checkpoint": ["check_store", "model_identity", "resolve_device", "resolve_path"],
     "model": ["VLM"],
-    "sampling": ["adjust_logits", "select_token", "token_logprobs"],
+    "sampling": ["adjust_logits", "choose_token", "select_token", "token_logprobs"],
     "ocr": ["OcrUnavailable", "PageLayout", "normalise", "page_legibility", "read_text"],
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
     "real_shapes": ["REAL_SHAPES", "Width", "ensure_real_shape"],
@@ -28,6 +28,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "ensure_model"
     ],
     "tokens": ["MERGE_SIZE", "vision_grid", "vision_tokens"],
-    "timing": ["ms_since"],
+    "timing": ["ms_since", "wait_for"],
     "threads": ["in_passing_thread", "off_loop", "serial_here"],
 })

@@ -211,8 +211,9 @@ class FusedDecoder:
         positions `[rows, new]` (text: one per token); mask `[rows, 1, new, width]` additive, model dtype.
         """
         rows, new = ids.shape
-        if int(positions.max()) >= self._cos.shape[0]:
-            self._table(2 * int(positions.max()) + 1)
+        # the highest position from the slab's host bookkeeping: reading `positions` back would drain the stream
+        if slab.max_position >= self._cos.shape[0]:
+            self._table(2 * slab.max_position + 1)
         if self.compiled is not None:
             logits = self.compiled.run(slab, ids, positions, mask)
             if logits is not None:

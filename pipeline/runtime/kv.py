@@ -111,12 +111,17 @@ class RotationTable:
         self._table: OrderedDict[tuple[int, int, torch.device], _Rotation] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _rotations(self, deltas: torch.Tensor, head_dim: int) -> list[_Rotation]:
-        keys = [(int(d), head_dim, deltas.device) for d in deltas.tolist()]
+    def _rotations(self, deltas: torch.Tensor | Sequence[int], head_dim: int,
+                   device: torch.device | None = None) -> list[_Rotation]:
+        """`deltas`: a tensor, or the shifts as host ints with the `device` their matrices live on (what a caller
+        that knows them should pass: reading a device's tensor back drains its stream)."""
+        if isinstance(deltas, torch.Tensor):
+            deltas, device = deltas.tolist(), deltas.device
+        keys = [(int(d), head_dim, device) for d in deltas]
         with self._lock:
             missing = list(dict.fromkeys(k for k in keys if k not in self._table))
         if missing:
-            fresh = self.compute(torch.tensor([k[0] for k in missing], device=deltas.device), head_dim)
+            fresh = self.compute(torch.tensor([k[0] for k in missing], device=device), head_dim)
             with self._lock:
                 for key, matrix in zip(missing, fresh):
                     self._table[key] = _Rotation(matrix)
@@ -129,17 +134,19 @@ class RotationTable:
                 found.append(self._table[key])
         return found
 
-    def __call__(self, deltas: torch.Tensor, head_dim: int) -> torch.Tensor:
-        return torch.stack([rotation.matrix for rotation in self._rotations(deltas, head_dim)])
+    def __call__(self, deltas: torch.Tensor | Sequence[int], head_dim: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+        return torch.stack([rotation.matrix for rotation in self._rotations(deltas, head_dim, device)])
 
-    def halves(self, deltas: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def halves(self, deltas: torch.Tensor | Sequence[int], head_dim: int,
+               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The same rotations as per-channel factors `(diag, cross)` `[n, head_dim]` with
         rotate(k, Δ) = k · diag + swap_halves(k) · cross — when every matrix pairs channel i only with
         i ± head_dim/2 (Qwen's rotate-half layout, pass-through channels having cross 0); None otherwise
         (GLM's interleaved pairs keep the matrix product). One elementwise pass over the keys instead of a
         `head_dim`-wide product per key (pipeline/runtime/reanchor.py), and exact (a column's other entries are 0).
         Read off each matrix once and kept with it: a request pays a lookup."""
-        factors = [rotation.factors() for rotation in self._rotations(deltas, head_dim)]
+        factors = [rotation.factors() for rotation in self._rotations(deltas, head_dim, device)]
         if any(f is None for f in factors):
             return None
         return torch.stack([f[0] for f in factors]), torch.stack([f[1] for f in factors])
@@ -205,10 +212,15 @@ def assemble(prefix: ChunkKV | BlockRun | None, chunks: Sequence[ChunkKV], rotat
     else:
         kv = out[:, :, :, :total]
     shifts = [s - c.compile_start for c, s in zip(chunks, starts)]
-    deltas = torch.tensor(shifts, dtype=torch.long, device=first.device)
-    factors = rotation_matrices.halves(deltas, head_dim) if chunks and isinstance(rotation_matrices, RotationTable) \
-        else None
-    matrices = rotation_matrices(deltas, head_dim) if chunks and factors is None else None
+    # a table is asked by the host's shifts: nothing to read back from the device
+    table = isinstance(rotation_matrices, RotationTable)
+    factors = rotation_matrices.halves(shifts, head_dim, first.device) if chunks and table else None
+    if not chunks or factors is not None:
+        matrices = None
+    elif table:
+        matrices = rotation_matrices(shifts, head_dim, first.device)
+    else:
+        matrices = rotation_matrices(torch.tensor(shifts, dtype=torch.long, device=first.device), head_dim)
     offset = 0
     for i, part in enumerate(parts):
         end = offset + part.num_tokens

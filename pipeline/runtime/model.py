@@ -304,7 +304,9 @@ class VLM:
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
         out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
                          **{self.cache_argument: cache}, use_cache=True, logits_to_keep=logits_to_keep)
-        return Prefill(out.logits, getattr(out, self.cache_argument), int(positions.max()) + 1)
+        # text alone: its positions run on from `start`, known without reading the device's back
+        end = start + input_ids.shape[1] if grids is None else int(positions.max()) + 1
+        return Prefill(out.logits, getattr(out, self.cache_argument), end)
 
     @torch.inference_mode()
     def decode(self, state: Prefill, sampling: Sampling) -> Iterator[int]:

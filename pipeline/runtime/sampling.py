@@ -38,8 +38,14 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, t
 
 def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0, else temperature + nucleus (top-p) sampling. logits: [1, vocab]."""
+    return int(choose_token(logits, sampling, generator))
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """`select_token`'s choice left on the logits' device, a 0-d tensor: the engine reads every row's at once (one
+    transfer a step, not one a row)."""
     if sampling.temperature == 0:
-        return int(logits.argmax(-1))
+        return logits.argmax(-1).reshape(())
     logits = logits.double()  # a temperature below float32's range would round to 0 there
     # Shift the best logit to 0 before dividing: a tiny temperature then sends the rest to -inf instead
     # of overflowing them all to inf (inf - inf = NaN in the softmax).
@@ -49,4 +55,4 @@ def select_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
         keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
         # zeroed, not dropped: boolean indexing would size its output from the data (a device sync on a GPU)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return torch.multinomial(probs / probs.sum(), 1, generator=generator).reshape(())

@@ -76,14 +76,23 @@ class SlabLayer(CacheLayerMixin):
 class Slab(Cache):
     """The KV of a batch of rows, the columns each has written, and where each continues."""
 
-    def __init__(self, kv: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, next_positions: torch.Tensor):
+    def __init__(self, kv: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, next_positions: torch.Tensor,
+                 host_lengths: Sequence[int], host_next_positions: Sequence[int]):
         self.kv = kv  # [layers, 2, rows, kv_heads, capacity, head_dim]: one allocation, rows left-aligned
         super().__init__(layers=[SlabLayer(kv[i, 0], kv[i, 1], self) for i in range(kv.shape[0])])
         self.valid = valid  # [rows, capacity] bool: columns a row has written with a real token
         self.lengths = lengths  # [rows] long: the next column each row writes
         self.next_positions = next_positions  # [rows] long: the next token's position (equal on t/h/w)
+        # The same two on the host, kept by the slab's own bookkeeping: a forward's width, the RoPE table's reach and
+        # a copy's columns come from these, never from a read of the device's (each would drain its stream)
+        self.host_lengths, self.host_next_positions = list(host_lengths), list(host_next_positions)
         self.write_columns = lengths[:, None]  # [rows, new] set before each forward
         self.width = 0  # columns the forward reads, set before it
+        self.max_position = 0  # the forward's highest position (an upper bound), set before it
+        # each row's pad slots' columns `[start, stop)` (a batched prefill's: the only columns below its length never
+        # written with a real token), so a row's real KV is cut out without reading `valid` back
+        self.host_pads: list[tuple[int, int]] = [(0, 0)] * len(self.host_lengths)
+        self._last: tuple[list[int], list[int]] = ([], [])  # each row's last column and position this forward
 
     @classmethod
     def empty(cls, num_layers: int, num_rows: int, num_heads: int, capacity: int, head_dim: int,
@@ -96,7 +105,7 @@ class Slab(Cache):
             kv.zero_()
         return cls(kv, torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device),
-                   torch.zeros(num_rows, dtype=torch.long, device=device))
+                   torch.zeros(num_rows, dtype=torch.long, device=device), [0] * num_rows, [0] * num_rows)
 
     def like(self, num_rows: int, capacity: int) -> Slab:
         num_layers, _, _, num_heads, _, head_dim = self.kv.shape
@@ -113,8 +122,8 @@ class Slab(Cache):
             slab.kv[i, 0, :, :, :length] = layer.keys
             slab.kv[i, 1, :, :, :length] = layer.values
         slab.valid[0, :length] = True
-        slab.lengths[0] = length
-        slab.next_positions[0] = state.next_position
+        slab.lengths[0] = slab.host_lengths[0] = length
+        slab.next_positions[0] = slab.host_next_positions[0] = state.next_position
         return slab
 
     @classmethod
@@ -130,8 +139,9 @@ class Slab(Cache):
             base.write_into(slab.kv[:, :, row])
             slab.kv[:, :, row, :, length:].zero_()  # only the columns the copy leaves unwritten
             slab.valid[row, :length] = True
-            slab.lengths[row] = length
-            slab.next_positions[row] = base.position_span  # a cached run's base: the position after its last column
+            slab.lengths[row] = slab.host_lengths[row] = length
+            # a cached run's base: the position after its last column
+            slab.next_positions[row] = slab.host_next_positions[row] = base.position_span
         return slab
 
     # ---- shape ---------------------------------------------------------------------------------
@@ -164,11 +174,13 @@ class Slab(Cache):
         merged = slabs[0].like(sum(s.num_rows for s in slabs), capacity)
         row = 0
         for slab in slabs:
-            used = min(int(slab.lengths.max()), capacity)  # rows are left-aligned: nothing lies beyond
+            used = min(max(slab.host_lengths), capacity)  # rows are left-aligned: nothing lies beyond
             rows = slice(row, row + slab.num_rows)
             merged.kv[:, :, rows, :, :used] = slab.kv[:, :, :, :, :used]
             merged.valid[rows, :used] = slab.valid[:, :used]
             merged.lengths[rows], merged.next_positions[rows] = slab.lengths, slab.next_positions
+            merged.host_lengths[rows], merged.host_next_positions[rows] = slab.host_lengths, slab.host_next_positions
+            merged.host_pads[rows] = slab.host_pads
             row += slab.num_rows
         return merged
 
@@ -178,27 +190,45 @@ class Slab(Cache):
         if not rows:
             return kept
         index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
-        used = min(int(self.lengths[index].max()), capacity)
+        used = min(max(self.host_lengths[r] for r in rows), capacity)
         kept.kv[:, :, :, :, :used] = self.kv[:, :, index, :, :used]
         kept.valid[:, :used] = self.valid[index, :used]
         kept.lengths[:], kept.next_positions[:] = self.lengths[index], self.next_positions[index]
+        kept.host_lengths = [self.host_lengths[r] for r in rows]
+        kept.host_next_positions = [self.host_next_positions[r] for r in rows]
+        kept.host_pads = [self.host_pads[r] for r in rows]
         return kept
+
+    def read_back(self) -> Slab:
+        """The host's bookkeeping read from the device's (a sync): for a caller that wrote `lengths` and
+        `next_positions` itself (tests, benchmarks); the engine keeps both as it goes."""
+        self.host_lengths, self.host_next_positions = self.lengths.tolist(), self.next_positions.tolist()
+        return self
 
     # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, real: torch.Tensor, dtype: torch.dtype, columns: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor | None = None,
+                last: tuple[Sequence[int], Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Set where this forward writes (`real` [rows, new]: which new tokens are real, pad slots first)
         and return its `(3, rows, new)` positions (M-RoPE's axes, equal for text) and `[rows, 1, new, width]`
         additive mask.
 
-        By default each row writes its new tokens at its next columns and positions. `columns` and `positions`
-        `[rows, new]` place them explicitly instead (a row's text runs between linked chunks, then its query:
-        serve/engine/qvpic/linked_prompt.py `Hole`), ascending along each row's real slots; a token then sees the
-        written columns before its own and the new tokens before it, never a linked chunk that lies after it."""
+        By default each row writes its new tokens at its next columns and positions, every slot real (a decode
+        step). `columns` and `positions` `[rows, new]` place them explicitly instead (a row's text runs between
+        linked chunks, then its query: serve/engine/qvpic/linked_prompt.py `Hole`), ascending along each row's real
+        slots; a token then sees the written columns before its own and the new tokens before it, never a linked
+        chunk that lies after it. `last` then gives, on the host, each row's last slot's column and position (its
+        highest: the width and the RoPE table's reach are known without reading the device)."""
         num_rows, num_new = real.shape
         steps = torch.arange(num_new, device=real.device)
         self.write_columns = self.lengths[:, None] + steps if columns is None else columns  # [rows, new]
-        self.width = int(self.write_columns.max()) + 1
+        if last is None and columns is None:  # every slot real: a decode step (pads here: pass `last`)
+            last = ([n + num_new - 1 for n in self.host_lengths], [p + num_new - 1 for p in self.host_next_positions])
+        elif last is None:  # a caller without the host's bookkeeping (tests, benchmarks): read back, a sync
+            last = (columns.max(1).values.tolist(), positions[:, -1].tolist())
+        self._last = (list(last[0]), list(last[1]))
+        self.width = max(self._last[0]) + 1
+        self.max_position = max(self._last[1])
         if self.width > self.capacity:
             raise RuntimeError(f"slab of {self.capacity} columns cannot take column {self.width - 1}")
         if positions is None:
@@ -220,6 +250,8 @@ class Slab(Cache):
         """After the forward: mark the real tokens' columns written, move lengths and positions on (`positions`:
         the explicit ones `prepare` was given; each row's last slot is real)."""
         self.valid[self.rows_index, self.write_columns] = real
+        self.host_lengths = [column + 1 for column in self._last[0]]
+        self.host_next_positions = [position + 1 for position in self._last[1]]
         if positions is None:
             self.lengths = self.lengths + real.shape[1]
             self.next_positions = self.next_positions + real.long().sum(1)
@@ -268,6 +300,7 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contex
     real = torch.zeros(num_rows, longest, dtype=torch.bool)
     columns = torch.zeros(num_rows, longest, dtype=torch.long)  # where each slot is written
     positions = torch.zeros(num_rows, longest, dtype=torch.long)  # and its (text) position
+    last: tuple[list[int], list[int]] = ([], [])  # each row's last slot (its query's last token): column, position
     assembly_ms = []
     for row, (base, chunks) in enumerate(zip(bases, contexts)):
         started = time.perf_counter()
@@ -286,11 +319,14 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contex
         # Pad slots (invisible) take the columns between the linked context and the query.
         pads = longest - counts[row]
         columns[row, :pads] = torch.arange(column, column + pads)
+        slab.host_pads[row] = (column, column + pads)
         positions[row, :pads] = position
-        _place(ids, columns, positions, row, slot, queries[row], column + pads, position)
+        end_column, end_position, _ = _place(ids, columns, positions, row, slot, queries[row], column + pads, position)
+        last[0].append(end_column - 1)
+        last[1].append(end_position - 1)
         real[row, pads:] = True
     ids, real, columns, positions = (t.to(vlm.device) for t in (ids, real, columns, positions))
-    return slab, forward(vlm, slab, ids, real, columns, positions), assembly_ms
+    return slab, forward(vlm, slab, ids, real, columns, positions, last), assembly_ms
 
 
 def _place(ids: torch.Tensor, columns: torch.Tensor, positions: torch.Tensor, row: int, slot: int,
@@ -350,9 +386,11 @@ def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
 
 
 def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor, columns: torch.Tensor | None = None,
-            explicit: torch.Tensor | None = None) -> torch.Tensor:
-    """`columns`/`explicit` `[rows, new]`: where the new tokens go and their positions (`Slab.prepare`)."""
-    positions, mask = slab.prepare(real, vlm.dtype, columns, explicit)
+            explicit: torch.Tensor | None = None,
+            last: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+    """`columns`/`explicit` `[rows, new]`: where the new tokens go and their positions, `last` each row's last
+    column and position on the host (`Slab.prepare`)."""
+    positions, mask = slab.prepare(real, vlm.dtype, columns, explicit, last)
     if vlm.fused is not None:  # pipeline/runtime/fused.py: new tokens are text, so one position axis says all
         logits = vlm.fused.forward(slab, ids, positions[0], mask)
         slab.advance(real, explicit)

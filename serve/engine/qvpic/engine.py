@@ -182,7 +182,7 @@ class QvpicEngine(Engine):
             slabs = [Slab.merge(slabs, capacity).keep(index, capacity)]
             joining = [member for seq in joining for member in seq.members]
         # Each row reserves what it can still fill: its prompt as laid out, then max_new_tokens - 1 tokens.
-        lengths = torch.cat([slab.lengths for slab in slabs]).tolist()
+        lengths = [n for slab in slabs for n in slab.host_lengths]
         reserved = {s.id: length + s.sampling.max_new_tokens - 1 for s, length in zip(joining, lengths)}
         rows = self.scheduler.running + joining  # the merged slab's row order
         live = [s for s in joining if s.status is not Status.FINISHED]  # not done at once (EOS, 1 token)
@@ -264,14 +264,13 @@ class QvpicEngine(Engine):
         prompt_logits, seq.prompt_logits = seq.prompt_logits, None
         if not self.prefix_cache.enabled or seq.end not in (End.STOP, End.LENGTH) or seq.resumed is None:
             return
-        columns = slab.valid[row]  # [capacity]: a row's real columns, in order (pad slots are not)
-        length = int(slab.lengths[row])
-        if bool(columns[:length].all()):  # no pad slot inside: a view (the cache copies only its new blocks)
-            kv = slab.kv[:, :, row, :, :length]  # [layers, 2, kv_heads, columns, head_dim]
-        else:
-            kv = slab.kv[:, :, row][:, :, :, columns]
+        # the row's real columns, from the slab's host bookkeeping (reading `valid` back would drain the stream)
+        length, (start, stop) = slab.host_lengths[row], slab.host_pads[row]
+        kv = slab.kv[:, :, row, :, :length]  # [layers, 2, kv_heads, columns, head_dim]: no pad slot inside, a view
+        if stop > start:  # without its pad slots (the cache copies only its new blocks either way)
+            kv = torch.cat([kv[:, :, :, :start], kv[:, :, :, stop:]], dim=3)
         store(self.vlm, self.prefix_cache, seq.context.salt, seq.resumed, kv, seq.token_ids,
-              int(slab.next_positions[row]), prompt_logits)
+              slab.host_next_positions[row], prompt_logits)
 
     def _keep_prefixes(self, gone: set[int]) -> None:
         """Blocks of the rows that ended well go into the prefix cache: a follow-up turn (or the same
@@ -308,27 +307,43 @@ class QvpicEngine(Engine):
 
     def _pick(self, seqs: list[Sequence], logits: torch.Tensor, prefill_started: float | None = None,
               decode_started: float | None = None) -> None:
-        """Each sequence's next token from its logits row `[vocab]`: emitted, or the sequence ends."""
-        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
-        elapsed_ms = ms_since(prefill_started if prefill_started is not None else decode_started, self.vlm.device)
-        for leader, row, best in zip(seqs, logits, greedy):
+        """Each sequence's next token from its logits row `[vocab]`: emitted, or the sequence ends. Every row's
+        choice (greedy, sampled, penalised, constrained) is made on the device and read back together: the step's
+        one device→host transfer, which also waits for the step's work (so its time needs no second wait)."""
+        picking: list[tuple[Sequence, int]] = []  # each sequence that picks, and its logits row
+        for index, leader in enumerate(seqs):
             if prefill_started is None:
-                leader.decode_ms += elapsed_ms
-                self._pick_one(leader, row, best)
+                picking.append((leader, index))
                 continue
             for seq in leader.members:  # a fork's first token comes from its leader's prefill, with its own sampler
-                seq.prefill_ms, seq.status = elapsed_ms, Status.RUNNING
+                seq.status = Status.RUNNING
                 if seq is not leader:
                     seq.resumed, seq.num_prompt_tokens = leader.resumed, leader.num_prompt_tokens
                     seq.prefix_cached_tokens, seq.queue_ms = leader.prefix_cached_tokens, leader.queue_ms
                     seq.reanchor_ms = leader.reanchor_ms
-                self._pick_one(seq, row, best)
+                picking.append((seq, index))
+        best = logits.argmax(-1)  # [rows]: every greedy row's at once
+        chosen = []
+        for seq, index in picking:
+            if self.on_logits is not None:
+                self.on_logits(seq, logits[index])
+            chosen.append(self.sampler.choose(seq, logits[index]))
+        if len(picking) == len(seqs) and all(c is None for c in chosen):
+            tokens = best.tolist()
+        else:
+            tokens = torch.stack([best[index] if c is None else c for c, (_, index) in zip(chosen, picking)]).tolist()
+        elapsed_ms = ms_since(prefill_started if prefill_started is not None else decode_started, self.vlm.device,
+                              synced=True)
+        for (seq, index), token in zip(picking, tokens):
+            if prefill_started is None:
+                seq.decode_ms += elapsed_ms
+            else:
+                seq.prefill_ms = elapsed_ms
+            self._emit(seq, logits[index], token)
 
-    def _pick_one(self, seq: Sequence, row: torch.Tensor, best: int) -> None:
-        """`seq`'s next token from its logits row `[vocab]` (`best`: the row's argmax)."""
-        if self.on_logits is not None:
-            self.on_logits(seq, row)
-        token = self.sampler.token(seq, row, best)
+    def _emit(self, seq: Sequence, row: torch.Tensor, token: int) -> None:
+        """`token`, chosen from `seq`'s logits row `[vocab]`: delivered, or it ends the sequence."""
+        self.sampler.logprobs(seq, row, token)
         if token in self.vlm.adapter.end_of_turn_ids:
             self._finish(seq, End.STOP)
             return

@@ -75,9 +75,12 @@ def segment_keys(vlm, stream: StreamKeys, segment: PreparedSegment, start: int) 
     """Add `segment`'s columns at positions from `start`; the position after it."""
     if not segment.ids:
         return start
-    ids = torch.tensor([segment.ids], device=vlm.device)
-    grids = torch.cat(segment.grids) if segment.grids else None
-    positions = vlm.positions(ids, grids, start)[:, 0].cpu().numpy()  # [axes, L]; the axes agree on text tokens
+    if segment.grids:  # [axes, L]; the axes agree on text tokens
+        ids = torch.tensor([segment.ids], device=vlm.device)
+        positions = vlm.positions(ids, torch.cat(segment.grids), start)[:, 0].cpu().numpy()
+    else:  # text alone: consecutive positions, known on the host (no device work to read back)
+        positions = np.broadcast_to(np.arange(start, start + len(segment.ids), dtype=np.int64),
+                                    (vlm.adapter.rope_axes, len(segment.ids)))
     column = 0
     for first, end, digest in segment.image_spans:
         if first > column:

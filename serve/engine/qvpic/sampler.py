@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.runtime import VLM, adjust_logits, select_token, token_logprobs
+from pipeline.runtime import VLM, adjust_logits, choose_token, token_logprobs
 from serve.engine.grammar import Grammars, advance
 from serve.engine.sequence import End, Sequence
 
@@ -27,19 +27,29 @@ class Sampler:
         return self._grammars
 
     def token(self, seq: Sequence, row: torch.Tensor, best: int) -> int:
-        """The next token from `row` `[vocab]` (`best`: its argmax, computed for the whole batch at once)."""
+        """The next token from `row` `[vocab]` (`best`: its argmax), read back at once: one row alone."""
+        chosen = self.choose(seq, row)
+        token = best if chosen is None else int(chosen)
+        self.logprobs(seq, row, token)
+        return token
+
+    def choose(self, seq: Sequence, row: torch.Tensor) -> torch.Tensor | None:
+        """The next token from `row` `[vocab]` as a 0-d tensor on its device, not read back: the engine reads the
+        whole batch's choices in one transfer a step. None: the row's own argmax (the batch computes those at once)."""
         sampling = seq.sampling
-        raw = row  # the model's distribution: what logprobs report (vLLM's default, raw_logprobs)
+        if not sampling.adjusts_logits and seq.grammar is None and sampling.temperature == 0:
+            return None
         if sampling.adjusts_logits:  # penalties / bias: this row's choice is not the batch's argmax
             row = adjust_logits(row, seq.token_ids, sampling)
-            best = int(row.argmax())
         if seq.grammar is not None:  # structured output: only what the JSON schema allows next
             row = self.grammars.mask(seq.grammar, row)
-            best = int(row.argmax())
-        token = best if sampling.temperature == 0 else select_token(row.unsqueeze(0), sampling, self._sampler(seq))
-        if sampling.logprobs is not None and token not in self.vlm.adapter.end_of_turn_ids:
-            seq.token_logprobs.append(token_logprobs(raw, token, sampling.logprobs))
-        return token
+        return choose_token(row.unsqueeze(0), sampling, self._sampler(seq))
+
+    def logprobs(self, seq: Sequence, raw: torch.Tensor, token: int) -> None:
+        """`token`'s log-probability (and the top ones) under `raw`, the model's own distribution (vLLM's default,
+        raw_logprobs), kept on `seq` when it asked for them (a host read of its own: a few numbers a row)."""
+        if seq.sampling.logprobs is not None and token not in self.vlm.adapter.end_of_turn_ids:
+            seq.token_logprobs.append(token_logprobs(raw, token, seq.sampling.logprobs))
 
     def ending(self, seq: Sequence, token: int) -> End | None:
         """How `token`, just emitted, ends the sequence (None: it goes on)."""

@@ -49,7 +49,7 @@ def one_row(vlm: VLM) -> Slab:
                                                 generator=generator)
     slab.valid[0, :CONTEXT] = True
     slab.lengths[0], slab.next_positions[0] = CONTEXT, 3 * CONTEXT
-    return slab
+    return slab.read_back()
 
 
 @torch.inference_mode()  # as the engine runs it
@@ -110,6 +110,7 @@ def test_a_decode_batch_runs_eagerly_and_equal(vlm, compiled, monkeypatch):
         slab.kv[:, :, :, :, :20] = torch.randn(shape.shape[0], 2, 2, shape.shape[2], 20, shape.shape[4],
                                                generator=torch.Generator().manual_seed(1))
         slab.valid[:, :20], slab.lengths[:], slab.next_positions[:] = True, 20, 20
+        slab.read_back()
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with torch.inference_mode():
         vlm.fused = None

@@ -39,11 +39,12 @@ def ragged_slab(vlm: VLM, seed: int = 0, room: int = 8) -> Slab:
                                                      generator=generator)
         slab.valid[row, :length] = True
         slab.lengths[row], slab.next_positions[row] = length, 100 * row + length
-    return slab
+    return slab.read_back()
 
 
 def copy(slab: Slab) -> Slab:
-    return Slab(slab.kv.clone(), slab.valid.clone(), slab.lengths.clone(), slab.next_positions.clone())
+    return Slab(slab.kv.clone(), slab.valid.clone(), slab.lengths.clone(), slab.next_positions.clone(),
+                slab.host_lengths, slab.host_next_positions)
 
 
 @torch.inference_mode()  # as the engine runs it

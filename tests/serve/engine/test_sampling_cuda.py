@@ -134,7 +134,7 @@ def test_every_decoding_control_runs_on_the_logits_device(case, grammars, on_fak
 
 
 def test_control_a_row_sampled_on_the_host_fails(grammars, on_fake_cuda, monkeypatch):
-    real = sampling_module.select_token
-    monkeypatch.setattr("serve.engine.qvpic.sampler.select_token", lambda row, s, g: real(row.cpu(), s, None))
+    real = sampling_module.choose_token
+    monkeypatch.setattr("serve.engine.qvpic.sampler.choose_token", lambda row, s, g: real(row.cpu(), s, None))
     sample_on_fake_cuda(grammars, CASES["top_p"], monkeypatch)
     assert {r.device for r in on_fake_cuda.reads.reads} == {torch.device("cpu")}  # what the test above refuses
