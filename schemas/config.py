@@ -306,7 +306,7 @@ class ModelSpec(Frozen):
     path: str = "tiny-qwen"
     revision: str = "local"
     dtype: DType = DType.FLOAT32
-    device: str = "auto"  # "auto" = cuda when present, else cpu
+    device: str = "auto"  # "auto" = cuda when present, else cpu; refused on an NVIDIA node whose torch cannot use it
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     max_pixels: int = Field(1_605_632, gt=0)  # >= 1,389,000 so a 120-DPI A4 page is not downscaled
