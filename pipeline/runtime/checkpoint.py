@@ -30,7 +30,7 @@ DEVICE_DIR = Path("/dev")
 NVIDIA_DEVICE = re.compile(r"nvidia[0-9]+")
 GPU_INSTALL = ("install the GPU lock into this environment (`make install-gpu`, or "
                "`pip install --require-hashes -r requirements-gpu.lock && pip install --no-deps -e .`: "
-               "README.md, \"On a GPU\")")
+               "docs/DEPLOY.md, \"Dependencies and the lock files\")")
 
 
 def nvidia_gpus() -> list[str]:
