@@ -1,7 +1,7 @@
 """The batch's KV cap when the config leaves it to the device (`generator.engine.max_kv_nbytes: null`): on a GPU a
 share of the memory free once the weights are loaded, less the device tiers' bounds (the hot tier of chunk KV and
 the prefix cache's device tier fill up later, as requests come); on a CPU the fixed default, host memory not being
-the generator's alone. Measured once, when the generator starts, before the engine allocates anything."""
+the generator's alone. Measured once, when the engine starts, before it allocates anything."""
 
 from __future__ import annotations
 
