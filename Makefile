@@ -14,6 +14,8 @@ DEV_LOCK := requirements-dev.lock
 # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu). uv, which compiles the locks, does not read
 # pip's configuration: LOCK_SOURCES tells it where to look.
 TORCH := torch==2.13.0+cpu
+# GPU nodes: the same pins but torch's CUDA build (PyPI's default Linux wheel) and the CUDA libraries it pulls in.
+GPU_LOCK := requirements-gpu.lock
 LOCK_SOURCES ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The locks are for the Python of Debian 12 on x86-64 Linux.
 LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
@@ -30,7 +32,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev install-vllm demo lint test test-vllm test-fast bench lock lock-vllm lock-vllm-gpu peer-vllm clean
+.PHONY: help system install install-dev install-vllm demo lint test test-vllm test-fast bench lock lock-gpu install-gpu lock-vllm lock-vllm-gpu peer-vllm clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -115,13 +117,33 @@ lock-vllm-gpu: $(VENV)/.installed-dev $(VENV)/vllm-constraints.txt  ## re-pin re
 	  --override requirements-vllm-overrides.txt --generate-hashes --custom-compile-command "make lock-vllm-gpu" \
 	  --quiet $(UV_ARGS) -o requirements-vllm-gpu.lock
 
+# requirements-gpu.lock: the runtime lock's pins with torch's CUDA build from PyPI and its nvidia-*/triton wheels
+# (resolved from PyPI's metadata and hashes: nothing is downloaded). `make lock` runs it after the runtime lock;
+# tests/project/test_lock.py checks it against pyproject.toml and the runtime lock. Never installed by CI.
+$(VENV)/gpu-constraints.txt: $(LOCK)
+	grep -E '^[a-z0-9]' $(LOCK) | sed 's/ .*//' | grep -v '^torch==' > $@
+
+lock-gpu: $(VENV)/.installed-dev $(VENV)/gpu-constraints.txt  ## re-pin requirements-gpu.lock (torch's CUDA build, for GPU nodes)
+	echo "$(subst +cpu,,$(TORCH))" | $(BIN)/uv pip compile pyproject.toml $(LOCK_TARGET) -c - -c $(VENV)/gpu-constraints.txt \
+	  --generate-hashes --custom-compile-command "make lock-gpu" --quiet $(UV_ARGS) -o $(GPU_LOCK)
+	$(BIN)/python -m tests.support.lockfile stamp $(GPU_LOCK)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/project/test_lock.py
+
+# On a GPU node instead of `make install`: the venv from requirements-gpu.lock (torch's CUDA build, several GB). The
+# runtime stamp is touched so that `make demo` does not put the CPU torch back (`device: auto` would refuse it).
+install-gpu: system | $(BIN)/python  ## on a GPU node: the venv with torch's CUDA build (requirements-gpu.lock)
+	@echo "== installing the $$(grep -c '^[a-z0-9]' $(GPU_LOCK)) packages pinned in $(GPU_LOCK) into $(VENV) (several GB)"
+	$(BIN)/python -m pip install -qq --require-hashes -r $(GPU_LOCK)
+	$(BIN)/python -m pip install -qq --no-deps -e .
+	@touch $(VENV)/.installed-runtime
+
 test-fast: install-dev  ## the unit tests only (no Ray or Serve end-to-end tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e"
 
 bench: install-dev  ## the fast benchmark suites; they write docs/BENCHMARKS.md
 	$(BIN)/qvpic bench
 
-# Regenerate both locks from pyproject.toml: after adding or changing a dependency there, run `make lock`
+# Regenerate the locks (runtime, dev, GPU) from pyproject.toml: after adding or changing a dependency there, run `make lock`
 # and commit the locks. Pins already in the locks are kept unless pyproject.toml excludes them;
 # `make lock UV_ARGS=--upgrade` moves every pin to the newest release allowed, `UV_ARGS="--upgrade-package X"` one.
 # The dev lock is resolved first, with everything; the runtime lock is then constrained to its versions,
@@ -133,7 +155,7 @@ lock: $(VENV)/.installed-dev  ## re-pin every dependency after a pyproject.toml 
 	  --generate-hashes --custom-compile-command "make lock" --quiet -o $(LOCK)
 	$(BIN)/python -m tests.support.lockfile stamp $(LOCK)
 	$(BIN)/python -m tests.support.lockfile stamp $(DEV_LOCK) dev
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/project/test_lock.py
+	$(MAKE) lock-gpu
 
 # vLLM's CPU build in its own venv, .peer-vllm/, from benchmarks/peer/requirements-vllm.lock (re-pin it with
 # `benchmarks/peer/setup_vllm.sh lock`), for benchmarks/peer/side_by_side.py; not part of `make test` or CI.

@@ -306,7 +306,7 @@ class ModelSpec(Frozen):
     path: str = "tiny-qwen"
     revision: str = "local"
     dtype: DType = DType.FLOAT32
-    device: str = "auto"  # "auto" = cuda when present, else cpu
+    device: str = "auto"  # "auto" = cuda when present, else cpu; refused on an NVIDIA node whose torch cannot use it
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     max_pixels: int = Field(1_605_632, gt=0)  # >= 1,389,000 so a 120-DPI A4 page is not downscaled
@@ -421,6 +421,9 @@ class EngineKind(str, Enum):
     VLLM = "vllm"  # vLLM's engine with qvpic's KV connector (serve/engine/vllm/): needs vllm installed
 
 
+CPU_MAX_KV_NBYTES = 4 << 30  # the batch's KV cap unless set: on a CPU also when it is left to the device (None)
+
+
 class EngineConfig(Frozen):
     """The generator's batching engine: how many requests share a forward pass and how much KV they
     may hold (prompt plus decoded tokens, as the batch's slab lays them out). Past either cap requests
@@ -433,7 +436,11 @@ class EngineConfig(Frozen):
     tensor_parallel_size: int = Field(1, ge=1, le=16)
 
     max_batch_size: int = Field(16, ge=1, le=1024)  # rows of one decode forward
-    max_kv_nbytes: int = Field(4 << 30, ge=1)  # the batch's KV slab, all rows and layers
+    # The batch's KV slab, all rows and layers. None: sized at start from the device (serve/engine/kv_budget.py): on
+    # a GPU 80% of its free memory after the weights, less hot_tier_nbytes and prefix_cache.device_nbytes (one
+    # replica a GPU: replicas sharing one would each count the same free memory); on a CPU CPU_MAX_KV_NBYTES.
+    # qvpic's engine only: vLLM's takes a number (it loads its own weights after the generator's).
+    max_kv_nbytes: int | None = Field(CPU_MAX_KV_NBYTES, ge=1)
     max_waiting: int = Field(64, ge=1)  # requests queued for a row beyond the running ones
     # Tokens forwarded by the requests admitted per step (queries prefilled on linked contexts, full prefills): joins
     # are spread over steps, so the requests joining first get their first token sooner and the running

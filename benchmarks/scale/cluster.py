@@ -56,6 +56,7 @@ CALM_S, BUSY_CLIENTS, BUSY_AFTER_S, IDLE_WAIT_S, UPSCALE_WAIT_S = 10.0, 6, 15.0,
 def app_args(cluster: RayCluster, bucket: str, loader: str, generator: dict) -> dict:
     args = yaml.safe_load((REPO / "serve" / "config-gpu.yaml").read_text())["applications"][0]["args"]
     args["store"] = {"uri": cluster.store_uri(bucket), "endpoint_url": cluster.s3.endpoint_url}
+    args["model"]["dtype"] = "float32"  # the store's (tiny-qwen's default); the shipped bfloat16 is a GPU's
     args["ingress"].pop("governance")  # no limits, no response cache: every request is served
     args["loader_placement"] = "in_generator" if loader == "in generator" else "deployment"
     if loader == "head":

@@ -9,6 +9,7 @@ import hashlib
 import inspect
 import logging
 import os
+import re
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,22 +24,54 @@ if TYPE_CHECKING:  # torch and transformers load where a model does: resolving a
 log = logging.getLogger(__name__)
 
 
+# A GPU's device node: present where a GPU is usable, in a container only when the GPU was passed in
+# (/proc/driver/nvidia/gpus lists the host's GPUs in containers given none, so it is not asked).
+DEVICE_DIR = Path("/dev")
+NVIDIA_DEVICE = re.compile(r"nvidia[0-9]+")
+GPU_INSTALL = ("install the GPU lock into this environment (`make install-gpu`, or "
+               "`pip install --require-hashes -r requirements-gpu.lock && pip install --no-deps -e .`: "
+               "docs/DEPLOY.md, \"Dependencies and the lock files\")")
+
+
+def nvidia_gpus() -> list[str]:
+    """This node's NVIDIA device nodes (/dev/nvidia0, …), found without CUDA; none where CUDA_VISIBLE_DEVICES
+    hides every GPU ("" or "-1"). Ray's logical GPUs (tests: `num_gpus=1` on a CPU node) set ids but have no
+    device node, so they count for nothing."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return []
+    try:
+        return sorted(str(entry) for entry in DEVICE_DIR.iterdir() if NVIDIA_DEVICE.fullmatch(entry.name))
+    except OSError:
+        return []
+
+
 def resolve_device(device: str) -> torch.device:
-    """`auto`: CUDA when torch sees it, else the CPU, whatever GPU id Ray assigned this worker (a node that
-    declares `num_gpus` without having one: tests, or a driver whose CUDA is missing) — said once per process."""
+    """`auto`: CUDA when torch sees it; on a node with an NVIDIA GPU that torch cannot use (its CPU build, or a
+    CUDA build without a working driver) a refusal saying what to install, unless `device: cpu` is set; else
+    the CPU, whatever GPU id Ray assigned this worker (tests declare `num_gpus` on CPU nodes) — said once."""
     import torch
 
     if device != "auto":
         return torch.device(device)
     if torch.cuda.is_available():
         return torch.device("cuda")
+    gpus = nvidia_gpus()
+    if gpus:
+        if torch.version.cuda is None:
+            problem = f"torch {torch.__version__} is its CPU build: {GPU_INSTALL}"
+        else:
+            problem = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable CUDA device: check the "
+                       "driver (`nvidia-smi`) and that it supports this CUDA version")
+        raise RuntimeError(f"device: auto on a node with NVIDIA GPUs ({', '.join(gpus)}), but {problem}; "
+                           "or set the model's `device: cpu` to run on the CPU anyway")
     _say_cpu_fallback(os.environ.get("CUDA_VISIBLE_DEVICES"))
     return torch.device("cpu")
 
 
 @cache
 def _say_cpu_fallback(visible: str | None) -> None:
-    if visible:  # Ray sets it to the GPU ids it assigned; torch found no CUDA device behind them
+    if visible:  # Ray sets it to the GPU ids it assigned; no GPU behind them (a logical one)
         log.warning("no CUDA device here (GPU ids %s assigned, CUDA_VISIBLE_DEVICES): running on the CPU", visible)
     else:
         log.info("no CUDA device here: running on the CPU")

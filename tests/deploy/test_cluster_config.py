@@ -36,7 +36,9 @@ def test_gpu_group_autoscales_and_installs_qvpic(cluster_config):
     gpu_groups = [n for n in nodes.values() if n["resources"].get("GPU", 0) >= 1]
     assert gpu_groups and all(g["max_workers"] > g["min_workers"] for g in gpu_groups)
     assert nodes[cluster_config["head_node_type"]]["resources"].get("GPU", 0) == 0
-    assert any("qvpic" in c for c in cluster_config["setup_commands"])
+    commands = cluster_config["setup_commands"]
+    assert any("qvpic" in c and "--no-deps" in c for c in commands)  # nothing resolved from the ranges
+    assert any("--require-hashes -r" in c and "requirements-gpu.lock" in c for c in commands)  # torch's CUDA build
 
 
 def test_broken_config_is_rejected(cluster_config):

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.lockfile import LOCKS, PYPROJECT, ROOT, disagreements, pins, pyproject_inputs, stamped_inputs
+from tests.support.lockfile import (
+    CUDA_ONLY,
+    GPU_LOCK,
+    LOCKS,
+    PYPROJECT,
+    ROOT,
+    disagreements,
+    pins,
+    pyproject_inputs,
+    stamped_inputs,
+)
 
 RUNTIME_LOCK, DEV_LOCK = LOCKS
 VLLM_LOCK = ROOT / "requirements-vllm.lock"
@@ -109,3 +119,39 @@ def test_the_gpu_vllm_lock_is_the_same_but_for_vllms_cuda_build():
     assert [name for name in gpu if name.startswith("nvidia-")]  # the CUDA build's libraries
     moved = {name for name in runtime if name in gpu and gpu[name] != runtime[name]}
     assert moved == {name for name in runtime if cpu[name] != runtime[name]} | {"torch"}
+
+
+# ---- requirements-gpu.lock: GPU nodes (`make install-gpu`), compiled by `make lock` / `make lock-gpu` -----------
+def gpu_drift(runtime: dict[str, str], gpu: dict[str, str]) -> list[str]:
+    """How a GPU lock's pins differ from the runtime lock's other than by torch's CUDA build and CUDA packages."""
+    drift = [f"{name}: {version} here, {gpu.get(name)} there" for name, version in runtime.items()
+             if name != "torch" and gpu.get(name) != version]
+    drift += [f"{name} added" for name in gpu if name not in runtime and not CUDA_ONLY.match(name)]
+    if gpu.get("torch") != runtime["torch"].removesuffix("+cpu"):
+        drift.append(f"torch {gpu.get('torch')} is not the CUDA build of {runtime['torch']}")
+    return drift
+
+
+def test_the_gpu_lock_matches_pyproject():
+    assert disagreements(GPU_LOCK, (), cuda=True) == []
+    text = GPU_LOCK.read_text()
+    assert text.count("--hash=sha256:") >= len(pins(GPU_LOCK))  # pip installs with --require-hashes
+    assert "--hash=sha256:" in text.split("\ntorch==2.13.0 \\\n", 1)[1].split("\n")[0]
+
+
+def test_the_gpu_lock_is_the_runtime_lock_but_for_torchs_cuda_build():
+    runtime, gpu = pins(RUNTIME_LOCK), pins(GPU_LOCK)
+    assert gpu_drift(runtime, gpu) == []
+    assert gpu["torch"] == "2.13.0" and {"triton", "nvidia-cublas", "nvidia-cudnn-cu13"} <= set(gpu)
+
+
+def test_the_gpu_lock_checks_can_fail(tmp_path):
+    runtime, gpu = pins(RUNTIME_LOCK), pins(GPU_LOCK)
+    assert gpu_drift(runtime, {**gpu, "rich": "0.1"}) == [f"rich: {runtime['rich']} here, 0.1 there"]
+    assert gpu_drift(runtime, {**gpu, "qvpic-added": "1"}) == ["qvpic-added added"]
+    assert gpu_drift(runtime, {**gpu, "torch": "2.13.0+cpu"}) != []
+    assert any("must pin torch's CUDA build" in p for p in disagreements(RUNTIME_LOCK, (), cuda=True))
+    assert any("pins no CUDA package" in p for p in disagreements(RUNTIME_LOCK, (), cuda=True))
+    assert any("CPU build of torch" in p for p in disagreements(GPU_LOCK, ()))  # the CPU locks' check refuses it
+    pyproject = edited(tmp_path, '  "rich>=13",\n', "")
+    assert any("run `make lock`" in p for p in disagreements(GPU_LOCK, (), pyproject, cuda=True))

@@ -22,6 +22,7 @@ from tests.support.paths import REPO
 ROOT = REPO
 PYPROJECT = ROOT / "pyproject.toml"
 LOCKS = {ROOT / "requirements.lock": (), ROOT / "requirements-dev.lock": ("dev",)}
+GPU_LOCK = ROOT / "requirements-gpu.lock"  # GPU nodes (`make lock-gpu`, `make install-gpu`); never installed by CI
 STAMP = "# compiled from (tests/project/test_lock.py checks these against pyproject.toml):"
 STAMP_LINE = "#   "
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
@@ -63,8 +64,9 @@ def pins(lock: Path) -> dict[str, str]:
     return out
 
 
-def disagreements(lock: Path, extras: tuple[str, ...], pyproject: Path = PYPROJECT) -> list[str]:
-    """Every way in which `lock` does not match what pyproject.toml asks for (empty: they agree)."""
+def disagreements(lock: Path, extras: tuple[str, ...], pyproject: Path = PYPROJECT, cuda: bool = False) -> list[str]:
+    """Every way in which `lock` does not match what pyproject.toml asks for (empty: they agree); `cuda`: the GPU
+    lock, which must pin torch's CUDA build and its CUDA packages where the others must pin neither."""
     problems = []
     wanted, stamped = pyproject_inputs(extras, pyproject), stamped_inputs(lock)
     if stamped != wanted:
@@ -81,11 +83,17 @@ def disagreements(lock: Path, extras: tuple[str, ...], pyproject: Path = PYPROJE
         elif not requirement.specifier.contains(Version(version), prereleases=True):
             problems.append(f"{lock.name} pins {requirement.name}=={version}, outside pyproject.toml's {requirement}")
     torch = pinned.get("torch")
+    cuda_pins = sorted(name for name in pinned if CUDA_ONLY.match(name))
+    if cuda:
+        if torch is None or Version(torch).local is not None:
+            problems.append(f"{lock.name} must pin torch's CUDA build (PyPI's, no local version), not {torch!r}")
+        if not cuda_pins:
+            problems.append(f"{lock.name} pins no CUDA package: compile it with PyPI's torch (make lock-gpu)")
+        return problems
     if torch is None or Version(torch).local != "cpu":
         problems.append(f"{lock.name} must pin the CPU build of torch (a +cpu version), not {torch!r}")
-    cuda = sorted(name for name in pinned if CUDA_ONLY.match(name))
-    if cuda:
-        problems.append(f"{lock.name} pins CUDA packages {cuda[:5]}: compile it with the CPU torch (make lock)")
+    if cuda_pins:
+        problems.append(f"{lock.name} pins CUDA packages {cuda_pins[:5]}: compile it with the CPU torch (make lock)")
     return problems
 
 

@@ -25,6 +25,7 @@ from pipeline.runtime import VLM, ms_since
 from pipeline.runtime.conversation import PreparedSegment
 from schemas.config import EngineConfig
 from serve.engine.interface import Engine, EngineStats
+from serve.engine.kv_budget import sized
 from serve.engine.prepared import LinkedPrompt
 from serve.engine.qvpic.batch import Slab, decode_step, prefill_alone, prefill_queries
 from serve.engine.qvpic.linked_prompt import resume, store
@@ -50,8 +51,11 @@ class QvpicEngine(Engine):
 
     def __init__(self, vlm: VLM, config: EngineConfig, start: bool = True,
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
-        self.vlm, self.config = vlm, config
         vlm.use_forward(config.forward)
+        if config.max_kv_nbytes is None:  # left to the device: measured now, the weights loaded in their forward's
+            config = sized(config, vlm.device)  # form and nothing of the engine's allocated yet
+            log.info("the batch's KV cap on %s: %.2f GiB", vlm.device, config.max_kv_nbytes / (1 << 30))
+        self.vlm, self.config = vlm, config
         SLAB_MEMORY.max_free_nbytes = config.slab_reuse_nbytes  # the process's slabs (one engine per generator)
         self.metrics = serve_metrics()
         self.scheduler = Scheduler(config, column_nbytes(vlm))

@@ -228,7 +228,13 @@ def first_replicas_demand(args: dict) -> tuple[dict[str, float], list[dict[str, 
 
 
 def test_serve_config_runs_on_one_cpu_only_node_and_the_gpu_variant_differs_only_in_placement():
+    """... and in two defaults made for a GPU (issue 59): bfloat16, and the batch's KV cap sized from the GPU's free
+    memory (null) where the CPU config fixes 4 GiB."""
     cpu, gpu = config_args("config.yaml"), config_args("config-gpu.yaml")
+    assert (cpu["model"]["dtype"], gpu["model"]["dtype"]) == ("float32", "bfloat16")
+    assert (cpu["generator"]["engine"]["max_kv_nbytes"], gpu["generator"]["engine"]["max_kv_nbytes"]) == (4 << 30, None)
+    gpu["model"]["dtype"] = cpu["model"]["dtype"]
+    gpu["generator"]["engine"]["max_kv_nbytes"] = cpu["generator"]["engine"]["max_kv_nbytes"]
     total, per_replica = first_replicas_demand(cpu)
     assert fits(total, {"CPU": 2.0}) and total["GPU"] == 0, total  # `ray start --head` on a 2-core machine
     assert all(fits(demand, {"CPU": 2.0}) for demand in per_replica)
