@@ -98,6 +98,8 @@ SUITES: tuple[Suite, ...] = (
              "throughput", None),
             ("engines", "engines", "vLLM alone, qvpic's engine and qvpic on vLLM in one process: TTFT on reordered, "
              "Zipf and identical requests, decode tokens/s at 16 (run by .venv-vllm/bin/python)", None),
+            ("engines-http", "engines_http", "the same three sides over HTTP: vLLM's own OpenAI server, qvpic's two "
+             "Serve apps; streamed TTFT per workload, decode at 16 streams (run by .venv-vllm/bin/python)", None),
             ("record-oracle", "record_oracle", "record vLLM's answers for tests/pipeline/eval/test_vllm_oracle.py",
              None)),
     *_group("tools",

@@ -41,6 +41,9 @@ def fake_suites(monkeypatch):
 
 # Run by the peer venv's Python as scripts (benchmarks/peer/engine.py, setup_vllm.sh), never as suites here.
 PEER_VENV_SCRIPTS = {"benchmarks.peer.vllm_side", "benchmarks.peer.check_vllm"}
+# The device check: `python -m benchmarks.gpu_check` on a lent GPU box (no Ray, so not through `qvpic bench`), each of
+# its steps a process of its own; tests/benchmarks/test_gpu_check.py runs it (--dry).
+DEVICE_SCRIPTS = {"benchmarks.gpu_check.__main__", "benchmarks.gpu_check.step"}
 
 
 def entry_point_modules(root: Path = REPO) -> set[str]:
@@ -56,7 +59,7 @@ def entry_point_modules(root: Path = REPO) -> set[str]:
 
 
 def unregistered(suites) -> set[str]:
-    return entry_point_modules() - PEER_VENV_SCRIPTS - {s.module for s in suites}
+    return entry_point_modules() - PEER_VENV_SCRIPTS - DEVICE_SCRIPTS - {s.module for s in suites}
 
 
 def test_every_benchmark_with_an_entry_point_is_a_suite():
