@@ -124,7 +124,7 @@ def test_streaming_arrives_incrementally(client):
 def test_openai_client(base_url, client):
     native = ask(client, chunk_ids=["invoices#00000"], max_new_tokens=8)
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    assert [m.id for m in api.models.list()] == ["qvpic"]
+    assert [m.id for m in api.models.list()] == ["qvpic", "qvpic-chat"]  # the second never retrieves
     messages = [{"role": "user", "content": QUERY}]
     extra = {"qvpic": {"chunk_ids": ["invoices#00000"]}}
     completion = api.chat.completions.create(model="qvpic", messages=messages, max_tokens=8, temperature=0,
