@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -482,7 +483,8 @@ def test_the_last_user_turn_drives_retrieval_in_a_conversation(roles, history_ch
         {"role": "assistant", "content": "Part XK-4471-B."},
         {"role": "user", "content": "How many years does the warranty cover against normal use?"}],
         qvpic={"top_k": 1, "history_chunks": history_chunks})
-    plan = asyncio.run(roles.router.plan(answer_request(chat, default_top_k=1)))
+    api = SimpleNamespace(default_top_k=1, served_model_name="qvpic", plain_chat_model="qvpic-chat")  # ApiSpec's
+    plan = asyncio.run(roles.router.plan(answer_request(chat, api)))
     last = [c for c in plan.chunks if c.group == len(plan.layout.texts) - 2]
     assert [c.chunk_id for c in last] == ["manual#00001"]
     earlier = [c.chunk_id for c in plan.chunks if c not in last]
