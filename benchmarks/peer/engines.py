@@ -113,8 +113,10 @@ async def decode_rate(side_stack, mode: Mode, requests: list[list[str]], query: 
     return tokens / (max(a.report.timings.decode_ms for a in answers) / 1e3)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+def command_line(argv: list[str] | None, module: str, doc: str) -> tuple[argparse.Namespace, int, ModelSpec]:
+    """The options of the engines benchmarks (this one and its HTTP twin, engines_http): them, the requests per
+    workload, the checkpoint; exits where vLLM does not import."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="bench-qwen")
     parser.add_argument("--requests", type=int, default=12, help="requests per workload")
     parser.add_argument("--quick", action="store_true", help="5 requests per workload")
@@ -122,9 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
-        sys.exit("benchmarks.peer.engines needs vLLM: run it with .venv-vllm/bin/python (`make install-vllm`)")
-    count = 5 if args.quick else args.requests
-    model = ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
+        sys.exit(f"{module} needs vLLM: run it with .venv-vllm/bin/python (`make install-vllm`)")
+    return args, 5 if args.quick else args.requests, ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, count, model = command_line(argv, __name__, __doc__)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="qvpic-engines-") as folder:
         store = ttft_store.build(folder, model, RenderSpec(), chunk_tokens=96, num_chunks=CHUNKS)

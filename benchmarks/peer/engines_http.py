@@ -21,10 +21,8 @@ longest stream's time from its first token to its last.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
-import importlib.util
 import io
 import json
 import random
@@ -40,13 +38,12 @@ import httpx
 import torch
 
 from benchmarks.peer import engine, servers
-from benchmarks.peer.engines import CHUNKS, PER_REQUEST, SIDES, workloads
+from benchmarks.peer.engines import CHUNKS, PER_REQUEST, SIDES, command_line, workloads
 from benchmarks.tools import ttft_store
 from benchmarks.tools.machine import machine_line
-from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import Renderer, in_passing_thread, resolve_path
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import Mode, ModelSpec, RenderSpec
 
 APPS = {SIDES[1]: ("qvpic-engine", "/qvpic", "qvpic"), SIDES[2]: ("qvpic-vllm", "/vllm", "vllm")}
 CHUNK_TOKENS, NEW_TOKENS, STREAMS = 96, 32, 16
@@ -230,17 +227,7 @@ def run(sides: Sides, store, count: int, rng: random.Random) -> tuple[list[list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", default="bench-qwen")
-    parser.add_argument("--requests", type=int, default=12, help="requests per workload")
-    parser.add_argument("--quick", action="store_true", help="5 requests per workload")
-    parser.add_argument("--seed", type=int, default=58)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
-    if importlib.util.find_spec("vllm") is None:
-        sys.exit("benchmarks.peer.engines_http needs vLLM: run it with .venv-vllm/bin/python (`make install-vllm`)")
-    count = 5 if args.quick else args.requests
-    model = ModelSpec(path=args.model, dtype=DType.FLOAT32, device="cpu")
+    args, count, model = command_line(argv, __name__, __doc__)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qvpic-engines-http-") as folder:
         render = RenderSpec()

@@ -63,6 +63,8 @@ class Claim:
     offset: int = 0
     # the history pass's vLLM request id and its blocks, held until the claim is dropped (set when it finishes)
     history: tuple[str, list[int]] | None = None
+    # of those columns, the ones the history pass found in vLLM's prefix cache (the rest it computed): accounting
+    history_cached: int = 0
     # per vLLM request id: the columns the worker wrote, [start, end) (vLLM's own prefix cache held those before)
     loads: dict[str, tuple[int, int]] = field(default_factory=dict)
 

@@ -42,6 +42,11 @@ from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, HISTORY_KEY, REQUEST_
 from serve.engine.vllm.prompt import VllmPrompt, check, vllm_prompt  # noqa: E402
 
 log = logging.getLogger(__name__)
+def claim_key(seq: Sequence) -> str:
+    """The key of `seq`'s claim in `CLAIMS`, and the prefix of its vLLM request ids."""
+    return f"qvpic-{seq.id}"
+
+
 class VllmEngine(Engine):
     """vLLM with qvpic's connector (serve/engine/interface.py states the contract it keeps)."""
 
@@ -63,7 +68,6 @@ class VllmEngine(Engine):
         self._added: deque[Sequence] = deque()
         self._running: dict[str, tuple[Sequence, str]] = {}  # vLLM request id -> (member, its claim's key)
         self._histories: dict[str, tuple[Sequence, VllmPrompt]] = {}  # a history pass's vLLM id -> what follows it
-        self._history_hits: dict[str, int] = {}  # claim key -> its history pass's tokens from vLLM's prefix cache
         self._clear_asked = False  # clear_prefix_cache waits for the engine's thread to reset vLLM's
         self.forward_threads = 0
         self.end_ids = set(vlm.adapter.end_of_turn_ids)
@@ -163,7 +167,7 @@ class VllmEngine(Engine):
         started = time.perf_counter()
         with self.model_lock:  # what raises here fails `seq` alone (_loop: _fail_submission)
             prompt = vllm_prompt(self.vlm, seq.context)
-        key = f"qvpic-{seq.id}"
+        key = claim_key(seq)
         if prompt.claim_kv is not None:
             CLAIMS.put(key, Claim(prompt.claim_kv, offset=prompt.claim_offset))
         for member in seq.members:
@@ -188,7 +192,7 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        key = f"qvpic-{seq.id}"
+        key = claim_key(seq)
         for member in seq.members:
             sampling = member.sampling
             request_id = f"{key}-{member.id}"
@@ -208,15 +212,16 @@ class VllmEngine(Engine):
     def _history_done(self, request_id: str, output) -> None:
         """A history pass ended: its request follows, with the tokens found in vLLM's prefix cache counted."""
         seq, prompt = self._histories.pop(request_id)
-        claim = CLAIMS.get(f"qvpic-{seq.id}")
+        claim = CLAIMS.get(claim_key(seq))
         if claim is None or claim.history is None:
             raise RuntimeError("vLLM ended a history pass without its blocks")
-        self._history_hits[f"qvpic-{seq.id}"] = output.num_cached_tokens or 0
+        claim.history_cached = output.num_cached_tokens or 0
         self._add_members(seq, prompt)
 
-    def _fail_submission(self, seq: Sequence, error: Exception) -> None:
-        """`seq`'s members end FAILED: those vLLM took are aborted there, the claim is dropped."""
-        key = f"qvpic-{seq.id}"
+    def _fail_submission(self, seq: Sequence, error: Exception | None, end: End = End.FAILED) -> None:
+        """`seq`'s members end (FAILED, unless `end` says otherwise): what vLLM took of it (its history pass, its
+        members) is aborted there, the claim is dropped."""
+        key = claim_key(seq)
         for request_id, (staged, _) in list(self._histories.items()):
             if staged is seq:
                 self.engine.abort_request([request_id])
@@ -224,20 +229,17 @@ class VllmEngine(Engine):
         for request_id, (member, member_key) in list(self._running.items()):
             if member_key == key:
                 self.engine.abort_request([request_id])
-                self._finish(request_id, member, End.FAILED, error)
+                self._finish(request_id, member, end, error)
         for member in seq.members:
-            self._finish(None, member, End.FAILED, error)
+            self._finish(None, member, end, error)
         CLAIMS.drop(key)
 
     def _retire(self) -> None:
         now = time.monotonic()
-        for request_id, (seq, _) in list(self._histories.items()):
+        for seq, _ in list(self._histories.values()):  # waiting for its history pass
             if any(m.cancelled or m.expired(now) for m in seq.members):
-                self.engine.abort_request([request_id])
-                del self._histories[request_id]
-                for member in seq.members:
-                    self._finish(None, member, End.CANCELLED if member.cancelled else End.DEADLINE)
-                CLAIMS.drop(f"qvpic-{seq.id}")
+                self._fail_submission(seq, None, End.CANCELLED if any(m.cancelled for m in seq.members)
+                                      else End.DEADLINE)
         for request_id, (seq, _) in list(self._running.items()):
             if seq.cancelled or seq.expired(now):
                 self.engine.abort_request([request_id])
@@ -269,7 +271,7 @@ class VllmEngine(Engine):
                 start, end = claim.loads.get(output.request_id, (0, 0)) if claim is not None else (0, 0)
                 offset = claim.offset if claim is not None else 0
                 seq.linked_tokens = max(0, end - max(start, offset))
-                seq.prefix_cached_tokens = (self._history_hits.get(key, 0) + max(0, start - offset) if offset
+                seq.prefix_cached_tokens = (claim.history_cached + max(0, start - offset) if offset
                                             else (output.num_cached_tokens or 0) - (end - start))
             else:
                 seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
@@ -295,7 +297,6 @@ class VllmEngine(Engine):
             _, key = self._running.pop(request_id, (None, None)) if request_id is not None else (None, None)
             if key is not None and all(k != key for _, k in self._running.values()):
                 CLAIMS.drop(key)  # its last member ended: vLLM's prefix cache keeps what it loaded
-                self._history_hits.pop(key, None)
             self._work.notify_all()
         if seq.status is not Status.FINISHED:
             self.ended[end.value] += 1
