@@ -5,9 +5,10 @@ The two sides, as vLLM splits them:
 - scheduler side (`get_num_new_matched_tokens`, `update_state_after_alloc`, `build_connector_meta`): a request
   that carries `kv_transfer_params["qvpic_claim"]` (a key the engine registered, see `CLAIMS`) claims its first
   `num_tokens` prompt tokens beyond what vLLM's own prefix cache already holds, and nothing else;
-- worker side (`start_load_kv`): for each claimed request of the step, the claim's KV columns
+- worker side (`start_load_kv`, `wait_for_layer_load`): for each claimed request of the step, the claim's KV columns
   `[num_computed, num_tokens)`, carried by the step's metadata, are written into vLLM's paged blocks through the
-  request's slot mapping, layer by layer, by the attention backend's own cache write (`impl.do_kv_cache_update`,
+  request's slot mapping, layer by layer — each just before that layer's attention reads it, on CUDA from a side
+  stream while the layers before it run — by the attention backend's own cache write (`impl.do_kv_cache_update`,
   what vLLM calls for the keys and values it computes): the layout is the backend's by construction — CPU_ATTN
   packs each block per ISA, FlashAttention keeps `[blocks, block_size, heads, 2·head_dim]` — and this
   code never spells either out.
@@ -161,6 +162,9 @@ class QvpicConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, tuple[str, str, int, int]] = {}  # internal id -> (claim key, engine's id, start, end)
         self._layers: dict[str, int] = {}  # worker: attention layer name -> its decoder layer index
+        self._todo: dict[str, tuple[Any, list]] = {}  # worker, this step: layer name -> (the layer, loads) to write
+        self._ready: dict[str, tuple] = {}  # worker, this step, CUDA: layer name -> (its writes' event, device)
+        self._stream: Any = None  # worker, CUDA: the side stream loads run on
 
     # ---- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -242,36 +246,71 @@ class QvpicConnector(KVConnectorBase_V1):
         return kv.narrow(3, rank * total // world, 1)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """The step's loads, layer by layer, each before its attention reads it (`wait_for_layer_load`). A history
+        pass's whole blocks are copied first, here, on the forward's stream: the forward's own cache write of the
+        query's tokens may share the last of them, and must land after. On CUDA the chunks' columns then go on a
+        side stream that waits for the forward's stream once (blocks just freed may still be read by the previous
+        step), one event a layer: layer i's attention waits for layer i's writes alone, and layers after it load
+        while it runs. Elsewhere each layer is written when its attention asks (no stream to overlap on)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, QvpicConnectorMetadata)
-        for load in meta.loads:
-            source = self.heads(load.kv)  # [layers, 2, tokens, heads, head_dim]
-            slots = copies = None
-            for name, index in self._layers.items():
-                layer = forward_context.no_compile_layers[name]
-                if slots is None:
-                    device = layer.kv_cache.device
-                    slots = load.slots.to(device, non_blocking=True)
-                    copies = load.copies.to(device, non_blocking=True) if load.copies is not None else None
-                if copies is not None:  # whole blocks (vLLM's per-layer cache is [blocks, …] in any layout) first:
-                    # the partial last one is then completed by the chunks' columns written after it
+        self._todo.clear()
+        self._ready.clear()
+        if not meta.loads:
+            return
+        device = next(iter(forward_context.no_compile_layers[name] for name in self._layers)).kv_cache.device
+        loads = [(self.heads(load.kv), load.slots.to(device, non_blocking=True),
+                  load.copies.to(device, non_blocking=True) if load.copies is not None else None)
+                 for load in meta.loads]  # [layers, 2, tokens, heads, head_dim] (this rank's heads), slots, copies
+        layers = {name: forward_context.no_compile_layers[name] for name in self._layers}
+        for _source, _slots, copies in loads:
+            if copies is not None:  # vLLM's per-layer cache is [blocks, …] in any layout: whole blocks on dim 0
+                for layer in layers.values():
                     cache = layer.kv_cache
                     cache.index_copy_(0, copies.select(1, 1), cache.index_select(0, copies.select(1, 0)))
-                # views [tokens, kv_heads, head_dim] (contiguous unless a rank's share of the heads); `to` copies
-                # only a claim built on another device
-                keys, values = (source.select(0, index).select(0, i).to(slots.device, non_blocking=True)
-                                for i in (0, 1))
-                if not keys.is_contiguous():
-                    keys, values = keys.contiguous(), values.contiguous()
-                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+        self._todo = {name: (layer, loads) for name, layer in layers.items()}
+        if device.type != "cuda":
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            for name in sorted(self._todo, key=self._layers.__getitem__):  # in the order the forward reaches them
+                self._write(*self._todo.pop(name), self._layers[name])
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._ready[name] = (event, device)
+
+    @staticmethod
+    def _write(layer: Any, loads: list, index: int) -> None:
+        """Every load's columns of decoder layer `index` into `layer`'s cache, by the backend's own cache write."""
+        for source, slots, _copies in loads:
+            # views [tokens, kv_heads, head_dim] (contiguous unless a rank's share of the heads); `to` copies only a
+            # claim built on another device
+            keys, values = (source.select(0, index).select(0, i).to(slots.device, non_blocking=True) for i in (0, 1))
+            if not keys.is_contiguous():
+                keys, values = keys.contiguous(), values.contiguous()
+            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every layer was written in start_load_kv, before the forward
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        """Before `layer_name`'s attention (vLLM's `maybe_transfer_kv_layer`): its columns are in the cache."""
+        ready = self._ready.pop(layer_name, None)
+        if ready is not None:  # CUDA: the forward's stream waits on the device, the host does not
+            event, device = ready
+            torch.cuda.current_stream(device).wait_event(event)
+            return
+        todo = self._todo.pop(layer_name, None)
+        if todo is not None:
+            self._write(*todo, self._layers[layer_name])
 
     def wait_for_save(self) -> None:
+        """The end of the forward: a layer whose attention never asked (none does in a normal step) is loaded now."""
+        for name in list(self._todo):
+            self.wait_for_layer_load(name)
+        for name in list(self._ready):
+            self.wait_for_layer_load(name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
