@@ -147,9 +147,6 @@ class GeneratorConfig(StoreBound):
         """What only qvpic's engine does is refused at start-up on vLLM's, naming it (docs/DEPLOY.md, Engines)."""
         if self.engine.kind is EngineKind.VLLM and self.recompute.enabled:
             raise ValueError("recompute: selective recompute runs on qvpic's engine only (engine.kind: qvpic)")
-        if self.engine.kind is EngineKind.VLLM and self.engine.max_kv_nbytes is None:
-            raise ValueError("engine.max_kv_nbytes: null (sized from the GPU's free memory) is qvpic's engine's; "
-                             "vLLM's takes a number of bytes (engine.kind: vllm)")
         if self.engine.kind is EngineKind.QVPIC and self.engine.tensor_parallel_size > 1:
             raise ValueError("engine.tensor_parallel_size: tensor parallelism runs on vLLM's engine only "
                              "(engine.kind: vllm)")

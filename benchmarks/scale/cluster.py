@@ -57,6 +57,7 @@ def app_args(cluster: RayCluster, bucket: str, loader: str, generator: dict) -> 
     args = yaml.safe_load((REPO / "serve" / "config-gpu.yaml").read_text())["applications"][0]["args"]
     args["store"] = {"uri": cluster.store_uri(bucket), "endpoint_url": cluster.s3.endpoint_url}
     args["model"]["dtype"] = "float32"  # the store's (tiny-qwen's default); the shipped bfloat16 is a GPU's
+    args["generator"]["engine"]["kind"] = "qvpic"  # the shipped vLLM engine is not in this venv
     args["ingress"].pop("governance")  # no limits, no response cache: every request is served
     args["loader_placement"] = "in_generator" if loader == "in generator" else "deployment"
     if loader == "head":

@@ -157,8 +157,9 @@ def test_ingest_across_nodes_builds_what_one_node_builds(ray_cluster, bucket, in
 GPU_CONFIG = REPO / "serve" / "config-gpu.yaml"
 # The store is tiny-qwen's in float32 (INGEST_ARGS), whose tolerances the checks here use; the shipped config's
 # bfloat16 is a GPU's (a store refuses a model in another dtype): every serve here overrides it, nothing else.
-# Its `max_kv_nbytes: null` is 4 GiB on these CPU nodes.
-SERVED_DTYPE = ("--dtype", "float32")
+# Its `max_kv_nbytes: null` is 4 GiB on these CPU nodes. Its vLLM engine is not in this venv (its own: `make
+# test-vllm`, where vLLM's node-loss test runs): the generators run qvpic's, the rest of the file as shipped.
+SERVED_OVERRIDES = ("--dtype", "float32", "--engine", "qvpic")
 
 
 def app_config(cluster: RayCluster, bucket: str):
@@ -169,7 +170,8 @@ def app_config(cluster: RayCluster, bucket: str):
 
     args = yaml.safe_load(GPU_CONFIG.read_text())["applications"][0]["args"]
     args["store"] = {"uri": cluster.store_uri(bucket), "endpoint_url": cluster.s3.endpoint_url}
-    args["model"]["dtype"] = SERVED_DTYPE[1]
+    args["model"]["dtype"] = SERVED_OVERRIDES[1]
+    args["generator"]["engine"]["kind"] = SERVED_OVERRIDES[3]
     return AppConfig.model_validate(args)
 
 
@@ -182,7 +184,7 @@ def qvpic_serve(cluster: RayCluster, bucket: str, port: int, config: Path, *flag
                 env: dict[str, str] | None = None) -> str:
     """`qvpic serve --detach` of `config` over the cluster's store (returns once every deployment runs); its URL."""
     done = cluster.qvpic("serve", "--address", cluster.address, "--detach", "--config", str(config), "--store",
-                         cluster.store_uri(bucket), "--endpoint-url", cluster.s3.endpoint_url, *SERVED_DTYPE, *flags,
+                         cluster.store_uri(bucket), "--endpoint-url", cluster.s3.endpoint_url, *SERVED_OVERRIDES, *flags,
                          "--host", LOOPBACK, "--port", str(port), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return f"http://{LOOPBACK}:{port}"

@@ -6,6 +6,7 @@ import os
 
 from pipeline.runtime import VLM
 from schemas.config import EngineConfig
+from serve.engine.kv_budget import vllm_kv_cache_size
 
 MAX_MODEL_LEN = 32768  # tokens: prompt and answer, capped by the checkpoint's own
 
@@ -16,8 +17,7 @@ def engine_args(vlm: VLM, config: EngineConfig) -> dict:
     return dict(model=str(vlm.path), dtype=spec.dtype.value, seed=0, enable_prefix_caching=True,
                 max_num_seqs=config.max_batch_size, max_num_batched_tokens=max(config.max_prefill_tokens, 2048),
                 max_model_len=min(MAX_MODEL_LEN, getattr(vlm.model.config, "max_position_embeddings", MAX_MODEL_LEN)),
-                kv_cache_memory_bytes=config.max_kv_nbytes // config.tensor_parallel_size,  # the cap, split
-                # across the ranks (vLLM takes it per worker): the engine's KV cap, as qvpic's engine takes it
+                **vllm_kv_cache_size(config, vlm.device),
                 enable_mm_embeds=True, limit_mm_per_prompt={"image": 64, "video": 0},
                 mm_processor_kwargs={"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
                 tensor_parallel_size=config.tensor_parallel_size,

@@ -1,5 +1,6 @@
 """`generator.engine.max_kv_nbytes: null` (serve/engine/kv_budget.py): on a GPU the batch's KV cap is 80% of the
 device memory free after the weights, less the device tiers' bounds; on a CPU the fixed 4 GiB; a number is kept.
+vLLM's engine is given the same share, as the fraction of the device it sizes itself in.
 The GPU's free memory is a stand-in function here (CI has no GPU): what it would report after the weights."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from schemas.config import EngineConfig, ModelSpec, PrefixCacheSpec
 from serve.config import GeneratorConfig
-from serve.engine.kv_budget import kv_budget, sized
+from serve.engine.kv_budget import kv_budget, sized, vllm_kv_cache_size
 from serve.engine.qvpic import QvpicEngine
 from serve.engine.qvpic import engine as engine_module
 
@@ -40,11 +41,19 @@ def test_tiers_larger_than_the_free_memory_refuse_to_start():
         kv_budget(AUTO, CUDA, lambda device: 3 * GiB)
 
 
-def test_vllms_engine_needs_a_number():
-    with pytest.raises(ValueError, match="max_kv_nbytes: null"):
-        GeneratorConfig(store={"uri": "/nowhere"}, model=ModelSpec(),
-                        engine=EngineConfig(kind="vllm", max_kv_nbytes=None))
-    GeneratorConfig(store={"uri": "/nowhere"}, model=ModelSpec(), engine=EngineConfig(max_kv_nbytes=None))
+def test_vllms_engine_sizes_itself_in_the_same_share_of_a_gpu():
+    """vLLM takes a fraction of the device's total (`gpu_memory_utilization`), its weights, activations and graphs
+    coming out of it: the same 80% of the 37 GiB left after the tiers, of an 80 GiB device (40 GiB free once
+    qvpic's own model is loaded). A number stays a number of bytes per rank; a CPU gets the fixed 4 GiB."""
+    GeneratorConfig(store={"uri": "/nowhere"}, model=ModelSpec(), engine=EngineConfig(kind="vllm", max_kv_nbytes=None))
+    h100 = lambda device: (40 * GiB, 80 * GiB)  # noqa: E731
+    vllm_auto = AUTO.model_copy(update={"kind": "vllm"})
+    assert vllm_kv_cache_size(vllm_auto, CUDA, h100) == {"gpu_memory_utilization": round(37 * 0.8 / 80, 4)}
+    assert vllm_kv_cache_size(vllm_auto, torch.device("cpu"), h100) == {"kv_cache_memory_bytes": 4 * GiB}
+    two_ranks = EngineConfig(kind="vllm", max_kv_nbytes=6 * GiB, tensor_parallel_size=2)
+    assert vllm_kv_cache_size(two_ranks, CUDA, h100) == {"kv_cache_memory_bytes": 3 * GiB}
+    with pytest.raises(RuntimeError, match="hot_tier_nbytes"):  # tiers past what is free refuse here too
+        vllm_kv_cache_size(vllm_auto, CUDA, lambda device: (3 * GiB, 80 * GiB))
 
 
 @pytest.mark.parametrize("vlm", ["tiny-qwen"], indirect=True)

@@ -228,11 +228,12 @@ def first_replicas_demand(args: dict) -> tuple[dict[str, float], list[dict[str, 
 
 
 def test_serve_config_runs_on_one_cpu_only_node_and_the_gpu_variant_differs_only_in_placement():
-    """... and in two defaults made for a GPU (issue 59): bfloat16, and the batch's KV cap sized from the GPU's free
-    memory (null) where the CPU config fixes 4 GiB."""
+    """... and in three defaults made for a GPU: bfloat16, the batch's KV cap sized from the GPU's free memory (null)
+    where the CPU config fixes 4 GiB (issue 59), and vLLM's engine (issue 58; qvpic's is the CPU config's)."""
     cpu, gpu = config_args("config.yaml"), config_args("config-gpu.yaml")
     assert (cpu["model"]["dtype"], gpu["model"]["dtype"]) == ("float32", "bfloat16")
     assert (cpu["generator"]["engine"]["max_kv_nbytes"], gpu["generator"]["engine"]["max_kv_nbytes"]) == (4 << 30, None)
+    assert ("kind" not in cpu["generator"]["engine"], gpu["generator"]["engine"].pop("kind")) == (True, "vllm")
     gpu["model"]["dtype"] = cpu["model"]["dtype"]
     gpu["generator"]["engine"]["max_kv_nbytes"] = cpu["generator"]["engine"]["max_kv_nbytes"]
     total, per_replica = first_replicas_demand(cpu)
