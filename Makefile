@@ -76,7 +76,7 @@ lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.tom
 	$(BIN)/ruff check .
 
 test: install-dev lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~32 min on 2 cores)
-	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider
+	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25
 	$(MAKE) test-vllm
 
 # The vLLM engine (generator.engine.kind: vllm) in its own venv, $(VLLM_VENV): the project's runtime lock moved to

@@ -11,7 +11,8 @@
 
 Labels never carry tenants or queries (unbounded cardinality); per-tenant attribution is the request
 log's job (serve/governance/request_log.py). Metrics are created once per process, inside the replica (so Ray
-adds the replica's tags): call `serve_metrics()`.
+adds the replica's tags): call `serve_metrics()`. A process without Ray (an engine run bare, as the device check
+runs it: benchmarks/gpu_check) keeps the Prometheus sink alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,27 @@ import functools
 from collections.abc import Sequence
 
 import prometheus_client
-from ray.serve import metrics as ray_metrics
+
+try:
+    from ray.serve import metrics as ray_metrics
+except ImportError:  # no Ray in this process: the Prometheus registry alone
+    ray_metrics = None
+
+
+class Unsent:
+    """The Ray sink of a process without Ray: each value goes to the Prometheus registry only."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def inc(self, *args, **kwargs) -> None:
+        pass
+
+    observe = set = inc
+
+
+def ray_metric(kind: str):
+    return getattr(ray_metrics, kind) if ray_metrics is not None else Unsent
 
 MS_BUCKETS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0, 60000.0)
 TOKEN_BUCKETS = tuple(float(2**p) for p in range(6, 18))  # 64 .. 131072 context tokens
@@ -30,7 +51,7 @@ class Counter:
     def __init__(self, name: str, description: str, labels: Sequence[str],
                  registry: prometheus_client.CollectorRegistry):
         self.name, self.labels = name, tuple(labels)
-        self._ray = ray_metrics.Counter(name, description=description, tag_keys=self.labels)
+        self._ray = ray_metric("Counter")(name, description=description, tag_keys=self.labels)
         self._prom = prometheus_client.Counter(name, description, self.labels, registry=registry)
 
     def inc(self, value: float = 1.0, **labels: str) -> None:
@@ -44,7 +65,8 @@ class Histogram:
     def __init__(self, name: str, description: str, labels: Sequence[str], buckets: Sequence[float],
                  registry: prometheus_client.CollectorRegistry):
         self.name, self.labels = name, tuple(labels)
-        self._ray = ray_metrics.Histogram(name, description=description, boundaries=list(buckets), tag_keys=self.labels)
+        self._ray = ray_metric("Histogram")(name, description=description, boundaries=list(buckets),
+                                            tag_keys=self.labels)
         self._prom = prometheus_client.Histogram(name, description, self.labels, buckets=buckets, registry=registry)
 
     def observe(self, value: float, **labels: str) -> None:
@@ -55,7 +77,7 @@ class Histogram:
 class Gauge:
     def __init__(self, name: str, description: str, registry: prometheus_client.CollectorRegistry):
         self.name, self.labels = name, ()
-        self._ray = ray_metrics.Gauge(name, description=description)
+        self._ray = ray_metric("Gauge")(name, description=description)
         self._prom = prometheus_client.Gauge(name, description, registry=registry)
 
     def set(self, value: float) -> None:

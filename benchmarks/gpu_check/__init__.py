@@ -24,14 +24,14 @@ class Step:
 
 
 # In the order they run: the cheap checks that say whether the rest can mean anything first, the memory ceiling
-# (which fills the device on purpose) last. The timeouts add up to less than the 8-minute budget. Not yet here:
-# the engine end to end (16 staggered linked requests), which imports Ray through serve.metrics.
+# (which fills the device on purpose) last. The timeouts add up to less than the 8-minute budget.
 STEPS = (
     Step("preflight", "basics", 25, "versions, device, SDPA backends available, which optional modules import"),
     Step("attention", "basics", 50, "SDPA at the engine's shapes: backend chosen, ms at widths 4k/16k/32k"),
     Step("exactness", "exactness", 90, "fused vs transformers, re-anchoring CUDA vs CPU, linked vs full, 3 families"),
     Step("decode", "decode", 120, "7B-shaped decode step: eager vs CUDA graph, kernels and syncs, bandwidth bound"),
     Step("device_paths", "device_paths", 40, "issue 59 item 1's CUDA-only paths: sampling, wire, grammar mask"),
+    Step("engine", "engine", 60, "the engine end to end: 16 staggered linked requests, TTFT, ms/token, memory"),
     Step("memory", "basics", 60, "memory ceiling: KV columns that fit beside 7B weights, OOM caught and recovered"),
 )
 BUDGET_S = 480

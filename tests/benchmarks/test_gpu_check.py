@@ -32,6 +32,8 @@ def test_every_step_writes_a_line_ok_or_skipped_with_a_reason(tmp_path):
     by = {line["step"]: line for line in lines}
     assert by["preflight"]["versions"]["torch"] and "sdpa" in by["preflight"]
     assert by["decode"]["results"] and by["attention"]["results"]  # the CPU analogues ran, not only skipped
+    engine = by["engine"]  # the engine end to end, without Ray (serve.metrics keeps its Prometheus sink alone)
+    assert engine["status"] == "ok" and engine["ttft_ms"]["p50"] > 0 and len(engine["checks"]) == 3, engine
 
 
 def test_a_hung_step_is_cut_by_its_timeout_and_the_next_still_runs(tmp_path):

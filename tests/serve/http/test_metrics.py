@@ -197,3 +197,19 @@ def test_serve_exports_metrics_and_flushes_the_request_log(ray_session, serving_
     assert sorted(r["status"] for r in rows) == [200, 200, 404]
     assert {(r["tenant"], r["task_type"], r["route"]) for r in rows} == {("acme", "qa", "answer")}
     assert sorted(str(r["cache_level"]) for r in rows) == ["None", "None", "l1"]
+
+
+def test_a_process_without_ray_keeps_the_prometheus_sink():
+    """An engine run bare (the device check's engine step: the GPU box has no Ray) records its metrics all the same.
+    Control: serve.metrics importing ray.serve unconditionally fails this at import."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['ray'] = None\n"
+              "from serve.metrics import serve_metrics\n"
+              "m = serve_metrics(); m.requests.inc(route='chat', mode='qvpic'); m.requests.inc(2, route='chat', "
+              "mode='qvpic')\n"
+              "print(m.exposition().decode())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'qvpic_requests_total{mode="qvpic",route="chat"} 3.0' in done.stdout
