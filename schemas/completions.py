@@ -24,12 +24,12 @@ LEGACY_MAX_TOKENS = 16  # OpenAI's default for legacy completions
 Prompt = Annotated[Utf8Str, Field(max_length=MAX_TEXT_CHARS)]
 
 
-def texts_only(field: str, value: Any, max_items: int) -> Any:
+def texts_only(field: str, value: Any, max_items: int, hint: str = "") -> Any:
     """A list of token ids (or of such lists) where text is expected, or too many texts: refused by name with
-    the limit (pydantic would name the union's other member, a string, instead)."""
+    the limit (pydantic would name the union's other member, a string, instead); `hint`: what sends them."""
     if isinstance(value, list) and any(isinstance(v, (int, list)) and not isinstance(v, bool) for v in value):
         raise ValueError(f"{field}: token-id arrays are not supported here; send the text (a string or a list of "
-                         "strings)")
+                         f"strings){hint}")
     if isinstance(value, list) and not value:
         raise ValueError(f"{field}: an empty list; give at least 1 text")
     if isinstance(value, list) and len(value) > max_items:

@@ -15,6 +15,8 @@ from schemas.completions import texts_only
 from schemas.wire import JsonInt, NullIsDefault, Strict, Utf8Str
 
 MAX_INPUTS = 2048  # OpenAI's
+# LangChain's OpenAIEmbeddings tokenises with tiktoken (OpenAI's vocabulary, not this embedder's) and sends ids
+LANGCHAIN_HINT = " (LangChain's OpenAIEmbeddings sends token ids unless check_embedding_ctx_length=False)"
 MAX_TOTAL_CHARS = 1_000_000
 Text = Annotated[Utf8Str, Field(min_length=1, max_length=MAX_QUERY_CHARS)]
 
@@ -29,7 +31,7 @@ class EmbeddingRequest(Strict, NullIsDefault):
     @field_validator("input", mode="before")
     @classmethod
     def _text_inputs(cls, value: Any) -> Any:
-        return texts_only("input", value, MAX_INPUTS)
+        return texts_only("input", value, MAX_INPUTS, LANGCHAIN_HINT)
 
     @model_validator(mode="after")
     def _bounded(self) -> EmbeddingRequest:

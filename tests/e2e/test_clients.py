@@ -1,7 +1,7 @@
 """The clients users already have, against a live `qvpic serve` (the CLI's own defaults, no --config): the openai
-SDK, LangChain's `ChatOpenAI` and LlamaIndex's `OpenAILike` — with system prompts, history, an image, the standard
-RAG chain, streaming and batches. Each test asserts on what came back (status, text, token counts, the prefix
-cache's share of a follow-up), not only that nothing raised."""
+SDK, LangChain's `ChatOpenAI` and `OpenAIEmbeddings`, LlamaIndex's `OpenAILike` and Open WebUI's call sequence —
+with system prompts, history, an image, the standard RAG chain, streaming and batches. Each test asserts on what
+came back (status, text, token counts, the prefix cache's share of a follow-up), not only that nothing raised."""
 
 from __future__ import annotations
 
@@ -220,6 +220,50 @@ def test_llamaindex_openailike_chat_with_a_system_message(base_url):
     assert isinstance(response.message.content, str)
     usage = response.raw.usage
     assert usage.prompt_tokens > 20 and usage.completion_tokens >= 1
+
+
+def test_open_webuis_call_sequence(base_url):
+    """What Open WebUI sends, in order: the model list, then a streamed chat with `include_usage`, a system prompt
+    and a base64 image. The stream's content chunks, then one usage chunk with no choices, then [DONE]."""
+    import json
+
+    import httpx
+
+    with httpx.Client(base_url=base_url, headers={"Authorization": "Bearer unused"}, timeout=START_TIMEOUT_S) as http:
+        models = http.get("/models").json()
+        assert "qvpic" in [m["id"] for m in models["data"]]
+        body = {"model": "qvpic", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+                "max_tokens": 6, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": photo()}}]}]}
+        with http.stream("POST", "/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *content, usage = chunks
+    assert all(len(c["choices"]) == 1 and c.get("usage") is None for c in content)
+    assert content[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    assert usage["usage"]["prompt_tokens"] > 20  # the system prompt and the image's tokens
+
+
+def test_langchain_openai_embeddings(base_url, api):
+    """LangChain's `OpenAIEmbeddings` with `check_embedding_ctx_length=False` sends text: the store's embedder's
+    vectors, as /v1/embeddings gives them. Its default tokenises with tiktoken and sends token ids, which the
+    server refuses with a 400 naming that flag (README, docs/OPENAI.md): sent here as it would send them."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embedder = OpenAIEmbeddings(model="qvpic", base_url=base_url, api_key="unused", max_retries=0,
+                                check_embedding_ctx_length=False, timeout=START_TIMEOUT_S)
+    texts = ["When does part XK-4471-B ship?", "What does the warranty cover?"]
+    vectors = embedder.embed_documents(texts)
+    direct = [d.embedding for d in api.embeddings.create(model="qvpic", input=texts).data]
+    assert len(vectors) == 2 and all(abs(a - b) < 1e-6 for v, d in zip(vectors, direct) for a, b in zip(v, d))
+    assert embedder.embed_query(texts[0]) == pytest.approx(vectors[0], abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as error:
+        api.embeddings.create(model="qvpic", input=[[1923, 374, 1778]])  # what its default sends
+    assert "check_embedding_ctx_length=False" in error.value.message
 
 
 def test_the_server_logs_nothing_alarming(base_url, tmp_path_factory):
