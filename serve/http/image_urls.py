@@ -29,6 +29,7 @@ import base64
 import io
 import ipaddress
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class ImageFetcher:
     spec: ImageUrlsSpec
     resolve: Resolve = system_resolve  # a test seam: tests map a made-up allowed domain to their server
     allow_loopback_for_tests: bool = False  # only tests set it: production refuses loopback like any private address
+    tls: ssl.SSLContext | None = None  # whom https fetches trust (None: httpx's default, certifi; tests: their CA)
 
     async def fetch_into(self, request: AnswerRequest) -> None:
         """Each http(s) image of `request.messages` replaced by its fetched image's data: URL, all fetched together
@@ -122,7 +124,8 @@ class ImageFetcher:
             raise FetchRefused(f"the image URL's host {host} resolves to a private, loopback or otherwise "
                                "non-public address: refused")
         address = addresses[0]
-        async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=self.spec.timeout_s) as client:
+        async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=self.spec.timeout_s,
+                                     verify=self.tls if self.tls is not None else True) as client:
             for _ in range(self.spec.max_redirects + 1):
                 headers = {"Host": current.netloc.decode("ascii"), "Accept": "image/*", "Accept-Encoding": "identity"}
                 async with client.stream("GET", current.copy_with(host=address), headers=headers,

@@ -29,6 +29,7 @@ from serve.local import InProcessBackend
 from tests.serve.http.test_api import app, call  # noqa: F401  (a fixture)
 from tests.serve.http.test_chat_conversations import NO_CACHE, data_url
 from tests.support.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
+from tests.support.tls_certs import tls_pair
 
 PARAM = "messages[0].content[0].image_url"
 CAP = 4096  # the tests' max_bytes
@@ -109,15 +110,27 @@ def port():
     server.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tls_site(tmp_path_factory):
+    """The same site over https, its certificate naming images.test only; and a client context trusting its CA."""
+    server_tls, client_tls = tls_pair(tmp_path_factory.mktemp("tls"), "images.test")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Site)
+    server.socket = server_tls.wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], client_tls
+    server.shutdown()
+
+
 async def to_test_server(host: str, port: int) -> list[str]:
     """The tests' DNS: every made-up name resolves to the test server (on loopback)."""
     return ["127.0.0.1"]
 
 
-def fetcher(domains=("images.test", "elsewhere.test"), resolve=to_test_server, allow_loopback=True,
+def fetcher(domains=("images.test", "elsewhere.test"), resolve=to_test_server, allow_loopback=True, tls=None,
             **spec) -> ImageFetcher:
     spec = ImageUrlsSpec(enabled=True, allowed_domains=domains, **{"max_bytes": CAP, "timeout_s": 5.0} | spec)
-    return ImageFetcher(spec, resolve=resolve, allow_loopback_for_tests=allow_loopback)
+    return ImageFetcher(spec, resolve=resolve, allow_loopback_for_tests=allow_loopback, tls=tls)
 
 
 def fetch(images: ImageFetcher, url: str) -> str:
@@ -142,6 +155,15 @@ def test_an_allowed_host_is_fetched_from_the_address_dns_gave_with_its_own_host_
     assert url == "data:image/png;base64," + base64.b64encode(png("red")).decode()
     assert Site.hits == [("/red.png", f"images.test:{port}")]
     assert fetch(fetcher(), f"http://cdn.images.test:{port}/red.png").startswith("data:image/png")  # a subdomain
+
+
+def test_https_is_verified_against_the_urls_host_while_connected_to_the_pinned_address(tls_site):
+    port, client_tls = tls_site
+    Site.hits.clear()
+    assert fetch(fetcher(tls=client_tls), f"https://images.test:{port}/red.png").startswith("data:image/png")
+    assert Site.hits == [("/red.png", f"images.test:{port}")]
+    # the certificate does not name cdn.images.test: allowed and resolved, still refused by TLS
+    assert "could not be fetched" in refusal(fetcher(tls=client_tls), f"https://cdn.images.test:{port}/red.png")
 
 
 def test_a_loopback_address_is_refused_before_any_request(port):
