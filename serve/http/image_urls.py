@@ -111,6 +111,8 @@ class ImageFetcher:
                                  "(ingress.image_urls.timeout_s)") from None
         except FetchRefused as error:
             raise refused(param, str(error)) from None
+        except httpx.InvalidURL as error:  # the URL itself, or a redirect's Location
+            raise refused(param, f"the image URL does not parse: {str(error)[:200]}") from None
         except (httpx.HTTPError, OSError) as error:  # connection refused or reset, a TLS failure, no such host
             raise refused(param, f"the image could not be fetched ({type(error).__name__})") from None
 
@@ -148,6 +150,8 @@ class ImageFetcher:
             raise FetchRefused("an image URL is http or https")
         if url.userinfo:
             raise FetchRefused("an image URL carries no credentials")
+        if url.port is not None and not 0 < url.port < 65536:
+            raise FetchRefused(f"the image URL's port {url.port} is not a TCP port")
         host = _host(url)
         if not any(host == d or host.endswith("." + d) for d in self.spec.allowed_domains):
             raise FetchRefused(f"the image URL's host {host} is not one this server fetches from "

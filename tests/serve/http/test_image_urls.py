@@ -202,6 +202,8 @@ def test_hosts_outside_the_allowlist_and_credentials_are_refused(port):
     assert "allowed_domains" in refusal(fetcher(), f"http://evil.test:{port}/red.png")
     assert "allowed_domains" in refusal(fetcher(), f"http://notimages.test:{port}/red.png")  # not a subdomain
     assert "no credentials" in refusal(fetcher(), f"http://user:pw@images.test:{port}/red.png")
+    assert "does not parse" in refusal(fetcher(), "http://images.test:abc/red.png")  # a 400, never a 500
+    assert "not a TCP port" in refusal(fetcher(), "http://images.test:99999/red.png")
     assert Site.hits == []
 
 
