@@ -8,6 +8,7 @@ keys looked up in the store the server was started on.
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Annotated, Literal
 
@@ -16,7 +17,7 @@ from pydantic import Field, StringConstraints, model_validator
 from schemas.config import MAX_RAW_TAU, ChunkOrder, KVQuant, Mode, ScoreNormalisation, Variant, check_tau
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation
 from schemas.decoding import ChoiceLogprobs, Decoding
-from schemas.tools import FunctionDef, ToolUse, call_grammar
+from schemas.tools import FunctionDef, ToolUse, call_grammar, call_or_json_grammar
 from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict
 
 MAX_IDS_PER_REQUEST = 1024  # body-shape cap (422); the server's `max_chunks` (413) is usually lower
@@ -162,10 +163,22 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
 
     @property
     def grammar_text(self) -> str | None:
-        """A forced tool call's grammar, else response_format's (Decoding)."""
+        """A forced tool call's grammar; with tool_choice auto and a JSON response_format, a call or that JSON (the
+        two grammars as alternatives); else response_format's (Decoding)."""
         if (forced := self.forced_calls) is not None:
             return call_grammar(forced, self.tools.parallel)
+        if self.tools is not None and self.tools.offered and (schema := self.answer_schema) is not None:
+            return call_or_json_grammar([t.function for t in self.tools.tools], self.tools.parallel, schema)
         return super().grammar_text
+
+    @property
+    def answer_schema(self) -> str | None:
+        """response_format's JSON schema as JSON text (json_object: any object), or None for text."""
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return json.dumps({"type": "object"})
+        return json.dumps(self.response_format.json_schema.schema_)
 
     @property
     def grammar_param(self) -> str:

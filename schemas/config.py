@@ -6,6 +6,7 @@ config fails where it is written, not deep inside a Ray worker.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -452,3 +453,34 @@ class EngineConfig(Frozen):
     slab_reuse_nbytes: int = Field(1 << 30, ge=0)
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
     forward: ForwardSpec = Field(default_factory=ForwardSpec)
+
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
+
+
+class ImageUrlsSpec(Frozen):
+    """Chat images given by http(s) URL, fetched by the ingress (serve/http/image_urls.py). Off by default: the
+    server then fetches nothing and such a part is a 400 naming it. On, only hosts of `allowed_domains` are
+    fetched (a domain allows its subdomains), never from a private, loopback, link-local, multicast or reserved
+    address (checked on the address DNS gave, which is the one connected to), never through a redirect to
+    another host, within `max_bytes` and `timeout_s` (docs/SECURITY.md, "Image URLs")."""
+
+    enabled: bool = False
+    allowed_domains: tuple[str, ...] = Field((), max_length=256)  # e.g. images.example.com; empty: none
+    max_bytes: int = Field(8 << 20, ge=1, le=8 << 20)  # one image as fetched (schemas/conversation.py's cap)
+    timeout_s: float = Field(10.0, gt=0, le=60)  # the whole fetch of one image: DNS, redirects, body
+    max_redirects: int = Field(3, ge=0, le=10)  # each to the same host
+
+    @field_validator("allowed_domains")
+    @classmethod
+    def _hostnames(cls, domains: tuple[str, ...]) -> tuple[str, ...]:
+        for domain in domains:
+            if _HOSTNAME.match(domain) is None:
+                raise ValueError(f"{domain!r}: a lowercase host name (no scheme, port, path or wildcard)")
+        return domains
+
+    @model_validator(mode="after")
+    def _domains_when_enabled(self) -> ImageUrlsSpec:
+        if self.enabled and not self.allowed_domains:
+            raise ValueError("image_urls.enabled needs allowed_domains: the hosts images may be fetched from")
+        return self

@@ -4,7 +4,8 @@ Roles `system`, `developer` (rendered as `system`: the templates qvpic serves ha
 `assistant` (content may be empty or null, with `tool_calls`) and `tool` (a tool's result, `tool_call_id`); the
 deprecated `function` role and an assistant's `function_call` read as a tool result and a tool call.
 Content is a string or a list of parts: `text`, and `image_url` with a `data:` URL (PNG, JPEG, WebP) in user
-messages. The server fetches nothing: an `http(s)` URL is refused. Every string and list is bounded here; the
+messages, or an `http(s)` URL that the ingress fetches where the operator allows it (`ingress.image_urls`,
+serve/http/image_urls.py; refused by default). Every string and list is bounded here; the
 token count of the whole conversation is checked against the context by the router (413 naming the limit).
 """
 
@@ -26,7 +27,9 @@ MAX_PARTS = 64  # content parts of one message
 MAX_IMAGES = 8  # image parts of one conversation
 MAX_IMAGE_BYTES = 8 << 20  # one decoded image
 MAX_IMAGE_PIXELS = 16_000_000  # width × height of one image, before the processor's own resize
+MAX_URL_CHARS = 2048  # an http(s) image URL
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp);base64,(.*)$", re.DOTALL)
+IMAGE_URLS_KEY = "ingress.image_urls.enabled"  # the serve config key that lets the ingress fetch image URLs
 
 
 class TextPart(Strict):
@@ -36,19 +39,30 @@ class TextPart(Strict):
 
 class ImageURL(Strict):
     url: str = Field(max_length=(MAX_IMAGE_BYTES * 4) // 3 + 64, description="a data: URL (base64 PNG, JPEG or "
-                     "WebP); http(s) URLs are refused: the server fetches nothing")
+                     "WebP), or an http(s) URL where the server's operator allows fetching (else a 400)")
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's own resize decides
 
     @field_validator("url")
     @classmethod
     def _data_url(cls, url: str) -> str:
         if url.startswith(("http://", "https://")):
-            raise ValueError("only data: URLs are accepted (data:image/png;base64,…): the server fetches nothing")
+            if len(url) > MAX_URL_CHARS:
+                raise ValueError(f"an image URL has at most {MAX_URL_CHARS} characters")
+            return url  # whether it is fetched is the ingress's decision (its config), not the schema's
         if _DATA_URL.match(url) is None:
-            raise ValueError("expected a data:image/png, image/jpeg or image/webp URL with base64 data")
+            raise ValueError("expected a data:image/png, image/jpeg or image/webp URL with base64 data, or an "
+                             "http(s) URL")
         return url
 
+    @property
+    def remote(self) -> bool:
+        """An http(s) URL, not yet fetched (the ingress replaces it with the fetched image's data: URL)."""
+        return self.url.startswith(("http://", "https://"))
+
     def data(self) -> bytes:
+        if self.remote:  # reached a role without the ingress's fetch (it is off, or this is not the ingress)
+            raise ValueError(f"image URLs are not fetched by this server (serve config {IMAGE_URLS_KEY} is off); "
+                             "send the image as a data: URL")
         match = _DATA_URL.match(self.url)
         assert match is not None  # validated
         try:

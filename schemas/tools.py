@@ -127,6 +127,15 @@ def call_grammar(functions: list[FunctionDef], parallel: bool) -> str:
             f"body: %json{json.dumps(schema)}\n")  # unsorted: name before arguments, as Qwen writes
 
 
+def call_or_json_grammar(functions: list[FunctionDef], parallel: bool, schema_json: str) -> str:
+    """`tool_choice: auto` beside a JSON `response_format`: the answer is a call (`call_grammar`'s, to one of
+    `functions`) or the JSON (`json_grammar`'s), as two alternatives of one grammar — whichever the model begins,
+    it finishes valid. Each grammar's `start` rule is renamed; their other rules' names do not meet."""
+    calls = call_grammar(functions, parallel).replace("start:", "calls:", 1)  # both begin with their start rule
+    answer = json_grammar(schema_json).replace("start:", "answer:", 1)
+    return "start: calls | answer\n" + calls + answer
+
+
 def json_grammar(schema_json: str) -> str:
     """`response_format`'s JSON schema as a grammar of the same dialect (compact JSON)."""
     schema = {**json.loads(schema_json), "x-guidance": {"whitespace_flexible": False}}

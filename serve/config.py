@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S, StoreInfo
-from schemas.config import EngineConfig, EngineKind, Frozen, ModelSpec, RecomputeSpec, RouterSpec
+from schemas.config import EngineConfig, EngineKind, Frozen, ImageUrlsSpec, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
 from schemas.store import ImagesRoot, StoreSpec
 from serve.governance.config import GovernanceConfig
@@ -160,6 +160,7 @@ class IngressConfig(Frozen):
     chat_model_name: str | None = Field(None, min_length=1, max_length=256)
     default_top_k: int = Field(8, ge=1)  # chat requests that name no chunks retrieve this many
     request_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)  # deadline of a request that sets none (504)
+    image_urls: ImageUrlsSpec = ImageUrlsSpec()  # chat images by http(s) URL: off, the server fetches nothing
     governance: GovernanceConfig = GovernanceConfig()
 
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 
 from schemas.api import AnswerRequest
+from schemas.config import ImageUrlsSpec
 from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
 from serve.http.backend import Backend, error_status
 from serve.http.checks import check_request
+from serve.http.image_urls import ImageFetcher
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
 from serve.plan import Answer, Embedded, Plan
 
@@ -35,15 +37,18 @@ class Turns:
     backend: Backend
     governor: Governor
     timeout_s: float  # the deadline of a request that sets none
+    images: ImageFetcher = field(default_factory=lambda: ImageFetcher(ImageUrlsSpec()))  # image URLs (off)
 
     async def begin(self, http: Request, request: AnswerRequest, route: Route, n: int = 1,
                     tools_path: str = "tools.tools") -> Exchange:
         """Authenticated and rate-checked (401, 400, 429 before any work), then its schemas checked on a worker
         (400 naming the field: serve/http/checks.py; `tools_path` is where the client put its tools), with its
-        deadline set; `n` choices."""
+        deadline set, and its image URLs fetched within it (serve/http/image_urls.py: a 400 where they are not
+        fetched); `n` choices."""
         turn = await self.governor.begin(http, request, route)
         await check_request(request, tools_path)
         life = Lifetime(http, request_timeout_s(http, request.timeout_s, self.timeout_s))
+        await life.run(self.images.fetch_into(request))
         return Exchange(self.backend, turn, life, dataclasses.replace(Sampling.of(request), n=n))
 
     async def embed(self, http: Request, response: Response, texts: list[str], user: str | None) -> Embedded:

@@ -39,6 +39,7 @@ from serve.http.backend import Backend, HandleBackend, api_error, error_cause, s
 from serve.http.exchange import Turns
 from serve.http.guards import ReleaseTurn, install_guards
 from serve.http.health import ReadinessProbe, fetch_gate_readiness, install_readiness
+from serve.http.image_urls import ImageFetcher
 from serve.http.openai import completion_routes, embedding_routes, is_openai_path, openai_error, openai_routes
 from serve.http.utility import utility_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
@@ -49,11 +50,11 @@ logger = logging.getLogger(__name__)
 
 
 def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
-             config: IngressConfig = IngressConfig()) -> FastAPI:
+             config: IngressConfig = IngressConfig(), images: ImageFetcher | None = None) -> FastAPI:
     """The HTTP surface; `governor` defaults to one of `config.governance` (by default, an in-process l1
-    response cache only)."""
+    response cache only), `images` to the fetcher of `config.image_urls` (tests give one with their resolver)."""
     governor = governor or Governor(config.governance, api.store)
-    turns = Turns(backend, governor, config.request_timeout_s)
+    turns = Turns(backend, governor, config.request_timeout_s, images or ImageFetcher(config.image_urls))
     app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.")
 
     @app.exception_handler(ApiError)

@@ -93,7 +93,7 @@ def test_retrieval_none_is_plain_chat_and_an_image_alone_retrieves_nothing(app):
 
 @pytest.mark.parametrize("messages, param, fragment", [
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}],
-     "messages[0].content[0].image_url.url", "only data: URLs"),
+     "messages[0].content[0].image_url", "ingress.image_urls.enabled is off"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!!"}}]}],
      "messages[0].content[0].image_url", "does not decode"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {
