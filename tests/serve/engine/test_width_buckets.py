@@ -64,4 +64,3 @@ def test_a_run_of_decode_steps_repeats_a_few_widths_and_computes_the_same(vlm):
     assert all(w >= e for w, e in zip(widths, exact))
     assert max(float((a - b).abs().max()) for a, b in zip(plain, bucketed)) <= EXACT
     assert [a.argmax(-1).tolist() for a in plain] == [b.argmax(-1).tolist() for b in bucketed]  # the same tokens
-
