@@ -381,6 +381,15 @@ class PrefixCacheSpec(Frozen):
     final_logits: bool = True
 
 
+class AttentionKernel(str, Enum):
+    """An SDPA kernel the fused forward may run on CUDA (torch.nn.attention.SDPBackend by the same name)."""
+
+    FLASH = "flash"  # FLASH_ATTENTION: takes no additive mask, so masked calls fall through to the next
+    EFFICIENT = "efficient"  # EFFICIENT_ATTENTION (memory-efficient): takes the additive mask
+    MATH = "math"  # the reference kernel: any inputs
+    CUDNN = "cudnn"  # CUDNN_ATTENTION: off by default (ForwardSpec.attention_kernels)
+
+
 class ForwardSpec(Frozen):
     """How the engine runs the language model's batched forwards (decode steps, query-turn prefills):
     pipeline/runtime/fused.py. Full prefills of images and the offline compile always run transformers'."""
@@ -403,6 +412,16 @@ class ForwardSpec(Frozen):
     # CPU; an fp32 model's gain nothing (docs/BENCHMARKS.md `limits`). Costs ~3 minutes of compiling on 2 cores when
     # the engine starts. Needs `fused` and the model's own dtype for the products.
     compiled: bool = False
+    # The SDPA kernels the fused forward may pick from on CUDA (a `sdpa_kernel` around it; the CPU keeps torch's own
+    # choice). cuDNN attention is left out on purpose: the engine's attention is masked (an additive mask) over a width
+    # that grows by one every decode step, and cuDNN's kernel builds (and caches) an execution plan per new shape,
+    # where flash/efficient take any width. Its correctness has moved with versions too: torch 2.5 made it opt-in
+    # after wrong results (pytorch/pytorch#138522), and on torch 2.11-2.13 with cuDNN 9.19-9.20 the unpinned default
+    # picked it on B200 and corrupted greedy decoding of models with < 8 kv heads (pytorch/pytorch#193893; the
+    # engine's Qwen2.5-VL-7B has 4). Add `cudnn` only where benchmarks/gpu_check's `attention` step shows it exact
+    # and faster at the engine's shapes on that GPU.
+    attention_kernels: tuple[AttentionKernel, ...] = Field(
+        (AttentionKernel.FLASH, AttentionKernel.EFFICIENT, AttentionKernel.MATH), min_length=1)
 
     @model_validator(mode="after")
     def _needs_fused(self) -> "ForwardSpec":

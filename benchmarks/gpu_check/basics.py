@@ -87,6 +87,12 @@ def attention(ctx: Context, out: Record) -> None:
     with an additive mask, and a 64-token query turn with `enable_gqa`; each backend forced in turn."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from pipeline.runtime.fused import sdpa_backends
+    from schemas.config import ForwardSpec
+
+    # the set the engine pins on CUDA (ForwardSpec.attention_kernels: cuDNN left out unless this step shows it wins)
+    engine = sdpa_backends(ForwardSpec().attention_kernels, torch.device("cuda"))
+    out.set("engine_backends", [backend.name for backend in engine])
     shape = TINY if ctx.dry else SEVEN_B
     widths = (64, 128, 256) if ctx.dry else (4096, 16384, 32768)
     rows = 2 if ctx.dry else 16
@@ -109,6 +115,9 @@ def attention(ctx: Context, out: Record) -> None:
             call = functools.partial(F.scaled_dot_product_attention, q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
             row["default_ms"] = time_ms(call, ctx.cuda)
+            with sdpa_kernel(engine):  # what the fused forward runs: its pick and its time
+                row["engine_chosen"] = sdpa_choice(q, keys, values, mask, gqa)
+                row["engine_ms"] = time_ms(call, ctx.cuda)
             for backend in forced:
                 try:
                     with sdpa_kernel([backend]):
@@ -118,7 +127,8 @@ def attention(ctx: Context, out: Record) -> None:
             results.append(row)
             out.set("results", results)
     decode = [r for r in results if r["case"] == "decode"]
-    out.set("headline", "decode: " + ", ".join(f"{r['width']}→{r['chosen']} {r['default_ms']} ms" for r in decode))
+    out.set("headline", "decode: " + ", ".join(f"{r['width']}→{r['chosen']} {r['default_ms']} ms, engine's "
+                                               f"{r['engine_chosen']} {r['engine_ms']} ms" for r in decode))
 
 
 def memory(ctx: Context, out: Record) -> None:

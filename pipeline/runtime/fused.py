@@ -20,12 +20,16 @@ else (GLM-4.1V's decoder, a scaled RoPE) keeps transformers' forward: `FusedDeco
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.runtime.decoder_ops import DecoderOps, native_decoder_ops, takes
 from pipeline.runtime.dtypes import TORCH_DTYPES
-from schemas.config import ForwardSpec
+from schemas.config import AttentionKernel, ForwardSpec
 
 ROPE_TABLE_POSITIONS = 32_768  # positions covered by the cos/sin table (grown on demand past it)
 
@@ -38,6 +42,23 @@ SDPA_MIN_NEW = 32
 # against 293 on torch ops, a 56-token turn 59.3 against 60.1, a 16-row decode step 34.8 against 37.5 (`limits`)
 NATIVE_MAX_TOKENS = 128
 PACK_ROWS = 16  # oneDNN's batch-size hint for the packed layout: the engine's decode batch (1.6x aten's at 16 rows)
+
+
+SDPA_BACKENDS = {AttentionKernel.FLASH: SDPBackend.FLASH_ATTENTION,
+                 AttentionKernel.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
+                 AttentionKernel.MATH: SDPBackend.MATH, AttentionKernel.CUDNN: SDPBackend.CUDNN_ATTENTION}
+
+
+def sdpa_backends(kernels: Sequence[AttentionKernel], device: torch.device) -> list[SDPBackend] | None:
+    """The SDPA backends the forward pins on `device` (`ForwardSpec.attention_kernels`, in order): on CUDA only,
+    where the dispatcher's own pick has changed between releases (cuDNN first, then opt-in); None elsewhere (the
+    CPU's two kernels are chosen by `attend` itself)."""
+    return [SDPA_BACKENDS[k] for k in kernels] if device.type == "cuda" else None
+
+
+def pinned(backends: list[SDPBackend] | None) -> AbstractContextManager:
+    """`sdpa_kernel(backends)` (only these enabled, for the forward's length), or nothing where None."""
+    return sdpa_kernel(backends) if backends is not None else nullcontext()
 
 
 class Projection:
@@ -177,6 +198,7 @@ class FusedDecoder:
         if spec.native_ops and takes(self.embed):
             native_decoder_ops()  # built now (~0.5 s, once per process), not in the first request's forward
         self.compiled = None  # one-row forwards under torch.compile (pipeline/runtime/compiled.py), when configured
+        self.sdpa_backends = sdpa_backends(spec.attention_kernels, self.embed.device)  # None off CUDA
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -222,6 +244,12 @@ class FusedDecoder:
         ops = native_decoder_ops() if native else None
         if ops is not None:
             return self._forward_native(ops, slab, ids, positions, mask)
+        with pinned(self.sdpa_backends):
+            return self._forward_torch(slab, ids, positions, mask)
+
+    def _forward_torch(self, slab, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`forward` on torch ops (any device)."""
+        rows, new = ids.shape
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, new, head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         hidden = F.embedding(ids, self.embed)  # [rows, new, hidden]

@@ -97,19 +97,37 @@ class AssembledContext:
         return self.layers[0][0].shape[2]
 
 
+# The rotation table's bytes on its device. A shift Δ is a chunk's start in a request minus where it was compiled,
+# so a working set of requests reuses a few hundred to a few thousand Δs; an entry costs head_dim² + 2·head_dim
+# floats (its matrix and its per-channel factors): 65 KiB at Qwen2.5-VL-7B's head_dim 128 in float32, so 64 MiB
+# holds ~1,000 shifts there (~4,000 at head_dim 64). The earlier bound, 8,192 entries, allowed 520 MiB of GPU
+# memory at head_dim 128 that no KV budget (serve/engine/kv_budget.py) counted; a Δ evicted is recomputed in
+# one small batched call.
+ROTATION_TABLE_NBYTES = 64 << 20
+
+
+def rotation_nbytes(matrix: torch.Tensor) -> int:
+    """An entry's bytes: its `[head_dim, head_dim]` matrix and its factors `(diag, cross)` `[head_dim]` each,
+    counted up front whether they are read off or not (so the table's bytes never grow after it is filled)."""
+    return (matrix.numel() + 2 * matrix.shape[-1]) * matrix.element_size()
+
+
 class RotationTable:
     """Re-anchoring matrices by shift Δ, each computed once: a rotary cos/sin table in matrix form.
 
     `compute(deltas [n], head_dim) -> [n, head_dim, head_dim]` is the model's own (Adapter.rotation_matrices);
-    what it returns for a Δ never changes, so the table keeps the `max_entries` most recently used
-    (16 KiB each at head_dim 64, float32, and its per-channel factors once asked for) and a request computes
-    only the shifts it has not seen.
+    what it returns for a Δ never changes, so the table keeps the most recently used within `max_nbytes`
+    (`ROTATION_TABLE_NBYTES`; `rotation_nbytes` each) and a request computes only the shifts it has not seen.
     """
 
-    def __init__(self, compute, max_entries: int = 8192):
-        self.compute, self.max_entries = compute, max_entries
+    def __init__(self, compute, max_nbytes: int = ROTATION_TABLE_NBYTES):
+        self.compute, self.max_nbytes = compute, max_nbytes
+        self.nbytes = 0
         self._table: OrderedDict[tuple[int, int, torch.device], _Rotation] = OrderedDict()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def _rotations(self, deltas: torch.Tensor | Sequence[int], head_dim: int,
                    device: torch.device | None = None) -> list[_Rotation]:
@@ -120,18 +138,26 @@ class RotationTable:
         keys = [(int(d), head_dim, device) for d in deltas]
         with self._lock:
             missing = list(dict.fromkeys(k for k in keys if k not in self._table))
+        fresh: dict[tuple[int, int, torch.device], _Rotation] = {}
         if missing:
-            fresh = self.compute(torch.tensor([k[0] for k in missing], device=device), head_dim)
+            matrices = self.compute(torch.tensor([k[0] for k in missing], device=device), head_dim)
+            fresh = {key: _Rotation(matrix) for key, matrix in zip(missing, matrices)}
             with self._lock:
-                for key, matrix in zip(missing, fresh):
-                    self._table[key] = _Rotation(matrix)
-                while len(self._table) > self.max_entries:
-                    self._table.popitem(last=False)
+                for key, rotation in fresh.items():
+                    if key not in self._table:  # (another thread may have put it meanwhile)
+                        self._table[key] = rotation
+                        self.nbytes += rotation.nbytes
+                while self.nbytes > self.max_nbytes and self._table:
+                    self.nbytes -= self._table.popitem(last=False)[1].nbytes
         with self._lock:
             found = []
             for key in keys:
-                self._table.move_to_end(key)
-                found.append(self._table[key])
+                rotation = self._table.get(key)
+                if rotation is not None:
+                    self._table.move_to_end(key)
+                else:  # computed for this call, and already past the budget: used once, not kept
+                    rotation = fresh[key]
+                found.append(rotation)
         return found
 
     def __call__(self, deltas: torch.Tensor | Sequence[int], head_dim: int,
@@ -157,6 +183,7 @@ class _Rotation:
 
     def __init__(self, matrix: torch.Tensor):
         self.matrix = matrix
+        self.nbytes = rotation_nbytes(matrix)
         self._factors: tuple[torch.Tensor, torch.Tensor] | None | bool = False  # False: not read off yet
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -25,6 +25,7 @@ from schemas.errors import PageImageRefusedError, UnservableError
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer
 from serve.kv import HotTier, KVSource, kv_tensor, recompute_inputs
+from serve.kv.staging import Staging
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
 
 
@@ -59,6 +60,7 @@ class ContextBuilder:
         self.vlm, self.renderer, self.render_spec, self.recompute = vlm, renderer, render_spec, recompute
         self.images_root = images_root  # scanned pages are read only under it
         self.hot = hot  # chunk KV resident on the device
+        self.staging = Staging(vlm.device)  # misses onto the device: on CUDA pinned, on a side stream
         self.repairer = repairer
         # entry key → done when the request fetching it has put it in the hot tier (or failed); one event loop
         self._fetching: dict[str, asyncio.Future[None]] = {}
@@ -131,6 +133,8 @@ class ContextBuilder:
                     arrived[entry.key] = (kv, entry)
                 chunks.append(kv)
                 served.append(entry)
+            if arrived and (landed := self.staging.landed()) is not None:  # CUDA: the side stream's copies, waited
+                await off_loop(landed.synchronize)  # for off the loop (the engine's stream never waits for them)
             self.hot.put_many(arrived)
         finally:  # put, failed or cancelled: a waiter looks again (and fetches what is still not resident)
             for key, done in claimed.items():
@@ -160,7 +164,7 @@ class ContextBuilder:
     def _chunk(self, kv: LoadedKV, copy: bool) -> ChunkKV:
         # A copy detaches the hot tier from the object store's (or the loader LRU's) buffer; a quantised
         # entry is dequantised on the device, so the hot tier holds KV ready to re-anchor.
-        tensor = kv_tensor(kv, self.vlm.device, self.vlm.dtype, copy)
+        tensor = kv_tensor(kv, self.vlm.device, self.vlm.dtype, copy, self.staging)
         return ChunkKV(tensor, kv.entry.position_span, kv.compile_start, kv.kind, kv.grid_thw)
 
     def pages(self, chunk: PlannedChunk) -> list[Image.Image]:

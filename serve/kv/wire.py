@@ -12,6 +12,7 @@ import torch
 
 from pipeline.store import QuantizedKV, dequantize
 from schemas.config import DType, KVQuant
+from serve.kv.staging import Staging
 from serve.plan import LoadedKV
 
 _WIRE = {torch.float32: (DType.FLOAT32, torch.float32), torch.float16: (DType.FLOAT16, torch.float16),
@@ -49,14 +50,19 @@ def from_wire(array: np.ndarray, dtype: DType | KVQuant) -> torch.Tensor:
     return torch.from_dlpack(array).view(torch.uint8 if isinstance(dtype, KVQuant) else _TORCH[dtype])
 
 
-def kv_tensor(kv: LoadedKV, device: torch.device | str, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+def kv_tensor(kv: LoadedKV, device: torch.device | str, dtype: torch.dtype, copy: bool,
+              staging: Staging | None = None) -> torch.Tensor:
     """A loaded entry as KV `[layers, 2, kv_heads, tokens, head_dim]` on `device`.
 
     A quantised record crosses to the device as it is stored (half the bytes of bf16) and is
     dequantised there into `dtype`, a new tensor; a float entry is moved (copied when `copy`, which
-    detaches it from the object store's or the LRU's buffer) and keeps its stored dtype."""
+    detaches it from the object store's or the LRU's buffer) and keeps its stored dtype. With a CUDA
+    `staging` (serve/kv/staging.py) the host→device copy goes pinned, on its side stream: a float entry's is
+    not fenced (the caller waits for `staging.landed()` before anything reads it), a quantised record's is
+    (its dequantisation reads it on the caller's stream)."""
     tensor = from_wire(kv.array, kv.dtype)
+    staged = staging is not None and staging.cuda
     if isinstance(kv.dtype, KVQuant):
-        record = QuantizedKV(kv.dtype, kv.entry.row.stored.shape, tensor.to(device))
-        return dequantize(record, dtype)
-    return tensor.to(device, copy=copy)
+        moved = staging.to_device([tensor])[0] if staged else tensor.to(device)
+        return dequantize(QuantizedKV(kv.dtype, kv.entry.row.stored.shape, moved), dtype)
+    return staging.to_device([tensor], fence=False)[0] if staged else tensor.to(device, copy=copy)

@@ -34,6 +34,9 @@ def test_every_step_writes_a_line_ok_or_skipped_with_a_reason(tmp_path):
     assert by["decode"]["results"] and by["attention"]["results"]  # the CPU analogues ran, not only skipped
     engine = by["engine"]  # the engine end to end, without Ray (serve.metrics keeps its Prometheus sink alone)
     assert engine["status"] == "ok" and engine["ttft_ms"]["p50"] > 0 and len(engine["checks"]) == 3, engine
+    # the engine's pinned SDPA set is recorded (issue 59 item 3), with its pick and time beside the dispatcher's
+    assert by["attention"]["engine_backends"] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    assert all("engine_chosen" in row and "engine_ms" in row for row in by["attention"]["results"])
 
 
 def test_a_hung_step_is_cut_by_its_timeout_and_the_next_still_runs(tmp_path):

@@ -20,7 +20,9 @@ are kept too (`logits_key`): a causal model's logits there depend only on the co
 request (a retry, a chat UI's "regenerate") samples its first token from them and prefills nothing.
 
 Bytes are bounded twice: an LRU on the device, whose evictions move to an LRU in host memory (a later hit moves
-them back), whose evictions are dropped. One thread uses it (the engine's).
+them back), whose evictions are dropped. One thread uses it (the engine's). On CUDA those moves go through pinned
+host memory on a side stream (serve/kv/staging.py), and a request's new blocks are copied out of its slab row in one
+gather and one batched copy, not one clone (one kernel launch) per block (issue 59 item 4).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from serve.engine.interface import PrefixCacheStats
+from serve.kv.staging import Staging
 
 _DERIVED = np.int64(1) << np.int64(62)  # keys of image and chunk columns; token ids stay far below
 _NO_COLUMNS = np.zeros(0, dtype=np.int64)  # a logits entry's next_positions: it holds no columns
@@ -131,6 +134,7 @@ class PrefixCache:
         self._device: OrderedDict[bytes, Block] = OrderedDict()
         self._host: OrderedDict[bytes, Block] = OrderedDict()
         self.stats = PrefixCacheStats()
+        self.staging = Staging(device)
 
     @property
     def enabled(self) -> bool:
@@ -142,18 +146,22 @@ class PrefixCache:
     def match(self, hashes: list[bytes]) -> list[Block]:
         """The longest run of cached blocks from the first, each moved to the device tier's most recent end."""
         self.stats.lookups += 1
-        run = []
+        run, promoted = [], []  # promoted: (index in run, key) of the blocks found on the host
         for key in hashes:
             block = self._device.get(key)
             if block is not None:
                 self._device.move_to_end(key)
             elif (block := self._host.pop(key, None)) is not None:
                 self.stats.host_nbytes -= block.nbytes
-                block = Block(block.kv.to(self.device), block.next_positions)
-                self._put_device(key, block)
+                promoted.append((len(run), key))
             else:
                 break
             run.append(block)
+        if promoted:  # back onto the device together (on CUDA: pinned, on the side stream, the step's stream fenced)
+            moved = self.staging.to_device([run[i].kv for i, _ in promoted])
+            for (i, key), kv in zip(promoted, moved):
+                run[i] = Block(kv, run[i].next_positions)
+                self._put_device(key, run[i])
         return run
 
     def get(self, key: bytes) -> Block | None:
@@ -183,15 +191,28 @@ class PrefixCache:
         if not self.enabled:
             return
         size = self.block_tokens
+        new = []  # (block index, key) of the blocks not cached yet
         for i, key in enumerate(hashes):
             if key in self._device:
                 self._device.move_to_end(key)
-                continue
-            if key in self._host:
-                continue
-            block = Block(kv[:, :, :, i * size:(i + 1) * size].clone(), next_positions[i * size:(i + 1) * size].copy())
+            elif key not in self._host:
+                new.append((i, key))
+        for (i, key), block_kv in zip(new, self._copies(kv, [i for i, _ in new])):
             self.stats.inserted_blocks += 1
-            self._put_device(key, block)
+            self._put_device(key, Block(block_kv, next_positions[i * size:(i + 1) * size].copy()))
+
+    def _copies(self, kv: torch.Tensor, blocks: list[int]) -> list[torch.Tensor]:
+        """Blocks `blocks` of `kv` `[layers, 2, kv_heads, columns, head_dim]`, each a tensor of its own (evicted
+        one by one, each block's bytes go back). On the CPU one clone each (one pass over the bytes). On a GPU
+        that is a kernel launch per block (~90 for a 1,500-column conversation): there one gather of them all
+        into `[n, layers, 2, kv_heads, block_tokens, head_dim]` and one batched copy into the n blocks' own
+        memory (dense and alike, so `_foreach_copy_` takes its multi-tensor kernel)."""
+        size = self.block_tokens
+        if not blocks:
+            return []
+        if kv.device.type != "cuda":
+            return [kv[:, :, :, i * size:(i + 1) * size].clone() for i in blocks]
+        return batched_copies(kv, blocks, size)
 
     def clear(self) -> None:
         self._device.clear()
@@ -204,8 +225,8 @@ class PrefixCache:
         while self.stats.device_nbytes > self.max_device_nbytes and self._device:
             old_key, old = self._device.popitem(last=False)
             self.stats.device_nbytes -= old.nbytes
-            if self.max_host_nbytes >= old.nbytes:
-                self._host[old_key] = Block(old.kv.to("cpu"), old.next_positions)
+            if self.max_host_nbytes >= old.nbytes:  # (on CUDA: pinned, on the side stream; read back only by `match`)
+                self._host[old_key] = Block(self.staging.to_host([old.kv])[0], old.next_positions)
                 self.stats.host_nbytes += old.nbytes
                 self.stats.demoted_blocks += 1
                 while self.stats.host_nbytes > self.max_host_nbytes and self._host:
@@ -226,3 +247,11 @@ def resume_point(blocks: list[Block], block_tokens: int, limit: int) -> int:
     return 0
 
 
+def batched_copies(kv: torch.Tensor, blocks: list[int], size: int) -> list[torch.Tensor]:
+    """`PrefixCache._copies` on a GPU: blocks `blocks` of `size` columns of `kv`, each in memory of its own, by
+    one gather and one multi-tensor copy (any device computes the same; only a GPU gains)."""
+    whole = kv.narrow(3, 0, (max(blocks) + 1) * size).unflatten(3, (-1, size)).movedim(3, 0)  # [blocks, ...]
+    gathered = whole.index_select(0, torch.tensor(blocks, device=kv.device))  # one gather, contiguous
+    out = [torch.empty(gathered.shape[1:], dtype=kv.dtype, device=kv.device) for _ in blocks]
+    torch._foreach_copy_(out, list(gathered.unbind(0)))
+    return out

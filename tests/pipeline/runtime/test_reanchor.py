@@ -159,3 +159,23 @@ def test_the_kernel_is_built_from_the_package_source_in_a_private_directory_then
     out = torch.empty_like(keys)
     kernel(keys, diag, cross, out)  # loaded and working after its directory went
     assert float((out - keys @ factors_matrix(diag, cross)).abs().max()) <= TOLERANCE
+
+
+def test_the_rotation_table_stays_within_its_stated_bytes():
+    """Issue 59 item 4: the table of re-anchoring matrices is bounded in bytes (`ROTATION_TABLE_NBYTES`, 64 MiB),
+    not in entries (8,192 of them were 520 MiB of device memory at head_dim 128). At head_dim 128 in float32 an
+    entry is (128² + 2·128)·4 = 66,560 bytes, so 1,008 shifts fit; a call asking for more than fit still gets
+    every one it asked for, right. Control: the eviction removed keeps all 3,000 (the test fails)."""
+    head_dim, eye = 128, torch.eye(128)
+
+    def compute(deltas, head_dim):  # a matrix that names its Δ
+        return [eye * float(d) for d in deltas.tolist()]
+
+    table = kv_module.RotationTable(compute)
+    assert table.max_nbytes == 64 * 2 ** 20
+    for start in range(0, 3_000, 500):
+        got = table(list(range(start, start + 500)), head_dim, torch.device("cpu"))
+        assert torch.equal(got[:, 0, 0], torch.arange(start, start + 500, dtype=torch.float32))
+    assert len(table) == 1_008 and table.nbytes == 1_008 * 66_560 <= 64 * 2 ** 20
+    wide = table(list(range(10_000, 11_100)), head_dim, torch.device("cpu"))  # more than fit in one call
+    assert torch.equal(wide[:, 1, 1], torch.arange(10_000, 11_100, dtype=torch.float32)) and len(table) == 1_008

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from pipeline.runtime import VLM, reanchor
 from pipeline.runtime import kv as kv_module
 from pipeline.runtime.conversation import PreparedSegment
-from pipeline.runtime.kv import RotationTable
+from pipeline.runtime.kv import RotationTable, rotation_nbytes
 from schemas.config import CompilePrefix, EngineConfig, ModelFamily
 from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
@@ -231,13 +231,13 @@ def test_the_rotation_table_returns_the_models_matrices_and_computes_each_shift_
         calls.append(deltas.tolist())
         return vlm.adapter.rotation_matrices(deltas, head_dim)
 
-    table = RotationTable(compute, max_entries=4)
     head_dim = vlm.prefix.kv.shape[-1]
+    table = RotationTable(compute, max_nbytes=4 * rotation_nbytes(torch.empty(head_dim, head_dim)))  # 4 entries
     first = table(torch.tensor([5, 900, 5]), head_dim)
     assert torch.equal(first, vlm.adapter.rotation_matrices(torch.tensor([5, 900, 5]), head_dim))
     assert torch.equal(table(torch.tensor([900, 7]), head_dim)[0], first[1])
     assert calls == [[5, 900], [7]]
-    table(torch.tensor([1, 2, 3]), head_dim)  # past max_entries: the least recently used (5) goes
+    table(torch.tensor([1, 2, 3]), head_dim)  # past its bytes: the least recently used (5) goes
     table(torch.tensor([5]), head_dim)
     assert calls[-1] == [5]
 
