@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.request
 
 import pytest
@@ -36,6 +35,7 @@ from serve.engine.vllm.store_plan import (  # noqa: E402
     kv_transfer_config,
 )
 from tests.support.paths import REPO, TESTS  # noqa: E402
+from tests.support.ray_fixtures import free_port, ray_session  # noqa: E402, F401  (a fixture)
 
 pytestmark = pytest.mark.vllm
 MODEL_ID = "qvpic-oracle"
@@ -105,15 +105,11 @@ def keys(store) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def post(store, vlm):
+def post(ray_session, store, vlm):  # noqa: F811  (ray_session is a fixture)
     """POST to the deployment's `/v1/completions` (started once for the module, on a free port)."""
-    import ray
     from ray import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False)  # logical CPUs: the replica's bundle takes 2
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(serve_llm.build_openai_app({"llm_configs": [llm_config(store.uri, str(vlm.path))]}), blocking=False)
 
@@ -125,7 +121,6 @@ def post(store, vlm):
 
     yield send
     serve.shutdown()
-    ray.shutdown()
 
 
 def body(vlm, store, keys, request: oracle.OracleRequest, **extra) -> dict:
