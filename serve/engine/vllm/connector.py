@@ -165,6 +165,9 @@ class QvpicConnector(KVConnectorBase_V1):
         self._todo: dict[str, tuple[Any, list]] = {}  # worker, this step: layer name -> (the layer, loads) to write
         self._ready: dict[str, tuple] = {}  # worker, this step, CUDA: layer name -> (its writes' event, device)
         self._stream: Any = None  # worker, CUDA: the side stream loads run on
+        # scheduler: vLLM's own prefix-cache hit of a request the claim extends (vLLM sets the request's
+        # num_computed_tokens only after update_state_after_alloc, so that reads 0 for a new request)
+        self._hits: dict[str, int] = {}
 
     # ---- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -174,12 +177,13 @@ class QvpicConnector(KVConnectorBase_V1):
             return 0, False
         # Never the whole prompt: vLLM must compute at least its last token to sample from.
         end = min(claim.num_tokens, request.num_prompt_tokens - 1)
+        self._hits[request.request_id] = num_computed_tokens
         return max(0, end - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
             params = request.kv_transfer_params
-            start = request.num_computed_tokens  # vLLM's own prefix-cache hit
+            start = self._hits.pop(request.request_id, request.num_computed_tokens)  # vLLM's own prefix-cache hit
             self._pending[request.request_id] = (params[CLAIM_KEY], params.get(REQUEST_KEY, request.request_id),
                                                  start, start + num_external_tokens)
 
@@ -212,6 +216,7 @@ class QvpicConnector(KVConnectorBase_V1):
         """A history pass that ended as asked (its one token) keeps its blocks for its follow-up's load."""
         from vllm.v1.request import RequestStatus
 
+        self._hits.pop(request.request_id, None)
         key = (request.kv_transfer_params or {}).get(HISTORY_KEY)
         claim = CLAIMS.get(key) if key else None
         if claim is None or request.status is RequestStatus.FINISHED_ABORTED:

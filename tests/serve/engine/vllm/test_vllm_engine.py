@@ -265,3 +265,19 @@ def test_a_request_vllm_refuses_fails_alone_and_the_engine_goes_on(engine, vlm, 
     assert done.wait(60) and seq.end.value == "failed" and "vLLM refused it" in str(events[-1].error)
     assert len(connector_module.CLAIMS) == 0
     assert answer(engine, linked(vlm, compiled, pages, request)) == recorded_tokens(recorded, i)
+
+
+def test_a_claim_partly_in_vllms_prefix_cache_is_loaded_after_the_shared_blocks(engine, vlm, compiled, pages):
+    """Two requests whose claims share their first 3 chunks (past vLLM's first block: 128 tokens on the CPU) and
+    differ in the 4th: the second finds that block in vLLM's prefix cache, and the connector must write the rest of
+    its claim from there on (vLLM sets a request's computed tokens only after the connector's update_state_after_alloc,
+    so the hit is the one get_num_new_matched_tokens was given). Its tokens are qvpic's own."""
+    first = oracle.OracleRequest(Mode.FULL_TEXT, (5, 0, 4, 1), oracle.QUERIES[0])
+    second = oracle.OracleRequest(Mode.FULL_TEXT, (5, 0, 4, 2), oracle.QUERIES[0])
+    block = engine.engine.vllm_config.cache_config.block_size
+    shared = len(vlm.adapter.prefix_ids) + sum(chunk_kv(vlm, compiled, pages, Mode.FULL_TEXT, c).num_tokens
+                                               for c in (5, 0, 4))
+    assert block <= shared < 2 * block  # what makes the second's hit one block, and its claim go on past it
+    engine.clear_prefix_cache()
+    answer(engine, linked(vlm, compiled, pages, first), max_new_tokens=1)
+    assert answer(engine, linked(vlm, compiled, pages, second)) == qvpic_linked_tokens(vlm, compiled, pages, second)
