@@ -74,11 +74,6 @@ class Sampling:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0)
 
-    @property
-    def truncates(self) -> bool:
-        """Whether sampling keeps only some tokens (top-k, min-p, top-p); greedy decoding ignores all three."""
-        return self.top_k > 0 or self.min_p > 0 or self.top_p < 1.0
-
     def choice(self, index: int) -> Sampling:
         """Choice `index`'s own decoding: one row, seeded `seed + index` (choice 0 decodes as the same request with
         n = 1 would; each choice is reproducible on its own). Greedy choices are alike, as OpenAI's and vLLM's."""
