@@ -92,6 +92,13 @@ class Attribution(Strict):
                                     "task over the same chunks); else header X-Task-Type")
 
 
+def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: an open final message takes no assistant header after it."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: needs add_generation_prompt false (vLLM's rule: the answer "
+                         "continues the final message, so no new assistant turn opens after it)")
+
+
 class Prompt(Strict):
     """The text around the chunks. The router scores chunks against `query` alone; the model reads
     `[chat prefix][instruction][chunks][query_prompt, or query if none][assistant header]`."""
@@ -114,6 +121,11 @@ class Prompt(Strict):
                                   "parallel_tool_calls), in the system prompt as the model's tool format "
                                   "(schemas/tools.py); needs messages")
 
+    add_generation_prompt: JsonBool = Field(True, description="vLLM's: the template's assistant header closes the "
+                                            "prompt; false: the conversation is rendered without it (needs messages)")
+    continue_final_message: JsonBool = Field(False, description="vLLM's: the answer continues the conversation's "
+                                             "last message, an assistant one, rendered open (no end of turn); needs "
+                                             "add_generation_prompt false, as vLLM's")
     history_chunks: JsonBool = Field(True, description="messages with retrieval: each earlier user message keeps the "
                                      "chunks its text retrieves, before it, as when it was asked (a follow-up then "
                                      "finds the earlier turns in the prefix cache); false: history as text alone")
@@ -123,12 +135,16 @@ class Prompt(Strict):
         if self.messages is None:
             if self.tools is not None:
                 raise ValueError("tools: need messages (a conversation)")
+            if self.continue_final_message or not self.add_generation_prompt:
+                raise ValueError("continue_final_message: add_generation_prompt and continue_final_message need "
+                                 "messages (a conversation)")
             if not self.query:
                 raise ValueError("query: should have at least 1 character (the question), unless messages are given")
             return self
         if self.instruction or self.query_prompt is not None:
             raise ValueError("give messages, or instruction / query_prompt, not both")
-        check_conversation(self.messages)
+        check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
+        check_conversation(self.messages, self.continue_final_message)
         return self
 
     @property
@@ -141,6 +157,8 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
     temperature: JsonFloat = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: JsonFloat = Field(1.0, gt=0.0, le=1.0)
     seed: JsonInt | None = Field(None, ge=0, le=MAX_SEED)
+    sampling_top_k: JsonInt = Field(0, ge=-1, description="vLLM's sampling `top_k` (this request's `top_k` is "
+                                    "retrieval's): sample from the k most likely tokens only (0 or -1: all)")
     stream: JsonBool = False
     user: str | None = Field(None, max_length=256, description="the end user (OpenAI's `user`), recorded in the "
                              "request log; never the tenant, which is the API key's")
@@ -155,6 +173,10 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
         if self.forced_calls is not None and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("tool_choice: a forced tool call and a response_format schema cannot both constrain "
                              "the answer; give one")
+        if self.forced_calls is not None and self.structured_outputs is not None:
+            raise ValueError("structured_outputs: a forced tool call and structured_outputs cannot both constrain "
+                             "the answer; give one")
+        self.check_min_tokens(self.max_new_tokens)
         return self
 
     @property
@@ -182,7 +204,7 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
 
     @property
     def grammar_param(self) -> str:
-        return "tools" if self.forced_calls is not None else "response_format"
+        return "tools" if self.forced_calls is not None else super().grammar_param
 
 
 # ---- answer reports --------------------------------------------------------------------------------

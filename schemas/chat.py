@@ -21,9 +21,11 @@ from schemas.api import (
     FinishReason,
     Routing,
     Selection,
+    check_generation_prompt,
 )
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.decoding import ChoiceLogprobs, Decoding
+from schemas.extras import TopK
 from schemas.sampling import MAX_CHOICES
 from schemas.tools import MAX_TOOLS, FunctionDef, NamedFunction, NamedToolChoice, ToolChoice, ToolDef, ToolUse
 from schemas.wire import JsonBool, JsonFloat, JsonInt, NullIsDefault, Strict
@@ -74,7 +76,7 @@ class StreamOptions(Strict, NullIsDefault):
     include_usage: JsonBool = False
 
 
-class ChatCompletionRequest(Strict, Decoding, NullIsDefault):
+class ChatCompletionRequest(Strict, Decoding, TopK, NullIsDefault):
     """Every parameter of OpenAI's chat-completion request is here: supported, accepted and ignored, or refused
     with a 400 naming it (docs/OPENAI.md has the table; tests/serve/http/test_openai_params.py walks it). A field
     it does not know is a 400 naming it, as OpenAI answers; `null` is any optional field's default, as OpenAI's."""
@@ -110,11 +112,16 @@ class ChatCompletionRequest(Strict, Decoding, NullIsDefault):
                                                 "read as `tools`, each a function tool")
     function_call: Literal["none", "auto"] | NamedFunction | None = Field(None, description="deprecated by OpenAI: "
                                                                           "read as `tool_choice`")
+    add_generation_prompt: JsonBool = Field(True, description="vLLM's: the template's assistant header closes the "
+                                            "prompt; false: the conversation rendered without it")
+    continue_final_message: JsonBool = Field(False, description="vLLM's: the answer continues the last message, an "
+                                             "assistant one, rendered open; needs add_generation_prompt false")
     qvpic: QvpicOptions = Field(default_factory=QvpicOptions)
 
     @model_validator(mode="after")
     def _a_conversation(self) -> ChatCompletionRequest:
-        check_conversation(self.messages)
+        check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
+        check_conversation(self.messages, self.continue_final_message)
         return self
 
     @model_validator(mode="after")
@@ -144,6 +151,10 @@ class ChatCompletionRequest(Strict, Decoding, NullIsDefault):
             raise ValueError("store: this server stores no completions (store: true is not supported)")
         if not self.tools and self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: 'required' or a named function needs tools")
+        if self.structured_outputs is not None and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("structured_outputs: a forced tool call and structured_outputs cannot both constrain "
+                             "the answer; give one")
+        self.check_min_tokens(self.max_new_tokens)
         try:
             self.tool_use  # noqa: B018  names and the named choice checked here, a 400 naming the field
         except ValidationError as error:

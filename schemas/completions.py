@@ -15,6 +15,7 @@ from schemas.api import MAX_NEW_TOKENS, MAX_SEED, AnswerReport, FinishReason
 from schemas.chat import ChatCompletionRequest, ChatUsage, QvpicOptions, StreamOptions
 from schemas.conversation import MAX_TEXT_CHARS, Message
 from schemas.decoding import ChoiceLogprobs, Controls
+from schemas.extras import TopK
 from schemas.sampling import MAX_CHOICES
 from schemas.wire import JsonBool, JsonFloat, JsonInt, NullIsDefault, Strict, Utf8Str
 
@@ -37,7 +38,7 @@ def texts_only(field: str, value: Any, max_items: int, hint: str = "") -> Any:
     return value
 
 
-class CompletionRequest(Strict, Controls, NullIsDefault):
+class CompletionRequest(Strict, Controls, TopK, NullIsDefault):
     """OpenAI's legacy completion request: each parameter supported, or refused with a 400 naming it."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -78,6 +79,7 @@ class CompletionRequest(Strict, Controls, NullIsDefault):
             raise ValueError("suffix: insertion is not supported")
         if self.logprobs is not None and self.stream:
             raise ValueError("logprobs: not supported with stream yet (ask without stream)")
+        self.check_min_tokens(self.max_tokens or LEGACY_MAX_TOKENS)
         return self
 
     @property
@@ -89,7 +91,7 @@ class CompletionRequest(Strict, Controls, NullIsDefault):
         return ChatCompletionRequest(
             model=self.model, messages=[Message(role="user", content=prompt)],
             max_tokens=self.max_tokens or LEGACY_MAX_TOKENS, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, stream=self.stream, stream_options=self.stream_options, user=self.user,
+            seed=self.seed, top_k=self.top_k, stream=self.stream, stream_options=self.stream_options, user=self.user,
             logprobs=True if self.logprobs is not None else None, top_logprobs=self.logprobs, qvpic=self.qvpic,
             **self.model_dump(include=set(Controls.model_fields)))
 

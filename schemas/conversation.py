@@ -135,12 +135,17 @@ class Message(Strict, NullIsDefault):
             if not isinstance(self.content, str) else []
 
 
-def check_conversation(messages: list[Message]) -> None:
-    """What OpenAI's shape alone does not say (ValueError naming the message)."""
+def check_conversation(messages: list[Message], continue_final: bool = False) -> None:
+    """What OpenAI's shape alone does not say (ValueError naming the message). `continue_final` (vLLM's
+    `continue_final_message`): the conversation ends with the assistant message the answer continues."""
     if not any(m.role == "user" for m in messages):
         raise ValueError("messages: a conversation needs at least one user message")
     last = messages[-1]
-    if last.role not in ("user", "tool"):
+    if continue_final:
+        if last.role != "assistant" or last.tool_calls or not isinstance(last.content, str):
+            raise ValueError("continue_final_message: the conversation must end with an assistant message whose "
+                             "content is text (the answer continues it)")
+    elif last.role not in ("user", "tool"):
         raise ValueError(f"messages[{len(messages) - 1}]: the conversation ends with a {last.role} message; it must "
                          "end with a user or tool message (continuing an assistant message is not supported)")
     images = 0

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from schemas.extras import SamplingExtras
 from schemas.schema_checks import schema_chars_error
 from schemas.tools import json_grammar
 from schemas.wire import JsonBool, JsonFloat, JsonInt
@@ -54,9 +55,10 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class Controls(BaseModel):
+class Controls(SamplingExtras):
     """The controls both OpenAI request shapes take as they are: chat's and legacy completions'
-    (schemas/completions.py `CompletionRequest`, whose `logprobs` is another field)."""
+    (schemas/completions.py `CompletionRequest`, whose `logprobs` is another field), vLLM's extras among them
+    (schemas/extras.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -114,11 +116,16 @@ class Decoding(Controls):
     def _logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("structured_outputs: cannot be combined with a response_format schema; give one")
         return self
 
     @property
     def grammar_text(self) -> str | None:
         """The grammar the answer is constrained to (what the engine compiles and the cache keys), or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.lark
         if self.response_format is None or self.response_format.type == "text":
             return None
         if self.response_format.type == "json_object":
@@ -127,7 +134,7 @@ class Decoding(Controls):
 
     @property
     def grammar_param(self) -> str:
-        return "response_format"
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def logprobs_top(self) -> int | None:

@@ -98,27 +98,32 @@ class ChatTurn:
 
 
 def render_layout(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn],
-                  chunks_at: Sequence[int], tools: list[dict] | None = None) -> PromptLayout:
+                  chunks_at: Sequence[int], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                  continue_final: bool = False) -> PromptLayout:
     """The layout of `turns` with group g of chunks at the start of turn `chunks_at[g]`'s content (increasing;
     ConversationError if the template does not render every part exactly once, in order).
 
     Templates differ in the content they take: most render a string as it is, some (llava-hf's) iterate over a
     list of parts and render nothing of a string. As vLLM's `--chat-template-content-format auto` does, string
     content is tried as a string first, then as one text part, and the form that renders every message is kept.
-    `tools` go to the template as they are (for one that renders them: serve/routing/tool_turns.py)."""
+    `tools` go to the template as they are (for one that renders them: serve/routing/tool_turns.py), and so do
+    `add_generation_prompt` and `continue_final` (transformers' `continue_final_message`: the last message, an
+    assistant one, rendered open so the answer continues it)."""
+    ending = (add_generation_prompt, continue_final)
     try:
-        return _render(tokenizer, template, image_token, turns, chunks_at, tools, strings=True)
+        return _render(tokenizer, template, image_token, turns, chunks_at, tools, True, ending)
     except ConversationError as error:
         if not any(t.as_string for t in turns):
             raise
         try:
-            return _render(tokenizer, template, image_token, turns, chunks_at, tools, strings=False)
+            return _render(tokenizer, template, image_token, turns, chunks_at, tools, False, ending)
         except ConversationError:
             raise error from None
 
 
 def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence[ChatTurn],
-            chunks_at: Sequence[int], tools: list[dict] | None, strings: bool) -> PromptLayout:
+            chunks_at: Sequence[int], tools: list[dict] | None, strings: bool,
+            ending: tuple[bool, bool] = (True, False)) -> PromptLayout:
     contents: list[str] = []  # the text parts, by their sentinel's number
     groups = {index: g for g, index in enumerate(chunks_at)}
     messages = []
@@ -147,7 +152,8 @@ def _render(tokenizer, template: ChatTemplate, image_token: str, turns: Sequence
             message["tool_call_id"] = turn.tool_call_id
         messages.append(message)
     try:
-        rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=ending[0],
+                                                 continue_final_message=ending[1], tokenize=False)
     except Exception as error:  # noqa: BLE001  a jinja error raised by the template itself (its own checks)
         raise ConversationError(f"the model's chat template refused the conversation: {error}", "messages") from None
     markup = template.image_before + image_token + template.image_after

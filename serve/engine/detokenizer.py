@@ -22,8 +22,8 @@ _REPLACEMENT = "\ufffd"
 
 
 @functools.lru_cache(maxsize=8)
-def _byte_table(tokenizer) -> tuple[bytes, ...] | None:
-    """Bytes of every token id (b"" for special tokens, which are skipped), or None when the
+def _byte_table(tokenizer, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+    """Bytes of every token id (b"" for special tokens when they are skipped, else their text), or None when the
     tokenizer is not byte-level."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
@@ -33,7 +33,7 @@ def _byte_table(tokenizer) -> tuple[bytes, ...] | None:
     table = []
     for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if token_id in added:
-            table.append(b"" if added[token_id].special else added[token_id].content.encode())
+            table.append(b"" if added[token_id].special and skip_special_tokens else added[token_id].content.encode())
         elif token is None:
             table.append(b"")
         else:
@@ -44,9 +44,10 @@ def _byte_table(tokenizer) -> tuple[bytes, ...] | None:
 class Detokenizer:
     """Feed token ids one at a time; `add` returns the text they complete (often "")."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.table = _byte_table(tokenizer)
+        self.skip_special_tokens = skip_special_tokens  # vLLM's: false shows special tokens' text
+        self.table = _byte_table(tokenizer, skip_special_tokens)
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0  # generic path: the window [prefix, read) is already emitted
@@ -67,7 +68,8 @@ class Detokenizer:
         return tail.replace(_REPLACEMENT, "")
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _window(self) -> str:
         # Decoding a window (not just the new token) keeps the leading-space and merge rules right.

@@ -134,6 +134,11 @@ class Generator:
                                         f"vocabulary (ids 0..{vocab - 1})")
             error.param = "logit_bias"  # OpenAI's error names the field
             raise error
+        if sampling.stop_token_ids and sampling.stop_token_ids[-1] >= vocab:  # sorted too
+            error = InvalidRequestError(f"stop_token_ids: token id {sampling.stop_token_ids[-1]} is past this "
+                                        f"model's vocabulary (ids 0..{vocab - 1})")
+            error.param = "stop_token_ids"
+            raise error
         try:
             async with asyncio.timeout(timeout_s):
                 context = await self.contexts.build(plan, source or self.source)
@@ -230,7 +235,9 @@ class Run:
         self.seq = Sequence(sampling, prefill, prefill.num_prompt_tokens, prefill.num_query_tokens, deadline=deadline,
                             emit=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
         # the engine ends decoding at a stop string; this matcher cuts the text the same way
-        self.detokenizer = StopMatcher(self.tokenizer, sampling.stop) if sampling.stop else Detokenizer(self.tokenizer)
+        self.detokenizer = (StopMatcher(self.tokenizer, sampling.stop, sampling.include_stop_str_in_output,
+                                        sampling.skip_special_tokens) if sampling.stop
+                            else Detokenizer(self.tokenizer, sampling.skip_special_tokens))
         self.text = ""
         # sent: tokens whose log-probabilities went out with a piece; received: tokens delivered so far (the engine
         # appends a token's log-probabilities before it delivers the token, and may run ahead of this loop)

@@ -32,9 +32,9 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
             matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         except (ValueError, TypeError, RuntimeError) as error:
-            raise invalid(param, f"the JSON schema does not compile to a grammar: {str(error)[:300]}") from None
+            raise invalid(param, f"does not compile to a grammar: {str(error)[:300]}") from None
         if matcher.is_error():
-            raise invalid(param, f"the JSON schema does not compile to a grammar: {matcher.get_error()[:300]}")
+            raise invalid(param, f"does not compile to a grammar: {matcher.get_error()[:300]}")
         return matcher
 
     def mask(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,12 @@ class Step:
 
 
 class StopMatcher:
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer, stops: tuple[str, ...], include: bool = False, skip_special_tokens: bool = True):
         if not stops or not all(stops):
             raise ValueError(f"stop strings must be non-empty, got {stops!r}")
-        self.detokenizer = Detokenizer(tokenizer)
+        self.detokenizer = Detokenizer(tokenizer, skip_special_tokens)
         self.stops = stops
+        self.include = include  # vLLM's include_stop_str_in_output: the text ends after the stop string
         self.held = ""  # decoded text not yet shown: a tail that could begin a stop string
         self.matched = False
 
@@ -44,10 +45,11 @@ class StopMatcher:
         if self.matched:
             return Step("", True)
         text = self.held + piece
-        found = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
-        if found:
+        found = [(i, len(stop)) for stop in self.stops if (i := text.find(stop)) >= 0]
+        if found:  # the earliest; of two starting there, the shorter (a growing text completes it first)
             self.matched, self.held = True, ""
-            return Step(text[:min(found)], True)
+            at, length = min(found)
+            return Step(text[:at + length if self.include else at], True)
         keep = max((k for stop in self.stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
                     if text.endswith(stop[:k])), default=0)
         self.held = text[len(text) - keep:] if keep else ""

@@ -192,7 +192,9 @@ def context_material(plan: Plan, sampling: Sampling) -> str:
     return json.dumps([plan.mode.value, plan.instruction, plan.query_prompt, plan.conversation, chunks,
                        sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed,
                        sampling.stop, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias,
-                       sampling.grammar])
+                       sampling.grammar, sampling.top_k, sampling.min_p, sampling.repetition_penalty,
+                       sampling.min_tokens, sampling.stop_token_ids, sampling.ignore_eos, sampling.skip_special_tokens,
+                       sampling.include_stop_str_in_output])
 
 
 def _digest(*parts: str) -> str:

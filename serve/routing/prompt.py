@@ -75,9 +75,12 @@ class PromptTemplate:
                                                                       + self.encode(self.template.turn_suffix)))
 
     def conversation(self, messages: list[Message], chunks_at: list[int] | None = None,
-                     tools: ToolUse | None = None) -> PromptLayout:
+                     tools: ToolUse | None = None, add_generation_prompt: bool = True,
+                     continue_final: bool = False) -> PromptLayout:
         """The template's rendering of `messages` (and the `tools` offered), cut where each group of chunks goes: at
-        the start of the content of the user messages `chunks_at` (default: the last one). InvalidMessageError: 400."""
+        the start of the content of the user messages `chunks_at` (default: the last one). vLLM's
+        `add_generation_prompt` and `continue_final_message` go to the template as they are.
+        InvalidMessageError: 400."""
         turns = [chat_turn(i, m) for i, m in enumerate(messages)]
         chunks_at = chunks_at or [last_user_index(messages)]
         offered = tools.tools if tools is not None and tools.offered else None
@@ -91,7 +94,8 @@ class PromptTemplate:
             turns, where = hermes_turns(turns, offered, self.default_system)
             chunks_at = [where[i] for i in chunks_at]
         try:
-            return render_layout(self.tokenizer, self.template, self.image_token, turns, chunks_at, native)
+            return render_layout(self.tokenizer, self.template, self.image_token, turns, chunks_at, native,
+                                 add_generation_prompt, continue_final)
         except ConversationError as error:
             raise InvalidMessageError(str(error), error.param) from None
 
@@ -145,10 +149,13 @@ def _arguments(arguments: str, param: str):
     return value
 
 
-def conversation_digest(messages: list[Message], tools: ToolUse | None = None) -> str:
-    """sha256 of the conversation as sent, and its tools: what the response cache keys an answer to it on."""
+def conversation_digest(messages: list[Message], tools: ToolUse | None = None, add_generation_prompt: bool = True,
+                        continue_final: bool = False) -> str:
+    """sha256 of the conversation as sent, its tools and how its end is rendered: what the response cache keys an
+    answer to it on (the default rendering keeps the digest it had before vLLM's two flags)."""
+    ending = [] if add_generation_prompt and not continue_final else [add_generation_prompt, continue_final]
     material = json.dumps([[m.model_dump(mode="json") for m in messages],
-                           tools.digest_material() if tools is not None else None], sort_keys=True)
+                           tools.digest_material() if tools is not None else None, *ending], sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()
 
 

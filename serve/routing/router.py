@@ -146,7 +146,8 @@ class Router:
         needs no query vector. A conversation's groups sit at its last `groups` user messages."""
         if request.messages is not None:
             users = [i for i, m in enumerate(request.messages) if m.role == "user"]
-            layout = self.prompt.conversation(request.messages, users[-groups:], request.tools)
+            layout = self.prompt.conversation(request.messages, users[-groups:], request.tools,
+                                              request.add_generation_prompt, request.continue_final_message)
         else:
             layout = self.prompt.native(request.instruction, request.text_after_chunks)
         return Framing(layout=layout, text_tokens=tuple(self.prompt.tokens(t) for t in layout.texts))
@@ -203,7 +204,8 @@ class Router:
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
                     query_embedding=vectors[-1], generation=snapshot.generation, instruction=instruction,
                     query_prompt=query_prompt, layout=layout,
-                    conversation=(conversation_digest(request.messages, request.tools)
+                    conversation=(conversation_digest(request.messages, request.tools, request.add_generation_prompt,
+                                                      request.continue_final_message)
                                   if request.messages is not None else ""),
                     conversation_chain=conversation_chain(request.messages) if request.messages is not None else ())
 

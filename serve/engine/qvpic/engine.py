@@ -88,7 +88,7 @@ class QvpicEngine(Engine):
                     member.grammar = compiled[sampling.grammar] = self.sampler.grammars.matcher(
                         sampling.grammar, sampling.grammar_param)
             if sampling.stop:  # a completed match ends decoding (the generator's own matcher cuts the text alike)
-                member.stops = StopMatcher(tokenizer, sampling.stop)
+                member.stops = StopMatcher(tokenizer, sampling.stop, skip_special_tokens=sampling.skip_special_tokens)
         with self._work:
             self.scheduler.add(seq)
             self._work.notify()
@@ -348,7 +348,7 @@ class QvpicEngine(Engine):
     def _emit(self, seq: Sequence, row: torch.Tensor, token: int) -> None:
         """`token`, chosen from `seq`'s logits row `[vocab]`: delivered, or it ends the sequence."""
         self.sampler.logprobs(seq, row, token)
-        if token in self.vlm.adapter.end_of_turn_ids:
+        if self.sampler.ends_turn(seq, token):
             self._finish(seq, End.STOP)
             return
         seq.token_ids.append(token)

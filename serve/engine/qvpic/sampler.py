@@ -1,14 +1,15 @@
 """One sequence's next token from its logits row, and whether the token ends it: the request's decoding controls
-applied in order — penalties and logit bias (pipeline/runtime/sampling.py), the JSON-schema grammar's mask
-(serve/engine/grammar.py), greedy or seeded sampling — then the endings a token can cause (end of turn, a
-completed grammar or stop string, max_new_tokens). The engine (serve/engine/qvpic/engine.py) calls it for every row of
+applied in order — logit bias and penalties (pipeline/runtime/sampling.py), min_tokens' mask of the endings, the
+grammar's mask (serve/engine/grammar.py), greedy or seeded sampling (min-p, top-k, top-p) — then the endings a
+token can cause (end of turn unless ignore_eos, stop_token_ids, a completed grammar or stop string,
+max_new_tokens). The engine (serve/engine/qvpic/engine.py) calls it for every row of
 every step; each sequence's seeded sampler lives here until the sequence leaves."""
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.runtime import VLM, adjust_logits, choose_token, token_logprobs
+from pipeline.runtime import VLM, adjust_logits, ban_tokens, choose_token, token_logprobs, token_mask
 from serve.engine.grammar import Grammars, advance
 from serve.engine.sequence import End, Sequence
 
@@ -18,6 +19,10 @@ class Sampler:
         self.vlm = vlm
         self._grammars: Grammars | None = None  # built at the first structured-output request
         self._samplers: dict[int, torch.Generator] = {}  # seeded sequences' generators, by sequence id
+        # by sequence id, built once on the device: the prompt's tokens (repetition_penalty), the endings
+        # min_tokens masks (end of turn and stop_token_ids)
+        self._prompts: dict[int, torch.Tensor] = {}
+        self._ends: dict[int, torch.Tensor] = {}
 
     @property
     def grammars(self) -> Grammars:
@@ -37,10 +42,14 @@ class Sampler:
         """The next token from `row` `[vocab]` as a 0-d tensor on its device, not read back: the engine reads the
         whole batch's choices in one transfer a step. None: the row's own argmax (the batch computes those at once)."""
         sampling = seq.sampling
-        if not sampling.adjusts_logits and seq.grammar is None and sampling.temperature == 0:
+        early = len(seq.token_ids) < sampling.min_tokens  # no ending may be chosen yet
+        if not sampling.adjusts_logits and seq.grammar is None and sampling.temperature == 0 and not early:
             return None
         if sampling.adjusts_logits:  # penalties / bias: this row's choice is not the batch's argmax
-            row = adjust_logits(row, seq.token_ids, sampling)
+            row = adjust_logits(row, seq.token_ids, sampling,
+                                self._prompt(seq, row) if sampling.repetition_penalty != 1.0 else None)
+        if early:
+            row = ban_tokens(row, self._endings(seq, row))
         if seq.grammar is not None:  # structured output: only what the JSON schema allows next
             row = self.grammars.mask(seq.grammar, row)
         return choose_token(row.unsqueeze(0), sampling, self._sampler(seq))
@@ -48,8 +57,14 @@ class Sampler:
     def logprobs(self, seq: Sequence, raw: torch.Tensor, token: int) -> None:
         """`token`'s log-probability (and the top ones) under `raw`, the model's own distribution (vLLM's default,
         raw_logprobs), kept on `seq` when it asked for them (a host read of its own: a few numbers a row)."""
-        if seq.sampling.logprobs is not None and token not in self.vlm.adapter.end_of_turn_ids:
+        if seq.sampling.logprobs is not None and not self.ends_turn(seq, token):
             seq.token_logprobs.append(token_logprobs(raw, token, seq.sampling.logprobs))
+
+    def ends_turn(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` ends the answer unseen: end of turn (unless ignore_eos), or one of stop_token_ids."""
+        sampling = seq.sampling
+        return ((token in self.vlm.adapter.end_of_turn_ids and not sampling.ignore_eos)
+                or token in sampling.stop_token_ids)
 
     def ending(self, seq: Sequence, token: int) -> End | None:
         """How `token`, just emitted, ends the sequence (None: it goes on)."""
@@ -63,10 +78,22 @@ class Sampler:
 
     def forget(self, seq_id: int | None = None) -> None:
         """A sequence left (None: every one did)."""
-        if seq_id is None:
-            self._samplers.clear()
-        else:
-            self._samplers.pop(seq_id, None)
+        for kept in (self._samplers, self._prompts, self._ends):
+            if seq_id is None:
+                kept.clear()
+            else:
+                kept.pop(seq_id, None)
+
+    def _prompt(self, seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+        if seq.id not in self._prompts:
+            self._prompts[seq.id] = token_mask(prompt_token_ids(seq.context), row.shape[-1], row.device)
+        return self._prompts[seq.id]
+
+    def _endings(self, seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+        if seq.id not in self._ends:
+            ends = set(seq.sampling.stop_token_ids) | set(self.vlm.adapter.end_of_turn_ids)
+            self._ends[seq.id] = token_mask(ends, row.shape[-1], row.device)
+        return self._ends[seq.id]
 
     def _sampler(self, seq: Sequence) -> torch.Generator | None:
         if seq.sampling.seed is None:
@@ -74,3 +101,10 @@ class Sampler:
         if seq.id not in self._samplers:
             self._samplers[seq.id] = torch.Generator(device=self.vlm.device).manual_seed(seq.sampling.seed)
         return self._samplers[seq.id]
+
+
+def prompt_token_ids(context) -> list[int]:
+    """The prompt's token ids known here: its text segments' (template, history, question; image placeholders
+    expanded). A linked chunk's KV carries no ids, and an online chunk is tokenized at its prefill: neither counts."""
+    texts = context.prompt.texts if hasattr(context, "prompt") else getattr(context, "texts", [])
+    return [token for segment in texts for token in segment.ids]

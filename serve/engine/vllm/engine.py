@@ -13,7 +13,8 @@ request of the tokens before the chunks (vLLM computes them, finding earlier tur
 when that ends, the request itself, whose claim — the chunks — starts after them (connector.py: the history's
 blocks are held for it and copied where the prefix cache does not share them).
 
-Sampling is vLLM's (temperature, top_p, seed, penalties, logit bias, logprobs); structured output is vLLM's guidance
+Sampling is vLLM's (temperature, top_p, top_k, min_p, seed, penalties, logit bias, min_tokens, stop_token_ids,
+ignore_eos, logprobs); structured output is vLLM's guidance
 backend on the Lark grammar qvpic's engine would use (llguidance both); stop strings are qvpic's matcher over the
 decoded text, as on qvpic's engine, so both engines cut answers alike. `n` choices are `n` vLLM requests
 over one prompt: the first prefills, the others find its blocks in vLLM's prefix cache.
@@ -86,7 +87,8 @@ class VllmEngine(Engine):
                 self.grammars.matcher(grammar, member.sampling.grammar_param)
                 checked.add(grammar)
             if member.sampling.stop:
-                member.stops = StopMatcher(self.vlm.tokenizer, member.sampling.stop)
+                member.stops = StopMatcher(self.vlm.tokenizer, member.sampling.stop,
+                                           skip_special_tokens=member.sampling.skip_special_tokens)
         if seq.max_columns > self.engine.vllm_config.model_config.max_model_len:
             raise TooLargeError(f"the prompt and max_tokens need {seq.max_columns} tokens; this model takes "
                                 f"{self.engine.vllm_config.model_config.max_model_len}")
@@ -200,7 +202,11 @@ class VllmEngine(Engine):
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                 max_tokens=sampling.max_new_tokens, presence_penalty=sampling.presence_penalty,
                 frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias) or None,
-                logprobs=sampling.logprobs, stop_token_ids=sorted(self.end_ids), skip_special_tokens=False,
+                logprobs=sampling.logprobs, top_k=sampling.top_k, min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty, min_tokens=sampling.min_tokens,
+                ignore_eos=sampling.ignore_eos,  # vLLM masks these stop ids too before min_tokens
+                stop_token_ids=sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.end_ids)),
+                skip_special_tokens=False,  # qvpic detokenizes (its skip_special_tokens is the generator's)
                 output_kind=RequestOutputKind.DELTA, detokenize=False,
                 structured_outputs=StructuredOutputsParams(grammar=sampling.grammar) if sampling.grammar else None,
                 extra_args={"kv_transfer_params": {CLAIM_KEY: key, REQUEST_KEY: request_id}}
@@ -276,7 +282,7 @@ class VllmEngine(Engine):
             else:
                 seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
             for i, token in enumerate(completion.token_ids):
-                if token in self.end_ids:
+                if (token in self.end_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids:
                     self._finish(output.request_id, seq, End.STOP)
                     break
                 if seq.sampling.logprobs is not None and completion.logprobs:

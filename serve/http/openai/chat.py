@@ -76,6 +76,8 @@ def answer_request(request: ChatCompletionRequest, api: ApiSpec) -> AnswerReques
                              max_high_res=options.max_high_res, tier=options.tier,
                              max_new_tokens=request.max_new_tokens,
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                             sampling_top_k=request.top_k, add_generation_prompt=request.add_generation_prompt,
+                             continue_final_message=request.continue_final_message,
                              **request.model_dump(include=set(Decoding.model_fields), by_alias=True),
                              stream=request.stream, timeout_s=options.timeout_s,
                              user=request.user or request.safety_identifier, tools=request.tool_use,

@@ -99,7 +99,9 @@ def test_control_the_bitmask_left_on_the_host_fails(grammars, on_fake_cuda, monk
 CASES = {"greedy": Sampling(), "penalties": Sampling(presence_penalty=0.5, frequency_penalty=0.3),
          "logit_bias": Sampling(logit_bias=((3, 2.0), (5, -1.0))), "temperature": Sampling(temperature=0.7),
          "seeded": Sampling(temperature=0.7, seed=3), "top_p": Sampling(temperature=0.7, top_p=0.9),
-         "logprobs": Sampling(logprobs=TOP), "grammar": Sampling(temperature=0.7, top_p=0.9, seed=1, grammar="-")}
+         "logprobs": Sampling(logprobs=TOP), "grammar": Sampling(temperature=0.7, top_p=0.9, seed=1, grammar="-"),
+         "top_k_min_p": Sampling(temperature=0.7, top_k=5, min_p=0.05, top_p=0.9, seed=2),
+         "repetition_min_tokens": Sampling(repetition_penalty=1.3, min_tokens=5, stop_token_ids=(9,))}
 
 
 def sample_on_fake_cuda(grammars: Grammars, sampling: Sampling, monkeypatch) -> tuple[int, list[torch.device]]:

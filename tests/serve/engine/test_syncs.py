@@ -1,7 +1,8 @@
 """Host syncs per engine step (tests/support/sync_counter.py): what would drain a GPU's stream each step.
 
 A decode step reads one thing back — the batch's chosen token ids, in one transfer — for greedy rows and for rows
-under temperature, top-p, a seed, penalties or a logit bias alike: widths, positions and lengths come from the
+under temperature, top-p, top-k, min-p, a seed, penalties (vLLM's repetition penalty too), min_tokens or a logit bias
+alike: widths, positions and lengths come from the
 slab's own host bookkeeping (checked against the device's at every step), never from a read of the device. Rows
 leaving read nothing. A prefill (rows joining) reads a stated number, counted here for both kinds of context
 (linked: qvpic's modes; online: full_text, full_image) and listed with its sites in docs/BENCHMARKS.md `syncs`.
@@ -15,8 +16,9 @@ from serve.engine.sequence import Status
 from tests.serve.engine.test_engine import Recorder, chunks, linked, online  # noqa: F401  (chunks: a fixture)
 from tests.support.sync_counter import COPY, SCALAR, SYNC, counting_syncs
 
-SAMPLED = {"greedy": {}, "temperature": dict(temperature=0.9, top_p=0.8, seed=3),
-           "penalties": dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias=((3, 2.0),)),
+SAMPLED = {"greedy": {}, "temperature": dict(temperature=0.9, top_p=0.8, seed=3, top_k=20, min_p=0.02),
+           "penalties": dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias=((3, 2.0),),
+                             repetition_penalty=1.3, min_tokens=3, stop_token_ids=(7,)),
            "unseeded": dict(temperature=1.2)}
 ONE_READ = {SCALAR: 0, COPY: 1, SYNC: 0}  # the chosen ids, one `.tolist()` for the batch
 NONE = {SCALAR: 0, COPY: 0, SYNC: 0}

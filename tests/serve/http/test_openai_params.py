@@ -5,6 +5,7 @@ cannot be added (or dropped) without the table."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -83,8 +84,8 @@ def test_the_routes_beside_chat_answer_in_openais_shape(app):
 
 @pytest.mark.parametrize("route, name, status, example", CASES, ids=lambda v: v if isinstance(v, str) else None)
 def test_the_openai_client_sends_every_row(app, route, name, status, example):
-    """The same rows through the openai SDK itself (what users run): every supported and ignored parameter answers,
-    every refused one raises `openai.BadRequestError` whose `param` names it."""
+    """The same rows through the openai SDK itself (what users run; vLLM's extras in `extra_body`): every supported and
+    ignored parameter answers, every refused one raises `openai.BadRequestError` whose `param` names it."""
     import httpx
 
     client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1", max_retries=0,
@@ -94,9 +95,12 @@ def test_the_openai_client_sends_every_row(app, route, name, status, example):
     body["stream"] = False
     if route == "/v1/embeddings":
         body.pop("stream")
-    extension = {"qvpic": body.pop("qvpic")} if "qvpic" in body else {}
     create = {"/v1/chat/completions": client.chat.completions.create, "/v1/completions": client.completions.create,
               "/v1/embeddings": client.embeddings.create}[route]
+    # what the SDK has no argument for (the `qvpic` extension, vLLM's sampling extras) goes in extra_body, as vLLM's
+    # docs send its extras
+    known = set(inspect.signature(create).parameters)
+    extension = {key: body.pop(key) for key in list(body) if key not in known}
     call_it = lambda: create(**body, extra_body=extension or None, extra_headers={"Cache-Control": "no-cache"})  # noqa: E731
     if status == "refused":
         with pytest.raises(openai.BadRequestError) as raised:

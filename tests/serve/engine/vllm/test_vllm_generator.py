@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -19,6 +20,7 @@ pytest.importorskip("vllm")
 from schemas.api import AnswerRequest  # noqa: E402
 from schemas.config import Mode  # noqa: E402
 from schemas.errors import InvalidRequestError  # noqa: E402
+from schemas.extras import StructuredOutputs  # noqa: E402
 from schemas.sampling import Sampling  # noqa: E402
 from serve import build_local  # noqa: E402
 from tests.serve.engine.vllm.conftest import MODEL  # noqa: E402
@@ -115,3 +117,31 @@ def test_cached_tokens_are_the_claim_on_a_cold_cache(stacks):
     usage = asyncio.run(on_vllm.answer(AnswerRequest(query=QUERY, top_k=2, max_new_tokens=2))).report.usage
     assert usage.prefix_cached_tokens == 0
     assert usage.cached_tokens == usage.context_tokens > 0
+
+
+def test_vllms_sampling_extras_as_on_qvpics_engine(stacks):
+    """Each extra mapped onto vLLM's SamplingParams answers as qvpic's sampler does: greedy under a repetition
+    penalty (no chunks: qvpic's engine counts a prompt's text tokens only), top_k 1 and min_p 1 at temperature 1.5
+    (both greedy), min_tokens holding a forced end of turn back, ignore_eos past it, a stop token id, and
+    structured_outputs' regex."""
+    vlm = stacks[0].generator.vlm
+    end = min(vlm.adapter.end_of_turn_ids)
+    other = vlm.tokenizer.encode(" zebra", add_special_tokens=False)[0]
+    cases = [(Sampling(max_new_tokens=8, repetition_penalty=1.8), 0, None),
+             (Sampling(max_new_tokens=8, temperature=1.5, seed=3, top_k=1), 2, None),
+             (Sampling(max_new_tokens=8, temperature=1.5, seed=3, min_p=1.0), 2, None),
+             (Sampling(max_new_tokens=6, min_tokens=3, logit_bias=((end, 100.0),)), 2, (3, "stop")),
+             (Sampling(max_new_tokens=5, ignore_eos=True, logit_bias=((end, 100.0),)), 2, (5, "length")),
+             (Sampling(max_new_tokens=5, stop_token_ids=(other,), logit_bias=((other, 100.0),)), 2, (0, "stop")),
+             (Sampling(max_new_tokens=16, grammar=StructuredOutputs(regex="[0-9]{3}-x").lark), 2, None)]
+    greedy = generated(stacks, Sampling(max_new_tokens=8), top_k=2)[0].text
+    for sampling, top_k, expected in cases:
+        on_qvpic, on_vllm = generated(stacks, sampling, top_k=top_k)
+        assert on_vllm.text == on_qvpic.text, sampling
+        if sampling.grammar is None:  # a completed grammar: vLLM's guidance backend ends on the tokenizer's eos
+            # (<|endoftext|>), which this engine delivers as one more (textless) token; qvpic's ends at the grammar
+            assert on_vllm.report.usage.completion_tokens == on_qvpic.report.usage.completion_tokens, sampling
+        if expected is not None:
+            assert (on_vllm.report.usage.completion_tokens, on_vllm.report.finish_reason) == expected, sampling
+    assert generated(stacks, cases[1][0], top_k=2)[1].text == greedy
+    assert re.fullmatch("[0-9]{3}-x", generated(stacks, cases[-1][0], top_k=2)[1].text)
