@@ -46,7 +46,8 @@ class ErrorBody(Strict):
 class BudgetErrorBody(ErrorBody):
     """413 of a request over its token budget."""
 
-    min_context_tokens: int  # what the request needs at least (qvpic: every chunk at its lowest tier)
+    # what the request needs at least: its whole prompt (qvpic: every chunk at its lowest tier) and n × max_tokens
+    min_context_tokens: int
     budget_tokens: int
 
 

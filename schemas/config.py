@@ -462,6 +462,10 @@ class EngineConfig(Frozen):
     # qvpic's engine only: vLLM's takes a number (it loads its own weights after the generator's).
     max_kv_nbytes: int | None = Field(CPU_MAX_KV_NBYTES, ge=1)
     max_waiting: int = Field(64, ge=1)  # requests queued for a row beyond the running ones
+    # The most of the batch's rows (at least one) and of its KV bytes one tenant's requests hold at once while another
+    # tenant holds some too (n choices are n rows); past it the tenant's next requests wait in the generator, while
+    # the others' go ahead. Alone, a tenant may use the whole batch. None: no cap (serve/engine/shares.py).
+    max_tenant_share: float | None = Field(None, gt=0.0, le=1.0)
     # Tokens forwarded by the requests admitted per step (queries prefilled on linked contexts, full prefills): joins
     # are spread over steps, so the requests joining first get their first token sooner and the running
     # ones keep decoding between them. A request larger than this still joins, alone.

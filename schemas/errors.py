@@ -89,7 +89,8 @@ class ContextLengthError(TooLargeError):
 
 class BudgetExceededError(TooLargeError):
     """Even the cheapest placement of the request's chunks that its mode allows (qvpic: every chunk at its
-    lowest tier) exceeds the request's context-token budget; `min_context_tokens` is what it needs at least."""
+    lowest tier), with the n × max_tokens its answer may add, exceeds the request's token budget;
+    `min_context_tokens` is what it needs at least (the whole prompt and those completion tokens)."""
 
     def __init__(self, message: str, min_context_tokens: int, budget_tokens: int):
         super().__init__(message)

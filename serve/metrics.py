@@ -153,7 +153,8 @@ class ServeMetrics:
         self.response_cache = counter("qvpic_response_cache", "Response-cache outcome per request "
                                       "(l1/l2/l3 hit, miss, bypass: nothing cacheable, e.g. sampled; no_cache: the "
                                       "request's Cache-Control asked for a computed answer)", "result")
-        self.budget_rejections = counter("qvpic_budget_rejections", "Requests over their context-token budget (413)")
+        self.budget_rejections = counter("qvpic_budget_rejections",
+                                         "Requests over their token budget (413; 400 for max_tokens)")
         self.rate_limit_rejections = counter("qvpic_rate_limit_rejections", "Requests over a tenant rate (429)",
                                              "limit")
         self.shared_state_errors = counter("qvpic_shared_state_errors", "Redis calls that failed and degraded", "use")

@@ -45,9 +45,11 @@ from serve.engine.detokenizer import Detokenizer, token_text
 from serve.engine.interface import Engine, EngineStats, PrefixCacheStats
 from serve.engine.prepared import PreparedContext
 from serve.engine.qvpic import QvpicEngine
+from serve.engine.qvpic.engine import column_nbytes
 from serve.engine.repair import Repairer
 from serve.engine.report import FINISH, answer_report
 from serve.engine.sequence import End, Finished, Sequence
+from serve.engine.shares import TenantShares
 from serve.engine.stops import Step, StopMatcher
 from serve.kv import HotTier, KVSource, LocalLoader
 from serve.plan import Answer, Choice, Plan, TextDelta
@@ -110,6 +112,9 @@ class Generator:
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once
         self.source = source.opened() if source is not None else None  # in_generator: this replica's own loader
         self.engine = build_engine(self.vlm, config.engine)  # the Engine this generator drives
+        engine = self.engine.config  # its caps as resolved at start (max_kv_nbytes: null is sized to the device)
+        self.kv_column_nbytes = column_nbytes(self.vlm)
+        self.shares = TenantShares(engine.max_tenant_share, engine.max_batch_size, engine.max_kv_nbytes)
         self.repairer = Repairer(store, manifest, self.vlm, renderer, self.engine.model_lock, config.images_root)
         self.contexts = ContextBuilder(self.vlm, renderer, manifest.render, HotTier(config.engine.hot_tier_nbytes),
                                        config.recompute, self.repairer, config.images_root)
@@ -145,20 +150,23 @@ class Generator:
         except TimeoutError:
             raise DeadlineExceededError(f"the request passed its {timeout_s:.3g} s deadline while loading") from None
         prefill = context.prefill
-        loop = asyncio.get_running_loop()
-        runs = [Run(self, sampling.choice(i), prefill, deadline, loop) for i in range(sampling.n)]
-        leader = runs[0].seq
-        leader.forks = [run.seq for run in runs[1:]]  # prefilled once, decoded as n rows
-        self.engine.add(leader)  # a grammar that does not compile is a 400 here, before anything is queued
-        try:
-            async for piece in runs[0].pieces(timeout_s) if len(runs) == 1 else merged(runs, timeout_s):
-                yield piece
-            first, *others = runs
-            yield Answer(text=first.text, report=answer_report(plan, context, leader, prefill.after.num_tokens),
-                         logprobs=first.logprobs(), choices=tuple(run.choice() for run in others))
-        finally:
-            for run in runs:
-                self.engine.abort(run.seq)  # a no-op once finished; else the caller went away: the row leaves
+        # the tenant's share of the engine: n rows, each able to fill its prompt and max_new_tokens - 1 columns
+        nbytes = sampling.n * (prefill.num_prompt_tokens + sampling.max_new_tokens - 1) * self.kv_column_nbytes
+        async with self.shares.hold(plan.cache_salt, sampling.n, nbytes, deadline):
+            loop = asyncio.get_running_loop()
+            runs = [Run(self, sampling.choice(i), prefill, deadline, loop) for i in range(sampling.n)]
+            leader = runs[0].seq
+            leader.forks = [run.seq for run in runs[1:]]  # prefilled once, decoded as n rows
+            self.engine.add(leader)  # a grammar that does not compile is a 400 here, before anything is queued
+            try:
+                async for piece in runs[0].pieces(timeout_s) if len(runs) == 1 else merged(runs, timeout_s):
+                    yield piece
+                first, *others = runs
+                yield Answer(text=first.text, report=answer_report(plan, context, leader, prefill.after.num_tokens),
+                             logprobs=first.logprobs(), choices=tuple(run.choice() for run in others))
+            finally:
+                for run in runs:
+                    self.engine.abort(run.seq)  # a no-op once finished; else the caller went away: the row leaves
 
     def generate_blocking(self, plan: Plan, sampling: Sampling, *, source: KVSource | None = None) -> Answer:
         """`generate` for callers without an event loop (scripts, evaluation, tests)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from schemas.config import EngineConfig
 from serve.engine.sequence import Sequence
 
 
@@ -64,6 +65,8 @@ class EngineStats:
 
 class Engine(ABC):
     """What executes a generator's requests (the contract is this module's docstring)."""
+
+    config: EngineConfig  # the caps it runs under, as resolved at start (the generator's tenant shares read them)
 
     @abstractmethod
     def add(self, seq: Sequence) -> None:

@@ -1,13 +1,18 @@
 """Token budgets and per-tenant rate limits, all decided from the plan's prices before any KV moves.
 
 A request's price comes from index columns the router already read (O(1) per chunk): context tokens
-split into vision and text, query tokens, chunks at the highest tier. The context-token budget is the
-lower of the `X-Max-Token-Budget` header and the tenant's default; the router promotes only what fits,
-and a request whose chunks exceed it even all at their lowest tier is a 413 that names the minimum.
+split into vision and text, query tokens, chunks at the highest tier. The token budget is the lower of the
+`X-Max-Token-Budget` header and the tenant's default, and it covers the whole request: every prompt token (the
+template, the user's own text and images, the retrieved chunks, the question) and the `n × max_tokens` the answer
+may add. Those completion tokens are set aside first — a request whose completion alone takes the whole budget is a
+400 naming `max_tokens`, not clamped: the client chose a length and is told, not given a shorter answer — the
+router promotes only what fits in the rest, and a request whose prompt exceeds it even with every chunk at its
+lowest tier is a 413 that names the minimum.
 
 Rate limits are token buckets per tenant: one for requests/s (checked on arrival), one for tokens/s
-(context + query + max_new_tokens, checked once the price is known and the response cache missed, so
-cache hits cost no tokens). A request costing more than the bucket holds is admitted only against a
+(context + query + n × max_new_tokens, checked once the price is known and the response cache missed, so
+cache hits cost no tokens; an estimate is charged the prompt text the router read, an embeddings request a bound on
+its inputs' tokens before they are embedded). A request costing more than the bucket holds is admitted only against a
 full bucket and leaves it in debt, so it is slowed, never refused forever. With `backend: memory` the
 buckets live in this ingress replica: with N ingress replicas a tenant gets up to N times its limits.
 With `backend: redis` every replica shares them (one Lua script per check, Redis's clock); when Redis
@@ -22,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from schemas.errors import BudgetExceededError, InvalidHeaderError, RateLimitedError
+from schemas.errors import BudgetExceededError, InvalidHeaderError, InvalidRequestError, RateLimitedError
 from serve.governance.config import Limit, RateLimitConfig, StateBackend, TenantPolicy
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 from serve.metrics import serve_metrics
@@ -47,6 +52,11 @@ class Price:
     def text_tokens(self) -> int:
         return self.context_tokens - self.vision_tokens
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The whole prompt: what the token budget covers besides the completion."""
+        return self.context_tokens + self.query_tokens
+
     @classmethod
     def of(cls, plan: Plan, high_tier: str) -> Price:
         return cls(context_tokens=plan.prefix_tokens + sum(c.num_tokens for c in plan.chunks),
@@ -59,7 +69,7 @@ class Price:
 
 
 def token_budget(headers: Mapping[str, str], policy: TenantPolicy) -> int | None:
-    """The request's context-token budget: `X-Max-Token-Budget`, capped by the tenant's default."""
+    """The request's token budget (prompt and completion): `X-Max-Token-Budget`, capped by the tenant's default."""
     value = headers.get("x-max-token-budget")
     if value is None:
         return policy.token_budget
@@ -70,14 +80,31 @@ def token_budget(headers: Mapping[str, str], policy: TenantPolicy) -> int | None
     return int(value) if policy.token_budget is None else min(int(value), policy.token_budget)
 
 
-def check_budget(price: Price, budget_tokens: int | None) -> None:
-    """413 when the placed plan exceeds the budget: the router already kept every chunk low that did not
-    fit, so what it placed is the least this request needs."""
-    if budget_tokens is not None and price.context_tokens > budget_tokens:
+def prompt_budget(budget_tokens: int | None, completion_tokens: int, param: str) -> int | None:
+    """What of the token budget the prompt may use: the budget less the `completion_tokens` (n × max_tokens) the
+    answer may add; a 400 naming `param` when those alone take it all (before any work)."""
+    if budget_tokens is None:
+        return None
+    if completion_tokens >= budget_tokens:
+        serve_metrics().budget_rejections.inc()
+        error = InvalidRequestError(f"{param} × n = {completion_tokens} completion tokens leave no room for the prompt "
+                                    f"in the token budget of {budget_tokens} (X-Max-Token-Budget or the tenant's "
+                                    f"token_budget); ask for fewer")
+        error.param = param
+        raise error
+    return budget_tokens - completion_tokens
+
+
+def check_budget(price: Price, budget_tokens: int | None, completion_tokens: int = 0) -> None:
+    """413 when the placed plan's prompt and its `completion_tokens` exceed the budget: the router already kept
+    every chunk low that did not fit, so what it placed is the least this request needs."""
+    needed = price.prompt_tokens + completion_tokens
+    if budget_tokens is not None and needed > budget_tokens:
         serve_metrics().budget_rejections.inc()
         raise BudgetExceededError(
-            f"request needs at least {price.context_tokens} context tokens (its mode's cheapest placement: qvpic "
-            f"keeps every chunk low); the token budget is {budget_tokens}", min_context_tokens=price.context_tokens,
+            f"request needs at least {needed} tokens: a prompt of {price.prompt_tokens} (its mode's cheapest "
+            f"placement: qvpic keeps every chunk low; the user's text and images included) and {completion_tokens} "
+            f"completion tokens (n × max_tokens); the token budget is {budget_tokens}", min_context_tokens=needed,
             budget_tokens=budget_tokens)
 
 

@@ -33,7 +33,9 @@ class Limit(str, Enum):
 
 
 class TenantPolicy(Frozen):
-    token_budget: int | None = Field(None, ge=1, description="default cap on context tokens per request")
+    token_budget: int | None = Field(None, ge=1, description=(
+        "default cap on a request's tokens: its whole prompt (the user's text and images, the chunks) and n × "
+        "max_tokens (serve/governance/budget.py)"))
     requests_per_s: float | None = Field(None, gt=0)
     request_burst: int | None = Field(None, ge=1, description="default: one second's worth, at least 1")
     tokens_per_s: float | None = Field(None, gt=0, description="context + query + max_new_tokens per second")

@@ -21,7 +21,7 @@ from enum import Enum
 from fastapi import Request
 
 from schemas.api import AnswerRequest, StoreInfo
-from schemas.errors import TooManyInFlightError
+from schemas.errors import InvalidRequestError, TooManyInFlightError
 from serve.governance.auth import Authenticator, header_label
 from serve.governance.budget import RateLimiter, token_budget
 from serve.governance.config import GovernanceConfig, Limit, StateBackend
@@ -48,6 +48,13 @@ ROUTE_OF_PATH = {"/v1/answer": Route.ANSWER, "/v1/chat/completions": Route.CHAT,
                  "/ui/api/page": Route.INSPECT, "/ui/api/store": Route.INSPECT}
 
 
+def embedding_tokens_bound(texts: list[str]) -> int:
+    """What an embeddings request is charged before its texts are tokenised (the ingress has no tokenizer): one
+    token per character plus the two specials, a bound for the store's WordPiece embedders (a piece is at least one
+    character); the embedder reads at most its window of each, so long texts are charged more than they use."""
+    return sum(len(text) + 2 for text in texts)
+
+
 def cache_namespace(store: StoreInfo) -> str:
     """Response-cache namespace: changes whenever the store's model/template fingerprint or tiers do."""
     identity = json.dumps([store.fingerprint, sorted(store.tiers.items()), sorted(v.value for v in store.variants)])
@@ -70,37 +77,46 @@ class Governor:
         self.services = TurnServices(self.cache, self.limits, self.metrics, self.log, self.high_tier)  # every turn's
         self.in_flight: Counter[str] = Counter()  # tenant -> its requests in progress here (max_in_flight)
 
-    async def begin(self, http: Request, request: AnswerRequest, route: Route) -> Turn:
-        """Authenticate, then charge the tenant's request rate (401, 400 or 429 before any work)."""
-        turn = self._open(http, request, route, request.mode.value, request.user, request.task_type)
+    async def begin(self, http: Request, request: AnswerRequest, route: Route, n: int = 1) -> Turn:
+        """Authenticate, then charge the tenant's request rate (401, 400 or 429 before any work); `n` choices hold
+        n of the tenant's in-flight slots, as they hold n rows of the generator's batch."""
+        turn = self._open(http, request, route, request.mode.value, request.user, request.task_type, n)
         turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(turn.record.tenant))
         await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
         return turn
 
-    async def begin_embeddings(self, http: Request, user: str | None) -> Turn:
-        """An embeddings request's turn: authenticated and charged to the request rate like the others; no
-        plan, so no token budget or response cache (its tokens are recorded as `query_tokens`). The budget
-        header is still parsed: a malformed one is the same 400 on every route, never ignored on some."""
+    async def begin_embeddings(self, http: Request, user: str | None, texts: list[str]) -> Turn:
+        """An embeddings request's turn: authenticated and charged to the request rate like the others, then to
+        the token rate for a bound on its inputs' tokens, before anything is embedded (`embedding_tokens_bound`);
+        no plan, so no response cache (its tokens are recorded as `query_tokens`). The budget header is parsed: a
+        malformed one is the same 400 on every route, never ignored on some."""
         turn = self._open(http, None, Route.EMBEDDINGS, "none", user, None)
         token_budget(http.headers, self.config.limits.policy(turn.record.tenant))
         await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
+        await self.limits.take(turn.record.tenant, Limit.TOKENS, embedding_tokens_bound(texts))
         return turn
 
     def _open(self, http: Request, request: AnswerRequest | None, route: Route, mode: str, user: str | None,
-              task_type: str | None) -> Turn:
+              task_type: str | None, slots: int = 1) -> Turn:
         started = time.perf_counter()
         tenant = self.auth.tenant(http.headers)
         task_type = task_type or header_label(http.headers, "X-Task-Type")
         record = RequestRecord(time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
                                task_type=task_type, route=route.value, mode=mode, end_user=user)
         cap = self.config.limits.policy(tenant).max_in_flight
-        if cap is not None and self.in_flight[tenant] >= cap:
-            raise TooManyInFlightError(f"tenant {tenant!r} already has {cap} requests in progress (max_in_flight); "
-                                       "retry when one ends", retry_after_s=1.0)
+        if cap is not None and slots > cap:  # never admitted, however long it waits: not a 429
+            error = InvalidRequestError(f"n = {slots} choices count as {slots} requests in progress; tenant {tenant!r} "
+                                        f"may have at most {cap} (max_in_flight)")
+            error.param = "n"
+            raise error
+        if cap is not None and self.in_flight[tenant] + slots > cap:
+            raise TooManyInFlightError(f"tenant {tenant!r} has {self.in_flight[tenant]} of its {cap} requests in "
+                                       f"progress (max_in_flight; n choices count n); retry when one ends",
+                                       retry_after_s=1.0)
         turn = http.state.turn = Turn(self.services, request, record, started, self.config.auth.grant(tenant),
                                       CacheDirectives.of(http.headers))
-        self.in_flight[tenant] += 1  # given back by `release` when the response has been sent (or abandoned)
-        turn.holds_slot = True
+        self.in_flight[tenant] += slots  # given back by `release` when the response has been sent (or abandoned)
+        turn.slots = slots
         self.metrics.requests.inc(route=route.value, mode=mode)
         return turn
 
@@ -119,10 +135,10 @@ class Governor:
 
     def release(self, turn: Turn | None) -> None:
         """The request's response is over (sent, failed or abandoned): its in-flight slot is free again."""
-        if turn is not None and turn.holds_slot:
-            turn.holds_slot = False
+        if turn is not None and turn.slots:
+            slots, turn.slots = turn.slots, 0
             tenant = turn.record.tenant
-            self.in_flight[tenant] -= 1
+            self.in_flight[tenant] -= slots
             if self.in_flight[tenant] <= 0:
                 del self.in_flight[tenant]
 

@@ -26,7 +26,7 @@ from schemas.api import (
 )
 from schemas.config import Mode
 from schemas.sampling import Sampling
-from serve.governance.budget import Price, RateLimiter, check_budget
+from serve.governance.budget import Price, RateLimiter, check_budget, prompt_budget
 from serve.governance.config import Limit
 from serve.governance.request_log import RequestLog, RequestRecord
 from serve.governance.response_cache import CacheDirectives, CacheHit, CacheKeys, ResponseCache
@@ -51,12 +51,13 @@ class Turn:
     def __init__(self, services: TurnServices, request: AnswerRequest | None, record: RequestRecord, started: float,
                  collections: frozenset[str], directives: CacheDirectives = CacheDirectives()):
         self.services, self.request, self.record, self.started = services, request, record, started
-        self.holds_slot = False  # one of its tenant's max_in_flight slots (Governor.release gives it back)
+        self.slots = 0  # its tenant's max_in_flight slots it holds, one per choice (Governor.release gives them back)
         self.collections = collections  # the tenant's grant: the only chunks that exist for it
         self.directives = directives
         self.cache_status: str | None = None  # RFC 9211 Cache-Status, once the cache was consulted
         self.lookup_ms: float | None = None
-        self.budget_tokens: int | None = None
+        self.budget_tokens: int | None = None  # the whole request's: prompt and completion
+        self.completion_tokens = 0  # n × max_tokens, set aside from the budget before routing (`reserve`)
         self.plan: Plan | None = None
         self.price: Price | None = None
         self.keys: CacheKeys | None = None
@@ -73,6 +74,17 @@ class Turn:
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
 
+    def reserve(self, sampling: Sampling, param: str) -> None:
+        """Set the answer's n × max_tokens aside from the token budget, before any work: a 400 naming `param` (the
+        route's max_tokens field) when nothing is left for the prompt."""
+        self.completion_tokens = sampling.n * sampling.max_new_tokens
+        prompt_budget(self.budget_tokens, self.completion_tokens, param)
+
+    @property
+    def prompt_budget_tokens(self) -> int | None:
+        """What the router may place the prompt in: the budget less the completion set aside."""
+        return None if self.budget_tokens is None else self.budget_tokens - self.completion_tokens
+
     def priced(self, plan: Plan) -> Plan:
         """The routed plan, priced from the index alone and recorded."""
         self.plan = plan
@@ -83,6 +95,12 @@ class Turn:
         record.text_tokens, record.query_tokens = price.text_tokens, price.query_tokens
         return plan
 
+    async def charge_estimate(self) -> None:
+        """An estimate's routing read the prompt's own text and images (the template, the user's messages, the
+        question): those tokens are charged to the tenant's token rate; the chunks are index lookups."""
+        plan = self.plan
+        await self.services.limits.take(self.record.tenant, Limit.TOKENS, plan.prefix_tokens + plan.query_tokens)
+
     def estimate(self) -> EstimateResponse:
         plan, price = self.plan, self.price
         chunks = [ChunkReport(chunk_id=c.chunk_id, doc_id=c.doc_id, relevance=c.relevance, tier=c.tier,
@@ -92,7 +110,7 @@ class Turn:
         usage = TokenEstimate(context_tokens=price.context_tokens, context_vision_tokens=price.vision_tokens,
                               context_text_tokens=price.text_tokens, query_tokens=price.query_tokens,
                               max_new_tokens=self.request.max_new_tokens)
-        within = self.budget_tokens is None or price.context_tokens <= self.budget_tokens
+        within = self.budget_tokens is None or price.prompt_tokens + self.completion_tokens <= self.budget_tokens
         self.finish(200)
         return EstimateResponse(mode=plan.mode, chunks=chunks, usage=usage, high_res_chunks=price.high_res_chunks,
                                 budget_tokens=self.budget_tokens, within_budget=within)
@@ -101,7 +119,7 @@ class Turn:
         """The cached answer (also kept as `hit`), or None once the budget holds and the tenant's token rate
         admitted the work."""
         services = self.services
-        check_budget(self.price, self.budget_tokens)
+        check_budget(self.price, self.budget_tokens, self.completion_tokens)
         self.keys = services.cache.keys(self.plan, sampling, self.record.task_type, self.record.tenant)
         hit, self.lookup_ms = None, None
         if self.keys is None:

@@ -14,7 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from schemas.api import AnswerRequest
 from schemas.errors import InvalidRequestError
+from schemas.sampling import Sampling
 from schemas.schema_checks import SchemaCheckError, SchemaField, check_schemas
+
+# A response's log-probability entries at most: n choices × max_tokens tokens × (the token + its top_logprobs
+# alternatives). Each entry is ~80 bytes of JSON (token, logprob, bytes), so ~5 MiB of response: 1 choice of 4,096
+# tokens with 15 alternatives fits, 8 choices of 4,096 with 20 (688,128 entries, ~55 MiB) do not
+MAX_LOGPROB_ENTRIES = 65_536
 
 # A few threads: each check stops itself at SCHEMA_CHECK_S, so a queue behind a bomb drains in bounded time
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qvpic-checks")
@@ -46,3 +52,18 @@ async def check_request(request: AnswerRequest, tools_path: str = "tools.tools")
         invalid = InvalidRequestError(str(error))
         invalid.param = error.param
         raise invalid from None
+
+
+def check_response_size(sampling: Sampling, param: str) -> None:
+    """InvalidRequestError (400 naming `param`, the route's logprobs field) when the response's log-probability
+    entries could exceed MAX_LOGPROB_ENTRIES: checked before any work, from the request alone."""
+    if sampling.logprobs is None:
+        return
+    entries = sampling.n * sampling.max_new_tokens * (1 + sampling.logprobs)
+    if entries > MAX_LOGPROB_ENTRIES:
+        error = InvalidRequestError(
+            f"n × max_tokens × (1 + {param}) = {sampling.n} × {sampling.max_new_tokens} × {1 + sampling.logprobs} = "
+            f"{entries} log-probability entries; a response holds at most {MAX_LOGPROB_ENTRIES}: ask for fewer "
+            f"alternatives, tokens or choices")
+        error.param = param
+        raise error

@@ -21,10 +21,16 @@ from schemas.config import ImageUrlsSpec
 from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
 from serve.http.backend import Backend, error_status
-from serve.http.checks import check_request
+from serve.http.checks import check_request, check_response_size
 from serve.http.image_urls import ImageFetcher
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
 from serve.plan import Answer, Embedded, Plan
+
+# Each route's name for the answer's length and for its log-probability alternatives: a 400 names the client's field
+MAX_TOKENS_PARAM = {Route.ANSWER: "max_new_tokens", Route.ESTIMATE: "max_new_tokens", Route.CHAT: "max_tokens",
+                    Route.COMPLETIONS: "max_tokens"}
+LOGPROBS_PARAM = {Route.ANSWER: "top_logprobs", Route.ESTIMATE: "top_logprobs", Route.CHAT: "top_logprobs",
+                  Route.COMPLETIONS: "logprobs"}
 
 
 def tenant_salt(tenant: str) -> bytes:
@@ -45,16 +51,19 @@ class Turns:
         (400 naming the field: serve/http/checks.py; `tools_path` is where the client put its tools), with its
         deadline set, and its image URLs fetched within it (serve/http/image_urls.py: a 400 where they are not
         fetched); `n` choices."""
-        turn = await self.governor.begin(http, request, route)
+        turn = await self.governor.begin(http, request, route, n)
+        sampling = dataclasses.replace(Sampling.of(request), n=n)
+        turn.reserve(sampling, MAX_TOKENS_PARAM[route])  # n × max_tokens within the token budget, or a 400
+        check_response_size(sampling, LOGPROBS_PARAM[route])
         await check_request(request, tools_path)
         life = Lifetime(http, request_timeout_s(http, request.timeout_s, self.timeout_s))
         await life.run(self.images.fetch_into(request))
-        return Exchange(self.backend, turn, life, dataclasses.replace(Sampling.of(request), n=n))
+        return Exchange(self.backend, turn, life, sampling)
 
     async def embed(self, http: Request, response: Response, texts: list[str], user: str | None) -> Embedded:
         """`texts` embedded by the router's embedder, as one governed turn (401, 429 before any work) within the
         request's lifetime (header X-Request-Timeout, else the server's default); `response` carries its headers."""
-        turn = await self.governor.begin_embeddings(http, user)
+        turn = await self.governor.begin_embeddings(http, user, texts)
         response.headers.update(turn.headers)
         life = Lifetime(http, request_timeout_s(http, None, self.timeout_s))
         embedded = await life.run(self.backend.embed(texts))
@@ -94,7 +103,7 @@ class Exchange:
         # Only the chunks of the collections granted to the tenant the server authenticated exist for it; the prefix
         # cache and the router's query vectors key everything under that tenant, never one the client chose.
         salt = tenant_salt(self.turn.record.tenant)
-        plan = await self.backend.route(self.turn.request, self.turn.budget_tokens, self.turn.collections, salt)
+        plan = await self.backend.route(self.turn.request, self.turn.prompt_budget_tokens, self.turn.collections, salt)
         return self.turn.priced(dataclasses.replace(plan, cache_salt=salt))
 
     async def _admit(self) -> None:

@@ -91,6 +91,7 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
         """Route only: what the request would put in context and whether it fits its budget. No KV is loaded."""
         exchange = await turns.begin(http, request, Route.ESTIMATE)
         await exchange.route()
+        await exchange.turn.charge_estimate()  # the prompt text the router read, to the tenant's token rate
         response.headers.update(exchange.headers)
         return exchange.turn.estimate()
 

@@ -1,10 +1,11 @@
 """A request's lifetime at the ingress: it ends at its deadline or when its client goes away, whichever first.
 
 The deadline is the request's `timeout_s`, else its `X-Request-Timeout` header (seconds), else the
-server's default. Past it the request answers 504 (or, once a stream has started, ends with a 504
-error event) and its work is cancelled downstream; the remaining time also travels with the call to
-the generator, which drops the request from its batch on its own. A client that disconnects cancels
-the work in flight the same way (Starlette cancels a streaming response's iterator; a plain
+server's default — and never later than that default: a client may ask for less time than the operator set, not
+more (issue 60: one client cannot hold a row past the operator's bound). Past it the request answers 504 (or, once
+a stream has started, ends with a 504 error event) and its work is cancelled downstream; the remaining time also
+travels with the call to the generator, which drops the request from its batch on its own. A client that
+disconnects cancels the work in flight the same way (Starlette cancels a streaming response's iterator; a plain
 request's disconnect is watched here), so no replica keeps computing an answer nobody will read.
 """
 
@@ -33,8 +34,9 @@ class ClientClosedError(ApiError):
 
 
 def request_timeout_s(http: Request, requested: float | None, default_s: float) -> float:
+    """The request's deadline in seconds: the client's (`timeout_s`, else the header), capped at the operator's."""
     if requested is not None:
-        return requested
+        return min(requested, default_s)
     header = http.headers.get(TIMEOUT_HEADER)
     if header is None:
         return default_s
@@ -44,7 +46,7 @@ def request_timeout_s(http: Request, requested: float | None, default_s: float) 
         value = math.nan
     if not 0 < value <= MAX_TIMEOUT_S:  # also rejects nan
         raise InvalidHeaderError(f"{TIMEOUT_HEADER} must be seconds in (0, {MAX_TIMEOUT_S:g}], got {header[:40]!r}")
-    return value
+    return min(value, default_s)
 
 
 class Lifetime:

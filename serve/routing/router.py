@@ -112,8 +112,8 @@ class Router:
 
     async def plan(self, request: AnswerRequest, budget_tokens: int | None = None,
                    collections: frozenset[str] | None = None, cache_salt: bytes = b"") -> Plan:
-        """`budget_tokens` caps the context (prefix + chunks): only promotions that fit it are made. Only the
-        chunks of `collections` exist for the request (None: every collection, for offline callers; the
+        """`budget_tokens` caps the whole prompt (prefix + chunks + query): only promotions that fit it are made.
+        Only the chunks of `collections` exist for the request (None: every collection, for offline callers; the
         ingress passes the authenticated tenant's grant, never anything a client sent). `cache_salt`: the
         tenant's (server-side), under which query vectors are remembered (serve/routing/query_vectors.py)."""
         started = time.perf_counter()
@@ -169,7 +169,7 @@ class Router:
         fixed_tokens = prefix_tokens + query_tokens + request.max_new_tokens
         room_tokens = self.max_context_tokens - fixed_tokens
         if budget_tokens is not None:
-            room_tokens = min(room_tokens, budget_tokens - prefix_tokens)
+            room_tokens = min(room_tokens, budget_tokens - prefix_tokens - query_tokens)  # it covers the whole prompt
         spec = self.placement_spec(request, snapshot)
         groups: list[list[PlannedChunk]] = []
         fallbacks: list = []

@@ -175,11 +175,11 @@ class QvpicEngine(Engine):
         now = time.monotonic()
         for seq in self._joining:
             seq.queue_ms = (now - seq.submitted_at) * 1e3
-        linked = [s for s in self._joining if not s.context.online]
-        online = [s for s in self._joining if s.context.online]
-        slabs, linked = self._prefill_linked(linked) if linked else ([], [])
-        slabs += [self._prefill_online(s) for s in online]
-        joining = linked + online  # the new slabs' row order
+        slabs, joining = self._prefill_each(self._joining)  # the new slabs, and the requests in their row order
+        if not joining:  # every one failed at its prefill: the running rows go on as they were
+            with self._work:
+                self._joining = []
+            return
         if any(s.forks for s in joining):  # n choices: each fork's row a copy of its leader's prompt KV
             index = [row for row, seq in enumerate(joining) for _ in seq.members]
             capacity = max(slab.capacity for slab in slabs)
@@ -206,6 +206,46 @@ class QvpicEngine(Engine):
                 slab = slab.keep([r for r, s in enumerate(rows) if s.status is not Status.FINISHED],
                                  self.scheduler.capacity())
             self.slab = slab
+
+    def _prefill(self, seqs: list[Sequence]) -> tuple[list[Slab], list[Sequence]]:
+        linked = [s for s in seqs if not s.context.online]
+        slabs, linked = self._prefill_linked(linked) if linked else ([], [])
+        online = [s for s in seqs if s.context.online]
+        return slabs + [self._prefill_online(s) for s in online], linked + online
+
+    def _prefill_each(self, seqs: list[Sequence]) -> tuple[list[Slab], list[Sequence]]:
+        """The joining requests prefilled together; when that raises (one request's exception, or out of memory on
+        its prefill), each again alone, and only those that raise alone fail (End.FAILED with their error): one
+        tenant's bad request no longer ends the other tenants' rows, running or joining (issue 60). A request that
+        already had its first token when the group failed cannot be replayed: it fails too."""
+        try:
+            return self._prefill(seqs)
+        except Exception as error:  # noqa: BLE001  attributed below, request by request
+            if len(seqs) == 1:
+                self._fail_joining(seqs[0], error)
+                return [], []
+            log.warning("a batched prefill of %d requests failed (%s); prefilling each alone", len(seqs), error)
+        slabs, joined = [], []
+        for seq in seqs:
+            if seq.status is not Status.WAITING:  # its first token went out before the group failed
+                self._fail_joining(seq, RuntimeError("a prefill beside this request's failed after its first token"))
+                continue
+            try:
+                alone, order = self._prefill([seq])
+            except Exception as error:  # noqa: BLE001  this request's own failure
+                self._fail_joining(seq, error)
+                continue
+            slabs += alone
+            joined += order
+        return slabs, joined
+
+    def _fail_joining(self, seq: Sequence, error: Exception) -> None:
+        """A joining request whose prefill raised ends with it, every choice (its rows never joined the slab)."""
+        log.warning("request %d failed at its prefill: %r", seq.id, error)
+        for member in seq.members:
+            self._finish(member, End.FAILED, error)
+            self.sampler.forget(member.id)
+        seq.prompt_logits = None
 
     def _prefill_linked(self, seqs: list[Sequence]) -> tuple[list[Slab], list[Sequence]]:
         """Each prompt resumed from the prefix cache, then the text-only tails prefilled in one forward and those

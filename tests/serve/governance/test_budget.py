@@ -19,6 +19,7 @@ from serve.governance.config import Limit, RateLimitConfig, TenantPolicy
 from serve.http import make_api
 from serve.local import InProcessBackend
 from tests.serve.http.test_api import call
+from tests.serve.http.test_chat_conversations import data_url
 from tests.support.fixtures_redis import redis_url  # noqa: F401  (fixture)
 from tests.support.store_factory import MAX_CHUNKS, roles, serving_store  # noqa: F401  (fixtures)
 
@@ -66,38 +67,81 @@ def test_estimate_prices_the_plan_and_matches_the_answer(app):
     assert chat.headers["X-Vision-Tokens"] == str(usage["context_vision_tokens"])
 
 
+def needed(planned: dict) -> int:
+    """What a request takes of its token budget: its whole prompt and its max_new_tokens (n = 1)."""
+    usage = planned["usage"]
+    return usage["context_tokens"] + usage["query_tokens"] + usage["max_new_tokens"]
+
+
 def test_budget_keeps_chunks_low_that_do_not_fit(app):
-    low = estimate(app, {**BODY, "tau": 0.0})["usage"]["context_tokens"]
+    lowest = estimate(app, {**BODY, "tau": 0.0})
+    low = needed(lowest)
     high = estimate(app)
-    assert high["usage"]["context_tokens"] > low and high["budget_tokens"] is None
+    assert needed(high) > low and high["budget_tokens"] is None
     costs = sorted((h["num_tokens"] - lo["num_tokens"], h["chunk_id"])
-                   for h, lo in zip(high["chunks"], estimate(app, {**BODY, "tau": 0.0})["chunks"]))
-    for budget in (low, low + costs[0][0], high["usage"]["context_tokens"] - 1):
+                   for h, lo in zip(high["chunks"], lowest["chunks"]))
+    for budget in (low, low + costs[0][0], needed(high) - 1):
         planned = estimate(app, **{"X-Max-Token-Budget": str(budget)})
         assert planned["within_budget"] and planned["budget_tokens"] == budget
-        assert low <= planned["usage"]["context_tokens"] <= budget
+        assert low <= needed(planned) <= budget
         assert 0 <= planned["high_res_chunks"] < high["high_res_chunks"]
     assert estimate(app, **{"X-Max-Token-Budget": str(low + costs[0][0])})["high_res_chunks"] >= 1
     answer = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": str(low)})
-    assert answer.status_code == 200 and answer.json()["usage"]["context_tokens"] == low
+    assert answer.status_code == 200 and answer.json()["usage"]["context_tokens"] == lowest["usage"]["context_tokens"]
     assert {c["tier"] for c in answer.json()["chunks"]} == {"low"}
 
 
 def test_over_budget_is_413_with_the_minimum(app):
-    low = estimate(app, {**BODY, "tau": 0.0})["usage"]["context_tokens"]
+    lowest = estimate(app, {**BODY, "tau": 0.0})
+    low = needed(lowest)  # the prompt (its question included) and the 4 completion tokens, every chunk low
     over = estimate(app, **{"X-Max-Token-Budget": str(low - 1)})
-    assert not over["within_budget"] and over["usage"]["context_tokens"] == low
+    assert not over["within_budget"] and over["usage"]["context_tokens"] == lowest["usage"]["context_tokens"]
     response = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": str(low - 1)})
     assert response.status_code == 413
     assert response.json()["min_context_tokens"] == low and response.json()["budget_tokens"] == low - 1
-    assert f"at least {low} context tokens" in response.json()["detail"]
+    assert f"at least {low} tokens" in response.json()["detail"]
     chat = call(app, "POST", "/v1/chat/completions", headers={"X-Max-Token-Budget": str(low - 1)}, json={
-        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}],
+        "model": "qvpic", "messages": [{"role": "user", "content": QUERY}], "max_tokens": 4,
         "qvpic": {"doc_ids": ["invoices", "manual"]}})
-    assert chat.status_code == 413 and f"at least {low}" in chat.json()["error"]["message"]
+    assert chat.status_code == 413 and "at least" in chat.json()["error"]["message"]
     for bad in ("0", "-5", "lots"):
         invalid = call(app, "POST", "/v1/answer", json=BODY, headers={"X-Max-Token-Budget": bad})
         assert invalid.status_code == 400 and "X-Max-Token-Budget" in invalid.json()["detail"]
+
+
+def test_the_budget_covers_the_users_own_text_and_images(app):
+    """Issue 60: the token budget covers the whole prompt: the user's message and image as well as the chunks
+    retrieved for it, and the n × max_tokens of the answer; the usage of an unbudgeted answer says what that is."""
+    def body(image: bool, n: int = 1) -> dict:
+        content = [{"type": "text", "text": QUERY + " Compare the photo, please, item by item." * 3}]
+        content += [{"type": "image_url", "image_url": {"url": data_url()}}] if image else []
+        return {"model": "qvpic", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "n": n,
+                "temperature": 0, "qvpic": {"doc_ids": ["manual"], "tau": 0.0}}
+
+    def ask(budget: int | None, image: bool = True, n: int = 1):
+        headers = {"Cache-Control": "no-cache", **({"X-Max-Token-Budget": str(budget)} if budget else {})}
+        return call(app, "POST", "/v1/chat/completions", json=body(image, n), headers=headers)
+
+    prompt = ask(None).json()["usage"]["prompt_tokens"]
+    text_only = ask(None, image=False).json()["usage"]["prompt_tokens"]
+    assert prompt > text_only  # the image's tokens
+    assert ask(prompt + 4).status_code == 200
+    over = ask(prompt + 3)  # one short: a budget of the chunks and the template alone passed this (mutation)
+    assert over.status_code == 413 and f"at least {prompt + 4} tokens" in over.json()["error"]["message"]
+    assert ask(text_only + 4).status_code == 413  # enough for the text alone: the image is charged too
+    assert ask(prompt + 2 * 4 - 1, n=2).status_code == 413  # n choices: n × max_tokens
+    assert ask(prompt + 2 * 4, n=2).status_code == 200
+
+
+def test_an_estimate_is_charged_to_the_token_rate(roles, serving_store):
+    """Issue 60: an estimate's routing reads the prompt's text and images: its tokens go to the tenant's token rate
+    (a bucket of one token: the first estimate is admitted into debt, the next waits). Without the charge: 200."""
+    limited, _ = governed_app(roles, serving_store, **NO_CACHE,
+                              limits={"default": {"tokens_per_s": 0.001, "token_burst": 1}})
+    assert estimate(limited, **{"X-Tenant": "acme"})["budget_tokens"] is None
+    again = call(limited, "POST", "/v1/estimate", json=BODY, headers={"X-Tenant": "acme"})
+    assert again.status_code == 429 and "tokens/s" in again.json()["detail"]
+    assert estimate(limited, **{"X-Tenant": "globex"})  # a tenant's own bucket
 
 
 def test_tenant_default_budget_caps_the_header(roles, serving_store, app):

@@ -79,7 +79,8 @@ def test_requests_are_counted_by_mode_tier_and_outcome(roles, serving_store):
     assert call(app, "POST", "/v1/answer", json=body).json()["response_cache"]["level"] == "l1"
     assert call(app, "POST", "/v1/answer", json={**body, "doc_ids": ["ghost"]}).status_code == 404
     assert call(app, "POST", "/v1/answer", json={**body, "mode": "fastest"}).status_code == 422
-    assert call(app, "POST", "/v1/answer", json=body, headers={"X-Max-Token-Budget": "1"}).status_code == 413
+    # 4 tokens: the 3 completion tokens set aside leave 1 for the prompt
+    assert call(app, "POST", "/v1/answer", json=body, headers={"X-Max-Token-Budget": "4"}).status_code == 413
     assert [call(app, "POST", "/v1/estimate", json=body, headers={"X-Tenant": "slow"}).status_code
             for _ in range(2)] == [200, 429]
     delta = {key: value - before[key] for key, value in snapshot().items()}
