@@ -281,8 +281,13 @@ class VllmEngine(Engine):
                                             else (output.num_cached_tokens or 0) - (end - start))
             else:
                 seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
+            # vLLM's own end: the tokenizer's eos (stop_reason None), which a completed grammar samples; qvpic's
+            # engine ends there without a token, so the eos is not delivered either
+            eos_at = len(completion.token_ids) - 1 if output.finished and completion.finish_reason == "stop" \
+                and completion.stop_reason is None else -1
             for i, token in enumerate(completion.token_ids):
-                if (token in self.end_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids:
+                if (token in self.end_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids \
+                        or i == eos_at:
                     self._finish(output.request_id, seq, End.STOP)
                     break
                 if seq.sampling.logprobs is not None and completion.logprobs:

@@ -138,9 +138,8 @@ def test_vllms_sampling_extras_as_on_qvpics_engine(stacks):
     for sampling, top_k, expected in cases:
         on_qvpic, on_vllm = generated(stacks, sampling, top_k=top_k)
         assert on_vllm.text == on_qvpic.text, sampling
-        if sampling.grammar is None:  # a completed grammar: vLLM's guidance backend ends on the tokenizer's eos
-            # (<|endoftext|>), which this engine delivers as one more (textless) token; qvpic's ends at the grammar
-            assert on_vllm.report.usage.completion_tokens == on_qvpic.report.usage.completion_tokens, sampling
+        # a completed grammar: vLLM's guidance backend ends on the tokenizer's eos (<|endoftext|>), not delivered
+        assert on_vllm.report.usage.completion_tokens == on_qvpic.report.usage.completion_tokens, sampling
         if expected is not None:
             assert (on_vllm.report.usage.completion_tokens, on_vllm.report.finish_reason) == expected, sampling
     assert generated(stacks, cases[1][0], top_k=2)[1].text == greedy
