@@ -90,7 +90,9 @@ SUITES: tuple[Suite, ...] = (
             ("affinity-limit", "affinity_limit", "affinity's workload replayed with exact knowledge: the policy's "
              "limit", ()),
             ("cluster", "cluster", "node loss under load and generator autoscaling on a 3-node Ray cluster", None),
-            ("load", "load", "concurrent load on the Serve app: throughput, latency, failures, memory", None)),
+            ("load", "load", "concurrent load on the Serve app: throughput, latency, failures, memory", None),
+            ("fairness", "fairness", "a hostile tenant looping every cost probe beside a victim: the victim's TTFT "
+             "and errors, /healthz latency (writes docs/RELIABILITY.md)", None)),
     *_group("peer",
             ("peer-vllm", "side_by_side", "TTFT and decode side by side with vLLM; --oracle: vLLM as a correctness "
              "oracle", None),

@@ -16,7 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ],
     "legibility": ["answer_recoverable"],
     "longbench": ["LONGBENCH_QA_TASKS", "QAItem", "QATask", "load_generic", "load_tasks"],
-    "markdown": ["BENCHMARKS_MD", "markdown_table", "write_section"],
+    "markdown": ["BENCHMARKS_MD", "RELIABILITY_MD", "markdown_table", "write_section"],
     "paper": [
         "DEFAULT_BUDGETS", "DEFAULT_TAUS", "PAPER_TIERS", "SWEEP_PNG", "ablation_table", "dpi_table",
         "fidelity_table", "paper_grid", "paper_table", "sweep_png", "tau_budget_table"

@@ -1,4 +1,5 @@
-"""Markdown for people: one table formatter, and the writer of one named section of docs/BENCHMARKS.md.
+"""Markdown for people: one table formatter, and the writer of one named section of docs/BENCHMARKS.md (or of
+another document a benchmark reports in, e.g. docs/RELIABILITY.md).
 
 Here, below both `jobs/` and `benchmarks/`, so the evaluation job and every benchmark write their
 sections the same way and nothing imports `benchmarks/`. A section is delimited by HTML comments
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md"
+RELIABILITY_MD = BENCHMARKS_MD.with_name("RELIABILITY.md")  # benchmarks of a reliability claim write theirs there
 HEADER = (
     "# Benchmarks\n\n"
     "Each section is written by the benchmark named in it, with the command that produced it. "
@@ -35,7 +37,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def write_section(name: str, title: str, command: str, body_md: str, path: Path = BENCHMARKS_MD) -> Path:
-    """Replace (or append) the section `name` of BENCHMARKS.md with `body_md`, stamped with command and machine."""
+    """Replace (or append) the section `name` of `path` with `body_md`, stamped with command and machine."""
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {sys.version.split()[0]}"
     section = (
