@@ -38,6 +38,7 @@ from schemas.utility import TokenizeRequest
 from serve.config import RouterConfig
 from serve.kv import lazy_planner
 from serve.plan import Embedded, Plan, PlannedChunk, Tokenized
+from serve.routing.embed_queue import EmbedQueue, Priority
 from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
 from serve.routing.prompt import InvalidMessageError, PromptTemplate, conversation_chain, conversation_digest
 from serve.routing.query_vectors import QueryVectors
@@ -72,6 +73,7 @@ class Router:
         self.store = Store.open(config.store)
         self.prompt = PromptTemplate.load(config.model)
         self.embedder = Embedder(config.embedder_dir, threads=config.embed_threads)
+        self.embeds = EmbedQueue(self.embedder.embed, self.embedder.batch_size)  # queries before bulk batches
         self.query_vectors = QueryVectors(config.query_cache_entries)
         self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
         self.keeper = LeaseKeeper(self.store, "router", config.reload)
@@ -102,13 +104,13 @@ class Router:
         return self.snapshot.generation
 
     async def embed_query(self, query: str) -> np.ndarray:
-        return (await asyncio.to_thread(self.embedder.embed, [query]))[0]  # [dim], off the event loop
+        return (await self.embeds.embed_texts([query], Priority.QUERY))[0]  # [dim], off the event loop
 
     async def embed(self, texts: list[str]) -> Embedded:
-        """`texts` embedded as queries and chunks are (batched by the embedder), off the event loop."""
-        def work() -> Embedded:
-            return Embedded(vectors=self.embedder.embed(texts), prompt_tokens=self.embedder.num_tokens(texts))
-        return await asyncio.to_thread(work)
+        """`texts` embedded as queries and chunks are, off the event loop, a batch at a time behind any route's
+        query (serve/routing/embed_queue.py)."""
+        vectors = await self.embeds.embed_texts(texts, Priority.BULK)
+        return Embedded(vectors=vectors, prompt_tokens=await asyncio.to_thread(self.embedder.num_tokens, texts))
 
     async def plan(self, request: AnswerRequest, budget_tokens: int | None = None,
                    collections: frozenset[str] | None = None, cache_salt: bytes = b"") -> Plan:
@@ -281,4 +283,4 @@ class BatchingRouter(Router):
     # No waiting for company: a lone query pays nothing; queries arriving while one embeds form the next batch.
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
     async def embed_query(self, queries: list[str]) -> list[np.ndarray]:
-        return list(await asyncio.to_thread(self.embedder.embed, queries))  # [n, dim] -> n x [dim]
+        return list(await self.embeds.embed_texts(queries, Priority.QUERY))  # [n, dim] -> n x [dim]

@@ -1,0 +1,87 @@
+"""serve/routing/embed_queue.py: one tenant's bulk /v1/embeddings request delays another's route by at most one
+batch. The embedder here records the order of its calls and holds the first until told (no timing): a query that
+arrives while a bulk request's first batch runs is embedded next, before the rest of the bulk request; two bulk
+requests take turns; a bulk request cancelled mid-way queues nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from serve.routing.embed_queue import EmbedQueue, Priority
+
+
+class HeldEmbedder:
+    """Each text's vector is [len(text)]; the first call waits for `release`."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.first_running, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        self.calls.append(list(texts))
+        if len(self.calls) == 1:
+            self.first_running.set()
+            assert self.release.wait(30)
+        return np.array([[float(len(t))] for t in texts], dtype=np.float32)
+
+
+async def wait_for(event: threading.Event) -> None:
+    assert await asyncio.to_thread(event.wait, 30)
+
+
+def test_a_query_waits_for_one_batch_of_a_bulk_request_not_all_of_it():
+    async def scenario():
+        embedder = HeldEmbedder()
+        queue = EmbedQueue(embedder, batch_size=2)
+        bulk_texts = [f"bulk {i:02d}" for i in range(10)]  # five batches
+        bulk = asyncio.ensure_future(queue.embed_texts(bulk_texts, Priority.BULK))
+        await wait_for(embedder.first_running)
+        query = asyncio.ensure_future(queue.embed_texts(["the question?"], Priority.QUERY))
+        await asyncio.sleep(0.05)  # the query is queued while the first batch runs
+        embedder.release.set()
+        vectors, answer = await bulk, await query
+        return embedder.calls, vectors, answer
+
+    calls, vectors, answer = asyncio.run(scenario())
+    assert calls[0] == ["bulk 00", "bulk 01"] and calls[1] == ["the question?"]  # next, not sixth
+    assert [len(c) for c in calls[2:]] == [2, 2, 2, 2]
+    assert vectors.shape == (10, 1) and vectors[:, 0].tolist() == [7.0] * 10  # in order, whole
+    assert answer[0, 0] == len("the question?")
+
+
+def test_two_bulk_requests_take_turns_a_batch_at_a_time():
+    async def scenario():
+        embedder = HeldEmbedder()
+        queue = EmbedQueue(embedder, batch_size=1)
+        first = asyncio.ensure_future(queue.embed_texts(["a1", "a2", "a3"], Priority.BULK))
+        await wait_for(embedder.first_running)
+        second = asyncio.ensure_future(queue.embed_texts(["b1", "b2", "b3"], Priority.BULK))
+        await asyncio.sleep(0.05)
+        embedder.release.set()
+        await asyncio.gather(first, second)
+        return [c[0] for c in embedder.calls]
+
+    assert asyncio.run(scenario()) == ["a1", "b1", "a2", "b2", "a3", "b3"]
+
+
+def test_a_cancelled_bulk_request_queues_nothing_more_and_errors_reach_their_request():
+    async def scenario():
+        embedder = HeldEmbedder()
+        queue = EmbedQueue(embedder, batch_size=1)
+        bulk = asyncio.ensure_future(queue.embed_texts(["x1", "x2", "x3"], Priority.BULK))
+        await wait_for(embedder.first_running)
+        bulk.cancel()
+        embedder.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await bulk
+        await queue.embed_texts(["after"], Priority.QUERY)
+        broken = EmbedQueue(lambda texts: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            await broken.embed_texts(["q"], Priority.QUERY)
+        return [c[0] for c in embedder.calls]
+
+    assert asyncio.run(scenario()) == ["x1", "after"]
