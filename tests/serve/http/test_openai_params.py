@@ -14,6 +14,7 @@ import pytest
 from schemas.chat import ChatCompletionRequest
 from schemas.completions import CompletionRequest
 from schemas.embeddings import EmbeddingRequest
+from schemas.responses import ResponseRequest
 from tests.serve.http.test_api import app, call  # noqa: F401  (a fixture)
 from tests.support.paths import REPO
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
@@ -29,8 +30,12 @@ ROUTES = {
                         {"model": "qvpic", "prompt": "When does part XK-4471-B ship?", "max_tokens": 2,
                          "temperature": 0, "qvpic": {"chunk_ids": ["manual#00000"]}}),
     "/v1/embeddings": ("## `POST /v1/embeddings`", EmbeddingRequest, {"model": "qvpic", "input": "part XK-4471-B"}),
+    "/v1/responses": ("## `POST /v1/responses`", ResponseRequest,
+                      {"model": "qvpic", "input": "When does part XK-4471-B ship?", "max_output_tokens": 2,
+                       "temperature": 0, "qvpic": {"chunk_ids": ["manual#00000"]}}),
 }
-OBJECTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/v1/embeddings": "list"}
+OBJECTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/v1/embeddings": "list",
+           "/v1/responses": "response"}
 
 
 def section(route: str) -> list[str]:
@@ -96,7 +101,7 @@ def test_the_openai_client_sends_every_row(app, route, name, status, example):
         body.pop("stream")
     extension = {"qvpic": body.pop("qvpic")} if "qvpic" in body else {}
     create = {"/v1/chat/completions": client.chat.completions.create, "/v1/completions": client.completions.create,
-              "/v1/embeddings": client.embeddings.create}[route]
+              "/v1/embeddings": client.embeddings.create, "/v1/responses": client.responses.create}[route]
     call_it = lambda: create(**body, extra_body=extension or None, extra_headers={"Cache-Control": "no-cache"})  # noqa: E731
     if status == "refused":
         with pytest.raises(openai.BadRequestError) as raised:
