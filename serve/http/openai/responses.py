@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
 
 from schemas.api import FinishReason
 from schemas.chat import OpenAIErrorBody
@@ -82,8 +83,21 @@ def echoed(request: ResponseRequest, response_id: str, created: int) -> Response
         user=request.user, metadata=request.metadata or {})
 
 
+class StoredRoute(APIRoute):
+    """GET and DELETE of `/v1/responses/{id}` are two routes on one path: a 405 on it lists both in `Allow`
+    (Starlette's lists the first route's methods alone)."""
+
+    async def handle(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] not in STORED_METHODS:
+            raise HTTPException(status_code=405, headers={"Allow": ", ".join(STORED_METHODS)})
+        await super().handle(scope, receive, send)
+
+
+STORED_METHODS = ("GET", "DELETE")
+
+
 def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRouter:
-    routes = APIRouter(tags=["openai"])
+    routes, stored_routes = APIRouter(tags=["openai"]), APIRouter(tags=["openai"], route_class=StoredRoute)
     governor: Governor = turns.governor
 
     @routes.post("/v1/responses", response_model=ResponseObject, responses=GENERATION_RESPONSES)
@@ -136,17 +150,18 @@ def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRout
         return StreamingResponse(stream.events(exchange.stream()), media_type="text/event-stream",
                                  headers=exchange.headers)
 
-    @routes.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=NOT_FOUND)
+    @stored_routes.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=NOT_FOUND)
     async def retrieve(response_id: str, http: Request):
         stored = store.get(await governor.account(http, Route.RESPONSES), response_id)
         if stored is None:
             raise UnknownResponseError(response_id)
         return stored.body
 
-    @routes.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=NOT_FOUND)
+    @stored_routes.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=NOT_FOUND)
     async def delete(response_id: str, http: Request):
         if not store.delete(await governor.account(http, Route.RESPONSES), response_id):
             raise UnknownResponseError(response_id)
         return DeletedResponse(id=response_id)
 
+    routes.include_router(stored_routes)
     return routes

@@ -245,3 +245,9 @@ def test_the_agents_sdks_tool_loop_round_trips(app, client):
                                      extra_body=QVPIC, extra_headers=NO_CACHE)
     assert second.output[0].type == "message" and second.output_text
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result were read
+
+
+def test_a_405_on_a_stored_response_lists_both_methods(app):
+    """Schemathesis found `Allow: GET` (Starlette lists the first route on the path): GET and DELETE both serve it."""
+    refused = raw(app, "PATCH", "/v1/responses/resp_x")
+    assert refused.status_code == 405 and set(refused.headers["Allow"].split(", ")) == {"GET", "DELETE"}
