@@ -56,7 +56,7 @@ class InputImage(Strict, NullIsDefault):
             raise ValueError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
 
 
-class OutputText(Strict, NullIsDefault):
+class EchoedText(Strict, NullIsDefault):
     """An earlier answer's text, as the SDK echoes an output message back."""
 
     type: Literal["output_text"]
@@ -70,7 +70,7 @@ class Refusal(Strict):
     refusal: Utf8Str = Field(max_length=MAX_TEXT_CHARS)
 
 
-Part = Annotated[InputText | InputImage | OutputText | Refusal, Field(discriminator="type")]
+Part = Annotated[InputText | InputImage | EchoedText | Refusal, Field(discriminator="type")]
 
 
 class MessageItem(Strict, NullIsDefault):
