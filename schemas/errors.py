@@ -74,6 +74,16 @@ class UnknownModelError(ApiError):
     openai_code, param = "model_not_found", "model"  # OpenAI's
 
 
+class UnknownResponseError(ApiError):
+    """A stored response id this tenant does not have (never stored, expired, deleted, or another tenant's)."""
+
+    status_code = 404
+
+    def __init__(self, response_id: str, param: str | None = None):
+        super().__init__(f"Response with id {response_id[:256]!r} not found.")  # OpenAI's words
+        self.param = param
+
+
 class TooLargeError(ApiError):
     """Too many chunks, or more tokens than the model's context holds (the message gives the limit)."""
 

@@ -153,6 +153,18 @@ class GeneratorConfig(StoreBound):
         return self
 
 
+class ResponseStoreConfig(Frozen):
+    """`/v1/responses` with `store`: each ingress replica keeps its tenants' responses in memory (a replica's own:
+    `previous_response_id` reaches a response stored by the same replica), bounded per tenant in count and bytes
+    (the oldest go first) and in tenants (the least recently used go first), each expiring `ttl_s` after it was
+    stored."""
+
+    max_responses_per_tenant: int = Field(256, ge=1)
+    max_bytes_per_tenant: int = Field(32 << 20, ge=1024)  # the response and its conversation, as JSON
+    max_tenants: int = Field(1024, ge=1)
+    ttl_s: float = Field(3600.0, gt=0)
+
+
 class IngressConfig(Frozen):
     served_model_name: str = Field("qvpic", min_length=1, max_length=256)  # model id of /v1/models and chat requests
     # a second model id that never retrieves: chat UIs' side calls (titles, tags) and chains that bring their own
@@ -162,6 +174,7 @@ class IngressConfig(Frozen):
     request_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)  # deadline of a request that sets none (504)
     image_urls: ImageUrlsSpec = ImageUrlsSpec()  # chat images by http(s) URL: off, the server fetches nothing
     governance: GovernanceConfig = GovernanceConfig()
+    responses: ResponseStoreConfig = ResponseStoreConfig()  # stored `/v1/responses` answers
 
 
 class ApiSpec(Frozen):

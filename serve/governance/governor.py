@@ -41,11 +41,12 @@ class Route(str, Enum):
     EMBEDDINGS = "embeddings"  # the store's embedder: request rate charged, tokens logged (no token budget)
     ESTIMATE = "estimate"
     INSPECT = "inspect"  # the inspector's data routes (/ui/api/*): authenticated, rate-limited, logged
+    RESPONSES = "responses"  # OpenAI's Responses API: a chat turn; its stored responses' GET and DELETE
 
 
 ROUTE_OF_PATH = {"/v1/answer": Route.ANSWER, "/v1/chat/completions": Route.CHAT, "/v1/estimate": Route.ESTIMATE,
                  "/v1/completions": Route.COMPLETIONS, "/v1/embeddings": Route.EMBEDDINGS,
-                 "/ui/api/page": Route.INSPECT, "/ui/api/store": Route.INSPECT}
+                 "/ui/api/page": Route.INSPECT, "/ui/api/store": Route.INSPECT, "/v1/responses": Route.RESPONSES}
 
 
 def embedding_tokens_bound(texts: list[str]) -> int:
@@ -128,6 +129,14 @@ class Governor:
         log.info("inspect tenant=%s path=%s", tenant, http.url.path)  # refused ones too: who probed what
         await self.limits.take(tenant, Limit.REQUESTS, 1)
         return self.config.auth.grant(tenant)
+
+    async def account(self, http: Request, route: Route) -> str:
+        """A request that generates nothing (a stored response's GET or DELETE): authenticated (401) and charged to
+        the tenant's request rate (429) before any work, counted; returns the tenant."""
+        tenant = self.auth.tenant(http.headers)
+        self.metrics.requests.inc(route=route.value, mode="none")
+        await self.limits.take(tenant, Limit.REQUESTS, 1)
+        return tenant
 
     def collections(self, http: Request) -> frozenset[str]:
         """The collections the request's tenant reads (401 when keys are configured and none is given)."""

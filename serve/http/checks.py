@@ -28,10 +28,12 @@ _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qvpic-checks")
 
 def schema_fields(request: AnswerRequest, tools_path: str = "tools.tools") -> list[SchemaField]:
     """The schemas of `request`, each with its path as the client spelled it: `tools_path` is where the tools list
-    is (the native request nests it in `tools`; OpenAI's chat request has it at the top)."""
+    is (the native request nests it in `tools`; OpenAI's chat request has it at the top), or a tool's path with `{i}`
+    for its index (`tools[{i}]`: the Responses API's function tools hold `parameters` themselves)."""
     fields = []
     if request.tools is not None:
-        fields += [SchemaField(f"{tools_path}[{i}].function.parameters", t.function.parameters, metaschema=True)
+        where = tools_path if "{i}" in tools_path else tools_path + "[{i}].function"  # flat tools: Responses'
+        fields += [SchemaField(where.format(i=i) + ".parameters", t.function.parameters, metaschema=True)
                    for i, t in enumerate(request.tools.tools) if t.function.parameters is not None]
     response_format = request.response_format
     if response_format is not None and response_format.json_schema is not None:

@@ -12,7 +12,8 @@ from schemas.chat import OpenAIError, OpenAIErrorBody
 
 _NAMED = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*): ")
 # vLLM's /tokenize and /detokenize answer in OpenAI's shape too, as vLLM's do (serve/http/utility.py)
-OPENAI_PATHS = ("/v1/chat/", "/v1/models", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+OPENAI_PATHS = ("/v1/chat/", "/v1/models", "/v1/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
+                "/detokenize")
 # OpenAI's `type` and `code` strings by HTTP status (its API reference and client's error classes)
 ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", "invalid_value"),

@@ -22,14 +22,17 @@ VALID_BODIES = {"/v1/answer": {"query": QUERY, "top_k": 1, "max_new_tokens": 2},
                                          "max_tokens": 2, "qvpic": {"top_k": 1}, "stream_options": {}},
                 "/v1/completions": {"model": "qvpic", "prompt": QUERY, "max_tokens": 2, "qvpic": {"top_k": 1}},
                 "/v1/embeddings": {"model": "qvpic", "input": QUERY},
+                "/v1/responses": {"model": "qvpic", "input": QUERY, "max_output_tokens": 2, "qvpic": {"top_k": 1}},
                 "/tokenize": {"model": "qvpic", "prompt": QUERY}, "/detokenize": {"model": "qvpic", "tokens": [1, 2]}}
 # The routes that speak OpenAI's error shape (a 400 `OpenAIErrorBody`); the native ones answer FastAPI's 422.
-OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
+                 "/detokenize")
 # vLLM's utility routes (serve/http/utility.py) are not governed turns: they read no governance header
 UNGOVERNED = ("/tokenize", "/detokenize")
 # The free-text field of each route's body: where a lone surrogate or a JSON-only token goes.
 TEXT_FIELD = {"/v1/answer": "query", "/v1/estimate": "query", "/v1/chat/completions": "messages",
-              "/v1/completions": "prompt", "/v1/embeddings": "input", "/tokenize": "prompt", "/detokenize": "model"}
+              "/v1/completions": "prompt", "/v1/embeddings": "input", "/v1/responses": "input", "/tokenize": "prompt",
+              "/detokenize": "model"}
 # Tokens Python's JSON parser takes but JSON cannot carry back (`1e400` parses to infinity; 5000 digits
 # are over Python's int-parsing limit), and strings no UTF-8 encoder takes.
 NOT_ECHOABLE = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "9" * 5000, '"\\ud800"', '"a\\udfffb"']

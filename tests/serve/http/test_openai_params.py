@@ -15,6 +15,7 @@ import pytest
 from schemas.chat import ChatCompletionRequest
 from schemas.completions import CompletionRequest
 from schemas.embeddings import EmbeddingRequest
+from schemas.responses import ResponseRequest
 from tests.serve.http.test_api import app, call  # noqa: F401  (a fixture)
 from tests.support.paths import REPO
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
@@ -30,8 +31,12 @@ ROUTES = {
                         {"model": "qvpic", "prompt": "When does part XK-4471-B ship?", "max_tokens": 2,
                          "temperature": 0, "qvpic": {"chunk_ids": ["manual#00000"]}}),
     "/v1/embeddings": ("## `POST /v1/embeddings`", EmbeddingRequest, {"model": "qvpic", "input": "part XK-4471-B"}),
+    "/v1/responses": ("## `POST /v1/responses`", ResponseRequest,
+                      {"model": "qvpic", "input": "When does part XK-4471-B ship?", "max_output_tokens": 2,
+                       "temperature": 0, "qvpic": {"chunk_ids": ["manual#00000"]}}),
 }
-OBJECTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/v1/embeddings": "list"}
+OBJECTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/v1/embeddings": "list",
+           "/v1/responses": "response"}
 
 
 def section(route: str) -> list[str]:
@@ -96,7 +101,7 @@ def test_the_openai_client_sends_every_row(app, route, name, status, example):
     if route == "/v1/embeddings":
         body.pop("stream")
     create = {"/v1/chat/completions": client.chat.completions.create, "/v1/completions": client.completions.create,
-              "/v1/embeddings": client.embeddings.create}[route]
+              "/v1/embeddings": client.embeddings.create, "/v1/responses": client.responses.create}[route]
     # what the SDK has no argument for (the `qvpic` extension, vLLM's sampling extras) goes in extra_body, as vLLM's
     # docs send its extras
     known = set(inspect.signature(create).parameters)
