@@ -43,7 +43,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from schemas.errors import UnauthorizedError
-from serve.governance.auth import Authenticator
+from serve.governance.auth import Authenticator, is_loopback
 from serve.http.backend import REPLICA_FAILURES, api_error, internal_detail
 from serve.http.body_depth import BodyDepthLimit
 from serve.http.openai import is_openai_path, openai_error, openai_invalid
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 # bytes that are not UTF-8 (a ValueError), JSON nested past the parser, an integer of over 4300 digits
 UNPARSABLE = (ValueError, RecursionError)
 MAX_ECHO_DEPTH = 64  # nesting of an echoed input beyond which it is elided
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})  # the Host names the keyless loopback mode answers
 
 
 def json_safe(value: Any, depth: int = 0) -> Any:
@@ -129,7 +128,8 @@ class LoopbackHostGate:
     """With no API keys and no `insecure_no_auth` (the loopback mode: `exposure` refuses any wider bind), 400 for a
     request whose Host is not a loopback name: a web page on evil.com whose DNS later answers 127.0.0.1 (DNS
     rebinding) would otherwise drive the unauthenticated API from the user's browser as its own origin. A browser
-    always sends the Host it resolved, so the page's requests carry `evil.com`; local clients send a loopback one."""
+    always sends the name it resolved, so the page's requests carry `evil.com`; local clients send `localhost` or a
+    loopback address (an IP literal in Host names no DNS record, so it cannot be rebound)."""
 
     def __init__(self, app: ASGIApp, auth: Authenticator, on_error: Callable[[Request, int], None]):
         self.app, self.auth, self.on_error = app, auth, on_error
@@ -137,11 +137,11 @@ class LoopbackHostGate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.auth.loopback_only:
             host = Headers(scope=scope).get("host")
-            if host_name(host) not in LOOPBACK_HOSTS:
+            if not is_loopback(host_name(host) or "example.invalid"):  # localhost or a loopback IP literal
                 request = Request(scope, receive)
                 self.on_error(request, 400)
                 detail = ("this Host is not served: with no API keys this server answers only Host localhost, "
-                          "127.0.0.1 or [::1] (any port)")  # the header is not echoed, like any input
+                          "127.0.0.1 or [::1] (any loopback address, any port)")  # the header is not echoed
                 await error_response(request, 400, detail)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -26,10 +26,11 @@ def keyless(roles, serving_store):
 
 
 def test_the_keyless_mode_answers_only_loopback_host_names(keyless, roles, serving_store):
-    for host in ("localhost", "LocalHost:8000", "127.0.0.1", "127.0.0.1:8000", "[::1]:8000"):
+    for host in ("localhost", "LocalHost:8000", "127.0.0.1", "127.0.0.1:8000", "[::1]:8000", "127.0.0.2:8000"):
         assert call(keyless, "GET", "/v1/store", headers={"Host": host}).status_code == 200, host
     # a page on evil.com whose name now resolves to 127.0.0.1: the browser sends the name it resolved
-    for host in ("evil.com", "evil.com:8000", "localhost.evil.com", "127.0.0.1.nip.io:8000", "[::1].evil.com"):
+    for host in ("evil.com", "evil.com:8000", "localhost.evil.com", "127.0.0.1.nip.io:8000", "[::1].evil.com",
+                 "127.0.0.1:evil", "10.0.0.7:8000", ""):
         for method, path in (("GET", "/v1/store"), ("POST", "/v1/answer"), ("GET", "/ui"), ("GET", "/healthz")):
             response = call(keyless, method, path, headers={"Host": host}, json={"query": QUERY, "top_k": 2})
             assert response.status_code == 400, (host, path, response.status_code)
