@@ -4,6 +4,48 @@ ingress turns them into responses; schemas/api.py holds their bodies)."""
 from __future__ import annotations
 
 import math
+from enum import StrEnum
+
+
+class Fault(StrEnum):
+    """Why a stored page image or KV entry could not be served: a stable code a response carries instead of the
+    error's own message, which names host paths (a shard's, a page image's) that stay in the server log
+    (docs/SECURITY.md, "No host paths in responses")."""
+
+    NO_IMAGES_ROOT = "no_images_root"
+    OUTSIDE_IMAGES_ROOT = "outside_images_root"
+    NOT_A_REGULAR_FILE = "not_a_regular_file"
+    PAGE_IMAGE_UNREADABLE = "page_image_unreadable"
+    SHARD_MISSING = "shard_missing"
+    SHARD_UNREADABLE = "shard_unreadable"
+    SHARD_TORN = "shard_torn"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    ENTRY_MALFORMED = "entry_malformed"
+
+
+FAULT_WORDS = {
+    Fault.NO_IMAGES_ROOT: "page images are not read here: no images_root is configured",
+    Fault.OUTSIDE_IMAGES_ROOT: "its page image lies outside images_root: not read",
+    Fault.NOT_A_REGULAR_FILE: "its page image is not a regular file: not read",
+    Fault.PAGE_IMAGE_UNREADABLE: "its page image is not readable here",
+    Fault.SHARD_MISSING: "its KV shard is missing",
+    Fault.SHARD_UNREADABLE: "its KV shard is unreadable",
+    Fault.SHARD_TORN: "its KV shard is torn (shorter than the index says)",
+    Fault.CHECKSUM_MISMATCH: "its KV entry fails its checksum",
+    Fault.ENTRY_MALFORMED: "its KV entry is malformed",
+}
+
+
+def fault_text(fault: Fault) -> str:
+    """What a response says of `fault`: words and the code, no path."""
+    return f"{FAULT_WORDS[fault]} [{fault.value}]"
+
+
+def public_reason(error: BaseException) -> str:
+    """`error` as a response may quote it: its fault's words and code when it carries one (its message names a
+    host path), else its message (qvpic's own, which name ids and limits only)."""
+    fault = getattr(error, "fault", None)
+    return fault_text(fault) if isinstance(fault, Fault) else str(error)
 
 
 class ApiError(ValueError):

@@ -144,6 +144,13 @@ class Renderer:
         lines, _ = self._layout(self._normalize(text), self._tier_fonts(tier.dpi))
         return ["".join(g.char for g in line) for line in lines]
 
+    def page_count(self, text: str, tier: TierSpec) -> int:
+        """How many pages `render` would draw for `text` at `tier`: the layout alone, no page drawn (the inspector
+        checks a requested page against it before rendering)."""
+        tf = self._tier_fonts(tier.dpi)
+        lines, _ = self._layout(self._normalize(text), tf)
+        return math.ceil(len(lines) / tf.lines_per_page)
+
     def render_all_tiers(self, text: str) -> dict[str, RenderedChunk]:
         return {t.name: self.render(text, t) for t in self.spec.tiers}
 

@@ -19,6 +19,7 @@ from PIL import Image
 
 from pipeline.store.slots import entry_slots, required_keys, slot_name  # noqa: F401  (re-exported)
 from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
+from schemas.errors import Fault
 from schemas.store import Manifest, ShardEntry
 
 if TYPE_CHECKING:  # annotations only: the render stage imports this module, and must not import torch with it
@@ -29,7 +30,12 @@ TEXT_SOURCED = frozenset({Variant.TEXT, Variant.TEXT_PLAIN})  # variants compile
 
 
 class PageImageError(ValueError):
-    """A chunk's page image cannot be read here."""
+    """A chunk's page image cannot be read here. The message names the path (for logs and ingest's quarantine);
+    `fault` is what a response says instead (schemas.errors.public_reason)."""
+
+    def __init__(self, message: str, fault: Fault = Fault.PAGE_IMAGE_UNREADABLE):
+        super().__init__(message)
+        self.fault = fault
 
 
 class PageImageRefused(PageImageError):
@@ -43,19 +49,21 @@ def page_image_file(image_path: str, images_root: str | None) -> str:
     (a relative path is taken relative to the root); `PageImageRefused` otherwise, before anything is opened.
     A path swapped for a link between this check and the open needs write access under the root itself."""
     if images_root is None:
-        raise PageImageRefused("page images are not read here: no images_root is configured")
+        raise PageImageRefused("page images are not read here: no images_root is configured", Fault.NO_IMAGES_ROOT)
     if "\x00" in image_path:
-        raise PageImageRefused("page image path holds a NUL byte: not read")
+        raise PageImageRefused("page image path holds a NUL byte: not read", Fault.OUTSIDE_IMAGES_ROOT)
     root = os.path.realpath(images_root)
     resolved = os.path.realpath(os.path.join(root, image_path))
     if os.path.commonpath([root, resolved]) != root:
-        raise PageImageRefused(f"page image {image_path!r} lies outside images_root: not read")
+        raise PageImageRefused(f"page image {image_path!r} lies outside images_root: not read",
+                               Fault.OUTSIDE_IMAGES_ROOT)
     try:
         mode = os.stat(resolved).st_mode
     except OSError as error:
         raise PageImageError(f"page image {image_path!r} is not readable here: {error.strerror}") from None
     if not stat.S_ISREG(mode):  # a FIFO or device under the root would hang or stream without end
-        raise PageImageRefused(f"page image {image_path!r} is not a regular file: not read")
+        raise PageImageRefused(f"page image {image_path!r} is not a regular file: not read",
+                               Fault.NOT_A_REGULAR_FILE)
     return resolved
 
 

@@ -31,6 +31,7 @@ from pipeline.runtime import DTYPE_OF, TORCH_DTYPES, StoredFormat, stored_format
 from pipeline.store.blobs import Blobs, StoreError
 from pipeline.store.kv_quant import QuantizedKV, record_nbytes
 from schemas.config import DType, KVQuant
+from schemas.errors import Fault
 from schemas.store import ShardEntry, StoreSpec
 from schemas.tables import SHARD_PATH
 
@@ -40,7 +41,12 @@ Rows = Iterable[Mapping[str, Any]] | pa.Table
 
 
 class ShardCorruptError(RuntimeError):
-    """A KV shard is missing, unreadable, or its bytes do not match the index checksum."""
+    """A KV shard is missing, unreadable, or its bytes do not match the index checksum. The message names the
+    shard's path (for `qvpic verify` and logs); `fault` is what a response says instead."""
+
+    def __init__(self, message: str, fault: Fault):
+        super().__init__(message)
+        self.fault = fault
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -163,7 +169,7 @@ class ShardReader:
 
     def _corrupt(self, row: Mapping[str, Any]) -> ShardCorruptError:
         return ShardCorruptError(f"tensor {row['tensor_key']!r} of shard {self.blobs.path(row['shard_path'])} "
-                                 "fails its checksum")
+                                 "fails its checksum", Fault.CHECKSUM_MISMATCH)
 
     def _read(self, rel: str, rows: Sequence[Mapping[str, Any]]) -> list[StoredKV]:
         spans = sorted((row["byte_offset"], row["byte_offset"] + row["nbytes"]) for row in rows)
@@ -177,20 +183,22 @@ class ShardReader:
         try:
             blocks = self.blobs.get_ranges(rel, [(begin, end - begin) for begin, end in merged])
         except FileNotFoundError as e:
-            raise ShardCorruptError(f"shard {path} is missing") from e
+            raise ShardCorruptError(f"shard {path} is missing", Fault.SHARD_MISSING) from e
         except OSError as e:
-            raise ShardCorruptError(f"shard {path} is unreadable: {e}") from e
+            raise ShardCorruptError(f"shard {path} is unreadable: {e}", Fault.SHARD_UNREADABLE) from e
         out = []
         for row in rows:
             begin, end = row["byte_offset"], row["byte_offset"] + row["nbytes"]
             block_begin, block = next((b, data) for (b, e), data in zip(merged, blocks) if b <= begin and end <= e)
             data = block[begin - block_begin:end - block_begin]
             if len(data) != row["nbytes"]:
-                raise ShardCorruptError(f"shard {path} is torn: {len(data)} of {row['nbytes']} bytes at {begin}")
+                raise ShardCorruptError(f"shard {path} is torn: {len(data)} of {row['nbytes']} bytes at {begin}",
+                                        Fault.SHARD_TORN)
             try:
                 out.append(_entry(bytearray(data), stored_format(row["dtype"]), tuple(row["shape"])))
             except (RuntimeError, ValueError) as e:
-                raise ShardCorruptError(f"entry {row['tensor_key']!r} of shard {path}: {e}") from e
+                raise ShardCorruptError(f"entry {row['tensor_key']!r} of shard {path}: {e}",
+                                        Fault.ENTRY_MALFORMED) from e
         return out
 
 

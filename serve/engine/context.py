@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,12 +22,14 @@ from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, 
 from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.api import CacheReport, FallbackReport, KVOrigin
 from schemas.config import ChunkKind, RecomputeSpec, RenderSpec
-from schemas.errors import PageImageRefusedError, UnservableError
+from schemas.errors import PageImageRefusedError, UnservableError, public_reason
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer
 from serve.kv import HotTier, KVSource, kv_tensor, recompute_inputs
 from serve.kv.staging import Staging
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -172,7 +175,7 @@ class ContextBuilder:
         try:
             return page_images(self.renderer, chunk.text, chunk.image_path, self.render_spec.tier(chunk.tier),
                                images_root=self.images_root)[0]
-        except PageImageRefused as error:
-            raise PageImageRefusedError(f"chunk {chunk.chunk_id}: {error}") from None
-        except PageImageError as error:
-            raise UnservableError(f"chunk {chunk.chunk_id}: {error}") from error
+        except PageImageError as error:  # the response names the chunk and a code; the log has the path
+            log.warning("chunk %s: %s", chunk.chunk_id, error)
+            failure = PageImageRefusedError if isinstance(error, PageImageRefused) else UnservableError
+            raise failure(f"chunk {chunk.chunk_id}: {public_reason(error)}") from None

@@ -11,6 +11,7 @@ lazily compiled tier takes the same path, through serve/kv/lazy_tier.py: compile
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -20,11 +21,13 @@ import torch
 from pipeline.runtime import VLM, ChunkKV, Renderer, off_loop
 from pipeline.store import Store, build_sized_entry, stored
 from schemas.api import FallbackReport
-from schemas.errors import UnservableError
+from schemas.errors import UnservableError, public_reason
 from schemas.store import Manifest
 from serve.kv import LazyTier, is_pending, to_wire
 from serve.metrics import serve_metrics
 from serve.plan import Entry, LoadedKV, LoadResult, Plan, PlannedChunk
+
+log = logging.getLogger(__name__)
 
 # What means "this entry cannot be rebuilt here", so the backup is served (or the request is a 503): a source this
 # replica cannot compile (UnservableError, RenderError, PageImageError: ValueErrors), or no room on the device for
@@ -63,6 +66,8 @@ class Repairer:
                 # as the store keeps it; the KV was compiled on the model's device, and to_wire brings it to the host
                 array, dtype = to_wire(stored(tensor, self.kv_quant))
             except NOT_REBUILT as error:
+                log.warning("chunk %s: KV entry not rebuilt: %s", chunk.chunk_id, error)  # with its path, if any
+                error = public_reason(error)  # what a response may say: no host path
                 outcome = "unservable" if item.backup is None else "backup"
                 self.metrics.kv_recompiles.inc(outcome=outcome)
                 if item.backup is None:

@@ -5,7 +5,8 @@ With keys configured, every governed request needs `Authorization: Bearer <key>`
 sends its `api_key` so) and the tenant comes from the key alone; `X-Tenant` cannot override it. With
 none, the tenant is `X-Tenant` or the default tenant — attribution without authentication, for loopback
 and development only: `qvpic serve` binds 127.0.0.1 unless told otherwise, and refuses a wider bind without
-keys unless `insecure_no_auth` (`--insecure-no-auth`) accepts it, warning at every start (`exposure`).
+keys unless `insecure_no_auth` (`--insecure-no-auth`) accepts it, warning at every start (`exposure`). A key file
+counts only for the keys it holds: an empty one is no keys.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def is_loopback(host: str) -> bool:
 def exposure(host: str, auth: AuthConfig) -> str | None:
     """None when binding `host` is safe (loopback, or API keys configured); the warning to log at every start
     when the operator accepted an open server; ValueError when it would open one unasked."""
-    if is_loopback(host) or auth.api_key_sha256 or auth.trusted_proxy_sha256 or auth.api_key_sha256_file is not None:
+    if is_loopback(host) or auth.api_key_sha256 or auth.trusted_proxy_sha256 or file_keys(auth):
         return None
     if not auth.insecure_no_auth:
         raise ValueError(f"refusing to listen on {host} with no API keys: anyone who reaches it could act as any "
@@ -45,6 +46,19 @@ def exposure(host: str, auth: AuthConfig) -> str | None:
                          "--insecure-no-auth (auth.insecure_no_auth: true) to accept it")
     return (f"WARNING: listening on {host} with no API keys (insecure_no_auth): anyone who reaches it may act "
             "as any tenant through X-Tenant")
+
+
+def file_keys(auth: AuthConfig) -> dict[Sha256Hex, str]:
+    """The keys of `auth.api_key_sha256_file` ({} without one): a file that is empty, all comments, or unreadable
+    holds no keys, so it cannot stand for auth (an unmounted or empty Secret must not open the server);
+    ValueError for an unreadable or malformed file."""
+    if auth.api_key_sha256_file is None:
+        return {}
+    try:
+        return read_key_file(auth.api_key_sha256_file)
+    except OSError as error:
+        raise ValueError(f"cannot read the API key file {auth.api_key_sha256_file.name!r}: "
+                         f"{error.strerror or type(error).__name__}") from None
 
 
 def key_digest(api_key: str) -> Sha256Hex:
@@ -91,11 +105,25 @@ class Authenticator:
         self.digests = [(bytes.fromhex(digest), tenant) for digest, tenant in keys.items()]
         self.digests += [(bytes.fromhex(digest), PROXY) for digest in config.trusted_proxy_sha256]
         self.open_paths = config.open_paths
+        # no keys and no insecure_no_auth: `exposure` allowed only a loopback bind, so only loopback Hosts are
+        # answered (serve/http/guards.py LoopbackHostGate: DNS rebinding)
+        self.loopback_only = not self.digests and not config.insecure_no_auth
         self.default_tenant = default_tenant
 
     @property
     def required(self) -> bool:  # any key configured, a proxy's included
         return bool(self.digests)
+
+    def admits(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request may see what only a key holder sees (`/readyz`'s detail): always without keys
+        configured, else only with a valid key."""
+        if not self.required:
+            return True
+        try:
+            self.tenant(headers)
+        except (UnauthorizedError, InvalidHeaderError):
+            return False
+        return True
 
     def tenant(self, headers: Mapping[str, str]) -> str:
         """The request's tenant; `UnauthorizedError` when keys are configured and none of them is given."""

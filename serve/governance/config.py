@@ -20,6 +20,7 @@ from schemas.api import Label, ResponseCacheLevel
 from schemas.config import Frozen
 from schemas.corpus import ALL_COLLECTIONS, COLLECTION_PATTERN, DEFAULT_COLLECTION
 from schemas.store import StoreSpec
+from serve.governance.redis_url import RedisUrlField
 
 
 class StateBackend(str, Enum):
@@ -173,7 +174,8 @@ class GovernanceConfig(Frozen):
     """Defaults keep an ungoverned server's behaviour: in-process l1 cache only, no limits, no log, no auth."""
 
     default_tenant: Label = "anonymous"
-    redis_url: str | None = Field(None, pattern=r"^rediss?://", description="shared state for backend: redis")
+    redis_url: RedisUrlField | None = Field(None, description=(
+        "shared state for backend: redis (redis:// or rediss://); shown redacted wherever it is printed"))
     limits: RateLimitConfig = RateLimitConfig()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     request_log: RequestLogConfig = RequestLogConfig()

@@ -14,10 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from serve.governance.redis_url import redacted, scrub
 from serve.metrics import serve_metrics
 
 T = TypeVar("T")
@@ -28,17 +28,10 @@ class SharedStateUnavailable(RuntimeError):
     """Redis did not answer; the caller degrades (a cache miss, a replica-local rate limit)."""
 
 
-def redacted(url: str) -> str:
-    """`url` without its credentials: `redis://:hunter2@host:6379/0` → `redis://***@host:6379/0`."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
-
-
 class RedisConnection:
     def __init__(self, url: str, timeout_s: float = 0.25, retry_after_s: float = 5.0):
         self.url = redacted(url)  # for logs and errors: never the password
+        self._raw = url  # only to scrub its secrets out of the client's error messages
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.retry_after_s = retry_after_s
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried again
@@ -55,11 +48,12 @@ class RedisConnection:
             with self._lock:
                 first = time.monotonic() >= self._down_until
                 self._down_until = time.monotonic() + self.retry_after_s
+            message = scrub(str(error), self._raw)  # a client error may quote the URL it was given
             if first:
                 log.warning("redis at %s unavailable for %s (%s); degrading for %.0f s",
-                            self.url, use, error, self.retry_after_s)
+                            self.url, use, message, self.retry_after_s)
             serve_metrics().shared_state_errors.inc(use=use)
-            raise SharedStateUnavailable(str(error)) from error
+            raise SharedStateUnavailable(message) from None
 
     def close(self) -> None:
         self.client.close()

@@ -5,8 +5,11 @@
   or a length that lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
 - A replica that dies or cannot be reached while serving a request (Serve restarts it) answers 503 with
   `Retry-After`, as JSON, instead of a bare 500.
-- A body that is not UTF-8, nests deeper than the JSON parser goes, or holds a number Python will not
-  parse (over 4300 digits) is a 422 like any malformed JSON (FastAPI answers those 400).
+- A body nesting deeper than MAX_BODY_DEPTH (256) levels is a 400 naming the limit, before it is parsed
+  (serve/http/body_depth.py). One that is not UTF-8 or holds a number Python will not parse (over 4300 digits)
+  is a 422 like any malformed JSON (FastAPI answers those 400).
+- With no API keys (the loopback mode), a request whose Host is not localhost, 127.0.0.1 or [::1] is a 400:
+  DNS rebinding cannot turn a browser into a client of the unauthenticated API.
 - A 422 names each invalid field, its rule and limit (FastAPI's error list) but never echoes the input;
   what it names is spelled so JSON can carry it: `NaN`/`Infinity` (Python's parser accepts them; `1e400`
   parses to infinity) as strings, lone surrogates (`"\\ud800"`) escaped. FastAPI's own handler crashes on
@@ -40,8 +43,9 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from schemas.errors import UnauthorizedError
-from serve.governance.auth import Authenticator
+from serve.governance.auth import Authenticator, is_loopback
 from serve.http.backend import REPLICA_FAILURES, api_error, internal_detail
+from serve.http.body_depth import BodyDepthLimit
 from serve.http.openai import is_openai_path, openai_error, openai_invalid
 from serve.ui import STATIC_UI_PATHS, STATIC_UI_PREFIX
 
@@ -120,6 +124,39 @@ class KeyGate:
         await self.app(scope, receive, send)
 
 
+class LoopbackHostGate:
+    """With no API keys and no `insecure_no_auth` (the loopback mode: `exposure` refuses any wider bind), 400 for a
+    request whose Host is not a loopback name: a web page on evil.com whose DNS later answers 127.0.0.1 (DNS
+    rebinding) would otherwise drive the unauthenticated API from the user's browser as its own origin. A browser
+    always sends the name it resolved, so the page's requests carry `evil.com`; local clients send `localhost` or a
+    loopback address (an IP literal in Host names no DNS record, so it cannot be rebound)."""
+
+    def __init__(self, app: ASGIApp, auth: Authenticator, on_error: Callable[[Request, int], None]):
+        self.app, self.auth, self.on_error = app, auth, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.auth.loopback_only:
+            host = Headers(scope=scope).get("host")
+            if not is_loopback(host_name(host) or "example.invalid"):  # localhost or a loopback IP literal
+                request = Request(scope, receive)
+                self.on_error(request, 400)
+                detail = ("this Host is not served: with no API keys this server answers only Host localhost, "
+                          "127.0.0.1 or [::1] (any loopback address, any port)")  # the header is not echoed
+                await error_response(request, 400, detail)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def host_name(host: str | None) -> str | None:
+    """The name of a Host header without its port, lowercased: `[::1]:8000` → `[::1]`, `LocalHost:80` → `localhost`."""
+    if host is None:
+        return None
+    host = host.strip().lower()
+    end = host.find("]") + 1 if host.startswith("[") else 0  # an IPv6 literal holds colons of its own
+    rest, colon, port = host[end:].partition(":")
+    return host[:end] + rest if not colon or port.isdigit() else None
+
+
 class ReleaseTurn:
     """Once a request's response is over — sent, streamed to its end, failed, or abandoned by the client — its
     turn's in-flight slot is given back (`Governor.release`): a `finally` around the whole ASGI call, so no path
@@ -160,11 +197,14 @@ def install_guards(app: FastAPI, on_error: Callable[[Request, int], None], auth:
     error sent."""
     if max_body_nbytes < 1:
         raise ValueError(f"max_body_nbytes must be >= 1, got {max_body_nbytes}")
+    # inside the size cap: 400 for a body nesting past MAX_BODY_DEPTH before the route parses it
+    app.add_middleware(BodyDepthLimit, respond=error_response, on_error=on_error)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)  # counts what arrives
     app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)
     is_open = (lambda path: path in auth.open_paths or path in STATIC_UI_PATHS  # noqa: E731
                or path.startswith(STATIC_UI_PREFIX))
-    app.add_middleware(KeyGate, auth=auth, is_open=is_open, on_error=on_error)  # runs first: 401 costs nothing
+    app.add_middleware(KeyGate, auth=auth, is_open=is_open, on_error=on_error)  # 401 costs nothing
+    app.add_middleware(LoopbackHostGate, auth=auth, on_error=on_error)  # runs first: no keys, loopback Host only
 
     async def invalid(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)

@@ -11,6 +11,11 @@ the ingress itself answers.
 What a pending deployment waits for, in words: a node with what one replica asks for (none alive has
 it; an autoscaler may add one), resources that other work holds, or its replicas to finish starting
 (loading a model). Serve's own message about it, when it has one, is appended.
+
+That detail (deployment names, node resources, Serve's messages, which may quote a host path or an exception)
+is for an operator: with API keys configured, `GET /readyz` without a valid key answers only ready or not (the
+status code and `ready`/`status`: all a probe reads), and the gate's 503 says only "not ready" (it answers before
+the key check, so an unauthenticated request must not read the reasons there either).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from schemas.health import DeploymentReadiness, Readiness
+from serve.governance.auth import Authenticator
 from serve.http.guards import error_response
 
 # Routes the ingress answers alone: they never wait for another deployment, so they are not gated.
@@ -32,6 +38,7 @@ INGRESS_ONLY_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.jso
 RETRY_AFTER_S = 5
 UNKNOWN = "UNKNOWN"  # application status when the controller could not be asked
 MAX_SERVE_MESSAGE_CHARS = 300
+KEY_FOR_DETAIL = "send an API key for the detail"
 
 
 def resources(demand: Mapping[str, float], have: Mapping[str, float]) -> str:
@@ -208,8 +215,8 @@ class ReadinessGate:
     monitoring failure is not an outage)."""
 
     def __init__(self, app: ASGIApp, probe: ReadinessProbe, on_error: Callable[[Request, int], None],
-                 ungated: frozenset[str] = INGRESS_ONLY_PATHS):
-        self.app, self.probe, self.on_error, self.ungated = app, probe, on_error, ungated
+                 ungated: frozenset[str] = INGRESS_ONLY_PATHS, auth: Authenticator | None = None):
+        self.app, self.probe, self.on_error, self.ungated, self.auth = app, probe, on_error, ungated, auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and route_path(scope) not in self.ungated:
@@ -217,23 +224,34 @@ class ReadinessGate:
             if reason is not None:
                 request = Request(scope, receive)
                 self.on_error(request, 503)
+                if self.auth is not None and not self.auth.admits(request.headers):
+                    reason = KEY_FOR_DETAIL
                 detail = f"not ready: {reason}; retry later (GET /readyz tells when)"
                 await error_response(request, 503, detail, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
+def summary(report: Readiness) -> Readiness:
+    """What `GET /readyz` tells a caller without a key: ready or not, nothing about why."""
+    return Readiness(ready=report.ready, application=report.application, status=report.status,
+                     detail=None if report.ready else KEY_FOR_DETAIL)
+
+
 def install_readiness(app: FastAPI, probe: ReadinessProbe, on_error: Callable[[Request, int], None],
-                      detailed: ReadinessProbe | None = None) -> None:
+                      detailed: ReadinessProbe | None = None, auth: Authenticator | None = None) -> None:
     """Add `GET /readyz` and the gate to `app`; `on_error(request, status)` sees every 503 the gate sends. The gate
     asks `probe` before each request; `GET /readyz` asks `detailed` (default: `probe`), which may cost more (it is
-    asked only when a client calls it)."""
+    asked only when a client calls it). With `auth` requiring keys, the detail goes only to a valid key."""
     detailed = detailed or probe
 
     @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-    async def readyz() -> JSONResponse:
-        """200 once every deployment has a running replica; else 503 naming what is pending and why."""
+    async def readyz(request: Request) -> JSONResponse:
+        """200 once every deployment has a running replica; else 503 naming what is pending and why (the why only
+        to a valid API key, when keys are configured)."""
         report = await detailed.get()
+        if auth is not None and not auth.admits(request.headers):
+            report = summary(report)
         return JSONResponse(report.model_dump(mode="json"), status_code=200 if report.ready else 503)
 
-    app.add_middleware(ReadinessGate, probe=probe, on_error=on_error)
+    app.add_middleware(ReadinessGate, probe=probe, on_error=on_error, auth=auth)

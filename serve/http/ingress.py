@@ -180,7 +180,7 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = make_api(self.backend, self.api, self.governor, self.config)
         # GET /readyz; 503 while a deployment is pending
-        install_readiness(app, self.readiness, self.governor.rejected, self.readiness_detail)
+        install_readiness(app, self.readiness, self.governor.rejected, self.readiness_detail, self.governor.auth)
         install_ui(app, self.inspector, self.backend, self.governor)  # GET /ui, /ui/store and their data
         return app
 

@@ -9,12 +9,15 @@ is on (`RouterConfig.carry_sources`); nothing else is stored for it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from pipeline.runtime import VLM, ChunkInputs, Renderer, chunk_inputs
 from pipeline.store import TEXT_SOURCED, PageImageError, PageImageRefused, page_images
-from schemas.errors import PageImageRefusedError, UnservableError
+from schemas.errors import PageImageRefusedError, UnservableError, public_reason
 from serve.plan import Entry, PlannedChunk
+
+log = logging.getLogger(__name__)
 
 
 def recompute_inputs(vlm: VLM, renderer: Renderer, chunks: Sequence[PlannedChunk],
@@ -31,9 +34,9 @@ def recompute_inputs(vlm: VLM, renderer: Renderer, chunks: Sequence[PlannedChunk
         try:
             pages = page_images(renderer, chunk.text, chunk.image_path, renderer.spec.tier(entry.tier or ""),
                                 images_root=images_root)[0]
-        except PageImageRefused as error:
-            raise PageImageRefusedError(f"cannot recompute chunk {chunk.chunk_id}: {error}") from None
-        except PageImageError as error:
-            raise UnservableError(f"cannot recompute chunk {chunk.chunk_id}: {error}") from error
+        except PageImageError as error:  # the response names the chunk and a code; the log has the path
+            log.warning("cannot recompute chunk %s: %s", chunk.chunk_id, error)
+            failure = PageImageRefusedError if isinstance(error, PageImageRefused) else UnservableError
+            raise failure(f"cannot recompute chunk {chunk.chunk_id}: {public_reason(error)}") from None
         inputs.append(chunk_inputs(vlm, pages))
     return inputs

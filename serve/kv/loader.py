@@ -15,6 +15,7 @@ unread: the generator compiles it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ import torch
 from pipeline.store import LeaseKeeper, QuantizedKV, ShardCorruptError, ShardReader, Store
 from schemas.api import CacheReport, CacheStats, KVOrigin
 from schemas.config import DType, KVQuant
+from schemas.errors import public_reason
 from serve.config import LoaderConfig
 from serve.kv.lru import ByteLRU
 from serve.kv.pending import is_pending
@@ -33,6 +35,8 @@ from serve.kv.tier import KVTier, TierRead, Walk, fall_through
 from serve.kv.wire import to_wire
 from serve.metrics import serve_metrics
 from serve.plan import Entry, EntryRow, LoadedKV, LoadResult, Plan, Unreadable
+
+log = logging.getLogger(__name__)
 
 LAZY_REASON = "not compiled yet: its tier is compiled on first promotion"  # the generator compiles it
 
@@ -112,7 +116,8 @@ class StoreTier:
             try:
                 (out[entry.key],) = self.shards.load_many([store_row(entry.row)])
             except ShardCorruptError as e:
-                failed[entry.key] = str(e)
+                failed[entry.key] = public_reason(e)  # a response quotes it: the code, not the shard's path
+                log.warning("KV entry %s unreadable: %s", entry.key, e)
                 self.metrics.corrupt_shards.inc()
         return out
 

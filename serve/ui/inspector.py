@@ -15,6 +15,7 @@ quarantine (whose samples name other tenants' inputs).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 
@@ -31,12 +32,14 @@ from pipeline.store import (
     read_generation,
 )
 from schemas.corpus import DEFAULT_COLLECTION
-from schemas.errors import PageImageRefusedError, UnknownIdsError, UnknownTierError
+from schemas.errors import PageImageRefusedError, UnknownIdsError, UnknownTierError, public_reason
 from schemas.generation import counts_within, reads_all
 from schemas.store import ImagesRoot
 from serve.config import StoreBound
 from serve.kv.lru import ByteLRU
 from serve.ui.overview import EntryGroup, QuarantineReason, StoreOverview
+
+log = logging.getLogger(__name__)
 
 QUARANTINE_SAMPLES = 3  # sample inputs shown per quarantine reason
 
@@ -82,13 +85,18 @@ class Inspector:
         collection = row["collection"] or DEFAULT_COLLECTION  # null: written before collections existed
         if not readable(collections, collection):
             raise unknown
+        spec = self.manifest.render.tier(tier)
+        # the range first: a page past the chunk's end costs a layout (or nothing, for a scanned page's one page),
+        # never a render of every page
+        count = 1 if row["image_path"] else self.renderer.page_count(row["text"], spec)
+        if not 0 <= page < count:
+            raise UnknownIdsError(f"chunk {chunk_id!r} has {count} page(s) at tier {tier!r}")
         try:
-            pages, _ = page_images(self.renderer, row["text"], row["image_path"] or None,
-                                   self.manifest.render.tier(tier), images_root=self.images_root)
-        except PageImageRefused as error:
-            raise PageImageRefusedError(f"chunk {chunk_id!r}: {error}") from None
-        if not 0 <= page < len(pages):
-            raise UnknownIdsError(f"chunk {chunk_id!r} has {len(pages)} page(s) at tier {tier!r}")
+            pages, _ = page_images(self.renderer, row["text"], row["image_path"] or None, spec,
+                                   images_root=self.images_root)
+        except PageImageRefused as error:  # the response names the chunk and a code; the log has the path
+            log.warning("chunk %s: %s", chunk_id, error)
+            raise PageImageRefusedError(f"chunk {chunk_id!r}: {public_reason(error)}") from None
         png = encode_png(pages[page])
         with self._lock:
             self.pngs.put(key, (collection, png))

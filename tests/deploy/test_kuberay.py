@@ -10,13 +10,14 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import sys
 
 import jsonschema
 import pytest
 import yaml
 
 from serve.config import AppConfig
-from serve.governance.auth import exposure
+from serve.governance.auth import exposure, key_digest
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -72,7 +73,7 @@ def test_the_schema_check_can_fail(kind):
     assert [f for f in unknown_fields(document, crd_schema(kind)) if f.endswith("replicaz")]
 
 
-def test_the_rayservice_runs_the_shipped_gpu_topology_with_auth():
+def test_the_rayservice_runs_the_shipped_gpu_topology_with_auth(tmp_path):
     serve_config = yaml.safe_load(manifest("RayService")["spec"]["serveConfigV2"])
     shipped = yaml.safe_load((ROOT / "serve" / "config-gpu.yaml").read_text())
     app, reference = serve_config["applications"][0], shipped["applications"][0]
@@ -86,7 +87,59 @@ def test_the_rayservice_runs_the_shipped_gpu_topology_with_auth():
     assert {k: v for k, v in ingress["governance"].items() if k != "auth"} == reference_ingress["governance"]
     config = AppConfig.model_validate(app["args"])  # what the app would validate at start
     assert config.ingress.governance.auth.api_key_sha256_file is not None
-    assert exposure(serve_config["http_options"]["host"], config.ingress.governance.auth) is None  # keys: no refusal
+    keys = tmp_path / "api-keys"  # the Secret as mounted: one key, so the open bind is no refusal
+    keys.write_text(f"{key_digest('key-acme-1')} acme\n")
+    mounted = config.ingress.governance.auth.model_copy(update={"api_key_sha256_file": keys})
+    assert exposure(serve_config["http_options"]["host"], mounted) is None
     volumes = {v["name"]: v for v in manifest("RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
                ["template"]["spec"]["volumes"]}
     assert volumes["api-keys"]["secret"]["secretName"] == "qvpic-api-keys"
+
+
+def network_policies() -> list[dict]:
+    return [d for d in yaml.safe_load_all(MANIFESTS["RayService"].read_text()) if d and d["kind"] == "NetworkPolicy"]
+
+
+def selects(policy: dict, labels: dict) -> bool:
+    wanted = policy["spec"]["podSelector"].get("matchLabels", {})
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
+def open_ports(labels: dict) -> set[int] | None:
+    """Ports of a pod with `labels` that any source may reach (a rule with no `from`); None: no policy selects it,
+    so everything is open."""
+    chosen = [p for p in network_policies() if selects(p, labels) and "Ingress" in p["spec"]["policyTypes"]]
+    if not chosen:
+        return None
+    return {port["port"] for p in chosen for rule in p["spec"].get("ingress", []) if "from" not in rule
+            for port in rule.get("ports", [{"port": "every"}])}
+
+
+def test_network_policies_cover_head_and_workers_and_scope_the_operator_to_its_namespace():
+    """The head opens serve's port alone to anyone; a worker opens nothing to anyone (its dashboard agent and Ray's
+    managers are unauthenticated); a peer from another namespace is admitted only from one named namespace."""
+    port = yaml.safe_load(manifest("RayService")["spec"]["serveConfigV2"])["http_options"]["port"]
+    head = {"ray.io/node-type": "head", "ray.io/is-ray-node": "yes"}  # the labels KubeRay puts on its pods
+    worker = {"ray.io/node-type": "worker", "ray.io/is-ray-node": "yes"}
+    assert open_ports(head) == {port}
+    assert open_ports(worker) == set()
+    peers = [peer for p in network_policies() for rule in p["spec"].get("ingress", []) for peer in rule.get("from", [])]
+    assert peers and not any("ipBlock" in peer for peer in peers)
+    for peer in peers:  # absent: the policy's own namespace; present: one namespace, by its immutable name label
+        if "namespaceSelector" in peer:
+            assert set(peer["namespaceSelector"].get("matchLabels", {})) == {"kubernetes.io/metadata.name"}, peer
+            assert "matchExpressions" not in peer["namespaceSelector"]
+    operator = [peer for peer in peers if "kuberay-operator" in peer.get("podSelector", {}).get("matchLabels", {})
+                .get("app.kubernetes.io/name", "")]
+    assert operator and all("namespaceSelector" in peer for peer in operator)  # it runs in a namespace of its own
+
+
+def test_the_network_policy_check_can_fail(monkeypatch):
+    """Control: the policy as it was (any namespace's pod labelled kuberay-operator; workers unselected) fails."""
+    documents = network_policies()
+    loose = copy.deepcopy(documents[0])
+    loose["spec"]["ingress"][1]["from"][0]["namespaceSelector"] = {}
+    monkeypatch.setattr(sys.modules[__name__], "network_policies", lambda: [loose])
+    assert open_ports({"ray.io/node-type": "worker", "ray.io/is-ray-node": "yes"}) is None  # nothing guards a worker
+    with pytest.raises(AssertionError):
+        test_network_policies_cover_head_and_workers_and_scope_the_operator_to_its_namespace()

@@ -86,3 +86,25 @@ def test_the_ingress_refuses_an_open_bind_that_serve_deploy_would_make(monkeypat
     assert "WARNING: listening on 0.0.0.0" in caplog.text
     monkeypatch.setattr(ingress, "serve_http_host", lambda: "127.0.0.1")
     ingress.refuse_open_bind(IngressConfig())
+
+
+@pytest.mark.parametrize("contents", ["", "\n\n", "# keys are rotated on 2026-12-03\n"])
+def test_an_empty_key_file_is_no_keys(tmp_path, capsys, contents):
+    """A key file counts for the keys it holds: an empty Secret (or one of comments) must not open the bind; the
+    same file holding one key does."""
+    keys = tmp_path / "api-keys"
+    keys.write_text(contents)
+    config = yaml.safe_load(SHIPPED[0].read_text())
+    config["http_options"]["host"] = "0.0.0.0"
+    config["applications"][0]["args"]["ingress"]["governance"]["auth"] = {"api_key_sha256_file": str(keys)}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert run_server.main(["--config", str(path), "--store", "/data/store"]) == 2
+    assert "refusing to listen on 0.0.0.0 with no API keys" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="refusing"):
+        exposure("0.0.0.0", AuthConfig(api_key_sha256_file=keys))
+    keys.write_text(contents + f"{key_digest('key-acme-1')} acme\n")  # the control: one key, and the bind opens
+    assert exposure("0.0.0.0", AuthConfig(api_key_sha256_file=keys)) is None
+    keys.unlink()  # an unmounted Secret: refused, naming the file (not its directory)
+    with pytest.raises(ValueError, match="cannot read the API key file 'api-keys'"):
+        exposure("0.0.0.0", AuthConfig(api_key_sha256_file=keys))

@@ -48,7 +48,7 @@ def test_a_tenant_past_its_cap_waits_and_others_do_not(served):
     async def scenario():
         backend.gate = asyncio.Event()
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qvpic", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             def ask(tenant):
                 return client.post("/v1/answer", json=BODY, headers={**NO_CACHE, "X-Tenant": tenant})
             first = asyncio.create_task(ask("acme"))

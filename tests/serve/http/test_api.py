@@ -38,7 +38,7 @@ def app(roles, serving_store):
 
 def call(app, method: str, path: str, **kwargs) -> httpx.Response:
     async def go() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://qvpic") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
             return await client.request(method, path, **kwargs)
     return asyncio.run(go())
 
@@ -244,6 +244,9 @@ def test_unreadable_kv_is_503_and_an_error_event_once_streaming(roles, serving_s
     streamed = call(broken, "POST", "/v1/answer", json={**body, "stream": True})
     (event,) = [json.loads(e) for e in sse_events(streamed.text)]
     assert event["type"] == "error" and event["status_code"] == 503 and "checksum" in event["detail"]
+    # the corrupt shard's path is the server's: the answers carry a stable code (docs/SECURITY.md)
+    assert "[checksum_mismatch]" in plain.json()["detail"] and "[checksum_mismatch]" in event["detail"]
+    assert str(root) not in plain.text + streamed.text and ".safetensors" not in plain.text + streamed.text
     chat = call(broken, "POST", "/v1/chat/completions", json={
         "model": "qvpic", "messages": [{"role": "user", "content": QUERY}], "stream": True,
         "qvpic": {"chunk_ids": ["recipes#00000"], "mode": "text_pic"}})

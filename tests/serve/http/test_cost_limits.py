@@ -62,7 +62,7 @@ def nested(depth: int) -> dict:
 def post(app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qvpic", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             return await client.post(path, json=body, headers=headers or {})
     return asyncio.run(go())
 
@@ -141,7 +141,7 @@ def test_healthz_answers_while_a_schema_is_being_checked():
 
     async def scenario() -> tuple[int, int]:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qvpic", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             bomb = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers={"X-Tenant": "evil"}))
             while governor.in_flight["evil"] < 1 and not bomb.done():  # its turn is open: it is being checked
                 await asyncio.sleep(0.001)

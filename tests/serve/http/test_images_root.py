@@ -147,6 +147,9 @@ def test_the_inspector_returns_no_pixels_from_outside_the_root(hostile_store: Pa
         with pytest.raises(PageImageRefusedError, match="outside images_root") as refused:
             inspector.page_png(f"{doc}#00000", "low", 0, EVERY)
         assert refused.value.status_code == 422 and doc in str(refused.value)
+        # the stored path and the root are the server's: the answer names the chunk and a stable code instead
+        assert HOSTILE[doc] not in str(refused.value) and str(tree) not in str(refused.value)
+        assert "[outside_images_root]" in str(refused.value)
     assert opened == [str(tree / "scan.png")]  # nothing more was opened
     unset = Inspector(InspectorConfig(store=str(hostile_store)))
     with pytest.raises(PageImageRefusedError, match="no images_root is configured"):
@@ -164,6 +167,8 @@ def test_the_answer_path_refuses_cleanly_and_serves_what_remains(serving_store, 
         reply = call(app, "POST", "/v1/answer", json={**body, "chunk_ids": [f"{doc}#00000"]})
         assert reply.status_code == 422, reply.text
         assert f"{doc}#00000" in reply.json()["detail"] and "outside images_root" in reply.json()["detail"]
+        assert HOSTILE[doc] not in reply.text and str(tree) not in reply.text  # no host path: a code instead
+        assert "[outside_images_root]" in reply.json()["detail"]
     assert set(opened) == {str(tree / "scan.png")}
 
     # a corrupt high entry is rebuilt from the source the store names first by chunk id: a-absolute's
@@ -178,6 +183,7 @@ def test_the_answer_path_refuses_cleanly_and_serves_what_remains(serving_store, 
     assert reply.status_code == 200, reply.text
     (fallback,) = reply.json()["fallbacks"]
     assert (fallback["served_tier"], "outside images_root" in fallback["reason"]) == ("low", True)
+    assert "/etc/passwd" not in reply.text and "[outside_images_root]" in fallback["reason"]
     assert set(opened) == {str(tree / "scan.png")}
 
 

@@ -52,8 +52,8 @@ async def request_then_leave(app, path: str, body: dict, generator) -> list[dict
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"host", b"qvpic")],
-             "client": ("127.0.0.1", 50000), "server": ("qvpic", 80)}
+             "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
+             "client": ("127.0.0.1", 50000), "server": ("localhost", 80)}
     served = asyncio.create_task(app(scope, inbox.get, send))
     if not body["stream"]:
         while not generator.stats().running:

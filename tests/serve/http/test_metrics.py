@@ -126,7 +126,7 @@ def test_crashes_are_counted_as_500(roles, serving_store):
 
     async def crash() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qvpic") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post("/v1/answer",
                                      json={"query": f"{QUERY} {time.time_ns()}", "chunk_ids": ["manual#00000"]})
 

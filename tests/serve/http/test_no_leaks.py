@@ -44,7 +44,7 @@ def app(roles, serving_store):
 def post(app, path: str, body: dict) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qvpic") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post(path, json=body)
     return asyncio.run(go())
 

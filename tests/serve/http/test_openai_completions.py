@@ -141,7 +141,7 @@ def test_logprobs_in_the_legacy_shape(app):
 
 
 def test_the_openai_client_completes_plain_and_streamed(app):
-    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1",
+    client = openai.OpenAI(api_key="none", base_url="http://localhost/v1",
                            http_client=httpx.Client(transport=SyncASGI(app)))
     reference = complete(app)["choices"][0]["text"]
     result = client.completions.create(model="qvpic", prompt=PROMPT, max_tokens=12, temperature=0,
@@ -159,7 +159,7 @@ def test_the_openai_client_completes_plain_and_streamed(app):
 def test_llamaindex_openailike_completes_by_default(app):
     from llama_index.llms.openai_like import OpenAILike
 
-    llm = OpenAILike(model="qvpic", api_base="http://qvpic/v1", api_key="unused", max_tokens=12, temperature=0.0,
+    llm = OpenAILike(model="qvpic", api_base="http://localhost/v1", api_key="unused", max_tokens=12, temperature=0.0,
                      max_retries=0, context_window=1024, http_client=httpx.Client(transport=SyncASGI(app)),
                      additional_kwargs={"extra_body": SELECTION, "extra_headers": NO_CACHE})
     assert not llm.metadata.is_chat_model

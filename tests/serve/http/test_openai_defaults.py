@@ -24,7 +24,7 @@ FOLLOW_UP = {"role": "user", "content": "And the invoice?"}
 
 @pytest.fixture(scope="module")
 def client(app):
-    return openai.OpenAI(api_key="none", base_url="http://qvpic/v1", max_retries=0,
+    return openai.OpenAI(api_key="none", base_url="http://localhost/v1", max_retries=0,
                          http_client=httpx.Client(transport=SyncASGI(app)))
 
 

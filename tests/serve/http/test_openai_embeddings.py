@@ -68,7 +68,7 @@ def test_the_embedders_own_name_is_a_model_and_others_are_404(app):
 
 def test_the_openai_client_embeds(app, stored):
     texts, vectors = stored
-    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1",
+    client = openai.OpenAI(api_key="none", base_url="http://localhost/v1",
                            http_client=httpx.Client(transport=SyncASGI(app)))
     result = client.embeddings.create(model="qvpic", input=texts[:3])  # the client asks for base64 and decodes it
     got = np.asarray([d.embedding for d in result.data], dtype=np.float32)

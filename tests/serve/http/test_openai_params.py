@@ -93,7 +93,7 @@ def test_the_openai_client_sends_every_row(app, route, name, status, example):
     ignored parameter answers, every refused one raises `openai.BadRequestError` whose `param` names it."""
     import httpx
 
-    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1", max_retries=0,
+    client = openai.OpenAI(api_key="none", base_url="http://localhost/v1", max_retries=0,
                            http_client=httpx.Client(transport=SyncASGI(app)))
     base = ROUTES[route][2]
     body = {**base, **(example if isinstance(example, dict) and name in example else {name: example})}
@@ -119,7 +119,7 @@ def test_the_openai_client_reads_the_refusal_as_bad_request(app):
     """`except openai.BadRequestError` catches what the server refuses, with its param."""
     import httpx
 
-    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1",
+    client = openai.OpenAI(api_key="none", base_url="http://localhost/v1",
                            http_client=httpx.Client(transport=SyncASGI(app)))
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="qvpic", messages=BASE["messages"], reasoning_effort="low")

@@ -170,6 +170,31 @@ def test_requests_fail_fast_with_503_while_a_deployment_is_pending(gated):
     assert call(app, "POST", "/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def test_readiness_detail_goes_only_to_a_key_when_keys_are_configured(roles, serving_store):
+    """With keys, `/readyz` stays open (a probe has no key) but tells a keyless caller only ready or not; the gate's
+    503 (which answers before the key check) names no deployment either. A valid key reads everything."""
+    from serve.governance import key_digest
+    from tests.serve.governance.test_budget import governed_app
+
+    app, governor = governed_app(roles, serving_store, auth={"api_key_sha256": {key_digest("key-acme-1"): "acme"}})
+    install_readiness(app, ReadinessProbe("qvpic", FakeController(), refresh_s=0.0), governor.rejected,
+                      auth=governor.auth)
+    internals = ("Generator", "GPU", "CPU", "replica")
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        readyz = call(app, "GET", "/readyz", headers=headers)
+        assert readyz.status_code == 503 and readyz.json()["ready"] is False
+        assert readyz.json()["pending"] == [] and readyz.json()["deployments"] == []
+        assert not any(word in readyz.text for word in internals), readyz.text
+        gate = call(app, "POST", "/v1/answer", json=ANSWER, headers=headers)
+        assert gate.status_code == 503 and not any(word in gate.text for word in internals), gate.text
+    key = {"Authorization": "Bearer key-acme-1"}
+    readyz = call(app, "GET", "/readyz", headers=key)
+    assert readyz.status_code == 503 and readyz.json()["pending"] == ["Generator"]
+    assert "one replica needs GPU 1" in readyz.json()["detail"]
+    gate = call(app, "POST", "/v1/answer", json=ANSWER, headers=key)
+    assert gate.status_code == 503 and "Generator: one replica needs GPU 1" in gate.json()["detail"]
+
+
 def test_an_unreachable_controller_fails_readiness_but_not_traffic(gated):
     gated.controller.fail = True
     readyz = call(gated.app, "GET", "/readyz")

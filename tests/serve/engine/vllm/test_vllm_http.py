@@ -28,7 +28,7 @@ def apps(stacks):
 
 def call(app, path: str, body: dict) -> httpx.Response:
     async def go() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://qvpic") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
             return await client.post(path, json=body, headers=NO_CACHE)
     return asyncio.run(go())
 
@@ -75,8 +75,8 @@ def test_the_openai_sdk_reads_it(apps):
 
     from tests.serve.http.test_openai_params import SyncASGI
 
-    client = openai.OpenAI(api_key="none", base_url="http://qvpic/v1",
-                           http_client=httpx.Client(transport=SyncASGI(apps[1]), base_url="http://qvpic"))
+    client = openai.OpenAI(api_key="none", base_url="http://localhost/v1",
+                           http_client=httpx.Client(transport=SyncASGI(apps[1]), base_url="http://localhost"))
     reply = client.chat.completions.create(model="qvpic", messages=[{"role": "user", "content": QUESTION}],
                                            max_tokens=10, temperature=0, extra_body=SELECTION,
                                            extra_headers=NO_CACHE)
