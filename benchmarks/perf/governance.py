@@ -75,7 +75,7 @@ def measure(apps: dict[str, object], chunk_ids: list[str], query: str,
         return elapsed_ms, elapsed_ms - sum(timings[phase] for phase in PHASES)
 
     async def run() -> dict[str, list[tuple[float, float]]]:
-        clients = {name: httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench")
+        clients = {name: httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
                    for name, app in apps.items()}
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in apps}
         for round_index in range(rounds + 1):  # round 0 warms up

@@ -1,5 +1,6 @@
 """The clients users already have, against a live `qvpic serve` (the CLI's own defaults, no --config): the openai
-SDK, LangChain's `ChatOpenAI` and `OpenAIEmbeddings`, LlamaIndex's `OpenAILike` and Open WebUI's call sequence —
+SDK, LangChain's `ChatOpenAI` and `OpenAIEmbeddings`, LlamaIndex's `OpenAILike`, LiteLLM and Open WebUI's call
+sequence —
 with system prompts, history, an image, the standard RAG chain, streaming and batches. Each test asserts on what
 came back (status, text, token counts, the prefix cache's share of a follow-up), not only that nothing raised."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -264,6 +266,27 @@ def test_langchain_openai_embeddings(base_url, api):
     with pytest.raises(openai.BadRequestError) as error:
         api.embeddings.create(model="qvpic", input=[[1923, 374, 1778]])  # what its default sends
     assert "check_embedding_ctx_length=False" in error.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_litellm_vllm_provider_with_sampling_extras(base_url, stream):
+    """LiteLLM's vLLM provider (`hosted_vllm/`, OpenAI-compatible) sends vLLM's sampling extras as body fields:
+    top_k 1 at temperature 1.5 is greedy, as temperature 0 is."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list from GitHub
+    import litellm
+
+    common = dict(model="hosted_vllm/qvpic", api_base=base_url, api_key="unused", max_tokens=6, num_retries=0,
+                  messages=[{"role": "user", "content": "Which part ships on 12 March?"}], timeout=START_TIMEOUT_S)
+    greedy = litellm.completion(**common, temperature=0)
+    extras = litellm.completion(**common, temperature=1.5, top_k=1, repetition_penalty=1.0, min_tokens=1,
+                                stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+    assert greedy.choices[0].finish_reason in ("stop", "length") and greedy.usage.completion_tokens >= 1
+    if stream:
+        chunks = list(extras)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = extras.choices[0].message.content
+    assert text == greedy.choices[0].message.content  # top_k 1 at temperature 1.5: greedy
 
 
 def test_the_server_logs_nothing_alarming(base_url, tmp_path_factory):

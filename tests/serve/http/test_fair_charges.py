@@ -51,7 +51,7 @@ def served(governance: dict | None = None):
 
 def client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://qvpic", timeout=60)
+                             base_url="http://localhost", timeout=60)
 
 
 def post(app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:

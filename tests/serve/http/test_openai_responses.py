@@ -48,7 +48,7 @@ def app(roles, serving_store):
 
 
 def sdk(app, tenant: str = "acme") -> openai.OpenAI:
-    return openai.OpenAI(api_key=KEYS[tenant], base_url="http://qvpic/v1", max_retries=0,
+    return openai.OpenAI(api_key=KEYS[tenant], base_url="http://localhost/v1", max_retries=0,
                          http_client=httpx.Client(transport=SyncASGI(app)))
 
 

@@ -42,7 +42,7 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(app):  # noqa: F811
-    return openai.OpenAI(api_key="none", base_url="http://qvpic/v1", max_retries=0,
+    return openai.OpenAI(api_key="none", base_url="http://localhost/v1", max_retries=0,
                          http_client=httpx.Client(transport=SyncASGI(app)))
 
 
