@@ -19,8 +19,8 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 from schemas.api import Label, ResponseCacheLevel
 from schemas.config import Frozen
 from schemas.corpus import ALL_COLLECTIONS, COLLECTION_PATTERN, DEFAULT_COLLECTION
+from schemas.redis_url import RedisUrlField
 from schemas.store import StoreSpec
-from serve.governance.redis_url import RedisUrlField
 
 
 class StateBackend(str, Enum):

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import redis
 
-from serve.governance.redis_url import redacted, scrub
+from schemas.redis_url import redacted, scrub
 from serve.metrics import serve_metrics
 
 T = TypeVar("T")

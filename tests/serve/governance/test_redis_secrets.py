@@ -10,9 +10,9 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from schemas.redis_url import redacted
 from serve.config import AppConfig
 from serve.governance.config import GovernanceConfig
-from serve.governance.redis_url import redacted
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable
 
 PASSWORD = "hunter2-s3cr3t"
