@@ -184,8 +184,8 @@ def qvpic_serve(cluster: RayCluster, bucket: str, port: int, config: Path, *flag
                 env: dict[str, str] | None = None) -> str:
     """`qvpic serve --detach` of `config` over the cluster's store (returns once every deployment runs); its URL."""
     done = cluster.qvpic("serve", "--address", cluster.address, "--detach", "--config", str(config), "--store",
-                         cluster.store_uri(bucket), "--endpoint-url", cluster.s3.endpoint_url, *SERVED_OVERRIDES, *flags,
-                         "--host", LOOPBACK, "--port", str(port), env=env)
+                         cluster.store_uri(bucket), "--endpoint-url", cluster.s3.endpoint_url, *SERVED_OVERRIDES,
+                         *flags, "--host", LOOPBACK, "--port", str(port), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return f"http://{LOOPBACK}:{port}"
 
