@@ -274,9 +274,9 @@ def report(victims: dict[str, Victim], health: dict[str, Health], hostile_tenant
             + (f"\n\nNot refused (served, or past the client's {CLIENT_TIMEOUT_S:.0f} s: `hang`): "
                + ", ".join(unrefused) + "." if unrefused else "")
             + "\n\nThe CI-sized check is `tests/serve/governance/test_hostile_tenant.py` (no timing asserted but a "
-              "2 s bound on `/healthz` as a hang detector; its store's context is 1,024 tokens, so the image and "
-              "`n=8` are 400s there; the 2,048-input embedding stays out of its loop, a strict xfail until it is "
-              "charged by its cost).")
+              "10 s bound on `/healthz` as a hang detector; its store's context is 1,024 tokens, so the image and "
+              "`n=8` are 400s there; the 2,048-input embedding has its own test: charged before it runs, two at "
+              "once admit one and refuse the other, and b is answered meanwhile).")
 
 
 def _machine() -> str:
