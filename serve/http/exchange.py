@@ -28,9 +28,10 @@ from serve.plan import Answer, Embedded, Plan
 
 # Each route's name for the answer's length and for its log-probability alternatives: a 400 names the client's field
 MAX_TOKENS_PARAM = {Route.ANSWER: "max_new_tokens", Route.ESTIMATE: "max_new_tokens", Route.CHAT: "max_tokens",
-                    Route.COMPLETIONS: "max_tokens"}
+                    Route.COMPLETIONS: "max_tokens", Route.RESPONSES: "max_output_tokens"}
+# /v1/responses asks for log-probabilities through `include` (its top_logprobs is refused)
 LOGPROBS_PARAM = {Route.ANSWER: "top_logprobs", Route.ESTIMATE: "top_logprobs", Route.CHAT: "top_logprobs",
-                  Route.COMPLETIONS: "logprobs"}
+                  Route.COMPLETIONS: "logprobs", Route.RESPONSES: "include"}
 
 
 def tenant_salt(tenant: str) -> bytes:

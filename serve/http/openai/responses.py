@@ -22,7 +22,7 @@ from fastapi.routing import APIRoute
 from schemas.api import FinishReason
 from schemas.chat import OpenAIErrorBody
 from schemas.conversation import Message
-from schemas.errors import UnknownResponseError
+from schemas.errors import InvalidRequestError, UnknownResponseError
 from schemas.response_objects import (
     DeletedResponse,
     IncompleteDetails,
@@ -96,6 +96,17 @@ class StoredRoute(APIRoute):
 STORED_METHODS = ("GET", "DELETE")
 
 
+def input_param(param: str | None, offset: int) -> str | None:
+    """A chat message's field as the Responses request's: `messages[k]…` is `input[k - offset]…`, `offset` the
+    messages before the input's (instructions, a stored response's history). An input item that merges into the
+    message before it (a function call into its assistant turn) shifts the ones after it: the index is then
+    approximate, the rest of the path exact."""
+    if param is None or not param.startswith("messages["):
+        return param
+    index, rest = param.removeprefix("messages[").split("]", 1)
+    return f"input[{max(0, int(index) - offset)}]{rest}" if index.isdigit() else param
+
+
 def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRouter:
     routes, stored_routes = APIRouter(tags=["openai"]), APIRouter(tags=["openai"], route_class=StoredRoute)
     governor: Governor = turns.governor
@@ -116,7 +127,12 @@ def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRout
         except ValueError as error:  # named by its field: a 400 (serve/http/openai/errors.py `openai_invalid`)
             raise RequestValidationError([{"type": "value_error", "loc": ("body",), "msg": str(error),
                                            "input": None}]) from None
-        exchange = await turns.begin(http, answer_request(chat, api), Route.RESPONSES, tools_path="tools[{i}]")
+        try:
+            exchange = await turns.begin(http, answer_request(chat, api), Route.RESPONSES, tools_path="tools[{i}]")
+        except InvalidRequestError as error:  # named on the chat it became (an image URL's fetch): named on `input`
+            error.param = input_param(error.param, (request.instructions is not None) + len(history))
+            raise
+
         await exchange.admit()
         response_id = f"resp_{uuid.uuid4().hex}"
         snapshot, tools = echoed(request, response_id, created), chat.tool_use

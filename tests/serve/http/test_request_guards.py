@@ -17,7 +17,7 @@ from tests.support.store_factory import roles, serving_store  # noqa: F401  (fix
 
 KEY = "key-acme-1"
 JSON_ROUTES = {"/v1/answer", "/v1/estimate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-               "/tokenize", "/detokenize"}
+               "/v1/responses", "/tokenize", "/detokenize"}
 
 
 @pytest.fixture(scope="module")
