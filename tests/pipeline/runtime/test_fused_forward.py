@@ -28,13 +28,14 @@ def vlm(request) -> VLM:
     return VLM(ModelSpec(path=request.param))
 
 
-def ragged_slab(vlm: VLM, seed: int = 0, room: int = 8) -> Slab:
-    """Three rows with contexts of different lengths at different positions, room for `room` more tokens each."""
+def ragged_slab(vlm: VLM, seed: int = 0, room: int = 8, context: list[int] = CONTEXT) -> Slab:
+    """Rows (three by default) with contexts of different lengths at different positions, room for `room` more
+    tokens each."""
     shape = vlm.prefix.kv  # [layers, 2, kv_heads, tokens, head_dim]
     generator = torch.Generator().manual_seed(seed)
-    slab = Slab.empty(shape.shape[0], len(CONTEXT), shape.shape[2], max(CONTEXT) + room, shape.shape[4], vlm.dtype,
+    slab = Slab.empty(shape.shape[0], len(context), shape.shape[2], max(context) + room, shape.shape[4], vlm.dtype,
                       vlm.device)
-    for row, length in enumerate(CONTEXT):
+    for row, length in enumerate(context):
         slab.kv[:, :, row, :, :length] = torch.randn(shape.shape[0], 2, shape.shape[2], length, shape.shape[4],
                                                      generator=generator)
         slab.valid[row, :length] = True

@@ -12,8 +12,9 @@ import torch
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.model import VLM
 from schemas.config import ForwardSpec, ModelSpec
-from serve.engine.qvpic.batch import Slab, decode_step
+from serve.engine.qvpic.batch import decode_step
 from serve.engine.qvpic.slab import bucket_width
+from tests.pipeline.runtime.test_fused_forward import ragged_slab
 
 EXACT = 1e-5  # the suite's fp32 tolerance (tests/pipeline/runtime/test_runtime_exactness.py)
 STEPS = 30
@@ -36,16 +37,7 @@ def vlm() -> VLM:
 
 def decode(vlm: VLM, bucketed: bool) -> tuple[list[int], list[torch.Tensor]]:
     """`STEPS` greedy decode steps over two ragged rows: the width each forward read, the logits of each step."""
-    shape = vlm.prefix.kv
-    generator = torch.Generator().manual_seed(0)
-    slab = Slab.empty(shape.shape[0], len(CONTEXT), shape.shape[2], max(CONTEXT) + STEPS, shape.shape[4], vlm.dtype,
-                      vlm.device)
-    for row, length in enumerate(CONTEXT):
-        slab.kv[:, :, row, :, :length] = torch.randn(shape.shape[0], 2, shape.shape[2], length, shape.shape[4],
-                                                     generator=generator)
-        slab.valid[row, :length] = True
-        slab.lengths[row], slab.next_positions[row] = length, 100 * row + length
-    slab.read_back()
+    slab = ragged_slab(vlm, room=STEPS, context=CONTEXT)
     slab.bucketed = bucketed  # what a CUDA slab sets
     widths, logits, tokens = [], [], [5, 9]
     for _ in range(STEPS):
