@@ -39,7 +39,8 @@ from serve.engine.interface import Engine, EngineStats  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
 from serve.engine.stops import StopMatcher  # noqa: E402
 from serve.engine.vllm.arguments import cpu_binding, engine_args  # noqa: E402
-from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, HISTORY_KEY, REQUEST_KEY, Claim  # noqa: E402
+from serve.engine.vllm.claims import CLAIM_KEY, CLAIMS, HISTORY_KEY, REQUEST_KEY, Claim  # noqa: E402
+from serve.engine.vllm.outputs import count_prompt, logprob_entry  # noqa: E402
 from serve.engine.vllm.prompt import VllmPrompt, check, vllm_prompt  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -270,15 +271,7 @@ class VllmEngine(Engine):
             if not seq.token_ids and seq.status is Status.WAITING:  # its first tokens: the prompt's accounting
                 seq.status = Status.RUNNING
                 seq.prefill_ms = elapsed_ms - seq.reanchor_ms  # vLLM's queue and prefill, and the claim's load
-                # vLLM counts its own prefix-cache hits and the connector's load together; the columns of a
-                # history pass were computed for this request (cached: what that pass found in the prefix cache)
-                key = self._running[output.request_id][1]
-                claim = CLAIMS.get(key)
-                start, end = claim.loads.get(output.request_id, (0, 0)) if claim is not None else (0, 0)
-                offset = claim.offset if claim is not None else 0
-                seq.linked_tokens = max(0, end - max(start, offset))
-                seq.prefix_cached_tokens = (claim.history_cached + max(0, start - offset) if offset
-                                            else (output.num_cached_tokens or 0) - (end - start))
+                count_prompt(seq, CLAIMS.get(self._running[output.request_id][1]), output)
             else:
                 seq.decode_ms = elapsed_ms - seq.reanchor_ms - seq.prefill_ms
             # vLLM's own end: the tokenizer's eos (stop_reason None), which a completed grammar samples; qvpic's
@@ -313,8 +306,3 @@ class VllmEngine(Engine):
             self.ended[end.value] += 1
         seq.finish(end, error)
 
-
-def logprob_entry(step: dict, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """vLLM's logprobs of one step (`{token id: Logprob}`) as qvpic's entry: the token's, then the `top` best."""
-    best = sorted(step.items(), key=lambda item: item[1].rank)[:top]
-    return step[token].logprob, tuple((int(t), float(lp.logprob)) for t, lp in best)

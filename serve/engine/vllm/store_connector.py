@@ -17,7 +17,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from schemas.config import ModelSpec
-from serve.engine.vllm.connector import CLAIM_KEY, CLAIMS, REQUEST_KEY, Claim, QvpicConnector
+from serve.engine.vllm.claims import CLAIM_KEY, CLAIMS, REQUEST_KEY, Claim
+from serve.engine.vllm.connector import QvpicConnector
 from serve.engine.vllm.store_plan import PLAN_KEY, PlanClaims, PlanRefused, StorePlan
 
 if TYPE_CHECKING:

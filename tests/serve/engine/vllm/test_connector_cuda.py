@@ -20,7 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 pytest.importorskip("vllm")
 
 from serve.engine.vllm import connector as connector_module  # noqa: E402
-from serve.engine.vllm.connector import Claim, Load, QvpicConnector, QvpicConnectorMetadata  # noqa: E402
+from serve.engine.vllm.claims import Claim  # noqa: E402
+from serve.engine.vllm.connector import Load, QvpicConnector, QvpicConnectorMetadata  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 LAYERS, HEADS, HEAD_DIM, BLOCK, BLOCKS, TOKENS = 2, 2, 64, 16, 8, 40

@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 
 from pipeline.runtime import VLM  # noqa: E402
 from schemas.api import AnswerRequest  # noqa: E402
+from serve.engine.vllm import claims as claims_module  # noqa: E402
 from serve.engine.vllm import connector as connector_module  # noqa: E402
 from serve.engine.vllm import prompt as prompt_module  # noqa: E402
 from serve.engine.vllm.engine import VllmEngine  # noqa: E402
@@ -108,7 +109,7 @@ def free_blocks(stack) -> int:
 def settled(stack, timeout_s: float = 10.0) -> int:
     """The free blocks once the engine's thread has handed back what it can."""
     deadline = time.monotonic() + timeout_s
-    while connector_module.CLAIMS.releasable and time.monotonic() < deadline:
+    while claims_module.CLAIMS.releasable and time.monotonic() < deadline:
         time.sleep(0.02)
     return free_blocks(stack)
 
@@ -118,9 +119,9 @@ def test_the_history_blocks_are_handed_back_once_the_answer_ends(stacks, monkeyp
     on_vllm.generator.clear_prefix_cache()
     idle = settled(on_vllm)
     follow_ups(on_vllm)
-    assert settled(on_vllm) == idle and not connector_module.CLAIMS.holding
+    assert settled(on_vllm) == idle and not claims_module.CLAIMS.holding
     # control: claims that never release their history pass keep its blocks out of vLLM's pool
-    monkeypatch.setattr(connector_module.Claims, "released", lambda self: set())
+    monkeypatch.setattr(claims_module.Claims, "released", lambda self: set())
     request = AnswerRequest(query=QUESTION, messages=conversation(OPENINGS[0]), top_k=2, max_new_tokens=2)
     asyncio.run(on_vllm.answer(request))
     assert settled(on_vllm, timeout_s=0.5) < idle
