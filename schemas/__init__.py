@@ -6,7 +6,9 @@ module that states it — each module is one kind of contract:
     store.py       the manifest, cache keys, shard entries, store statistics
     tables.py      Arrow schemas of the index, chunk and quarantine tables and their row rules
     generation.py  serving generations, leases, search and reload specs
-    api.py         the native HTTP API's request and response models
+    api.py         the native HTTP API's requests
+    report.py      what it answers: an answer's report, estimates, stream events
+    service.py     the service's own routes: liveness, the store's status
     chat.py        the OpenAI-compatible models
     errors.py      API errors and their HTTP status
     health.py      readiness

@@ -16,7 +16,6 @@ from schemas.api import (
     MAX_QUERY_CHARS,
     MAX_SEED,
     MAX_TIMEOUT_S,
-    AnswerReport,
     Attribution,
     FinishReason,
     Routing,
@@ -26,6 +25,7 @@ from schemas.api import (
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation, last_user_index
 from schemas.decoding import ChoiceLogprobs, Decoding
 from schemas.extras import TopK
+from schemas.report import AnswerReport
 from schemas.sampling import MAX_CHOICES
 from schemas.tools import MAX_TOOLS, FunctionDef, NamedFunction, NamedToolChoice, ToolChoice, ToolDef, ToolUse
 from schemas.wire import JsonBool, JsonFloat, JsonInt, NullIsDefault, Strict

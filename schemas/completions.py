@@ -11,11 +11,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.api import MAX_NEW_TOKENS, MAX_SEED, AnswerReport, FinishReason
+from schemas.api import MAX_NEW_TOKENS, MAX_SEED, FinishReason
 from schemas.chat import ChatCompletionRequest, ChatUsage, QvpicOptions, StreamOptions
 from schemas.conversation import MAX_TEXT_CHARS, Message
 from schemas.decoding import ChoiceLogprobs, Controls
 from schemas.extras import TopK
+from schemas.report import AnswerReport
 from schemas.sampling import MAX_CHOICES
 from schemas.wire import JsonBool, JsonFloat, JsonInt, NullIsDefault, Strict, Utf8Str
 

@@ -1,6 +1,6 @@
 """Wire contract of `GET /readyz`: whether every deployment of the application can take requests.
 
-`GET /healthz` is liveness (the ingress answers at all, schemas/api.py `Health`); readiness says
+`GET /healthz` is liveness (the ingress answers at all, schemas/service.py `Health`); readiness says
 whether a request would be served now, and when not, which deployment it would wait for and why.
 """
 

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from schemas.api import AnswerReport
 from schemas.decoding import TokenLogprob
+from schemas.report import AnswerReport
 
 
 class ResponseStatus(str, Enum):

@@ -30,7 +30,7 @@ from pipeline.store import (
     read_generation,
     require_recorded_parts,
 )
-from schemas.api import StoreInfo
+from schemas.service import StoreInfo
 from serve.config import ApiSpec, AppConfig, DeploymentConfig, Dispatch, LoaderPlacement
 from serve.dispatch import AffinityDispatcher
 from serve.engine import Generator

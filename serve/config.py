@@ -20,9 +20,10 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from schemas.api import MAX_TIMEOUT_S, StoreInfo
+from schemas.api import MAX_TIMEOUT_S
 from schemas.config import EngineConfig, EngineKind, Frozen, ImageUrlsSpec, ModelSpec, RecomputeSpec, RouterSpec
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
+from schemas.service import StoreInfo
 from schemas.store import ImagesRoot, StoreSpec
 from serve.governance.config import GovernanceConfig
 

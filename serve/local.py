@@ -18,8 +18,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from schemas.api import AnswerRequest, CacheStats
+from schemas.api import AnswerRequest
 from schemas.sampling import Sampling
+from schemas.service import CacheStats
 from schemas.utility import TokenizeRequest
 from serve.app import api_spec, preflight
 from serve.config import AppConfig

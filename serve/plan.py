@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from schemas.api import AnswerReport, CacheReport, FallbackReport, FinishReason, KVOrigin, TierReason
+from schemas.api import FinishReason
 from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
 from schemas.decoding import ChoiceLogprobs, TokenLogprob
 from schemas.prompt import PromptLayout
+from schemas.report import AnswerReport, CacheReport, FallbackReport, KVOrigin, TierReason
 from schemas.store import CacheKey
 
 Pages = tuple[tuple[int, ...], ...]  # one tuple per page: [t, h, w] grids, [width, height] sizes

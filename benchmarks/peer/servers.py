@@ -130,7 +130,7 @@ def _healthy(url: str) -> bool:
 
 def measure(spec: ModelSpec, corpus, loads, max_images: int, modes, representations, log_path) -> dict:
     """{(engine, workload, mode or representation): {"ms": [...], "tokens": [...], "timings": [...]}} over
-    HTTP, interleaved; `timings`: qvpic's own account of each request (schemas.api.Timings), vLLM's empty.
+    HTTP, interleaved; `timings`: qvpic's own account of each request (schemas.report.Timings), vLLM's empty.
     Engine "serve", mode "floor": Ray Serve's own cost of a request of qvpic's topology (serve_floor.py), sent
     after qvpic's modes each round; its `timings` are the floor ingress's (`serve_floor.HOPS`)."""
     out = defaultdict(lambda: {"ms": [], "tokens": [], "timings": []})

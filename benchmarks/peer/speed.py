@@ -130,7 +130,7 @@ def run(spec: ModelSpec, quick: bool, workdir: Path) -> str:
                   time.perf_counter() - started, build_s)
 
 
-PHASES = ("route_ms", "load_ms", "queue_ms", "reanchor_ms", "prefill_ms", "total_ms")  # schemas.api.Timings
+PHASES = ("route_ms", "load_ms", "queue_ms", "reanchor_ms", "prefill_ms", "total_ms")  # schemas.report.Timings
 SERVER_PHASES = PHASES[:-1]  # the server's work on a request; the rest of its HTTP time is transport
 
 

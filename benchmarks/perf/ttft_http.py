@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from schemas.api import AnswerRequest  # module level: FastAPI resolves the handler's annotation here
+from schemas.api import AnswerRequest
 from schemas.config import Mode, ModelSpec
 
 APP_NAME = "qvpic-ttft"

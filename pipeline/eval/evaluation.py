@@ -35,9 +35,10 @@ import httpx
 
 from pipeline.eval.longbench import QAItem
 from pipeline.store import Store
-from schemas.api import AnswerReport, AnswerRequest, AnswerResponse, StreamEventType
+from schemas.api import AnswerRequest
 from schemas.config import Mode, RenderSpec, Variant
 from schemas.errors import ApiError
+from schemas.report import AnswerReport, AnswerResponse, StreamEventType
 
 MODE_CONTEXT: dict[Mode, str] = {
     Mode.FULL_TEXT: "every chunk's source text, prefilled online with the query in one forward pass",

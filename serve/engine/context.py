@@ -20,9 +20,9 @@ from PIL import Image
 
 from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
 from pipeline.store import PageImageError, PageImageRefused, page_images
-from schemas.api import CacheReport, FallbackReport, KVOrigin
 from schemas.config import ChunkKind, RecomputeSpec, RenderSpec
 from schemas.errors import PageImageRefusedError, UnservableError, public_reason
+from schemas.report import CacheReport, FallbackReport, KVOrigin
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer
 from serve.kv import HotTier, KVSource, kv_tensor, recompute_inputs

@@ -34,11 +34,11 @@ import torch
 
 from pipeline.runtime import VLM, Renderer, check_store, in_passing_thread, serial_here
 from pipeline.store import Store, check_device
-from schemas.api import CacheStats
 from schemas.config import EngineConfig, EngineKind
 from schemas.decoding import ChoiceLogprobs, TokenLogprob, TopLogprob
 from schemas.errors import DeadlineExceededError, InvalidRequestError
 from schemas.sampling import Sampling
+from schemas.service import CacheStats
 from serve.config import GeneratorConfig
 from serve.engine.context import ContextBuilder
 from serve.engine.detokenizer import Detokenizer, token_text

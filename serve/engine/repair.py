@@ -20,8 +20,8 @@ import torch
 
 from pipeline.runtime import VLM, ChunkKV, Renderer, off_loop
 from pipeline.store import Store, build_sized_entry, stored
-from schemas.api import FallbackReport
 from schemas.errors import UnservableError, public_reason
+from schemas.report import FallbackReport
 from schemas.store import Manifest
 from serve.kv import LazyTier, is_pending, to_wire
 from serve.metrics import serve_metrics

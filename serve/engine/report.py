@@ -3,7 +3,8 @@ time went."""
 
 from __future__ import annotations
 
-from schemas.api import AnswerReport, ChunkReport, FinishReason, Timings, TokenUsage
+from schemas.api import FinishReason
+from schemas.report import AnswerReport, ChunkReport, Timings, TokenUsage
 from serve.engine.context import Context
 from serve.engine.sequence import End, Sequence
 from serve.plan import Plan

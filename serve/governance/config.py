@@ -16,10 +16,11 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from schemas.api import Label, ResponseCacheLevel
+from schemas.api import Label
 from schemas.config import Frozen
 from schemas.corpus import ALL_COLLECTIONS, COLLECTION_PATTERN, DEFAULT_COLLECTION
 from schemas.redis_url import RedisUrlField
+from schemas.report import ResponseCacheLevel
 from schemas.store import StoreSpec
 
 

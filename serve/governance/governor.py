@@ -20,8 +20,9 @@ from enum import Enum
 
 from fastapi import Request
 
-from schemas.api import AnswerRequest, StoreInfo
+from schemas.api import AnswerRequest
 from schemas.errors import InvalidRequestError, TooManyInFlightError
+from schemas.service import StoreInfo
 from serve.governance.auth import Authenticator, header_label
 from serve.governance.budget import RateLimiter, token_budget
 from serve.governance.config import GovernanceConfig, Limit, StateBackend

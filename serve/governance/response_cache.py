@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 from pydantic import BaseModel
 
-from schemas.api import AnswerReport, ResponseCacheLevel
+from schemas.report import AnswerReport, ResponseCacheLevel
 from schemas.sampling import Sampling
 from serve.governance.config import ResponseCacheConfig
 from serve.governance.shared_state import RedisConnection, SharedStateUnavailable

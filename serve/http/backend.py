@@ -28,8 +28,9 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerC
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from schemas.api import AnswerRequest, CacheStats
+from schemas.api import AnswerRequest
 from schemas.sampling import Sampling
+from schemas.service import CacheStats
 from schemas.utility import TokenizeRequest
 from serve.handles import cancelling
 from serve.metrics import serve_metrics

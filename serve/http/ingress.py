@@ -19,19 +19,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from schemas.api import (
-    AnswerRequest,
-    AnswerResponse,
-    BudgetErrorBody,
-    ErrorBody,
-    EstimateResponse,
-    Health,
-    StoreStatus,
-    StreamDelta,
-    StreamDone,
-    StreamError,
-)
+from schemas.api import AnswerRequest, BudgetErrorBody, ErrorBody
 from schemas.errors import ApiError
+from schemas.report import AnswerResponse, EstimateResponse, StreamDelta, StreamDone, StreamError
+from schemas.service import Health, StoreStatus
 from serve.config import ApiSpec, IngressConfig
 from serve.governance import Governor, Route
 from serve.governance.auth import exposure

@@ -18,9 +18,9 @@ import importlib.metadata
 
 from fastapi import APIRouter
 
-from schemas.api import Health
 from schemas.chat import OpenAIErrorBody
 from schemas.errors import UnknownModelError
+from schemas.service import Health
 from schemas.utility import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, Version
 from serve.config import ApiSpec
 from serve.http.backend import Backend

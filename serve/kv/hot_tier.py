@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.runtime import ChunkKV
-from schemas.api import CacheStats, KVOrigin
+from schemas.report import KVOrigin
+from schemas.service import CacheStats
 from serve.kv.lru import ByteLRU
 from serve.kv.tier import TierRead
 from serve.metrics import serve_metrics

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from pipeline.store import LeaseKeeper, QuantizedKV, ShardCorruptError, ShardReader, Store
-from schemas.api import CacheReport, CacheStats, KVOrigin
 from schemas.config import DType, KVQuant
 from schemas.errors import public_reason
+from schemas.report import CacheReport, KVOrigin
+from schemas.service import CacheStats
 from serve.config import LoaderConfig
 from serve.kv.lru import ByteLRU
 from serve.kv.pending import is_pending

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from schemas.api import CacheStats
+from schemas.service import CacheStats
 
 V = TypeVar("V")
 

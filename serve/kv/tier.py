@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from schemas.api import KVOrigin
+from schemas.report import KVOrigin
 from serve.plan import Entry
 
 V = TypeVar("V")

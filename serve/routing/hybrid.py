@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Sequence
 from enum import Enum
 
-from schemas.api import TierReason
 from schemas.config import HybridSpec, Variant
+from schemas.report import TierReason
 from serve.plan import Entry, PlannedChunk
 
 TEXT_VARIANT = Variant.TEXT  # compiled under the template prefix, like the pages qvpic links

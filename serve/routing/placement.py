@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from schemas.api import FallbackReport, TierReason
 from schemas.config import ChunkKind, Mode, RouterSpec, ScoreNormalisation, TierDefault, TierSpec, Variant
 from schemas.errors import UnknownTierError, UnservableError
+from schemas.report import FallbackReport, TierReason
 from serve.kv import PendingPlanner
 from serve.plan import Entry, PlannedChunk, entry_of
 from serve.routing.hybrid import TEXT_VARIANT, apply_rule, cheaper_as_text

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from schemas.api import CacheStats
 from schemas.config import KVQuant, Variant
+from schemas.service import CacheStats
 from schemas.wire import Strict
 
 

@@ -21,7 +21,8 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from ray.serve.handle import DeploymentHandle
 
-from schemas.api import CacheStats, StoreId
+from schemas.api import StoreId
+from schemas.service import CacheStats
 from serve.governance import Governor
 from serve.ui.overview import CacheTier, UiStore
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from schemas.api import AnswerReport, FinishReason
+from schemas.api import FinishReason
 from schemas.chat import (
     ChatCompletionChunk,
     ChatUsage,
@@ -27,6 +27,7 @@ from schemas.chat import (
     ToolCallDelta,
 )
 from schemas.decoding import ChoiceLogprobs, TokenLogprob
+from schemas.report import AnswerReport
 from schemas.tools import ToolUse
 from serve.http.backend import api_error, sse
 from serve.http.openai.errors import openai_error_body

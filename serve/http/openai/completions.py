@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from schemas.api import AnswerReport
 from schemas.chat import ChatUsage, PromptTokensDetails
 from schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from schemas.report import AnswerReport
 from serve.config import ApiSpec
 from serve.governance import Route
 from serve.http.backend import api_error, error_status, sse

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pipeline.runtime import VLM
-from schemas.api import AnswerRequest, FinishReason, KVOrigin
+from schemas.api import AnswerRequest, FinishReason
 from schemas.config import DType, Mode, ModelSpec
+from schemas.report import KVOrigin
 from schemas.sampling import Sampling
 from serve.config import LoaderConfig
 from serve.kv import CacheLoader, GivenKV, HotTier, LocalLoader, from_wire, store_row, to_wire

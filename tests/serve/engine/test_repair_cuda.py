@@ -17,8 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from pipeline.runtime import ChunkKV
 from pipeline.store import QuantizedKV
 from pipeline.store.kv_quant import record_nbytes
-from schemas.api import CacheReport
 from schemas.config import ChunkKind, DType, KVQuant, Variant
+from schemas.report import CacheReport
 from schemas.store import CacheKey
 from serve.engine import repair as repair_module
 from serve.engine.repair import Repairer

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from schemas.api import ResponseCacheLevel
+from schemas.report import ResponseCacheLevel
 from serve.app import api_spec
 from serve.config import AppConfig
 from serve.governance import Governor

@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from jobs import run_server
-from schemas.api import AnswerRequest, CacheStats
+from schemas.api import AnswerRequest
 from schemas.config import ModelSpec
 from schemas.errors import UnservableError
+from schemas.service import CacheStats
 from schemas.store import ManifestError
 from serve.app import api_spec, preflight
 from serve.config import AppConfig

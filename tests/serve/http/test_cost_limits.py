@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 import schemas.schema_checks as schema_checks
-from schemas.api import StoreInfo
 from schemas.errors import UnknownIdsError
+from schemas.service import StoreInfo
 from serve.config import ApiSpec
 from serve.governance import Governor
 from serve.governance.config import GovernanceConfig

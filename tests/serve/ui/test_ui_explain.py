@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from schemas.api import TierReason
+from schemas.report import TierReason
 from serve.routing.placement import allocate, tier_reasons
 from serve.ui.routes import ASSETS, CSP, PAGES, asset
 

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pipeline.runtime import VLM  # noqa: E402
-from schemas.api import AnswerRequest  # noqa: E402
+from schemas.api import AnswerRequest
 from serve.engine.vllm import claims as claims_module  # noqa: E402
 from serve.engine.vllm import connector as connector_module  # noqa: E402
 from serve.engine.vllm import prompt as prompt_module  # noqa: E402

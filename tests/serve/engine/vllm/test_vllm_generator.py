@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from schemas.api import AnswerRequest  # noqa: E402
+from schemas.api import AnswerRequest
 from schemas.config import Mode  # noqa: E402
 from schemas.errors import InvalidRequestError  # noqa: E402
 from schemas.extras import StructuredOutputs  # noqa: E402
