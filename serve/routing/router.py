@@ -43,6 +43,7 @@ from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
 from serve.routing.prompt import InvalidMessageError, PromptTemplate, conversation_chain, conversation_digest
 from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
+from serve.routing.token_floor import TokenFloor
 
 
 def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
@@ -72,6 +73,7 @@ class Router:
         self.config = config
         self.store = Store.open(config.store)
         self.prompt = PromptTemplate.load(config.model)
+        self.token_floor = TokenFloor(self.prompt.tokenizer)
         self.embedder = Embedder(config.embedder_dir, threads=config.embed_threads)
         self.embeds = EmbedQueue(self.embedder.embed, self.embedder.batch_size)  # queries before bulk batches
         self.query_vectors = QueryVectors(config.query_cache_entries)
@@ -119,10 +121,10 @@ class Router:
         ingress passes the authenticated tenant's grant, never anything a client sent). `cache_salt`: the
         tenant's (server-side), under which query vectors are remembered (serve/routing/query_vectors.py)."""
         started = time.perf_counter()
+        self.refuse_over_long(request)  # before the history's queries embed and its messages are laid out
         queries = self.group_queries(request)
         vectors = [self.query_vectors.get(cache_salt, q) if q else None for q in queries]
         missing = [i for i, (q, v) in enumerate(zip(queries, vectors)) if q and v is None]
-        framing = None
         if missing:  # the prompt's text is laid out on another thread while the query embeds: the embedder's
             # forward releases the GIL (ONNX Runtime, torch), so the layout's ~0.7 ms of Python costs no wall time
             *embedded, framing = await asyncio.gather(*(self.embed_query(queries[i]) for i in missing),
@@ -130,6 +132,10 @@ class Router:
             for i, vector in zip(missing, embedded):
                 vectors[i] = vector
                 self.query_vectors.put(cache_salt, queries[i], vector)
+        else:  # every vector remembered: still framed on a worker thread, for framing decodes the messages' images
+            # (up to MAX_IMAGE_PIXELS each) and tokenises the history, which would stall every other request of this
+            # replica's event loop meanwhile (issue 60)
+            framing = await asyncio.to_thread(self.frame, request, len(queries))
         return self.route(request, vectors, budget_tokens, started, collections, framing)
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
@@ -143,9 +149,22 @@ class Router:
         earlier = [m.text()[:MAX_QUERY_CHARS] for m in request.messages if m.role == "user"][:-1]
         return earlier + [request.query]
 
+    def refuse_over_long(self, request: AnswerRequest) -> None:
+        """ContextLengthError (400, naming `messages`) when a floor on the conversation's tokens
+        (serve/routing/token_floor.py) and max_new_tokens already exceed the context: no layout, no embedding."""
+        if request.messages is None:
+            return
+        floor = self.token_floor.tokens(request.messages)
+        if floor + request.max_new_tokens > self.max_context_tokens:
+            raise ContextLengthError(
+                f"request needs at least {floor + request.max_new_tokens} tokens (its user messages' text alone at "
+                f"least {floor} + max_new_tokens {request.max_new_tokens}); "
+                f"the context holds {self.max_context_tokens}")
+
     def frame(self, request: AnswerRequest, groups: int) -> Framing:
         """The prompt's text around `groups` groups of chunks, laid out and counted: the part of a route that
         needs no query vector. A conversation's groups sit at its last `groups` user messages."""
+        self.refuse_over_long(request)  # `route` called without `plan` (eval, benchmarks): still before the layout
         if request.messages is not None:
             users = [i for i, m in enumerate(request.messages) if m.role == "user"]
             layout = self.prompt.conversation(request.messages, users[-groups:], request.tools,

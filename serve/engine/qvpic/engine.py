@@ -367,23 +367,42 @@ class QvpicEngine(Engine):
                     seq.reanchor_ms = leader.reanchor_ms
                 picking.append((seq, index))
         best = logits.argmax(-1)  # [rows]: every greedy row's at once
-        chosen = []
-        for seq, index in picking:
-            if self.on_logits is not None:
-                self.on_logits(seq, logits[index])
-            chosen.append(self.sampler.choose(seq, logits[index]))
+        chosen: list[torch.Tensor | None] = []
+        failed: dict[int, Exception] = {}  # position in `picking` -> the exception its own work raised
+        for position, (seq, index) in enumerate(picking):
+            try:  # one row's controls (its grammar's mask, its penalties, a NaN guard) may raise: that row's alone
+                if self.on_logits is not None:
+                    self.on_logits(seq, logits[index])
+                chosen.append(self.sampler.choose(seq, logits[index]))
+            except Exception as error:  # noqa: BLE001  failed below, the other rows keep their choices
+                failed[position] = error
+                chosen.append(None)  # a placeholder: its token is never emitted
         if len(picking) == len(seqs) and all(c is None for c in chosen):
             tokens = best.tolist()
         else:
             tokens = torch.stack([best[index] if c is None else c for c, (_, index) in zip(chosen, picking)]).tolist()
         elapsed_ms = ms_since(prefill_started if prefill_started is not None else decode_started, self.vlm.device,
                               synced=True)
-        for (seq, index), token in zip(picking, tokens):
+        for position, ((seq, index), token) in enumerate(zip(picking, tokens)):
             if prefill_started is None:
                 seq.decode_ms += elapsed_ms
             else:
                 seq.prefill_ms = elapsed_ms
-            self._emit(seq, logits[index], token)
+            if position in failed:
+                self._fail_row(seq, failed[position])
+                continue
+            try:
+                self._emit(seq, logits[index], token)
+            except Exception as error:  # noqa: BLE001  its logprobs, grammar or stop strings: this row's alone
+                self._fail_row(seq, error)
+
+    def _fail_row(self, seq: Sequence, error: Exception) -> None:
+        """A row whose own work in a step raised ends with it (End.FAILED), alone (issue 60): the step's forward and
+        every other row's choice were made without touching its state (each row's sampler, grammar and stop matcher
+        are its own), so the others go on with exactly the tokens they would have had without it. It leaves the
+        batch at the next `_retire`, like a finished row; its blocks are not kept (not a STOP or LENGTH end)."""
+        log.warning("request %d failed in a step: %r", seq.id, error)
+        self._finish(seq, End.FAILED, error)
 
     def _emit(self, seq: Sequence, row: torch.Tensor, token: int) -> None:
         """`token`, chosen from `seq`'s logits row `[vocab]`: delivered, or it ends the sequence."""

@@ -1,9 +1,11 @@
-"""Issue 60, item 3: one tenant's row that fails — an exception, or out of memory, in its prefill — fails that request
-alone. A row decoding meanwhile, and a request prefilled in the same batched forward as the bad one, finish with
-exactly the tokens they get alone (the batch-1 runtime's). Before, the engine failed every request in flight."""
+"""Issue 60, item 3: one tenant's row that fails — an exception, or out of memory, in its prefill, or its own work in a
+decode step (its controls, grammar, stop strings) — fails that request alone. A row decoding meanwhile, and a request
+prefilled in the same batched forward as the bad one, finish with exactly the tokens they get alone (the batch-1
+runtime's). Before, the engine failed every request in flight."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from serve.engine.sequence import End, Finished, Status
@@ -49,3 +51,52 @@ def test_a_request_whose_prefill_fails_fails_alone(vlm, chunks, monkeypatch):
         assert seq.end in (End.STOP, End.LENGTH) and seq.token_ids == tokens
     assert rec.engine.ended["failed"] == 1
     assert rec.engine.slab is None and not rec.engine.scheduler.running  # everyone left, memory freed
+
+
+FAULT_AT = 2  # the faulty row's tokens before its own work raises (it has decoded some when the others join)
+
+
+def faulty(rec: Recorder, monkeypatch, where: str, injected: Exception) -> None:
+    """`where` (the sampler's `choose`: a row's controls and grammar mask; its `ending`: grammar advance and stop
+    strings) raises for the request salted b"bad" once it has FAULT_AT tokens, in a decode step."""
+    original = getattr(rec.engine.sampler, where)
+
+    def failing(seq, *args):
+        if seq.context.salt == b"bad" and len(seq.token_ids) >= FAULT_AT:
+            raise injected
+        return original(seq, *args)
+    monkeypatch.setattr(rec.engine.sampler, where, failing)
+
+
+@pytest.mark.parametrize("where", ["choose", "ending"])
+def test_a_row_whose_decode_step_fails_fails_alone(vlm, chunks, monkeypatch, where):
+    """A decode step in which one row's own work raises (its controls, its grammar, its stop strings) fails that row
+    alone: the two rows decoding beside it (one sampled with a seed, one greedy) finish with exactly the tokens
+    they get without it — the greedy one the batch-1 runtime's, the seeded one those of a run of the same engine
+    with no faulty row — and the faulty one ends End.FAILED with its error after its tokens so far. The control
+    (the old engine: the step raises, `_fail` ends every row in flight) fails every row."""
+    injected = ValueError("injected: this row's logits processing raised")
+    seeded = dict(temperature=0.9, seed=7)
+
+    def beside(rec: Recorder) -> list:
+        return [rec.submit(linked(vlm, chunks[:2], "When does it ship?", salt=b"acme"), 10),
+                rec.submit(linked(vlm, [chunks[4]], "Which part?", salt=b"globex"), 10, **seeded)]
+
+    clean = Recorder(vlm)
+    expected = beside(clean)
+    run(clean)
+    rec = Recorder(vlm)
+    faulty(rec, monkeypatch, where, injected)
+    bad = rec.submit(linked(vlm, [chunks[2]], "Reset how?", salt=b"bad"), 10)
+    others = beside(rec)
+    run(rec)
+    assert bad.end is End.FAILED and rec.events[bad.id][-1] == Finished(End.FAILED, injected)
+    assert len(bad.token_ids) in (FAULT_AT, FAULT_AT + 1)  # `ending` raises after its token went out
+    reference, _ = alone(vlm, bad.context, 10)
+    assert bad.token_ids == reference[:len(bad.token_ids)]
+    greedy, _ = alone(vlm, others[0].context, 10)
+    assert others[0].end in (End.STOP, End.LENGTH) and others[0].token_ids == greedy
+    assert others[1].end is expected[1].end and others[1].token_ids == expected[1].token_ids
+    assert len(others[1].token_ids) > FAULT_AT + 1  # it went on past the faulty step
+    assert rec.engine.ended["failed"] == 1
+    assert rec.engine.slab is None and not rec.engine.scheduler.running
