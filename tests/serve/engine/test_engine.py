@@ -20,7 +20,7 @@ from schemas.errors import BusyError, TooLargeError
 from schemas.sampling import Sampling
 from serve.engine.prepared import LinkedContext, OnlineContext
 from serve.engine.qvpic import batch
-from serve.engine.qvpic import engine as loop_module
+from serve.engine.qvpic import prefill as prefill_module
 from serve.engine.qvpic.engine import QvpicEngine, column_nbytes
 from serve.engine.qvpic.linked_prompt import native_prompt
 from serve.engine.sequence import End, Finished, Sequence, Status
@@ -341,8 +341,8 @@ def test_n_choices_are_one_prefill_and_each_decodes_as_its_own_request(vlm, chun
     choice i's tokens are those of the same request asked alone with n = 1 and seed + i — beside an unrelated row
     (linked, or an online one prefilled alone in the same step), which is unchanged too."""
     rows = []
-    real = loop_module.prefill_queries
-    monkeypatch.setattr(loop_module, "prefill_queries",
+    real = prefill_module.prefill_queries
+    monkeypatch.setattr(prefill_module, "prefill_queries",
                         lambda vlm, bases, *rest: rows.append(len(bases)) or real(vlm, bases, *rest))
     sampling = dict(temperature=1.2, top_p=0.95, seed=40)
     context = linked(vlm, chunks[:2], "When does it ship?")
