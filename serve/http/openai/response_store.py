@@ -57,7 +57,7 @@ class ResponseStore(Protocol):
 
 
 @dataclass
-class Entry:
+class StoredEntry:
     stored: Stored
     expires_at: float
     nbytes: int
@@ -65,7 +65,7 @@ class Entry:
 
 @dataclass
 class TenantResponses:
-    entries: OrderedDict[str, Entry] = field(default_factory=OrderedDict)  # oldest first
+    entries: OrderedDict[str, StoredEntry] = field(default_factory=OrderedDict)  # oldest first
     nbytes: int = 0
 
 
@@ -83,7 +83,7 @@ class MemoryResponseStore:
         while mine.entries and (len(mine.entries) >= self.config.max_responses_per_tenant
                                 or mine.nbytes + nbytes > self.config.max_bytes_per_tenant):
             self._drop(mine, next(iter(mine.entries)))
-        mine.entries[response_id] = Entry(Stored(body, history), self.clock() + self.config.ttl_s, nbytes)
+        mine.entries[response_id] = StoredEntry(Stored(body, history), self.clock() + self.config.ttl_s, nbytes)
         mine.nbytes += nbytes
         while len(self.tenants) > self.config.max_tenants:
             self.tenants.popitem(last=False)
@@ -99,7 +99,7 @@ class MemoryResponseStore:
         self._drop(self.tenants[tenant], response_id)
         return True
 
-    def _live(self, tenant: str, response_id: str) -> Entry | None:
+    def _live(self, tenant: str, response_id: str) -> StoredEntry | None:
         mine = self._tenant(tenant)
         if mine is None:
             return None

@@ -12,8 +12,10 @@ import time
 import uuid
 
 import pytest
+from pydantic import ValidationError
 
-from serve.config import ResponseStoreConfig
+from serve.config import IngressConfig, ResponseStoreConfig
+from serve.governance.config import StateBackend
 from serve.governance.shared_state import RedisConnection
 from serve.http.openai.response_store import MemoryResponseStore
 from serve.http.openai.response_store_redis import RedisResponseStore
@@ -117,3 +119,10 @@ def test_tenants_are_bounded_least_recently_used_first(make):
     run(store.put("c", "resp_c", body(), []))
     assert run(store.get("b", "resp_b")) is None
     assert run(store.get("a", "resp_a")) is not None and run(store.get("c", "resp_c")) is not None
+
+
+def test_a_redis_store_needs_the_governances_redis_url():
+    with pytest.raises(ValidationError, match="governance.redis_url is not set"):
+        IngressConfig(responses={"backend": "redis"})
+    shared = IngressConfig(responses={"backend": "redis"}, governance={"redis_url": "redis://127.0.0.1:1/0"})
+    assert shared.responses.backend is StateBackend.REDIS and IngressConfig().responses.backend is StateBackend.MEMORY
