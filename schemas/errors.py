@@ -178,6 +178,13 @@ class BusyError(RetryLaterError):
     status_code = 503
 
 
+class StoreUnavailableError(RetryLaterError):
+    """The shared store of `/v1/responses` did not answer: whether a stored response exists is unknown (not a 404),
+    so retry after `retry_after_s`."""
+
+    status_code = 503
+
+
 class DeadlineExceededError(ApiError):
     """The request ran past its deadline (`timeout_s`, header X-Request-Timeout, or the server's default);
     its work was stopped."""

@@ -25,7 +25,7 @@ from schemas.config import EngineConfig, EngineKind, Frozen, ImageUrlsSpec, Mode
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
 from schemas.service import StoreInfo
 from schemas.store import ImagesRoot, StoreSpec
-from serve.governance.config import GovernanceConfig
+from serve.governance.config import GovernanceConfig, StateBackend
 
 
 class Placement(str, Enum):
@@ -155,11 +155,12 @@ class GeneratorConfig(StoreBound):
 
 
 class ResponseStoreConfig(Frozen):
-    """`/v1/responses` with `store`: each ingress replica keeps its tenants' responses in memory (a replica's own:
-    `previous_response_id` reaches a response stored by the same replica), bounded per tenant in count and bytes
-    (the oldest go first) and in tenants (the least recently used go first), each expiring `ttl_s` after it was
-    stored."""
+    """`/v1/responses` with `store`: by default each ingress replica keeps its tenants' responses in memory (a
+    replica's own: `previous_response_id` reaches a response stored by the same replica); `backend: redis` keeps them
+    in the governance's `redis_url`, shared by every replica. Bounded per tenant in count and bytes (the oldest go
+    first) and in tenants (the least recently used go first), each expiring `ttl_s` after it was stored."""
 
+    backend: StateBackend = StateBackend.MEMORY  # redis: needs `governance.redis_url`
     max_responses_per_tenant: int = Field(256, ge=1)
     max_bytes_per_tenant: int = Field(32 << 20, ge=1024)  # the response and its conversation, as JSON
     max_tenants: int = Field(1024, ge=1)
@@ -176,6 +177,12 @@ class IngressConfig(Frozen):
     image_urls: ImageUrlsSpec = ImageUrlsSpec()  # chat images by http(s) URL: off, the server fetches nothing
     governance: GovernanceConfig = GovernanceConfig()
     responses: ResponseStoreConfig = ResponseStoreConfig()  # stored `/v1/responses` answers
+
+    @model_validator(mode="after")
+    def _redis_for_responses(self) -> IngressConfig:
+        if self.responses.backend is StateBackend.REDIS and self.governance.redis_url is None:
+            raise ValueError("responses use backend 'redis' but governance.redis_url is not set")
+        return self
 
 
 class ApiSpec(Frozen):

@@ -32,13 +32,13 @@ from serve.http.guards import ReleaseTurn, install_guards
 from serve.http.health import ReadinessProbe, fetch_gate_readiness, install_readiness
 from serve.http.image_urls import ImageFetcher
 from serve.http.openai import (
-    ResponseStore,
     completion_routes,
     embedding_routes,
     is_openai_path,
     openai_error,
     openai_routes,
     response_routes,
+    response_store,
 )
 from serve.http.utility import utility_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
@@ -121,7 +121,8 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
 
     for routes in (openai_routes, completion_routes, embedding_routes):
         app.include_router(routes(turns, api))
-    app.include_router(response_routes(turns, api, ResponseStore(config.responses)))  # stored: this replica's
+    # stored responses: this replica's memory, or the governance's Redis (`responses.backend`)
+    app.include_router(response_routes(turns, api, response_store(config.responses, governor.redis)))
     app.include_router(utility_routes(backend, api, api.model_ids))  # vLLM's /health, /version, /tokenize, …
     # 401 without a key (when keys exist), 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
     install_guards(app, governor.rejected, governor.auth)

@@ -38,11 +38,12 @@ class RedisServer:
             self.process.wait()
 
 
-def start_redis() -> RedisServer:
+def start_redis(port: int | None = None) -> RedisServer:
+    """A fresh server; `port`: on that port (a restart of a stopped one, empty: nothing is persisted)."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed: run `make system` (Debian package redis-server)")
-    port = free_port()
+    port = port or free_port()
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                 "--daemonize", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer(process, port)

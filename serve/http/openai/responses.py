@@ -5,8 +5,9 @@ items) and runs chat's turn (serve/http/openai/chat.py `answer_request`: the sam
 charge and response cache), as its own governance route (`responses`). The answer's text is read for tool calls
 as chat reads it; the output is a message with its text and a `function_call` item per call.
 `store` (OpenAI's default: true) keeps the response and its conversation under the tenant the server
-authenticated (serve/http/openai/response_store.py); `previous_response_id`, GET and DELETE look it up under that
-tenant only: another tenant's id is a 404, like one that never existed.
+authenticated (serve/http/openai/response_store.py: this replica's memory, or Redis shared by every replica);
+`previous_response_id`, GET and DELETE look it up under that tenant only: another tenant's id is a 404, like one
+that never existed.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRout
         tenant = governor.auth.tenant(http.headers)
         history: list[Message] = []
         if request.previous_response_id is not None:
-            previous = store.get(tenant, request.previous_response_id)
+            previous = await store.get(tenant, request.previous_response_id)
             if previous is None:
                 raise UnknownResponseError(request.previous_response_id, "previous_response_id")
             history = [Message.model_validate(m) for m in previous.history]
@@ -137,7 +138,7 @@ def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRout
         response_id = f"resp_{uuid.uuid4().hex}"
         snapshot, tools = echoed(request, response_id, created), chat.tool_use
 
-        def finish(answer: Answer, output: list[OutputItem]) -> ResponseObject:
+        async def finish(answer: Answer, output: list[OutputItem]) -> ResponseObject:
             report = answer.report.with_total_ms((time.perf_counter() - started) * 1e3)
             usage = chat_usage(report)
             called = any(isinstance(item, OutputFunctionCall) for item in output)
@@ -155,27 +156,27 @@ def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRout
                                         cached_tokens=usage.prompt_tokens_details.cached_tokens))))
             if request.store:
                 kept = [*history, *conversation(request.items()), *conversation(as_items(output))]
-                store.put(tenant, response_id, final.model_dump(mode="json"),
-                          [m.model_dump(mode="json", exclude_none=True) for m in kept])
+                await store.put(tenant, response_id, final.model_dump(mode="json"),  # not kept: said in the log
+                                [m.model_dump(mode="json", exclude_none=True) for m in kept])
             return final
 
         if not request.stream:
             answer = await exchange.answer(response)
-            return finish(answer, whole_output(answer, tools))
+            return await finish(answer, whole_output(answer, tools))
         stream = ResponseStream(snapshot, tools, finish, exchange.turn.record.request_id)
         return StreamingResponse(stream.events(exchange.stream()), media_type="text/event-stream",
                                  headers=exchange.headers)
 
     @stored_routes.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=NOT_FOUND)
     async def retrieve(response_id: str, http: Request):
-        stored = store.get(await governor.account(http, Route.RESPONSES), response_id)
+        stored = await store.get(await governor.account(http, Route.RESPONSES), response_id)
         if stored is None:
             raise UnknownResponseError(response_id)
         return stored.body
 
     @stored_routes.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=NOT_FOUND)
     async def delete(response_id: str, http: Request):
-        if not store.delete(await governor.account(http, Route.RESPONSES), response_id):
+        if not await store.delete(await governor.account(http, Route.RESPONSES), response_id):
             raise UnknownResponseError(response_id)
         return DeletedResponse(id=response_id)
 

@@ -19,7 +19,7 @@ sends none on this route).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from schemas.chat import ToolCallDelta
 from schemas.response_objects import (
@@ -49,7 +49,7 @@ class ResponseStream:
     """The events of one streamed response; `finish(answer, output)` makes the final response (and stores it)."""
 
     def __init__(self, snapshot: ResponseObject, tools: ToolUse | None,
-                 finish: Callable[[Answer, list[OutputItem]], ResponseObject], request_id: str):
+                 finish: Callable[[Answer, list[OutputItem]], Awaitable[ResponseObject]], request_id: str):
         self.snapshot, self.finish, self.request_id = snapshot, finish, request_id
         offered = names(tools)
         self.calls = CallStream(offered) if offered is not None else None
@@ -129,7 +129,7 @@ class ResponseStream:
                         yield out
                 for out in self.close_message():
                     yield out
-                final = self.finish(event, self.output)
+                final = await self.finish(event, self.output)
                 kind = "completed" if final.status is ResponseStatus.COMPLETED else "incomplete"
                 yield self.event(f"response.{kind}", response=final.model_dump(mode="json"))
         except Exception as error:  # noqa: BLE001  after the 200, errors travel as an event the client raises
