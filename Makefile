@@ -32,7 +32,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev install-vllm demo lint test test-vllm test-fast bench lock lock-gpu install-gpu lock-vllm lock-vllm-gpu peer-vllm clean
+.PHONY: help system install install-dev install-vllm install-agents demo lint test test-vllm test-fast bench lock lock-gpu install-gpu lock-vllm lock-vllm-gpu lock-agents peer-vllm clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -75,8 +75,8 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-test: install-dev lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~32 min on 2 cores)
-	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25
+test: install-dev install-agents lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~32 min on 2 cores)
+	QVPIC_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25
 	$(MAKE) test-vllm
 
 # The vLLM engine (generator.engine.kind: vllm) in its own venv, $(VLLM_VENV): the project's runtime lock moved to
@@ -100,6 +100,25 @@ install-vllm: system $(VLLM_VENV)/.installed  ## the vLLM engine's venv (.venv-v
 
 test-vllm: install-vllm  ## the vLLM engine's tests (tests/serve/engine/vllm/), in its venv (~2 min)
 	$(VLLM_VENV)/bin/python -X faulthandler -m pytest -q -p no:cacheprovider -m vllm tests/serve/engine/vllm
+
+# The OpenAI Agents SDK's client venv, $(AGENTS_VENV): tests/e2e/test_agents_sdk.py runs tests/e2e/clients/agents_client.py
+# in it against a live `qvpic serve` from $(VENV). Its own venv because openai-agents needs openai>=3 and the dev lock
+# pins openai 2.x (llama-index-llms-openai caps it below 3). Client code only: no qvpic, no torch (~120 MB, ~20 s).
+# The lock is complete (pip check passes), so --no-deps installs exactly its pins.
+AGENTS_VENV ?= .venv-agents
+AGENTS_LOCK := requirements-agents.lock
+$(AGENTS_VENV)/.installed: $(AGENTS_LOCK)
+	@[ -x $(AGENTS_VENV)/bin/python ] || $(PY) -m venv $(AGENTS_VENV)
+	@echo "== installing the $$(grep -c '^[a-z0-9]' $(AGENTS_LOCK)) packages pinned in $(AGENTS_LOCK) into $(AGENTS_VENV) (~20 s)"
+	$(AGENTS_VENV)/bin/python -m pip install -qq --require-hashes --no-deps -r $(AGENTS_LOCK)
+	@touch $@
+
+install-agents: $(AGENTS_VENV)/.installed  ## the Agents SDK's client venv (.venv-agents: openai-agents and openai 3.x)
+
+lock-agents: $(VENV)/.installed-dev  ## re-pin requirements-agents.lock (the Agents SDK's client venv)
+	$(BIN)/uv pip compile requirements-agents.in $(LOCK_TARGET) --generate-hashes \
+	  --custom-compile-command "make lock-agents" --quiet $(UV_ARGS) -o $(AGENTS_LOCK)
+	! grep -qiE '^(torch|nvidia-|qvpic)' $(AGENTS_LOCK) || { echo "== $(AGENTS_LOCK) pins torch or qvpic" >&2; exit 1; }
 
 # Both vLLM locks keep every runtime pin but the overridden ones (and torch): $(VENV)/vllm-constraints.txt.
 $(VENV)/vllm-constraints.txt: $(LOCK) requirements-vllm-overrides.txt
@@ -163,4 +182,4 @@ peer-vllm: $(VENV)/.installed-runtime  ## the vLLM peer venv (~3.5 GB, ~10 min),
 	MAIN_PY=$(BIN)/python PY=$(PY) benchmarks/peer/setup_vllm.sh
 
 clean:  ## remove the venv, the demo store and caches (the model cache under ~/.cache/qvpic stays)
-	rm -rf $(VENV) .qvpic build *.egg-info
+	rm -rf $(VENV) $(AGENTS_VENV) .qvpic build *.egg-info

@@ -171,9 +171,6 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
     def _one_selection(self) -> AnswerRequest:
         if self.num_given() != 1:
             raise ValueError("give exactly one of chunk_ids, doc_ids or top_k")
-        if self.forced_calls is not None and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("tool_choice: a forced tool call and a response_format schema cannot both constrain "
-                             "the answer; give one")
         if self.forced_calls is not None and self.structured_outputs is not None:
             raise ValueError("structured_outputs: a forced tool call and structured_outputs cannot both constrain "
                              "the answer; give one")
@@ -186,8 +183,10 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
 
     @property
     def grammar_text(self) -> str | None:
-        """A forced tool call's grammar; with tool_choice auto and a JSON response_format, a call or that JSON (the
-        two grammars as alternatives); else response_format's (Decoding)."""
+        """A forced tool call's grammar (beside a JSON response_format too, as OpenAI takes both: the format shapes
+        answers, and a forced turn gives none — the Agents SDK sends both when an `output_type` agent forces its
+        first tool); with tool_choice auto and a JSON response_format, a call or that JSON (the two grammars as
+        alternatives); else response_format's (Decoding)."""
         if (forced := self.forced_calls) is not None:
             return call_grammar(forced, self.tools.parallel)
         if self.tools is not None and self.tools.offered and (schema := self.answer_schema) is not None:

@@ -155,3 +155,20 @@ def test_the_gpu_lock_checks_can_fail(tmp_path):
     assert any("CPU build of torch" in p for p in disagreements(GPU_LOCK, ()))  # the CPU locks' check refuses it
     pyproject = edited(tmp_path, '  "rich>=13",\n', "")
     assert any("run `make lock`" in p for p in disagreements(GPU_LOCK, (), pyproject, cuda=True))
+
+
+def test_the_agents_lock_is_a_small_client_venv_with_openai_3():
+    """requirements-agents.lock (the Agents SDK's client venv, `make install-agents`): what requirements-agents.in
+    pins, with the openai 3.x it needs (the dev lock's is 2.x: why it is its own venv), every pin hashed, and
+    neither torch nor qvpic (client code only)."""
+    lock = ROOT / "requirements-agents.lock"
+    agents, dev = pins(lock), pins(DEV_LOCK)
+    wanted = dict(line.split("==") for line in (ROOT / "requirements-agents.in").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    assert {name: agents.get(name) for name in wanted} == wanted
+    assert int(agents["openai"].split(".")[0]) >= 3 > int(dev["openai"].split(".")[0])
+    assert not [name for name in agents if name.startswith(("torch", "nvidia-", "qvpic"))]
+    lines = lock.read_text().splitlines()
+    hashed = [line for line, after in zip(lines, lines[1:]) if "==" in line and "--hash=sha256:" in after]
+    assert len(hashed) == len(agents)  # --require-hashes: each pin's next line is a hash
+    assert "make lock-agents" in lock.read_text().splitlines()[1]

@@ -228,8 +228,8 @@ def test_the_agents_sdks_tool_loop_round_trips(app, client):
     """What openai-agents 0.24.0's `OpenAIResponsesModel` sends (agents/models/openai_responses.py `_build_request`:
     `include: []`, flat function tools with `strict`, the answer's output items echoed back with
     `model_dump(exclude_unset=True)` (agents/items.py `to_input_item`), then the tool's `function_call_output`);
-    its default `reset_tool_choice` asks the second turn with tool_choice auto. The SDK itself is not installed
-    here: it needs openai>=3 (this project pins 2.x)."""
+    its default `reset_tool_choice` asks the second turn with tool_choice auto. The SDK itself needs openai>=3
+    (this venv pins 2.x): tests/e2e/test_agents_sdk.py runs it from its own venv against a live server."""
     tool = {"name": "ship_date", "parameters": {**SHIP["parameters"], "additionalProperties": False},
             "strict": True, "type": "function", "description": "When a part ships."}
     user = {"content": QUESTION, "role": "user"}

@@ -252,8 +252,7 @@ def test_the_response_cache_keys_on_the_tools(app):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-])
+])  # a forced call beside a JSON response_format is no longer one: test_tools_or_json.py (OpenAI takes both)
 def test_bad_tools_are_400_naming_the_field(app, fields, param):
     error = chat(app, status=400, **fields)["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error

@@ -105,3 +105,32 @@ def test_the_grammar_is_the_call_or_the_json_only_with_tool_choice_auto():
     assert auto.startswith("start: calls | answer\n") and "<tool_call>" in auto
     hidden = AnswerRequest.model_validate({**base, "tools": {"tools": [tool], "choice": "none"}}).grammar_text
     assert hidden == AnswerRequest.model_validate(base).grammar_text and "<tool_call>" not in hidden
+
+
+def test_a_forced_call_beside_a_json_format_is_the_call(client):
+    """`tool_choice: required` with a JSON format too (a 400 before): what the Agents SDK sends when an agent with an
+    `output_type` forces its first tool (agents/models/openai_responses.py puts both in one request). OpenAI takes
+    both; the turn's answer is the call, constrained to the tool's schema, on chat's route and on /v1/responses."""
+    tool = openai.pydantic_function_tool(ShipDate)
+    forced = {"tool_choice": "required", "temperature": 0, "extra_headers": {"Cache-Control": "no-cache"},
+              "extra_body": {"qvpic": {"chunk_ids": ["manual#00000"]}}}
+    chat = client.chat.completions.parse(model="qvpic", messages=QUESTION, response_format=Answer, tools=[tool],
+                                         max_tokens=96, **forced).choices[0]
+    assert chat.finish_reason == "tool_calls" and isinstance(chat.message.tool_calls[0].function.parsed_arguments,
+                                                              ShipDate)
+    flat = {"type": "function", **tool["function"]}
+    answer = {"format": {"type": "json_schema", "name": "Answer", "schema": Answer.model_json_schema(),
+                         "strict": True}}
+    response = client.responses.create(model="qvpic", input=QUESTION, tools=[flat], text=answer,
+                                       max_output_tokens=96, **forced)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "ShipDate" and ShipDate.model_validate_json(call.arguments)
+
+
+def test_a_forced_calls_grammar_is_the_same_with_a_json_format_or_without():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    base = {"query": "q", "messages": QUESTION, "top_k": 0, "tools": {"tools": [tool], "choice": "required"}}
+    plain = AnswerRequest.model_validate(base).grammar_text
+    assert plain and "<tool_call>" in plain and "answer" not in plain.split("\n", 1)[0]
+    for format_ in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}):
+        assert AnswerRequest.model_validate({**base, "response_format": format_}).grammar_text == plain
