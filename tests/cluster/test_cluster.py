@@ -40,7 +40,7 @@ from tests.support.ray_fixtures import free_port
 from tests.support.serve_probes import live_replicas, replica_retries, replicas_running, wait_for
 from tests.support.store_factory import DOCUMENTS
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.nightly]
 QUERY = "When does part XK-4471-B ship?"
 EXPECTED_CHUNK = "invoices#00000"  # the paragraph that answers QUERY
 # Rows that must not depend on where or how batched an entry compiled; created_at, shard paths and

@@ -34,7 +34,7 @@ from tests.support.serve_probes import (  # noqa: E402
     wait_for,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.nightly]
 APP = "qvpic-faults"
 QUESTION = "When does part XK-4471-B ship?"
 # One selection for every request: the generator's chunk-affinity dispatch sends them to the replica that holds it,

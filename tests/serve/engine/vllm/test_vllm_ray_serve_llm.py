@@ -37,7 +37,7 @@ from serve.engine.vllm.store_plan import (  # noqa: E402
 from tests.support.paths import REPO, TESTS  # noqa: E402
 from tests.support.ray_fixtures import free_port, ray_session  # noqa: E402, F401  (a fixture)
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.nightly]
 MODEL_ID = "qvpic-oracle"
 BLOCK = 32  # vLLM's CPU default is 128: longer than these prompts, so its prefix cache would share nothing
 
