@@ -61,6 +61,9 @@ def fused_qwen() -> VLM:
 def decode(vlm: VLM, monkeypatch, padded: bool, steps: int = 8) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Five ragged rows decoded greedily, widths bucketed either way: the slab's KV and each step's logits."""
     monkeypatch.setattr(shapes, "buckets_on", lambda device: padded)
+    # a padding token whose KV is not zero (token 0's is, in the tiny models: zero embedding, zero biases), so a
+    # padding row's write shows wherever it lands
+    monkeypatch.setattr(batch, "PADDING_TOKEN", 5)
     slab = ragged_slab(vlm, room=steps, context=[30, 41, 25, 50, 33])
     slab.bucketed = True
     out, tokens = [], [5, 9, 11, 7, 3]
@@ -72,14 +75,19 @@ def decode(vlm: VLM, monkeypatch, padded: bool, steps: int = 8) -> tuple[torch.T
     return slab.kv, out
 
 
-def test_a_padded_decode_step_computes_the_real_rows_bit_for_bit(fused_qwen, monkeypatch):
-    """The fused forward (the engine's on Qwen): 5 rows in a step of 8, logits and KV equal to the 5-row step's."""
+@pytest.mark.parametrize("forward", ["fused", "transformers"])
+def test_a_padded_decode_step_computes_the_real_rows_alike(fused_qwen, monkeypatch, forward):
+    """5 rows in a step of 8: logits and KV equal to the 5-row step's, bit for bit on the fused forward (the
+    engine's on Qwen); transformers' products round by their row count (as a join does today): to ≤1e-5 there."""
+    monkeypatch.setattr(fused_qwen, "fused", fused_qwen.fused if forward == "fused" else None)
     plain_kv, plain = decode(fused_qwen, monkeypatch, padded=False)
     padded_kv, padded = decode(fused_qwen, monkeypatch, padded=True)
     assert padded_kv.shape[2] == 8 and plain_kv.shape[2] == 5
-    assert all(torch.equal(a, b) for a, b in zip(plain, padded))
-    assert torch.equal(padded_kv[:, :, :5], plain_kv)
-    assert not padded_kv[:, :, 5:, :, 1:].any()  # padding rows wrote their scratch column 0 and nothing else
+    tolerance = 0.0 if forward == "fused" else TOLERANCE
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, padded)) <= tolerance
+    assert float((padded_kv[:, :, :5] - plain_kv).abs().max()) <= tolerance
+    # padding rows wrote their scratch column 0 (every step) and nothing else
+    assert padded_kv[:, :, 5:, :, 0].abs().amin(-1).gt(0).all() and not padded_kv[:, :, 5:, :, 1:].any()
 
 
 def run_engine(vlm: VLM, chunks, monkeypatch, padded: bool) -> tuple[list, list[int], list[int], list[dict]]:
@@ -120,8 +128,9 @@ def test_rows_joining_and_leaving_see_only_bucketed_shapes_and_the_same_tokens(v
     chunks = [vlm.compile_text("Part QZ-19 ships on 3 April."), vlm.compile_text("The warranty covers two years.")]
     expected, plain_shapes, plain_real, _ = run_engine(vlm, chunks, monkeypatch, padded=False)
     got, shapes_seen, real_seen, steps = run_engine(vlm, chunks, monkeypatch, padded=True)
-    assert not set(plain_shapes) <= BUCKETS  # unpadded, the run's row counts are off the buckets (3, 5)
-    assert real_seen == plain_real and len(set(real_seen)) > len(set(shapes_seen))
+    assert not set(plain_shapes) <= BUCKETS  # unpadded, the run has a row count off the buckets (3)
+    assert real_seen == plain_real
+    assert len(set(real_seen)) > len(set(shapes_seen))
     assert set(shapes_seen) <= BUCKETS and shapes_seen == [bucket_rows(n) for n in real_seen]
     for (tokens, logits), (want, want_logits) in zip(got, expected):
         assert tokens == want and len(logits) == len(want_logits)
