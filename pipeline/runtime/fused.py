@@ -280,7 +280,7 @@ class FusedDecoder:
             q = ops.rope_qkv(layer.qkv(x), self._cos, self._sin, positions, slab.write_columns, cache.keys,
                              cache.values, self.num_heads)  # [rows, heads, new, head_dim]; K and V into the slab
             width = slab.width
-            out = attend(q, cache.keys[:, :, :width], cache.values[:, :, :width], mask, self.scale)
+            out = attend(q, cache.keys[:rows, :, :width], cache.values[:rows, :, :width], mask, self.scale)
             x = ops.add_rms_norm(hidden, layer.o(out.transpose(1, 2).reshape(rows, new, q_size)), *layer.post_norm)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
             if next_norm is self.norm:  # the last layer: only each row's last token goes on

@@ -155,11 +155,21 @@ def prefill_alone(vlm: VLM, base: ChunkKV | BlockRun | None, chunks: Sequence[Ch
     return Slab.from_prefill(state, reserve), state.logits[:, -1]
 
 
+PADDING_TOKEN = 0  # a padding row's input (any token: what it computes is never read)
+
+
 @torch.inference_mode()
 def decode_step(vlm: VLM, slab: Slab, tokens: Sequence[int]) -> torch.Tensor:
-    """Feed every row its last token; the next-token logits `[rows, vocab]`."""
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=vlm.device)[:, None]
-    return forward(vlm, slab, ids, torch.ones_like(ids, dtype=torch.bool))
+    """Feed every row its last token; the next-token logits `[rows, vocab]`. On CUDA the step runs over the slab's
+    padding rows too (`bucket_rows`: token 0, wholly unreal), and their logits are cut off here: no sampler, token
+    or count ever sees them."""
+    rows = len(tokens)
+    padding = [PADDING_TOKEN] * (slab.padded_rows - rows)
+    ids = torch.tensor(list(tokens) + padding, dtype=torch.long, device=vlm.device)[:, None]
+    real = torch.ones_like(ids, dtype=torch.bool)
+    if slab.padded_rows > rows:
+        real[rows:] = False
+    return forward(vlm, slab, ids, real)[:rows]
 
 
 def forward(vlm: VLM, slab: Slab, ids: torch.Tensor, real: torch.Tensor, columns: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ goes away costs at most one more step. The model lock is held per step: the gene
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from serve.engine.qvpic.prefill import Prefills
 from serve.engine.qvpic.prefix_cache import PrefixCache
 from serve.engine.qvpic.sampler import Sampler
 from serve.engine.qvpic.scheduler import Scheduler
+from serve.engine.qvpic.shapes import slab_rows
 from serve.engine.qvpic.slab_memory import SLAB_MEMORY
 from serve.engine.sequence import End, Sequence, Status
 from serve.engine.stops import StopMatcher
@@ -57,7 +59,7 @@ class QvpicEngine(Prefills, Engine):
         self.vlm, self.config = vlm, config
         SLAB_MEMORY.max_free_nbytes = config.slab_reuse_nbytes  # the process's slabs (one engine per generator)
         self.metrics = serve_metrics()
-        self.scheduler = Scheduler(config, column_nbytes(vlm))
+        self.scheduler = Scheduler(config, column_nbytes(vlm), functools.partial(slab_rows, device=vlm.device))
         cache = config.prefix_cache
         self.prefix_cache = PrefixCache(cache.block_tokens, cache.device_nbytes, cache.host_nbytes, vlm.device)
         self.slab: Slab | None = None  # rows aligned with scheduler.running

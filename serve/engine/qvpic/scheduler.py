@@ -3,7 +3,8 @@
 Requests wait in FIFO order and join while the batch holds fewer than `max_batch_size` rows and the
 KV slab *as it will be laid out* stays under `max_kv_nbytes`: every row reserves the columns it can
 ever fill (prompt, its query's pad slots, every decoded token but the last), and a slab is as wide as
-its widest row, so the projection is rows × widest reservation × bytes per column. A request that
+its widest row, so the projection is rows × widest reservation × bytes per column (on CUDA the rows its allocation
+holds, padding rows included: serve/engine/qvpic/shapes.py). A request that
 cannot fit even alone is refused at once (413); when the queue itself is full the request is refused
 with 503 and Retry-After, so Serve's own queue (the generator's `max_ongoing_requests`) holds the rest
 instead of this replica's memory. Joins are also spread over steps (`max_prefill_tokens` forwarded per
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 from schemas.config import EngineConfig
 from schemas.errors import BusyError, TooLargeError
@@ -26,16 +28,18 @@ ONLINE_PREFILLS_PER_STEP = 1  # a full prefill (online modes) is long: one per s
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, column_nbytes: int):
+    def __init__(self, config: EngineConfig, column_nbytes: int, slab_rows: Callable[[int], int] = lambda rows: rows):
         self.config = config
         self.column_nbytes = column_nbytes  # one row's KV for one token, every layer, keys and values
+        # the rows a slab of n rows allocates (on CUDA its padding rows too: serve/engine/qvpic/shapes.py): counted
+        self.slab_rows = slab_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in slab row order
         self.reserved: dict[int, int] = {}  # sequence id -> columns reserved when it joined
 
     def add(self, seq: Sequence) -> None:
         rows = len(seq.members)  # n choices: n rows of its reservation
-        nbytes = rows * seq.max_columns * self.column_nbytes
+        nbytes = self.slab_rows(rows) * seq.max_columns * self.column_nbytes
         if nbytes > self.config.max_kv_nbytes:
             raise TooLargeError(f"the request needs {nbytes} bytes of KV ({rows} × {seq.max_columns} tokens); this "
                                 f"generator's batch holds at most {self.config.max_kv_nbytes} (max_kv_nbytes)")
@@ -88,7 +92,7 @@ class Scheduler:
         if rows > self.config.max_batch_size:
             return False
         columns = max(self.capacity(), *self.reservations(joining).values())
-        return rows * columns * self.column_nbytes <= self.config.max_kv_nbytes
+        return self.slab_rows(rows) * columns * self.column_nbytes <= self.config.max_kv_nbytes
 
     def retry_after_s(self) -> float:
         """A guess at when a row frees up: the running requests' remaining tokens at ~20 tokens/s each."""

@@ -3,9 +3,16 @@ says how rows join, step and leave; this is the data structure and its bookkeepi
 
 `[layers, 2, rows, kv_heads, capacity, head_dim]`, rows left-aligned: row r fills columns `[0, lengths[r])` and
 writes its next token at column `lengths[r]`. A forward reads the first `width` columns through an additive mask
-that hides what a row has not written; on CUDA that width is rounded up to a bucket (`bucket_width`) so a run of
-decode steps repeats a few shapes (a captured step, a compiled kernel's cache), at the cost of a few masked
+that hides what a row has not written; on CUDA that width is rounded up to a bucket (`shapes.bucket_width`) so a
+run of decode steps repeats a few shapes (a captured step, a compiled kernel's cache), at the cost of a few masked
 columns, which change nothing (exp(finfo.min − max) is exactly 0 and unwritten columns hold zeros).
+
+On CUDA the rows are bucketed too (`shapes.bucket_rows`): the allocation holds padding rows after the real ones, and a
+decode step runs over all of them, so a join or a finish changes the step's shape only when it crosses a bucket.
+A padding row is inert: the batch dimension is independent in every operation of the forward (a row's attention
+reads its own row of the slab only), so it writes its one token at column 0 of its own row — scratch no real row
+reads — and sees only that column; its logits are cut off before the sampler (no draws, no tokens, no stats).
+Its cost is memory: `shapes.slab_rows` rows × capacity, which the scheduler's KV cap counts.
 """
 
 from __future__ import annotations
@@ -18,22 +25,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pipeline.runtime.kv import BlockRun, ChunkKV
 from pipeline.runtime.model import Prefill
+from serve.engine.qvpic import shapes
+from serve.engine.qvpic.shapes import bucket_width  # noqa: F401  (re-exported: tests' import path)
 from serve.engine.qvpic.slab_memory import SLAB_MEMORY
-
-# A forward's width on CUDA is rounded up to a multiple of max(WIDTH_BUCKET_MIN, the power of two at or above it
-# / (2 · WIDTH_BUCKETS_PER_OCTAVE)): 8 widths per doubling past 1,024 columns (16 below it, 64 apart), at most 63
-# more columns than the rows need up to 512, at most 1/8 more past it (4.4 % on average from 512 to 32k: of the
-# attention only, all masked); 56 distinct widths from 1 to 32k columns, each repeated over many decode steps, where
-# the exact width took a new shape at every step. The CPU keeps the exact width: it has no graph to capture, and
-# the extra columns would cost it time.
-WIDTH_BUCKET_MIN = 64
-WIDTH_BUCKETS_PER_OCTAVE = 8
-
-
-def bucket_width(width: int) -> int:
-    """`width` rounded up to its bucket (see `WIDTH_BUCKET_MIN`)."""
-    step = max(WIDTH_BUCKET_MIN, (1 << max(width - 1, 0).bit_length()) // (2 * WIDTH_BUCKETS_PER_OCTAVE))
-    return -(-width // step) * step
 
 
 class SlabLayer(CacheLayerMixin):
@@ -58,7 +52,8 @@ class SlabLayer(CacheLayerMixin):
         # keys[rows, :, columns] is [rows, new, kv_heads, head_dim]; the states are [rows, kv_heads, new, head_dim]
         self.keys[rows, :, columns] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[rows, :, columns] = value_states.transpose(1, 2).to(self.values.dtype)
-        return self.keys[:, :, :width], self.values[:, :, :width]
+        forwarded = self.owner.forward_rows  # a prefill's: the real rows only, not the allocation's padding rows
+        return self.keys[:forwarded, :, :width], self.values[:forwarded, :, :width]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.width, 0
@@ -86,7 +81,8 @@ class Slab(Cache):
         self.write_columns = lengths[:, None]  # [rows, new] set before each forward
         self.width = 0  # columns the forward reads, set before it
         self.max_position = 0  # the forward's highest position (an upper bound), set before it
-        self.bucketed = kv.device.type == "cuda"  # forwards read a bucketed width (`bucket_width`): shapes repeat
+        self.bucketed = shapes.buckets_on(kv.device)  # forwards read a bucketed width (`shapes.bucket_width`)
+        self.forward_rows = self.num_rows  # rows of the forward prepared last (a decode step's padding included)
         # each row's pad slots' columns `[start, stop)` (a batched prefill's: the only columns below its length never
         # written with a real token), so a row's real KV is cut out without reading `valid` back
         self.host_pads: list[tuple[int, int]] = [(0, 0)] * len(self.host_lengths)
@@ -98,9 +94,12 @@ class Slab(Cache):
         """Zeroed (unwritten columns are masked, and must hold finite numbers: 0 · NaN = NaN); `zeroed=False`
         for a caller that writes or zeroes every column itself."""
         # on a CPU, memory a gone slab held (no page faults at first touch: serve/engine/qvpic/slab_memory.py)
-        kv = SLAB_MEMORY.empty((num_layers, 2, num_rows, num_heads, capacity, head_dim), dtype, device)
+        physical = shapes.slab_rows(num_rows, device)  # on CUDA, padding rows after the real ones
+        kv = SLAB_MEMORY.empty((num_layers, 2, physical, num_heads, capacity, head_dim), dtype, device)
         if zeroed:
             kv.zero_()
+        elif physical > num_rows:  # no caller writes the padding rows: their masked columns must hold finite numbers
+            kv[:, :, num_rows:].zero_()
         return cls(kv, torch.zeros(num_rows, capacity, dtype=torch.bool, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device), [0] * num_rows, [0] * num_rows)
@@ -117,8 +116,8 @@ class Slab(Cache):
         slab = cls.empty(len(state.cache.layers), 1, first.shape[1], length + reserve, first.shape[3], first.dtype,
                          first.device)
         for i, layer in enumerate(state.cache.layers):
-            slab.kv[i, 0, :, :, :length] = layer.keys
-            slab.kv[i, 1, :, :, :length] = layer.values
+            slab.kv[i, 0, :1, :, :length] = layer.keys
+            slab.kv[i, 1, :1, :, :length] = layer.values
         slab.valid[0, :length] = True
         slab.lengths[0] = slab.host_lengths[0] = length
         slab.next_positions[0] = slab.host_next_positions[0] = state.next_position
@@ -156,10 +155,16 @@ class Slab(Cache):
         return self.kv.numel() * self.kv.element_size()
 
     @property
+    def padded_rows(self) -> int:
+        """The allocation's rows: `num_rows`, then on CUDA the padding rows a decode step runs over too."""
+        return self.kv.shape[2]
+
+    @property
     def rows_index(self) -> torch.Tensor:
-        """`[rows, 1]`: 0..rows-1, made once per slab (every layer's cache update indexes with it)."""
-        if getattr(self, "_rows_index", None) is None or self._rows_index.shape[0] != self.num_rows:
-            self._rows_index = torch.arange(self.num_rows, device=self.lengths.device)[:, None]
+        """`[rows, 1]`: 0..rows-1 over the forward's rows, made once per slab and row count (every layer's cache
+        update indexes with it)."""
+        if getattr(self, "_rows_index", None) is None or self._rows_index.shape[0] != self.forward_rows:
+            self._rows_index = torch.arange(self.forward_rows, device=self.lengths.device)[:, None]
         return self._rows_index
 
     # ---- rows joining and leaving --------------------------------------------------------------
@@ -174,7 +179,7 @@ class Slab(Cache):
         for slab in slabs:
             used = min(max(slab.host_lengths), capacity)  # rows are left-aligned: nothing lies beyond
             rows = slice(row, row + slab.num_rows)
-            merged.kv[:, :, rows, :, :used] = slab.kv[:, :, :, :, :used]
+            merged.kv[:, :, rows, :, :used] = slab.kv[:, :, :slab.num_rows, :, :used]
             merged.valid[rows, :used] = slab.valid[:, :used]
             merged.lengths[rows], merged.next_positions[rows] = slab.lengths, slab.next_positions
             merged.host_lengths[rows], merged.host_next_positions[rows] = slab.host_lengths, slab.host_next_positions
@@ -189,7 +194,7 @@ class Slab(Cache):
             return kept
         index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
         used = min(max(self.host_lengths[r] for r in rows), capacity)
-        kept.kv[:, :, :, :, :used] = self.kv[:, :, index, :, :used]
+        kept.kv[:, :, :len(rows), :, :used] = self.kv[:, :, index, :, :used]
         kept.valid[:, :used] = self.valid[index, :used]
         kept.lengths[:], kept.next_positions[:] = self.lengths[index], self.next_positions[index]
         kept.host_lengths = [self.host_lengths[r] for r in rows]
@@ -216,10 +221,20 @@ class Slab(Cache):
         linked chunks, then its query: serve/engine/qvpic/linked_prompt.py `Hole`), ascending along each row's real
         slots; a token then sees the written columns before its own and the new tokens before it, never a linked
         chunk that lies after it. `last` then gives, on the host, each row's last slot's column and position (its
-        highest: the width and the RoPE table's reach are known without reading the device)."""
+        highest: the width and the RoPE table's reach are known without reading the device).
+
+        `real` may have more rows than the slab, up to `padded_rows` (a bucketed decode step's, `columns` None):
+        the padding rows, after the real ones, are wholly unreal; each writes at column 0 of its own row and sees
+        only that column (`_padding`)."""
         num_rows, num_new = real.shape
+        pad = num_rows - self.num_rows
+        if pad and (columns is not None or num_rows > self.padded_rows):
+            raise ValueError(f"a forward of {num_rows} rows over a slab of {self.num_rows} ({self.padded_rows} "
+                             "allocated): only a decode step's padding rows may be added")
+        self.forward_rows = num_rows
         steps = torch.arange(num_new, device=real.device)
-        self.write_columns = self.lengths[:, None] + steps if columns is None else columns  # [rows, new]
+        # [rows, new]
+        self.write_columns = self._padding(self.lengths[:, None] + steps, pad) if columns is None else columns
         if last is None and columns is None:  # every slot real: a decode step (pads here: pass `last`)
             last = ([n + num_new - 1 for n in self.host_lengths], [p + num_new - 1 for p in self.host_next_positions])
         elif last is None:  # a caller without the host's bookkeeping (tests, benchmarks): read back, a sync
@@ -230,13 +245,13 @@ class Slab(Cache):
         if self.width > self.capacity:
             raise RuntimeError(f"slab of {self.capacity} columns cannot take column {self.width - 1}")
         if self.bucketed:  # the columns past the rows' own are unwritten (zeros, `valid` false): masked
-            self.width = min(bucket_width(self.width), self.capacity)
+            self.width = min(shapes.bucket_width(self.width), self.capacity)
         if positions is None:
             # Real tokens take consecutive positions; a pad slot repeats its row's first one (it is masked out).
             offsets = (real.long().cumsum(1) - 1).clamp(min=0)
-            positions = self.next_positions[:, None] + offsets
+            positions = self._padding(self.next_positions, pad)[:, None] + offsets
         positions = positions.unsqueeze(0).expand(3, -1, -1)
-        allowed = self.valid[:, None, :self.width].expand(num_rows, num_new, self.width).clone()
+        allowed = self._padding(self.valid[:, :self.width], pad)[:, None].expand(num_rows, num_new, self.width).clone()
         if columns is not None:  # written columns after a token (chunks linked past its run) are hidden from it
             allowed &= torch.arange(self.width, device=real.device) < self.write_columns[:, :, None]
         causal = real[:, None, :] & (steps[None, :, None] >= steps[None, None, :])  # [rows, t, t'≤t real]
@@ -246,10 +261,17 @@ class Slab(Cache):
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return positions, mask.unsqueeze(1)
 
+    @staticmethod
+    def _padding(rows: torch.Tensor, pad: int) -> torch.Tensor:
+        """`rows` `[rows, ...]` and `pad` padding rows of zeros after them: column 0 (their own row's scratch:
+        no real row reads another row), position 0, no column valid."""
+        return torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))]) if pad else rows
+
     def advance(self, real: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """After the forward: mark the real tokens' columns written, move lengths and positions on (`positions`:
-        the explicit ones `prepare` was given; each row's last slot is real)."""
-        self.valid[self.rows_index, self.write_columns] = real
+        the explicit ones `prepare` was given; each row's last slot is real). Padding rows keep nothing."""
+        rows, real = slice(0, self.num_rows), real[:self.num_rows]
+        self.valid[self.rows_index[rows], self.write_columns[rows]] = real
         self.host_lengths = [column + 1 for column in self._last[0]]
         self.host_next_positions = [position + 1 for position in self._last[1]]
         if positions is None:
