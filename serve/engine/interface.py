@@ -16,7 +16,8 @@ The contract, both sides:
                    `seq.finish(end, error)` exactly once. Before its first token the engine sets the member's prompt
                    accounting (`num_prompt_tokens`, `prefix_cached_tokens`) and `queue_ms`, `reanchor_ms`,
                    `prefill_ms`; `decode_ms` grows with each later token; with `sampling.logprobs`, a token's entry is
-                   appended to `token_logprobs` before the token is delivered. `End.FAILED` carries the error.
+                   appended to `token_logprobs` before the token is delivered. `End.FAILED` carries the error:
+                   a step that failed as a whole carries `step_failure(error)`.
     abort(seq)     The caller went away: end `seq` (`End.CANCELLED`) at the engine's next step and free its KV; a
                    no-op once it finished. Thread-safe.
     stats()        `EngineStats` now; cheap enough for every scrape of the replica's metrics.
@@ -32,7 +33,21 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from schemas.config import EngineConfig
+from schemas.errors import BusyError
 from serve.engine.sequence import Sequence
+
+OUT_OF_MEMORY_RETRY_S = 1.0  # a step that ran the device out of memory: its requests' Retry-After
+
+
+def step_failure(error: Exception) -> Exception:
+    """What a step that failed as a whole (not one row's own work: that row fails alone) means to each request in
+    flight. Out of device memory is the batch's, not any request's fault, and passes once the batch is gone: a clean
+    503 with Retry-After (the OOM as its cause), not a 500. Anything else is a fault of the engine's: as it was."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":  # torch's; vLLM's CUDA OOM
+        busy = BusyError("the generator ran out of device memory in a batched step; retry", OUT_OF_MEMORY_RETRY_S)
+        busy.__cause__ = error
+        return busy
+    return error
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 
 from pipeline.runtime import VLM
 from schemas.config import EngineConfig
-from serve.engine.interface import Engine, EngineStats
+from serve.engine.interface import Engine, EngineStats, step_failure
 from serve.engine.kv_budget import sized
 from serve.engine.qvpic.batch import Slab, decode_step
 from serve.engine.qvpic.linked_prompt import store
@@ -256,7 +256,9 @@ class QvpicEngine(Prefills, Picks, Engine):
         self.metrics.engine_kv_bytes.set(stats.kv_nbytes)
 
     def _fail(self, error: Exception) -> None:
-        """A step raised: every request in flight ends with it; the engine starts over empty."""
+        """A step raised: every request in flight ends with it (`step_failure`: out of memory a 503 to retry); the
+        engine starts over empty."""
+        error = step_failure(error)
         with self._work:
             for seq in self.scheduler.running + [m for s in self._joining for m in s.members]:
                 self._finish(seq, End.FAILED, error)

@@ -35,7 +35,7 @@ from pipeline.runtime import VLM  # noqa: E402
 from schemas.config import EngineConfig  # noqa: E402
 from schemas.errors import BusyError, TooLargeError  # noqa: E402
 from serve.engine.grammar import Grammars  # noqa: E402
-from serve.engine.interface import Engine, EngineStats  # noqa: E402
+from serve.engine.interface import Engine, EngineStats, step_failure  # noqa: E402
 from serve.engine.sequence import End, Sequence, Status  # noqa: E402
 from serve.engine.stops import StopMatcher  # noqa: E402
 from serve.engine.vllm.arguments import cpu_binding, engine_args  # noqa: E402
@@ -159,8 +159,9 @@ class VllmEngine(Engine):
                         time.sleep(0.01)
             except Exception as error:  # noqa: BLE001  fail the requests in flight, keep serving
                 log.exception("vLLM step failed; the requests in flight end with it")
+                failure = step_failure(error)  # out of memory: a 503 to retry
                 for request_id, (seq, _) in list(self._running.items()):
-                    self._finish(request_id, seq, End.FAILED, error)
+                    self._finish(request_id, seq, End.FAILED, failure)
 
     def _submit(self, seq: Sequence) -> None:
         """`seq`'s prompt and claim built and handed to vLLM: its members, or first its history pass."""

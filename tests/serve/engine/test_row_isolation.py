@@ -100,3 +100,35 @@ def test_a_row_whose_decode_step_fails_fails_alone(vlm, chunks, monkeypatch, whe
     assert len(others[1].token_ids) > FAULT_AT + 1  # it went on past the faulty step
     assert rec.engine.ended["failed"] == 1
     assert rec.engine.slab is None and not rec.engine.scheduler.running
+
+
+def test_a_step_out_of_device_memory_is_a_503_to_retry_and_the_engine_goes_on(vlm, chunks, monkeypatch):
+    """A decode forward that runs the device out of memory is no one row's fault: every row of the step ends, each
+    with a `BusyError` (503, Retry-After; the OOM its cause) rather than the OOM itself (a 500); the engine starts
+    over and the next request gets exactly its tokens alone. Control: `step_failure` returning the error as it is
+    hands the rows the OOM."""
+    from schemas.errors import BusyError
+    from serve.engine.qvpic import engine as engine_module
+
+    real, calls = engine_module.decode_step, []
+    oom = torch.OutOfMemoryError("injected: CUDA out of memory in a decode step")
+
+    def once(*args):
+        calls.append(len(args[2]))
+        if len(calls) == 3:
+            raise oom
+        return real(*args)
+    monkeypatch.setattr(engine_module, "decode_step", once)
+    rec = Recorder(vlm)
+    rows = [rec.submit(linked(vlm, chunks[:2], "When does it ship?", salt=b"acme"), 10),
+            rec.submit(linked(vlm, [chunks[4]], "Which part?", salt=b"globex"), 10)]
+    run(rec)
+    for seq in rows:
+        error = rec.events[seq.id][-1].error
+        assert seq.end is End.FAILED and isinstance(error, BusyError) and error.__cause__ is oom
+        assert error.status_code == 503 and error.headers() == {"Retry-After": "1"}
+    assert calls[2] == 2  # both rows were in the step that failed
+    after = rec.submit(linked(vlm, [chunks[3]], "Reset how?", salt=b"after"), 6)
+    run(rec)
+    tokens, _ = alone(vlm, after.context, 6)
+    assert after.end in (End.STOP, End.LENGTH) and after.token_ids == tokens
