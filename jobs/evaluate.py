@@ -39,7 +39,8 @@ from pipeline.eval import (
     load_generic,
     load_tasks,
 )
-from schemas.config import AblationTiers, Mode, ModelSpec, RouterSpec, ScoreNormalisation, Variant
+from schemas.config import ModelSpec, RouterSpec, ScoreNormalisation
+from schemas.modes import AblationTiers, Mode, Variant
 
 # The evaluation harness, the store and the serving roles import torch, Ray and pyarrow: they are
 # imported where used, so that `qvpic eval --help` answers at once.

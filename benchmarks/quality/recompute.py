@@ -47,8 +47,9 @@ from pipeline.eval import (
 )
 from pipeline.ingest import Chunker
 from pipeline.runtime import VLM, Renderer, chunk_inputs, input_embeddings, recompute
-from schemas.config import DType, ModelSpec, RecomputeKind, RecomputeSpec, RenderSpec
+from schemas.config import DType, ModelSpec, RecomputeKind, RecomputeSpec
 from schemas.corpus import Document
+from schemas.render import RenderSpec
 
 LEADING_NUM_TOKENS = (0, 4, 16, 64)  # 0: no recompute
 DEVIATION_PERCENT = (5, 15, 30)

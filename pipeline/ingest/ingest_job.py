@@ -43,8 +43,10 @@ from pipeline.ingest.stages import (
 from pipeline.ingest.summary import IngestSummary
 from pipeline.runtime import Embedder, model_identity
 from pipeline.store import Store, StoreLease, current_generation_number, entry_slots, hmac_key, publish_generation
-from schemas.config import AblationTiers, KVQuant, ModelSpec, RenderSpec, Variant
+from schemas.config import KVQuant, ModelSpec
 from schemas.corpus import ReaderSpec
+from schemas.modes import AblationTiers, Variant
+from schemas.render import RenderSpec
 from schemas.store import Manifest, StoredModel, StoreSpec
 
 T = TypeVar("T")

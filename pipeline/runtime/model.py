@@ -27,7 +27,8 @@ from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.sampling import adjust_logits, select_token
-from schemas.config import ChunkKind, CompilePrefix, ForwardSpec, ModelSpec, Variant
+from schemas.config import ForwardSpec, ModelSpec
+from schemas.modes import ChunkKind, CompilePrefix, Variant
 from schemas.sampling import Sampling
 
 PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)

@@ -53,9 +53,10 @@ from pipeline.eval.scoring import qa_f1, score
 from pipeline.ingest import Chunker
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec, RouterSpec, Variant
+from schemas.config import ModelSpec, RouterSpec
 from schemas.corpus import Document
 from schemas.errors import TooLargeError, UnservableError
+from schemas.modes import Mode, Variant
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig
@@ -104,7 +105,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
     """On the LongBench fixture with the real MiniLM: the router embeds the question alone, scores only
     the context's chunks, and neither the instruction nor the answer cue is anywhere among them."""
     from pipeline.runtime import VLM, Embedder
-    from schemas.config import Variant
+    from schemas.modes import Variant
     from serve.config import RouterConfig
     from serve.routing import Router
 
