@@ -20,7 +20,8 @@ import pyarrow as pa
 import ray.data
 from pydantic import Field
 
-from pipeline.ingest.ingest_job import compile_kv, in_a_task, new_manifest, render, work_blocks
+from pipeline.ingest.ingest_job import compile_kv, in_a_task, render, work_blocks
+from pipeline.ingest.manifest import new_manifest
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, conform_rows, of_kind
 from pipeline.ingest.shuffle import read_parts
