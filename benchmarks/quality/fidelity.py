@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from jobs.evaluate import FIXTURES
+from jobs.eval_items import FIXTURES
 from jobs.help import HelpFormatter
 from pipeline.eval import (
     LONGBENCH_QA_TASKS,

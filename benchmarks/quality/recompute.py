@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.tools.real_size import REAL_SIZE
-from jobs.evaluate import FIXTURES
+from jobs.eval_items import FIXTURES
 from pipeline.eval import (
     LONGBENCH_QA_TASKS,
     QAItem,

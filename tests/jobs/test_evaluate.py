@@ -14,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from jobs import eval_items
 from jobs import evaluate as evaluate_job
 from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
 from jobs.ingest import parse_tiers
@@ -65,7 +66,7 @@ from serve.local import InProcessBackend
 from tests.support.ray_fixtures import ray_session  # noqa: F401  (fixture)
 from tests.support.store_factory import build_store, entries_read_each_time
 
-FIXTURES = evaluate_job.FIXTURES
+FIXTURES = eval_items.FIXTURES
 CHUNK_TOKENS = 64
 
 
@@ -371,14 +372,14 @@ def test_report_files(tmp_path, eval_store):
 
 def test_item_sources_and_limit(tmp_path):
     parse = evaluate_job.parser().parse_args
-    items, source = evaluate_job.load_items(parse(["--synthetic", "3", "--context-words", "80", "--seed", "5"]))
+    items, source = eval_items.load_items(parse(["--synthetic", "3", "--context-words", "80", "--seed", "5"]))
     assert [i.task for i in items] == [QATask.SYNTHETIC] * 3 and "synthetic" in source
     assert all(i.evidence and i.answers[0] in i.context for i in items)
-    items, _ = evaluate_job.load_items(parse(["--limit", "2", "--tasks", "hotpotqa", "qasper"]))
+    items, _ = eval_items.load_items(parse(["--limit", "2", "--tasks", "hotpotqa", "qasper"]))
     assert [i.task for i in items] == [QATask.HOTPOTQA] * 2 + [QATask.QASPER] * 2
     generic = tmp_path / "generic.jsonl"
     generic.write_text(json.dumps({"question": "Who?", "chunk_ids": ["d#00000"], "answers": ["Ann"]}) + "\n")
-    items, _ = evaluate_job.load_items(parse(["--generic", str(generic)]))
+    items, _ = eval_items.load_items(parse(["--generic", str(generic)]))
     assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {}
 
 
