@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.runtime import Renderer, vision_grid, vision_tokens
-from schemas.config import ModelFamily, ModelSpec, RenderSpec, TierSpec
+from schemas.config import ModelFamily, ModelSpec
+from schemas.render import RenderSpec, TierSpec
 
 DEFAULT_TOKENIZER_MODEL = "tiny-qwen"
 # RenderSpec fields settable from the command line: (flag, field, type)

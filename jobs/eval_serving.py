@@ -24,7 +24,8 @@ from pipeline.eval import (
 )
 from pipeline.runtime import ChunkKV
 from schemas.api import MAX_IDS_PER_REQUEST, AnswerRequest
-from schemas.config import ChunkKind, ModelSpec, RouterSpec
+from schemas.config import ModelSpec, RouterSpec
+from schemas.modes import ChunkKind
 from schemas.sampling import Sampling
 from serve import LocalStack, build_local
 from serve.kv import kv_tensor

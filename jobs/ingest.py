@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from jobs import logs
 from jobs.help import HelpFormatter
 from pipeline.ingest import CompileResources, JobResources
-from schemas.config import AblationTiers, DType, KVQuant, ModelSpec, RenderSpec, TierSpec, Variant
+from schemas.config import DType, KVQuant, ModelSpec
+from schemas.modes import AblationTiers, Variant
+from schemas.render import RenderSpec, TierSpec
 
 if TYPE_CHECKING:  # imported where used: Ray and pyarrow would make `--help` take seconds
     from pipeline.ingest import IngestSummary

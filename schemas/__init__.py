@@ -1,7 +1,10 @@
 """Data contracts only: nothing here imports the rest of qvpic, torch or Ray. Import a contract from the
 module that states it — each module is one kind of contract:
 
-    config.py      model, renderer, tiers, variants, modes, router/engine/recompute specs
+    frozen.py      the frozen, validated base every spec builds on
+    modes.py       chunk kinds, compile prefixes, variants, modes and their shapes, chunk order
+    render.py      resolution tiers and the page layout chunks are rendered with
+    config.py      model, router, hybrid, recompute, engine (forward, prefix cache) and image-URL specs
     corpus.py      documents, chunks, chunk keys, rejection reasons
     store.py       the manifest, cache keys, shard entries, store statistics
     tables.py      Arrow schemas of the index, chunk and quarantine tables and their row rules

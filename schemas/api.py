@@ -14,9 +14,10 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints, model_validator
 
-from schemas.config import MAX_RAW_TAU, ChunkOrder, Mode, ScoreNormalisation, check_tau
+from schemas.config import MAX_RAW_TAU, ScoreNormalisation, check_tau
 from schemas.conversation import MAX_MESSAGES, Message, check_conversation
 from schemas.decoding import Decoding
+from schemas.modes import ChunkOrder, Mode
 from schemas.tools import FunctionDef, ToolUse, call_grammar, call_or_json_grammar
 from schemas.wire import JsonBool, JsonFloat, JsonInt, Strict
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field
 
-from schemas.config import Frozen
+from schemas.frozen import Frozen
 
 # Metadata keys the readers set. User metadata may not use the prefix, so a JSONL record can never
 # pose as a page image by carrying its own `image_path`.

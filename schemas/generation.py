@@ -25,8 +25,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
-from schemas.config import Frozen
 from schemas.corpus import ALL_COLLECTIONS, DEFAULT_COLLECTION
+from schemas.frozen import Frozen
 from schemas.store import Manifest
 
 SERVING_DIR = "serving"

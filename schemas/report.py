@@ -9,8 +9,8 @@ from typing import Literal
 from pydantic import Field
 
 from schemas.api import FinishReason
-from schemas.config import Mode, Variant
 from schemas.decoding import ChoiceLogprobs
+from schemas.modes import Mode, Variant
 from schemas.wire import Strict
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from schemas.config import KVQuant, Mode, Variant
+from schemas.config import KVQuant
+from schemas.modes import Mode, Variant
 from schemas.wire import Strict
 
 

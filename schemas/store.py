@@ -31,19 +31,10 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
-from schemas.config import (
-    DUMMY_PREFIX_SEED,
-    AblationTiers,
-    ChunkKind,
-    CompilePrefix,
-    DType,
-    Frozen,
-    KVQuant,
-    ModelFamily,
-    RenderSpec,
-    TierSpec,
-    Variant,
-)
+from schemas.config import DType, KVQuant, ModelFamily
+from schemas.frozen import Frozen
+from schemas.modes import DUMMY_PREFIX_SEED, AblationTiers, ChunkKind, CompilePrefix, Variant
+from schemas.render import RenderSpec, TierSpec
 
 SCHEMA_VERSION = 2  # 2: entries packed in shards, found by byte_offset + shape
 ORPHAN_GRACE_S = 3600.0  # a file younger than this may belong to a job still writing: never an orphan yet

@@ -12,7 +12,8 @@ from typing import Any, Iterable, Mapping
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.config import ChunkKind, DType, KVQuant, Variant
+from schemas.config import DType, KVQuant
+from schemas.modes import ChunkKind, Variant
 from schemas.store import HEX64, TIER_NAME
 
 SHARD_PATH = re.compile(r"shards/[0-9a-f]{2}/[0-9a-f]{64}\.safetensors")  # named by sha256 of its bytes

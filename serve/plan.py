@@ -19,8 +19,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from schemas.api import FinishReason
-from schemas.config import ChunkKind, DType, KVQuant, Mode, Variant
+from schemas.config import DType, KVQuant
 from schemas.decoding import ChoiceLogprobs, TokenLogprob
+from schemas.modes import ChunkKind, Mode, Variant
 from schemas.prompt import PromptLayout
 from schemas.report import AnswerReport, CacheReport, FallbackReport, KVOrigin, TierReason
 from schemas.store import CacheKey

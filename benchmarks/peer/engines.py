@@ -35,7 +35,9 @@ from benchmarks.tools.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 from serve import build_local
 
 SIDES = ("vLLM alone", "qvpic's engine", "qvpic on vLLM")

@@ -43,7 +43,9 @@ from benchmarks.tools import ttft_store
 from benchmarks.tools.machine import machine_line
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import Renderer, in_passing_thread, resolve_path
-from schemas.config import Mode, ModelSpec, RenderSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 
 APPS = {SIDES[1]: ("qvpic-engine", "/qvpic", "qvpic"), SIDES[2]: ("qvpic-vllm", "/vllm", "vllm")}
 CHUNK_TOKENS, NEW_TOKENS, STREAMS = 96, 32, 16

@@ -19,7 +19,9 @@ from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, oracle
 from pipeline.eval.oracle import transposed_grids  # noqa: F401  (the grid control: benchmarks/peer/side_by_side.py)
 from pipeline.runtime import VLM, Renderer
-from schemas.config import Mode, ModelSpec, RenderSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 
 NEW_TOKENS = 8
 TARGET_SHARE = 0.95

@@ -23,7 +23,7 @@ from benchmarks.peer import engine
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, oracle, write_section
 from pipeline.runtime import VLM
-from schemas.config import Mode
+from schemas.modes import Mode
 
 RECORDING = Path(__file__).resolve().parents[2] / "tests" / "data" / "vllm_oracle.json"
 

@@ -30,7 +30,8 @@ from benchmarks.perf.batching import run_level
 from benchmarks.perf.ttft_http import loopback_port
 from pipeline.runtime import in_passing_thread, resolve_path
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from serve.engine.qvpic.batch import decode_step, prefill_queries
 

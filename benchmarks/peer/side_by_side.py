@@ -23,7 +23,8 @@ from benchmarks.peer import engine, oracle
 from jobs.help import HelpFormatter
 from pipeline.eval import write_section
 from pipeline.runtime import VLM, resolve_path
-from schemas.config import DType, Mode, ModelSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
 
 
 def run_oracle(spec: ModelSpec, per_mode: int) -> tuple[str, bool]:

@@ -33,7 +33,9 @@ from benchmarks.tools import ttft_store
 from benchmarks.tools.machine import cpu_flags
 from pipeline.eval import markdown_table
 from pipeline.runtime import Renderer, in_passing_thread
-from schemas.config import Mode, ModelSpec, RenderSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 
 SET_CHUNKS = 16
 ZIPF_EXPONENT = 1.1

@@ -31,7 +31,8 @@ import httpx
 
 from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
-from schemas.config import ModelSpec, RenderSpec
+from schemas.config import ModelSpec
+from schemas.render import RenderSpec
 from serve import build_local
 from serve.app import api_spec
 from serve.governance import Governor, key_digest

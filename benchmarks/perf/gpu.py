@@ -27,7 +27,9 @@ from benchmarks.perf import batching
 from benchmarks.tools import real_size, ttft_store
 from pipeline.eval import markdown_table
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 from schemas.sampling import Sampling
 from serve import build_local
 

@@ -39,7 +39,9 @@ from jobs.help import HelpFormatter
 from pipeline.eval import compare, markdown_table, trace_full, trace_linked, write_section
 from pipeline.runtime import VLM, ChunkKV, Renderer
 from pipeline.store import Blobs, ShardReader, stored, write_shard
-from schemas.config import DType, KVQuant, ModelSpec, RenderSpec, Variant
+from schemas.config import DType, KVQuant, ModelSpec
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 from schemas.store import StoreSpec
 from serve.kv import kv_tensor, to_wire
 from serve.plan import Entry, EntryRow, KVLocation, LoadedKV

@@ -32,8 +32,9 @@ from pipeline.ingest.stages import compile_in_process
 from pipeline.runtime import VLM, Embedder
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec
+from schemas.config import ModelSpec
 from schemas.corpus import Chunk
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from schemas.store import StoreSpec
 from serve import build_local

@@ -43,7 +43,8 @@ from pipeline.runtime.fused import FusedDecoder, Projection, language_model
 from pipeline.runtime.kv import ChunkKV, assemble
 from pipeline.runtime.real_shapes import ensure_real_shape
 from pipeline.runtime.reanchor import NativeRotation, native_kernel, torch_ops_only
-from schemas.config import ChunkKind, DType, ForwardSpec, ModelSpec
+from schemas.config import DType, ForwardSpec, ModelSpec
+from schemas.modes import ChunkKind
 from serve.engine.qvpic.batch import Slab, forward
 
 GIB = 1 << 30

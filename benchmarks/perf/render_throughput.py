@@ -15,7 +15,7 @@ import time
 from benchmarks.quality.legibility import reference_text
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import Renderer
-from schemas.config import RenderSpec, TierSpec
+from schemas.render import RenderSpec, TierSpec
 
 DPIS = (72, 96, 120)
 REPEATS = 9

@@ -48,7 +48,8 @@ PARTS = ("embed", "tokenize", "model", "route", "layout", "search", "rows", "pla
 def build_store(path: Path, model: str) -> str:
     """The conversation benchmark's store at `path`, built once (a marker file says it is complete)."""
     from benchmarks.tools import ttft_store
-    from schemas.config import DType, ModelSpec, RenderSpec
+    from schemas.config import DType, ModelSpec
+    from schemas.render import RenderSpec
 
     complete = path.parent / f"{path.name}.complete"  # beside the store, not in it
     if not complete.exists():

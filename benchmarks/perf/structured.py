@@ -34,7 +34,9 @@ from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 from schemas.sampling import Sampling
 from schemas.tools import FunctionDef, call_grammar, json_grammar
 from serve import build_local

@@ -37,7 +37,9 @@ from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import resolve_device
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 
 F32, BF16 = DType.FLOAT32, DType.BFLOAT16
 PHASES = ("route_ms", "load_ms", "render_ms", "reanchor_ms", "prefill_ms")

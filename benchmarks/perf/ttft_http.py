@@ -27,7 +27,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
 
 APP_NAME = "qvpic-ttft"
 

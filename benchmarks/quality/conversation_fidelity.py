@@ -33,9 +33,11 @@ from jobs.help import HelpFormatter
 from pipeline.eval import answer_token_ids, markdown_table, trace_full, trace_linked, write_section
 from pipeline.ingest import Chunker
 from pipeline.runtime import VLM, Renderer, prepare_segment
-from schemas.config import DType, ModelSpec, RenderSpec, Variant
+from schemas.config import DType, ModelSpec
 from schemas.conversation import Message
 from schemas.corpus import Document
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 from serve.engine.prepared import LinkedPrompt
 from serve.engine.qvpic import resume
 from serve.engine.qvpic.batch import assemble_row

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from jobs.evaluate import FIXTURES
+from jobs.eval_items import FIXTURES
 from jobs.help import HelpFormatter
 from pipeline.eval import (
     LONGBENCH_QA_TASKS,
@@ -43,8 +43,10 @@ from pipeline.eval import (
 )
 from pipeline.ingest import Chunker
 from pipeline.runtime import VLM, Renderer
-from schemas.config import DType, ModelSpec, RenderSpec, Variant
+from schemas.config import DType, ModelSpec
 from schemas.corpus import Document
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 
 IMAGE_VARIANTS = (Variant.TEMPLATE, Variant.PLAIN, Variant.DUMMY)
 TEXT_VARIANTS = (Variant.TEXT, Variant.TEXT_PLAIN)

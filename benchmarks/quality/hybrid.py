@@ -27,8 +27,10 @@ from pipeline.ingest import IngestConfig, open_store
 from pipeline.ingest.stages import ChunkStage, compile_in_process
 from pipeline.runtime import VLM, Embedder, Renderer
 from schemas.api import AnswerRequest
-from schemas.config import HybridSpec, Mode, ModelSpec, RenderSpec, RouterSpec
+from schemas.config import HybridSpec, ModelSpec, RouterSpec
 from schemas.corpus import Chunk, Document
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 from schemas.store import StoreSpec
 from serve.config import RouterConfig
 from serve.routing import Router

@@ -22,7 +22,8 @@ from PIL import Image
 
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import Renderer, vision_tokens
-from schemas.config import ModelFamily, ModelSpec, RenderSpec, TierSpec
+from schemas.config import ModelFamily, ModelSpec
+from schemas.render import RenderSpec, TierSpec
 
 FONT_SIZES_PT = (6, 8, 9, 10, 12)
 DPIS = (72, 96, 120)

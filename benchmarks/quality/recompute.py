@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.tools.real_size import REAL_SIZE
-from jobs.evaluate import FIXTURES
+from jobs.eval_items import FIXTURES
 from pipeline.eval import (
     LONGBENCH_QA_TASKS,
     QAItem,
@@ -47,8 +47,9 @@ from pipeline.eval import (
 )
 from pipeline.ingest import Chunker
 from pipeline.runtime import VLM, Renderer, chunk_inputs, input_embeddings, recompute
-from schemas.config import DType, ModelSpec, RecomputeKind, RecomputeSpec, RenderSpec
+from schemas.config import DType, ModelSpec, RecomputeKind, RecomputeSpec
 from schemas.corpus import Document
+from schemas.render import RenderSpec
 
 LEADING_NUM_TOKENS = (0, 4, 16, 64)  # 0: no recompute
 DEVIATION_PERCENT = (5, 15, 30)

@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 from schemas.api import AnswerRequest
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 from schemas.sampling import Sampling
 
 MODEL = "tiny-qwen"

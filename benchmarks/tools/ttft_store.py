@@ -14,8 +14,9 @@ from pipeline.eval import evidence_chunks, generate
 from pipeline.ingest import IngestConfig, open_store
 from pipeline.ingest.stages import ChunkStage, compile_in_process
 from pipeline.runtime import VLM, Embedder
-from schemas.config import ModelSpec, RenderSpec
+from schemas.config import ModelSpec
 from schemas.corpus import Chunk, Document
+from schemas.render import RenderSpec
 from schemas.store import StoreSpec
 
 EVIDENCE_POSITION = 1

@@ -36,8 +36,9 @@ import httpx
 from pipeline.eval.longbench import QAItem
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, RenderSpec, Variant
 from schemas.errors import ApiError
+from schemas.modes import Mode, Variant
+from schemas.render import RenderSpec
 from schemas.report import AnswerReport, AnswerResponse, StreamEventType
 
 MODE_CONTEXT: dict[Mode, str] = {

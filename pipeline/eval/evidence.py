@@ -22,8 +22,8 @@ from pipeline.eval.longbench import QAItem
 from pipeline.eval.synthetic import SyntheticError, evidence_chunks
 from pipeline.runtime import Renderer, normalise, read_text
 from schemas.api import AnswerRequest
-from schemas.config import Mode
 from schemas.errors import ApiError
+from schemas.modes import Mode
 
 
 def serving_configs(grid: Sequence[tuple[float, int]]) -> list[ServingSpec]:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from pipeline.eval.evaluation import ServingSpec
 from pipeline.eval.longbench import QAItem
 from pipeline.runtime import AssembledContext
-from schemas.config import ChunkKind, Mode
+from schemas.modes import ChunkKind, Mode
 
 
 @dataclass(frozen=True)

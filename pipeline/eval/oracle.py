@@ -30,7 +30,9 @@ import torch
 from PIL import Image
 
 from pipeline.runtime import VLM, Renderer, resolve_path
-from schemas.config import DType, Mode, ModelSpec, RenderSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 
 MODEL = "oracle-qwen"  # pipeline/runtime/tiny.py: the smallest checkpoint vLLM's CPU attention runs
 NEW_TOKENS = 8

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from pipeline.eval.longbench import LONGBENCH_QA_TASKS
 from pipeline.eval.markdown import markdown_table
-from schemas.config import CompilePrefix, Mode, TierSpec
+from schemas.modes import CompilePrefix, Mode
+from schemas.render import TierSpec
 
 # `qvpic eval --help` reads this module's defaults: the harness (store, torch) is imported where used.
 if TYPE_CHECKING:

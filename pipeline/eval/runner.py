@@ -35,8 +35,8 @@ from pipeline.eval.evaluation import Answered, Answerer, ServingSpec, StoreView,
 from pipeline.eval.longbench import QAItem, QATask
 from pipeline.eval.scoring import qa_f1, score
 from schemas.api import AnswerRequest
-from schemas.config import Mode
 from schemas.errors import ApiError, TooLargeError
+from schemas.modes import Mode
 
 CacheClear = Callable[[], None]  # empties every cache between a request and the store
 

@@ -20,14 +20,17 @@ import pyarrow as pa
 import ray.data
 from pydantic import Field
 
-from pipeline.ingest.ingest_job import compile_kv, in_a_task, new_manifest, render, work_blocks
+from pipeline.ingest.ingest_job import compile_kv, in_a_task, render, work_blocks
+from pipeline.ingest.manifest import new_manifest
 from pipeline.ingest.resources import JobResources, StagePlan, plan_stages
 from pipeline.ingest.rows import Kind, conform_rows, of_kind
 from pipeline.ingest.shuffle import read_parts
 from pipeline.ingest.stages import CompilePlan, deduplicate, stored_entries
 from pipeline.store import Store, StoreLease, entry_slots, hmac_key, publish_generation, remove_orphans
-from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
+from schemas.config import KVQuant, ModelSpec
 from schemas.corpus import ReaderSpec
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 from schemas.store import ORPHAN_GRACE_S, ImagesRoot, Manifest, StoreSpec
 
 MAX_LISTED_FAILURES = 100  # in the summary; every failure is in the quarantine table

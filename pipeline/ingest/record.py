@@ -26,8 +26,8 @@ from typing import Any
 from pipeline.ingest.corpus import RemoteFiles, discover
 from pipeline.ingest.summary import IngestSummary
 from pipeline.store import Store, entry_slots, slot_name
-from schemas.config import Variant
 from schemas.corpus import ReaderSpec
+from schemas.modes import Variant
 from schemas.store import Manifest, StoreSpec
 
 RECORDS = "ingests"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from schemas.config import Frozen
+from schemas.frozen import Frozen
 
 TASK_CPUS = 1.0  # Ray Data's shuffle map and reduce tasks each take one CPU; not configurable
 MIN_ACTOR_CPUS = 0.01

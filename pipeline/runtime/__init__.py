@@ -24,10 +24,8 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "selective_recompute": ["ChunkInputs", "chunk_inputs", "input_embeddings", "recompute"],
     "real_shapes": ["REAL_SHAPES", "Width", "ensure_real_shape"],
     "render": ["Renderer"],
-    "tiny": [
-        "GLM_CHAT_TEMPLATE", "GLM_SPECIALS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIALS", "build_tokenizer",
-        "ensure_model"
-    ],
+    "tiny": ["ensure_model"],
+    "tiny_tokenizer": ["GLM_CHAT_TEMPLATE", "GLM_SPECIALS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIALS", "build_tokenizer"],
     "tokens": ["MERGE_SIZE", "vision_grid", "vision_tokens"],
     "timing": ["ms_since", "wait_for"],
     "threads": ["in_passing_thread", "off_loop", "serial_here"],

@@ -19,7 +19,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from schemas.config import DUMMY_PREFIX_SEED, CompilePrefix, ModelFamily
+from schemas.config import ModelFamily
+from schemas.modes import DUMMY_PREFIX_SEED, CompilePrefix
 
 _SENTINEL = "\u2063QVPIC_USER_CONTENT\u2063"
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from pipeline.runtime.reanchor import rotate_halves
-from schemas.config import ChunkKind
+from schemas.modes import ChunkKind
 
 
 @dataclass

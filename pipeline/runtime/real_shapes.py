@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.runtime.tiny import (
+from pipeline.runtime.tiny import cache_root, publish
+from pipeline.runtime.tiny_tokenizer import (
     GLM_CHAT_TEMPLATE,
     GLM_SPECIALS,
     LLAVA_CHAT_TEMPLATE,
@@ -32,8 +33,6 @@ from pipeline.runtime.tiny import (
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIALS,
     build_tokenizer,
-    cache_root,
-    publish,
 )
 
 DECODER_LAYERS = 2

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from schemas.config import RenderSpec, TierSpec
+from schemas.render import RenderSpec, TierSpec
 
 FONT_DIRS: tuple[Path, ...] = (
     Path("/usr/share/fonts"),

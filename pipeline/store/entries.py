@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from pipeline.store.slots import entry_slots, required_keys, slot_name  # noqa: F401  (re-exported)
-from schemas.config import CompilePrefix, RenderSpec, TierSpec, Variant
 from schemas.errors import Fault
+from schemas.modes import CompilePrefix, Variant
+from schemas.render import RenderSpec, TierSpec
 from schemas.store import Manifest, ShardEntry
 
 if TYPE_CHECKING:  # annotations only: the render stage imports this module, and must not import torch with it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.config import AblationTiers, Variant
+from schemas.modes import AblationTiers, Variant
 from schemas.store import CacheKey, Manifest
 
 

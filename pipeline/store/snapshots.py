@@ -23,8 +23,8 @@ from pipeline.store.blobs import TMP_PREFIX, install_dir
 from pipeline.store.catalog import CATALOG, COUNTS, TEXTS, parts_digest, write_chunks_dir, write_entries_dir
 from pipeline.store.parts import write_parts_record
 from pipeline.store.store import Store
-from schemas.config import Variant
 from schemas.generation import CHUNKS_DIR, ENTRIES_DIR, SERVING_DIR, SearchSpec
+from schemas.modes import Variant
 from schemas.store import Manifest
 
 COMPLETE = "complete.json"  # written last into a snapshot dir: a dir without it is being written (or was torn)

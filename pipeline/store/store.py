@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 
 from pipeline.store.blobs import Blobs, StoreError
 from pipeline.store.part_log import PartLog
-from schemas.config import Variant
+from schemas.modes import Variant
 from schemas.store import CacheKey, GroupStats, Manifest, ManifestError, ShardEntry, StoreSpec, StoreStats
 from schemas.tables import (
     CHUNKS_SCHEMA,

@@ -20,8 +20,10 @@ from PIL import Image
 
 from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
 from pipeline.store import PageImageError, PageImageRefused, page_images
-from schemas.config import ChunkKind, RecomputeSpec, RenderSpec
+from schemas.config import RecomputeSpec
 from schemas.errors import PageImageRefusedError, UnservableError, public_reason
+from schemas.modes import ChunkKind
+from schemas.render import RenderSpec
 from schemas.report import CacheReport, FallbackReport, KVOrigin
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext, PreparedContext
 from serve.engine.repair import Repairer

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pipeline.runtime import MERGE_SIZE, vision_grid, vision_tokens
-from schemas.config import ModelFamily, ModelSpec, Variant
+from schemas.config import ModelFamily, ModelSpec
+from schemas.modes import Variant
 from schemas.store import CacheKey, Manifest
 from serve.plan import Entry, EntryRow
 

@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import Sequence
 from enum import Enum
 
-from schemas.config import HybridSpec, Variant
+from schemas.config import HybridSpec
+from schemas.modes import Variant
 from schemas.report import TierReason
 from serve.plan import Entry, PlannedChunk
 

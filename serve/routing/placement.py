@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from schemas.config import ChunkKind, Mode, RouterSpec, ScoreNormalisation, TierDefault, TierSpec, Variant
+from schemas.config import RouterSpec, ScoreNormalisation
 from schemas.errors import UnknownTierError, UnservableError
+from schemas.modes import ChunkKind, Mode, TierDefault, Variant
+from schemas.render import TierSpec
 from schemas.report import FallbackReport, TierReason
 from serve.kv import PendingPlanner
 from serve.plan import Entry, PlannedChunk, entry_of

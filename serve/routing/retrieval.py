@@ -21,9 +21,10 @@ import numpy as np
 from pipeline.store import Store, local_copy, read_generation
 from pipeline.store.catalog import TEXTS, Catalog
 from schemas.api import AnswerRequest
-from schemas.config import ChunkOrder, TierSpec
 from schemas.errors import TooLargeError, UnknownIdsError
 from schemas.generation import Generation, ScanSpec
+from schemas.modes import ChunkOrder
+from schemas.render import TierSpec
 from schemas.store import Manifest
 from serve.routing.placement import ChunkEntries, EntrySlots
 

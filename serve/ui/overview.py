@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from schemas.config import KVQuant, Variant
+from schemas.config import KVQuant
+from schemas.modes import Variant
 from schemas.service import CacheStats
 from schemas.wire import Strict
 

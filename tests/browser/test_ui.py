@@ -18,7 +18,8 @@ import pytest
 from PIL import Image
 
 from pipeline.store import Store
-from schemas.config import ModelSpec, Variant
+from schemas.config import ModelSpec
+from schemas.modes import Variant
 from tests.support.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.support.store_factory import DOCUMENTS, build_store, serving_store  # noqa: F401  (fixture)
 

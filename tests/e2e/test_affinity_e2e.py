@@ -9,7 +9,7 @@ import time
 import pytest
 
 from schemas.api import AnswerRequest
-from schemas.config import Mode
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from serve.app import generator_dispatch
 from serve.config import AppConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import Mode
+from schemas.modes import Mode
 from tests.support.paths import REPO
 from tests.support.ray_fixtures import SUITE_RAY_ENV, free_port
 

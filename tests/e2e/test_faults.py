@@ -24,8 +24,8 @@ from pipeline.ingest.stages import compile_in_process
 from pipeline.runtime.render import resolve_font
 from pipeline.store import Store, publish_generation
 from schemas.api import AnswerRequest
-from schemas.config import Mode
 from schemas.corpus import Chunk
+from schemas.modes import Mode
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig, GeneratorConfig, RouterConfig

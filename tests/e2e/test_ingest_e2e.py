@@ -26,7 +26,7 @@ from pipeline.store import (
     publish_generation,
     read_generation,
 )
-from schemas.config import RenderSpec
+from schemas.render import RenderSpec
 from schemas.store import StoreSpec
 from tests.support.fixtures_s3 import S3Server, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 from tests.support.ray_fixtures import ray_session  # noqa: F401  (pytest fixture)

@@ -11,7 +11,8 @@ from jobs.ingest import main as ingest_main
 from pipeline.ingest import IngestConfig, RecompileConfig, ingest, recompile
 from pipeline.store import Store, entry_slots
 from schemas.api import AnswerRequest
-from schemas.config import KVQuant, ModelSpec, Variant
+from schemas.config import KVQuant, ModelSpec
+from schemas.modes import Variant
 from schemas.sampling import Sampling
 from schemas.store import StoreSpec
 from serve.config import GeneratorConfig, LoaderConfig, RouterConfig

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from benchmarks.scale.load import DEPLOYMENTS, replica_rss_nbytes, request_mix, run_load
-from schemas.config import Mode
+from schemas.modes import Mode
 from tests.support.ray_fixtures import free_port, ray_session  # noqa: F401  (pytest fixture)
 from tests.support.store_factory import DOCUMENTS, MAX_CHUNKS, serving_store  # noqa: F401  (pytest fixture)
 

@@ -12,7 +12,8 @@ import pytest
 from pipeline.ingest import RecompileConfig, recompile
 from pipeline.runtime import VLM, Embedder
 from pipeline.store import Store, current_generation_number
-from schemas.config import ModelSpec, RenderSpec, TierSpec
+from schemas.config import ModelSpec
+from schemas.render import RenderSpec, TierSpec
 from schemas.store import StoreSpec
 from serve.routing.retrieval import open_snapshot
 from tests.support.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.ingest import CompileResources, RecompileConfig, ResourceError, recompile
 from pipeline.store import Store
-from schemas.config import RenderSpec
+from schemas.render import RenderSpec
 from schemas.store import StoreSpec
 from tests.e2e.test_ingest_e2e import assert_complete
 from tests.support.ray_fixtures import ray_session  # noqa: F401  (pytest fixture)

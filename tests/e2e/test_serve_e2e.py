@@ -14,7 +14,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.ingest import IngestConfig, ingest
 from pipeline.runtime.render import resolve_font
-from schemas.config import Mode, ModelSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
 from schemas.store import StoreSpec
 from tests.support.ray_fixtures import free_port, ray_session  # noqa: F401  (fixture)
 from tests.support.store_factory import DOCUMENTS

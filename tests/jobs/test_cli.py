@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobs.cli import SUBCOMMANDS
-from schemas.config import Variant
+from schemas.modes import Variant
 from tests.support.paths import REPO
 
 ROOT = REPO

@@ -14,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from jobs import eval_items
 from jobs import evaluate as evaluate_job
 from jobs.eval_serving import InProcessAnswerer, ServedTraces, planner
 from jobs.ingest import parse_tiers
@@ -53,9 +54,10 @@ from pipeline.eval.scoring import qa_f1, score
 from pipeline.ingest import Chunker
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec, RouterSpec, Variant
+from schemas.config import ModelSpec, RouterSpec
 from schemas.corpus import Document
 from schemas.errors import TooLargeError, UnservableError
+from schemas.modes import Mode, Variant
 from schemas.store import StoreSpec
 from serve.app import api_spec
 from serve.config import AppConfig
@@ -64,7 +66,7 @@ from serve.local import InProcessBackend
 from tests.support.ray_fixtures import ray_session  # noqa: F401  (fixture)
 from tests.support.store_factory import build_store, entries_read_each_time
 
-FIXTURES = evaluate_job.FIXTURES
+FIXTURES = eval_items.FIXTURES
 CHUNK_TOKENS = 64
 
 
@@ -104,7 +106,7 @@ def test_routing_query_is_the_bare_question_and_no_instruction_is_promoted(tmp_p
     """On the LongBench fixture with the real MiniLM: the router embeds the question alone, scores only
     the context's chunks, and neither the instruction nor the answer cue is anywhere among them."""
     from pipeline.runtime import VLM, Embedder
-    from schemas.config import Variant
+    from schemas.modes import Variant
     from serve.config import RouterConfig
     from serve.routing import Router
 
@@ -370,14 +372,14 @@ def test_report_files(tmp_path, eval_store):
 
 def test_item_sources_and_limit(tmp_path):
     parse = evaluate_job.parser().parse_args
-    items, source = evaluate_job.load_items(parse(["--synthetic", "3", "--context-words", "80", "--seed", "5"]))
+    items, source = eval_items.load_items(parse(["--synthetic", "3", "--context-words", "80", "--seed", "5"]))
     assert [i.task for i in items] == [QATask.SYNTHETIC] * 3 and "synthetic" in source
     assert all(i.evidence and i.answers[0] in i.context for i in items)
-    items, _ = evaluate_job.load_items(parse(["--limit", "2", "--tasks", "hotpotqa", "qasper"]))
+    items, _ = eval_items.load_items(parse(["--limit", "2", "--tasks", "hotpotqa", "qasper"]))
     assert [i.task for i in items] == [QATask.HOTPOTQA] * 2 + [QATask.QASPER] * 2
     generic = tmp_path / "generic.jsonl"
     generic.write_text(json.dumps({"question": "Who?", "chunk_ids": ["d#00000"], "answers": ["Ann"]}) + "\n")
-    items, _ = evaluate_job.load_items(parse(["--generic", str(generic)]))
+    items, _ = eval_items.load_items(parse(["--generic", str(generic)]))
     assert items[0].chunk_ids == ("d#00000",) and corpus_documents(items) == {}
 
 

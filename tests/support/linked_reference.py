@@ -25,7 +25,7 @@ import torch
 from pipeline.runtime import VLM
 from pipeline.runtime.kv import ChunkKV
 from pipeline.store import Store
-from schemas.config import ChunkKind, Variant
+from schemas.modes import ChunkKind, Variant
 
 # |served − reference| log-probability, float32 tiny-qwen: the served generator runs the fused forward with
 # prepacked weights (serve/config-gpu.yaml), the reference transformers' own forward; rounding of two summation

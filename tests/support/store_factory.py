@@ -18,8 +18,10 @@ from pipeline.ingest import new_manifest
 from pipeline.ingest.stages import compile_in_process
 from pipeline.runtime import VLM, Embedder
 from pipeline.store import Store, publish_generation
-from schemas.config import KVQuant, ModelSpec, RenderSpec, Variant
+from schemas.config import KVQuant, ModelSpec
 from schemas.corpus import Chunk
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 from serve import LocalStack, build_local
 from serve.config import LoaderConfig
 from serve.kv import CacheLoader

@@ -10,8 +10,8 @@ import re
 from collections.abc import Iterable
 
 from pipeline.ingest.corpus.page_images import phash_distance_bits
-from schemas.config import Frozen
 from schemas.corpus import Document, MetaKey, ReaderSpec, Rejection, RejectReason, chunk_key
+from schemas.frozen import Frozen
 
 _RECORD_SUFFIX = re.compile(r"#(?:L|row)(\d+)$")  # the readers' `#L<line>` / `#row<n>` source suffixes
 

@@ -33,8 +33,9 @@ from pipeline.store import (
     required_keys,
     stored,
 )
-from schemas.config import ModelSpec, Variant
+from schemas.config import ModelSpec
 from schemas.corpus import RejectReason
+from schemas.modes import Variant
 from schemas.store import Manifest, StoreSpec
 
 NEEDS = ("kind", "error", "chunk_key", "text", "slots_json", "pages")

@@ -24,8 +24,8 @@ from pipeline.ingest.resources import StagePlan
 from pipeline.ingest.rows import Kind, conform_rows, not_of_kind, of_kind, require_columns, rows_table
 from pipeline.ingest.shuffle import read_parts, shuffle
 from pipeline.store import Store, slot_name
-from schemas.config import Variant
 from schemas.corpus import ReaderSpec, RejectReason
+from schemas.modes import Variant
 from schemas.store import CacheKey, Manifest
 
 NEEDS = ("kind", "key", "doc_id", "source", "order_key", "text_key", "image_phash", "image_path", "chunk_id",

@@ -15,8 +15,9 @@ import pyarrow as pa
 from pipeline.ingest.rows import PAGES_TYPE, require_columns, units_to_build, with_columns
 from pipeline.runtime import Renderer
 from pipeline.store import TEXT_SOURCED, encode_png, page_images
-from schemas.config import RenderSpec, Variant
 from schemas.corpus import RejectReason
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 
 NEEDS = ("kind", "error", "text", "image_path", "slots_json")
 ADDS = ("pages", "missing_glyphs", "error")

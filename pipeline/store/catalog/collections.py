@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.config import Frozen
 from schemas.corpus import DEFAULT_COLLECTION
+from schemas.frozen import Frozen
 from schemas.generation import CollectionCounts, reads_all
 
 COLLECTIONS, COLLECTION_CODES = "collections.json", "collections.npy"

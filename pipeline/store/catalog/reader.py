@@ -39,8 +39,8 @@ import pyarrow as pa
 from pipeline.store.catalog.collections import RowCollections, RowFilter
 from pipeline.store.catalog.embedding_rows import EmbeddingRows
 from pipeline.store.catalog.vector_index import VectorIndex
-from schemas.config import Variant
 from schemas.generation import ScanSpec, SearchInfo
+from schemas.modes import Variant
 
 CATALOG, TEXTS, EMBEDDINGS = "catalog.arrow", "texts.arrow", "embeddings.npy"
 CHUNK_IDS, DOC_IDS, SEARCH = "chunk_ids.npy", "doc_ids.npy", "search.json"

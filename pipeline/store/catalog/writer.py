@@ -46,9 +46,9 @@ from pipeline.store.catalog.reader import (
 from pipeline.store.catalog.spill import ExactBatches, NpyRows, Spill, bucket_of, newest
 from pipeline.store.catalog.vector_index import build_index
 from pipeline.store.store import Store
-from schemas.config import Variant
 from schemas.corpus import DEFAULT_COLLECTION
 from schemas.generation import SearchInfo, SearchSpec
+from schemas.modes import Variant
 from schemas.tables import CHUNKS_SCHEMA, INDEX_SCHEMA, optional_names, with_optional
 
 LAYOUT_VERSION = "2"  # part of every snapshot's name: a new layout never reuses an old snapshot

@@ -32,7 +32,8 @@ from pipeline.runtime.kv import AssembledContext, BlockRun, ChunkKV, assemble
 from pipeline.runtime.model import VLM
 from pipeline.runtime.selective_recompute import ChunkInputs, recompute
 from pipeline.runtime.timing import ms_since
-from schemas.config import ChunkKind, RecomputeSpec
+from schemas.config import RecomputeSpec
+from schemas.modes import ChunkKind
 from serve.engine.qvpic.linked_prompt import Hole
 from serve.engine.qvpic.slab import Slab, SlabLayer  # noqa: F401  (re-exported: the engine's, tests' import path)
 

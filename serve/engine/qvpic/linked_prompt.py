@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import BlockRun, ChunkKV, assemble
-from schemas.config import ChunkKind
+from schemas.modes import ChunkKind
 from serve.engine.prepared import LinkedPrompt
 from serve.engine.qvpic.prefix_cache import (
     PrefixCache,

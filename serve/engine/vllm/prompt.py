@@ -28,8 +28,8 @@ import torch
 
 from pipeline.runtime import VLM, ChunkKV
 from pipeline.runtime.kv import assemble
-from schemas.config import ChunkKind
 from schemas.errors import InvalidRequestError
+from schemas.modes import ChunkKind
 from serve.engine.prepared import LinkedContext, OnlineContext, PreparedContext
 
 

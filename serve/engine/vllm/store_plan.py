@@ -31,7 +31,8 @@ from pipeline.runtime import VLM, ChunkKV
 from pipeline.runtime.kv import assemble
 from pipeline.store import QuantizedKV, Store
 from pipeline.store.kv_quant import dequantize
-from schemas.config import ChunkKind, ModelSpec
+from schemas.config import ModelSpec
+from schemas.modes import ChunkKind
 from schemas.store import CacheKey, CacheKeyError
 from serve.engine.vllm.prompt import identity_ids
 

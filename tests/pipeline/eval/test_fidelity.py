@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.eval import Trace, compare, trace_full, trace_linked
-from schemas.config import CompilePrefix
+from schemas.modes import CompilePrefix
 from tests.pipeline.runtime.test_runtime_exactness import page, random_text
 
 QUERY = "Question: which part ships on 12 March?\nAnswer:"

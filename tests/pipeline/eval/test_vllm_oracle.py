@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.eval import oracle
 from pipeline.runtime import VLM
-from schemas.config import Mode
+from schemas.modes import Mode
 from tests.support.paths import TESTS
 
 RECORDING = TESTS / "data" / "vllm_oracle.json"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from schemas.config import CompilePrefix
+from schemas.modes import CompilePrefix
 from tests.pipeline.runtime.test_runtime_exactness import (
     CONTROL_MARGIN,
     page_block,

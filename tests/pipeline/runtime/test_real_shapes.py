@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from pipeline.runtime import REAL_SHAPES, VLM, Width, ensure_real_shape
-from schemas.config import CompilePrefix, ModelSpec
+from schemas.config import ModelSpec
+from schemas.modes import CompilePrefix
 from tests.pipeline.runtime import test_batched_compile as batched
 from tests.pipeline.runtime import test_runtime_exactness as exact
 from tests.support.paths import TESTS

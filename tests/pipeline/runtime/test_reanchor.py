@@ -16,7 +16,7 @@ import torch
 from pipeline.runtime import kv as kv_module
 from pipeline.runtime import native as native_build
 from pipeline.runtime import reanchor
-from schemas.config import ChunkKind
+from schemas.modes import ChunkKind
 
 TOLERANCE = 1e-5
 

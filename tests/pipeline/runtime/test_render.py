@@ -18,7 +18,8 @@ from PIL import Image
 
 from pipeline.runtime import Renderer, vision_tokens
 from pipeline.runtime.render import REPLACEMENT_CHAR, RenderError, pt_to_px
-from schemas.config import ModelFamily, RenderSpec, TierSpec
+from schemas.config import ModelFamily
+from schemas.render import RenderSpec, TierSpec
 from tests.support.paths import REPO
 
 LOW, HIGH = TierSpec(name="low", dpi=72), TierSpec(name="high", dpi=120)

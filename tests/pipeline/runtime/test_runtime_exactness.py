@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from pipeline.runtime.kv import assemble
-from schemas.config import ChunkKind, CompilePrefix
+from schemas.modes import ChunkKind, CompilePrefix
 from schemas.sampling import Sampling
 
 QUERY = "Which part number ships on 12 March?"

@@ -15,7 +15,7 @@ import pytest
 import pipeline.store.catalog.writer as catalog_writer
 from pipeline.store import Store, publish_generation
 from pipeline.store.catalog import RowFile
-from schemas.config import Variant
+from schemas.modes import Variant
 from schemas.tables import CHUNKS_SCHEMA
 from serve.routing.retrieval import open_snapshot
 from tests.pipeline.store.test_store import NOW, index_row, kv, make_manifest, sha

@@ -21,8 +21,8 @@ from pipeline.store.gc import live_generations, protected_shards
 from pipeline.store.generations import current_generation
 from pipeline.store.leases import write_lease
 from schemas.api import AnswerRequest
-from schemas.config import RenderSpec, TierSpec
 from schemas.generation import LEASES_DIR, Generation, Lease, ReloadSpec
+from schemas.render import RenderSpec, TierSpec
 from schemas.store import StoreSpec
 from serve.config import LoaderConfig, RouterConfig
 from serve.kv import CacheLoader

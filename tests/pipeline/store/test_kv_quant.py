@@ -12,7 +12,9 @@ from pipeline.runtime import ChunkKV, stored_format
 from pipeline.store import QuantizedKV, ShardCorruptError, ShardReader, Store, check_device, dequantize, write_shard
 from pipeline.store.kv_quant import absmax_scale, quantize, record_nbytes, to_payload
 from schemas.api import AnswerRequest
-from schemas.config import DType, KVQuant, RenderSpec, Variant
+from schemas.config import DType, KVQuant
+from schemas.modes import Variant
+from schemas.render import RenderSpec
 from schemas.store import Manifest
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator
@@ -217,7 +219,7 @@ def test_a_lazy_int8_store_writes_back_int8_and_serves_the_same_answer_from_it(s
     """A lazily compiled tier's first promotion is written back in the store's format, and the request that
     compiled it is served what the store now keeps: the answer equals the one served from the written-back entry."""
     from pipeline.store import written_back
-    from schemas.config import Mode
+    from schemas.modes import Mode
     from schemas.sampling import Sampling
     from schemas.store import CacheKey
     from serve.kv import is_pending

@@ -19,7 +19,8 @@ import numpy as np
 from pipeline.runtime import VLM
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator

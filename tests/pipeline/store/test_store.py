@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from pipeline.store import ShardCorruptError, Store, StoreError, remove_orphans, shards
-from schemas.config import ChunkKind, DType, ModelFamily, RenderSpec, TierSpec, Variant
+from schemas.config import DType, ModelFamily
+from schemas.modes import ChunkKind, Variant
+from schemas.render import RenderSpec, TierSpec
 from schemas.store import (
     SCHEMA_VERSION,
     CacheKey,

@@ -14,7 +14,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.test_utils import FakeRunningReplica
 
-from schemas.config import ChunkKind, Mode, Variant
+from schemas.modes import ChunkKind, Mode, Variant
 from serve.config import AffinityConfig
 from serve.dispatch import AffinityDispatcher, Decision, ReplicaView, choose
 from serve.kv import HotTierReport, KeySketch, key_hash

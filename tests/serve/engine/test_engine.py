@@ -15,8 +15,9 @@ from pipeline.runtime import VLM, reanchor
 from pipeline.runtime import kv as kv_module
 from pipeline.runtime.conversation import PreparedSegment
 from pipeline.runtime.kv import RotationTable, rotation_nbytes
-from schemas.config import CompilePrefix, EngineConfig, ModelFamily
+from schemas.config import EngineConfig, ModelFamily
 from schemas.errors import BusyError, TooLargeError
+from schemas.modes import CompilePrefix
 from schemas.sampling import Sampling
 from serve.engine.prepared import LinkedContext, OnlineContext
 from serve.engine.qvpic import batch

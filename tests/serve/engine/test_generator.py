@@ -13,7 +13,8 @@ import torch
 
 from pipeline.runtime import VLM
 from schemas.api import AnswerRequest, FinishReason
-from schemas.config import DType, Mode, ModelSpec
+from schemas.config import DType, ModelSpec
+from schemas.modes import Mode
 from schemas.report import KVOrigin
 from schemas.sampling import Sampling
 from serve.config import LoaderConfig

@@ -285,7 +285,7 @@ def sequential_logits(vlm, prompt: LinkedPrompt) -> torch.Tensor:
     from transformers import DynamicCache
 
     from pipeline.runtime.kv import ChunkKV, assemble
-    from schemas.config import ChunkKind
+    from schemas.modes import ChunkKind
 
     cache, position, kv = DynamicCache(), 0, None
     for i, text in enumerate(prompt.texts):

@@ -19,8 +19,9 @@ from pydantic import ValidationError
 from jobs import run_server
 from pipeline.runtime import chunk_inputs, input_embeddings, recompute
 from schemas.api import AnswerRequest
-from schemas.config import Mode, RecomputeKind, RecomputeSpec
+from schemas.config import RecomputeKind, RecomputeSpec
 from schemas.errors import UnservableError
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from serve.config import AppConfig, GeneratorConfig, RouterConfig
 from serve.engine import Generator

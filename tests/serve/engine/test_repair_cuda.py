@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from pipeline.runtime import ChunkKV
 from pipeline.store import QuantizedKV
 from pipeline.store.kv_quant import record_nbytes
-from schemas.config import ChunkKind, DType, KVQuant, Variant
+from schemas.config import DType, KVQuant
+from schemas.modes import ChunkKind, Variant
 from schemas.report import CacheReport
 from schemas.store import CacheKey
 from serve.engine import repair as repair_module

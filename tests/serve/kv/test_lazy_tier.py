@@ -19,7 +19,8 @@ from pipeline.ingest.recompile_job import finish
 from pipeline.ingest.recompile_job import target_manifest as recompile_manifest
 from pipeline.store import Store, entry_slots, written_back
 from schemas.api import AnswerRequest
-from schemas.config import Mode, RenderSpec, Variant
+from schemas.modes import Mode, Variant
+from schemas.render import RenderSpec
 from schemas.sampling import Sampling
 from schemas.store import CacheKey
 from serve.config import GeneratorConfig, RouterConfig

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from schemas.api import AnswerRequest
-from schemas.config import Mode
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from serve.app import build_app
 from serve.config import AppConfig, LoaderPlacement

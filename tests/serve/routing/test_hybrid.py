@@ -12,7 +12,9 @@ from pipeline.runtime import Renderer, page_legibility
 from pipeline.runtime.ocr import matched_share
 from pipeline.store import Store
 from schemas.api import AnswerRequest
-from schemas.config import HybridSpec, Mode, RenderSpec, RouterSpec, Variant
+from schemas.config import HybridSpec, RouterSpec
+from schemas.modes import Mode, Variant
+from schemas.render import RenderSpec
 from schemas.sampling import Sampling
 from serve.config import GeneratorConfig, RouterConfig
 from serve.engine import Generator

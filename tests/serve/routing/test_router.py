@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from schemas.api import AnswerRequest
-from schemas.config import ChunkKind, Mode, ScoreNormalisation, Variant
+from schemas.config import ScoreNormalisation
 from schemas.conversation import Message
 from schemas.errors import ApiError, TooLargeError, UnknownIdsError, UnknownTierError, UnservableError
+from schemas.modes import ChunkKind, Mode, Variant
 from serve.plan import Plan
 from serve.routing import Router
 from serve.routing.placement import allocate, relevance_shares, servable_modes
@@ -325,7 +326,7 @@ def test_a_chunk_without_a_high_tier_entry_takes_no_b_slot(roles, monkeypatch):
 
 
 def test_retrieved_chunks_in_source_or_retrieval_order(roles):
-    from schemas.config import ChunkOrder
+    from schemas.modes import ChunkOrder
 
     retrieved = plan(roles.router, top_k=4)
     source = plan(roles.router, top_k=4, order=ChunkOrder.SOURCE)
@@ -337,7 +338,7 @@ def test_retrieved_chunks_in_source_or_retrieval_order(roles):
 
 def test_ablation_tiers_widen_the_plain_and_dummy_slots(serving_store):
     from pipeline.store import Store, entry_slots
-    from schemas.config import AblationTiers
+    from schemas.modes import AblationTiers
 
     lean = Store.open(serving_store.uri).load_manifest_or_raise()
     wide = lean.model_copy(update={"ablation_tiers": AblationTiers.EVERY})

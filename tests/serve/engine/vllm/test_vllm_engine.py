@@ -28,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 from pipeline.eval import oracle  # noqa: E402
 from pipeline.runtime import VLM  # noqa: E402
 from pipeline.runtime.conversation import PreparedSegment  # noqa: E402
-from schemas.config import Mode  # noqa: E402
+from schemas.modes import Mode  # noqa: E402
 from schemas.sampling import Sampling  # noqa: E402
 from serve.engine.prepared import LinkedContext, LinkedPrompt, OnlineContext  # noqa: E402
 from serve.engine.sequence import Finished, Sequence  # noqa: E402

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from schemas.api import AnswerRequest
-from schemas.config import Mode  # noqa: E402
 from schemas.errors import InvalidRequestError  # noqa: E402
 from schemas.extras import StructuredOutputs  # noqa: E402
+from schemas.modes import Mode  # noqa: E402
 from schemas.sampling import Sampling  # noqa: E402
 from serve import build_local  # noqa: E402
 from tests.serve.engine.vllm.conftest import MODEL  # noqa: E402

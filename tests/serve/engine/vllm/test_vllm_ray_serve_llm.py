@@ -25,7 +25,7 @@ serve_llm = pytest.importorskip("ray.serve.llm")
 from pipeline.eval import oracle  # noqa: E402
 from pipeline.runtime import VLM  # noqa: E402
 from pipeline.store import Store  # noqa: E402
-from schemas.config import Mode, Variant  # noqa: E402
+from schemas.modes import Mode, Variant  # noqa: E402
 from schemas.store import CacheKey  # noqa: E402
 from serve.engine.vllm.store_plan import (  # noqa: E402
     PLAN_KEY,
