@@ -122,14 +122,18 @@ class Router:
         queries = self.group_queries(request)
         vectors = [self.query_vectors.get(cache_salt, q) if q else None for q in queries]
         missing = [i for i, (q, v) in enumerate(zip(queries, vectors)) if q and v is None]
-        framing = None
-        if missing:  # the prompt's text is laid out on another thread while the query embeds: the embedder's
-            # forward releases the GIL (ONNX Runtime, torch), so the layout's ~0.7 ms of Python costs no wall time
+        # The prompt's text is laid out on another thread, always: a remembered query has nothing to overlap it with,
+        # but the layout renders every message and decodes every image (a 256-turn history, a 16 MP PNG: up to
+        # seconds of Python on a loaded box), which on the event loop would stall every other request of this loop.
+        framing_work = asyncio.to_thread(self.frame, request, len(queries))
+        if missing:  # ... while the query embeds: the embedder's forward releases the GIL (ONNX Runtime, torch)
             *embedded, framing = await asyncio.gather(*(self.embed_query(queries[i]) for i in missing),
-                                                      asyncio.to_thread(self.frame, request, len(queries)))
+                                                      framing_work)
             for i, vector in zip(missing, embedded):
                 vectors[i] = vector
                 self.query_vectors.put(cache_salt, queries[i], vector)
+        else:
+            framing = await framing_work
         return self.route(request, vectors, budget_tokens, started, collections, framing)
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
