@@ -4,6 +4,7 @@ answer `/healthz` throughout.
 
     python -m benchmarks.scale.fairness              # tiny-qwen, 4 rounds of 15 questions alone + 15 beside a
     python -m benchmarks.scale.fairness --quick      # 2 rounds of 8
+    python -m benchmarks.scale.fairness --shape serve  # as `qvpic serve` deploys: a process per deployment
 
 The real Router / CacheLoader / Generator in this process (serve/local.py `build_local`) over a store from
 benchmarks/tools/ttft_store.py, the FastAPI app served by uvicorn on loopback (a thread of this process), governed
