@@ -5,7 +5,7 @@ more subschemas than a request may hold, a 256-turn history (the most messages a
 (the most pixels an image may have; it compresses, so it passes the body cap and costs its decode), 2,048
 embedding inputs (the most a request may have), `n=8` choices of 4,096 tokens streamed (the most of both), and a
 body nested 10,000 levels deep. Only httpx and Pillow here: the hostile loop runs in a process of its own
-(benchmarks/scale/fairness.py), which must not load a model.
+(benchmarks/scale/tenants.py), which must not load a model.
 """
 
 from __future__ import annotations

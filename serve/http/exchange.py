@@ -21,7 +21,7 @@ from schemas.config import ImageUrlsSpec
 from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
 from serve.http.backend import Backend, error_status
-from serve.http.checks import check_request, check_response_size
+from serve.http.checks import check_request, check_response_size, sampling_of
 from serve.http.image_urls import ImageFetcher
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
 from serve.plan import Answer, Embedded, Plan
@@ -53,7 +53,7 @@ class Turns:
         deadline set, and its image URLs fetched within it (serve/http/image_urls.py: a 400 where they are not
         fetched); `n` choices."""
         turn = await self.governor.begin(http, request, route, n)
-        sampling = dataclasses.replace(Sampling.of(request), n=n)
+        sampling = dataclasses.replace(await sampling_of(request), n=n)  # a grammar's text: on a worker
         turn.reserve(sampling, MAX_TOKENS_PARAM[route])  # n × max_tokens within the token budget, or a 400
         check_response_size(sampling, LOGPROBS_PARAM[route])
         await check_request(request, tools_path)

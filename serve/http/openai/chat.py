@@ -53,6 +53,13 @@ def require_served(model: str, api: ApiSpec) -> None:
         raise UnknownModelError(f"model {model[:256]!r} is not served here; available: {api.model_ids}")
 
 
+def decoding_fields(request: Decoding) -> dict[str, object]:
+    """The request's decoding controls as the validated values themselves, not dumped: a dump copied a client's
+    response_format schema (3,000 subschemas) and the native request validated the copy again, JSON-dumping it for
+    its size, on the event loop — the most of the loop's time under that probe (issue 60 item 5)."""
+    return {name: getattr(request, name) for name in Decoding.model_fields}
+
+
 def answer_request(request: ChatCompletionRequest, api: ApiSpec) -> AnswerRequest:
     """The native request of a chat request: its messages, and what retrieval embeds (`retrieval_query`); a
     question without text (an image alone) retrieves nothing unless chunks are named. The plain-chat model id
@@ -78,7 +85,7 @@ def answer_request(request: ChatCompletionRequest, api: ApiSpec) -> AnswerReques
                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                              sampling_top_k=request.top_k, add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
-                             **request.model_dump(include=set(Decoding.model_fields), by_alias=True),
+                             **decoding_fields(request),
                              stream=request.stream, timeout_s=options.timeout_s,
                              user=request.user or request.safety_identifier, tools=request.tool_use,
                              **(selection or {"top_k": api.default_top_k}))

@@ -15,8 +15,8 @@ import concurrent.futures
 import httpx
 import pytest
 
-from benchmarks.scale.fairness import KEY_A, Health, Hostile, Victim, governance, questions, serving
 from benchmarks.scale.hostile_probes import PROBES, embeddings_2048
+from benchmarks.scale.tenants import KEY_A, Health, Hostile, Victim, governance, questions, serving
 from tests.serve.governance.test_budget import governed_app
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 
