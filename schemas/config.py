@@ -15,8 +15,6 @@ from schemas.frozen import Frozen
 
 # Mode, Variant and RenderSpec are documented (docs/ARCHITECTURE.md) and still imported from here by modules another
 # branch edits (serve/governance/turn.py, benchmarks/scale): their homes are schemas/modes.py and schemas/render.py.
-from schemas.modes import Mode, Variant  # noqa: F401
-from schemas.render import RenderSpec  # noqa: F401
 
 
 class ModelFamily(str, Enum):

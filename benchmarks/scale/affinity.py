@@ -37,7 +37,9 @@ from ray import serve
 from benchmarks.tools import ttft_store
 from pipeline.eval import markdown_table, write_section
 from schemas.api import AnswerRequest
-from schemas.config import Mode, ModelSpec, RenderSpec
+from schemas.config import ModelSpec
+from schemas.modes import Mode
+from schemas.render import RenderSpec
 from schemas.sampling import Sampling
 from serve.app import generator_dispatch
 from serve.config import AppConfig, Dispatch, LoaderPlacement

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.per_round = 2, 8
     from benchmarks.tools import ttft_store
     from pipeline.eval import RELIABILITY_MD, write_section
-    from schemas.config import ModelSpec, RenderSpec
+    from schemas.config import ModelSpec
+    from schemas.render import RenderSpec
 
     model = ModelSpec(path=args.model, device="cpu")
     with tempfile.TemporaryDirectory(prefix="qvpic-fairness-") as workdir:

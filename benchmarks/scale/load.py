@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from schemas.config import Mode
+from schemas.modes import Mode
 
 APP_NAME = "qvpic-load"
 DEPLOYMENTS = ("Ingress", "Router", "CacheLoader", "Generator")

@@ -61,7 +61,9 @@ def write_store(root: Path, num_chunks: int, distribution: str, seed: int = 0) -
     from pipeline.ingest import new_manifest
     from pipeline.runtime import Embedder
     from pipeline.store import Store
-    from schemas.config import ModelSpec, RenderSpec, Variant
+    from schemas.config import ModelSpec
+    from schemas.modes import Variant
+    from schemas.render import RenderSpec
     from schemas.tables import INDEX_SCHEMA
 
     store = Store.open(str(root), create=True)

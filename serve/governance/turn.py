@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from schemas.api import AnswerRequest
-from schemas.config import Mode
+from schemas.modes import Mode
 from schemas.report import CacheReport, ChunkReport, EstimateResponse, ResponseCacheReport, Timings, TokenEstimate
 from schemas.sampling import Sampling
 from serve.governance.budget import Price, RateLimiter, check_budget, prompt_budget

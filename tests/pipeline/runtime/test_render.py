@@ -234,7 +234,7 @@ def test_png_bytes_are_identical_across_processes(renderer: Renderer) -> None:
         import json
 
         from pipeline.runtime.render import Renderer
-        from schemas.config import RenderSpec
+        from schemas.render import RenderSpec
         from tests.pipeline.runtime.test_render import png_digests
         chunks = Renderer(RenderSpec()).render_all_tiers({text!r})
         print(json.dumps({{name: png_digests(c.pages) for name, c in chunks.items()}}))

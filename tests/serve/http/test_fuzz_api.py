@@ -21,7 +21,7 @@ from schemathesis.checks import positive_data_acceptance
 
 from pipeline.runtime import select_token
 from schemas.api import MAX_IDS_PER_REQUEST, MAX_NEW_TOKENS, MAX_QUERY_CHARS, MAX_TIMEOUT_S
-from schemas.config import Mode
+from schemas.modes import Mode
 from schemas.sampling import Sampling
 from serve.app import api_spec
 from serve.config import AppConfig
