@@ -27,7 +27,7 @@ from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.sampling import adjust_logits, select_token
-from schemas.config import ChunkKind, CompilePrefix, ForwardSpec, ModelSpec, Variant
+from schemas.config import ChunkKind, CompilePrefix, ForwardSpec, ModelSpec, Variant, WeightsPlacement
 from schemas.sampling import Sampling
 
 PREFIX_CACHE_SIZE = 64  # distinct instructions whose serving-prefix KV is kept (each a few hundred KB)
@@ -48,7 +48,9 @@ class VLM:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.path = resolve_path(spec)
-        self.device = resolve_device(spec.device)
+        self.device = resolve_device(spec.device)  # where KV, rotations and claims live
+        # where the parameters are and the forwards run: host memory only under vLLM's engine (ModelSpec.weights)
+        self.weights_device = torch.device("cpu") if spec.weights is WeightsPlacement.HOST else self.device
         self.dtype = TORCH_DTYPES[spec.dtype]
         load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
         config = AutoConfig.from_pretrained(self.path, **load)
@@ -57,7 +59,7 @@ class VLM:
         model_cls = getattr(transformers, classes.model_cls)
         self.model = model_cls.from_pretrained(
             self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
-        ).to(self.device).eval()
+        ).to(self.weights_device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
         size = ({"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget
                 else {})
@@ -66,7 +68,9 @@ class VLM:
         )
         self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
         self.cache_argument = cache_argument(self.model)  # `cache`, or `past_key_values` before transformers 5.20
-        self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
+        # re-anchoring matrices by Δ, cached; made on the KV's device, wherever the weights are (the rotary module
+        # moves its inverse frequencies to its input's device: transformers' own code)
+        self.rotations = RotationTable(self.adapter.rotation_matrices)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()  # text ids -> their KV, LRU
         self._prefixes_lock = threading.Lock()  # the generator's event loop and an engine's thread both ask
         self.fused: FusedDecoder | None = None  # the batched engine's forward, once `use_forward` chose it
@@ -74,6 +78,7 @@ class VLM:
     def use_forward(self, spec: ForwardSpec) -> None:
         """How the batched engine's forwards run from now on (serve/engine/qvpic/batch.py `forward`): the written-out
         forward where `spec.fused` and the decoder supports it, else transformers'."""
+        self._weights_on_device("qvpic's engine")
         if spec.fused and not FusedDecoder.supports(self.model):
             if spec.matmul_dtype is not None or spec.compiled:
                 raise ValueError(f"forward.matmul_dtype and forward.compiled need the fused forward, which "
@@ -92,7 +97,7 @@ class VLM:
         processed = self.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
         grids = processed[self.adapter.grid_key]
         ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
-        return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
+        return processed["pixel_values"].to(self.weights_device, self.dtype), grids.to(self.weights_device), ids
 
     def compile_variant(self, variant: Variant, text: str = "", pages: Sequence[Image.Image] = ()) -> ChunkKV:
         """The stored entry of `variant`: the chunk's source text or its pages, after the variant's prefix."""
@@ -144,11 +149,12 @@ class VLM:
         return self._compile(pieces, kind, prefix, position_offset)
 
     def _compile(self, pieces, kind: ChunkKind, prefix: CompilePrefix, position_offset: int = 0) -> list[ChunkKV]:
-        """`[prefix][chunk]` of each `(chunk ids, pixel values, layout)` in one padded forward, the prefix stripped."""
+        """`[prefix][chunk]` of each `(chunk ids, pixel values, layout)` in one padded forward, the prefix stripped:
+        run where the weights are, the KV returned on `device`."""
         prefix_ids = self.adapter.compile_prefix_ids(prefix)
         sequences = []
         for chunk_ids, _, grids in pieces:
-            ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
+            ids = torch.tensor([prefix_ids + chunk_ids], device=self.weights_device)
             sequences.append((ids, self.positions(ids, grids, position_offset), grids))
         pixel_list = [p for _, p, _ in pieces if p is not None]
         grid_list = [g for _, _, g in pieces if g is not None]
@@ -164,7 +170,8 @@ class VLM:
             span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
             grid_rows = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
             vision_tokens = int((ids[0, num_prefix:] == self.adapter.image_token_id).sum())
-            results.append(ChunkKV(kv.clone(), span, compile_start, kind, grid_rows, vision_tokens))
+            kv = kv.clone() if kv.device == self.device else kv.to(self.device)  # one copy, the padding left behind
+            results.append(ChunkKV(kv, span, compile_start, kind, grid_rows, vision_tokens))
         return results
 
     def _forward_padded(self, sequences, pixel_values, grids):
@@ -174,21 +181,22 @@ class VLM:
         if pad_id == self.adapter.image_token_id:
             raise ValueError("the pad token is the image token: padded batches would misplace image features")
         axes = sequences[0][1].shape[0]
-        input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(sequences), longest, dtype=torch.long, device=self.device)
-        positions = torch.zeros(axes, len(sequences), longest, dtype=torch.long, device=self.device)
+        device = self.weights_device
+        input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
+        positions = torch.zeros(axes, len(sequences), longest, dtype=torch.long, device=device)
         for b, (ids, pos, _) in enumerate(sequences):
             length = ids.shape[1]
             input_ids[b, :length], mask[b, :length], positions[:, b, :length] = ids[0], 1, pos[:, 0]
             # Padding continues the positions; its keys are masked and its outputs discarded.
-            positions[:, b, length:] = pos[:, 0, -1:] + torch.arange(1, longest - length + 1, device=self.device)
+            positions[:, b, length:] = pos[:, 0, -1:] + torch.arange(1, longest - length + 1, device=device)
         return self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids),
                           attention_mask=mask if len(sequences) > 1 else None, use_cache=True, logits_to_keep=1)
 
     def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
         """`(axes, 1, L)` positions of a sequence whose first token sits at `start`."""
         if grids is None:
-            pos = torch.arange(start, start + input_ids.shape[1], device=self.device)
+            pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             return pos.view(1, 1, -1).expand(self.adapter.rope_axes, 1, -1)
         return self.adapter.rope_index(input_ids, grids) + start
 
@@ -300,6 +308,7 @@ class VLM:
     def _forward(self, input_ids, cache, start, pixel_values=None, grids=None, logits_to_keep: int = 1) -> Prefill:
         """One forward at explicit positions from `start`; logits of the last `logits_to_keep` tokens (0 = all),
         since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
+        self._weights_on_device("a prefill or decode")
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
         out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
@@ -331,6 +340,13 @@ class VLM:
 
     def generate(self, state: Prefill, sampling: Sampling) -> list[int]:
         return list(self.decode(state, sampling))
+
+    def _weights_on_device(self, what: str) -> None:
+        """Prefill and decode keep their cache and logits with the weights: host-placed weights serve only the
+        forwards whose KV is handed on (compile, `text_kv`), under vLLM's engine."""
+        if self.weights_device != self.device:
+            raise RuntimeError(f"{what} needs the model's weights on {self.device} (model.weights: device); they "
+                               f"are in host memory (model.weights: host, for vLLM's engine)")
 
 
 def stack_cache(cache: DynamicCache, row: int = 0) -> torch.Tensor:
