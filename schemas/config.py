@@ -32,6 +32,15 @@ class DType(str, Enum):
     FLOAT16 = "float16"
 
 
+class WeightsPlacement(str, Enum):
+    """Where a loaded VLM keeps its parameters (`ModelSpec.weights`); its KV and rotary tables stay on `device`."""
+
+    DEVICE = "device"  # on the model's device: every forward runs there (qvpic's engine, compile jobs)
+    # in host memory, the forwards qvpic still runs (a template prefix's KV, a repair's compile) on the CPU with their
+    # KV moved to the device: vLLM's engine, which holds its own copy of the weights on the GPU (docs/DEPLOY.md)
+    HOST = "host"
+
+
 class KVQuant(str, Enum):
     """How a store keeps its KV entries (chosen per store at ingest, part of every entry's identity).
 
@@ -79,6 +88,16 @@ class ModelSpec(Frozen):
     trust_remote_code: bool = False
     max_pixels: int = Field(1_605_632, gt=0)  # >= 1,389,000 so a 120-DPI A4 page is not downscaled
     min_pixels: int = Field(3136, gt=0)
+    # None: the engine's choice (`weights_for`): host under vLLM's engine, on the device under qvpic's
+    weights: WeightsPlacement | None = None
+
+    def weights_for(self, engine: EngineKind) -> ModelSpec:
+        """This spec with `weights` set: as given, else host memory for vLLM's engine (its own copy of the weights is
+        on the GPU; on a CPU host memory is the device, so nothing changes there) and the device for qvpic's."""
+        if self.weights is not None:
+            return self
+        return self.model_copy(update={"weights": WeightsPlacement.HOST if engine is EngineKind.VLLM
+                                       else WeightsPlacement.DEVICE})
 
 
 class HybridSpec(Frozen):

@@ -21,7 +21,16 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.api import MAX_TIMEOUT_S
-from schemas.config import EngineConfig, EngineKind, Frozen, ImageUrlsSpec, ModelSpec, RecomputeSpec, RouterSpec
+from schemas.config import (
+    EngineConfig,
+    EngineKind,
+    Frozen,
+    ImageUrlsSpec,
+    ModelSpec,
+    RecomputeSpec,
+    RouterSpec,
+    WeightsPlacement,
+)
 from schemas.generation import CollectionCounts, ReloadSpec, ScanSpec, counts_within, reads_all
 from schemas.service import StoreInfo
 from schemas.store import ImagesRoot, StoreSpec
@@ -151,6 +160,9 @@ class GeneratorConfig(StoreBound):
         if self.engine.kind is EngineKind.QVPIC and self.engine.tensor_parallel_size > 1:
             raise ValueError("engine.tensor_parallel_size: tensor parallelism runs on vLLM's engine only "
                              "(engine.kind: vllm)")
+        if self.engine.kind is EngineKind.QVPIC and self.model.weights is WeightsPlacement.HOST:
+            raise ValueError("model.weights: host serves vLLM's engine only: qvpic's engine runs every forward on the "
+                             "model's device (weights: device, or leave it unset)")
         return self
 
 

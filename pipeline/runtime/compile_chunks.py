@@ -27,7 +27,7 @@ class ChunkCompiler:
         processed = self.image_processor(images=[p.convert("RGB") for p in pages], return_tensors="pt")
         grids = processed[self.adapter.grid_key]
         ids = [tok for grid in grids for tok in self.adapter.image_ids(grid)]
-        return processed["pixel_values"].to(self.device, self.dtype), grids.to(self.device), ids
+        return processed["pixel_values"].to(self.weights_device, self.dtype), grids.to(self.weights_device), ids
 
     def compile_variant(self, variant: Variant, text: str = "", pages: Sequence[Image.Image] = ()) -> ChunkKV:
         """The stored entry of `variant`: the chunk's source text or its pages, after the variant's prefix."""
@@ -79,11 +79,12 @@ class ChunkCompiler:
         return self._compile(pieces, kind, prefix, position_offset)
 
     def _compile(self, pieces, kind: ChunkKind, prefix: CompilePrefix, position_offset: int = 0) -> list[ChunkKV]:
-        """`[prefix][chunk]` of each `(chunk ids, pixel values, layout)` in one padded forward, the prefix stripped."""
+        """`[prefix][chunk]` of each `(chunk ids, pixel values, layout)` in one padded forward, the prefix stripped:
+        run where the weights are, the KV returned on `device`."""
         prefix_ids = self.adapter.compile_prefix_ids(prefix)
         sequences = []
         for chunk_ids, _, grids in pieces:
-            ids = torch.tensor([prefix_ids + chunk_ids], device=self.device)
+            ids = torch.tensor([prefix_ids + chunk_ids], device=self.weights_device)
             sequences.append((ids, self.positions(ids, grids, position_offset), grids))
         pixel_list = [p for _, p, _ in pieces if p is not None]
         grid_list = [g for _, _, g in pieces if g is not None]
@@ -99,7 +100,8 @@ class ChunkCompiler:
             span = int(positions[:, 0, num_prefix:].max()) + 1 - compile_start
             grid_rows = [tuple(int(v) for v in g) for g in grids] if grids is not None else []
             vision_tokens = int((ids[0, num_prefix:] == self.adapter.image_token_id).sum())
-            results.append(ChunkKV(kv.clone(), span, compile_start, kind, grid_rows, vision_tokens))
+            kv = kv.clone() if kv.device == self.device else kv.to(self.device)  # one copy, the padding left behind
+            results.append(ChunkKV(kv, span, compile_start, kind, grid_rows, vision_tokens))
         return results
 
     def _forward_padded(self, sequences, pixel_values, grids):
@@ -109,14 +111,15 @@ class ChunkCompiler:
         if pad_id == self.adapter.image_token_id:
             raise ValueError("the pad token is the image token: padded batches would misplace image features")
         axes = sequences[0][1].shape[0]
-        input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(sequences), longest, dtype=torch.long, device=self.device)
-        positions = torch.zeros(axes, len(sequences), longest, dtype=torch.long, device=self.device)
+        device = self.weights_device
+        input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
+        positions = torch.zeros(axes, len(sequences), longest, dtype=torch.long, device=device)
         for b, (ids, pos, _) in enumerate(sequences):
             length = ids.shape[1]
             input_ids[b, :length], mask[b, :length], positions[:, b, :length] = ids[0], 1, pos[:, 0]
             # Padding continues the positions; its keys are masked and its outputs discarded.
-            positions[:, b, length:] = pos[:, 0, -1:] + torch.arange(1, longest - length + 1, device=self.device)
+            positions[:, b, length:] = pos[:, 0, -1:] + torch.arange(1, longest - length + 1, device=device)
         return self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids),
                           attention_mask=mask if len(sequences) > 1 else None, use_cache=True, logits_to_keep=1)
 

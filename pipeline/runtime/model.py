@@ -28,7 +28,7 @@ from pipeline.runtime.dtypes import TORCH_DTYPES
 from pipeline.runtime.fused import FusedDecoder
 from pipeline.runtime.kv import AssembledContext, ChunkKV, RotationTable, assemble
 from pipeline.runtime.sampling import adjust_logits, select_token
-from schemas.config import ForwardSpec, ModelSpec
+from schemas.config import ForwardSpec, ModelSpec, WeightsPlacement
 from schemas.modes import ChunkKind, CompilePrefix
 from schemas.sampling import Sampling
 
@@ -50,7 +50,9 @@ class VLM(ChunkCompiler):
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.path = resolve_path(spec)
-        self.device = resolve_device(spec.device)
+        self.device = resolve_device(spec.device)  # where KV, rotations and claims live
+        # where the parameters are and the forwards run: host memory only under vLLM's engine (ModelSpec.weights)
+        self.weights_device = torch.device("cpu") if spec.weights is WeightsPlacement.HOST else self.device
         self.dtype = TORCH_DTYPES[spec.dtype]
         load = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code)
         config = AutoConfig.from_pretrained(self.path, **load)
@@ -59,7 +61,7 @@ class VLM(ChunkCompiler):
         model_cls = getattr(transformers, classes.model_cls)
         self.model = model_cls.from_pretrained(
             self.path, dtype=self.dtype, attn_implementation=spec.attn_implementation, **load
-        ).to(self.device).eval()
+        ).to(self.weights_device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **load)
         size = ({"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}} if classes.pixel_budget
                 else {})
@@ -68,7 +70,9 @@ class VLM(ChunkCompiler):
         )
         self.adapter = Adapter(self.model, self.tokenizer, self.image_processor)
         self.cache_argument = cache_argument(self.model)  # `cache`, or `past_key_values` before transformers 5.20
-        self.rotations = RotationTable(self.adapter.rotation_matrices)  # re-anchoring matrices by Δ, cached
+        # re-anchoring matrices by Δ, cached; made on the KV's device, wherever the weights are (the rotary module
+        # moves its inverse frequencies to its input's device: transformers' own code)
+        self.rotations = RotationTable(self.adapter.rotation_matrices)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()  # text ids -> their KV, LRU
         self._prefixes_lock = threading.Lock()  # the generator's event loop and an engine's thread both ask
         self.fused: FusedDecoder | None = None  # the batched engine's forward, once `use_forward` chose it
@@ -76,6 +80,7 @@ class VLM(ChunkCompiler):
     def use_forward(self, spec: ForwardSpec) -> None:
         """How the batched engine's forwards run from now on (serve/engine/qvpic/batch.py `forward`): the written-out
         forward where `spec.fused` and the decoder supports it, else transformers'."""
+        self._weights_on_device("qvpic's engine")
         if spec.fused and not FusedDecoder.supports(self.model):
             if spec.matmul_dtype is not None or spec.compiled:
                 raise ValueError(f"forward.matmul_dtype and forward.compiled need the fused forward, which "
@@ -90,7 +95,7 @@ class VLM(ChunkCompiler):
     def positions(self, input_ids: torch.Tensor, grids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
         """`(axes, 1, L)` positions of a sequence whose first token sits at `start`."""
         if grids is None:
-            pos = torch.arange(start, start + input_ids.shape[1], device=self.device)
+            pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             return pos.view(1, 1, -1).expand(self.adapter.rope_axes, 1, -1)
         return self.adapter.rope_index(input_ids, grids) + start
 
@@ -202,6 +207,7 @@ class VLM(ChunkCompiler):
     def _forward(self, input_ids, cache, start, pixel_values=None, grids=None, logits_to_keep: int = 1) -> Prefill:
         """One forward at explicit positions from `start`; logits of the last `logits_to_keep` tokens (0 = all),
         since a full-vocabulary logits tensor over a long prompt costs gigabytes."""
+        self._weights_on_device("a prefill or decode")
         positions = self.positions(input_ids, grids, start)
         mask = torch.ones(1, cache.get_seq_length() + input_ids.shape[1], dtype=torch.long, device=self.device)
         out = self.model(**self.adapter.model_inputs(input_ids, positions, pixel_values, grids), attention_mask=mask,
@@ -233,6 +239,13 @@ class VLM(ChunkCompiler):
 
     def generate(self, state: Prefill, sampling: Sampling) -> list[int]:
         return list(self.decode(state, sampling))
+
+    def _weights_on_device(self, what: str) -> None:
+        """Prefill and decode keep their cache and logits with the weights: host-placed weights serve only the
+        forwards whose KV is handed on (compile, `text_kv`), under vLLM's engine."""
+        if self.weights_device != self.device:
+            raise RuntimeError(f"{what} needs the model's weights on {self.device} (model.weights: device); they "
+                               f"are in host memory (model.weights: host, for vLLM's engine)")
 
 
 def _to(chunk: ChunkKV, device: torch.device) -> ChunkKV:

@@ -86,6 +86,12 @@ def build_engine(vlm: VLM, config: EngineConfig) -> Engine:
     return QvpicEngine(vlm, config)
 
 
+def load_model(config: GeneratorConfig) -> VLM:
+    """The generator's model, its weights where its engine wants them: vLLM's engine holds its own copy on the GPU, so
+    this one stays in host memory there (ModelSpec.weights_for); qvpic's runs every forward on it, on the device."""
+    return VLM(config.model.weights_for(config.engine.kind))
+
+
 class Generator:
     def __init__(self, config: GeneratorConfig, source: KVSource | None = None):
         """`source`: where the device tier's misses are read from (serve/kv/source.py); None: every request must
@@ -106,7 +112,7 @@ class Generator:
         store = Store.open(config.store)
         manifest = store.load_manifest_or_raise()
         check_store(manifest, config.model)
-        self.vlm = VLM(config.model)
+        self.vlm = load_model(config)
         check_device(manifest.kv_quant, self.vlm.device)  # it dequantises the store's entries there
         renderer = Renderer(manifest.render)
         self.prefix_tokens = self.vlm.prefix.num_tokens  # the serving prefix KV, computed here once

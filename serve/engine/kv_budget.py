@@ -56,8 +56,10 @@ def sized(config: EngineConfig, device: torch.device,
 def device_share(config: EngineConfig, device: torch.device,
                  memory: Callable[[torch.device], tuple[int, int]] = device_memory) -> float:
     """vLLM's `gpu_memory_utilization` for `max_kv_nbytes: null` on a GPU: the share `kv_budget` would give the
-    batch, of the memory free after what this process holds already (qvpic's model for the template prefix's KV,
-    the tiers' bounds), as a fraction of the device's total. vLLM refuses to start when less than it is free."""
+    batch, of the memory free after what this process holds on the device already (the template prefix's KV; the
+    tiers' bounds are taken off), as a fraction of the device's total. vLLM refuses to start when less than it is
+    free. qvpic's copy of the weights is not on the device under vLLM's engine (ModelSpec.weights: host, the
+    generator's choice there), so it takes nothing from this share; set `weights: device` and it would."""
     free_nbytes, total_nbytes = memory(device)
     budget = kv_budget(config, device, lambda _device: free_nbytes)  # refuses tiers larger than what is free
     return round(budget / total_nbytes, 4)

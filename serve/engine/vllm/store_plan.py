@@ -31,7 +31,7 @@ from pipeline.runtime import VLM, ChunkKV
 from pipeline.runtime.kv import assemble
 from pipeline.store import QuantizedKV, Store
 from pipeline.store.kv_quant import dequantize
-from schemas.config import ModelSpec
+from schemas.config import EngineKind, ModelSpec
 from schemas.modes import ChunkKind
 from schemas.store import CacheKey, CacheKeyError
 from serve.engine.vllm.prompt import identity_ids
@@ -104,7 +104,7 @@ class PlanClaims:
 
                 store = Store.open(self.store_uri)
                 check_store(store.load_manifest_or_raise(), self.model)  # the store's KV is this model's
-                self._opened = store, VLM(self.model)
+                self._opened = store, VLM(self.model.weights_for(EngineKind.VLLM))  # vLLM's copy is the GPU's
             return self._opened
 
     def claim_kv(self, prompt_ids: Sequence[int], plan: StorePlan) -> torch.Tensor:

@@ -1,15 +1,19 @@
 """`generator.engine.max_kv_nbytes: null` (serve/engine/kv_budget.py): on a GPU the batch's KV cap is 80% of the
 device memory free after the weights, less the device tiers' bounds; on a CPU the fixed 4 GiB; a number is kept.
-vLLM's engine is given the same share, as the fraction of the device it sizes itself in.
+vLLM's engine is given the same share, as the fraction of the device it sizes itself in; qvpic's copy of the weights
+is in host memory there (ModelSpec.weights), so it takes none of it.
 The GPU's free memory is a stand-in function here (CI has no GPU): what it would report after the weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from schemas.config import EngineConfig, ModelSpec, PrefixCacheSpec
+from schemas.config import EngineConfig, ModelSpec, PrefixCacheSpec, WeightsPlacement
 from serve.config import GeneratorConfig
+from serve.engine import generator as generator_module
+from serve.engine.generator import load_model
 from serve.engine.kv_budget import kv_budget, sized, vllm_kv_cache_size
 from serve.engine.qvpic import QvpicEngine
 from serve.engine.qvpic import engine as engine_module
@@ -65,3 +69,38 @@ def test_the_engine_caps_its_batch_with_the_measured_budget(vlm, monkeypatch):
     gpu = QvpicEngine(vlm, AUTO, start=False)
     assert gpu.scheduler.config.max_kv_nbytes == int(37 * GiB * 0.8)
     assert QvpicEngine(vlm, EngineConfig(max_kv_nbytes=5 * GiB), start=False).scheduler.config.max_kv_nbytes == 5 * GiB
+
+
+@pytest.mark.parametrize(("weights", "share"), [(None, 0.8), (WeightsPlacement.DEVICE, 0.4)])
+def test_vllms_share_counts_no_qvpic_weights_when_they_are_in_host_memory(weights, share):
+    """On a (simulated) GPU twice the size of the model, free is what qvpic's VLM leaves on it: with its weights in
+    host memory (vLLM's engine's default: `weights` unset) vLLM is given 80% of the whole device; with them on it
+    (`weights: device`, as before issue 58), 80% of the half the model leaves."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        vlm = load_model(GeneratorConfig(store={"uri": "/nowhere"}, engine=EngineConfig(kind="vllm"),
+                                         model=ModelSpec(path="tiny-qwen", device="cuda:0", weights=weights)))
+    model_nbytes = sum(p.nbytes for p in vlm.model.parameters())
+    total = 2 * model_nbytes
+
+    def memory(device: torch.device) -> tuple[int, int]:
+        return total - sum(p.nbytes for p in vlm.model.parameters() if p.device == device), total
+
+    no_tiers = EngineConfig(kind="vllm", max_kv_nbytes=None, hot_tier_nbytes=0,
+                            prefix_cache=PrefixCacheSpec(device_nbytes=0))
+    assert vllm_kv_cache_size(no_tiers, vlm.device, memory) == {"gpu_memory_utilization": share}
+
+
+def test_the_generator_keeps_its_weights_on_the_host_under_vllms_engine_only(monkeypatch):
+    loaded: list[ModelSpec] = []
+    monkeypatch.setattr(generator_module, "VLM", loaded.append)
+
+    def config(kind: str, **model) -> GeneratorConfig:
+        return GeneratorConfig(store={"uri": "/nowhere"}, model=ModelSpec(**model), engine=EngineConfig(kind=kind))
+
+    for generator in (config("vllm"), config("qvpic"), config("vllm", weights="device")):
+        load_model(generator)
+    assert [spec.weights for spec in loaded] == [WeightsPlacement.HOST, WeightsPlacement.DEVICE,
+                                                 WeightsPlacement.DEVICE]
+    assert ModelSpec().weights is None  # compile jobs and the router: the device, as before (VLM's default)
+    with pytest.raises(ValueError, match="model.weights: host serves vLLM's engine only"):
+        config("qvpic", weights="host")
