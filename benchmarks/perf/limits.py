@@ -33,21 +33,27 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.perf import limit_rates
+from benchmarks.perf.limit_rates import (
+    ROWS,
+    bandwidth,
+    layer_shapes,
+    product_rates,
+    sync,
+    weight_bytes,
+)
+from benchmarks.perf.limits_reanchoring import reanchoring
 from benchmarks.tools.machine import machine_line
 from jobs.help import HelpFormatter
 from pipeline.eval import markdown_table, write_section
 from pipeline.runtime import VLM
 from pipeline.runtime import fused as fused_module
 from pipeline.runtime.compiled import CompiledForward
-from pipeline.runtime.fused import FusedDecoder, Projection, language_model
-from pipeline.runtime.kv import ChunkKV, assemble
+from pipeline.runtime.fused import FusedDecoder, language_model
 from pipeline.runtime.real_shapes import ensure_real_shape
-from pipeline.runtime.reanchor import NativeRotation, native_kernel, torch_ops_only
 from schemas.config import DType, ForwardSpec, ModelSpec
-from schemas.modes import ChunkKind
 from serve.engine.qvpic.batch import Slab, forward
 
-GIB = 1 << 30
 CONTEXT_TOKENS = 600  # ~8 linked chunks before the query
 QUERY_TOKENS = 21  # the query turn of issue 23's benchmark
 # a conversation's follow-up turn (docs/BENCHMARKS.md `conversation`, turn 4): its new tokens over its columns
@@ -55,78 +61,7 @@ FOLLOW_UP_TOKENS, FOLLOW_UP_CONTEXT = 56, 1_500
 # a user turn with its own context pasted in (a LangChain RAG chain with `retrieval: none`), the small model only
 LONG_TURN_TOKENS, LONG_TURN_CONTEXT = 512, 88
 DECODE_ROWS = 16
-ROWS = (1, 2, 4, 8, 16, 21, 32, 64, 512)  # 512: the long turn's
 TARGET_QUERY_OVER_ONE, TARGET_ONE_OVER_BOUND = 1.5, 2.0
-TARGET_REANCHOR_MS = 1.5  # assembly of 1,000 cached tokens, re-anchoring included
-
-
-DEVICE = torch.device("cpu")  # set by main (--device)
-
-
-def sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize(DEVICE)
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations, oneDNN primitive creation
-    times = []
-    for _ in range(repeats):
-        sync()
-        started = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def bandwidth(repeats: int) -> dict[str, float]:
-    """GB/s of a copy (bytes read + written) and of a read (bytes read) of a 1 GiB float32 array. The read is
-    the faster of a sum and a one-row product with the array as a `[16384, 16384]` matrix (what a one-token
-    forward does to its weights): on this CPU the product streams ~20% faster than the sum."""
-    src = torch.ones(GIB // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    copy_s = median_s(lambda: dst.copy_(src), repeats)
-    matrix, row = src.view(16384, 16384), torch.ones(1, 16384, device=DEVICE)
-    read_s = min(median_s(lambda: src.sum(), repeats), median_s(lambda: torch.nn.functional.linear(row, matrix),
-                                                                 repeats))
-    return {"copy": 2 * GIB / copy_s / 1e9, "read": GIB / read_s / 1e9}
-
-
-def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's products as the fused forward runs them: QKV, O, gate/up, down."""
-    config = language_model(model).config
-    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    head_dim = hidden // heads
-    return [(hidden + 2 * kv_heads * head_dim, hidden), (hidden, hidden), (2 * config.intermediate_size, hidden),
-            (hidden, config.intermediate_size)]
-
-
-def product_rates(shapes: list[tuple[int, int]], repeats: int) -> dict[str, dict[int, float]]:
-    """GFLOP/s of one layer's products at each row count, per kernel."""
-    weights = [torch.randn(out, inp, device=DEVICE) * 0.02 for out, inp in shapes]
-    kernels = {"fp32 aten": ForwardSpec(prepack=False), "fp32 prepacked": ForwardSpec(),
-               "bf16 prepacked": ForwardSpec(matmul_dtype=DType.BFLOAT16)}
-    rates: dict[str, dict[int, float]] = {}
-    for name, spec in kernels.items():
-        projections = [Projection(w, None, spec) for w in weights]
-        if name == "fp32 prepacked" and projections[0].packed is not None:  # the packed path at one row too, to show
-            for p in projections:  # why it is not taken there
-                p.weight = None
-        rates[name] = {}
-        for rows in ROWS:
-            xs = [torch.randn(rows, inp, device=DEVICE) for _, inp in shapes]
-            seconds = median_s(lambda ps=projections, xs=xs: [p(x) for p, x in zip(ps, xs)], repeats)
-            rates[name][rows] = 2 * rows * sum(o * i for o, i in shapes) / seconds / 1e9
-    return rates
-
-
-def weight_bytes(model: torch.nn.Module, element_size: int) -> int:
-    """Bytes a one-token forward reads: the decoder's weights and the output projection (not the embedding
-    table, of which it reads one row)."""
-    text = language_model(model)
-    params = sum(p.numel() for p in text.layers.parameters()) + model.get_output_embeddings().weight.numel()
-    return params * element_size
 
 
 def context_slab(vlm: VLM, rows: int, context: int = CONTEXT_TOKENS, new: int = QUERY_TOKENS) -> Slab:
@@ -227,58 +162,6 @@ def forwards(vlm: VLM, repeats: int, long_turn: bool, bf16_vlm: VLM | None = Non
     return {p: {c: statistics.median(t) for c, t in by_case.items()} for p, by_case in times.items()}
 
 
-def interleaved_ms(paths: dict, rounds: int) -> dict[str, float]:
-    """Median ms of each path, run in turn round after round so that the machine's noise hits them alike."""
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for round_ in range(rounds + 1):
-        for name, fn in paths.items():
-            sync()
-            started = time.perf_counter()
-            fn()
-            sync()
-            if round_:  # the first round warms every path up (and builds the native kernel)
-                times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-def reanchoring(label: str, vlm: VLM, bw: dict[str, float], repeats: int) -> str:
-    """ms per 1,000 cached tokens of assembling 8 chunks of 125 tokens (re-anchored) into a slab row, the paths
-    interleaved: the model's rotation as a matrix product; as per-channel factors (`RotationTable.halves`) applied
-    by torch ops (what runs without a C++ compiler, and on a GPU) and by the native kernel (served on the CPU,
-    pipeline/runtime/reanchor.py); a plain copy of the same bytes (what any layout into the row costs) — against
-    the copy bound (K and V read and written once) and the target."""
-    shape = vlm.prefix.kv.shape  # [layers, 2, kv_heads, tokens, head_dim]
-    chunks = [ChunkKV(torch.randn(shape[0], 2, shape[2], 125, shape[4], device=vlm.device), 125, 17, ChunkKind.TEXT)
-              for _ in range(8)]
-    out = torch.empty(shape[0], 2, shape[2], 1000 + vlm.prefix.num_tokens, shape[4], device=vlm.device)
-
-    def by_torch_ops():
-        with torch_ops_only():
-            assemble(vlm.prefix, chunks, vlm.rotations, out)
-
-    paths = {"matrix product": lambda: assemble(vlm.prefix, chunks, lambda d, h: vlm.rotations(d, h), out),
-             "per-channel factors, torch ops": by_torch_ops}
-    build = ""
-    if DEVICE.type == "cpu" and native_kernel() is not None:
-        paths["per-channel factors, native kernel (served)"] = lambda: assemble(vlm.prefix, chunks, vlm.rotations,
-                                                                                out)
-        started = time.perf_counter()
-        NativeRotation.build()
-        build = (f" The native kernel's build, once per process on first use: {time.perf_counter() - started:.2f} s"
-                 " (this run, one more time).")
-    paths["copy only (no rotation)"] = lambda: [out[:, :, :, i * 125:(i + 1) * 125].copy_(c.kv)
-                                                for i, c in enumerate(chunks)]
-    nbytes = sum(c.nbytes for c in chunks)
-    bound_ms = 2 * nbytes / (bw["copy"] * 1e9) * 1e3  # copy GB/s counts bytes read + written
-    measured = interleaved_ms(paths, 10 * repeats)  # ~1 ms each: ten times the forwards' rounds
-    rows = [[name, f"{ms:.2f}"] for name, ms in measured.items()]
-    return (f"Re-anchoring, {label}: 8 chunks × 125 tokens ({nbytes / 1e6:.1f} MB of KV) assembled into "
-            f"a slab row, medians of {10 * repeats} interleaved runs, torch threads: {torch.get_num_threads()}; the "
-            f"copy bound (read + write once at {bw['copy']:.1f} GB/s) is {bound_ms:.2f} ms, the target "
-            f"{TARGET_REANCHOR_MS} ms.{build}\n\n"
-            + markdown_table(["assembly of 1,000 cached tokens", "ms"], rows) + "\n")
-
-
 def model_section(label: str, vlm: VLM, bw: dict[str, float], repeats: int, long_turn: bool = False,
                   bf16_vlm: VLM | None = None, compiled: bool = False) -> tuple[str, dict]:
     shapes = layer_shapes(vlm.model)
@@ -345,8 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reanchoring-only", action="store_true",
                         help="the bandwidth and the re-anchoring tables alone, printed (docs/BENCHMARKS.md untouched)")
     args = parser.parse_args(argv)
-    global DEVICE
-    DEVICE = torch.device(args.device)
+    limit_rates.DEVICE = torch.device(args.device)
     repeats = args.repeats or (5 if args.quick else 15)
     print(machine_line(), flush=True)
     bw = bandwidth(max(3, repeats // 2))
@@ -361,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     sections = []
     # the bf16 model's column where bf16 runs natively (AMX / avx512_bf16, or a GPU): elsewhere it is emulated
-    native_bf16 = DEVICE.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native_bf16 = limit_rates.DEVICE.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     for label, spec in models:
         bf16_vlm = VLM(spec.model_copy(update={"dtype": DType.BFLOAT16})) if native_bf16 else None
         body, _ = model_section(label, VLM(spec), bw, repeats, long_turn=not sections,  # the small model's
@@ -383,8 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                  "(`engine.forward.matmul_dtype`); \"bf16 model\": the checkpoint loaded in bf16 (weights, "
                  "activations, KV), as `model.dtype: bfloat16` serves it.\n\n")
         target = {"path": Path(args.out)} if args.out else {}
-        if DEVICE.type == "cuda":
-            intro = f"Device: {torch.cuda.get_device_name(DEVICE)}. " + intro
+        if limit_rates.DEVICE.type == "cuda":
+            intro = f"Device: {torch.cuda.get_device_name(limit_rates.DEVICE)}. " + intro
         print(write_section("limits", "The machine's limits and the engine's forward (issue 39)", command,
                             intro + "\n".join(sections), **target))
 
