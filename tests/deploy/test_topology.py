@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from jobs.run_server import app_args, parser, proxy_location
-from serve.config import AppConfig, Dispatch, LoaderPlacement, Placement
+from serve.config import AppConfig, Dispatch, LoaderPlacement
+from serve.deployment import Placement
 from tests.support.paths import REPO
 
 ROOT = REPO

@@ -32,7 +32,8 @@ from tests.support.paths import REPO
 PRODUCT = ("schemas", "pipeline", "serve", "jobs")  # what users run (benchmarks and tests are not the product)
 
 PIPELINE = {"schemas", "pipeline.facade", "pipeline.runtime", "pipeline.store"}
-SERVE_BASE = PIPELINE | {"serve.governance.config", "serve.config", "serve.plan", "serve.metrics", "serve.handles"}
+SERVE_BASE = PIPELINE | {"serve.governance.config", "serve.deployment", "serve.config", "serve.plan", "serve.metrics",
+                         "serve.handles"}
 SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.dispatch", "serve.governance", "serve.http",
                       "serve.ui", "serve.ui.inspector", "serve.app", "serve.local"}
 # layer -> the layers it may import (its own always)
@@ -47,7 +48,8 @@ MAY_IMPORT = {
     "serve": {"pipeline.facade"},
     # the governance configs nest in the ingress's: typed beside governance, imported by serve.config, never back
     "serve.governance.config": {"schemas"},
-    "serve.config": {"schemas", "serve.governance.config"},
+    "serve.deployment": {"schemas"},  # one deployment's replicas and resources, nested in serve.config's
+    "serve.config": {"schemas", "serve.governance.config", "serve.deployment"},
     "serve.plan": {"schemas"},
     "serve.metrics": set(),
     "serve.handles": set(),

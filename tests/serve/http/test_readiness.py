@@ -14,7 +14,8 @@ from ray.serve.schema import ApplicationStatus
 
 from schemas.health import Readiness
 from serve.app import api_spec
-from serve.config import AppConfig, DeploymentConfig
+from serve.config import AppConfig
+from serve.deployment import DeploymentConfig
 from serve.http import make_api
 from serve.http.health import (
     INGRESS_ONLY_PATHS,
