@@ -75,9 +75,9 @@ demo: install  ## ingest the bundled corpus, serve it, ask it questions over HTT
 lint: install-dev  ## ruff: pyflakes, pycodestyle, isort, bugbear (pyproject.toml [tool.ruff])
 	$(BIN)/ruff check .
 
-# Two tiers: `make test` (CI's, ~27 min on 2 cores) runs everything but the tests marked `nightly` (pyproject.toml:
+# Two tiers: `make test` (CI's, ~28 min on 2 cores) runs everything but the tests marked `nightly` (pyproject.toml:
 # the three-node cluster tests, the vLLM replica-loss and Ray Serve LLM tests, ~10 min); `make test-nightly` runs those.
-test: install-dev install-agents lint  ## lint, the suite but its nightly tier, then the vLLM engine's in its venv, as CI runs it (~27 min on 2 cores)
+test: install-dev install-agents lint  ## lint, the suite but its nightly tier, then the vLLM engine's in its venv, as CI runs it (~28 min on 2 cores)
 	QVPIC_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -X faulthandler -m pytest -q -p no:cacheprovider \
 	  -m "not nightly" --durations=25
 	$(MAKE) test-vllm
