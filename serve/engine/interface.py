@@ -32,6 +32,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import torch
+
 from schemas.config import EngineConfig
 from schemas.errors import BusyError
 from serve.engine.sequence import Sequence
@@ -43,7 +45,7 @@ def step_failure(error: Exception) -> Exception:
     """What a step that failed as a whole (not one row's own work: that row fails alone) means to each request in
     flight. Out of device memory is the batch's, not any request's fault, and passes once the batch is gone: a clean
     503 with Retry-After (the OOM as its cause), not a 500. Anything else is a fault of the engine's: as it was."""
-    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":  # torch's; vLLM's CUDA OOM
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):  # the device's (both engines'), or the host's
         busy = BusyError("the generator ran out of device memory in a batched step; retry", OUT_OF_MEMORY_RETRY_S)
         busy.__cause__ = error
         return busy
