@@ -91,6 +91,9 @@ class RouterConfig(StoreBound):
     # false on vLLM's engine, whose connector supplies one group of chunks: a conversation's earlier user messages
     # then retrieve nothing (their text stays), whatever a request's `history_chunks` says (docs/DEPLOY.md, Engines)
     history_chunks: bool = True
+    # with history_chunks, the earlier user messages that retrieve: the latest this many (older ones keep their text,
+    # no chunks). Each is a query embedded and searched; unbounded, one 256-message request was 255 (issue 60)
+    max_history_queries: int = Field(8, ge=0, le=255)
     query_cache_entries: int = Field(4096, ge=0)  # query vectors remembered per router replica, keyed per tenant
     # threads of a query's embedding forward (None: the replica's torch threads, 1 for a fractional CPU); 2 took a
     # new query's route from 11.3 to 7.8 ms p50 (docs/BENCHMARKS.md `routing`): give the replica the cores

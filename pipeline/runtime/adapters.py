@@ -64,7 +64,7 @@ class ChatTemplate:
     A templated prompt is `prefix` + user content + `turn_suffix`; an image item of user content is
     `image_before` + N image tokens + `image_after`. `images_first`: the template renders every image of a
     turn before any of its text, whatever the content's order (LLaVA-OneVision's does); the router then
-    orders a request's context the same way (serve/routing/router.py `template_order`).
+    orders a request's context the same way (serve/routing/prompt.py `template_order`).
     """
 
     prefix: str

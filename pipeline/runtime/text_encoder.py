@@ -38,6 +38,17 @@ class TextEncoder:
             return self._tokenizer()(text, add_special_tokens=False, split_special_tokens=split).input_ids
 
 
+    def encode_many(self, texts: list[str], split_special: bool | None = None) -> list[list[int]]:
+        """`encode` of each of `texts`, in one call of the Rust backend, which releases the GIL while it runs
+        (`encode` holds it: ~40 ms for a 256-message history's ~500 texts, stalling every other thread)."""
+        split = self.default_split if split_special is None else split_special
+        if not texts:
+            return []
+        if self._backends is not None:
+            return [e.ids for e in self._backends[split].encode_batch(texts, add_special_tokens=False)]
+        return [self.encode(text, split) for text in texts]
+
+
 def _copy(backend, split_special: bool):
     """A private copy of `backend` (its JSON: the vocabulary, merges and added tokens) that never truncates or
     pads, and parses (False) or splits (True) special-token text."""

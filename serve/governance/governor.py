@@ -21,7 +21,7 @@ from enum import Enum
 from fastapi import Request
 
 from schemas.api import AnswerRequest
-from schemas.errors import InvalidRequestError, TooManyInFlightError
+from schemas.errors import InvalidRequestError, RateLimitedError, TooManyInFlightError
 from schemas.service import StoreInfo
 from serve.governance.auth import Authenticator, header_label
 from serve.governance.budget import RateLimiter, token_budget
@@ -48,6 +48,13 @@ class Route(str, Enum):
 ROUTE_OF_PATH = {"/v1/answer": Route.ANSWER, "/v1/chat/completions": Route.CHAT, "/v1/estimate": Route.ESTIMATE,
                  "/v1/completions": Route.COMPLETIONS, "/v1/embeddings": Route.EMBEDDINGS,
                  "/ui/api/page": Route.INSPECT, "/ui/api/store": Route.INSPECT, "/v1/responses": Route.RESPONSES}
+STORED_RESPONSES = "/v1/responses/"  # GET and DELETE of a stored response: charged like the routes above
+
+
+def charged_route(path: str) -> Route | None:
+    """The route of `path` when a request to it is charged to its tenant's request rate (every route that does
+    work for a tenant; not the probes, `/metrics`, the static UI or the model list), else None."""
+    return ROUTE_OF_PATH.get(path) or (Route.RESPONSES if path.startswith(STORED_RESPONSES) else None)
 
 
 def embedding_tokens_bound(texts: list[str]) -> int:
@@ -79,12 +86,44 @@ class Governor:
         self.services = TurnServices(self.cache, self.limits, self.metrics, self.log, self.high_tier)  # every turn's
         self.in_flight: Counter[str] = Counter()  # tenant -> its requests in progress here (max_in_flight)
 
+    async def arrive(self, http: Request) -> None:
+        """A request has arrived; its body is not read yet. On a charged path, authenticate (401) and charge the
+        tenant's request rate (429) now: a tenant past its rate is refused for the price of its headers, before
+        its body is read, parsed and validated (a 50 KB schema bomb cost ~1.5 ms of the ingress loop before its
+        429, so a loop of them stalled every tenant: issue 60). The route's own first charge is then this one
+        (`_charge_request`). A 429 here is counted and logged as a request of mode `none` (its body unread)."""
+        route = charged_route(http.url.path)
+        if route is None:
+            return
+        started, tenant = time.perf_counter(), self.auth.tenant(http.headers)
+        try:
+            await self.limits.take(tenant, Limit.REQUESTS, 1)
+        except RateLimitedError:
+            self.metrics.requests.inc(route=route.value, mode="none")  # the error itself: `rejected`, by path
+            if route is Route.INSPECT:  # as `inspect` logs it: who probed what, refused ones too
+                log.info("inspect tenant=%s path=%s", tenant, http.url.path)
+            if self.log is not None:
+                self.log.append(RequestRecord(
+                    time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
+                    task_type=header_label(http.headers, "X-Task-Type"), route=route.value, mode="none", status=429,
+                    total_ms=(time.perf_counter() - started) * 1e3))
+            raise
+        http.state.arrival_charged = True
+
+    async def _charge_request(self, http: Request, tenant: str) -> None:
+        """One request to `tenant`'s rate, unless `arrive` charged this one already (a completions request of
+        several prompts charges each prompt after the first)."""
+        if getattr(http.state, "arrival_charged", False):
+            http.state.arrival_charged = False
+            return
+        await self.limits.take(tenant, Limit.REQUESTS, 1)
+
     async def begin(self, http: Request, request: AnswerRequest, route: Route, n: int = 1) -> Turn:
         """Authenticate, then charge the tenant's request rate (401, 400 or 429 before any work); `n` choices hold
         n of the tenant's in-flight slots, as they hold n rows of the generator's batch."""
         turn = self._open(http, request, route, request.mode.value, request.user, request.task_type, n)
         turn.budget_tokens = token_budget(http.headers, self.config.limits.policy(turn.record.tenant))
-        await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
+        await self._charge_request(http, turn.record.tenant)
         return turn
 
     async def begin_embeddings(self, http: Request, user: str | None, texts: list[str]) -> Turn:
@@ -94,7 +133,7 @@ class Governor:
         malformed one is the same 400 on every route, never ignored on some."""
         turn = self._open(http, None, Route.EMBEDDINGS, "none", user, None)
         token_budget(http.headers, self.config.limits.policy(turn.record.tenant))
-        await self.limits.take(turn.record.tenant, Limit.REQUESTS, 1)
+        await self._charge_request(http, turn.record.tenant)
         await self.limits.take(turn.record.tenant, Limit.TOKENS, embedding_tokens_bound(texts))
         return turn
 
@@ -128,7 +167,7 @@ class Governor:
         tenant = self.auth.tenant(http.headers)
         self.metrics.requests.inc(route=Route.INSPECT.value, mode="none")
         log.info("inspect tenant=%s path=%s", tenant, http.url.path)  # refused ones too: who probed what
-        await self.limits.take(tenant, Limit.REQUESTS, 1)
+        await self._charge_request(http, tenant)
         return self.config.auth.grant(tenant)
 
     async def account(self, http: Request, route: Route) -> str:
@@ -136,7 +175,7 @@ class Governor:
         the tenant's request rate (429) before any work, counted; returns the tenant."""
         tenant = self.auth.tenant(http.headers)
         self.metrics.requests.inc(route=route.value, mode="none")
-        await self.limits.take(tenant, Limit.REQUESTS, 1)
+        await self._charge_request(http, tenant)
         return tenant
 
     def collections(self, http: Request) -> frozenset[str]:
@@ -158,7 +197,7 @@ class Governor:
         if turn is not None:
             turn.finish(status)
         else:
-            route = ROUTE_OF_PATH.get(http.url.path)
+            route = charged_route(http.url.path)
             self.metrics.errors.inc(route=route.value if route else "other", status=str(status))
 
     def close(self) -> None:

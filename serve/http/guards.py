@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -124,6 +124,23 @@ class KeyGate:
         await self.app(scope, receive, send)
 
 
+class ChargeOnArrival:
+    """`charge(request)` before the body is read: the request rate is charged on arrival (`Governor.arrive`), so a
+    tenant past its rate gets its 429 without the ingress reading, parsing or validating its body. `charge`
+    returns the error response to send, or None to go on."""
+
+    def __init__(self, app: ASGIApp, charge: Callable[[Request], Awaitable[Response | None]]):
+        self.app, self.charge = app, charge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = await self.charge(Request(scope, receive))  # shares scope["state"] with the route's Request
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class LoopbackHostGate:
     """With no API keys and no `insecure_no_auth` (the loopback mode: `exposure` refuses any wider bind), 400 for a
     request whose Host is not a loopback name: a web page on evil.com whose DNS later answers 127.0.0.1 (DNS
@@ -192,15 +209,19 @@ def echo_free_ctx(error: dict) -> dict:
 
 
 def install_guards(app: FastAPI, on_error: Callable[[Request, int], None], auth: Authenticator,
-                   max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES) -> None:
+                   max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES,
+                   charge: Callable[[Request], Awaitable[Response | None]] | None = None) -> None:
     """Add the key gate, the body cap and the handlers above to `app`; `on_error(request, status)` sees every
-    error sent."""
+    error sent. `charge`: the arrival charge (`ChargeOnArrival`), after the key gate and before any body limit
+    reads the body."""
     if max_body_nbytes < 1:
         raise ValueError(f"max_body_nbytes must be >= 1, got {max_body_nbytes}")
     # inside the size cap: 400 for a body nesting past MAX_BODY_DEPTH before the route parses it
     app.add_middleware(BodyDepthLimit, respond=error_response, on_error=on_error)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)  # counts what arrives
     app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)
+    if charge is not None:
+        app.add_middleware(ChargeOnArrival, charge=charge)  # a tenant past its rate: 429 before its body is read
     is_open = (lambda path: path in auth.open_paths or path in STATIC_UI_PATHS  # noqa: E731
                or path.startswith(STATIC_UI_PREFIX))
     app.add_middleware(KeyGate, auth=auth, is_open=is_open, on_error=on_error)  # 401 costs nothing

@@ -125,7 +125,14 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
     app.include_router(response_routes(turns, api, response_store(config.responses, governor.redis)))
     app.include_router(utility_routes(backend, api, api.model_ids))  # vLLM's /health, /version, /tokenize, …
     # 401 without a key (when keys exist), 413 over 16 MiB, JSON 422 for any input, 503 when a replica dies
-    install_guards(app, governor.rejected, governor.auth)
+    async def charge_on_arrival(request: Request) -> Response | None:
+        try:
+            await governor.arrive(request)
+        except ApiError as error:
+            return await _api_error(request, error)
+        return None
+
+    install_guards(app, governor.rejected, governor.auth, charge=charge_on_arrival)
     app.add_middleware(ReleaseTurn, release=governor.release)  # a tenant's in-flight slot, back when it ends
     return app
 

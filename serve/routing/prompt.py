@@ -24,6 +24,7 @@ from schemas.errors import ApiError
 from schemas.prompt import PromptLayout, Segment
 from schemas.schema_checks import MAX_ARGUMENTS_DEPTH, arguments_depth_error
 from schemas.tools import ToolUse
+from serve.plan import PlannedChunk
 from serve.routing.tool_turns import default_system, hermes_turns, renders_tools, tool_dicts
 
 # families whose language model is Qwen2 / Qwen2.5, trained on Qwen2.5's tool format (serve/routing/tool_turns.py)
@@ -173,3 +174,17 @@ def conversation_chain(messages: list[Message]) -> tuple[str, ...]:
 def retrieval_text(messages: list[Message]) -> str:
     """What retrieval embeds by default: the last user message's text."""
     return messages[last_user_index(messages)].text()
+
+
+def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
+                   ) -> tuple[list[PlannedChunk], str, str]:
+    """`(chunks, instruction, text after the chunks)` in the order a chat template that renders every image of a
+    turn before any of its text (`ChatTemplate.images_first`: LLaVA-OneVision's) renders the same content: the
+    chunks served as pages first, then those served as text, each in request order; with pages in context the
+    instruction, being text, follows them too, at the front of the text prefilled after the chunks. That is the
+    template's own prompt unless text chunks sit beside pages: the template would put the instruction before
+    them, and linked KV leaves no place to prefill text between chunks, so there it comes after them."""
+    pages = [c for c in chunks if c.tier is not None]
+    if not pages:
+        return chunks, instruction, text_after
+    return pages + [c for c in chunks if c.tier is None], "", instruction + text_after

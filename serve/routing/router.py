@@ -40,24 +40,16 @@ from serve.kv import lazy_planner
 from serve.plan import Embedded, Plan, PlannedChunk, Tokenized
 from serve.routing.embed_queue import EmbedQueue, Priority
 from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
-from serve.routing.prompt import InvalidMessageError, PromptTemplate, conversation_chain, conversation_digest
+from serve.routing.prompt import (
+    InvalidMessageError,
+    PromptTemplate,
+    conversation_chain,
+    conversation_digest,
+    template_order,
+)
 from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
 from serve.routing.token_floor import TokenFloor
-
-
-def template_order(chunks: list[PlannedChunk], instruction: str, text_after: str
-                   ) -> tuple[list[PlannedChunk], str, str]:
-    """`(chunks, instruction, text after the chunks)` in the order a chat template that renders every image of a
-    turn before any of its text (`ChatTemplate.images_first`: LLaVA-OneVision's) renders the same content: the
-    chunks served as pages first, then those served as text, each in request order; with pages in context the
-    instruction, being text, follows them too, at the front of the text prefilled after the chunks. That is the
-    template's own prompt unless text chunks sit beside pages: the template would put the instruction before
-    them, and linked KV leaves no place to prefill text between chunks, so there it comes after them."""
-    pages = [c for c in chunks if c.tier is not None]
-    if not pages:
-        return chunks, instruction, text_after
-    return pages + [c for c in chunks if c.tier is None], "", instruction + text_after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +132,16 @@ class Router:
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
         """What each group of chunks is scored against, oldest first: a conversation's earlier user messages (with
-        `history_chunks`, when the request retrieves), then the question. An empty one selects nothing."""
+        `history_chunks`, when the request retrieves; the latest `max_history_queries` of them), then the question.
+        An empty one selects nothing."""
         named = request.chunk_ids is not None or request.doc_ids is not None
         if not named and request.top_k == 0:
             return [""]
         if request.messages is None or named or not (request.history_chunks and self.config.history_chunks):
             return [request.query]
         earlier = [m.text()[:MAX_QUERY_CHARS] for m in request.messages if m.role == "user"][:-1]
-        return earlier + [request.query]
+        kept = self.config.max_history_queries  # the latest ones: the oldest groups are the first left empty anyway
+        return (earlier[len(earlier) - kept:] if kept else []) + [request.query]
 
     def refuse_over_long(self, request: AnswerRequest) -> None:
         """ContextLengthError (400, naming `messages`) when a floor on the conversation's tokens

@@ -24,7 +24,7 @@ from pipeline.runtime import VLM, model_identity
 from pipeline.runtime.tiny import build
 from schemas.config import ModelSpec
 from serve.plan import PlannedChunk
-from serve.routing.router import template_order
+from serve.routing.prompt import template_order
 from tests.pipeline.runtime.test_runtime_exactness import page, page_block
 from tests.support.paths import TESTS
 

@@ -494,3 +494,30 @@ def test_the_last_user_turn_drives_retrieval_in_a_conversation(roles, history_ch
     # and the last group sits at the start of the last user message: only that question is read after it
     after = roles.generator.vlm.tokenizer.decode([t for piece in plan.layout.after.pieces for t in piece])
     assert "warranty" in after and "12 March" not in after
+
+
+@pytest.mark.parametrize("kept", [0, 3, 255])
+def test_a_long_history_retrieves_for_its_latest_user_turns_only(roles, monkeypatch, kept):
+    """issue 60: each earlier user message that retrieves is a query embedded and searched; a 256-message history
+    was 255 of them for one request. Only the latest `max_history_queries` do (255: every one, the control); the
+    others keep their text and no chunks. Expected queries: the request's own user texts, counted by hand."""
+    import uuid
+
+    router = roles.router
+    monkeypatch.setattr(router, "config", router.config.model_copy(update={"max_history_queries": kept}))
+    asked: list[str] = []
+    embed_query = router.embed_query
+
+    async def counted(query: str):
+        asked.append(query)
+        return await embed_query(query)
+
+    monkeypatch.setattr(router, "embed_query", counted)
+    salt = uuid.uuid4().hex  # texts no earlier test embedded: no vector is remembered
+    users = [f"Which part ships in week {i}, invoice 4471? {salt}" for i in range(12)]
+    messages = [m for text in users for m in (Message(role="user", content=text),
+                                              Message(role="assistant", content="XK-4471-B."))][:-1]
+    plan = asyncio.run(router.plan(AnswerRequest(query=users[-1], messages=messages, top_k=1, history_chunks=True)))
+    earlier = min(kept, 11)
+    assert sorted(asked) == sorted(users[11 - earlier:])
+    assert len(plan.layout.texts) == earlier + 2  # a group per retrieving user message, the question's last
