@@ -138,6 +138,13 @@ class ContextLengthError(TooLargeError):
 
     openai_status, openai_code, param = 400, "context_length_exceeded", "messages"
 
+    def __init__(self, message: str, counted_tokens: int = 0):
+        super().__init__(message)
+        self.counted_tokens = counted_tokens  # the prompt tokens the router read to find this: charged to the tenant
+
+    def __reduce__(self):  # crosses Serve handles: keep the count
+        return type(self), (str(self), self.counted_tokens)
+
 
 class BudgetExceededError(TooLargeError):
     """Even the cheapest placement of the request's chunks that its mode allows (qvpic: every chunk at its

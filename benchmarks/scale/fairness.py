@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from benchmarks.scale.tenants import (
+    B_EVERY_S,
     CLIENT_TIMEOUT_S,
     HEALTH_EVERY_S,
     POLICY,
@@ -128,7 +129,8 @@ def report(victims: dict[str, Victim], health: dict[str, Health], hostile_tenant
     return (f"Served as {args.shape.value}: {served}. "
             f"{args.model} (float32, CPU), {args.chunks} chunks; {args.rounds} rounds of {args.per_round} questions "
             f"of b alone, then {args.per_round} beside a ({args.concurrency} of a's probes in flight, a in its own "
-            f"process); b streams 8 tokens, TTFT to its first content chunk; `/healthz` polled every "
+            f"process); b asks one at a time, at most one every {B_EVERY_S * 1e3:.0f} ms, and streams 8 tokens, "
+            f"TTFT to its first content chunk; `/healthz` polled every "
             f"{HEALTH_EVERY_S * 1e3:.0f} ms. Policy of every tenant (`limits.default`): `{json.dumps(POLICY)}`. "
             f"Load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared with other jobs: "
             f"the tails are noisy).  \nMachine: {_machine()}\n\n"

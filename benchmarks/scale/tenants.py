@@ -22,18 +22,23 @@ import httpx
 from benchmarks.scale.hostile_probes import MODEL, PROBES, STREAM_READ_S, Probe
 
 KEY_A, KEY_B = "hostile-key-a", "victim-key-b"
+KEY_BULK = "bulk-key-c"  # tenant c: a bulk client of its own (the CI check's embeddings test), under the same policy
 # One policy for every tenant, as an operator would set it: generous for a person, a wall for a loop.
 POLICY = {"requests_per_s": 20.0, "request_burst": 20, "tokens_per_s": 20_000.0, "max_in_flight": 4}
 CLIENT_TIMEOUT_S = 30.0  # a request past this is a hang
 HEALTH_EVERY_S = 0.05
+# b starts a question at most every 0.1 s: half its policy's rate, as a client within its limits asks. Unpaced, a
+# question answered in ~30 ms let b pass 20 requests/s on its own, and its own 429s counted as errors a caused
+B_EVERY_S = 2 / POLICY["requests_per_s"]
 TARGET_P50, TARGET_P99, TARGET_HEALTH_MS = 1.5, 3.0, 100.0
 QUESTION = "What does the report say about the schedule?"
 
 
 def governance(policy: dict | None = POLICY) -> dict:
-    """The ingress's governance keys: a and b by their keys' sha256, `policy` for both, no response cache (every
+    """The ingress's governance keys: a, b (and c) by their keys' sha256, `policy` for each, no response cache (every
     question of b must reach the model)."""
-    digest = {hashlib.sha256(key.encode()).hexdigest(): tenant for key, tenant in ((KEY_A, "a"), (KEY_B, "b"))}
+    keys = ((KEY_A, "a"), (KEY_B, "b"), (KEY_BULK, "c"))
+    digest = {hashlib.sha256(key.encode()).hexdigest(): tenant for key, tenant in keys}
     return {"auth": {"api_key_sha256": digest}, "limits": {"default": policy or {}},
             "response_cache": {"levels": []}}
 
@@ -197,14 +202,17 @@ class Health:
 
 async def questions(base_url: str, victim: Victim, health: Health, count: int, start: int,
                     until=lambda: True) -> None:
-    """b's `count` questions, one at a time (and more until `until()` holds), with `/healthz` polled throughout."""
+    """b's `count` questions, one at a time, each started at least B_EVERY_S after the one before (and more until
+    `until()` holds), with `/healthz` polled throughout."""
     async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S) as client, \
             httpx.AsyncClient(base_url=base_url) as poller:
         stop = asyncio.Event()
         polling = asyncio.create_task(health.poll(poller, stop))
         i = start
         while i < start + count or not until():
+            began = time.monotonic()
             await victim.ask(client, i)
             i += 1
+            await asyncio.sleep(max(0.0, began + B_EVERY_S - time.monotonic()))
         stop.set()
         await polling

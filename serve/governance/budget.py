@@ -115,21 +115,24 @@ class TokenBucket:
     level: float
     at_s: float
 
-    def take(self, cost: float, now_s: float) -> float:
-        """Seconds until `cost` would be admitted; 0.0 means it was, and the bucket was charged."""
+    def take(self, cost: float, now_s: float, force: bool = False) -> float:
+        """Seconds until `cost` would be admitted; 0.0 means it was, and the bucket was charged (`force`: charged
+        whatever it holds, debt included)."""
         self.level = min(self.capacity, self.level + max(0.0, now_s - self.at_s) * self.rate_per_s)
         self.at_s = now_s
         need = min(cost, self.capacity)  # more than a full bucket: admitted when full, the rest is debt
-        if self.level >= need:
+        if force or self.level >= need:
             self.level -= cost
             return 0.0
         return (need - self.level) / self.rate_per_s
 
 
 # The same bucket as TokenBucket.take, atomically in Redis on Redis's clock. KEYS[1] = bucket;
-# ARGV = rate per s, capacity, cost. Returns the wait in seconds as a string (Lua numbers are truncated).
+# ARGV = rate per s, capacity, cost, force ("1": charged whatever the bucket holds). Returns the wait in seconds as
+# a string (Lua numbers are truncated).
 _TAKE_LUA = """
 local rate, capacity, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local force = ARGV[4] == '1'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local state = redis.call('HMGET', KEYS[1], 'level', 'at')
@@ -138,7 +141,7 @@ local at = tonumber(state[2]) or now
 level = math.min(capacity, level + math.max(0, now - at) * rate)
 local need = math.min(cost, capacity)
 local wait = 0
-if level >= need then level = level - cost else wait = (need - level) / rate end
+if force or level >= need then level = level - cost else wait = (need - level) / rate end
 redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
 redis.call('EXPIRE', KEYS[1], math.ceil((capacity - level) / rate) + 1)
 return tostring(wait)
@@ -154,8 +157,10 @@ class RateLimiter:
         self._script = self.redis.client.register_script(_TAKE_LUA) if self.redis else None
         self._local: OrderedDict[tuple[str, Limit], TokenBucket] = OrderedDict()
 
-    async def take(self, tenant: str, limit: Limit, cost: float) -> None:
-        """Charge `cost` to the tenant's `limit` bucket, or raise `RateLimitedError` (429 + Retry-After)."""
+    async def take(self, tenant: str, limit: Limit, cost: float, force: bool = False) -> None:
+        """Charge `cost` to the tenant's `limit` bucket, or raise `RateLimitedError` (429 + Retry-After). A cost of 0
+        checks that the bucket is not in debt. `force`: work already done, charged whatever the bucket holds (the
+        debt slows the tenant's next requests), never refused."""
         rate = self.config.policy(tenant).rate(limit)
         if rate is None:
             return
@@ -165,16 +170,17 @@ class RateLimiter:
             key = f"{self.key_prefix}:{limit.value}:{tenant}"
             try:
                 wait_s = float(await self.redis.call("rate_limits", lambda _: self._script(
-                    keys=[key], args=[rate_per_s, capacity, cost])))
+                    keys=[key], args=[rate_per_s, capacity, cost, "1" if force else "0"])))
             except SharedStateUnavailable:
                 wait_s = None  # Redis is down: this replica's own buckets decide meanwhile
         if wait_s is None:
-            wait_s = self._bucket(tenant, limit, rate_per_s, capacity).take(cost, time.monotonic())
+            wait_s = self._bucket(tenant, limit, rate_per_s, capacity).take(cost, time.monotonic(), force)
         if wait_s > 0:
             serve_metrics().rate_limit_rejections.inc(limit=limit.value)
             unit = "requests" if limit is Limit.REQUESTS else "tokens"
+            this = f"this request: {cost:g}" if cost else "earlier requests left it in debt"
             raise RateLimitedError(f"tenant {tenant!r} is over its limit of {rate_per_s:g} {unit}/s "
-                                   f"(this request: {cost:g}); retry in {wait_s:.2f} s", retry_after_s=wait_s)
+                                   f"({this}); retry in {wait_s:.2f} s", retry_after_s=wait_s)
 
     def _bucket(self, tenant: str, limit: Limit, rate_per_s: float, capacity: float) -> TokenBucket:
         key = (tenant, limit)

@@ -73,6 +73,19 @@ class Turn:
         self.completion_tokens = sampling.n * sampling.max_new_tokens
         prompt_budget(self.budget_tokens, self.completion_tokens, param)
 
+    async def routing(self) -> None:
+        """Before the router reads the prompt (its text tokenised, its images decoded): a tenant whose token rate is
+        in debt is refused here (429), not after that work. A response-cache hit needs the plan too, so it is
+        refused as well until the debt is paid."""
+        await self.services.limits.take(self.record.tenant, Limit.TOKENS, 0)
+
+    async def refused_too_long(self, counted_tokens: int) -> None:
+        """The router refused the prompt as longer than the context after reading `counted_tokens` of it: those are
+        charged to the token rate whatever it holds (issue 60: a 256-message history cost ~45 ms of the router and,
+        refused, nothing; now its debt holds the tenant's next routes back)."""
+        if counted_tokens > 0:
+            await self.services.limits.take(self.record.tenant, Limit.TOKENS, counted_tokens, force=True)
+
     @property
     def prompt_budget_tokens(self) -> int | None:
         """What the router may place the prompt in: the budget less the completion set aside."""

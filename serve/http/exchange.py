@@ -18,9 +18,10 @@ from fastapi import Request, Response
 
 from schemas.api import AnswerRequest
 from schemas.config import ImageUrlsSpec
+from schemas.errors import ContextLengthError
 from schemas.sampling import Sampling
 from serve.governance import Governor, Route, Turn, replay
-from serve.http.backend import Backend, error_status
+from serve.http.backend import Backend, error_cause, error_status
 from serve.http.checks import check_request, check_response_size, sampling_of
 from serve.http.image_urls import ImageFetcher
 from serve.http.lifetime import ClientClosedError, Lifetime, request_timeout_s
@@ -104,7 +105,14 @@ class Exchange:
         # Only the chunks of the collections granted to the tenant the server authenticated exist for it; the prefix
         # cache and the router's query vectors key everything under that tenant, never one the client chose.
         salt = tenant_salt(self.turn.record.tenant)
-        plan = await self.backend.route(self.turn.request, self.turn.prompt_budget_tokens, self.turn.collections, salt)
+        await self.turn.routing()  # 429 while the tenant's token rate is in debt
+        try:
+            plan = await self.backend.route(self.turn.request, self.turn.prompt_budget_tokens, self.turn.collections,
+                                            salt)
+        except Exception as error:
+            if isinstance(cause := error_cause(error), ContextLengthError):
+                await self.turn.refused_too_long(cause.counted_tokens)  # what the router read, charged: still a 400
+            raise
         return self.turn.priced(dataclasses.replace(plan, cache_salt=salt))
 
     async def _admit(self) -> None:

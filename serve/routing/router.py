@@ -153,7 +153,7 @@ class Router:
             raise ContextLengthError(
                 f"request needs at least {floor + request.max_new_tokens} tokens (its user messages' text alone at "
                 f"least {floor} + max_new_tokens {request.max_new_tokens}); "
-                f"the context holds {self.max_context_tokens}")
+                f"the context holds {self.max_context_tokens}", counted_tokens=floor)
 
     def frame(self, request: AnswerRequest, groups: int) -> Framing:
         """The prompt's text around `groups` groups of chunks, laid out and counted: the part of a route that
@@ -213,7 +213,7 @@ class Router:
             raise ContextLengthError(
                 f"request needs {needed} tokens (prompt text {prefix_tokens} + chunks {needed - fixed_tokens} + "
                 f"question {query_tokens} + max_new_tokens {request.max_new_tokens}); "
-                f"the context holds {self.max_context_tokens}")
+                f"the context holds {self.max_context_tokens}", counted_tokens=needed - request.max_new_tokens)
         route_ms = (time.perf_counter() - started) * 1e3
         return Plan(mode=request.mode, query=request.query, chunks=tuple(chunks), prefix_tokens=prefix_tokens,
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,

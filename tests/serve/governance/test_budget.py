@@ -16,6 +16,7 @@ from serve.config import AppConfig
 from serve.governance import Governor
 from serve.governance.budget import RateLimiter, TokenBucket
 from serve.governance.config import Limit, RateLimitConfig, TenantPolicy
+from serve.governance.shared_state import RedisConnection
 from serve.http import make_api
 from serve.local import InProcessBackend
 from tests.serve.http.test_api import call
@@ -172,16 +173,19 @@ def test_request_rate_is_429_with_retry_after(roles, serving_store, redis_url, b
 
 
 def test_token_rate_is_429_but_cache_hits_are_free(roles, serving_store):
-    app, _ = governed_app(roles, serving_store, limits={"default": {"tokens_per_s": 10}})
-    first = call(app, "POST", "/v1/answer", json=BODY)  # dearer than the bucket: admitted when full, then debt
-    assert first.status_code == 200
-    usage = first.json()["usage"]
+    unlimited, _ = governed_app(roles, serving_store, response_cache={"levels": []})
+    usage = call(unlimited, "POST", "/v1/answer", json=BODY).json()["usage"]
     cost = usage["context_tokens"] + usage["query_tokens"] + BODY["max_new_tokens"]
-    limited = call(app, "POST", "/v1/answer", json={**BODY, "max_new_tokens": 5})
-    assert limited.status_code == 429 and "10 tokens/s" in limited.json()["detail"]
-    assert int(limited.headers["Retry-After"]) == pytest.approx(cost / 10, abs=1.5)
-    again = call(app, "POST", "/v1/answer", json=BODY)  # the l1 response cache answers: no tokens charged
-    assert again.status_code == 200 and again.json()["response_cache"]["level"] == "l1"
+    # a bucket that pays for one answer and half another; a tenant in debt is not even routed (test_routing_charge)
+    app, _ = governed_app(roles, serving_store, limits={"default": {"tokens_per_s": 1, "token_burst": cost * 3 // 2}})
+    first = call(app, "POST", "/v1/answer", json=BODY)
+    assert first.status_code == 200
+    limited = call(app, "POST", "/v1/answer", json={**BODY, "max_new_tokens": BODY["max_new_tokens"] + 1})
+    assert limited.status_code == 429 and "1 tokens/s" in limited.json()["detail"]
+    assert int(limited.headers["Retry-After"]) == pytest.approx(cost + 1 - cost // 2, abs=2.5)
+    for _ in range(3):  # the l1 response cache answers: no tokens charged, however often
+        again = call(app, "POST", "/v1/answer", json=BODY)
+        assert again.status_code == 200 and again.json()["response_cache"]["level"] == "l1"
 
 
 def test_redis_limits_are_shared_by_replicas(roles, serving_store, redis_url):
@@ -227,3 +231,21 @@ def test_governance_errors_survive_pickling():  # as they would crossing a Ray d
     assert (str(budget), budget.body_fields()) == ("over", {"min_context_tokens": 79, "budget_tokens": 50})
     limited = pickle.loads(pickle.dumps(RateLimitedError("slow down", retry_after_s=0.2)))
     assert (str(limited), limited.headers()) == ("slow down", {"Retry-After": "1"})
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_work_done_is_charged_into_debt_and_a_check_refuses_debt(redis_url, backend):  # noqa: F811
+    """`force`: the router's reading of a prompt it then refused, charged whatever the bucket holds; a cost of 0
+    checks for debt (serve/governance/turn.py `routing`). Both in the replica's buckets and in Redis's script."""
+    config = RateLimitConfig(backend=backend, default=TenantPolicy(tokens_per_s=100, token_burst=50))
+    limiter = RateLimiter(config, RedisConnection(redis_url) if backend == "redis" else None)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    asyncio.run(limiter.take(tenant, Limit.TOKENS, 0))  # a full bucket: no debt
+    asyncio.run(limiter.take(tenant, Limit.TOKENS, 550, force=True))  # 500 tokens of debt, not refused
+    with pytest.raises(RateLimitedError, match="in debt") as error:
+        asyncio.run(limiter.take(tenant, Limit.TOKENS, 0))
+    assert error.value.retry_after_s == pytest.approx(5.0, abs=0.1)  # 500 tokens at 100/s
+    asyncio.run(limiter.take(tenant, Limit.TOKENS, 10, force=True))  # forced again: deeper
+    with pytest.raises(RateLimitedError) as deeper:
+        asyncio.run(limiter.take(tenant, Limit.TOKENS, 0))
+    assert deeper.value.retry_after_s == pytest.approx(5.1, abs=0.1)

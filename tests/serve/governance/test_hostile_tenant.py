@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from benchmarks.scale.hostile_probes import PROBES, embeddings_2048
-from benchmarks.scale.tenants import KEY_A, Health, Hostile, Victim, governance, questions, serving
+from benchmarks.scale.tenants import KEY_BULK, Health, Hostile, Victim, governance, questions, serving
 from tests.serve.governance.test_budget import governed_app
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 
@@ -74,16 +74,17 @@ def test_the_victim_gets_every_answer(hostile_run):
 
 
 def test_two_thousand_embedding_inputs_are_charged_before_they_are_embedded(base_url, hostile_run):
-    """Two 2,048-input requests at once: each is charged its ~950k tokens before anything is embedded, so a full
-    token bucket admits one (more than a bucket is admitted when full, the rest is debt) and the other is a 429 with
-    a Retry-After of the debt (tens of seconds at 20,000 tokens/s); b's question asked meanwhile is answered (the
-    router's embedder takes b's query before the admitted request's next batch). Control: no charge → two admitted."""
+    """Two 2,048-input requests at once, from tenant c (a's token bucket is in debt after its probes): each is
+    charged its ~950k tokens before anything is embedded, so a full token bucket admits one (more than a bucket is
+    admitted when full, the rest is debt) and the other is a 429 with a Retry-After of the debt (tens of seconds at
+    20,000 tokens/s); b's question asked meanwhile is answered (the router's embedder takes b's query before the
+    admitted request's next batch). Control: no charge → two admitted."""
     probe = embeddings_2048()
 
     def send(_: int) -> httpx.Response | None:
         try:
             return httpx.post(base_url + probe.path, content=probe.body, timeout=8, headers={
-                "Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
+                "Content-Type": "application/json", "Authorization": f"Bearer {KEY_BULK}"})
         except httpx.TimeoutException:  # admitted and still embedding: the client leaves, the server stops
             return None
 
