@@ -9,11 +9,13 @@ may add. Those completion tokens are set aside first — a request whose complet
 router promotes only what fits in the rest, and a request whose prompt exceeds it even with every chunk at its
 lowest tier is a 413 that names the minimum.
 
-Rate limits are token buckets per tenant: one for requests/s (checked on arrival), one for tokens/s
-(context + query + n × max_new_tokens, checked once the price is known and the response cache missed, so
+Rate limits are token buckets per tenant: one for requests/s (charged on arrival, before the body is read), one for
+tokens/s (context + query + n × max_new_tokens, checked once the price is known and the response cache missed, so
 cache hits cost no tokens; an estimate is charged the prompt text the router read, an embeddings request a bound on
-its inputs' tokens before they are embedded). A request costing more than the bucket holds is admitted only against a
-full bucket and leaves it in debt, so it is slowed, never refused forever. With `backend: memory` the
+its inputs' tokens before they are embedded, a prompt refused as longer than the context the tokens the router
+counted). A request costing more than the bucket holds is admitted only against a full bucket and leaves it in debt,
+so it is slowed, never refused forever; while in debt the tenant is refused on arrival (a cache hit included: its
+plan needs the router's reading). With `backend: memory` the
 buckets live in this ingress replica: with N ingress replicas a tenant gets up to N times its limits.
 With `backend: redis` every replica shares them (one Lua script per check, Redis's clock); when Redis
 is unreachable, the replica-local buckets take over until it is back.

@@ -60,6 +60,14 @@ class RateLimitConfig(Frozen):
     tenants: dict[Label, TenantPolicy] = Field(default_factory=dict, description=(
         "a tenant listed here gets exactly this policy instead of `default` (unset fields: unlimited)"))
     backend: StateBackend = StateBackend.MEMORY
+    refusal_hold_s: float = Field(1.0, ge=0, le=10, description=(
+        "a request refused on arrival (its tenant's request rate spent, or its token rate in debt) gets its 429 "
+        "after the wait it names, at most "
+        "this long: a client that ignores Retry-After sends at most one request per connection per hold, not a "
+        "flood of refused requests whose bodies the server still receives (0: answered at once)"))
+    max_held_refusals: int = Field(4, ge=0, le=64, description=(
+        "refusals of one tenant held at once on one ingress replica; more are answered at once, so a tenant's "
+        "held refusals take at most this many of the replica's `max_ongoing_requests`"))
 
     def policy(self, tenant: str) -> TenantPolicy:
         return self.tenants.get(tenant, self.default)

@@ -9,6 +9,7 @@ never calls the serving roles itself: the handlers hand it each result (serve/ht
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -84,31 +85,55 @@ class Governor:
         self.log = RequestLog(config.request_log) if config.request_log.location is not None else None
         self.high_tier = max(store.tiers, key=store.tiers.get)
         self.services = TurnServices(self.cache, self.limits, self.metrics, self.log, self.high_tier)  # every turn's
+        self.held: Counter[str] = Counter()  # tenant -> its refusals being held (`_hold`)
+        self.sleep = asyncio.sleep  # how a refusal is held (a test records it instead)
         self.in_flight: Counter[str] = Counter()  # tenant -> its requests in progress here (max_in_flight)
 
     async def arrive(self, http: Request) -> None:
         """A request has arrived; its body is not read yet. On a charged path, authenticate (401) and charge the
-        tenant's request rate (429) now: a tenant past its rate is refused for the price of its headers, before
-        its body is read, parsed and validated (a 50 KB schema bomb cost ~1.5 ms of the ingress loop before its
-        429, so a loop of them stalled every tenant: issue 60). The route's own first charge is then this one
-        (`_charge_request`). A 429 here is counted and logged as a request of mode `none` (its body unread)."""
+        tenant's request rate (429) now, and on a path that spends tokens check that its token rate is not in debt
+        (429: nothing it asks could be paid for): a tenant past its rate is refused for the price of its headers,
+        before its body is read, parsed and validated (a 50 KB schema bomb cost ~1.5 ms of the ingress loop before
+        its 429, a 954 KB embeddings body more, so a loop of them stalled every tenant: issue 60). The refusal is
+        held (`_hold`) so that a client ignoring Retry-After cannot loop refusals. The route's own first request
+        charge is then this one (`_charge_request`). A 429 here is counted and logged as a request of mode `none`
+        (its body unread)."""
         route = charged_route(http.url.path)
         if route is None:
             return
         started, tenant = time.perf_counter(), self.auth.tenant(http.headers)
         try:
             await self.limits.take(tenant, Limit.REQUESTS, 1)
-        except RateLimitedError:
+            http.state.arrival_charged = True
+            if http.url.path in ROUTE_OF_PATH and route is not Route.INSPECT:  # it spends tokens
+                await self.limits.take(tenant, Limit.TOKENS, 0)
+        except RateLimitedError as error:
             self.metrics.requests.inc(route=route.value, mode="none")  # the error itself: `rejected`, by path
             if route is Route.INSPECT:  # as `inspect` logs it: who probed what, refused ones too
                 log.info("inspect tenant=%s path=%s", tenant, http.url.path)
+            await self._hold(tenant, error.retry_after_s)
             if self.log is not None:
                 self.log.append(RequestRecord(
                     time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
                     task_type=header_label(http.headers, "X-Task-Type"), route=route.value, mode="none", status=429,
                     total_ms=(time.perf_counter() - started) * 1e3))
             raise
-        http.state.arrival_charged = True
+
+    async def _hold(self, tenant: str, wait_s: float) -> None:
+        """Wait before a refusal is sent: the wait it names, at most `limits.refusal_hold_s`, and only while fewer
+        than `limits.max_held_refusals` of the tenant's are held here (beyond, at once: held refusals take bounded
+        room of the replica's `max_ongoing_requests`). A client that ignores Retry-After then sends at most one
+        refused request per connection per hold; one that heeds it waits at least as long anyway."""
+        hold_s = min(wait_s, self.config.limits.refusal_hold_s)
+        if hold_s <= 0 or self.held[tenant] >= self.config.limits.max_held_refusals:
+            return
+        self.held[tenant] += 1
+        try:
+            await self.sleep(hold_s)
+        finally:
+            self.held[tenant] -= 1
+            if self.held[tenant] <= 0:
+                del self.held[tenant]
 
     async def _charge_request(self, http: Request, tenant: str) -> None:
         """One request to `tenant`'s rate, unless `arrive` charged this one already (a completions request of

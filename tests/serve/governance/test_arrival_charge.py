@@ -23,6 +23,10 @@ EMBED = json.dumps({"model": "qvpic", "input": ["hi"] * 64}).encode()
 
 
 def asgi(app, method: str, path: str, body: bytes = b"", key: str | None = KEY) -> tuple[int, bool, dict]:
+    return asyncio.run(asgi_call(app, method, path, body, key))
+
+
+async def asgi_call(app, method: str, path: str, body: bytes = b"", key: str | None = KEY) -> tuple[int, bool, dict]:
     """`app` called as a server would call it: (status, whether the body was read, headers)."""
     read, sent = [], []
 
@@ -42,7 +46,7 @@ def asgi(app, method: str, path: str, body: bytes = b"", key: str | None = KEY) 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
              "raw_path": path.encode(), "query_string": b"", "headers": headers, "client": ("127.0.0.1", 5000),
              "server": ("localhost", 80), "scheme": "http", "root_path": ""}
-    asyncio.run(app(scope, receive, send))
+    await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
     return start["status"], bool(read), {k.decode().lower(): v.decode() for k, v in start["headers"]}
 
@@ -83,3 +87,51 @@ def test_each_prompt_after_the_first_is_charged_by_its_route(roles, serving_stor
     assert asgi(app, "POST", "/v1/completions", two)[0] == 200  # 2 of the burst of 3
     assert asgi(app, "POST", "/v1/completions", two)[0] == 429  # 1 left: the second prompt's charge is refused
     assert asgi(app, "POST", "/v1/embeddings", EMBED)[:2] == (429, False)
+
+
+def test_a_tenant_in_token_debt_is_refused_before_its_body_is_read(roles, serving_store):  # noqa: F811
+    """A full token bucket admits one request dearer than itself, the rest debt (64 inputs of 2 characters: 256
+    tokens charged against a bucket of 100); until the debt is paid nothing the tenant asks could be paid for, so
+    its next requests are refused on arrival, their bodies unread. Its request rate is not what refuses them."""
+    app, _ = governed_app(roles, serving_store, auth={"api_key_sha256": {key_digest(KEY): "acme"}},
+                          limits={"tenants": {"acme": {"tokens_per_s": 1.0, "token_burst": 100}}},
+                          response_cache={"levels": []})
+    assert asgi(app, "POST", "/v1/embeddings", EMBED)[:2] == (200, True)
+    status, read, headers = asgi(app, "POST", "/v1/chat/completions", SCHEMA_BOMB)
+    assert (status, read) == (429, False) and int(headers["retry-after"]) >= 256 - 100
+    assert asgi(app, "POST", "/v1/embeddings", EMBED)[:2] == (429, False)
+    assert asgi(app, "GET", "/v1/responses/resp_0123")[0] == 404  # spends no tokens: not refused for them
+
+
+def test_refusals_are_held_for_their_wait_and_only_so_many_at_once(roles, serving_store):  # noqa: F811
+    """A client that ignores Retry-After would loop its 429s as fast as the server answers them (each still a body
+    the server receives); a refusal is held for its wait, at most `refusal_hold_s`, and at most
+    `max_held_refusals` of a tenant's at once (beyond, answered at once: held refusals take bounded room). The
+    hold is recorded, not timed: the governor's sleep is replaced by one that waits for the test."""
+    app, governor = governed_app(roles, serving_store, auth={"api_key_sha256": {key_digest(KEY): "acme"}},
+                                 limits={"tenants": {"acme": {"requests_per_s": 0.01, "request_burst": 1}},
+                                         "refusal_hold_s": 0.5, "max_held_refusals": 1},
+                                 response_cache={"levels": []})
+    path = "/v1/responses/resp_0123"
+    held: list[float] = []
+
+    async def scenario() -> tuple[int, int, int]:
+        release = asyncio.Event()
+
+        async def sleep(seconds: float) -> None:
+            held.append(seconds)
+            await release.wait()
+
+        governor.sleep = sleep
+        admitted = (await asgi_call(app, "GET", path))[0]  # the burst of 1
+        first = asyncio.create_task(asgi_call(app, "GET", path))
+        while not held:
+            await asyncio.sleep(0.01)
+        second = await asyncio.wait_for(asgi_call(app, "GET", path), 10)  # one is held already: at once
+        assert not first.done()  # still held
+        release.set()
+        return admitted, (await first)[0], second[0]
+
+    assert asyncio.run(scenario()) == (404, 429, 429)
+    assert held == [0.5]  # min(the wait of ~100 s, refusal_hold_s); the second was not held
+    assert governor.held == {}
