@@ -102,8 +102,9 @@ def run(base_url: str, rounds: int, per_round: int, concurrency: int) -> tuple[d
     for round_index in range(rounds):
         start = round_index * per_round
         asyncio.run(questions(base_url, victims["alone"], health["alone"], per_round, start))
-        with hostile_tenant.running():
-            asyncio.run(questions(base_url, victims["beside a"], health["beside a"], per_round, start))
+        with hostile_tenant.running():  # questions of its own: a question asked alone has its query vector cached
+            asyncio.run(questions(base_url, victims["beside a"], health["beside a"], per_round,
+                                  rounds * per_round + start))
     return victims, health, hostile_tenant
 
 

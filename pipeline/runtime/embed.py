@@ -8,6 +8,7 @@ reproduces sentence-transformers' `encode` (pipeline/runtime/embed_onnx.py), els
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from collections.abc import Sequence
@@ -84,6 +85,16 @@ class Embedder:
         # a GPU runs the model on its own device)
         self._onnx = (OnnxEncoder.build(self._model, self.model_name, threads or torch.get_num_threads())
                       if runtime is EmbedRuntime.ONNX and device == "cpu" else None)
+
+    def on_one_thread(self) -> Embedder:
+        """This embedder (the same model and vectors), its ONNX forward on one thread: the caller's, so that a
+        caller of low CPU priority gives the forward its priority (serve/routing/embed_queue.py). With no ONNX
+        graph, torch runs the forward on the process's thread pool whoever calls it: this embedder itself."""
+        if self._onnx is None:
+            return self
+        single = copy.copy(self)
+        single._onnx = self._onnx.on_threads(1)
+        return single
 
     @property
     def runtime(self) -> EmbedRuntime:

