@@ -142,7 +142,7 @@ class Router:
             return [request.query]
         earlier = [m.text()[:MAX_QUERY_CHARS] for m in request.messages if m.role == "user"][:-1]
         kept = self.config.max_history_queries  # the latest ones: the oldest groups are the first left empty anyway
-        return (earlier[len(earlier) - kept:] if kept else []) + [request.query]
+        return (earlier[max(0, len(earlier) - kept):] if kept else []) + [request.query]
 
     def refuse_over_long(self, request: AnswerRequest) -> None:
         """ContextLengthError (400, naming `messages`) when a floor on the conversation's tokens

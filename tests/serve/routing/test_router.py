@@ -496,7 +496,7 @@ def test_the_last_user_turn_drives_retrieval_in_a_conversation(roles, history_ch
     assert "warranty" in after and "12 March" not in after
 
 
-@pytest.mark.parametrize("kept", [0, 3, 255])
+@pytest.mark.parametrize("kept", [0, 3, 12, 255])  # 12: more than the 11 earlier, fewer than twice
 def test_a_long_history_retrieves_for_its_latest_user_turns_only(roles, monkeypatch, kept):
     """issue 60: each earlier user message that retrieves is a query embedded and searched; a 256-message history
     was 255 of them for one request. Only the latest `max_history_queries` do (255: every one, the control); the
