@@ -106,6 +106,7 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
     from schemas.config import DType, ModelSpec
     from schemas.conversation import Message
     from serve.config import RouterConfig
+    from serve.routing.embed_queue import EmbedQueue
     from serve.routing.query_vectors import QueryVectors
     from serve.routing.retrieval import EntryCache
     from serve.routing.router import Router
@@ -134,12 +135,16 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
             return AnswerRequest(query=text, top_k=TOP_K, mode="qvpic", messages=[Message(role="user", content=text)])
 
         samples: dict[tuple, dict[str, list[float]]] = {key: collections.defaultdict(list) for key in embedders}
+        # the router embeds through its queue (serve/routing/embed_queue.py), which holds the embedder it was built
+        # with: each embedder compared gets a queue of its own (swapping `router.embedder` alone measured the
+        # router's own embedder under both names)
+        queues = {key: EmbedQueue(embedder.embed, embedder.batch_size) for key, embedder in embedders.items()}
         loop = asyncio.new_event_loop()  # one loop, as a replica has: its default executor's threads stay up
         for count in threads:
             torch.set_num_threads(count)
             for i in range(WARM_UP + queries):
                 for runtime in EmbedRuntime:  # interleaved: both see the same load
-                    router.embedder = embedders[(count, runtime)]
+                    router.embedder, router.embeds = embedders[(count, runtime)], queues[(count, runtime)]
                     clock.spent.clear()
                     clock.cpu.clear()
                     cpu = time.process_time()
@@ -153,7 +158,8 @@ def measure_store(uri: str, model: str, queries: int, threads: tuple[int, ...]) 
                             cell[part + " cpu"].append(clock.cpu.get(part, 0.0))
         loop.close()
         torch.set_num_threads(1)  # a router replica's
-    router.embedder = embedders[(min(threads), EmbedRuntime.ONNX)]
+    router.embedder, router.embeds = (embedders[(min(threads), EmbedRuntime.ONNX)],
+                                      queues[(min(threads), EmbedRuntime.ONNX)])
     follow_ups = measure_follow_ups(router, [question(i) for i in range(FOLLOW_UPS * 4 + 4)], FOLLOW_UPS, TOP_K)
     rows = []
     for (count, runtime), cell in samples.items():
