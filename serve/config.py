@@ -280,6 +280,18 @@ class AppConfig(StoreBound):
         return self
 
     @model_validator(mode="after")
+    def _holds_leave_room(self) -> AppConfig:
+        """Held refusals (serve/governance/governor.py `_hold`) occupy ingress slots: all of them held would leave
+        no slot for any other request."""
+        held = self.ingress.governance.limits.max_held_refusals_total
+        slots = self.ingress_deployment.max_ongoing_requests
+        if held >= slots:
+            raise ValueError(f"ingress.governance.limits.max_held_refusals_total {held} must be below "
+                             f"ingress_deployment.max_ongoing_requests {slots}: refusals held at once would take "
+                             f"every slot of the ingress replica")
+        return self
+
+    @model_validator(mode="after")
     def _ranks_have_gpus(self) -> AppConfig:
         """vLLM's tensor-parallel ranks are worker processes of the generator replica: on GPUs, one of the replica's
         each (Ray gives the replica its GPUs; the ranks inherit them)."""

@@ -68,6 +68,10 @@ class RateLimitConfig(Frozen):
     max_held_refusals: int = Field(4, ge=0, le=64, description=(
         "refusals of one tenant held at once on one ingress replica; more are answered at once, so a tenant's "
         "held refusals take at most this many of the replica's `max_ongoing_requests`"))
+    max_held_refusals_total: int = Field(4, ge=0, le=1024, description=(
+        "refusals held at once on one ingress replica, every tenant's together; more are answered at once. Each "
+        "takes one of the replica's `max_ongoing_requests` (ingress_deployment, 16 by default) while held, so "
+        "hostile keys together take at most this many (a quarter); it must stay below `max_ongoing_requests`"))
 
     def policy(self, tenant: str) -> TenantPolicy:
         return self.tenants.get(tenant, self.default)
