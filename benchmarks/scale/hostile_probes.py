@@ -3,8 +3,8 @@
 Every probe is at or past one of the server's cost limits: a JSON Schema nested past its depth limit and one with
 more subschemas than a request may hold, a 256-turn history (the most messages a chat may have), a 16-megapixel PNG
 (the most pixels an image may have; it compresses, so it passes the body cap and costs its decode), 2,048
-embedding inputs (the most a request may have), `n=8` choices of 4,096 tokens streamed (the most of both), and a
-body nested 10,000 levels deep. Only httpx and Pillow here: the hostile loop runs in a process of its own
+embedding inputs (the most a request may have), `n=8` choices of 4,096 tokens streamed (the most of both), a
+body nested 10,000 levels deep, and one of nearly the most JSON objects and arrays a body may hold. Only httpx and Pillow here: the hostile loop runs in a process of its own
 (benchmarks/scale/tenants.py), which must not load a model.
 """
 
@@ -97,6 +97,13 @@ def deep_json() -> Probe:
                  f'{{"model": "{MODEL}", "messages": {"[" * depth}{"]" * depth}}}'.encode())
 
 
+def wide_json() -> Probe:
+    """63 messages of 62 text parts: 4,034 JSON objects and arrays, just under the 4,096 a body may hold (~12 ms of
+    validation, which holds the GIL; charged as 4 requests). Twice as many parts are refused unparsed."""
+    part = {"type": "text", "text": "ab"}
+    return Probe("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [part] * 62}] * 63))
+
+
 PROBES: dict[str, Callable[[], Probe]] = {
     "schema bomb (400 levels)": schema_deep,
     "schema bomb (3,000 anyOf)": schema_wide,
@@ -105,4 +112,5 @@ PROBES: dict[str, Callable[[], Probe]] = {
     "2,048 embedding inputs": embeddings_2048,
     "n=8 × 4,096 tokens, streamed": endless_n8,
     "deep JSON (10,000 levels)": deep_json,
+    "wide JSON (4,034 objects and arrays)": wide_json,
 }

@@ -108,24 +108,46 @@ class Governor:
             if http.url.path in ROUTE_OF_PATH and route is not Route.INSPECT:  # it spends tokens
                 await self.limits.take(tenant, Limit.TOKENS, 0)
         except RateLimitedError as error:
-            self.metrics.requests.inc(route=route.value, mode="none")  # the error itself: `rejected`, by path
-            if route is Route.INSPECT:  # as `inspect` logs it: who probed what, refused ones too
-                log.info("inspect tenant=%s path=%s", tenant, http.url.path)
-            await self._hold(tenant, error.retry_after_s)
-            if self.log is not None:
-                self.log.append(RequestRecord(
-                    time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
-                    task_type=header_label(http.headers, "X-Task-Type"), route=route.value, mode="none", status=429,
-                    total_ms=(time.perf_counter() - started) * 1e3))
+            await self._refused(http, route, tenant, error, started)
             raise
+
+    async def charge_shape(self, http: Request, extra_requests: int) -> None:
+        """A body's JSON containers past what one request covers, charged as `extra_requests` more requests to the
+        tenant's rate once the body is read and before it is parsed (serve/http/body_shape.py): validation costs
+        per container, so a tenant's is bounded by its rate. Refused (429, held) as on arrival."""
+        route = charged_route(http.url.path)
+        if route is None or extra_requests <= 0:
+            return
+        started, tenant = time.perf_counter(), self.auth.tenant(http.headers)
+        try:
+            await self.limits.take(tenant, Limit.REQUESTS, extra_requests)
+        except RateLimitedError as error:
+            await self._refused(http, route, tenant, error, started)
+            raise
+
+    async def _refused(self, http: Request, route: Route, tenant: str, error: RateLimitedError,
+                       started: float) -> None:
+        """A request refused before its body is parsed: counted, held (`_hold`) and logged as mode `none`."""
+        self.metrics.requests.inc(route=route.value, mode="none")  # the error itself: `rejected`, by path
+        if route is Route.INSPECT:  # as `inspect` logs it: who probed what, refused ones too
+            log.info("inspect tenant=%s path=%s", tenant, http.url.path)
+        await self._hold(tenant, error.retry_after_s)
+        if self.log is not None:
+            self.log.append(RequestRecord(
+                time=datetime.now(timezone.utc), request_id=uuid.uuid4().hex, tenant=tenant,
+                task_type=header_label(http.headers, "X-Task-Type"), route=route.value, mode="none", status=429,
+                total_ms=(time.perf_counter() - started) * 1e3))
 
     async def _hold(self, tenant: str, wait_s: float) -> None:
         """Wait before a refusal is sent: the wait it names, at most `limits.refusal_hold_s`, and only while fewer
-        than `limits.max_held_refusals` of the tenant's are held here (beyond, at once: held refusals take bounded
-        room of the replica's `max_ongoing_requests`). A client that ignores Retry-After then sends at most one
+        than `limits.max_held_refusals` of the tenant's, and `limits.max_held_refusals_total` of all tenants', are
+        held here (beyond, at once: held refusals take bounded room of the replica's `max_ongoing_requests`, however
+        many keys loop them). A client that ignores Retry-After then sends at most one
         refused request per connection per hold; one that heeds it waits at least as long anyway."""
-        hold_s = min(wait_s, self.config.limits.refusal_hold_s)
-        if hold_s <= 0 or self.held[tenant] >= self.config.limits.max_held_refusals:
+        limits = self.config.limits
+        hold_s = min(wait_s, limits.refusal_hold_s)
+        if hold_s <= 0 or self.held[tenant] >= limits.max_held_refusals or \
+                self.held.total() >= limits.max_held_refusals_total:
             return
         self.held[tenant] += 1
         try:

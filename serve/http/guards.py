@@ -5,9 +5,10 @@
   or a length that lied) pass the cap (Starlette's `RequestBodyLimitMiddleware` counts them).
 - A replica that dies or cannot be reached while serving a request (Serve restarts it) answers 503 with
   `Retry-After`, as JSON, instead of a bare 500.
-- A body nesting deeper than MAX_BODY_DEPTH (256) levels is a 400 naming the limit, before it is parsed
-  (serve/http/body_depth.py). One that is not UTF-8 or holds a number Python will not parse (over 4300 digits)
-  is a 422 like any malformed JSON (FastAPI answers those 400).
+- A body nesting deeper than MAX_BODY_DEPTH (256) levels, or holding more than MAX_BODY_CONTAINERS (4,096) JSON
+  objects and arrays, is a 400 naming the limit, and every further 1,024 of them are charged as a request, before
+  it is parsed (serve/http/body_shape.py). One that is not UTF-8 or holds a number Python will not parse (over
+  4300 digits) is a 422 like any malformed JSON (FastAPI answers those 400).
 - With no API keys (the loopback mode), a request whose Host is not localhost, 127.0.0.1 or [::1] is a 400:
   DNS rebinding cannot turn a browser into a client of the unauthenticated API.
 - A 422 names each invalid field, its rule and limit (FastAPI's error list) but never echoes the input;
@@ -45,7 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from schemas.errors import UnauthorizedError
 from serve.governance.auth import Authenticator, is_loopback
 from serve.http.backend import REPLICA_FAILURES, api_error, internal_detail
-from serve.http.body_depth import BodyDepthLimit
+from serve.http.body_shape import BodyShapeLimit
 from serve.http.openai import is_openai_path, openai_error, openai_invalid
 from serve.ui import STATIC_UI_PATHS, STATIC_UI_PREFIX
 
@@ -210,14 +211,16 @@ def echo_free_ctx(error: dict) -> dict:
 
 def install_guards(app: FastAPI, on_error: Callable[[Request, int], None], auth: Authenticator,
                    max_body_nbytes: int = DEFAULT_MAX_BODY_NBYTES,
-                   charge: Callable[[Request], Awaitable[Response | None]] | None = None) -> None:
+                   charge: Callable[[Request], Awaitable[Response | None]] | None = None,
+                   charge_shape: Callable[[Request, int], Awaitable[Response | None]] | None = None) -> None:
     """Add the key gate, the body cap and the handlers above to `app`; `on_error(request, status)` sees every
     error sent. `charge`: the arrival charge (`ChargeOnArrival`), after the key gate and before any body limit
-    reads the body."""
+    reads the body; `charge_shape`: the extra requests a body's JSON containers cost, before it is parsed."""
     if max_body_nbytes < 1:
         raise ValueError(f"max_body_nbytes must be >= 1, got {max_body_nbytes}")
-    # inside the size cap: 400 for a body nesting past MAX_BODY_DEPTH before the route parses it
-    app.add_middleware(BodyDepthLimit, respond=error_response, on_error=on_error)
+    # inside the size cap: 400 for a body nesting past MAX_BODY_DEPTH or holding more than MAX_BODY_CONTAINERS,
+    # and its containers charged, before the route parses it
+    app.add_middleware(BodyShapeLimit, respond=error_response, on_error=on_error, charge=charge_shape)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_nbytes)  # counts what arrives
     app.add_middleware(DeclaredLengthLimit, max_body_nbytes=max_body_nbytes, on_error=on_error)
     if charge is not None:

@@ -40,6 +40,7 @@ from serve.http.openai import (
     response_routes,
     response_store,
 )
+from serve.http.parsing import WorkerParsedRoute
 from serve.http.utility import utility_routes
 from serve.metrics import CONTENT_TYPE, serve_metrics
 from serve.plan import Answer
@@ -55,6 +56,7 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
     governor = governor or Governor(config.governance, api.store)
     turns = Turns(backend, governor, config.request_timeout_s, images or ImageFetcher(config.image_urls))
     app = FastAPI(title="qvpic", version="1", description="Query-aware visual PIC over a precompiled KV store.")
+    app.router.route_class = WorkerParsedRoute  # a large body is parsed and validated off the event loop
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -132,7 +134,14 @@ def make_api(backend: Backend, api: ApiSpec, governor: Governor | None = None,
             return await _api_error(request, error)
         return None
 
-    install_guards(app, governor.rejected, governor.auth, charge=charge_on_arrival)
+    async def charge_shape(request: Request, extra_requests: int) -> Response | None:
+        try:
+            await governor.charge_shape(request, extra_requests)
+        except ApiError as error:
+            return await _api_error(request, error)
+        return None
+
+    install_guards(app, governor.rejected, governor.auth, charge=charge_on_arrival, charge_shape=charge_shape)
     app.add_middleware(ReleaseTurn, release=governor.release)  # a tenant's in-flight slot, back when it ends
     return app
 

@@ -24,6 +24,7 @@ from schemas.service import Health
 from schemas.utility import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, Version
 from serve.config import ApiSpec
 from serve.http.backend import Backend
+from serve.http.parsing import WorkerParsedRoute
 
 
 def qvpic_version() -> str:
@@ -34,7 +35,7 @@ def qvpic_version() -> str:
 
 
 def utility_routes(backend: Backend, api: ApiSpec, model_ids: list[str]) -> APIRouter:
-    routes = APIRouter(tags=["vllm"])
+    routes = APIRouter(tags=["vllm"], route_class=WorkerParsedRoute)
     errors = {status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413, 503)}
 
     def require_model(model: str | None) -> None:

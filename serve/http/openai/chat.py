@@ -40,6 +40,7 @@ from serve.governance import Route
 from serve.http.exchange import Turns
 from serve.http.openai.chat_stream import ChatStream, chat_usage
 from serve.http.openai.tool_calls import read_calls
+from serve.http.parsing import WorkerParsedRoute
 from serve.plan import Choice
 
 # what a generating route answers: JSON, SSE, or OpenAI's error shape
@@ -102,7 +103,7 @@ def chat_choice(index: int, choice: Choice, tools: ToolUse | None) -> ChatChoice
 
 
 def openai_routes(turns: Turns, api: ApiSpec) -> APIRouter:
-    routes = APIRouter(tags=["openai"])
+    routes = APIRouter(tags=["openai"], route_class=WorkerParsedRoute)
 
     cards = {name: ModelCard(id=name, created=api.created, owned_by="qvpic", max_model_len=api.max_model_len)
              for name in api.model_ids}

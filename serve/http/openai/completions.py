@@ -27,6 +27,7 @@ from serve.http.backend import api_error, error_status, sse
 from serve.http.exchange import Exchange, Turns
 from serve.http.openai.chat import GENERATION_RESPONSES, answer_request, chat_usage, require_served
 from serve.http.openai.errors import openai_error_body
+from serve.http.parsing import WorkerParsedRoute
 from serve.plan import TextDelta
 
 
@@ -40,7 +41,7 @@ def summed(usages: list[ChatUsage]) -> ChatUsage:
 
 
 def completion_routes(turns: Turns, api: ApiSpec) -> APIRouter:
-    routes = APIRouter(tags=["openai"])
+    routes = APIRouter(tags=["openai"], route_class=WorkerParsedRoute)
 
     async def admitted(http: Request, request: CompletionRequest, prompt: str) -> Exchange:
         """The prompt's turn, routed and admitted (401, 404, 413, 429 here, before any generation)."""

@@ -23,6 +23,7 @@ from schemas.embeddings import Embedding, EmbeddingList, EmbeddingRequest, Embed
 from schemas.errors import UnknownModelError
 from serve.config import ApiSpec
 from serve.http.exchange import Turns
+from serve.http.parsing import WorkerParsedRoute
 
 
 def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
@@ -32,7 +33,7 @@ def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
 
 
 def embedding_routes(turns: Turns, api: ApiSpec) -> APIRouter:
-    routes = APIRouter(tags=["openai"])
+    routes = APIRouter(tags=["openai"], route_class=WorkerParsedRoute)
     embedder, dim = api.store.embedder, api.store.embedding_dim
 
     @routes.post("/v1/embeddings", response_model=EmbeddingList, responses={

@@ -46,6 +46,7 @@ from serve.http.openai.chat_stream import chat_usage
 from serve.http.openai.response_store import ResponseStore
 from serve.http.openai.responses_stream import ResponseStream, function_call_id, message_id
 from serve.http.openai.tool_calls import read_calls
+from serve.http.parsing import WorkerParsedRoute
 from serve.plan import Answer
 
 NOT_FOUND = {404: {"model": OpenAIErrorBody}, 401: {"model": OpenAIErrorBody}, 429: {"model": OpenAIErrorBody}}
@@ -109,7 +110,8 @@ def input_param(param: str | None, offset: int) -> str | None:
 
 
 def response_routes(turns: Turns, api: ApiSpec, store: ResponseStore) -> APIRouter:
-    routes, stored_routes = APIRouter(tags=["openai"]), APIRouter(tags=["openai"], route_class=StoredRoute)
+    routes = APIRouter(tags=["openai"], route_class=WorkerParsedRoute)
+    stored_routes = APIRouter(tags=["openai"], route_class=StoredRoute)
     governor: Governor = turns.governor
 
     @routes.post("/v1/responses", response_model=ResponseObject, responses=GENERATION_RESPONSES)

@@ -11,14 +11,26 @@ import json
 
 import pytest
 
+from serve.config import AppConfig
 from serve.governance import key_digest
 from tests.serve.governance.test_budget import governed_app
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 
 KEY = "key-arrival-1"
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# a schema the route refuses (80 levels of nesting, past MAX_SCHEMA_DEPTH), in a body whose ~90 objects cost one
+# request (a body's objects past 1,024 are charged as more requests: tests/serve/http/test_body_shape.py)
 SCHEMA_BOMB = json.dumps({"model": "qvpic", "max_tokens": 2, "messages": [{"role": "user", "content": "pick"}],
                           "response_format": {"type": "json_schema", "json_schema": {
-                              "name": "bomb", "schema": {"anyOf": [{"const": i} for i in range(3_000)]}}}}).encode()
+                              "name": "bomb", "schema": nested_schema(40)}}}).encode()
 EMBED = json.dumps({"model": "qvpic", "input": ["hi"] * 64}).encode()
 
 
@@ -135,3 +147,51 @@ def test_refusals_are_held_for_their_wait_and_only_so_many_at_once(roles, servin
     assert asyncio.run(scenario()) == (404, 429, 429)
     assert held == [0.5]  # min(the wait of ~100 s, refusal_hold_s); the second was not held
     assert governor.held == {}
+
+
+def test_every_tenant_s_held_refusals_together_take_at_most_max_held_refusals_total(roles, serving_store):  # noqa: F811
+    """Held refusals take ingress slots (16 by default): many keys each holding its own `max_held_refusals` would
+    fill a replica. Three tenants past their rates, two refusals each, `max_held_refusals` 2 and
+    `max_held_refusals_total` 3: three are held, the other three answered at once. Mutation: the total not checked in
+    `Governor._hold` → all six held."""
+    keys = {f"key-held-{i}": f"tenant{i}" for i in range(3)}
+    digests = {key_digest(key): tenant for key, tenant in keys.items()}
+    app, governor = governed_app(roles, serving_store, auth={"api_key_sha256": digests},
+                                 limits={"default": {"requests_per_s": 0.01, "request_burst": 1},
+                                         "refusal_hold_s": 0.5, "max_held_refusals": 2,
+                                         "max_held_refusals_total": 3},
+                                 response_cache={"levels": []})
+    path = "/v1/responses/resp_0123"
+    held: list[float] = []
+
+    async def scenario() -> list[int]:
+        release = asyncio.Event()
+
+        async def sleep(seconds: float) -> None:
+            held.append(seconds)
+            await release.wait()
+
+        governor.sleep = sleep
+        for key in keys:  # each tenant's burst of 1
+            assert (await asgi_call(app, "GET", path, key=key))[0] == 404
+        refused = [asyncio.create_task(asgi_call(app, "GET", path, key=key)) for key in keys for _ in range(2)]
+        await asyncio.sleep(0.2)
+        answered_at_once = sum(task.done() for task in refused)
+        release.set()
+        assert {(await task)[0] for task in refused} == {429}
+        return [answered_at_once, len(held)]
+
+    assert asyncio.run(scenario()) == [3, 3]
+    assert governor.held == {}
+
+
+def test_held_refusals_must_leave_the_ingress_a_slot():
+    """`max_held_refusals_total` at or above the ingress's `max_ongoing_requests` is refused where the config is
+    read, naming both."""
+    def app_config(total: int) -> AppConfig:
+        return AppConfig(store={"uri": "/nonexistent/store"},
+                         ingress={"governance": {"limits": {"max_held_refusals_total": total}}})
+
+    with pytest.raises(ValueError, match="max_held_refusals_total 16 must be below ingress_deployment.max_ongoing"):
+        app_config(16)
+    assert app_config(15).ingress_deployment.max_ongoing_requests == 16

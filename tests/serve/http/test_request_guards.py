@@ -9,7 +9,7 @@ import time
 import pytest
 
 from serve.governance import key_digest
-from serve.http.body_depth import MAX_BODY_DEPTH, nesting_depth
+from serve.http.body_shape import MAX_BODY_DEPTH, nesting_depth
 from tests.serve.governance.test_auth_routes import every_route
 from tests.serve.governance.test_budget import governed_app
 from tests.serve.http.test_api import QUERY, call
