@@ -3,9 +3,10 @@
 Every probe is at or past one of the server's cost limits: a JSON Schema nested past its depth limit and one with
 more subschemas than a request may hold, a 256-turn history (the most messages a chat may have), a 16-megapixel PNG
 (the most pixels an image may have; it compresses, so it passes the body cap and costs its decode), 2,048
-embedding inputs (the most a request may have), `n=8` choices of 4,096 tokens streamed (the most of both), a
-body nested 10,000 levels deep, and one of nearly the most JSON objects and arrays a body may hold. Only httpx and Pillow here: the hostile loop runs in a process of its own
-(benchmarks/scale/tenants.py), which must not load a model.
+embedding inputs (the most a request may have), `n=8` choices of 4,096 tokens streamed (the most of both), a body
+nested 10,000 levels deep, and one of nearly the most JSON objects and arrays a body may hold. Only httpx and
+Pillow here: the hostile loop runs in a process of its own (benchmarks/scale/tenants.py), which must not load a
+model.
 """
 
 from __future__ import annotations
