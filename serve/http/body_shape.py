@@ -10,7 +10,8 @@ and its size charged before it is parsed (docs/SECURITY.md, "Request limits" and
   and pydantic holds the GIL while it validates, so a worker thread does not give the event loop its time back.
   So a body holds at most MAX_BODY_CONTAINERS, and each CONTAINERS_PER_REQUEST beyond the first are charged as one
   more request to the tenant's request rate before the body is parsed: a tenant's validation time per second is
-  bounded by its rate (20 requests/s: ≤ ~60 ms/s beyond its ordinary requests').
+  bounded by its rate (20 requests/s: ≤ ~60 ms/s beyond its ordinary requests'). Bytes cost the loop too (read,
+  scanned, parsed: ~5 ms per MiB), so each BYTES_PER_REQUEST (1 MiB) past the first is charged as one more request.
 
 The scan removes strings (a regex, C speed; their brackets are not structure) and counts the brackets left, with
 numpy's cumulative sum for the depth; a body holding no more brackets than the free allowance and the depth limit
@@ -38,6 +39,9 @@ MAX_BODY_DEPTH = 256
 MAX_BODY_CONTAINERS = 4_096
 # Containers one request's charge covers: ~3 ms of validation. Each further 1,024 is one more request charged.
 CONTAINERS_PER_REQUEST = 1_024
+# Bytes one request's charge covers: reading, scanning and parsing cost ~5 ms per MiB (a 15 MB body of text: ~60 ms of
+# the loop), so each further MiB is one more request charged too (an 8 MiB image's data URL: ~10 more)
+BYTES_PER_REQUEST = 1 << 20
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # a JSON string: its brackets are not nesting
 _STEP = np.zeros(256, dtype=np.int8)
 _STEP[[ord("["), ord("{")]] = 1
@@ -64,9 +68,9 @@ def nesting_depth(body: bytes, limit: int = MAX_BODY_DEPTH) -> int:
     return body_shape(body, limit, limit).depth
 
 
-def extra_requests(containers: int) -> int:
-    """The requests a body of `containers` is charged beyond its own."""
-    return containers // CONTAINERS_PER_REQUEST
+def extra_requests(containers: int, nbytes: int) -> int:
+    """The requests a body of `containers` objects and arrays and `nbytes` bytes is charged beyond its own."""
+    return containers // CONTAINERS_PER_REQUEST + nbytes // BYTES_PER_REQUEST
 
 
 class BodyShapeLimit:
@@ -125,5 +129,5 @@ class BodyShapeLimit:
         if detail is not None:
             self.on_error(request, 400)
             return self.respond(request, 400, detail)
-        extra = extra_requests(shape.containers)
+        extra = extra_requests(shape.containers, len(body))
         return await self.charge(request, extra) if extra and self.charge is not None else None

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from serve.governance import key_digest
-from serve.http.body_shape import CONTAINERS_PER_REQUEST, MAX_BODY_CONTAINERS, body_shape
+from serve.http.body_shape import BYTES_PER_REQUEST, CONTAINERS_PER_REQUEST, MAX_BODY_CONTAINERS, body_shape
 from tests.serve.governance.test_arrival_charge import asgi
 from tests.serve.governance.test_budget import governed_app
 from tests.serve.http.test_api import call
@@ -107,3 +107,23 @@ def test_containers_past_a_request_s_share_are_charged_before_the_body_is_parsed
     assert asgi(app, "POST", "/v1/chat/completions", small, key=KEY)[0] != 429
     assert asgi(app, "POST", "/v1/chat/completions", small, key=KEY)[0] != 429
     assert asgi(app, "POST", "/v1/chat/completions", small, key=KEY)[:2] == (429, False)
+
+
+def test_each_mebibyte_past_a_request_s_first_is_charged_before_the_body_is_parsed(roles, serving_store):  # noqa: F811
+    """A body of 2.5 MiB (one long text, 4 containers) is charged 1 + 2 requests: with a burst of 3 the next request
+    is refused on arrival. Control: with a burst of 4 the next one is admitted. Mutation: bytes left out of
+    `extra_requests` → the next request is admitted at a burst of 3."""
+    text = "word " * ((5 << 19) // 5)  # 2.5 MiB
+    large = json.dumps({"model": "qvpic-chat", "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
+    assert 2 * BYTES_PER_REQUEST < len(large) < 3 * BYTES_PER_REQUEST
+    small = chat_of(1, 1)
+    outcomes = []
+    for burst in (3, 4):
+        app = governed_app(roles, serving_store, auth={"api_key_sha256": {key_digest(KEY): "acme"}},
+                           limits={"tenants": {"acme": {"requests_per_s": 0.01, "request_burst": burst}},
+                                   "refusal_hold_s": 0},
+                           response_cache={"levels": []})[0]
+        status, read, _ = asgi(app, "POST", "/v1/chat/completions", large.encode(), key=KEY)
+        assert status != 429 and read  # a 400 (past MAX_TEXT_CHARS), after the charge
+        outcomes.append(asgi(app, "POST", "/v1/chat/completions", small, key=KEY)[:2])
+    assert outcomes[0] == (429, False) and outcomes[1][0] != 429
