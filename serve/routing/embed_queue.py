@@ -62,6 +62,13 @@ class EmbedQueue:
     def _one(self, texts: list[str], priority: Priority) -> asyncio.Future:
         return self._workers[priority].put(texts, priority)
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker threads: queued batches are cancelled, a batch in progress finishes, and each thread is
+        joined. A thread left inside the ONNX runtime when the interpreter exits aborts the process ("terminate
+        called without an active exception": a 2,048-input request still embedding when its server stops)."""
+        for worker in set(self._workers.values()):
+            worker.close(timeout_s)
+
 
 class _Worker:
     """One thread running `embed` over its queue: the lowest `Priority` first, FIFO within one."""
@@ -71,6 +78,7 @@ class _Worker:
         self._heap: list[tuple[int, int, list[str], asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._order = itertools.count()  # FIFO within a priority
         self._work = threading.Condition()
+        self._closed = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -78,6 +86,8 @@ class _Worker:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._work:
+            if self._closed:
+                raise RuntimeError("the embedder's queue is closed")
             heapq.heappush(self._heap, (int(priority), next(self._order), texts, future, loop))
             self._work.notify()
         return future
@@ -87,8 +97,10 @@ class _Worker:
             lower_priority(self.nice)
         while True:
             with self._work:
-                while not self._heap:
+                while not self._heap and not self._closed:
                     self._work.wait()
+                if self._closed:
+                    return
                 _, _, texts, future, loop = heapq.heappop(self._heap)
             if future.cancelled():  # its request went away while it waited
                 continue
@@ -97,6 +109,16 @@ class _Worker:
             except Exception as raised:  # noqa: BLE001  handed to the request that asked
                 result, error = None, raised
             loop.call_soon_threadsafe(settle, future, result, error)
+
+
+    def close(self, timeout_s: float) -> None:
+        with self._work:
+            self._closed, queued, self._heap = True, self._heap, []
+            self._work.notify()
+        for _, _, _, future, loop in queued:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(future.cancel)
+        self.thread.join(timeout_s)
 
 
 def lower_priority(nice: int) -> None:

@@ -284,6 +284,7 @@ class Router:
     def close(self) -> None:
         self.watcher.close()
         self.keeper.close()
+        self.embeds.close()
 
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: drop this replica's lease
         if hasattr(self, "watcher"):

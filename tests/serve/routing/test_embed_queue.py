@@ -126,3 +126,30 @@ def test_with_a_bulk_embedder_a_query_never_waits_for_a_bulk_batch_and_bulk_runs
         pytest.skip("this system refused to lower a thread's priority")
     assert niceness["bulk"] == min(19, niceness["query"] + BULK_NICE)
     assert asyncio.run(scenario(separate=False))[0] is None  # the control: one thread, the query waits
+
+
+def test_close_finishes_the_batch_in_progress_cancels_the_queued_and_joins_the_threads():
+    """A 2,048-input request still embedding when its server stopped left a thread inside the ONNX runtime at
+    interpreter exit, which aborted the process ("terminate called without an active exception"). `close` lets the
+    batch in progress finish, cancels what is queued and joins every thread. Control: before `close` the threads are
+    alive, and a put after it is refused."""
+    async def scenario():
+        bulk = HeldEmbedder()
+        queue = EmbedQueue(lambda texts: np.ones((len(texts), 1), dtype=np.float32), batch_size=2, bulk=bulk)
+        in_progress = asyncio.ensure_future(queue._one(["a", "b"], Priority.BULK))
+        await wait_for(bulk.first_running)
+        queued = queue._one(["c", "d"], Priority.BULK)
+        threads = [worker.thread for worker in queue._workers.values()]
+        assert all(thread.is_alive() for thread in threads)  # the control
+        closing = asyncio.ensure_future(asyncio.to_thread(queue.close, 30))
+        await asyncio.sleep(0.05)
+        bulk.release.set()
+        await closing
+        assert not any(thread.is_alive() for thread in threads)
+        assert (await in_progress).shape == (2, 1)  # the batch in progress finished
+        await asyncio.sleep(0)
+        assert queued.cancelled() and bulk.calls == [["a", "b"]]  # the queued one never ran
+        with pytest.raises(RuntimeError, match="closed"):
+            queue._one(["e"], Priority.QUERY)
+
+    asyncio.run(scenario())
