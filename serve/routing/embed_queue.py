@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 class Priority(enum.IntEnum):
     QUERY = 0  # a route's question (or a batch of them): small, on a request's critical path
-    BULK = 1  # /v1/embeddings: one batch of a client's inputs
+    HISTORY = 1  # a conversation's earlier user messages: after every route's question (issue 60: a 256-turn
+    # history's 8 queries, ahead of another tenant's question on the query thread, cost that question ~190 ms)
+    BULK = 2  # /v1/embeddings: one batch of a client's inputs
 
 
 BULK_NICE = 10  # the bulk thread's niceness: ~10% of a core beside one busy thread of niceness 0 (CFS weights)
@@ -47,13 +49,13 @@ class EmbedQueue:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.embed, self.batch_size = embed, batch_size
         query = _Worker(embed, "qvpic-embed-query")
-        self._workers = {Priority.QUERY: query,
+        self._workers = {Priority.QUERY: query, Priority.HISTORY: query,
                          Priority.BULK: query if bulk is None else _Worker(bulk, "qvpic-embed-bulk", BULK_NICE)}
 
     async def embed_texts(self, texts: Sequence[str], priority: Priority) -> np.ndarray:
         """float32 [len(texts), dim], as `embed` gives it; a bulk request one batch at a time."""
         texts = list(texts)
-        if priority is Priority.QUERY or len(texts) <= self.batch_size:
+        if priority is not Priority.BULK or len(texts) <= self.batch_size:
             return await self._one(texts, priority)
         parts = [await self._one(texts[i:i + self.batch_size], priority)  # cancelled: the rest is never queued
                  for i in range(0, len(texts), self.batch_size)]
@@ -108,7 +110,10 @@ class _Worker:
                 result, error = self.embed(texts), None
             except Exception as raised:  # noqa: BLE001  handed to the request that asked
                 result, error = None, raised
-            loop.call_soon_threadsafe(settle, future, result, error)
+            try:
+                loop.call_soon_threadsafe(settle, future, result, error)
+            except RuntimeError:  # its loop closed meanwhile (the request gone with it): nobody awaits this, and the
+                pass  # thread must live on for the next one (it died here, and every later embedding hung)
 
 
     def close(self, timeout_s: float) -> None:

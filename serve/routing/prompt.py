@@ -20,7 +20,7 @@ from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError,
 from pipeline.runtime.text_encoder import text_encoder
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
-from schemas.errors import ApiError
+from schemas.errors import ApiError, ContextLengthError
 from schemas.prompt import PromptLayout, Segment
 from schemas.schema_checks import MAX_ARGUMENTS_DEPTH, arguments_depth_error
 from schemas.tools import ToolUse
@@ -29,6 +29,23 @@ from serve.routing.tool_turns import default_system, hermes_turns, renders_tools
 
 # families whose language model is Qwen2 / Qwen2.5, trained on Qwen2.5's tool format (serve/routing/tool_turns.py)
 HERMES_FAMILIES = frozenset({ModelFamily.QWEN2_5_VL, ModelFamily.QWEN2_VL, ModelFamily.LLAVA_ONEVISION})
+
+
+@dataclass(frozen=True)
+class Framing:
+    """`Router.frame`'s result: the prompt's text around the chunks."""
+
+    layout: PromptLayout  # the texts between the groups of chunks
+    text_tokens: tuple[int, ...]  # tokens of each of `layout.texts`
+
+    def refuse_past(self, context_tokens: int, max_new_tokens: int) -> None:
+        """ContextLengthError once the prompt's text, counted exactly, and `max_new_tokens` exceed the context:
+        before any chunk is retrieved (the route refuses what the chunks then add); its counted tokens are charged."""
+        text_tokens = sum(self.text_tokens)
+        if text_tokens + max_new_tokens > context_tokens:
+            raise ContextLengthError(
+                f"request needs {text_tokens + max_new_tokens} tokens before any chunk (prompt text {text_tokens} + "
+                f"max_new_tokens {max_new_tokens}); the context holds {context_tokens}", counted_tokens=text_tokens)
 
 
 class InvalidMessageError(ApiError):

@@ -32,7 +32,6 @@ from pipeline.store import (
 from schemas.api import MAX_QUERY_CHARS, AnswerRequest
 from schemas.config import check_tau
 from schemas.errors import ApiError, ContextLengthError, TooLargeError
-from schemas.prompt import PromptLayout
 from schemas.store import ManifestError
 from schemas.utility import TokenizeRequest
 from serve.config import RouterConfig
@@ -41,6 +40,7 @@ from serve.plan import Embedded, Plan, PlannedChunk, Tokenized
 from serve.routing.embed_queue import EmbedQueue, Priority
 from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
 from serve.routing.prompt import (
+    Framing,
     InvalidMessageError,
     PromptTemplate,
     conversation_chain,
@@ -50,14 +50,6 @@ from serve.routing.prompt import (
 from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
 from serve.routing.token_floor import TokenFloor
-
-
-@dataclasses.dataclass(frozen=True)
-class Framing:
-    """`Router.frame`'s result: the prompt's text around the chunks."""
-
-    layout: PromptLayout  # the texts between the groups of chunks
-    text_tokens: tuple[int, ...]  # tokens of each of `layout.texts`
 
 
 class Router:
@@ -101,6 +93,10 @@ class Router:
     async def embed_query(self, query: str) -> np.ndarray:
         return (await self.embeds.embed_texts([query], Priority.QUERY))[0]  # [dim], off the event loop
 
+    async def embed_history(self, queries: list[str]) -> list[np.ndarray]:
+        """A conversation's earlier user messages, in one call queued after every route's question."""
+        return list(await self.embeds.embed_texts(queries, Priority.HISTORY))  # [n, dim] -> n x [dim]
+
     async def embed(self, texts: list[str]) -> Embedded:
         """`texts` embedded as queries and chunks are, off the event loop, a batch at a time behind any route's
         query (serve/routing/embed_queue.py)."""
@@ -118,17 +114,25 @@ class Router:
         queries = self.group_queries(request)
         vectors = [self.query_vectors.get(cache_salt, q) if q else None for q in queries]
         missing = [i for i, (q, v) in enumerate(zip(queries, vectors)) if q and v is None]
-        if missing:  # the prompt's text is laid out on another thread while the query embeds: the embedder's
-            # forward releases the GIL (ONNX Runtime, torch), so the layout's ~0.7 ms of Python costs no wall time
-            *embedded, framing = await asyncio.gather(*(self.embed_query(queries[i]) for i in missing),
-                                                      asyncio.to_thread(self.frame, request, len(queries)))
-            for i, vector in zip(missing, embedded):
-                vectors[i] = vector
-                self.query_vectors.put(cache_salt, queries[i], vector)
-        else:  # every vector remembered: still framed on a worker thread, for framing decodes the messages' images
-            # (up to MAX_IMAGE_PIXELS each) and tokenises the history, which would stall every other request of this
-            # replica's event loop meanwhile (issue 60)
+        # The prompt's text is laid out on a worker thread while the queries embed (the embedder's forward releases
+        # the GIL: the layout's Python costs no wall time); framing decodes the messages' images and tokenises the
+        # history, which would stall every other request of this replica's event loop (issue 60). The question
+        # embeds at once, the history's queries after every route's question (Priority.HISTORY); a prompt that
+        # framing finds longer than the context is refused there, its history's queries cancelled unembedded.
+        question = asyncio.ensure_future(self.embed_query(queries[-1])) if len(queries) - 1 in missing else None
+        earlier = [i for i in missing if i < len(queries) - 1]
+        history = asyncio.ensure_future(self.embed_history([queries[i] for i in earlier])) if earlier else None
+        try:
             framing = await asyncio.to_thread(self.frame, request, len(queries))
+            framing.refuse_past(self.max_context_tokens, request.max_new_tokens)
+            embedded = ([await question] if question else []) + (await history if history else [])
+        finally:
+            for pending in (question, history):
+                if pending is not None and not pending.done():
+                    pending.cancel()
+        for i, vector in zip(([len(queries) - 1] if question else []) + earlier, embedded):
+            vectors[i] = vector
+            self.query_vectors.put(cache_salt, queries[i], vector)
         return self.route(request, vectors, budget_tokens, started, collections, framing)
 
     def group_queries(self, request: AnswerRequest) -> list[str]:
@@ -145,16 +149,10 @@ class Router:
         return (earlier[max(0, len(earlier) - kept):] if kept else []) + [request.query]
 
     def refuse_over_long(self, request: AnswerRequest) -> None:
-        """ContextLengthError (400, naming `messages`) when a floor on the conversation's tokens
-        (serve/routing/token_floor.py) and max_new_tokens already exceed the context: no layout, no embedding."""
-        if request.messages is None:
-            return
-        floor = self.token_floor.tokens(request.messages)
-        if floor + request.max_new_tokens > self.max_context_tokens:
-            raise ContextLengthError(
-                f"request needs at least {floor + request.max_new_tokens} tokens (its user messages' text alone at "
-                f"least {floor} + max_new_tokens {request.max_new_tokens}); "
-                f"the context holds {self.max_context_tokens}", counted_tokens=floor)
+        """ContextLengthError (400, naming `messages`) when the conversation's token floor and max_new_tokens
+        already exceed the context: no layout, no embedding (serve/routing/token_floor.py)."""
+        if request.messages is not None:
+            self.token_floor.refuse(request.messages, request.max_new_tokens, self.max_context_tokens)
 
     def frame(self, request: AnswerRequest, groups: int) -> Framing:
         """The prompt's text around `groups` groups of chunks, laid out and counted: the part of a route that

@@ -13,6 +13,7 @@ a request that fits is never refused here. Template markup and images count 0: a
 from __future__ import annotations
 
 from schemas.conversation import Message, TextPart
+from schemas.errors import ContextLengthError
 
 
 class TokenFloor:
@@ -31,6 +32,14 @@ class TokenFloor:
                 p.text for p in message.content if isinstance(p, TextPart)]
             chars += sum(len(self._normalized(part.strip())) for part in parts)
         return chars // self.max_token_chars
+
+    def refuse(self, messages: list[Message], max_new_tokens: int, context_tokens: int) -> None:
+        """ContextLengthError (400, naming `messages`) when the floor and `max_new_tokens` exceed the context."""
+        floor = self.tokens(messages)
+        if floor + max_new_tokens > context_tokens:
+            raise ContextLengthError(
+                f"request needs at least {floor + max_new_tokens} tokens (its user messages' text alone at least "
+                f"{floor} + max_new_tokens {max_new_tokens}); the context holds {context_tokens}", counted_tokens=floor)
 
     def _normalized(self, text: str) -> str:
         return self._normalizer.normalize_str(text) if self._normalizer is not None and text else text

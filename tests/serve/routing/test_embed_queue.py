@@ -153,3 +153,47 @@ def test_close_finishes_the_batch_in_progress_cancels_the_queued_and_joins_the_t
             queue._one(["e"], Priority.QUERY)
 
     asyncio.run(scenario())
+
+
+def test_a_batch_whose_asker_s_loop_closed_does_not_end_the_worker():
+    """A route refused mid-way (its prompt longer than the context) leaves its question's embedding running, and
+    the loop that asked may close before it ends (a test's `asyncio.run`): settling it there raised RuntimeError in
+    the worker thread, which died, and every later embedding hung (a 504 after 300 s). Control: the next request on
+    a new loop is answered."""
+    embedder = HeldEmbedder()
+    queue = EmbedQueue(embedder, batch_size=2)
+
+    async def ask_and_leave():
+        asyncio.ensure_future(queue.embed_texts(["held"], Priority.QUERY))
+        await wait_for(embedder.first_running)
+
+    asyncio.run(ask_and_leave())  # its loop is closed now; the batch is still held
+    embedder.release.set()
+
+    async def next_request():
+        return await asyncio.wait_for(queue.embed_texts(["next"], Priority.QUERY), 10)
+
+    assert asyncio.run(next_request()).shape == (1, 1)
+    queue.close()
+
+
+def test_a_conversation_s_history_queries_wait_for_every_route_s_question():
+    """A 256-turn history's 8 earlier user messages, queued ahead of another tenant's question, cost that question
+    ~190 ms (issue 60, docs/RELIABILITY.md). While a batch runs, a history batch and then a question are queued:
+    the question runs first. Mutation: Priority.HISTORY given Priority.QUERY's value → the history runs first."""
+    async def scenario() -> list[list[str]]:
+        embedder = HeldEmbedder()
+        queue = EmbedQueue(embedder, batch_size=8)
+        running = asyncio.ensure_future(queue.embed_texts(["a's question"], Priority.QUERY))
+        await wait_for(embedder.first_running)
+        history = asyncio.ensure_future(queue.embed_texts([f"a's turn {i}" for i in range(8)], Priority.HISTORY))
+        await asyncio.sleep(0.01)
+        question = asyncio.ensure_future(queue.embed_texts(["b's question"], Priority.QUERY))
+        await asyncio.sleep(0.01)
+        embedder.release.set()
+        await asyncio.gather(running, history, question)
+        queue.close()
+        return embedder.calls
+
+    calls = asyncio.run(scenario())
+    assert calls == [["a's question"], ["b's question"], [f"a's turn {i}" for i in range(8)]]

@@ -355,14 +355,19 @@ def test_query_vectors_are_remembered_per_tenant(roles, monkeypatch):
     tenant's identical conversation embeds everything again (no hit across tenants), and the plans are the
     same with the memory as without it; with 0 entries (the control) every plan embeds every message."""
     router = roles.router
-    embedded: list[str] = []
-    embed = router.embed_query
+    embedded: list[str] = []  # the question first, then the earlier messages (embedded after every question)
+    embed, embed_history = router.embed_query, router.embed_history
 
     async def counting(query):
         embedded.append(query)
         return await embed(query)
 
+    async def counting_history(queries):
+        embedded.extend(queries)
+        return await embed_history(queries)
+
     monkeypatch.setattr(router, "embed_query", counting)
+    monkeypatch.setattr(router, "embed_history", counting_history)
     questions = ["When does part XK-4471-B ship?", "What does the recipe need?", "Who signed the invoice?"]
 
     def conversation(turns: int) -> AnswerRequest:
@@ -377,16 +382,17 @@ def test_query_vectors_are_remembered_per_tenant(roles, monkeypatch):
 
     monkeypatch.setattr(router, "query_vectors", QueryVectors(16))
     first = chunks(conversation(2), b"tenant-a")
-    assert embedded == questions[:2]
+    assert embedded == [questions[1], questions[0]]
     embedded.clear()
     third = chunks(conversation(3), b"tenant-a")
     assert embedded == questions[2:3]  # the two earlier messages came from memory
     embedded.clear()
-    assert chunks(conversation(3), b"tenant-b") == third and embedded == questions[:3]  # no hit across tenants
+    assert chunks(conversation(3), b"tenant-b") == third and embedded == [questions[2], *questions[:2]]  # no hit
+    # across tenants
     embedded.clear()
     monkeypatch.setattr(router, "query_vectors", QueryVectors(0))  # the control: nothing remembered
     assert chunks(conversation(2), b"tenant-a") == first and chunks(conversation(3), b"tenant-a") == third
-    assert embedded == questions[:2] + questions[:3]
+    assert embedded == [questions[1], questions[0], questions[2], *questions[:2]]
 
 
 def test_a_new_query_is_framed_while_it_embeds_and_the_plan_is_routes_own(roles, monkeypatch):
@@ -506,13 +512,18 @@ def test_a_long_history_retrieves_for_its_latest_user_turns_only(roles, monkeypa
     router = roles.router
     monkeypatch.setattr(router, "config", router.config.model_copy(update={"max_history_queries": kept}))
     asked: list[str] = []
-    embed_query = router.embed_query
+    embed_query, embed_history = router.embed_query, router.embed_history
 
     async def counted(query: str):
         asked.append(query)
         return await embed_query(query)
 
+    async def counted_history(queries: list[str]):
+        asked.extend(queries)
+        return await embed_history(queries)
+
     monkeypatch.setattr(router, "embed_query", counted)
+    monkeypatch.setattr(router, "embed_history", counted_history)
     salt = uuid.uuid4().hex  # texts no earlier test embedded: no vector is remembered
     users = [f"Which part ships in week {i}, invoice 4471? {salt}" for i in range(12)]
     messages = [m for text in users for m in (Message(role="user", content=text),
@@ -521,3 +532,38 @@ def test_a_long_history_retrieves_for_its_latest_user_turns_only(roles, monkeypa
     earlier = min(kept, 11)
     assert sorted(asked) == sorted(users[11 - earlier:])
     assert len(plan.layout.texts) == earlier + 2  # a group per retrieving user message, the question's last
+
+
+def test_a_conversation_longer_than_the_context_is_refused_once_framed_before_any_chunk(roles, monkeypatch):
+    """The router counts the prompt's text exactly when it frames it; a conversation that cannot fit even without
+    chunks is refused there (ContextLengthError, its counted tokens charged by the ingress), before any retrieval,
+    and its history's queries still queued are cancelled. Expected: the text tokens the framing itself counted.
+    Control: the same conversation with a short history is routed."""
+    import uuid
+
+    from schemas.errors import ContextLengthError
+
+    router = roles.router
+    routed: list[int] = []
+    route = router.route
+
+    def counted(request, *args, **kwargs):
+        routed.append(len(request.messages))
+        return route(request, *args, **kwargs)
+
+    monkeypatch.setattr(router, "route", counted)
+    salt = uuid.uuid4().hex
+
+    def conversation(turns: int) -> AnswerRequest:
+        messages = [Message(role=("user", "assistant")[i % 2], content=f"Part XK-{i} ships in week {i}. {salt}")
+                    for i in range(turns)] + [Message(role="user", content="Which part ships first?")]
+        return AnswerRequest(query="Which part ships first?", messages=messages, top_k=1, history_chunks=True)
+
+    long = conversation(120)
+    with pytest.raises(ContextLengthError, match="before any chunk") as refused:
+        asyncio.run(router.plan(long))
+    framed = router.frame(long, min(router.config.max_history_queries, 60) + 1)
+    assert refused.value.counted_tokens == sum(framed.text_tokens) > MAX_CONTEXT_TOKENS - long.max_new_tokens
+    assert routed == []
+    asyncio.run(router.plan(conversation(4)))
+    assert routed == [5]
