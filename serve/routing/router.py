@@ -124,7 +124,8 @@ class Router:
         history = asyncio.ensure_future(self.embed_history([queries[i] for i in earlier])) if earlier else None
         try:
             framing = await asyncio.to_thread(self.frame, request, len(queries))
-            framing.refuse_past(self.max_context_tokens, request.max_new_tokens)
+            if request.messages is not None:  # a native prompt may move its instruction (route recounts it)
+                framing.refuse_past(self.max_context_tokens, request.max_new_tokens)
             embedded = ([await question] if question else []) + (await history if history else [])
         finally:
             for pending in (question, history):
