@@ -567,3 +567,29 @@ def test_a_conversation_longer_than_the_context_is_refused_once_framed_before_an
     assert routed == []
     asyncio.run(router.plan(conversation(4)))
     assert routed == [5]
+
+
+def test_a_history_s_queries_are_queued_one_at_a_time_behind_any_question(roles, monkeypatch):
+    """Each earlier user message is its own item on the query thread, so a question that arrives while one of them
+    runs goes next: 8 long messages in one batch held the thread ~100 ms (b's p99 ×9 beside a's 256-turn
+    histories, docs/RELIABILITY.md). Mutation: one `embed_texts(queries, HISTORY)` call → the question runs last."""
+    from serve.routing.embed_queue import EmbedQueue
+    from tests.serve.routing.test_embed_queue import HeldEmbedder, wait_for
+
+    router = roles.router
+    embedder = HeldEmbedder()
+    queue = EmbedQueue(embedder, batch_size=64)
+    monkeypatch.setattr(router, "embeds", queue)
+
+    async def scenario() -> None:
+        history = asyncio.ensure_future(router.embed_history(["turn 1", "turn 2", "turn 3"]))
+        await wait_for(embedder.first_running)
+        question = asyncio.ensure_future(router.embed_query("b's question"))
+        await asyncio.sleep(0.01)
+        embedder.release.set()
+        assert [float(v[0]) for v in await history] == [6.0, 6.0, 6.0]  # each text's vector: [len(text)]
+        assert float((await question)[0]) == 12.0
+
+    asyncio.run(scenario())
+    queue.close()
+    assert embedder.calls == [["turn 1"], ["b's question"], ["turn 2"], ["turn 3"]]
