@@ -55,6 +55,8 @@ SUITES: tuple[Suite, ...] = (
             ("served-stream", "served_stream", "one answer streamed through a live server: ms per token, CPU per "
              "process (Ray Serve)", None),
             ("governance", "governance", "tenant quotas, cost accounting and admission overheads", None),
+            ("body-loop", "body_loop", "the ingress loop's worst stall per hostile request body, FastAPI's route "
+             "against qvpic's (shape limits, charge, parsing worker)", ()),
             ("render", "render_throughput", "renderer pages/s per DPI and script", ()),
             ("compile-batch", "compile_batch", "compile chunks/s by compile batch size (a step of "
              "benchmarks/perf/gpu.sh; writes no section)", None),
