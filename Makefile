@@ -52,17 +52,22 @@ $(BIN)/python:
 	@echo "== creating the virtual environment $(VENV) with $$($(PY) --version)"
 	$(PY) -m venv $(VENV)
 
-# A stamp per lock: installs run again only when a lock file or pyproject.toml changed.
+# A stamp per lock: installs run again only when a lock file or pyproject.toml changed. --no-deps: the locks are
+# complete (uv pip compile), so pip installs exactly their pins and `pip check` then proves nothing is missing; with
+# pip resolving, pip 23 took a requirement with extras (litellm's `httpx[http2]`) as its own and picked the newest
+# httpx on the index, which --require-hashes refuses (broken since httpx 0.29.0 reached the index; seen 2026-12-07).
 $(VENV)/.installed-runtime: $(LOCK) pyproject.toml | $(BIN)/python
 	@echo "== installing the $$(grep -c '^[a-z0-9]' $(LOCK)) packages pinned in $(LOCK) into $(VENV) (first time: ~3 min, ~3 GB)"
-	$(BIN)/python -m pip install -qq --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -qq --require-hashes --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -qq --no-deps -e .
+	$(BIN)/python -m pip check
 	@touch $@
 
 $(VENV)/.installed-dev: $(DEV_LOCK) pyproject.toml | $(BIN)/python
 	@echo "== installing the $$(grep -c '^[a-z0-9]' $(DEV_LOCK)) packages pinned in $(DEV_LOCK) into $(VENV) (first time: ~3 min, ~3 GB)"
-	$(BIN)/python -m pip install -qq --require-hashes -r $(DEV_LOCK)
+	$(BIN)/python -m pip install -qq --require-hashes --no-deps -r $(DEV_LOCK)
 	$(BIN)/python -m pip install -qq --no-deps -e .
+	$(BIN)/python -m pip check
 	@touch $@ $(VENV)/.installed-runtime
 
 install: system $(VENV)/.installed-runtime  ## the venv with qvpic and its pinned dependencies

@@ -252,10 +252,13 @@ class EngineConfig(Frozen):
     # tenant holds some too (n choices are n rows); past it the tenant's next requests wait in the generator, while
     # the others' go ahead. Alone, a tenant may use the whole batch. None: no cap (serve/engine/shares.py).
     max_tenant_share: float | None = Field(None, gt=0.0, le=1.0)
-    # Tokens forwarded by the requests admitted per step (queries prefilled on linked contexts, full prefills): joins
-    # are spread over steps, so the requests joining first get their first token sooner and the running
-    # ones keep decoding between them. A request larger than this still joins, alone.
-    max_prefill_tokens: int = Field(8192, ge=1)
+    # A step's prefill work, in tokens at no context (a token reading many columns costs more: its attention,
+    # serve/engine/qvpic/scheduler.py `column_cost`). Joins are spread over steps, and a linked prompt that costs more
+    # is prefilled in pieces, one a step (chunked prefill), so the running rows keep decoding between them and no
+    # tenant's long prompt holds the batch (issue 60). A full prefill (an online mode's) or a prompt with an image in
+    # its last text costs what it costs, alone in its step. 2048: vLLM's default where it serves an API from a CPU or
+    # a smaller GPU; vLLM's engine takes it as `max_num_batched_tokens` (at least 2048).
+    max_prefill_tokens: int = Field(2048, ge=1)
     hot_tier_nbytes: int = Field(1 << 30, ge=0)  # chunk KV kept resident on the generator's device
     # On a CPU, memory of finished slabs kept for the next ones (a fresh page faults at its first write:
     # serve/engine/qvpic/slab_memory.py); 0 allocates every slab afresh. A GPU's caching allocator does this itself.

@@ -70,7 +70,7 @@ def drain(engine, pending: list[Timed] = (), every: int = 1, per_step=None) -> i
     """Step `engine` until it is idle, submitting one of `pending` every `every` steps; `per_step(step)` runs each
     step (it may wrap it); the steps taken."""
     pending, steps = list(pending), 0
-    while pending or engine.scheduler.waiting or engine.scheduler.running:
+    while pending or engine.scheduler.busy:
         if pending and steps % every == 0:
             pending.pop(0).submit(engine)
         (per_step or (lambda step: step()))(engine.step)
@@ -103,7 +103,7 @@ def engine(ctx: Context, out: Record) -> None:
     syncs: list[int] = []
 
     def step_counting(step) -> None:
-        decoding = bool(batch.scheduler.running) and not batch.scheduler.waiting
+        decoding = bool(batch.scheduler.running) and not batch.scheduler.waiting and batch.scheduler.prefilling is None
         if ctx.cuda and decoding:
             from benchmarks.gpu_check.decode import syncs_per_step
 

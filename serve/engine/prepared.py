@@ -95,8 +95,10 @@ class LinkedContext:
 
     @property
     def num_query_tokens(self) -> int:
-        """Tokens of its batched query prefill: the text after the chunks."""
-        return len(self.prompt.after.ids)
+        """Tokens its join forwards at most: every text of the prompt (the one after the chunks, and those before
+        its groups, computed in the same forward unless the prefix cache holds them; a system prompt and a history
+        can be most of them)."""
+        return sum(t.num_tokens for t in self.prompt.texts)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -38,13 +39,41 @@ from serve.engine.qvpic.linked_prompt import Hole
 from serve.engine.qvpic.slab import Slab, SlabLayer  # noqa: F401  (re-exported: the engine's, tests' import path)
 
 
+@dataclass
+class Layout:
+    """New rows laid out in their slab, ready to forward: their contexts assembled (and linked chunks placed) at
+    their columns, and the new tokens' slots `[rows, slots]` on the host, pad slots first (see `lay_out`)."""
+
+    slab: Slab
+    ids: torch.Tensor  # [rows, slots] long: each slot's token (pad_token_id in a pad slot)
+    real: torch.Tensor  # [rows, slots] bool: False in a row's left pad slots
+    columns: torch.Tensor  # [rows, slots] long: the column each slot writes, ascending along a row
+    positions: torch.Tensor  # [rows, slots] long: each slot's (text) position
+    last: tuple[list[int], list[int]]  # each row's last slot (its query's last token): column, position
+    assembly_ms: list[float]  # each row's assembly (re-anchoring) time
+
+
 @torch.inference_mode()
 def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contexts: Sequence[Sequence[ChunkKV]],
                     queries: Sequence[list[int]], reserves: Sequence[int],
                     recomputes: Sequence[tuple[RecomputeSpec, list[ChunkInputs]] | None] | None = None,
                     holes: Sequence[Sequence[Hole]] | None = None) -> tuple[Slab, torch.Tensor, list[float]]:
-    """Assemble every context straight into its row of a new slab, then prefill every query on top of its
-    own context in one forward.
+    """`lay_out` the rows, then prefill every row's new tokens in one forward. Returns the slab, the logits
+    `[rows, vocab]` and each row's assembly time (ms)."""
+    layout = lay_out(vlm, bases, contexts, queries, reserves, recomputes, holes)
+    ids, real, columns, positions = (t.to(vlm.device) for t in (layout.ids, layout.real, layout.columns,
+                                                                 layout.positions))
+    return layout.slab, forward(vlm, layout.slab, ids, real, columns, positions, layout.last), layout.assembly_ms
+
+
+@torch.inference_mode()
+def lay_out(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contexts: Sequence[Sequence[ChunkKV]],
+            queries: Sequence[list[int]], reserves: Sequence[int],
+            recomputes: Sequence[tuple[RecomputeSpec, list[ChunkInputs]] | None] | None = None,
+            holes: Sequence[Sequence[Hole]] | None = None) -> Layout:
+    """Assemble every context straight into its row of a new slab and lay out each row's new tokens, to be
+    forwarded on top of it: in one forward (`prefill_queries`), or one row's in pieces over several engine steps
+    (serve/engine/qvpic/pieces.py).
 
     Row j holds `[bases[j]][context j's chunks, re-anchored after it]` at columns `[0, C_j)` — the base is what
     precedes the chunks at positions 0.. (the prompt's text before them, or a prefix-cache run; see
@@ -52,7 +81,6 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contex
     after it, then its query. The runs and the query are the row's new tokens, forwarded together in this one
     pass (each sees only the columns before it), left-padded to the longest row (so every row's last token is
     real and only its logits are computed); `reserves[j]` more columns are kept for its decoded tokens.
-    Returns the slab, the logits `[rows, vocab]` and each row's assembly time (ms).
     `recomputes[j]` (spec, chunk inputs): recompute row j's selected chunk tokens after its assembly (its time
     counts as prefill, not assembly; see pipeline/runtime/selective_recompute.py).
     """
@@ -103,8 +131,7 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contex
         last[0].append(end_column - 1)
         last[1].append(end_position - 1)
         real[row, pads:] = True
-    ids, real, columns, positions = (t.to(vlm.device) for t in (ids, real, columns, positions))
-    return slab, forward(vlm, slab, ids, real, columns, positions, last), assembly_ms
+    return Layout(slab, ids, real, columns, positions, last, assembly_ms)
 
 
 def _place(ids: torch.Tensor, columns: torch.Tensor, positions: torch.Tensor, row: int, slot: int,

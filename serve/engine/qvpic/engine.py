@@ -3,6 +3,7 @@ forward passes as one batch.
 
     step = retire   cancelled, expired and finished rows leave the batch; their KV is freed
          → admit    waiting requests that fit the caps are prefilled together and join
+         → piece    a prompt longer than a step's budget forwards its next piece; after its last, it joins
          → decode   one forward for every row; each gets its next token
 
 A request joins at the step after it arrives and leaves at the step after it ends, so a client that
@@ -31,10 +32,11 @@ from serve.engine.kv_budget import sized
 from serve.engine.qvpic.batch import Slab, decode_step
 from serve.engine.qvpic.linked_prompt import store
 from serve.engine.qvpic.pick import Picks
+from serve.engine.qvpic.pieces import Pieces
 from serve.engine.qvpic.prefill import Prefills
 from serve.engine.qvpic.prefix_cache import PrefixCache
 from serve.engine.qvpic.sampler import Sampler
-from serve.engine.qvpic.scheduler import Scheduler
+from serve.engine.qvpic.scheduler import Scheduler, column_cost
 from serve.engine.qvpic.shapes import slab_rows
 from serve.engine.qvpic.slab_memory import SLAB_MEMORY
 from serve.engine.sequence import End, Sequence, Status
@@ -62,7 +64,8 @@ class QvpicEngine(Prefills, Picks, Engine):
         self.vlm, self.config = vlm, config
         SLAB_MEMORY.max_free_nbytes = config.slab_reuse_nbytes  # the process's slabs (one engine per generator)
         self.metrics = serve_metrics()
-        self.scheduler = Scheduler(config, column_nbytes(vlm), functools.partial(slab_rows, device=vlm.device))
+        self.scheduler = Scheduler(config, column_nbytes(vlm), functools.partial(slab_rows, device=vlm.device),
+                                   column_cost(vlm.model.config.get_text_config()))
         cache = config.prefix_cache
         self.prefix_cache = PrefixCache(cache.block_tokens, cache.device_nbytes, cache.host_nbytes, vlm.device)
         self.slab: Slab | None = None  # rows aligned with scheduler.running
@@ -73,6 +76,7 @@ class QvpicEngine(Prefills, Picks, Engine):
         self._work = threading.Condition()
         self.sampler = Sampler(vlm)  # each row's next token under its request's decoding controls
         self._joining: list[Sequence] = []
+        self.pieces: Pieces | None = None  # the prompt being prefilled in pieces (serve/engine/qvpic/pieces.py)
         self.forward_threads = torch.get_num_threads()  # the loop's own, once it runs (pipeline/runtime/threads.py)
         if start:
             threading.Thread(target=self._loop, name="qvpic-engine", daemon=True).start()
@@ -122,6 +126,7 @@ class QvpicEngine(Prefills, Picks, Engine):
     def stats(self) -> EngineStats:
         with self._work:
             prefilling = sum(len(seq.members) for seq in self._joining)  # out of `waiting`, not yet in the batch
+            prefilling += len(self.pieces.seq.members) if self.pieces is not None else 0
             return EngineStats(len(self.scheduler.running) + prefilling, len(self.scheduler.waiting),
                                self.slab.nbytes if self.slab is not None else 0, self.steps, self.decoded_tokens,
                                dict(self.ended), self.forward_threads, dataclasses.replace(self.prefix_cache.stats))
@@ -131,7 +136,7 @@ class QvpicEngine(Prefills, Picks, Engine):
         self.forward_threads = torch.get_num_threads()  # per thread: the generator's event loop runs on one
         while True:
             with self._work:
-                while not (self.scheduler.waiting or self.scheduler.running):
+                while not self.scheduler.busy:
                     self._work.wait()
             try:
                 with self.model_lock:
@@ -144,6 +149,7 @@ class QvpicEngine(Prefills, Picks, Engine):
     def step(self) -> None:
         self._retire()
         self._admit()
+        self._piece()
         if self.scheduler.running:
             self._decode()
         self.steps += 1
@@ -155,6 +161,10 @@ class QvpicEngine(Prefills, Picks, Engine):
                 self.scheduler.waiting.remove(seq)
                 for member in seq.members:  # its forks never joined either
                     self._finish(member, End.CANCELLED if seq.cancelled else End.DEADLINE)
+        if self.pieces is not None and ((seq := self.pieces.seq).cancelled or seq.expired(now)):
+            self._end_pieces()  # its own slab goes with it
+            for member in seq.members:
+                self._finish(member, End.CANCELLED if seq.cancelled else End.DEADLINE)
         gone = set()
         for seq in self.scheduler.running:
             if seq.status is not Status.FINISHED and (seq.cancelled or seq.expired(now)):
@@ -180,7 +190,12 @@ class QvpicEngine(Prefills, Picks, Engine):
         for seq in self._joining:
             seq.queue_ms = (now - seq.submitted_at) * 1e3
         slabs, joining = self._prefill_each(self._joining)  # the new slabs, and the requests in their row order
-        if not joining:  # every one failed at its prefill: the running rows go on as they were
+        self._join(slabs, joining)
+
+    def _join(self, slabs: list[Slab], joining: list[Sequence]) -> None:
+        """Prefilled requests (each with its first token) join the batch: their slabs merged after the running rows'.
+        A request that ended at once (EOS, one token) keeps its prompt's blocks and leaves again."""
+        if not joining:  # every one failed at its prefill (or is being prefilled in pieces): the rows go on
             with self._work:
                 self._joining = []
             return
@@ -260,8 +275,10 @@ class QvpicEngine(Prefills, Picks, Engine):
         engine starts over empty."""
         error = step_failure(error)
         with self._work:
-            for seq in self.scheduler.running + [m for s in self._joining for m in s.members]:
+            pieced = self.pieces.seq.members if self.pieces is not None else []
+            for seq in self.scheduler.running + [m for s in self._joining for m in s.members] + pieced:
                 self._finish(seq, End.FAILED, error)
             self.scheduler.leave({s.id for s in self.scheduler.running})
             self.slab, self._joining = None, []
+            self.pieces, self.scheduler.prefilling = None, None
             self.sampler.forget()

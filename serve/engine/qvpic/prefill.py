@@ -1,9 +1,10 @@
 """The admit step's prefills, as part of `QvpicEngine` (serve/engine/qvpic/engine.py): the joining requests'
 prompts resumed from the prefix cache, then what is new prefilled — linked prompts' text tails in one forward,
-those with images and the online (full-prompt) baselines alone — and each one's first token picked.
+those with images and the online (full-prompt) baselines alone, and one longer than a step's budget in pieces over
+the steps that follow (serve/engine/qvpic/pieces.py) — and each one's first token picked.
 
-A mixin, not a class of its own: it works on the engine's model, prefix cache, sampler and metrics, and ends in the
-engine's `_pick` and `_finish`; it holds no state of its own.
+A mixin, not a class of its own: it works on the engine's model, prefix cache, sampler, scheduler and metrics, keeps
+the prompt in pieces in the engine's `pieces`, and ends in the engine's `_pick`, `_join` and `_finish`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 from pipeline.runtime import ms_since
 from pipeline.runtime.conversation import PreparedSegment
 from serve.engine.prepared import LinkedPrompt
-from serve.engine.qvpic.batch import Slab, prefill_alone, prefill_queries
-from serve.engine.qvpic.linked_prompt import resume
+from serve.engine.qvpic.batch import Slab, lay_out, prefill_alone, prefill_queries
+from serve.engine.qvpic.linked_prompt import Resumed, resume
+from serve.engine.qvpic.pieces import Pieces
+from serve.engine.qvpic.scheduler import prefill_cost
 from serve.engine.sequence import End, Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ class Prefills:
     def _fail_joining(self, seq: Sequence, error: Exception) -> None:
         """A joining request whose prefill raised ends with it, every choice (its rows never joined the slab)."""
         log.warning("request %d failed at its prefill: %r", seq.id, error)
+        if self.pieces is not None and self.pieces.seq is seq:  # laid out for pieces before it failed
+            self._end_pieces()
         for member in seq.members:
             self._finish(member, End.FAILED, error)
             self.sampler.forget(member.id)
@@ -84,6 +89,13 @@ class Prefills:
         cached = [s for s in seqs if s.resumed.logits is not None]  # whole prompt and its logits: no forward
         batched = [s for s in seqs if s.resumed.logits is None and not s.resumed.tail.image_spans]
         alone = [s for s in seqs if s.resumed.logits is None and s.resumed.tail.image_spans]
+        # one the scheduler picked to cut, unless the prefix cache left it less than this step's piece
+        budget, per_column = self.scheduler.piece_budget(), self.scheduler.per_column
+        pieced = [s for s in batched if self.scheduler.in_pieces(s)
+                  and prefill_cost(new_tokens(s), s.num_prompt_tokens, per_column) > budget]
+        batched = [s for s in batched if s not in pieced]
+        for seq in pieced:
+            self._start_pieces(seq)
         slabs = []
         if cached:
             started = time.perf_counter()
@@ -111,6 +123,40 @@ class Prefills:
             slabs.append(slab)
         return slabs, cached + batched + alone
 
+    def _start_pieces(self, seq: Sequence) -> None:
+        """`seq`'s row laid out (context assembled, chunks linked, chunk tokens recomputed) in a slab of its own; its
+        new tokens are forwarded from this step on, a piece per step (`_piece`)."""
+        resumed = seq.resumed
+        layout = lay_out(self.vlm, [resumed.base], [resumed.chunks], [resumed.tail.ids],
+                         [seq.sampling.max_new_tokens - 1], [seq.context.recompute], [resumed.holes])
+        seq.reanchor_ms = layout.assembly_ms[0]
+        with self._work:
+            self.pieces = Pieces(seq, layout)
+            self.scheduler.prefilling = seq
+
+    def _piece(self) -> None:
+        """The prompt being prefilled in pieces forwards its next one, with what the step's budget left; after its
+        last, its first token is picked and it joins the batch. A piece that raises fails that request alone."""
+        pieces, budget = self.pieces, self.scheduler.piece_budget()
+        if pieces is None or budget < 1:
+            return
+        seq = pieces.seq
+        try:
+            logits = pieces.forward(self.vlm, pieces.size(budget, self.scheduler.per_column))
+        except Exception as error:  # noqa: BLE001  its own: the running rows go on
+            self._fail_joining(seq, error)
+            return
+        if logits is None:
+            return
+        self._keep_logits(seq, logits[0])
+        self._pick([seq], logits, prefill_started=pieces.started)
+        self._end_pieces()
+        self._join([pieces.layout.slab], [seq])
+
+    def _end_pieces(self) -> None:
+        with self._work:
+            self.pieces, self.scheduler.prefilling = None, None
+
     def _keep_logits(self, seq: Sequence, row: torch.Tensor) -> None:
         """The prompt's last-column logits `[vocab]`, kept until the row is stored (before any sampler sees them).
         Not a row with recomputed chunk tokens: its logits are not those of the chunk KV its keys name."""
@@ -135,3 +181,9 @@ class Prefills:
         slab, logits = prefill_alone(self.vlm, seq.resumed.base, [], seq.resumed.tail, seq.sampling.max_new_tokens - 1)
         self._pick([seq], logits, prefill_started=started)
         return slab
+
+
+def new_tokens(seq: Sequence) -> int:
+    """Tokens a resumed linked prompt forwards: its holes' text runs and its tail."""
+    resumed: Resumed = seq.resumed
+    return sum(h.text.num_tokens for h in resumed.holes) + len(resumed.tail.ids)

@@ -4,6 +4,7 @@ leaving early, and of different modes in one batch. Plus the caps, cancellation 
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from serve.engine.qvpic import batch
 from serve.engine.qvpic import prefill as prefill_module
 from serve.engine.qvpic.engine import QvpicEngine, column_nbytes
 from serve.engine.qvpic.linked_prompt import native_prompt
+from serve.engine.qvpic.scheduler import column_cost, prefill_cost
 from serve.engine.sequence import End, Finished, Sequence, Status
 from tests.pipeline.runtime.test_reanchor import native
 
@@ -102,7 +104,7 @@ class Recorder:
         return seq
 
     def run(self, steps: int | None = None) -> None:
-        while self.engine.scheduler.waiting or self.engine.scheduler.running:
+        while self.engine.scheduler.busy:
             self.engine.step()
             if steps is not None:
                 steps -= 1
@@ -218,7 +220,7 @@ def test_caps_hold_and_refusals_are_clear(vlm, chunks):
         rec.submit(context, 10)
     assert busy.value.headers()["Retry-After"].isdigit()
     widest = 0
-    while rec.engine.scheduler.waiting or rec.engine.scheduler.running:
+    while rec.engine.scheduler.busy:
         rec.engine.step()
         assert len(rec.engine.scheduler.running) <= 2
         widest = max(widest, rec.engine.slab.nbytes if rec.engine.slab is not None else 0)
@@ -300,10 +302,14 @@ def test_assembly_reanchors_with_the_native_kernel_as_the_matrix_product_does(vl
     assert float((assembled(vlm.rotations, off) - product).abs().max()) > 1e-3  # control: chunk 2's Δ − 1
 
 
-def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):
+def test_a_linked_burst_counts_its_texts_not_its_chunks(vlm, chunks):
     context = linked(vlm, chunks[:2], "When?")
-    prompt = vlm.prefix.num_tokens + sum(c.num_tokens for c in chunks[:2]) + len(context.query_ids)
-    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=prompt))  # one context's worth: five queries fit
+    texts = sum(t.num_tokens for t in context.prompt.texts)  # what a join forwards: its chunks' KV is copied
+    per_column = column_cost(vlm.model.config.get_text_config())
+    budget = math.ceil(5 * prefill_cost(texts, context.num_prompt_tokens, per_column))
+    assert context.num_query_tokens == texts  # chunks counted, one a step would be over:
+    assert budget < 2 * prefill_cost(context.num_prompt_tokens, context.num_prompt_tokens, per_column)
+    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=budget))
     seqs = [rec.submit(context, 4) for _ in range(5)]
     rec.engine.step()
     assert not rec.engine.scheduler.waiting and all(s.status is not Status.WAITING for s in seqs)
@@ -311,7 +317,10 @@ def test_a_linked_burst_counts_its_queries_not_its_contexts(vlm, chunks):
 
 def test_a_burst_joins_over_several_steps_within_the_prefill_budget(vlm, chunks):
     context = linked(vlm, chunks[:2], "When?")
-    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=2 * len(context.query_ids)))
+    each = prefill_cost(context.num_query_tokens, context.num_prompt_tokens,
+                        column_cost(vlm.model.config.get_text_config()))
+    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=math.ceil(2 * each)))
+    assert 3 * each > rec.engine.config.max_prefill_tokens
     seqs = [rec.submit(context, 4) for _ in range(5)]
     joined = []
     while rec.engine.scheduler.waiting:
@@ -456,7 +465,7 @@ def test_the_kv_cap_counts_the_columns_a_short_query_is_padded_by(vlm, chunks):
     first, second = rec.submit(wide, new_tokens), rec.submit(narrow, new_tokens)
     rec.engine.step()
     assert (first.status, second.status) == (Status.RUNNING, Status.WAITING)
-    while rec.engine.scheduler.waiting or rec.engine.scheduler.running:
+    while rec.engine.scheduler.busy:
         rec.engine.step()
         assert rec.engine.slab is None or rec.engine.slab.nbytes <= cap
     assert first.end in (End.STOP, End.LENGTH) and second.end in (End.STOP, End.LENGTH)

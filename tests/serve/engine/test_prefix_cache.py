@@ -62,7 +62,7 @@ class Driver:
                        prompt.after.num_tokens, emit=lambda e: None)
         self.logits[seq.id] = []
         self.engine.add(seq)
-        while self.engine.scheduler.waiting or self.engine.scheduler.running:
+        while self.engine.scheduler.busy:
             self.engine.step()
         return seq
 

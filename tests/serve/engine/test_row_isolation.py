@@ -22,7 +22,7 @@ def step(rec: Recorder) -> None:
 
 
 def run(rec: Recorder) -> None:
-    while rec.engine.scheduler.waiting or rec.engine.scheduler.running:
+    while rec.engine.scheduler.busy:
         step(rec)
 
 

@@ -88,7 +88,7 @@ def test_a_follow_up_turn_takes_the_memory_of_the_turn_before(vlm):
         seq = Sequence(Sampling(max_new_tokens=3), LinkedContext(prompt, b"tenant"), prompt.num_tokens,
                        prompt.after.num_tokens, emit=lambda e: None)
         engine.add(seq)
-        while engine.scheduler.waiting or engine.scheduler.running:
+        while engine.scheduler.busy:
             engine.step()
         return seq
 

@@ -36,7 +36,7 @@ def phases(rec: Recorder, monkeypatch, syncs) -> list[dict]:
             taken = syncs.take()
             steps[-1][phase.strip("_")], steps[-1][phase.strip("_") + " at"] = taken.by_kind(), taken.where()
         monkeypatch.setattr(engine, phase, counted)
-    while engine.scheduler.waiting or engine.scheduler.running:
+    while engine.scheduler.busy:
         steps.append({})
         engine.step()
         slab = engine.slab
