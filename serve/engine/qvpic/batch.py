@@ -13,6 +13,7 @@ explicit 3-D M-RoPE positions, so where a row sits in the slab changes nothing i
 logits equal the same request's run alone (to float rounding). The slab itself: serve/engine/qvpic/slab.py.
 
     join:   prefill_queries(bases, chunks, queries) -> Slab of the new rows (assembled in place), first-token logits
+            lay_out(bases, chunks, queries)    -> the same rows laid out, to forward in pieces (pieces.py)
             Slab.from_prefill(state)           -> a row whose prefill ran alone (online modes)
             Slab.merge([running, joined])      -> one slab
     step:   decode_step(slab, tokens)          -> next-token logits of every row
