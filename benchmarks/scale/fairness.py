@@ -22,6 +22,7 @@ import asyncio
 import enum
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip:
             section, title = section + "-skipping", title + ", a skipping " + "; ".join(args.skip)
         write_section(section, title,
-                      ("python -m benchmarks.scale.fairness " + " ".join(argv)).strip(), body, path=RELIABILITY_MD)
+                      ("python -m benchmarks.scale.fairness " + shlex.join(argv)).strip(), body, path=RELIABILITY_MD)
     return 0
 
 
