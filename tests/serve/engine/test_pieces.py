@@ -195,6 +195,23 @@ def test_a_prompt_cancelled_or_failing_in_pieces_ends_alone(vlm, chunks, monkeyp
     assert running.token_ids == tokens and rec.engine.slab is None
 
 
+def test_a_prompt_prefilled_in_pieces_is_kept_in_the_prefix_cache(vlm, chunks):
+    """Its blocks are stored when it ends, like any row's: the same request again is resumed from them, whole (its
+    last column's logits too), with no piece and the same tokens."""
+    rec = Recorder(vlm, EngineConfig(max_prefill_tokens=64))
+    first = rec.submit(linked(vlm, chunks[:2], LONG_QUESTION), 5)
+    rec.engine.step()
+    assert rec.engine.pieces is not None  # control: the first is cut
+    rec.run()
+    rec.engine.step()  # its blocks are kept at the step after it ends
+    again = rec.submit(linked(vlm, chunks[:2], LONG_QUESTION), 5)
+    rec.engine.step()
+    assert rec.engine.pieces is None and again.status is not Status.WAITING
+    assert again.prefix_cached_tokens == again.num_prompt_tokens
+    rec.run()
+    assert again.token_ids == first.token_ids and first.end in (End.STOP, End.LENGTH)
+
+
 def test_the_engine_s_thread_steps_a_prompt_in_pieces_with_nothing_else_to_do(vlm, chunks):
     """The engine's loop sleeps only when nothing is left to step: a prompt in pieces is neither waiting nor running."""
     engine = QvpicEngine(vlm, EngineConfig(max_prefill_tokens=48))
