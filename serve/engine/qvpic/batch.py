@@ -53,6 +53,10 @@ class Layout:
     last: tuple[list[int], list[int]]  # each row's last slot (its query's last token): column, position
     assembly_ms: list[float]  # each row's assembly (re-anchoring) time
 
+    def slots(self, device: torch.device, cut: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+        """`ids`, `real`, `columns` and `positions` of the slots `cut`, on `device`: what a forward takes."""
+        return tuple(t[:, cut].to(device) for t in (self.ids, self.real, self.columns, self.positions))
+
 
 @torch.inference_mode()
 def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contexts: Sequence[Sequence[ChunkKV]],
@@ -62,9 +66,7 @@ def prefill_queries(vlm: VLM, bases: Sequence[ChunkKV | BlockRun | None], contex
     """`lay_out` the rows, then prefill every row's new tokens in one forward. Returns the slab, the logits
     `[rows, vocab]` and each row's assembly time (ms)."""
     layout = lay_out(vlm, bases, contexts, queries, reserves, recomputes, holes)
-    ids, real, columns, positions = (t.to(vlm.device) for t in (layout.ids, layout.real, layout.columns,
-                                                                 layout.positions))
-    return layout.slab, forward(vlm, layout.slab, ids, real, columns, positions, layout.last), layout.assembly_ms
+    return layout.slab, forward(vlm, layout.slab, *layout.slots(vlm.device), layout.last), layout.assembly_ms
 
 
 @torch.inference_mode()

@@ -39,22 +39,23 @@ class Pieces:
         """Slots still to forward."""
         return self.layout.ids.shape[1] - self.done
 
+    def _stop(self, tokens: float) -> int:
+        """Where a piece of `tokens` slots (at least one) from here ends."""
+        return min(self.done + max(int(tokens), 1), self.layout.ids.shape[1])
+
     def size(self, budget: float, per_column: float) -> int:
         """Slots the next piece takes: as many as `budget` tokens of work pays for, each reading as many columns as
         the widest the piece could reach (serve/engine/qvpic/scheduler.py `prefill_cost`); at least one."""
-        end = min(self.done + max(int(budget), 1), self.layout.ids.shape[1])
+        end = self._stop(budget)
         widest = int(self.layout.columns[0, end - 1]) + 1  # the host's copy: no device read
         return max(1, min(end - self.done, int(budget / (1 + widest * per_column))))
 
     @torch.inference_mode()
     def forward(self, vlm: VLM, tokens: int) -> torch.Tensor | None:
         """The next `tokens` slots (at least one) forwarded; the last piece's logits `[1, vocab]`, before it None."""
-        stop = min(self.done + max(tokens, 1), self.layout.ids.shape[1])
-        layout, cut = self.layout, slice(self.done, stop)
-        ids, real, columns, positions = (t[:, cut].to(vlm.device)
-                                         for t in (layout.ids, layout.real, layout.columns, layout.positions))
+        layout, stop = self.layout, self._stop(tokens)
         # the piece's last slot, read from the layout's host tensors (no device read): the forward's width and reach
         last = ([int(layout.columns[0, stop - 1])], [int(layout.positions[0, stop - 1])])
-        logits = forward(vlm, layout.slab, ids, real, columns, positions, last)
+        logits = forward(vlm, layout.slab, *layout.slots(vlm.device, slice(self.done, stop)), last)
         self.done = stop
         return logits if self.remaining == 0 else None

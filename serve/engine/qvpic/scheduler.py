@@ -134,8 +134,6 @@ class Scheduler:
     def join(self, seqs: list[Sequence], reserved: dict[int, int]) -> None:
         self.running += seqs
         self.reserved.update(reserved)
-        if self.prefilling is not None and any(s is self.prefilling for s in seqs):
-            self.prefilling = None
 
     def leave(self, gone: set[int]) -> None:
         self.running = [s for s in self.running if s.id not in gone]
