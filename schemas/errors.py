@@ -185,6 +185,13 @@ class BusyError(RetryLaterError):
     status_code = 503
 
 
+class WorkerLostError(RetryLaterError):
+    """A process doing part of the request's work died under it (a router's framing process): the work is not
+    retried there, as the request may be what killed it; the client may retry after `retry_after_s`."""
+
+    status_code = 503
+
+
 class StoreUnavailableError(RetryLaterError):
     """The shared store of `/v1/responses` did not answer: whether a stored response exists is unknown (not a 404),
     so retry after `retry_after_s`."""

@@ -79,6 +79,19 @@ class AffinityConfig(Frozen):
 
 # ---- one config per role ----------------------------------------------------------------------------------
 
+class FramingSpec(Frozen):
+    """Where the router frames a conversation (serve/routing/framer.py): a large one in a framing process of the
+    replica's own, so its GIL-bound template rendering and tokenising never hold the replica's other requests."""
+
+    processes: int = Field(1, ge=0, le=16)  # framing processes per router replica (0: every conversation on a thread)
+    # a conversation of at least this many messages, content parts and tool calls together, or this many characters
+    # of text and call arguments, is framed in a process (a 4-turn chat is a thread's ~1 ms; 256 messages ~45 ms)
+    min_parts: int = Field(64, ge=1)
+    min_chars: int = Field(32_768, ge=1)
+    # a conversation still framing after this long is refused (400 naming `messages`) and its process replaced
+    timeout_s: float = Field(10.0, gt=0, le=600)
+
+
 class RouterConfig(StoreBound):
     model: ModelSpec
     defaults: RouterSpec = RouterSpec()  # a request's τ, B, normalisation, hybrid rule unless it sets them
@@ -99,6 +112,7 @@ class RouterConfig(StoreBound):
     # new query's route from 11.3 to 7.8 ms p50 (docs/BENCHMARKS.md `routing`): give the replica the cores
     embed_threads: int | None = Field(None, ge=1, le=64)
     hmac_key_file: Path | None = None  # AppConfig.hmac_key_file: only generations sealed with it are served
+    framing: FramingSpec = FramingSpec()  # large conversations framed in a process of their own
 
 
 class LoaderConfig(StoreBound):

@@ -46,7 +46,10 @@ class LocalStack:
         return InProcessBackend(self.router, self.loader, self.generator)
 
     def api(self, governor: Governor | None = None) -> FastAPI:
-        """The ingress's HTTP surface over these roles (its governance from `config.ingress`, unless given)."""
+        """The ingress's HTTP surface over these roles (its governance from `config.ingress`, unless given). A server is
+        starting: the router's framing process starts now, as a deployed router's does (serve/routing/framer.py)."""
+        if self.config.router.framing.processes:
+            self.router.framer.start()
         return make_api(self.backend(), api_spec(self.config), governor, self.config.ingress)
 
     async def answer(self, request: AnswerRequest, budget_tokens: int | None = None) -> Answer:

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
 from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
 from pipeline.runtime.text_encoder import text_encoder
+from schemas.api import AnswerRequest
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
 from schemas.errors import ApiError, ContextLengthError
@@ -33,10 +34,12 @@ HERMES_FAMILIES = frozenset({ModelFamily.QWEN2_5_VL, ModelFamily.QWEN2_VL, Model
 
 @dataclass(frozen=True)
 class Framing:
-    """`Router.frame`'s result: the prompt's text around the chunks."""
+    """`PromptTemplate.frame`'s result: the prompt's text around the chunks, and the conversation's identity."""
 
     layout: PromptLayout  # the texts between the groups of chunks
     text_tokens: tuple[int, ...]  # tokens of each of `layout.texts`
+    conversation: str = ""  # conversation_digest of a chat request ("" without messages)
+    conversation_chain: tuple[str, ...] = ()  # conversation_chain of a chat request's messages
 
     def refuse_past(self, context_tokens: int, max_new_tokens: int) -> None:
         """ContextLengthError once the prompt's text, counted exactly, and `max_new_tokens` exceed the context:
@@ -54,6 +57,9 @@ class InvalidMessageError(ApiError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self):  # crosses Serve handles and the framing process: keep the path
+        return type(self), (str(self), self.param)
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,22 @@ class PromptTemplate:
                                  add_generation_prompt, continue_final)
         except ConversationError as error:
             raise InvalidMessageError(str(error), error.param) from None
+
+    def frame(self, request: AnswerRequest, groups: int) -> Framing:
+        """The prompt's text around `groups` groups of chunks, laid out and counted, and the conversation's digests:
+        the part of a route that needs no query vector and no store (the router runs it on a thread, or a large
+        conversation in a framing process: serve/routing/framer.py). A conversation's groups sit at its last
+        `groups` user messages. InvalidMessageError: 400."""
+        if request.messages is None:
+            layout = self.native(request.instruction, request.text_after_chunks)
+            return Framing(layout, tuple(self.tokens(t) for t in layout.texts))
+        users = [i for i, m in enumerate(request.messages) if m.role == "user"]
+        layout = self.conversation(request.messages, users[-groups:], request.tools, request.add_generation_prompt,
+                                   request.continue_final_message)
+        return Framing(layout, tuple(self.tokens(t) for t in layout.texts),
+                       conversation_digest(request.messages, request.tools, request.add_generation_prompt,
+                                           request.continue_final_message),
+                       conversation_chain(request.messages))
 
     def tokens(self, segment: Segment) -> int:
         """Tokens of `segment` as the model will see it: text, plus each image's markup and vision tokens as the

@@ -38,15 +38,9 @@ from serve.config import RouterConfig
 from serve.kv import lazy_planner
 from serve.plan import Embedded, Plan, PlannedChunk, Tokenized
 from serve.routing.embed_queue import EmbedQueue, Priority
+from serve.routing.framer import Framer
 from serve.routing.placement import PlacementSpec, Retrieved, mode_tier, place
-from serve.routing.prompt import (
-    Framing,
-    InvalidMessageError,
-    PromptTemplate,
-    conversation_chain,
-    conversation_digest,
-    template_order,
-)
+from serve.routing.prompt import Framing, InvalidMessageError, PromptTemplate, template_order
 from serve.routing.query_vectors import QueryVectors
 from serve.routing.retrieval import Snapshot, open_snapshot
 from serve.routing.token_floor import TokenFloor
@@ -58,6 +52,7 @@ class Router:
         self.store = Store.open(config.store)
         self.prompt = PromptTemplate.load(config.model)
         self.token_floor = TokenFloor(self.prompt.tokenizer)
+        self.framer = Framer(config.model, config.framing)  # its processes start with its first conversation
         self.embedder = Embedder(config.embedder_dir, threads=config.embed_threads)
         self.embeds = EmbedQueue(self.embedder.embed, self.embedder.batch_size,  # bulk: a thread of low priority
                                  bulk=self.embedder.on_one_thread().embed)
@@ -117,14 +112,16 @@ class Router:
         missing = [i for i, (q, v) in enumerate(zip(queries, vectors)) if q and v is None]
         # The prompt's text is laid out on a worker thread while the queries embed (the embedder's forward releases
         # the GIL: the layout's Python costs no wall time); framing decodes the messages' images and tokenises the
-        # history, which would stall every other request of this replica's event loop (issue 60). The question
-        # embeds at once, the history's queries after every route's question (Priority.HISTORY); a prompt that
+        # history, which would stall every other request of this replica's event loop (issue 60). A large
+        # conversation is framed in a framing process, whose GIL is not the replica's (serve/routing/framer.py). The
+        # question embeds at once, the history's queries after every route's question (Priority.HISTORY); a prompt that
         # framing finds longer than the context is refused there, its history's queries cancelled unembedded.
         question = asyncio.ensure_future(self.embed_query(queries[-1])) if len(queries) - 1 in missing else None
         earlier = [i for i in missing if i < len(queries) - 1]
         history = asyncio.ensure_future(self.embed_history([queries[i] for i in earlier])) if earlier else None
         try:
-            framing = await asyncio.to_thread(self.frame, request, len(queries))
+            framing = await (self.framer.frame(request, len(queries)) if self.framer.offloads(request)
+                             else asyncio.to_thread(self.frame, request, len(queries)))
             if request.messages is not None:  # a native prompt may move its instruction (route recounts it)
                 framing.refuse_past(self.max_context_tokens, request.max_new_tokens)
             embedded = ([await question] if question else []) + (await history if history else [])
@@ -157,16 +154,10 @@ class Router:
             self.token_floor.refuse(request.messages, request.max_new_tokens, self.max_context_tokens)
 
     def frame(self, request: AnswerRequest, groups: int) -> Framing:
-        """The prompt's text around `groups` groups of chunks, laid out and counted: the part of a route that
-        needs no query vector. A conversation's groups sit at its last `groups` user messages."""
+        """The prompt's text around `groups` groups of chunks, laid out and counted, on the calling thread
+        (`PromptTemplate.frame`): the part of a route that needs no query vector."""
         self.refuse_over_long(request)  # `route` called without `plan` (eval, benchmarks): still before the layout
-        if request.messages is not None:
-            users = [i for i, m in enumerate(request.messages) if m.role == "user"]
-            layout = self.prompt.conversation(request.messages, users[-groups:], request.tools,
-                                              request.add_generation_prompt, request.continue_final_message)
-        else:
-            layout = self.prompt.native(request.instruction, request.text_after_chunks)
-        return Framing(layout=layout, text_tokens=tuple(self.prompt.tokens(t) for t in layout.texts))
+        return self.prompt.frame(request, groups)
 
     def route(self, request: AnswerRequest, vectors: list[np.ndarray | None] | np.ndarray | None,
               budget_tokens: int | None = None, started: float | None = None,
@@ -220,10 +211,7 @@ class Router:
                     query_tokens=query_tokens, fallbacks=tuple(fallbacks), route_ms=route_ms,
                     query_embedding=vectors[-1], generation=snapshot.generation, instruction=instruction,
                     query_prompt=query_prompt, layout=layout,
-                    conversation=(conversation_digest(request.messages, request.tools, request.add_generation_prompt,
-                                                      request.continue_final_message)
-                                  if request.messages is not None else ""),
-                    conversation_chain=conversation_chain(request.messages) if request.messages is not None else ())
+                    conversation=framing.conversation, conversation_chain=framing.conversation_chain)
 
     def placement_spec(self, request: AnswerRequest, snapshot: Snapshot) -> PlacementSpec:
         overrides = {"tau": request.tau, "max_high_res": request.max_high_res, "normalisation": request.normalisation}
@@ -282,6 +270,7 @@ class Router:
         return self.watcher.check()
 
     def close(self) -> None:
+        self.framer.close()
         self.watcher.close()
         self.keeper.close()
         self.embeds.close()
@@ -294,6 +283,11 @@ class Router:
 class BatchingRouter(Router):
     """The deployed router: queries arriving together are embedded in one call (`@serve.batch` needs a
     Serve replica, so the plain `Router` embeds one at a time)."""
+
+    def __init__(self, config: RouterConfig):
+        super().__init__(config)
+        if config.framing.processes:
+            self.framer.start()  # the first large conversation should not wait for the processes to load
 
     # No waiting for company: a lone query pays nothing; queries arriving while one embeds form the next batch.
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
