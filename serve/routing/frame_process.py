@@ -4,15 +4,17 @@ time, over two pipes of length-prefixed pickles.
     python -m serve.routing.frame_process READ_FD WRITE_FD
 
 Its first message is the router's `ModelSpec`; it loads the prompt template (the tokenizer and the chat template, no
-weights) and answers `("ready", pid)`. Then each message is `(request, messages_json, groups)`, the request without its
-messages, which come as the JSON the router dumped (pydantic validates them here, as the ingress did); each answer is
-`("ok", Framing)` or `("error", exception)`. It ends when the router closes its end. A plain subprocess, not
-multiprocessing: spawn would import the router process's `__main__` here (a script without a main guard would run
-again), and a fork would copy its threads.
+weights) and answers `("ready", pid)`. Then each message is `(Job.FRAME, request, groups)`, answered with
+`PromptTemplate.frame` of it (an AnswerRequest pickles its messages as pydantic's JSON, validated again here, as the
+ingress validated them), or `(Job.TOKENIZE, messages_json)`, answered with the messages' prompt tokens as `/tokenize`
+gives them. Each answer is `("ok", value)` or `("error", exception)`. It ends when the router closes its end. A plain
+subprocess, not multiprocessing: spawn would import the router process's `__main__` here (a script without a main guard
+would run again), and a fork would copy its threads.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 import struct
@@ -20,6 +22,11 @@ import sys
 from typing import BinaryIO
 
 _HEADER = struct.Struct("<Q")  # a message's length in bytes
+
+
+class Job(enum.Enum):
+    FRAME = "frame"
+    TOKENIZE = "tokenize"
 
 
 def send(stream: BinaryIO, message: object) -> None:
@@ -51,13 +58,14 @@ def serve_forever(reader: BinaryIO, writer: BinaryIO) -> None:
     send(writer, ("ready", os.getpid()))
     while True:
         try:
-            request, messages, groups = receive(reader)
+            job, *args = receive(reader)
         except EOFError:
             return
         try:
-            if messages is not None:
-                request = request.model_copy(update={"messages": messages_type.validate_json(messages)})
-            answer = ("ok", prompt.frame(request, groups))
+            if job is Job.FRAME:
+                answer = ("ok", prompt.frame(*args))
+            else:
+                answer = ("ok", prompt.conversation_tokens(messages_type.validate_json(*args)))
         except Exception as error:  # noqa: BLE001  the router raises it as its own (InvalidMessageError: a 400)
             answer = ("error", error)
         try:
@@ -67,5 +75,7 @@ def serve_forever(reader: BinaryIO, writer: BinaryIO) -> None:
 
 
 if __name__ == "__main__":
+    from serve.routing import frame_process  # the module, not __main__: its Job is the class the router pickles
+
     with os.fdopen(int(sys.argv[1]), "rb") as reader, os.fdopen(int(sys.argv[2]), "wb") as writer:
-        serve_forever(reader, writer)
+        frame_process.serve_forever(reader, writer)

@@ -3,12 +3,13 @@
 Framing (`PromptTemplate.frame`) is Python that holds the GIL: Jinja renders the chat template around a sentinel per
 text part, and the parts' token runs are assembled and counted. A conversation of 63 messages of 62 parts costs ~39 ms
 of it, a 256-turn history ~45 ms (tiny-qwen's tokenizer, AMD EPYC). On a worker thread that is off the event loop but
-not off the GIL: the replica's other requests wait for it at each hand-off of the GIL, and beside a tenant looping
-such conversations another tenant's questions spent 115-194 ms in the router (docs/RELIABILITY.md, issue 60). In a
-framing process (serve/routing/frame_process.py) the router pays the messages' JSON (pydantic's serializer: ~2 ms
-for the 63 × 62 parts) and the layout's unpickling (< 1 ms), on a thread that waits for the answer with the GIL
-released. A tenant's large conversations then wait for each other in the framing queue, not beside everyone's
-requests for the GIL; small ones stay on threads, where a process's round trip would cost more than their framing.
+not off the GIL: the replica's other requests wait for it at each hand-off of the GIL, and beside a tenant looping such
+conversations another tenant's questions spent 115-194 ms in the router (docs/RELIABILITY.md, issue 60). In a framing
+process (serve/routing/frame_process.py) the router pays the messages' JSON (pydantic's serializer: ~2 ms for the 63 ×
+62 parts: `AnswerRequest.__reduce_ex__`) and the layout's unpickling (< 1 ms), on a thread that waits for the answer
+with the GIL released. A tenant's large conversations then wait for each other in the framing queue, not beside
+everyone's requests for the GIL; small ones stay on threads, where a process's round trip would cost more than their
+framing.
 
 Each framing process belongs to one thread of `Framer`'s executor (`processes` of them): it starts with that thread's
 first conversation (a deployed router starts one at once: `start`), loads the tokenizer (~280 MB resident, torch and
@@ -31,8 +32,9 @@ from schemas.api import AnswerRequest
 from schemas.config import ModelSpec
 from schemas.conversation import Message, TextPart
 from schemas.errors import WorkerLostError
+from schemas.tools import ToolUse
 from serve.config import FramingSpec
-from serve.routing.frame_process import receive, send
+from serve.routing.frame_process import Job, receive, send
 from serve.routing.prompt import Framing, InvalidMessageError
 
 _MESSAGES = TypeAdapter(list[Message])
@@ -49,14 +51,13 @@ class Framer:
         self._lock = threading.Lock()
         self._processes: set[FramingProcess] = set()  # every live one, for `close`
 
-    def offloads(self, request: AnswerRequest) -> bool:
-        """Whether `request` is framed in a process: a conversation of at least `min_parts` messages, content parts,
-        tool calls and tools offered, or `min_chars` characters of text and call arguments (what the template renders
-        one by one)."""
-        if self._calls is None or request.messages is None:
+    def offloads(self, messages: list[Message] | None, tools: ToolUse | None = None) -> bool:
+        """Whether a conversation is framed in a process: at least `min_parts` messages, content parts, tool calls and
+        tools offered, or `min_chars` characters of text and call arguments (what the template renders one by one)."""
+        if self._calls is None or messages is None:
             return False
         parts = chars = 0
-        for message in request.messages:
+        for message in messages:
             calls = message.tool_calls or ()
             parts += 1 + len(calls)
             chars += sum(len(call.function.arguments) for call in calls)
@@ -65,8 +66,8 @@ class Framer:
             elif message.content:
                 parts += len(message.content)
                 chars += sum(len(p.text) for p in message.content if isinstance(p, TextPart))
-        if request.tools is not None:
-            parts += len(request.tools.tools)
+        if tools is not None:
+            parts += len(tools.tools)
         return parts >= self.spec.min_parts or chars >= self.spec.min_chars
 
     async def frame(self, request: AnswerRequest, groups: int) -> Framing:
@@ -76,14 +77,21 @@ class Framer:
         WorkerLostError (503). Cancelled while queued, it is never sent."""
         return await asyncio.wrap_future(self._calls.submit(self._frame, request, groups))
 
+    def _frame(self, request: AnswerRequest, groups: int) -> Framing:  # on an executor thread: its pickling too
+        return self._call((Job.FRAME, request, groups))
+
+    async def tokenize(self, messages: list[Message]) -> list[int]:
+        """`PromptTemplate.conversation_tokens(messages)` in a framing process, its errors and limits `frame`'s."""
+        call = self._calls.submit(lambda: self._call((Job.TOKENIZE, _MESSAGES.dump_json(messages))))
+        return await asyncio.wrap_future(call)
+
     def start(self) -> Future:
         """Starts a framing process now (a deployed router does, so its first large conversation does not wait for
         one to load); the future holds its pid."""
         return self._calls.submit(lambda: self._process().pid)
 
-    def _frame(self, request: AnswerRequest, groups: int) -> Framing:
-        message = (request.model_copy(update={"messages": None}),
-                   _MESSAGES.dump_json(request.messages) if request.messages is not None else None, groups)
+    def _call(self, message: tuple):
+        """`message` answered by this thread's framing process (frame_process.py's protocol)."""
         for attempt in range(2):  # a process found dead (killed between conversations, or by this one): once more
             process = self._process()
             try:

@@ -139,6 +139,11 @@ class PromptTemplate:
                                            request.continue_final_message),
                        conversation_chain(request.messages))
 
+    def conversation_tokens(self, messages: list[Message]) -> list[int]:
+        """`/tokenize`'s answer for `messages`: the prompt's token ids as a chat request's holds them, no chunks."""
+        layout = self.conversation(messages)
+        return [t for text in layout.texts for piece in text.pieces if isinstance(piece, tuple) for t in piece]
+
     def tokens(self, segment: Segment) -> int:
         """Tokens of `segment` as the model will see it: text, plus each image's markup and vision tokens as the
         processor will make them (pipeline/runtime/tokens.py, the same arithmetic `qvpic estimate` prices with)."""

@@ -120,7 +120,8 @@ class Router:
         earlier = [i for i in missing if i < len(queries) - 1]
         history = asyncio.ensure_future(self.embed_history([queries[i] for i in earlier])) if earlier else None
         try:
-            framing = await (self.framer.frame(request, len(queries)) if self.framer.offloads(request)
+            offloaded = self.framer.offloads(request.messages, request.tools)
+            framing = await (self.framer.frame(request, len(queries)) if offloaded
                              else asyncio.to_thread(self.frame, request, len(queries)))
             if request.messages is not None:  # a native prompt may move its instruction (route recounts it)
                 framing.refuse_past(self.max_context_tokens, request.max_new_tokens)
@@ -249,13 +250,15 @@ class Router:
 
     async def tokenize(self, request: TokenizeRequest) -> Tokenized:
         """`/tokenize`: a prompt's tokens, or the messages' as a chat request's prompt holds them with no store
-        chunks (InvalidMessageError: a 400, as on chat), and the context this router fills."""
-        def work() -> list[int]:
-            if request.prompt is not None:
-                return self.prompt.encode(request.prompt)
-            layout = self.prompt.conversation(request.messages)
-            return [t for text in layout.texts for piece in text.pieces if isinstance(piece, tuple) for t in piece]
-        return Tokenized(tokens=await asyncio.to_thread(work), max_model_len=self.max_context_tokens)
+        chunks (InvalidMessageError: a 400, as on chat), and the context this router fills. A large conversation
+        is rendered in a framing process, as a chat request's is."""
+        if request.prompt is not None:
+            tokens = await asyncio.to_thread(self.prompt.encode, request.prompt)
+        elif self.framer.offloads(request.messages):
+            tokens = await self.framer.tokenize(request.messages)
+        else:
+            tokens = await asyncio.to_thread(self.prompt.conversation_tokens, request.messages)
+        return Tokenized(tokens=tokens, max_model_len=self.max_context_tokens)
 
     async def detokenize(self, tokens: list[int]) -> str:
         """`/detokenize`: the text of `tokens` (special tokens written out, as vLLM's); an id past the vocabulary

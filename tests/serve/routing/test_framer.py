@@ -93,7 +93,7 @@ def test_a_process_frames_as_this_process_does(prompt, framer, case, groups):
     """Layout, token counts and the conversation's digests (the response cache's and prefix affinity's keys) are
     those `PromptTemplate.frame` makes here, for every kind of turn; the request is one the framer offloads."""
     request = CASES[case]()
-    assert framer.offloads(request)
+    assert framer.offloads(request.messages, request.tools)
     expected = prompt.frame(request, groups)
     got = asyncio.run(framer.frame(request, groups))
     assert got == expected
@@ -112,27 +112,23 @@ def test_the_control_a_different_conversation_frames_differently(prompt, framer)
     assert other.conversation_chain[-1] != expected.conversation_chain[-1]
 
 
-def ask(messages: list[Message], **fields) -> AnswerRequest:
-    return AnswerRequest(query="a", messages=messages, top_k=2, **fields)
-
-
 def test_what_is_offloaded():
     """Small chats stay on threads (a process's round trip would cost more); a conversation reaching either limit,
     counted over messages, parts, tool calls and tools, goes to a process; `processes: 0` offloads nothing."""
     framer = Framer(MODEL, FramingSpec(min_parts=10, min_chars=1_000))
     chat = [Message(role="system", content="be brief"), Message(role="user", content=QUESTION)]
-    assert not framer.offloads(ask(chat))
-    assert not framer.offloads(AnswerRequest(query=QUESTION, top_k=2))  # a native request: no conversation
+    assert not framer.offloads(chat)
+    assert not framer.offloads(None)  # a native request: no conversation
     parts = [Message(role="user", content=[{"type": "text", "text": "a"}] * 8)]  # 1 message + 8 parts = 9
-    assert not framer.offloads(ask(parts))
-    assert framer.offloads(ask(parts, tools=tools()))  # + 1 tool = 10
-    assert framer.offloads(ask(parts * 2))
-    assert not framer.offloads(ask([Message(role="user", content="x" * 999)]))
-    assert framer.offloads(ask([Message(role="user", content="x" * 1_000)]))
+    assert not framer.offloads(parts)
+    assert framer.offloads(parts, tools())  # + 1 tool = 10
+    assert framer.offloads(parts * 2)
+    assert not framer.offloads([Message(role="user", content="x" * 999)])
+    assert framer.offloads([Message(role="user", content="x" * 1_000)])
     calls = [Message(role="assistant", tool_calls=[{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "1" * 1_000}}]), Message(role="user", content="a")]
-    assert framer.offloads(ask(calls))
-    assert not Framer(MODEL, FramingSpec(processes=0, min_parts=1)).offloads(ask(parts * 2))
+    assert framer.offloads(calls)
+    assert not Framer(MODEL, FramingSpec(processes=0, min_parts=1)).offloads(parts * 2)
     assert not framer._processes  # deciding starts nothing
 
 
@@ -162,6 +158,25 @@ def test_the_router_frames_a_large_conversation_off_its_gil(serving_store, monke
         assert (plan.layout, plan.prefix_tokens + plan.query_tokens, plan.conversation, plan.conversation_chain) == (
             expected.layout, sum(expected.text_tokens), expected.conversation, expected.conversation_chain)
         assert expected.layout.num_groups == 9  # the question and the latest 8 earlier user messages retrieve
+    finally:
+        stack.close()
+
+
+def test_tokenize_renders_a_large_conversation_in_the_process(serving_store, monkeypatch):
+    """`/tokenize` of a large conversation: the tokens this process's template gives, rendered in the framing process
+    (the router's own render made to raise); a small one stays on a thread (it raises)."""
+    from schemas.utility import TokenizeRequest
+
+    stack = stack_of(serving_store.uri, serving_store.model)
+    try:
+        router = stack.router
+        large, small = TokenizeRequest(messages=wide()), TokenizeRequest(messages=wide()[:1])
+        expected = router.prompt.conversation_tokens(large.messages)
+        assert len(expected) > 12 * 12
+        monkeypatch.setattr(prompt_module, "render_layout", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("here")))
+        assert asyncio.run(router.tokenize(large)).tokens == expected
+        with pytest.raises(RuntimeError, match="here"):
+            asyncio.run(router.tokenize(small))
     finally:
         stack.close()
 
@@ -274,3 +289,22 @@ def test_messages_cross_as_json_and_come_back_equal(framer):
     messages = mixed()
     assert adapter.validate_json(adapter.dump_json(messages)) == messages
     assert json.loads(adapter.dump_json(messages))[4]["function_call"] is None  # rewritten as tool_calls
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_request_pickles_its_conversation_as_json(case):
+    """An AnswerRequest crosses Serve handles (Ray's cloudpickle) and pipes (pickle) with its messages as pydantic's
+    JSON, not object by object, and arrives equal; one without messages pickles as any model does."""
+    import pickle
+
+    from ray import cloudpickle
+
+    from schemas import api
+
+    request = CASES[case]()
+    for module in (pickle, cloudpickle):
+        assert pickle.loads(module.dumps(request)) == request
+    assert request.__reduce_ex__(pickle.HIGHEST_PROTOCOL)[0] is api._with_messages
+    native = AnswerRequest(query=QUESTION, top_k=2)
+    assert pickle.loads(cloudpickle.dumps(native)) == native
+    assert native.__reduce_ex__(pickle.HIGHEST_PROTOCOL)[0] is not api._with_messages
