@@ -6,10 +6,10 @@ of it, a 256-turn history ~45 ms (tiny-qwen's tokenizer, AMD EPYC). On a worker 
 not off the GIL: the replica's other requests wait for it at each hand-off of the GIL, and beside a tenant looping such
 conversations another tenant's questions spent 115-194 ms in the router (docs/RELIABILITY.md, issue 60). In a framing
 process (serve/routing/frame_process.py) the router pays the messages' JSON (pydantic's serializer: ~2 ms for the 63 ×
-62 parts: `AnswerRequest.__reduce_ex__`) and the layout's unpickling (< 1 ms), on a thread that waits for the answer
-with the GIL released. A tenant's large conversations then wait for each other in the framing queue, not beside
-everyone's requests for the GIL; small ones stay on threads, where a process's round trip would cost more than their
-framing.
+62 parts) and the layout's decoding from JSON, on a thread that waits for the answer with the GIL released (the pipes
+carry JSON and bytes, never a pickle: tests/pipeline/store/test_no_pickle.py). A tenant's large conversations then wait
+for each other in the framing queue, not beside everyone's requests for the GIL; small ones stay on threads, where a
+process's round trip would cost more than their framing.
 
 Each framing process belongs to one thread of `Framer`'s executor (`processes` of them): it starts with that thread's
 first conversation (a deployed router starts one at once: `start`), loads the tokenizer (~280 MB resident, torch and
@@ -19,6 +19,7 @@ transformers imported: 2.5 s), and is replaced when it dies or is killed past `t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import subprocess
@@ -34,7 +35,7 @@ from schemas.conversation import Message, TextPart
 from schemas.errors import WorkerLostError
 from schemas.tools import ToolUse
 from serve.config import FramingSpec
-from serve.routing.frame_process import Job, receive, send
+from serve.routing.frame_process import Job, decode_framing, receive, send
 from serve.routing.prompt import Framing, InvalidMessageError
 
 _MESSAGES = TypeAdapter(list[Message])
@@ -77,25 +78,30 @@ class Framer:
         WorkerLostError (503). Cancelled while queued, it is never sent."""
         return await asyncio.wrap_future(self._calls.submit(self._frame, request, groups))
 
-    def _frame(self, request: AnswerRequest, groups: int) -> Framing:  # on an executor thread: its pickling too
-        return self._call((Job.FRAME, request, groups))
-
     async def tokenize(self, messages: list[Message]) -> list[int]:
         """`PromptTemplate.conversation_tokens(messages)` in a framing process, its errors and limits `frame`'s."""
-        call = self._calls.submit(lambda: self._call((Job.TOKENIZE, _MESSAGES.dump_json(messages))))
-        return await asyncio.wrap_future(call)
+        return await asyncio.wrap_future(self._calls.submit(self._tokenize, messages))
 
     def start(self) -> Future:
         """Starts a framing process now (a deployed router does, so its first large conversation does not wait for
         one to load); the future holds its pid."""
         return self._calls.submit(lambda: self._process().pid)
 
-    def _call(self, message: tuple):
-        """`message` answered by this thread's framing process (frame_process.py's protocol)."""
+    def _frame(self, request: AnswerRequest, groups: int) -> Framing:  # on an executor thread: the JSON off the loop
+        header = {"job": Job.FRAME.value, "groups": groups, "add_generation_prompt": request.add_generation_prompt,
+                  "continue_final": request.continue_final_message,
+                  "tools": request.tools.model_dump(mode="json") if request.tools is not None else None}
+        return decode_framing(self._call(header, _MESSAGES.dump_json(request.messages)))
+
+    def _tokenize(self, messages: list[Message]) -> list[int]:
+        return json.loads(self._call({"job": Job.TOKENIZE.value}, _MESSAGES.dump_json(messages)))
+
+    def _call(self, header: dict, payload: bytes) -> bytes:
+        """The answer's payload from this thread's framing process (frame_process.py's protocol)."""
         for attempt in range(2):  # a process found dead (killed between conversations, or by this one): once more
             process = self._process()
             try:
-                status, value = process.call(message, self.spec.timeout_s)
+                answer, result = process.call(header, payload, self.spec.timeout_s)
                 break
             except TimeoutError:
                 self._drop(process)
@@ -107,9 +113,11 @@ class Framer:
                 if attempt:
                     raise WorkerLostError("the router's framing process died twice while framing this conversation; "
                                           "retry, or send a shorter one", retry_after_s=1.0) from None
-        if status == "error":
-            raise value
-        return value
+        if answer["status"] == "invalid":
+            raise InvalidMessageError(answer["message"], answer["param"])
+        if answer["status"] != "ok":
+            raise RuntimeError(f"the framing process failed: {answer['message']}")
+        return result
 
     def _process(self) -> FramingProcess:
         process = getattr(self._local, "process", None)
@@ -150,17 +158,18 @@ class FramingProcess:
         os.close(to_child)
         os.close(from_child)
         self._writer, self._reader = os.fdopen(self._to_child, "wb"), os.fdopen(self._from_child, "rb")
-        send(self._writer, model)
-        status, self.pid = self._answer(START_TIMEOUT_S)
-        if status != "ready":
-            raise RuntimeError(f"framing process: unexpected first answer {status!r}")
+        send(self._writer, {"model": model.model_dump(mode="json")})
+        answer, _ = self._answer(START_TIMEOUT_S)
+        if answer.get("status") != "ready":
+            raise RuntimeError(f"framing process: unexpected first answer {answer!r}")
+        self.pid = answer["pid"]
 
-    def call(self, message: tuple, timeout_s: float) -> tuple[str, object]:
+    def call(self, header: dict, payload: bytes, timeout_s: float) -> tuple[dict, bytes]:
         """TimeoutError past `timeout_s`; EOFError or OSError when the process is gone."""
-        send(self._writer, message)
+        send(self._writer, header, payload)
         return self._answer(timeout_s)
 
-    def _answer(self, timeout_s: float):
+    def _answer(self, timeout_s: float) -> tuple[dict, bytes]:
         readable, _, _ = select.select([self._reader], [], [], timeout_s)
         if not readable:
             raise TimeoutError

@@ -126,18 +126,21 @@ class PromptTemplate:
     def frame(self, request: AnswerRequest, groups: int) -> Framing:
         """The prompt's text around `groups` groups of chunks, laid out and counted, and the conversation's digests:
         the part of a route that needs no query vector and no store (the router runs it on a thread, or a large
-        conversation in a framing process: serve/routing/framer.py). A conversation's groups sit at its last
-        `groups` user messages. InvalidMessageError: 400."""
+        conversation's in a framing process: serve/routing/framer.py). InvalidMessageError: 400."""
         if request.messages is None:
             layout = self.native(request.instruction, request.text_after_chunks)
             return Framing(layout, tuple(self.tokens(t) for t in layout.texts))
-        users = [i for i, m in enumerate(request.messages) if m.role == "user"]
-        layout = self.conversation(request.messages, users[-groups:], request.tools, request.add_generation_prompt,
-                                   request.continue_final_message)
+        return self.frame_conversation(request.messages, groups, request.tools, request.add_generation_prompt,
+                                       request.continue_final_message)
+
+    def frame_conversation(self, messages: list[Message], groups: int, tools: ToolUse | None = None,
+                           add_generation_prompt: bool = True, continue_final: bool = False) -> Framing:
+        """`frame` of a conversation: its groups sit at its last `groups` user messages."""
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        layout = self.conversation(messages, users[-groups:], tools, add_generation_prompt, continue_final)
         return Framing(layout, tuple(self.tokens(t) for t in layout.texts),
-                       conversation_digest(request.messages, request.tools, request.add_generation_prompt,
-                                           request.continue_final_message),
-                       conversation_chain(request.messages))
+                       conversation_digest(messages, tools, add_generation_prompt, continue_final),
+                       conversation_chain(messages))
 
     def conversation_tokens(self, messages: list[Message]) -> list[int]:
         """`/tokenize`'s answer for `messages`: the prompt's token ids as a chat request's holds them, no chunks."""
