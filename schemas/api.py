@@ -12,10 +12,10 @@ import json
 from enum import Enum
 from typing import Annotated
 
-from pydantic import Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from schemas.config import MAX_RAW_TAU, ScoreNormalisation, check_tau
-from schemas.conversation import MAX_MESSAGES, Message, check_conversation
+from schemas.conversation import MAX_MESSAGES, MESSAGES, Message, check_conversation
 from schemas.decoding import Decoding
 from schemas.modes import ChunkOrder, Mode
 from schemas.tools import FunctionDef, ToolUse, call_grammar, call_or_json_grammar
@@ -184,7 +184,7 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
         the JSON ~2 ms), and the messages are validated where they arrive (Rust; the same messages: they round-trip)."""
         if not self.messages:
             return super().__reduce_ex__(protocol)
-        return _with_messages, (self.model_copy(update={"messages": None}), _MESSAGES.dump_json(self.messages))
+        return _with_messages, (self.model_copy(update={"messages": None}), MESSAGES.dump_json(self.messages))
 
     @property
     def forced_calls(self) -> list[FunctionDef] | None:
@@ -216,9 +216,6 @@ class AnswerRequest(Selection, Routing, Attribution, Prompt, Decoding):
         return "tools" if self.forced_calls is not None else super().grammar_param
 
 
-_MESSAGES = TypeAdapter(list[Message])
-
-
 def _with_messages(request: AnswerRequest, messages: bytes) -> AnswerRequest:
     """`AnswerRequest.__reduce_ex__`'s inverse: `request` (without its messages) with `messages` validated back."""
-    return request.model_copy(update={"messages": _MESSAGES.validate_json(messages)})
+    return request.model_copy(update={"messages": MESSAGES.validate_json(messages)})

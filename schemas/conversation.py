@@ -16,7 +16,7 @@ import binascii
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from schemas.wire import NullIsDefault, Strict, Utf8Str
 
@@ -133,6 +133,10 @@ class Message(Strict, NullIsDefault):
     def images(self) -> list[ImageURL]:
         return [p.image_url for p in self.content or [] if isinstance(p, ImagePart)] \
             if not isinstance(self.content, str) else []
+
+
+# a conversation as pydantic's JSON and back (Rust both ways): how it crosses Serve handles and the framing pipe
+MESSAGES = TypeAdapter(list[Message])
 
 
 def check_conversation(messages: list[Message], continue_final: bool = False) -> None:

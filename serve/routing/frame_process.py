@@ -78,14 +78,11 @@ def decode_framing(data: bytes):
 
 
 def serve_forever(reader: BinaryIO, writer: BinaryIO) -> None:
-    from pydantic import TypeAdapter
-
     from schemas.config import ModelSpec
-    from schemas.conversation import Message
+    from schemas.conversation import MESSAGES
     from schemas.tools import ToolUse
     from serve.routing.prompt import InvalidMessageError, PromptTemplate
 
-    messages_type = TypeAdapter(list[Message])
     prompt = PromptTemplate.load(ModelSpec.model_validate(receive(reader)[0]["model"]))
     send(writer, {"status": "ready", "pid": os.getpid()})
     while True:
@@ -94,7 +91,7 @@ def serve_forever(reader: BinaryIO, writer: BinaryIO) -> None:
         except EOFError:
             return
         try:
-            messages = messages_type.validate_json(payload)
+            messages = MESSAGES.validate_json(payload)
             if header["job"] == Job.FRAME.value:
                 tools = ToolUse.model_validate(header["tools"]) if header["tools"] is not None else None
                 framing = prompt.frame_conversation(messages, header["groups"], tools,

@@ -27,18 +27,15 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pydantic import TypeAdapter
-
 from schemas.api import AnswerRequest
 from schemas.config import ModelSpec
-from schemas.conversation import Message, TextPart
+from schemas.conversation import MESSAGES, Message, TextPart
 from schemas.errors import WorkerLostError
 from schemas.tools import ToolUse
 from serve.config import FramingSpec
 from serve.routing.frame_process import Job, decode_framing, receive, send
 from serve.routing.prompt import Framing, InvalidMessageError
 
-_MESSAGES = TypeAdapter(list[Message])
 START_TIMEOUT_S = 120.0  # a process's import of transformers and torch and its tokenizer's load
 
 
@@ -91,10 +88,10 @@ class Framer:
         header = {"job": Job.FRAME.value, "groups": groups, "add_generation_prompt": request.add_generation_prompt,
                   "continue_final": request.continue_final_message,
                   "tools": request.tools.model_dump(mode="json") if request.tools is not None else None}
-        return decode_framing(self._call(header, _MESSAGES.dump_json(request.messages)))
+        return decode_framing(self._call(header, MESSAGES.dump_json(request.messages)))
 
     def _tokenize(self, messages: list[Message]) -> list[int]:
-        return json.loads(self._call({"job": Job.TOKENIZE.value}, _MESSAGES.dump_json(messages)))
+        return json.loads(self._call({"job": Job.TOKENIZE.value}, MESSAGES.dump_json(messages)))
 
     def _call(self, header: dict, payload: bytes) -> bytes:
         """The answer's payload from this thread's framing process (frame_process.py's protocol)."""
