@@ -74,7 +74,10 @@ def decode_image(data: bytes, max_pixels: int) -> ImageRef:
 
 
 def pil_image(image: ImageRef) -> Image.Image:
-    return Image.open(io.BytesIO(image.data), formats=IMAGE_FORMATS).convert("RGB")
+    """The decoded image in RGB (not copied again when it is RGB already: 48 MB at 16 MP)."""
+    decoded = Image.open(io.BytesIO(image.data), formats=IMAGE_FORMATS)
+    decoded.load()
+    return decoded if decoded.mode == "RGB" else decoded.convert("RGB")
 
 
 @dataclass(frozen=True)

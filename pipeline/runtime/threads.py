@@ -27,6 +27,8 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +37,21 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# Niceness of work whose size a client chooses (bulk embeddings, an upload's pixels): ~10% of a core beside one busy
+# thread of niceness 0 (CFS weights), so a node's cores go to interactive work first (issue 60).
+BULK_NICE = 10
+
+
+def lower_priority(nice: int) -> None:
+    """The calling thread's niceness raised by `nice` (Linux: a thread is a task of its own, and any user may lower
+    its own priority; none may raise it back, so only threads that end are lowered). Elsewhere, or refused, it keeps
+    its priority: logged, not fatal."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except (AttributeError, OSError) as error:
+        log.warning("a thread keeps its CPU priority: %s", error)
 
 
 def serial_here() -> bool:
@@ -70,12 +87,15 @@ def _runtime_libraries() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
     return libraries if hasattr(libraries[1], "MKL_Set_Num_Threads_Local") else None
 
 
-def in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "qvpic-passing", **kwargs: Any) -> T:
-    """`fn(*args, **kwargs)` on a new thread that ends when it returns (its OpenMP pool with it); its result, or
-    its exception raised here."""
+def in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "qvpic-passing", nice: int = 0,
+                      **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on a new thread that ends when it returns (its OpenMP pool with it), `nice` steps less
+    favoured by the CPU scheduler than this process; its result, or its exception raised here."""
     outcome: list[Any] = []
 
     def run() -> None:
+        if nice:
+            lower_priority(nice)
         try:
             outcome.append((True, fn(*args, **kwargs)))
         except BaseException as error:  # noqa: BLE001 — re-raised in the caller's thread
@@ -90,9 +110,10 @@ def in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "qvpic-passi
     return value
 
 
-async def off_loop(fn: Callable[..., T], *args: Any, name: str = "qvpic-off-loop") -> T:
+async def off_loop(fn: Callable[..., T], *args: Any, name: str = "qvpic-off-loop", nice: int = 0) -> T:
     """`asyncio.to_thread`, but on a thread of its own that ends with the call: asyncio's default executor keeps
-    its threads, and a kept thread that ran a parallel kernel slows the engine's for good (module docstring)."""
+    its threads, and a kept thread that ran a parallel kernel slows the engine's for good (module docstring).
+    `nice`: the thread's niceness above this process's (`lower_priority`)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
     context = contextvars.copy_context()  # as asyncio.to_thread: the caller's context variables
@@ -102,6 +123,8 @@ async def off_loop(fn: Callable[..., T], *args: Any, name: str = "qvpic-off-loop
             (done.set_result if ok else done.set_exception)(value)
 
     def run() -> None:
+        if nice:
+            lower_priority(nice)
         try:
             result, ok = context.run(fn, *args), True
         except BaseException as error:  # noqa: BLE001 — raised in the awaiting task

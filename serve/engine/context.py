@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
+from pipeline.runtime.threads import BULK_NICE
 from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.config import RecomputeSpec
 from schemas.errors import PageImageRefusedError, UnservableError, public_reason
@@ -90,7 +91,9 @@ class ContextBuilder:
         off the event loop)."""
         layout = plan.layout
         if layout.images:
-            return await off_loop(lambda: [prepare_segment(self.vlm, t) for t in layout.texts])
+            # at a lower CPU priority: a 16 MP upload's decode and fit take ~350 ms of a core (issue 60)
+            return await off_loop(lambda: [prepare_segment(self.vlm, t) for t in layout.texts], name="qvpic-images",
+                                  nice=BULK_NICE)
         return [prepare_segment(self.vlm, t) for t in layout.texts]
 
     def _prompt(self, plan: Plan, chunks: list[ChunkKV], served: list[Entry], texts) -> LinkedContext:

@@ -15,11 +15,12 @@ import enum
 import heapq
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from pipeline.runtime.threads import BULK_NICE, lower_priority
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,6 @@ class Priority(enum.IntEnum):
     BULK = 2  # /v1/embeddings: one batch of a client's inputs
 
 
-BULK_NICE = 10  # the bulk thread's niceness: ~10% of a core beside one busy thread of niceness 0 (CFS weights)
 
 
 class EmbedQueue:
@@ -124,15 +124,6 @@ class _Worker:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(future.cancel)
         self.thread.join(timeout_s)
-
-
-def lower_priority(nice: int) -> None:
-    """The calling thread's niceness raised by `nice` (Linux: a thread is a task of its own, and any user may lower
-    its own priority). Elsewhere, or refused, it keeps its priority: logged, not fatal."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    except (AttributeError, OSError) as error:
-        log.warning("bulk embeddings keep their CPU priority: %s", error)
 
 
 def settle(future: asyncio.Future, result, error: BaseException | None) -> None:

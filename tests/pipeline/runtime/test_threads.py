@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 import serve.engine.generator as generator_module
 from pipeline.runtime import in_passing_thread, off_loop, serial_here
+from pipeline.runtime.threads import BULK_NICE
 from serve.config import GeneratorConfig
 from tests.support.paths import REPO
 from tests.support.store_factory import serving_store  # noqa: F401  (fixture)
@@ -96,6 +98,24 @@ def test_off_loop_runs_on_a_thread_that_ends_and_keeps_the_context():
     assert asyncio.run(main()) == "r-1:7"
     ran_on[0].join(5)
     assert ran_on[0] is not threading.main_thread() and not ran_on[0].is_alive()
+
+
+def niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_a_nicer_thread_is_lowered_and_the_caller_keeps_its_priority():
+    """`nice` lowers the new thread's priority only: the caller's stays, and so does a thread without it."""
+    base = niceness()
+    expected = min(19, base + BULK_NICE)
+
+    async def main():
+        return await off_loop(niceness, nice=BULK_NICE), await off_loop(niceness)
+
+    assert in_passing_thread(niceness, nice=BULK_NICE) == expected
+    assert in_passing_thread(niceness) == base
+    assert asyncio.run(main()) == (expected, base)
+    assert niceness() == base
 
 
 def test_a_replica_s_generator_loads_off_its_thread_and_keeps_that_thread_serial(serving_store, monkeypatch,

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 import threading
 import time
 
 import pytest
 from PIL import Image
 
+import serve.engine.context as context_module
+from pipeline.runtime.threads import BULK_NICE
 from schemas.api import AnswerRequest
 from schemas.conversation import Message
 from schemas.errors import ContextLengthError
@@ -72,6 +75,40 @@ def test_images_decode_off_the_event_loop(roles, monkeypatch):
         assert router.query_vectors.get(b"t", QUESTION) is not None
         assert decoded_on and loop_thread not in decoded_on, remembered
         assert ticks > 0, remembered  # the loop served the ticker while the image decoded
+
+
+def niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_an_upload_s_pixels_are_worked_at_a_lower_cpu_priority(roles, monkeypatch):
+    """Its decode on the router and its processing on the generator (~210 and ~350 ms of a core for 16 MP) run
+    BULK_NICE below the replica, so another tenant's question gets the cores first; the conversation's text is
+    rendered at the replica's own priority. Control: a chat without an image prepares its text at the replica's."""
+    base, lowered = niceness(), min(19, niceness() + BULK_NICE)
+    seen: dict[str, list[int]] = {"decode": [], "render": [], "prepare": []}
+    decode, render, prepare = prompt_module.decode_image, prompt_module.render_layout, context_module.prepare_segment
+
+    def spied(name, fn):
+        def run(*args, **kwargs):
+            seen[name].append(niceness())
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(prompt_module, "decode_image", spied("decode", decode))
+    monkeypatch.setattr(prompt_module, "render_layout", spied("render", render))
+    monkeypatch.setattr(context_module, "prepare_segment", spied("prepare", prepare))
+    with_image = [Message(role="user", content=[{"type": "text", "text": QUESTION},
+                                                {"type": "image_url", "image_url": {"url": png()}}])]
+    roles.answer_blocking(AnswerRequest(query=QUESTION, messages=with_image, top_k=2, max_new_tokens=2))
+    assert seen["decode"] == [lowered]
+    assert seen["render"] and set(seen["render"]) == {base}
+    assert seen["prepare"] and set(seen["prepare"]) == {lowered}
+    for names in seen.values():
+        names.clear()
+    roles.answer_blocking(AnswerRequest(query=QUESTION, messages=[Message(role="user", content=QUESTION)], top_k=2,
+                                        max_new_tokens=2))
+    assert seen["decode"] == [] and seen["prepare"] and set(seen["prepare"]) == {base}
 
 
 def history(turns: int, text: str) -> list[Message]:
