@@ -87,6 +87,21 @@ def _runtime_libraries() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
     return libraries if hasattr(libraries[1], "MKL_Set_Num_Threads_Local") else None
 
 
+def lower_process_priority(nice: int) -> None:
+    """Every thread of this process `nice` steps less favoured (Linux lists them in /proc/self/task; threads started
+    later inherit their starter's niceness). Elsewhere, only the calling thread."""
+    try:
+        tasks = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:
+        lower_priority(nice)
+        return
+    for task in tasks:
+        try:
+            os.setpriority(os.PRIO_PROCESS, task, os.getpriority(os.PRIO_PROCESS, task) + nice)
+        except OSError as error:  # ended meanwhile, or refused
+            log.warning("thread %d keeps its CPU priority: %s", task, error)
+
+
 def in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "qvpic-passing", nice: int = 0,
                       **kwargs: Any) -> T:
     """`fn(*args, **kwargs)` on a new thread that ends when it returns (its OpenMP pool with it), `nice` steps less

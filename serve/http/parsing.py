@@ -25,12 +25,17 @@ from fastapi import Request, Response, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
+from pipeline.runtime.threads import BULK_NICE, lower_priority
+
 # Bodies up to this are parsed inline: ~1.5 ms at the worst measured rate (~0.1 ms per KB, text parts of two
 # characters), less than a thread hop's queueing behind a large body would cost the ordinary request.
 INLINE_BODY_NBYTES = 16 << 10
 
-# Two threads: one large body does not queue another behind it; the GIL makes more of them no faster.
-_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qvpic-parse")
+# Two threads: one large body does not queue another behind it; the GIL makes more of them no faster. At BULK_NICE:
+# the loop, `/healthz` and small requests get the cores first (issue 60; the serve shape's wide-JSON probe alone beside
+# b, docs/RELIABILITY.md).
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qvpic-parse", initializer=lower_priority,
+                           initargs=(BULK_NICE,))
 
 T = TypeVar("T")
 

@@ -8,9 +8,10 @@ process loads the prompt template (the tokenizer and the chat template, no weigh
 Then each message is a job (`Job`) whose payload is the conversation's messages as the router dumped them (pydantic's
 JSON, validated again here as the ingress validated them): `frame`, with the groups, tools and ending in its header,
 answered with `PromptTemplate.frame_conversation`'s `Framing` as JSON (`encode_framing`); or `tokenize`, answered with
-the prompt's token ids. A message the template cannot take is answered `invalid`, with its words and field. It ends when
-the router closes its end. A plain subprocess, not multiprocessing: spawn would import the router process's `__main__`
-here (a script without a main guard would run again), and a fork would copy its threads.
+the prompt's token ids. A message the template cannot take is answered `invalid`, with its words and field. It ends
+when the router closes its end. It runs at `BULK_NICE`, below the router. A plain subprocess, not multiprocessing: spawn
+would import the router process's `__main__` here (a script without a main guard would run again), and a fork would
+copy its threads.
 """
 
 from __future__ import annotations
@@ -78,11 +79,15 @@ def decode_framing(data: bytes):
 
 
 def serve_forever(reader: BinaryIO, writer: BinaryIO) -> None:
+    from pipeline.runtime.threads import BULK_NICE, lower_process_priority
     from schemas.config import ModelSpec
     from schemas.conversation import MESSAGES
     from schemas.tools import ToolUse
     from serve.routing.prompt import InvalidMessageError, PromptTemplate
 
+    # Each conversation here is one a client made large (past `router.framing`'s limits): the kernel gives the cores to
+    # the replicas' interactive work first. Every thread so far (BLAS's, started at numpy's import); later ones inherit.
+    lower_process_priority(BULK_NICE)
     prompt = PromptTemplate.load(ModelSpec.model_validate(receive(reader)[0]["model"]))
     send(writer, {"status": "ready", "pid": os.getpid()})
     while True:

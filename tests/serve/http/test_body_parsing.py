@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import httpx
@@ -23,6 +24,7 @@ from tests.serve.http.test_api import app, call  # noqa: F401  (a fixture)
 from tests.support.store_factory import roles, serving_store  # noqa: F401  (fixtures)
 
 VALIDATED_ON: list[int] = []  # the threads that ran Probe's field validator
+NICENESS: list[int] = []  # and their niceness
 
 
 class Probe(BaseModel):
@@ -33,6 +35,7 @@ class Probe(BaseModel):
     @classmethod
     def _record(cls, items: list[int]) -> list[int]:
         VALIDATED_ON.append(threading.get_ident())
+        NICENESS.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return items
 
 
@@ -70,6 +73,18 @@ def test_a_large_body_is_validated_on_a_worker_and_a_small_one_inline():
             response = post(probe_app(route_class), body)
             assert response.status_code == 200, response.text
             assert VALIDATED_ON and all((thread == loop_thread) is on_loop for thread in VALIDATED_ON), route_class
+
+
+def test_a_large_body_is_validated_at_a_lower_cpu_priority():
+    """A body a client made large is worked BULK_NICE below the ingress: the loop, `/healthz` and small requests get
+    the cores first. A small body, inline, keeps the loop's priority."""
+    from pipeline.runtime.threads import BULK_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for body, expected in ((LARGE, min(19, base + BULK_NICE)), (SMALL, base)):
+        NICENESS.clear()
+        assert post(probe_app(WorkerParsedRoute), body).status_code == 200
+        assert NICENESS == [expected]
 
 
 BODIES = {

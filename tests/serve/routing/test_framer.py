@@ -192,6 +192,17 @@ def test_a_400_from_the_process_names_its_field(framer):
     assert raised.value.param == "messages[12].tool_calls[0].function.arguments"
 
 
+def test_the_process_runs_at_a_lower_cpu_priority(framer):
+    """Its conversations are ones a client made large: BULK_NICE below the router (main thread and every thread it
+    starts), so the router's and the generator's interactive work get the cores first."""
+    from pipeline.runtime.threads import BULK_NICE
+
+    pid = framer.start().result()
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BULK_NICE)
+    threads = os.listdir(f"/proc/{pid}/task")
+    assert threads and {os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == {expected}
+
+
 def test_a_stuck_process_is_killed_and_the_request_refused(prompt):
     """Past `timeout_s` the request is a 400 naming `messages` and the limit, and the process is killed; the next
     conversation gets a new one and is framed."""
