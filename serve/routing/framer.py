@@ -8,8 +8,9 @@ conversations another tenant's questions spent 115-194 ms in the router (docs/RE
 process (serve/routing/frame_process.py) the router pays the messages' JSON (pydantic's serializer: ~2 ms for the 63 ×
 62 parts) and the layout's decoding from JSON, on a thread that waits for the answer with the GIL released (the pipes
 carry JSON and bytes, never a pickle: tests/pipeline/store/test_no_pickle.py). A tenant's large conversations then wait
-for each other in the framing queue, not beside everyone's requests for the GIL; small ones stay on threads, where a
-process's round trip would cost more than their framing.
+for each other in the framing queue, not beside everyone's requests for the GIL, and tenants take turns there
+(`FairExecutor`: another tenant's large conversation waits for one of theirs, not for all of them); small ones stay on
+threads, where a process's round trip would cost more than their framing.
 
 Each framing process belongs to one thread of `Framer`'s executor (`processes` of them): it starts with that thread's
 first conversation (a deployed router starts one at once: `start`), loads the tokenizer (~280 MB resident, torch and
@@ -25,7 +26,7 @@ import select
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from schemas.api import AnswerRequest
 from schemas.config import ModelSpec
@@ -33,18 +34,22 @@ from schemas.conversation import MESSAGES, Message, TextPart
 from schemas.errors import WorkerLostError
 from schemas.tools import ToolUse
 from serve.config import FramingSpec
+from serve.routing.fair_executor import FairExecutor
 from serve.routing.frame_process import Job, decode_framing, receive, send
 from serve.routing.prompt import Framing, InvalidMessageError
 
 START_TIMEOUT_S = 120.0  # a process's import of transformers and torch and its tokenizer's load
+TOKENIZE_KEY = ("tokenize",)  # /tokenize's conversations take their turns as one tenant (it is not told the tenant)
+START_KEY = ("start",)
 
 
 class Framer:
-    """The router replica's framing processes, one per thread of a small executor whose queue is the framing queue."""
+    """The router replica's framing processes, one per thread of a small executor whose queue is the framing queue,
+    served a tenant at a time."""
 
     def __init__(self, model: ModelSpec, spec: FramingSpec):
         self.model, self.spec = model, spec
-        self._calls = ThreadPoolExecutor(spec.processes, "framer") if spec.processes else None
+        self._calls = FairExecutor(spec.processes, "framer") if spec.processes else None
         self._local = threading.local()  # each executor thread's FramingProcess
         self._lock = threading.Lock()
         self._processes: set[FramingProcess] = set()  # every live one, for `close`
@@ -68,21 +73,22 @@ class Framer:
             parts += len(tools.tools)
         return parts >= self.spec.min_parts or chars >= self.spec.min_chars
 
-    async def frame(self, request: AnswerRequest, groups: int) -> Framing:
-        """`PromptTemplate.frame(request, groups)` in a framing process, its errors (InvalidMessageError: a 400)
-        raised here as they are. Past `timeout_s` the process is killed and the request refused, naming `messages`
-        (400). A process that dies under it is replaced and the conversation sent once more; dying again, it is a
-        WorkerLostError (503). Cancelled while queued, it is never sent."""
-        return await asyncio.wrap_future(self._calls.submit(self._frame, request, groups))
+    async def frame(self, request: AnswerRequest, groups: int, tenant: bytes = b"") -> Framing:
+        """`PromptTemplate.frame(request, groups)` in a framing process, queued under `tenant` (the router's cache
+        salt: server-side), its errors (InvalidMessageError: a 400) raised here as they are. Past `timeout_s` the
+        process is killed and the request refused, naming `messages` (400). A process that dies under it is replaced
+        and the conversation sent once more; dying again, it is a WorkerLostError (503). Cancelled while queued, it
+        is never sent."""
+        return await asyncio.wrap_future(self._calls.submit(tenant, self._frame, request, groups))
 
     async def tokenize(self, messages: list[Message]) -> list[int]:
         """`PromptTemplate.conversation_tokens(messages)` in a framing process, its errors and limits `frame`'s."""
-        return await asyncio.wrap_future(self._calls.submit(self._tokenize, messages))
+        return await asyncio.wrap_future(self._calls.submit(TOKENIZE_KEY, self._tokenize, messages))
 
     def start(self) -> Future:
         """Starts a framing process now (a deployed router does, so its first large conversation does not wait for
         one to load); the future holds its pid."""
-        return self._calls.submit(lambda: self._process().pid)
+        return self._calls.submit(START_KEY, lambda: self._process().pid)
 
     def _frame(self, request: AnswerRequest, groups: int) -> Framing:  # on an executor thread: the JSON off the loop
         header = {"job": Job.FRAME.value, "groups": groups, "add_generation_prompt": request.add_generation_prompt,
@@ -134,7 +140,7 @@ class Framer:
 
     def close(self) -> None:
         if self._calls is not None:
-            self._calls.shutdown(wait=False, cancel_futures=True)
+            self._calls.shutdown()
         with self._lock:
             processes, self._processes = self._processes, set()
         for process in processes:

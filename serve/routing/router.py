@@ -121,7 +121,7 @@ class Router:
         history = asyncio.ensure_future(self.embed_history([queries[i] for i in earlier])) if earlier else None
         try:
             offloaded = self.framer.offloads(request.messages, request.tools)
-            framing = await (self.framer.frame(request, len(queries)) if offloaded
+            framing = await (self.framer.frame(request, len(queries), cache_salt) if offloaded
                              else asyncio.to_thread(self.frame, request, len(queries)))
             if request.messages is not None:  # a native prompt may move its instruction (route recounts it)
                 framing.refuse_past(self.max_context_tokens, request.max_new_tokens)
