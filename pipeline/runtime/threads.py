@@ -27,8 +27,6 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,24 +34,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from pipeline.runtime.priority import lower_priority
+
 T = TypeVar("T")
-log = logging.getLogger(__name__)
-
-# Niceness of work whose size a client chooses (bulk embeddings, an upload's pixels): ~10% of a core beside one busy
-# thread of niceness 0 (CFS weights), so a node's cores go to interactive work first (issue 60).
-BULK_NICE = 10
-
-
-def lower_priority(nice: int) -> None:
-    """The calling thread's niceness raised by `nice` (Linux: a thread is a task of its own, and any user may lower
-    its own priority; none may raise it back, so only threads that end are lowered). Elsewhere, or refused, it keeps
-    its priority: logged, not fatal."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    except (AttributeError, OSError) as error:
-        log.warning("a thread keeps its CPU priority: %s", error)
-
-
 def serial_here() -> bool:
     """Run this thread's torch kernels on one thread from now on, leaving every other thread's count (and the
     default new threads take) as it is. torch's `set_num_threads` would change the process's default too, so
@@ -85,21 +68,6 @@ def _runtime_libraries() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
         return None
     libraries = ctypes.CDLL(str(gomp)), ctypes.CDLL(str(torch_cpu))
     return libraries if hasattr(libraries[1], "MKL_Set_Num_Threads_Local") else None
-
-
-def lower_process_priority(nice: int) -> None:
-    """Every thread of this process `nice` steps less favoured (Linux lists them in /proc/self/task; threads started
-    later inherit their starter's niceness). Elsewhere, only the calling thread."""
-    try:
-        tasks = [int(task) for task in os.listdir("/proc/self/task")]
-    except OSError:
-        lower_priority(nice)
-        return
-    for task in tasks:
-        try:
-            os.setpriority(os.PRIO_PROCESS, task, os.getpriority(os.PRIO_PROCESS, task) + nice)
-        except OSError as error:  # ended meanwhile, or refused
-            log.warning("thread %d keeps its CPU priority: %s", task, error)
 
 
 def in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "qvpic-passing", nice: int = 0,

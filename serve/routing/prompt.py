@@ -17,8 +17,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
 from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
+from pipeline.runtime.priority import BULK_NICE
 from pipeline.runtime.text_encoder import text_encoder
-from pipeline.runtime.threads import BULK_NICE, in_passing_thread
+from pipeline.runtime.threads import in_passing_thread
 from schemas.api import AnswerRequest
 from schemas.config import ModelFamily, ModelSpec
 from schemas.conversation import MAX_IMAGE_PIXELS, ImagePart, Message, last_user_index
