@@ -37,6 +37,8 @@ import torch
 from pipeline.runtime.priority import lower_priority
 
 T = TypeVar("T")
+
+
 def serial_here() -> bool:
     """Run this thread's torch kernels on one thread from now on, leaving every other thread's count (and the
     default new threads take) as it is. torch's `set_num_threads` would change the process's default too, so

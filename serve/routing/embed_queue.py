@@ -32,8 +32,6 @@ class Priority(enum.IntEnum):
     BULK = 2  # /v1/embeddings: one batch of a client's inputs
 
 
-
-
 class EmbedQueue:
     """`embed` runs the queries on one thread. With `bulk` (an embedder whose forward runs on its calling thread:
     `Embedder.on_one_thread`), bulk batches run on a thread of their own, of lower CPU priority (`BULK_NICE`): a

@@ -17,6 +17,7 @@ from typing import Any
 
 REMEMBERED_KEYS = 4_096  # keys whose last turn is kept; one forgotten is served as a new key
 
+
 class FairExecutor:
     """`workers` threads, each running calls until `shutdown`; calls queued per key, the keys taken in turn."""
 

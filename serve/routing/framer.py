@@ -9,8 +9,8 @@ process (serve/routing/frame_process.py) the router pays the messages' JSON (pyd
 62 parts) and the layout's decoding from JSON, on a thread that waits for the answer with the GIL released (the pipes
 carry JSON and bytes, never a pickle: tests/pipeline/store/test_no_pickle.py). A tenant's large conversations then wait
 for each other in the framing queue, not beside everyone's requests for the GIL, and tenants take turns there
-(`FairExecutor`: another tenant's large conversation waits for one of theirs, not for all of them); small ones stay on
-threads, where a process's round trip would cost more than their framing.
+(`FairExecutor`: another tenant's large conversation waits for the ones being framed, not for all those queued); small
+ones stay on threads, where a process's round trip would cost more than their framing.
 
 Each framing process belongs to one thread of `Framer`'s executor (`processes` of them): it starts with that thread's
 first conversation (a deployed router starts one at once: `start`), loads the tokenizer (~280 MB resident, torch and
