@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.runtime.priority import lower_priority
+from pipeline.priority import lower_priority
 
 T = TypeVar("T")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from pipeline.priority import BULK_NICE
 from pipeline.runtime import VLM, ChunkKV, PreparedSegment, Renderer, off_loop, prepare_segment
-from pipeline.runtime.priority import BULK_NICE
 from pipeline.store import PageImageError, PageImageRefused, page_images
 from schemas.config import RecomputeSpec
 from schemas.errors import PageImageRefusedError, UnservableError, public_reason

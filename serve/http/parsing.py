@@ -25,7 +25,7 @@ from fastapi import Request, Response, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from pipeline.runtime.priority import BULK_NICE, lower_priority
+from pipeline.priority import BULK_NICE, lower_priority
 
 # Bodies up to this are parsed inline: ~1.5 ms at the worst measured rate (~0.1 ms per KB, text parts of two
 # characters), less than a thread hop's queueing behind a large body would cost the ordinary request.

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pipeline.runtime.priority import BULK_NICE, lower_priority
+from pipeline.priority import BULK_NICE, lower_priority
 
 log = logging.getLogger(__name__)
 

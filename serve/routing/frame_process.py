@@ -79,7 +79,7 @@ def decode_framing(data: bytes):
 
 
 def serve_forever(reader: BinaryIO, writer: BinaryIO) -> None:
-    from pipeline.runtime.priority import BULK_NICE, lower_process_priority
+    from pipeline.priority import BULK_NICE, lower_process_priority
     from schemas.config import ModelSpec
     from schemas.conversation import MESSAGES
     from schemas.tools import ToolUse

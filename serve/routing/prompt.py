@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoTokenizer
 
+from pipeline.priority import BULK_NICE
 from pipeline.runtime import ChatTemplate, family_classes, resolve_path, vision_tokens
 from pipeline.runtime.conversation import ChatPart, ChatTurn, ConversationError, decode_image, render_layout
-from pipeline.runtime.priority import BULK_NICE
 from pipeline.runtime.text_encoder import text_encoder
 from pipeline.runtime.threads import in_passing_thread
 from schemas.api import AnswerRequest

@@ -8,6 +8,7 @@
                                                 ← serve.kv ← serve.ui.inspector (the /ui pages' store side)
     serve.app binds them all, serve.local builds them in-process; jobs wire everything; nothing imports jobs or
     benchmarks.
+    pipeline.facade and pipeline.priority are leaves (no imports of ours) that every layer may use.
     serve.governance.config (schemas only) sits below serve.config, which nests it in the ingress's config.
 
 Checked on the source (tests/support/import_graph.py: every import, lazy ones inside functions too, facade names
@@ -31,7 +32,7 @@ from tests.support.paths import REPO
 
 PRODUCT = ("schemas", "pipeline", "serve", "jobs")  # what users run (benchmarks and tests are not the product)
 
-PIPELINE = {"schemas", "pipeline.facade", "pipeline.runtime", "pipeline.store"}
+PIPELINE = {"schemas", "pipeline.facade", "pipeline.priority", "pipeline.runtime", "pipeline.store"}
 SERVE_BASE = PIPELINE | {"serve.governance.config", "serve.deployment", "serve.config", "serve.plan", "serve.metrics",
                          "serve.handles"}
 SERVE = SERVE_BASE | {"serve.kv", "serve.routing", "serve.engine", "serve.dispatch", "serve.governance", "serve.http",
@@ -41,8 +42,9 @@ MAY_IMPORT = {
     "schemas": set(),
     "pipeline": set(),
     "pipeline.facade": set(),
-    "pipeline.runtime": {"schemas", "pipeline.facade"},
-    "pipeline.store": {"schemas", "pipeline.facade", "pipeline.runtime"},
+    "pipeline.priority": set(),  # the CPU priority of client-sized work: os calls only, so the ingress may use it
+    "pipeline.runtime": {"schemas", "pipeline.facade", "pipeline.priority"},
+    "pipeline.store": {"schemas", "pipeline.facade", "pipeline.priority", "pipeline.runtime"},
     "pipeline.ingest": PIPELINE,
     "pipeline.eval": PIPELINE,
     "serve": {"pipeline.facade"},

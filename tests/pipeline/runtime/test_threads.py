@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import serve.engine.generator as generator_module
+from pipeline.priority import BULK_NICE
 from pipeline.runtime import in_passing_thread, off_loop, serial_here
-from pipeline.runtime.priority import BULK_NICE
 from serve.config import GeneratorConfig
 from tests.support.paths import REPO
 from tests.support.store_factory import serving_store  # noqa: F401  (fixture)

@@ -78,7 +78,7 @@ def test_a_large_body_is_validated_on_a_worker_and_a_small_one_inline():
 def test_a_large_body_is_validated_at_a_lower_cpu_priority():
     """A body a client made large is worked BULK_NICE below the ingress: the loop, `/healthz` and small requests get
     the cores first. A small body, inline, keeps the loop's priority."""
-    from pipeline.runtime.priority import BULK_NICE
+    from pipeline.priority import BULK_NICE
 
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     for body, expected in ((LARGE, min(19, base + BULK_NICE)), (SMALL, base)):

@@ -195,7 +195,7 @@ def test_a_400_from_the_process_names_its_field(framer):
 def test_the_process_runs_at_a_lower_cpu_priority(framer):
     """Its conversations are ones a client made large: BULK_NICE below the router (main thread and every thread it
     starts), so the router's and the generator's interactive work get the cores first."""
-    from pipeline.runtime.priority import BULK_NICE
+    from pipeline.priority import BULK_NICE
 
     pid = framer.start().result()
     expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BULK_NICE)

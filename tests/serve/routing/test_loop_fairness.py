@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import serve.engine.context as context_module
-from pipeline.runtime.priority import BULK_NICE
+from pipeline.priority import BULK_NICE
 from schemas.api import AnswerRequest
 from schemas.conversation import Message
 from schemas.errors import ContextLengthError

@@ -1,7 +1,8 @@
 """CPU priority of work whose size a client chooses (issue 60): bulk embeddings, an upload's pixels, a large body's
 validation, a large conversation's framing. Run at `BULK_NICE`, it leaves the cores to interactive work first: another
 tenant's question, the event loops, `/healthz`. Niceness orders the tasks of one scheduling group (a Ray node's
-workers, started by one raylet, are one; so are a container's processes). No torch here: the ingress imports it."""
+workers, started by one raylet, are one; so are a container's processes). Only os calls here: the ingress imports it
+(tests/project/test_layering.py)."""
 
 from __future__ import annotations
 
