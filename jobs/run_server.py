@@ -28,6 +28,7 @@ import yaml
 from pydantic import ValidationError
 
 from jobs import logs
+from jobs.cluster import workers_at_niceness_0
 from jobs.help import HelpFormatter
 from schemas.config import DType, EngineKind, RecomputeKind
 
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         verbose = logs.is_verbose()
+        if ns.address is None:
+            workers_at_niceness_0()
         ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if ns.address is None else None,
                  log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
         logs.quiet_libraries()  # Serve's driver-side logger, configured on import (replicas log to Ray's files)

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 from benchmarks.scale.hostile_probes import PROBES
 from benchmarks.scale.tenants import (
+    A_CLIENT_NICE,
     B_EVERY_S,
     CLIENT_TIMEOUT_S,
     HEALTH_EVERY_S,
@@ -96,12 +97,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # ---- the benchmark ----------------------------------------------------------------------------------------------
-def run(base_url: str, rounds: int, per_round: int, concurrency: int,
-        skip: tuple[str, ...] = ()) -> tuple[dict[str, Victim], dict, Hostile]:
+def run(base_url: str, rounds: int, per_round: int, concurrency: int, skip: tuple[str, ...] = (),
+        a_nice: int = A_CLIENT_NICE) -> tuple[dict[str, Victim], dict, Hostile]:
     """`rounds` of b alone then b beside a (looping every probe but `skip`); b's TTFT per phase, /healthz per phase,
     a's statuses."""
     victims, health = {"alone": Victim(), "beside a": Victim()}, {"alone": Health(), "beside a": Health()}
-    hostile_tenant = Hostile(base_url, concurrency, skip=skip)
+    hostile_tenant = Hostile(base_url, concurrency, skip=skip, nice=a_nice)
     asyncio.run(questions(base_url, Victim(), Health(), 3, -3))  # warm-up
     for round_index in range(rounds):
         start = round_index * per_round
@@ -132,10 +133,14 @@ def report(victims: dict[str, Victim], health: dict[str, Health], hostile_tenant
     served = ("the roles and the ingress in this process (`build_local`; uvicorn in a thread): one GIL"
               if args.shape is Shape.IN_PROCESS else "`qvpic serve`'s shape: each deployment a Ray Serve replica, "
               "a process of its own, on a local Ray")
+    ray_niceness = "" if args.shape is Shape.IN_PROCESS else (  # what BULK_NICE is relative to (jobs/cluster.py)
+        "; Ray's workers at niceness " + os.environ.get("RAY_worker_niceness", "15 (Ray's default)"))
     return (f"Served as {args.shape.value}: {served}. "
             f"{args.model} (float32, CPU), {args.chunks} chunks; {args.rounds} rounds of {args.per_round} questions "
             f"of b alone, then {args.per_round} beside a ({args.concurrency} of a's probes in flight, a in its own "
-            f"process); b asks one at a time, at most one every {B_EVERY_S * 1e3:.0f} ms, and streams 8 tokens, "
+            f"process at niceness {hostile_tenant.nice:+d}, as if on a machine of its own: it used "
+            f"{hostile_tenant.cpu_s:.1f} s of CPU in {hostile_tenant.wall_s:.0f} s){ray_niceness}; b asks one at a "
+            f"time, at most one every {B_EVERY_S * 1e3:.0f} ms, and streams 8 tokens, "
             f"TTFT to its first content chunk; `/healthz` polled every "
             f"{HEALTH_EVERY_S * 1e3:.0f} ms. Policy of every tenant (`limits.default`): `{json.dumps(POLICY)}`. "
             f"Load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared with other jobs: "
@@ -178,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a probe a leaves out (repeatable): without the 2,048 embedding inputs, a's token bucket is "
                         "not in debt, so its costly probes reach their routes instead of a 429 on arrival; written "
                         "to a section of its own")
+    p.add_argument("--a-nice", type=int, default=A_CLIENT_NICE,
+                   help=f"niceness of a's client process [{A_CLIENT_NICE}: its CPU is a's machine's, not the "
+                        "server's; 0 gives it the server's share of the box]")
     p.add_argument("--no-write", action="store_true", help="do not update docs/RELIABILITY.md")
     args = p.parse_args(argv)
     if args.quick:
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                   "ingress": {"default_top_k": min(4, args.chunks), "governance": governance()}}
         with deployed(args.shape, config) as base_url:
             victims, health, hostile_tenant = run(base_url, args.rounds, args.per_round, args.concurrency,
-                                                  tuple(args.skip))
+                                                  tuple(args.skip), args.a_nice)
     body = report(victims, health, hostile_tenant, args)
     print(body)
     if not args.no_write:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from benchmarks.scale.hostile_probes import MODEL, PROBES, STREAM_READ_S, Probe
+from pipeline.priority import lower_process_priority
 
 KEY_A, KEY_B = "hostile-key-a", "victim-key-b"
 KEY_BULK = "bulk-key-c"  # tenant c: a bulk client of its own (the CI check's embeddings test), under the same policy
@@ -30,6 +31,7 @@ HEALTH_EVERY_S = 0.05
 # b starts a question at most every 0.1 s: half its policy's rate, as a client within its limits asks. Unpaced, a
 # question answered in ~30 ms let b pass 20 requests/s on its own, and its own 429s counted as errors a caused
 B_EVERY_S = 2 / POLICY["requests_per_s"]
+A_CLIENT_NICE = 19  # tenant a's client process, the least favoured: see `Hostile.nice`
 TARGET_P50, TARGET_P99, TARGET_HEALTH_MS = 1.5, 3.0, 100.0
 QUESTION = "What does the report say about the schedule?"
 
@@ -89,12 +91,14 @@ async def _send(client: httpx.AsyncClient, probe: Probe) -> int | str:
         return type(error).__name__
 
 
-async def hostile(base_url: str, concurrency: int, stop, answered, skip: tuple[str, ...] = ()) -> dict[str, dict]:
+async def hostile(base_url: str, concurrency: int, stop, answered, skip: tuple[str, ...] = ()) -> dict:
     """Loop the probes (but `skip`) in order (one shared cursor, so each is sent equally often) until `stop` is set;
-    every request sent is awaited. `answered` (a shared integer) counts answers, for the caller to wait on."""
+    every request sent is awaited. `answered` (a shared integer) counts answers, for the caller to wait on. Returns
+    `statuses` per probe, and the CPU seconds (`cpu_s`) this client used over `wall_s` of looping."""
     probes = [(name, build()) for name, build in PROBES.items() if name not in skip]
     statuses = {name: Counter() for name, _ in probes}
     cursor = 0
+    cpu_s, wall_s = time.process_time(), time.monotonic()  # after the probes are built: the loop's cost alone
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal cursor
@@ -107,10 +111,14 @@ async def hostile(base_url: str, concurrency: int, stop, answered, skip: tuple[s
 
     async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return {name: dict(counts) for name, counts in statuses.items()}
+    return {"statuses": {name: dict(counts) for name, counts in statuses.items()},
+            "cpu_s": time.process_time() - cpu_s, "wall_s": time.monotonic() - wall_s}
 
 
-def _hostile_process(base_url: str, concurrency: int, stop, answered, results, skip: tuple[str, ...]) -> None:
+def _hostile_process(base_url: str, concurrency: int, stop, answered, results, skip: tuple[str, ...],
+                     nice: int) -> None:
+    if nice:
+        lower_process_priority(nice)
     results.put(asyncio.run(hostile(base_url, concurrency, stop, answered, skip)))
 
 
@@ -121,7 +129,12 @@ class Hostile:
     base_url: str
     concurrency: int = 3
     skip: tuple[str, ...] = ()  # probes left out of the loop
+    # a's client is a's machine's work, not the server's: on one box it takes the cores the server's roles would
+    # have (a busy client at niceness 0 weighs as much as any of them). `A_CLIENT_NICE` leaves them the cores first
+    nice: int = A_CLIENT_NICE
     statuses: dict[str, Counter] = field(default_factory=lambda: {name: Counter() for name in PROBES})
+    cpu_s: float = 0.0  # a's client's CPU seconds, all runs: what it took of the box beside the server
+    wall_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.context = multiprocessing.get_context("spawn")  # no fork of a process holding a model and threads
@@ -131,7 +144,8 @@ class Hostile:
     def running(self) -> Iterator[None]:
         stop, results = self.context.Event(), self.context.Queue()
         process = self.context.Process(target=_hostile_process, daemon=True,
-                                       args=(self.base_url, self.concurrency, stop, self.answered, results, self.skip))
+                                       args=(self.base_url, self.concurrency, stop, self.answered, results, self.skip,
+                                             self.nice))
         start = self.answered.value
         process.start()
         try:
@@ -142,8 +156,10 @@ class Hostile:
             yield
         finally:
             stop.set()
-            for name, counts in results.get(timeout=CLIENT_TIMEOUT_S + 30).items():
+            result = results.get(timeout=CLIENT_TIMEOUT_S + 30)
+            for name, counts in result["statuses"].items():
                 self.statuses[name].update(counts)
+            self.cpu_s, self.wall_s = self.cpu_s + result["cpu_s"], self.wall_s + result["wall_s"]
             process.join(timeout=30)
 
 

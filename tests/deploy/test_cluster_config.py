@@ -46,3 +46,10 @@ def test_broken_config_is_rejected(cluster_config):
     broken["available_node_types"]["gpu_worker"]["max_workers"] = "many"
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
+
+
+def test_every_node_starts_its_workers_at_niceness_0(cluster_config):
+    """As serve/rayservice.yaml: not Ray's default 15, from which the roles' BULK_NICE step stops at 19."""
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in cluster_config[key]
+              if "ray start" in c]
+    assert len(starts) == 2 and all(c.startswith("RAY_worker_niceness=0 ray start") for c in starts), starts

@@ -143,3 +143,15 @@ def test_the_network_policy_check_can_fail(monkeypatch):
     assert open_ports({"ray.io/node-type": "worker", "ray.io/is-ray-node": "yes"}) is None  # nothing guards a worker
     with pytest.raises(AssertionError):
         test_network_policies_cover_head_and_workers_and_scope_the_operator_to_its_namespace()
+
+
+def test_every_ray_container_of_the_rayservice_starts_its_workers_at_niceness_0():
+    """Ray's workers start at niceness 15 by default; the roles' client-sized work runs BULK_NICE (10) steps lower,
+    which from 15 stops at 19 (pipeline/priority.py). The head's and every worker group's containers say 0."""
+    cluster = manifest("RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]] + [group["template"] for group in cluster["workerGroupSpecs"]]
+    containers = [c for pod in pods for c in pod["spec"]["containers"]]
+    assert len(containers) == 1 + len(cluster["workerGroupSpecs"])
+    for container in containers:
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("RAY_worker_niceness") == "0", container["name"]

@@ -5,6 +5,7 @@ deployment no node can host, and on SIGTERM finishes in-flight streams, then exi
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -135,11 +136,37 @@ class Stream(threading.Thread):
         return bool(self.events) and self.events[-1]["type"] == "done"
 
 
+def ray_workers_niceness(root_pid: int) -> dict[str, int]:
+    """The niceness of each Ray worker (a `ray::` process title) descended from `root_pid`, by title: this server's
+    own Ray, not another test's."""
+    parent, title = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat, cmdline = Path(f"/proc/{entry}/stat").read_text(), Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+        title[int(entry)] = cmdline.split(b"\0")[0].decode(errors="replace")
+
+    def descends(pid: int) -> bool:
+        while pid > 1 and pid != root_pid:
+            pid = parent.get(pid, 0)
+        return pid == root_pid
+
+    return {title[pid]: os.getpriority(os.PRIO_PROCESS, pid) for pid in title
+            if title[pid].startswith("ray::") and descends(pid)}
+
+
 def test_sigterm_drains_in_flight_streams_then_exits_0(serving_store, tmp_path):
+    """And, while it serves: its Ray's workers (the replicas, Serve's proxy) run at niceness 0, not Ray's default 15,
+    so work the roles lower by BULK_NICE is lowered in full (jobs/cluster.py, pipeline/priority.py; issue 60)."""
     port = free_port()
     server = serve_process(serving_store.uri, port, tmp_path, "--drain-timeout-s", "120")
     try:
         wait_for(lambda: "qvpic: serving" in (tmp_path / "stdout").read_text() or None, START_TIMEOUT_S, "qvpic serve")
+        workers = ray_workers_niceness(server.pid)
+        assert any("ServeReplica" in name for name in workers) and any("Proxy" in name for name in workers), workers
+        assert set(workers.values()) == {0}, workers
         streams = [Stream(f"http://127.0.0.1:{port}", max_new_tokens=512) for _ in range(2)]  # seconds of decoding
         for stream in streams:
             stream.start()

@@ -43,7 +43,7 @@ MIN_HEALTH_POLLS = 10  # the run lasts until /healthz was polled this often too:
 def hostile_run(base_url) -> tuple[Victim, Health, Hostile]:
     """One run of a's loop (every probe but UNCHARGED) beside b's questions, read by each test below."""
     victim, health = Victim(), Health()
-    hostile_tenant = Hostile(base_url, concurrency=3, skip=(UNCHARGED,))
+    hostile_tenant = Hostile(base_url, concurrency=3, skip=(UNCHARGED,), nice=0)  # as hostile as it can be here
     with hostile_tenant.running():
         asyncio.run(questions(base_url, victim, health, QUESTIONS, 0,
                               until=lambda: hostile_tenant.answered.value >= len(PROBES) - 1
